@@ -1,0 +1,89 @@
+"""`aot build`: model.py -> capture -> plan -> passes -> emit, with a progress line per stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from aot.capture.model_file import call_user, load_model_file
+from aot.capture.step import GradientReduction, capture_step
+from aot.capture.training_state import build_training_state
+from aot.emit.artifact import emit_artifact, export_step
+from aot.errors import AotError
+from aot.passes import run_passes
+from aot.plan.mesh import Mesh
+from aot.progress import Progress
+from runner.data import split_batch_tensors
+from runner.topology import live_profile, load_profile
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    model_path: Path
+    output: Path
+    topology: str | None = None
+    world_size: int = 1
+    strategy: str | None = None
+    batch_size: int = 8
+    max_steps: int = 1000
+    bucket_mb: float = 25.0
+    seed: int = 0
+
+
+def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
+    """The user's batch(rows) as the safetensors mapping the runner reads (`inputs`, `targets`)."""
+    result = call_user(mf.batch, f"batch({rows})", mf.path, rows)
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        raise AotError(f"{mf.path.name}: batch(batch_size) must return (inputs, targets)")
+    inputs, targets = result
+    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    tensors = {"targets": targets, **({"inputs": inputs[0]} if len(inputs) == 1 else {f"inputs.{i}": t for i, t in enumerate(inputs)})}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise AotError(f"{mf.path.name}: batch() returned a {type(t).__name__} for {name}; expected tensors")
+        if t.dim() == 0 or t.shape[0] != rows:
+            raise AotError(f"{mf.path.name}: batch({rows}) returned {name} with {t.shape[0] if t.dim() else 0} samples, expected {rows}")
+    return tensors
+
+
+def build(options: BuildOptions, progress: Progress) -> dict:
+    if options.batch_size < 1:
+        raise AotError(f"--batch-size must be at least 1, got {options.batch_size}")
+    if options.max_steps < 1:
+        raise AotError(f"--max-steps must be at least 1, got {options.max_steps}")
+    if options.bucket_mb <= 0:
+        raise AotError(f"--bucket-mb must be positive, got {options.bucket_mb}")
+    mesh = Mesh.parse(options.strategy, options.world_size)
+    profile = load_profile(options.topology) if options.topology else live_profile()
+
+    with progress.stage(f"loading {options.model_path.name}"):
+        mf = load_model_file(options.model_path)
+        dp = mesh.size("dp")
+        example = _example_batch(mf, options.batch_size * dp)
+        inputs, targets = split_batch_tensors(example, "batch()")
+        rank_inputs = [t[: options.batch_size] for t in inputs]
+        rank_targets = targets[: options.batch_size]
+    with progress.stage("initializing weights, optimizer state and learning-rate schedule"):
+        state = build_training_state(mf, options.seed, options.max_steps)
+    progress.note(f"{sum(p.numel() for p in state.params.values()):,} parameters, "
+                  f"{state.optimizer_class}, mesh {mesh.describe()} on topology {profile['name']!r}")
+    with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
+        reduction = GradientReduction(Mesh.group_name("dp"), dp) if dp > 1 else None
+        captured = capture_step(mf, state, rank_inputs, rank_targets, reduction)
+    with progress.stage("running graph passes (bucketing, overlap)"):
+        captured.graph = run_passes(captured.graph, bucket_bytes=int(options.bucket_mb * 2**20))
+    with progress.stage("exporting the program"):
+        ep = export_step(captured)
+    with progress.stage(f"writing the artifact to {options.output}"):
+        manifest = emit_artifact(
+            options.output, ep=ep, captured=captured, state=state, mesh=mesh, profile=profile,
+            example=example, batch_size=options.batch_size,
+            build={
+                "model_file": mf.path.name, "model_sha256": mf.sha256, "world_size": options.world_size,
+                "strategy": mesh.describe(), "batch_size": options.batch_size, "max_steps": options.max_steps,
+                "bucket_mb": options.bucket_mb, "seed": options.seed, "topology": profile["name"],
+            },
+        )
+    return manifest

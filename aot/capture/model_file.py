@@ -1,0 +1,96 @@
+"""Loading a user's model.py and checking it against the model-file contract.
+
+Required: `model() -> nn.Module` and `batch(batch_size) -> (inputs, targets)`.
+Optional: `loss(outputs, targets)`, `optimizer(params)`, `scheduler(optimizer)`, `max_grad_norm`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from aot.errors import AotError
+from runner.integrity import sha256_file
+
+
+def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension, any leading dimensions flattened."""
+    return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1))
+
+
+def default_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    path: Path
+    sha256: str
+    model: Callable[[], torch.nn.Module]
+    batch: Callable[[int], tuple]
+    loss: Callable
+    optimizer: Callable
+    scheduler: Callable | None
+    max_grad_norm: float | None
+
+
+def _user_frame(exc: BaseException, path: Path) -> str:
+    """' (model.py:12)' for the innermost frame of the user's file in a traceback, if any."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
+    return f" ({path.name}:{frames[-1].lineno})" if frames else ""
+
+
+def call_user(fn: Callable, what: str, path: Path, *args):
+    """Call a model-file function; its exceptions become one line naming the file and line."""
+    try:
+        return fn(*args)
+    except AotError:
+        raise
+    except Exception as e:
+        raise AotError(f"{path.name}: {what} raised {type(e).__name__}: {e}{_user_frame(e, path)}") from e
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise AotError(f"{path}: no such model file")
+    spec = importlib.util.spec_from_file_location(f"aot_user_model_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))  # the model file may import its neighbours
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise AotError(f"{path.name}:{e.lineno}: syntax error: {e.msg}") from e
+    except Exception as e:
+        raise AotError(f"{path.name}: importing it raised {type(e).__name__}: {e}{_user_frame(e, path)}") from e
+    finally:
+        sys.path.remove(str(path.parent))
+
+    def function(name: str, required: bool):
+        fn = getattr(module, name, None)
+        if fn is None and required:
+            raise AotError(f"{path.name}: defines no {name}() (required by the model-file contract, see README)")
+        if fn is not None and not callable(fn):
+            raise AotError(f"{path.name}: {name} must be a function, got {type(fn).__name__}")
+        return fn
+
+    max_grad_norm = getattr(module, "max_grad_norm", None)
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0):
+        raise AotError(f"{path.name}: max_grad_norm must be a positive number, got {max_grad_norm!r}")
+    return ModelFile(
+        path=path,
+        sha256=sha256_file(path),
+        model=function("model", True),
+        batch=function("batch", True),
+        loss=function("loss", False) or default_loss,
+        optimizer=function("optimizer", False) or default_optimizer,
+        scheduler=function("scheduler", False),
+        max_grad_norm=float(max_grad_norm) if max_grad_norm is not None else None,
+    )

@@ -1,0 +1,152 @@
+"""The eager starting point of training: weights, optimizer state and learning-rate schedule.
+
+Initial weights are exactly those of `torch.manual_seed(seed); model()`. torch.optim creates
+optimizer state lazily inside `step()`, which a traced step would redo every time, so the state is
+created here once, before tracing, and passed to the program as inputs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from aot.capture.model_file import ModelFile, call_user
+from aot.errors import AotError
+from runner.checkpoint import optimizer_key
+
+
+@dataclass
+class TrainingState:
+    model: nn.Module
+    params: dict[str, torch.Tensor]            # named_parameters(): a tied weight once
+    buffers: dict[str, torch.Tensor]           # every buffer, persistent or not
+    optimizer_slots: list[tuple[str, str]]     # (parameter name, state key), in trace order
+    optimizer_state: dict[str, torch.Tensor]   # keyed by runner.checkpoint.optimizer_key
+    param_groups: list[list[str]]              # parameter names of each optimizer group
+    optimizer_class: str
+    hyperparameters: list[dict]                # JSON-able settings of each group
+    lr_schedule: list[list[float]]             # learning rate of every group at every step
+    lr_constant: bool
+    aliases: dict[str, str] = field(default_factory=dict)   # state_dict key -> canonical name
+    state_dict_keys: list[str] = field(default_factory=list)
+
+
+def _canonical_names(model: nn.Module) -> tuple[dict[str, str], list[str]]:
+    """state_dict keys that are second names of a tied tensor, mapped to its first name."""
+    first: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        first.setdefault(id(t), name)
+    keys = list(model.state_dict(keep_vars=True))
+    tensors = model.state_dict(keep_vars=True)
+    aliases = {k: first[id(t)] for k, t in tensors.items() if first.get(id(t), k) != k}
+    return aliases, keys
+
+
+def _json_value(v):
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    return v if isinstance(v, (int, float, bool, str, type(None))) else repr(v)
+
+
+def _check_supported(opt: torch.optim.Optimizer) -> None:
+    if isinstance(opt, torch.optim.SGD):
+        for group in opt.param_groups:
+            if group.get("momentum", 0) and group.get("dampening", 0):
+                # torch.optim copies the first gradient into a fresh momentum buffer without
+                # dampening; a static graph starting from a zero buffer would apply it.
+                raise AotError("SGD with momentum and dampening != 0 is not supported: its first step differs from later ones")
+    for group in opt.param_groups:
+        if group.get("fused"):
+            raise AotError(f"{type(opt).__name__}(fused=True) cannot be traced; leave fused unset")
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create torch.optim's lazy state with one step that changes nothing, then rewind it.
+
+    The step runs with zero gradients, learning rate 0 and weight decay 0, so every state tensor
+    holds its initial value (zeros, or Adagrad's initial accumulator) except step counters,
+    which are reset to 0. Parameters are restored bit for bit all the same.
+    """
+    params = [p for g in opt.param_groups for p in g["params"]]
+    saved = [p.detach().clone() for p in params]
+    settings = [(g.get("lr"), g.get("weight_decay")) for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+        if "weight_decay" in g:
+            g["weight_decay"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+            p.grad = None
+    for g, (lr, wd) in zip(opt.param_groups, settings):
+        g["lr"] = lr
+        if wd is not None:
+            g["weight_decay"] = wd
+    for p in params:
+        for key, value in opt.state[p].items():
+            if not isinstance(value, torch.Tensor):
+                raise AotError(f"{type(opt).__name__} keeps non-tensor state {key!r}; only tensor state can live in a static graph")
+            if key == "step":
+                value.zero_()
+
+
+def _evaluate_schedule(mf: ModelFile, opt: torch.optim.Optimizer, max_steps: int) -> tuple[list[list[float]], bool]:
+    lrs = lambda: [float(g["lr"]) for g in opt.param_groups]
+    if mf.scheduler is None:
+        return [lrs()], True
+    saved = [dict(g) for g in opt.param_groups]
+    scheduler = call_user(mf.scheduler, "scheduler(optimizer)", mf.path, opt)
+    schedule = []
+    with warnings.catch_warnings():
+        # The schedule is evaluated without optimizer steps; torch warns about that order.
+        warnings.simplefilter("ignore")
+        for _ in range(max_steps):
+            schedule.append(lrs())
+            call_user(scheduler.step, "scheduler.step()", mf.path)
+    for g, s in zip(opt.param_groups, saved):
+        g.clear()
+        g.update(s)
+    return schedule, False
+
+
+def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingState:
+    torch.manual_seed(seed)
+    model = call_user(mf.model, "model()", mf.path)
+    if not isinstance(model, nn.Module):
+        raise AotError(f"{mf.path.name}: model() must return a torch.nn.Module, got {type(model).__name__}")
+    model.train()
+    params = dict(model.named_parameters())
+    if not params:
+        raise AotError(f"{mf.path.name}: the model has no parameters to train")
+    names = {id(p): n for n, p in params.items()}
+    opt = call_user(mf.optimizer, "optimizer(params)", mf.path, list(params.values()))
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise AotError(f"{mf.path.name}: optimizer(params) must return a torch.optim.Optimizer, got {type(opt).__name__}")
+    _check_supported(opt)
+    groups = [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
+    if sorted(n for g in groups for n in g) != sorted(params):
+        raise AotError(f"{mf.path.name}: optimizer(params) must optimize every parameter of the model exactly once")
+    _init_optimizer_state(opt)
+    slots, state = [], {}
+    for group in groups:
+        for name in group:
+            for key, value in sorted(opt.state[params[name]].items()):
+                slots.append((name, key))
+                state[optimizer_key(name, key)] = value.detach()
+    schedule, constant = _evaluate_schedule(mf, opt, max_steps)
+    aliases, keys = _canonical_names(model)
+    hyper = [{k: _json_value(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return TrainingState(
+        model=model, params=params, buffers=dict(model.named_buffers()), optimizer_slots=slots,
+        optimizer_state=state, param_groups=groups, optimizer_class=type(opt).__name__,
+        hyperparameters=hyper, lr_schedule=schedule, lr_constant=constant,
+        aliases=aliases, state_dict_keys=keys,
+    )

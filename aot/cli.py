@@ -1,0 +1,151 @@
+"""The `aot` command line: build, run, inspect, verify and checkpoint tools.
+
+Imports are deferred into each command so `aot run` on a production node loads only the runner.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from runner.cli import run as run_command
+from runner.console import console_main, debug_option
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@debug_option
+@click.version_option(package_name="aot")
+def cli():
+    """Compile a whole distributed training step ahead of time; train from it with no model code.
+
+    \b
+    Typical use:
+        aot build examples/gpt.py --world-size 2 -o artifacts/
+        aot inspect artifacts/
+        torchrun --nproc-per-node 2 -m aot run artifacts/ --steps 50
+        aot verify artifacts/ examples/gpt.py
+
+    Every command prints one line and exits non-zero on bad input; --debug shows tracebacks.
+    """
+
+
+@cli.command()
+@click.argument("model_file", type=click.Path(path_type=Path))
+@click.option("--topology", metavar="PROFILE",
+              help="Built-in profile name (e.g. cpu) or a profile JSON file. Default: this machine.")
+@click.option("--world-size", type=int, default=None, help="Number of ranks to build for. Default: the product of --strategy's degrees, else 1.")
+@click.option("--strategy", metavar="AXIS=N[,...]", help="Mesh as axis=degree pairs, e.g. dp=4. Default: data parallel over all ranks.")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Samples per data-parallel rank per step.")
+@click.option("--max-steps", type=int, default=1000, show_default=True, help="Steps of learning-rate schedule to store.")
+@click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="Gradient bucket size for all_reduce, in MiB.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Initial weights are those of torch.manual_seed(seed); model().")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Artifact folder to write.")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
+@debug_option
+def build(model_file, topology, world_size, strategy, batch_size, max_steps, bucket_mb, seed, output, quiet, as_json):
+    """Trace MODEL_FILE's whole training step into per-rank artifacts.
+
+    MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),
+    optimizer(params), scheduler(optimizer) and max_grad_norm (see README). Forward, loss,
+    backward, gradient collectives and optimizer update become one static graph, traced on fake
+    tensors: any world size builds on this machine, and no collective runs.
+    """
+    from aot.build import BuildOptions, build as run_build
+    from aot.plan.mesh import Mesh
+    from aot.progress import Progress
+    from runner.inspect import human
+
+    if world_size is None:
+        world_size = Mesh.parse(strategy, 1).world_size if strategy else 1
+    options = BuildOptions(model_path=model_file, output=output, topology=topology, world_size=world_size,
+                           strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, seed=seed)
+    progress = Progress(total=6, quiet=quiet or as_json)
+    manifest = run_build(options, progress)
+    program = manifest["programs"]["train"]
+    summary = {
+        "output": str(output), "world_size": manifest["world_size"], "programs": len(manifest["programs"]),
+        "collectives_per_step": len(program["collectives"]),
+        "collective_bytes_per_step": sum(c["bytes"] for c in program["collectives"]),
+        "total_bytes": sum(f["size"] for f in manifest["files"].values()),
+        "seconds": round(progress.elapsed(), 3),
+    }
+    if as_json:
+        click.echo(json.dumps(summary, indent=1))
+    elif not quiet:
+        click.echo(f"built {summary['world_size']} rank(s), {summary['programs']} program, "
+                   f"{summary['collectives_per_step']} collective(s) per step ({human(summary['collective_bytes_per_step'])}), "
+                   f"{human(summary['total_bytes'])} in {output}/ in {summary['seconds']:.1f} s", err=True)
+        click.echo(f"next: torchrun --nproc-per-node {summary['world_size']} -m aot run {output} --steps 10", err=True)
+
+
+cli.add_command(run_command)
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@debug_option
+def inspect(artifact, as_json):
+    """Show ARTIFACT's ranks, programs, parameters, collectives per step and files."""
+    from runner.artifact import Artifact
+    from runner.inspect import render, summarize
+
+    summary = summarize(Artifact(artifact))
+    click.echo(json.dumps(summary, indent=1) if as_json else render(summary))
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("model_file", type=click.Path(path_type=Path))
+@click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option("--data", type=click.Path(path_type=Path), help="Data file as for `aot run` (default: the example batch).")
+@click.option("--tolerance", default=1e-5, show_default=True, type=float, help="Largest allowed difference of losses and weights.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@debug_option
+def verify(artifact, model_file, steps, data, tolerance, as_json):
+    """Prove ARTIFACT trains like eager PyTorch before shipping it.
+
+    Runs the artifact's ranks as local CPU processes (gloo, under torchrun) next to eager PyTorch
+    DistributedDataParallel built from MODEL_FILE, on the same data, and compares the losses of
+    every step and the final weights. Exits non-zero past --tolerance.
+    """
+    from aot.verify import verify as run_verify
+
+    result = run_verify(artifact, model_file, steps=steps, data=data, tolerance=tolerance)
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+    else:
+        click.echo(f"{result['steps']} steps on {result['world_size']} rank(s): "
+                   f"max |loss - eager| = {result['max_loss_diff']:.3g}, "
+                   f"max |weight - eager| = {result['max_weight_diff']:.3g} "
+                   f"(tolerance {tolerance:g}): {'OK' if result['ok'] else 'FAILED'}")
+    if not result["ok"]:
+        raise SystemExit(1)
+
+
+@cli.group()
+def checkpoint():
+    """Work with checkpoints written by `aot run --save`."""
+
+
+@checkpoint.command()
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="safetensors file to write.")
+@debug_option
+def merge(folder, output):
+    """Write FOLDER's full model weights to one safetensors file that model().load_state_dict() accepts."""
+    from runner.checkpoint import merge_checkpoint
+
+    count = merge_checkpoint(folder, output)
+    click.echo(f"wrote {count} tensors to {output}", err=True)
+
+
+def main() -> None:
+    console_main(cli, "aot")
+
+
+if __name__ == "__main__":
+    main()

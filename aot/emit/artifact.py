@@ -1,0 +1,117 @@
+"""Emit: the traced, optimized step becomes a versioned artifact folder.
+
+The graph is exported with torch.export (non-strict, on the same fake shapes), serialized without
+pickles through runner.program, and written with weights, optimizer state, the example batch and
+the manifest through runner.integrity.StagedDir, so every file is hashed and a failed build leaves
+nothing half-written. The artifact grows with distinct programs, not with ranks: ranks that run
+the same program and hold the same (replicated) state share files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as save_safetensors
+
+import runner
+from aot.capture.step import CapturedStep
+from aot.capture.training_state import TrainingState
+from aot.errors import AotError
+from aot.passes.graph_utils import COLLECTIVES, is_call, tensor_bytes
+from aot.plan.mesh import Mesh
+from runner.artifact import FORMAT_NAME, FORMAT_VERSION, MANIFEST
+from runner.data import dtype_name
+from runner.integrity import StagedDir
+from runner.program import encode_program
+from runner.topology import profile_sha256
+
+PROGRAM = "train"
+
+
+def export_step(captured: CapturedStep) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.export(captured.graph, tuple(captured.example_args), strict=False)
+    except Exception as e:
+        raise AotError(f"the captured step could not be exported: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+
+def collectives_of(graph: torch.fx.Graph) -> list[dict]:
+    """Every collective of one step in issue order: kind, group name and payload bytes."""
+    result = []
+    for node in graph.nodes:
+        if is_call(node, COLLECTIVES):
+            val = node.args[0].meta.get("val")
+            result.append({
+                "kind": node.target._schema.name.split("::")[-1],
+                "group": node.args[-1],
+                "bytes": tensor_bytes(node.args[0]),
+                "dtype": dtype_name(val.dtype) if isinstance(val, torch.Tensor) else None,
+            })
+    return result
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+
+
+def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: CapturedStep, state: TrainingState,
+                  mesh: Mesh, profile: dict, example: dict[str, torch.Tensor], batch_size: int,
+                  build: dict) -> dict:
+    program_json, constants = encode_program(ep)
+    weights = _contiguous({**state.params, **state.buffers})
+    data_slots = [s for s in captured.slots if s["kind"] in ("input", "target")]
+    with StagedDir(out, MANIFEST) as files:
+        files.write(f"programs/{PROGRAM}.json", program_json)
+        if constants is not None:
+            files.write(f"programs/{PROGRAM}.constants.safetensors", constants)
+        files.write("state/weights.safetensors", save_safetensors(weights))
+        files.write("state/optimizer.safetensors", save_safetensors(_contiguous(state.optimizer_state)))
+        files.write("data/example_batch.safetensors", save_safetensors(_contiguous(example)))
+        manifest = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "aot_version": runner.__version__,
+            "torch_version": torch.__version__,
+            "build": build,
+            "topology": {"name": profile["name"], "sha256": profile_sha256(profile), "profile": profile},
+            "world_size": mesh.world_size,
+            "mesh": {"axes": list(mesh.axes), "shape": list(mesh.shape)},
+            "process_groups": {
+                mesh.group_name(axis): {"axis": axis, "groups": mesh.groups(axis)}
+                for axis in mesh.axes if mesh.size(axis) > 1
+            },
+            "programs": {
+                PROGRAM: {
+                    "file": f"programs/{PROGRAM}.json",
+                    "constants": f"programs/{PROGRAM}.constants.safetensors" if constants is not None else None,
+                    "inputs": captured.slots,
+                    "outputs": ["loss", "global_loss"],
+                    "collectives": collectives_of(ep.graph),
+                    "graph_nodes": len(ep.graph.nodes),
+                }
+            },
+            "ranks": [
+                {"rank": r, "program": PROGRAM, "coords": mesh.coords(r),
+                 "weights": "state/weights.safetensors", "optimizer": "state/optimizer.safetensors"}
+                for r in range(mesh.world_size)
+            ],
+            "state": {
+                "params": {n: [list(t.shape), dtype_name(t.dtype)] for n, t in state.params.items()},
+                "buffers": {n: [list(t.shape), dtype_name(t.dtype)] for n, t in state.buffers.items()},
+                "optimizer": {"class": state.optimizer_class, "param_groups": [
+                    {"params": names, **hyper} for names, hyper in zip(state.param_groups, state.hyperparameters)]},
+                "aliases": state.aliases,
+                "state_dict_keys": state.state_dict_keys,
+            },
+            "schedule": {"constant": state.lr_constant, "lr": state.lr_schedule},
+            "data": {
+                "batch_size": batch_size,
+                "example": "data/example_batch.safetensors",
+                "inputs": [{"shape": s["shape"], "dtype": s["dtype"]} for s in data_slots if s["kind"] == "input"],
+                "targets": next({"shape": s["shape"], "dtype": s["dtype"]} for s in data_slots if s["kind"] == "target"),
+            },
+        }
+        manifest["files"] = dict(sorted(files.files.items()))
+        files.commit(manifest)
+    return manifest

@@ -1,0 +1,22 @@
+"""Graph passes: each a function from an FX graph module to an FX graph module, with its own test.
+
+The build runs them in `pipeline` order; each is free of the others' details, so they compose.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aot.passes.bucketing import bucket_all_reduces
+from aot.passes.cleanup import drop_profiler_calls
+from aot.passes.overlap import issue_early_wait_late
+
+
+def run_passes(gm: torch.fx.GraphModule, *, bucket_bytes: int) -> torch.fx.GraphModule:
+    gm = drop_profiler_calls(gm)
+    gm = bucket_all_reduces(gm, bucket_bytes)
+    gm = issue_early_wait_late(gm)
+    return gm
+
+
+__all__ = ["run_passes", "bucket_all_reduces", "drop_profiler_calls", "issue_early_wait_late"]

@@ -1,0 +1,60 @@
+"""Small helpers the graph passes share: recognizing collectives and moving nodes safely."""
+
+from __future__ import annotations
+
+import torch
+
+funcol = torch.ops._c10d_functional
+ALL_REDUCE = funcol.all_reduce.default
+WAIT = funcol.wait_tensor.default
+COLLECTIVES = {
+    ALL_REDUCE,
+    funcol.all_gather_into_tensor.default,
+    funcol.reduce_scatter_tensor.default,
+    funcol.broadcast.default,
+}
+
+
+def is_call(node: torch.fx.Node, targets) -> bool:
+    return node.op == "call_function" and node.target in targets
+
+
+def tensor_bytes(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def latest_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input of `node` that comes last in graph order (None if it has none)."""
+    inputs = set(node.all_input_nodes)
+    cursor = node.prev
+    while inputs and cursor.op != "root":
+        if cursor in inputs:
+            return cursor
+        cursor = cursor.prev
+    return None
+
+
+def first_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    users = set(node.users)
+    cursor = node.next
+    while users and cursor.op != "root":
+        if cursor in users:
+            return cursor
+        cursor = cursor.next
+    return None
+
+
+def place_after(anchor: torch.fx.Node, node: torch.fx.Node) -> None:
+    """Move `node` right after `anchor`, but never among the graph's placeholders."""
+    if anchor.op == "placeholder":
+        while anchor.next.op == "placeholder":
+            anchor = anchor.next
+    if anchor is not node and anchor.next is not node:
+        anchor.append(node)
+
+
+def stable_topological_sort(graph: torch.fx.Graph) -> None:
+    """Reorder nodes so each follows its inputs, keeping the existing order where it is legal."""
+    from torch._inductor.pattern_matcher import stable_topological_sort as sort
+    sort(graph)

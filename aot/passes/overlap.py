@@ -1,0 +1,53 @@
+"""Overlap of communication with computation: issue collectives early, wait for them late.
+
+Functional collectives run asynchronously between the collective op and its wait_tensor. This
+pass moves each collective (with the packing ops that only feed it) right after the last of its
+inputs is computed, and each wait right before the first use of its result, so gradient buckets
+travel while backward computes the next ones. Every rank runs the same program, so every rank
+issues the collectives in the same order and no rank-dependent order can deadlock.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from aot.passes.graph_utils import COLLECTIVES, WAIT, first_user, is_call, latest_input, place_after
+
+aten = torch.ops.aten
+# Ops that only reshape or pack a tensor for a collective: free to move with it.
+_PACKING = {aten.view.default, aten.cat.default, aten._unsafe_view.default, aten.reshape.default}
+# Ops that only unpack a collective's result: they move down with its wait.
+_UNPACKING = {aten.view.default, aten.split_with_sizes.default, aten._unsafe_view.default, operator.getitem}
+
+
+def _hoist(node: torch.fx.Node) -> None:
+    for inp in node.all_input_nodes:
+        if is_call(inp, _PACKING) and len(inp.users) == 1:
+            _hoist(inp)
+    anchor = latest_input(node)
+    if anchor is not None:
+        place_after(anchor, node)
+
+
+def _sink(node: torch.fx.Node) -> None:
+    for user in list(node.users):
+        if is_call(user, _UNPACKING):
+            _sink(user)
+    user = first_user(node)
+    if user is not None and user.prev is not node:
+        user.prepend(node)
+
+
+def issue_early_wait_late(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    nodes = list(gm.graph.nodes)
+    for node in nodes:
+        if is_call(node, COLLECTIVES):
+            _hoist(node)
+    for node in reversed(nodes):
+        if is_call(node, {WAIT}):
+            _sink(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

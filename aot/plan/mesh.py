@@ -1,0 +1,81 @@
+"""The device mesh: named parallel axes and their degrees, the one place that knows them.
+
+A strategy string names the axes as axis=degree pairs ("dp=4"). Ranks are laid out row-major
+over the axes in the order given, so the last axis varies fastest. Everything else asks the mesh
+for an axis's size, the rank lists of its groups, a rank's coordinates and the name its process
+group carries inside the traced graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from aot.errors import AotError
+
+SUPPORTED_AXES = ("dp",)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, strategy: str | None, world_size: int) -> "Mesh":
+        if world_size < 1:
+            raise AotError(f"--world-size must be at least 1, got {world_size}")
+        if not strategy:
+            return cls(("dp",), (world_size,))
+        axes, shape = [], []
+        for part in strategy.split(","):
+            name, sep, degree = part.strip().partition("=")
+            if not sep or not degree.strip().isdigit() or int(degree) < 1:
+                raise AotError(f"--strategy {strategy!r}: expected axis=degree pairs such as dp={world_size}")
+            name = name.strip()
+            if name not in SUPPORTED_AXES:
+                raise AotError(f"--strategy {strategy!r}: axis {name!r} is not supported yet (supported: {', '.join(SUPPORTED_AXES)})")
+            if name in axes:
+                raise AotError(f"--strategy {strategy!r}: axis {name!r} is given twice")
+            axes.append(name)
+            shape.append(int(degree))
+        if math.prod(shape) != world_size:
+            raise AotError(f"--strategy {strategy!r}: degrees multiply to {math.prod(shape)}, not the world size {world_size}")
+        return cls(tuple(axes), tuple(shape))
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    def size(self, axis: str) -> int:
+        return self.shape[self.axes.index(axis)] if axis in self.axes else 1
+
+    def coords(self, rank: int) -> dict[str, int]:
+        coords, rest = {}, rank
+        for axis, degree in reversed(list(zip(self.axes, self.shape))):
+            coords[axis], rest = rest % degree, rest // degree
+        return {axis: coords[axis] for axis in self.axes}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for axis, degree in zip(self.axes, self.shape):
+            rank = rank * degree + coords.get(axis, 0)
+        return rank
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Rank lists of every group along `axis` (ranks that differ only in that coordinate)."""
+        others = [a for a in self.axes if a != axis]
+        result = []
+        for fixed in itertools.product(*(range(self.size(a)) for a in others)):
+            base = dict(zip(others, fixed))
+            result.append([self.rank_of({**base, axis: i}) for i in range(self.size(axis))])
+        return result
+
+    @staticmethod
+    def group_name(axis: str) -> str:
+        """The process-group name a traced graph uses for this axis; the runner binds it."""
+        return f"aot.{axis}"
+
+    def describe(self) -> str:
+        return ",".join(f"{a}={d}" for a, d in zip(self.axes, self.shape))

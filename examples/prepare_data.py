@@ -1,0 +1,56 @@
+"""Prepare a training set for examples/gpt.py.
+
+Cuts windows of `block_size` tokens out of examples/data/tinytext.txt at
+deterministic pseudo-random offsets and writes them to a safetensors file with
+two int64 tensors of shape [N, block_size]: `inputs`, and `targets` (the same
+windows shifted one character to the right).
+
+    python examples/prepare_data.py --samples 512 -o examples/data/gpt_train.safetensors
+"""
+import argparse
+import importlib.util
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+here = Path(__file__).resolve().parent
+
+
+def load_gpt():
+    # Import examples/gpt.py by path so this script works from any directory.
+    spec = importlib.util.spec_from_file_location("aot_example_gpt", here / "gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description="Write a safetensors training set (keys 'inputs' and 'targets', "
+                    "int64 [N, block_size]) of character windows for examples/gpt.py.")
+    parser.add_argument("--samples", type=int, default=512,
+                        help="number of windows N to write (default: %(default)s)")
+    parser.add_argument("-o", "--output", type=Path, default=here / "data" / "gpt_train.safetensors",
+                        help="output file (default: examples/data/gpt_train.safetensors)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed for choosing window offsets (default: %(default)s)")
+    args = parser.parse_args()
+
+    gpt = load_gpt()
+    data = torch.tensor(gpt.encode(gpt.text_path.read_text(encoding="ascii")), dtype=torch.int64)
+    T = gpt.block_size
+    g = torch.Generator().manual_seed(args.seed)
+    offsets = torch.randint(0, len(data) - T - 1, (args.samples,), generator=g)
+    # idx[i, t] = offsets[i] + t picks every window in one gather.
+    idx = offsets[:, None] + torch.arange(T)[None, :]
+    tensors = {"inputs": data[idx].contiguous(), "targets": data[idx + 1].contiguous()}
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(args.output))
+    print(f"wrote {args.samples} windows of {T} tokens (inputs, targets: int64 "
+          f"[{args.samples}, {T}]) from {len(data)} characters to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

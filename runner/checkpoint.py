@@ -1,0 +1,97 @@
+"""Checkpoints: training state keyed by the user's names, in safetensors, written all-or-nothing.
+
+A checkpoint folder holds model.safetensors (parameters and buffers by their names in the user's
+model), optimizer.safetensors ("<parameter>:<state key>") and checkpoint.json (the step to resume
+at, the tensor layout, the state_dict aliases of tied weights and the sha256 of both files).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from runner.errors import AotError
+from runner.integrity import StagedDir, read_verified
+
+INDEX = "checkpoint.json"
+FORMAT_NAME = "aot-checkpoint"
+FORMAT_VERSION = 1
+
+
+def optimizer_key(param: str, key: str) -> str:
+    return f"{param}:{key}"
+
+
+def layout_of(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
+    return {name: [list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in sorted(tensors.items())}
+
+
+def save_checkpoint(folder: str | Path, step: int, weights: dict, optimizer: dict, state_spec: dict) -> None:
+    """Write weights and optimizer state at `step` (the next step to run) into `folder`."""
+    folder = Path(folder)
+    cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}
+    weights, optimizer = cpu(weights), cpu(optimizer)
+    with StagedDir(folder, INDEX) as out:
+        out.write("model.safetensors", save_safetensors(weights))
+        out.write("optimizer.safetensors", save_safetensors(optimizer))
+        out.commit({
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "layout": {"model": layout_of(weights), "optimizer": layout_of(optimizer)},
+            "state_dict_keys": state_spec["state_dict_keys"],
+            "aliases": state_spec["aliases"],
+            "files": out.files,
+        })
+
+
+def read_index(folder: Path) -> dict:
+    path = folder / INDEX
+    if not path.is_file():
+        raise AotError(f"{folder}: no {INDEX}; not an aot checkpoint")
+    try:
+        index = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise AotError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
+        raise AotError(f"{path}: not an aot checkpoint index")
+    if index.get("format_version") != FORMAT_VERSION:
+        raise AotError(f"{path}: checkpoint format version {index.get('format_version')}, this runner reads {FORMAT_VERSION}")
+    return index
+
+
+def load_checkpoint(folder: str | Path) -> tuple[dict, dict, dict]:
+    """(index, weights, optimizer state) of a checkpoint, every file verified first."""
+    folder = Path(folder)
+    index = read_index(folder)
+    files = index.get("files", {})
+    tensors = []
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        if name not in files:
+            raise AotError(f"{folder / INDEX}: does not list {name}")
+        tensors.append(load_safetensors(read_verified(folder, name, files[name])))
+    return index, tensors[0], tensors[1]
+
+
+def merge_checkpoint(folder: str | Path, output: str | Path) -> int:
+    """Write the full model state_dict (every key `model().state_dict()` has, tied weights under
+    each of their names) to one safetensors file; returns the number of keys written."""
+    index, weights, _ = load_checkpoint(folder)
+    aliases = index["aliases"]
+    state = {}
+    for key in index["state_dict_keys"]:
+        source = aliases.get(key, key)
+        if source not in weights:
+            raise AotError(f"{folder}: checkpoint lacks {source!r} needed for state_dict key {key!r}")
+        # safetensors refuses tensors sharing storage, so each alias gets its own copy
+        state[key] = weights[source].clone()
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_bytes(save_safetensors(state))
+    tmp.replace(output)
+    return len(state)

@@ -1,0 +1,91 @@
+"""`aot run` / `python -m runner run`: train from an artifact under torchrun."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import click
+
+from runner.console import console_main, debug_option
+
+_STARTED = time.perf_counter()  # as close to process start as this module gets
+
+
+@click.command("run")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(min=0), help="Training steps to run.")
+@click.option("--data", type=click.Path(path_type=Path),
+              help="safetensors file with `inputs` (or inputs.0, inputs.1, ...) and `targets`, one sample per row. "
+                   "Default: the example batch recorded at build time.")
+@click.option("--metrics", type=click.Path(path_type=Path), help="Append one JSON line per step (rank 0).")
+@click.option("--save", type=click.Path(path_type=Path), help="Write a checkpoint here at the end.")
+@click.option("--resume", type=click.Path(path_type=Path), help="Continue from a checkpoint written by --save.")
+@click.option("--rank", type=int, help="This process's rank (default: $RANK from torchrun).")
+@click.option("--allow-topology-mismatch", is_flag=True,
+              help="Run even if the live machine differs from the artifact's topology profile (with a warning).")
+@click.option("--quiet", is_flag=True, help="Print only errors.")
+@debug_option
+def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_mismatch, quiet):
+    """Train from ARTIFACT (a folder made by `aot build`) on this rank.
+
+    Launch one process per rank with torchrun; rank and world size come from its environment:
+
+    \b
+        torchrun --nproc-per-node 2 -m aot run artifacts/ --steps 50
+
+    Every file is checked against the manifest's sha256 before it is read, the live topology is
+    checked against the artifact's profile, and no model code or compiler runs.
+    """
+    import torch.distributed as dist
+
+    from runner.trainer import Trainer
+
+    say = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
+    trainer = Trainer(artifact, rank, allow_topology_mismatch=allow_topology_mismatch,
+                      warn=lambda msg: click.echo(f"warning: {msg}", err=True))
+    lead = trainer.rank == 0
+    say = say if lead else (lambda msg: None)
+    if resume is not None:
+        trainer.resume(resume)
+        say(f"resumed from {resume} at step {trainer.step_index}")
+    trainer.check_steps(steps)
+    source = trainer.data_source(data)
+    say(f"rank 0 of {trainer.world_size} ready in {time.perf_counter() - _STARTED:.2f} s "
+        f"({trainer.device}, {source.rows} samples from {data or 'the example batch'})")
+    log = open(metrics, "a") if (metrics is not None and lead) else None
+    first = last = None
+    try:
+        for _ in range(steps):
+            step = trainer.step_index
+            inputs, targets = source.batch(step)
+            start = time.perf_counter()
+            loss = trainer.step(inputs, targets)
+            seconds = time.perf_counter() - start
+            if not math.isfinite(loss):
+                say(f"warning: loss is {loss} at step {step + 1}")
+            first = loss if first is None else first
+            last = loss
+            record = {"step": step + 1, "loss": loss, "step_time_s": seconds,
+                      "samples_per_s": source.global_batch / seconds,
+                      "time_since_start_s": time.perf_counter() - _STARTED}
+            if log:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            say(f"step {step + 1:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s")
+    finally:
+        if log:
+            log.close()
+    if save is not None:
+        trainer.save(save)
+        say(f"saved checkpoint at step {trainer.step_index} to {save}")
+    if steps:
+        say(f"trained {steps} steps: loss {first:.4f} -> {last:.4f}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    console_main(run, "runner")

@@ -1,0 +1,10 @@
+"""The one exception type that reaches a user as a single line.
+
+Anything the user can fix (a wrong path, an altered file, a mismatched world size) raises
+`AotError`; the command-line wrappers print its message without a traceback and exit non-zero.
+Any other exception is a bug in aot and keeps its traceback behind `--debug`.
+"""
+
+
+class AotError(Exception):
+    """A problem with the user's input, reported as one line."""

@@ -1,0 +1,98 @@
+"""`aot inspect`: what an artifact holds, read from its manifest alone (nothing is deserialized)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from runner.artifact import Artifact
+
+
+def _bytes(shape_dtype: list) -> int:
+    import torch
+    shape, dtype = shape_dtype
+    return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def summarize(artifact: Artifact) -> dict:
+    m = artifact.manifest
+    state = m["state"]
+    param_count = sum(math.prod(s) for s, _ in state["params"].values())
+    param_bytes = sum(_bytes(v) for v in state["params"].values())
+    programs = {}
+    for name, program in m["programs"].items():
+        collectives = program["collectives"]
+        programs[name] = {
+            "ranks": [r["rank"] for r in m["ranks"] if r["program"] == name],
+            "graph_nodes": program.get("graph_nodes"),
+            "collectives_per_step": len(collectives),
+            "collective_bytes_per_step": sum(c["bytes"] for c in collectives),
+            "collectives": collectives,
+        }
+    ranks = [{
+        "rank": r["rank"], "program": r["program"], "coords": r["coords"],
+        "parameters": param_count, "parameter_bytes": param_bytes,
+        "weights_file": r["weights"], "optimizer_file": r["optimizer"],
+    } for r in m["ranks"]]
+    return {
+        "path": str(artifact.root),
+        "format_version": m["format_version"],
+        "torch_version": m["torch_version"],
+        "aot_version": m.get("aot_version"),
+        "build": m.get("build", {}),
+        "topology": {"name": m["topology"]["name"], "sha256": m["topology"]["sha256"]},
+        "world_size": m["world_size"],
+        "mesh": m["mesh"],
+        "optimizer": state["optimizer"]["class"],
+        "programs": programs,
+        "ranks": ranks,
+        "files": m["files"],
+        "total_bytes": sum(f["size"] for f in m["files"].values()),
+    }
+
+
+def _ranges(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) else ",".join(map(str, ranks))
+
+
+def render(summary: dict) -> str:
+    b = summary["build"]
+    mesh = ",".join(f"{a}={d}" for a, d in zip(summary["mesh"]["axes"], summary["mesh"]["shape"]))
+    lines = [
+        f"artifact   {summary['path']}  (format {summary['format_version']}, torch {summary['torch_version']}, aot {summary['aot_version']})",
+        f"model      {b.get('model_file')}  sha256 {str(b.get('model_sha256'))[:16]}...  seed {b.get('seed')}",
+        f"topology   {summary['topology']['name']}  sha256 {summary['topology']['sha256'][:16]}...",
+        f"mesh       {mesh}  (world size {summary['world_size']}, batch {b.get('batch_size')} per data-parallel rank)",
+        f"optimizer  {summary['optimizer']}",
+        "programs",
+    ]
+    for name, p in summary["programs"].items():
+        lines.append(f"  {name:<10} {p['graph_nodes']} graph nodes, ranks {_ranges(p['ranks'])}, "
+                     f"{p['collectives_per_step']} collectives per step ({human(p['collective_bytes_per_step'])})")
+        kinds = Counter((c["kind"], c["group"], c["dtype"]) for c in p["collectives"])
+        for (kind, group, dtype), count in kinds.items():
+            size = sum(c["bytes"] for c in p["collectives"] if (c["kind"], c["group"], c["dtype"]) == (kind, group, dtype))
+            lines.append(f"    {count} x {kind} over {group} ({dtype}), {human(size)} in all")
+    lines.append("ranks")
+    seen = set()
+    for r in summary["ranks"]:
+        key = (r["program"], r["parameters"], r["weights_file"])
+        if key in seen and len(summary["ranks"]) > 4:
+            continue
+        seen.add(key)
+        coords = ",".join(f"{k}={v}" for k, v in r["coords"].items())
+        lines.append(f"  rank {r['rank']:<4} {r['program']}  {coords}  {r['parameters']:,} parameters ({human(r['parameter_bytes'])})")
+    if len(seen) < len(summary["ranks"]):
+        lines.append(f"  ... {len(summary['ranks'])} ranks in all; ranks not shown match one above")
+    lines.append(f"files ({human(summary['total_bytes'])} in all)")
+    for path, f in summary["files"].items():
+        lines.append(f"  {path:<42} {human(f['size']):>10}  sha256 {f['sha256'][:16]}...")
+    return "\n".join(lines)

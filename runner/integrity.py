@@ -1,0 +1,109 @@
+"""Hashing, verified reads and all-or-nothing writes of artifact and checkpoint folders.
+
+Every file of an artifact or checkpoint is listed in its index (manifest.json or
+checkpoint.json) with its sha256 and size, and nothing is deserialized before its bytes match.
+Folders are written through `StagedDir`: files go to a hidden staging folder and are moved into
+place only when all of them exist, the index last, so a crash never leaves a folder whose index
+describes files that are not there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from runner.errors import AotError
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_verified(root: Path, relpath: str, entry: dict) -> bytes:
+    """The bytes of `root/relpath`, refused unless size and sha256 match the index entry."""
+    path = root / relpath
+    if not path.is_file():
+        raise AotError(f"{path}: file listed in the index is missing")
+    data = path.read_bytes()
+    if len(data) != entry["size"] or sha256_bytes(data) != entry["sha256"]:
+        raise AotError(f"{path}: sha256 does not match the index (file altered or corrupt)")
+    return data
+
+
+def canonical_json(obj) -> bytes:
+    """JSON with sorted keys and fixed separators, so equal content gives equal bytes."""
+    return (json.dumps(obj, sort_keys=True, indent=1, separators=(",", ": ")) + "\n").encode()
+
+
+class StagedDir:
+    """Write a folder of files atomically enough for artifacts and checkpoints.
+
+    Usage: `with StagedDir(dest, "manifest.json") as out: out.write("a.bin", data); ...;
+    out.commit(index)`. Leaving the block without `commit` (an exception) removes the staging
+    folder and leaves `dest` as it was. `commit` first removes the old index, then moves the new
+    files in, then writes the new index: a reader sees either no index or a complete one.
+    Files of `dest` that the new index does not list but the old one did are removed, so a
+    rebuild into the same folder leaves no stale programs behind; unrelated files (FORMAT.md in
+    the repository's artifacts/ folder) are kept.
+    """
+
+    def __init__(self, dest: Path, index_name: str):
+        self.dest = Path(dest)
+        self.index_name = index_name
+        self.staging = self.dest / f".staging-{os.getpid()}"
+        self.files: dict[str, dict] = {}
+
+    def __enter__(self) -> "StagedDir":
+        if self.dest.exists() and not self.dest.is_dir():
+            raise AotError(f"{self.dest}: exists and is not a folder")
+        self.dest.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def write(self, relpath: str, data: bytes) -> dict:
+        path = self.staging / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        entry = {"sha256": sha256_bytes(data), "size": len(data)}
+        self.files[relpath] = entry
+        return entry
+
+    def commit(self, index: dict) -> None:
+        index_path = self.dest / self.index_name
+        stale = _listed_files(index_path) - set(self.files)
+        if index_path.exists():
+            index_path.unlink()
+        for relpath in stale:
+            (self.dest / relpath).unlink(missing_ok=True)
+        for relpath in self.files:
+            target = self.dest / relpath
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.staging / relpath, target)
+        tmp = self.staging / self.index_name
+        tmp.write_bytes(canonical_json(index))
+        os.replace(tmp, index_path)
+        for folder in sorted({(self.dest / p).parent for p in stale}, reverse=True):
+            if folder != self.dest and folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+
+
+def _listed_files(index_path: Path) -> set[str]:
+    try:
+        return set(json.loads(index_path.read_text()).get("files", {}))
+    except (OSError, ValueError, AttributeError):
+        return set()

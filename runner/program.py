@@ -1,0 +1,50 @@
+"""Pickle-free (de)serialization of exported programs.
+
+torch.export.save writes a zip whose example inputs and constants are torch.save pickles, and
+torch.export.load falls back to unrestricted unpickling when a pickled entry fails to load. aot
+never goes through either: a program is stored as the JSON of torch's export schema
+(torch._export.serde) and its tensor constants as safetensors, and is rebuilt from those two
+alone. No example inputs are stored, so weights are never duplicated inside a program.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from torch._export.serde import serialize as serde
+
+from runner.errors import AotError
+
+
+def encode_program(ep: torch.export.ExportedProgram) -> tuple[bytes, bytes | None]:
+    """(program JSON, constants safetensors or None) for an exported program."""
+    # Keys are prefixed by the table they belong to, since the deserializer takes the two apart.
+    tensors: dict[str, torch.Tensor] = {}
+    for table, entries in (("state_dict", ep.state_dict), ("constants", ep.constants)):
+        for name, value in entries.items():
+            if not isinstance(value, torch.Tensor):
+                raise AotError(f"program constant {name!r} is a {type(value).__name__}; only tensors can be stored")
+            tensors[f"{table}/{name}"] = value.detach().contiguous().cpu()
+    artifact = serde.serialize(
+        ep,
+        serialize_state_dict=False,
+        serialize_constants=False,
+        serialize_example_inputs=False,
+    )
+    constants = save_safetensors(tensors) if tensors else None
+    return artifact.exported_program, constants
+
+
+def decode_program(program_json: bytes, constants: bytes | None) -> torch.export.ExportedProgram:
+    tables: dict[str, dict[str, torch.Tensor]] = {"state_dict": {}, "constants": {}}
+    for key, value in (load_safetensors(constants) if constants else {}).items():
+        table, _, name = key.partition("/")
+        if table not in tables:
+            raise AotError(f"program constants hold an entry {key!r} of no known table")
+        tables[table][name] = value
+    artifact = serde.SerializedArtifact(program_json, tables["state_dict"], tables["constants"], b"")
+    try:
+        return serde.deserialize(artifact)
+    except Exception as e:  # the serde raises plain exceptions for schema mismatches
+        raise AotError(f"program could not be deserialized: {e}") from e

@@ -1,0 +1,195 @@
+"""The training runtime: one rank's program, its state and its step, with no model code.
+
+`Trainer` verifies and loads its rank's files, binds the process groups the program names, and
+runs the whole-step program: forward, loss, backward, collectives and optimizer update happen
+inside it, and parameters, buffers and optimizer state are updated in place.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from runner.artifact import Artifact
+from runner.checkpoint import layout_of, load_checkpoint, optimizer_key, save_checkpoint
+from runner.data import DataSource, describe, dtype_name, split_batch_tensors
+from runner.errors import AotError
+from runner.groups import bind_process_groups
+from runner.program import decode_program
+from runner.topology import live_profile, mismatches
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+class Trainer:
+    """One rank of a built training job.
+
+    `step(inputs, targets)` runs one training step and returns the global-batch loss (the mean
+    of the data-parallel ranks' losses). `state_dict()` and `save(dir)` give the training state
+    under the user's parameter names.
+    """
+
+    def __init__(self, path: str | Path, rank: int | None = None, *, world_size: int | None = None,
+                 device: str | torch.device | None = None, allow_topology_mismatch: bool = False,
+                 warn=lambda msg: None):
+        self.artifact = artifact = Artifact(path)
+        manifest = artifact.manifest
+        self.rank = rank if rank is not None else (_env_int("RANK") or 0)
+        self.world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
+        if self.world_size != artifact.world_size:
+            raise AotError(
+                f"{artifact.root}: built for world size {artifact.world_size} but this job has "
+                f"{self.world_size} process(es); launch with torchrun --nproc-per-node "
+                f"{artifact.world_size} or rebuild with --world-size {self.world_size}"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise AotError(f"rank {self.rank} is outside world size {self.world_size}")
+
+        # The topology contract is checked before any collective can hang on the wrong fabric.
+        profile = manifest["topology"]["profile"]
+        problems = mismatches(profile, live_profile())
+        if problems and not allow_topology_mismatch:
+            raise AotError("live topology differs from the artifact's profile: " + "; ".join(problems)
+                           + " (--allow-topology-mismatch runs anyway)")
+        for line in problems:
+            warn(f"topology mismatch, schedule was tuned for other hardware: {line}")
+
+        self.device = torch.device(device) if device else self._default_device(profile)
+        self._init_distributed(profile)
+        self.groups = bind_process_groups(manifest["process_groups"], self.rank, self.world_size)
+
+        entry = artifact.rank(self.rank)
+        program = artifact.program(entry["program"])
+        constants = artifact.read(program["constants"]) if program.get("constants") else None
+        ep = decode_program(artifact.read(program["file"]), constants)
+        if self.device.type != "cpu":
+            from torch.export.passes import move_to_device_pass
+            ep = move_to_device_pass(ep, self.device)
+        self._module = ep.module()
+
+        self.state_spec = manifest["state"]
+        weights = artifact.tensors(entry["weights"])
+        optimizer = artifact.tensors(entry["optimizer"])
+        self._weights = {k: self._place(v) for k, v in weights.items()}
+        self._optimizer = {k: self._place(v) for k, v in optimizer.items()}
+
+        self.data_spec = manifest["data"]
+        self.coords = entry["coords"]
+        self.dp_rank, self.dp_size = entry["coords"].get("dp", 0), manifest["mesh"]["shape"][0] if manifest["mesh"]["axes"][:1] == ["dp"] else 1
+        self.schedule = manifest["schedule"]
+        self._slots = program["inputs"]
+        self._lrs = [torch.zeros((), dtype=torch.float64) for _ in range(len(self.schedule["lr"][0]))]
+        self._args = [self._bind(slot) for slot in self._slots]
+        self.step_index = 0
+
+    # -- set-up ---------------------------------------------------------------------------
+    @staticmethod
+    def _default_device(profile: dict) -> torch.device:
+        if profile["device_kind"] == "cuda" and torch.cuda.is_available():
+            return torch.device("cuda", _env_int("LOCAL_RANK") or 0)
+        return torch.device("cpu")
+
+    def _init_distributed(self, profile: dict) -> None:
+        if dist.is_initialized():
+            return
+        if self.world_size == 1 and not self.artifact.manifest["process_groups"]:
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if "MASTER_ADDR" not in os.environ:
+            raise AotError("no rendezvous set: launch multi-rank artifacts with torchrun")
+        kwargs = {"device_id": self.device} if backend == "nccl" else {}
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, **kwargs)
+
+    def _place(self, t: torch.Tensor) -> torch.Tensor:
+        # Zero-dim state (Adam's step counter) stays on the CPU as torch.optim keeps it, so
+        # reading it as a Python number inside the program never synchronizes the device.
+        return t if t.dim() == 0 else t.to(self.device)
+
+    def _bind(self, slot: dict):
+        kind = slot["kind"]
+        if kind in ("param", "buffer"):
+            return self._weights[slot["name"]]
+        if kind == "optim":
+            return self._optimizer[optimizer_key(slot["name"], slot["key"])]
+        if kind == "lr":
+            return self._lrs[slot["group"]]
+        return None  # inputs and targets arrive with each step
+
+    # -- training -------------------------------------------------------------------------
+    def learning_rates(self, step: int) -> list[float]:
+        lrs = self.schedule["lr"]
+        if self.schedule["constant"]:
+            return lrs[0]
+        if step >= len(lrs):
+            raise AotError(f"the artifact's learning-rate schedule covers {len(lrs)} steps; step {step + 1} is past it "
+                           f"(rebuild with a larger --max-steps)")
+        return lrs[step]
+
+    def check_steps(self, steps: int) -> None:
+        """Refuse up front a run that would go past the stored learning-rate schedule."""
+        if steps > 0:
+            self.learning_rates(self.step_index + steps - 1)
+
+    def step(self, inputs, targets) -> float:
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        for lr, value in zip(self._lrs, self.learning_rates(self.step_index)):
+            lr.fill_(value)
+        given = iter(inputs)
+        args = list(self._args)
+        for i, slot in enumerate(self._slots):
+            if slot["kind"] == "input":
+                args[i] = self._check(next(given, None), slot, f"inputs[{slot['index']}]")
+            elif slot["kind"] == "target":
+                args[i] = self._check(targets, slot, "targets")
+        _, global_loss = self._module(*args)
+        self.step_index += 1
+        return float(global_loss)
+
+    def _check(self, tensor, slot: dict, name: str) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise AotError(f"{name}: expected a tensor {describe(slot['shape'], slot['dtype'])}, got {type(tensor).__name__}")
+        if list(tensor.shape) != slot["shape"] or dtype_name(tensor.dtype) != slot["dtype"]:
+            raise AotError(f"{name}: expected {describe(slot['shape'], slot['dtype'])}, "
+                           f"got {describe(tensor.shape, dtype_name(tensor.dtype))}")
+        return tensor.to(self.device)
+
+    # -- data -----------------------------------------------------------------------------
+    def data_source(self, path: str | Path | None = None) -> DataSource:
+        """The --data file's rows for this rank, or the artifact's recorded example batch."""
+        if path is not None:
+            return DataSource.from_file(path, self.data_spec, self.dp_rank, self.dp_size)
+        example = self.artifact.tensors(self.data_spec["example"])
+        inputs, targets = split_batch_tensors(example, self.data_spec["example"])
+        return DataSource(inputs, targets, self.data_spec, self.dp_rank, self.dp_size, "example batch")
+
+    # -- state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict as the user's model would return it (tied weights under every name)."""
+        aliases = self.state_spec["aliases"]
+        return {key: self._weights[aliases.get(key, key)] for key in self.state_spec["state_dict_keys"]}
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        return dict(self._optimizer)
+
+    def save(self, folder: str | Path) -> None:
+        """Checkpoint on the rank that holds the replicated state; every rank waits for it."""
+        if self.rank == 0:
+            save_checkpoint(folder, self.step_index, self._weights, self._optimizer, self.state_spec)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def resume(self, folder: str | Path) -> None:
+        index, weights, optimizer = load_checkpoint(folder)
+        for name, saved, live in (("weights", weights, self._weights), ("optimizer state", optimizer, self._optimizer)):
+            if layout_of(saved) != layout_of({k: v for k, v in live.items()}):
+                raise AotError(f"{folder}: checkpoint {name} do not match this artifact's tensors (names, shapes or dtypes)")
+            with torch.no_grad():
+                for key, tensor in saved.items():
+                    live[key].copy_(tensor)
+        self.step_index = int(index["step"])
