@@ -16,6 +16,7 @@ from aot.passes import run_passes
 from aot.plan.mesh import Mesh
 from aot.progress import Progress
 from runner.data import split_batch_tensors
+from runner.integrity import check_writable_target
 from runner.topology import live_profile, load_profile
 
 
@@ -55,6 +56,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         raise AotError(f"--max-steps must be at least 1, got {options.max_steps}")
     if options.bucket_mb <= 0:
         raise AotError(f"--bucket-mb must be positive, got {options.bucket_mb}")
+    check_writable_target(options.output, "folder")
     mesh = Mesh.parse(options.strategy, options.world_size)
     profile = load_profile(options.topology) if options.topology else live_profile()
 

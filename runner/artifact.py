@@ -74,6 +74,7 @@ class Artifact:
                 f"{torch.__version__}; rebuild with torch {torch_release()} or install torch "
                 f"{torch_release(data['torch_version'])}"
             )
+        _check_structure(data, str(path))
         self.manifest = data
 
     @property
@@ -97,3 +98,51 @@ class Artifact:
 
     def program(self, name: str) -> dict:
         return self.manifest["programs"][name]
+
+
+def _check_structure(m: dict, where: str) -> None:
+    """Refuse a hand-edited or damaged manifest with one line, before any field is used."""
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            raise AotError(f"{where}: {what}")
+
+    def is_list_of(value, kind) -> bool:
+        return isinstance(value, list) and all(isinstance(v, kind) for v in value)
+
+    for name, entry in m["files"].items():
+        expect(isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64
+               and isinstance(entry.get("size"), int), f"files[{name!r}] needs a 64-digit sha256 and an integer size")
+    mesh = m["mesh"]
+    expect(is_list_of(mesh.get("axes"), str) and is_list_of(mesh.get("shape"), int)
+           and len(mesh["axes"]) == len(mesh["shape"]), "mesh needs axes (names) and shape (degrees) of equal length")
+    size = 1
+    for degree in mesh["shape"]:
+        size *= degree
+    expect(size == m["world_size"], f"mesh shape {mesh['shape']} does not multiply to world size {m['world_size']}")
+    for name, group in m["process_groups"].items():
+        expect(isinstance(group, dict) and isinstance(group.get("groups"), list)
+               and all(is_list_of(g, int) for g in group["groups"]), f"process_groups[{name!r}] needs groups (rank lists)")
+    for name, program in m["programs"].items():
+        expect(isinstance(program, dict) and isinstance(program.get("file"), str) and program["file"] in m["files"],
+               f"programs[{name!r}] needs a file listed in files")
+        expect(is_list_of(program.get("inputs"), dict) and all("kind" in i for i in program["inputs"]),
+               f"programs[{name!r}] needs inputs")
+        expect(is_list_of(program.get("collectives"), dict), f"programs[{name!r}] needs collectives")
+    expect(len(m["ranks"]) == m["world_size"], f"ranks lists {len(m['ranks'])} entries for world size {m['world_size']}")
+    for entry in m["ranks"]:
+        expect(isinstance(entry, dict) and isinstance(entry.get("rank"), int) and entry.get("program") in m["programs"]
+               and isinstance(entry.get("coords"), dict) and entry.get("weights") in m["files"]
+               and entry.get("optimizer") in m["files"], f"ranks entry {entry!r:.80} is incomplete")
+    state = m["state"]
+    expect(all(isinstance(state.get(k), kind) for k, kind in
+               (("params", dict), ("buffers", dict), ("aliases", dict), ("state_dict_keys", list), ("optimizer", dict))),
+           "state needs params, buffers, aliases, state_dict_keys and optimizer")
+    schedule = m["schedule"]
+    expect(isinstance(schedule.get("constant"), bool) and isinstance(schedule.get("lr"), list) and schedule["lr"]
+           and all(is_list_of(step, (int, float)) for step in schedule["lr"]), "schedule needs constant and lr (a list per step)")
+    data = m["data"]
+    expect(isinstance(data.get("batch_size"), int) and data.get("example") in m["files"]
+           and is_list_of(data.get("inputs"), dict) and isinstance(data.get("targets"), dict),
+           "data needs batch_size, example (a listed file), inputs and targets")
+    expect(isinstance(m["topology"].get("profile"), dict) and isinstance(m["topology"].get("name"), str),
+           "topology needs name and profile")

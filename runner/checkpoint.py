@@ -15,7 +15,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from runner.errors import AotError
-from runner.integrity import StagedDir, read_verified
+from runner.integrity import StagedDir, check_writable_target, read_verified
 
 INDEX = "checkpoint.json"
 FORMAT_NAME = "aot-checkpoint"
@@ -51,6 +51,8 @@ def save_checkpoint(folder: str | Path, step: int, weights: dict, optimizer: dic
 
 def read_index(folder: Path) -> dict:
     path = folder / INDEX
+    if not folder.is_dir():
+        raise AotError(f"{folder}: no such checkpoint folder")
     if not path.is_file():
         raise AotError(f"{folder}: no {INDEX}; not an aot checkpoint")
     try:
@@ -90,8 +92,12 @@ def merge_checkpoint(folder: str | Path, output: str | Path) -> int:
         # safetensors refuses tensors sharing storage, so each alias gets its own copy
         state[key] = weights[source].clone()
     output = Path(output)
+    check_writable_target(output, "file")
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
-    tmp.write_bytes(save_safetensors(state))
-    tmp.replace(output)
+    try:
+        tmp.write_bytes(save_safetensors(state))
+        tmp.replace(output)
+    finally:
+        tmp.unlink(missing_ok=True)
     return len(state)

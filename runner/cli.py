@@ -41,7 +41,15 @@ def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_misma
     """
     import torch.distributed as dist
 
+    from runner.errors import AotError
+    from runner.integrity import check_writable_target
     from runner.trainer import Trainer
+
+    # Output paths are checked before any work, not after the last step.
+    if save is not None:
+        check_writable_target(save, "folder")
+    if metrics is not None:
+        check_writable_target(metrics, "file")
 
     say = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     trainer = Trainer(artifact, rank, allow_topology_mismatch=allow_topology_mismatch,
@@ -55,7 +63,10 @@ def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_misma
     source = trainer.data_source(data)
     say(f"rank 0 of {trainer.world_size} ready in {time.perf_counter() - _STARTED:.2f} s "
         f"({trainer.device}, {source.rows} samples from {data or 'the example batch'})")
-    log = open(metrics, "a") if (metrics is not None and lead) else None
+    try:
+        log = open(metrics, "a") if (metrics is not None and lead) else None
+    except OSError as e:
+        raise AotError(f"{metrics}: cannot write metrics ({e.strerror})") from None
     first = last = None
     try:
         for _ in range(steps):

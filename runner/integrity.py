@@ -41,6 +41,20 @@ def read_verified(root: Path, relpath: str, entry: dict) -> bytes:
     return data
 
 
+def check_writable_target(path: Path, kind: str = "folder") -> None:
+    """Refuse, before any work, an output path that cannot become a `kind` (folder or file)."""
+    path = Path(path)
+    if path.exists() and (path.is_dir() != (kind == "folder")):
+        raise AotError(f"{path}: exists and is not a {kind}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise AotError(f"{path}: {parent} is a file, not a folder")
+            if not os.access(parent, os.W_OK):
+                raise AotError(f"{path}: {parent} is not writable")
+            return
+
+
 def canonical_json(obj) -> bytes:
     """JSON with sorted keys and fixed separators, so equal content gives equal bytes."""
     return (json.dumps(obj, sort_keys=True, indent=1, separators=(",", ": ")) + "\n").encode()

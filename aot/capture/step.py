@@ -11,6 +11,7 @@ any world size can be built on one machine.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,19 @@ class CapturedStep:
 def _average(t: torch.Tensor, reduction: GradientReduction) -> torch.Tensor:
     summed = _funcol.wait_tensor(_funcol.all_reduce(t, "sum", reduction.group))
     return summed / reduction.size
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """FakeTensor logs a full traceback when an op's shape check fails; the user gets one line
+    from us instead (and the traceback with --debug, which re-raises)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    previous = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 @contextlib.contextmanager
@@ -116,7 +130,7 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
         _slot("target", targets),
     ]
     try:
-        with _optimizer_tracing():
+        with _optimizer_tracing(), _quiet_fake_tensor_log():
             graph = make_fx(step, tracing_mode="fake")(*args)
     except AotError:
         raise

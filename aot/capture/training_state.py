@@ -45,6 +45,19 @@ def _canonical_names(model: nn.Module) -> tuple[dict[str, str], list[str]]:
     return aliases, keys
 
 
+def _check_no_shared_storage(params: dict, buffers: dict, where: str) -> None:
+    """Each parameter and buffer must own its memory: the artifact stores and updates them as
+    separate tensors, so a buffer that views a parameter would silently stop following it."""
+    owners: dict[int, str] = {}
+    for name, t in [*params.items(), *buffers.items()]:
+        if t.numel() == 0:
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in owners and owners[key] != name:
+            raise AotError(f"{where}: {name!r} shares memory with {owners[key]!r}; give each buffer its own storage (e.g. .clone())")
+        owners[key] = name
+
+
 def _json_value(v):
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         return v.item()
@@ -126,6 +139,8 @@ def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingSt
     params = dict(model.named_parameters())
     if not params:
         raise AotError(f"{mf.path.name}: the model has no parameters to train")
+    buffers = dict(model.named_buffers())
+    _check_no_shared_storage(params, buffers, mf.path.name)
     names = {id(p): n for n, p in params.items()}
     opt = call_user(mf.optimizer, "optimizer(params)", mf.path, list(params.values()))
     if not isinstance(opt, torch.optim.Optimizer):
@@ -145,7 +160,7 @@ def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingSt
     aliases, keys = _canonical_names(model)
     hyper = [{k: _json_value(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return TrainingState(
-        model=model, params=params, buffers=dict(model.named_buffers()), optimizer_slots=slots,
+        model=model, params=params, buffers=buffers, optimizer_slots=slots,
         optimizer_state=state, param_groups=groups, optimizer_class=type(opt).__name__,
         hyperparameters=hyper, lr_schedule=schedule, lr_constant=constant,
         aliases=aliases, state_dict_keys=keys,

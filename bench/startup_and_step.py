@@ -1,0 +1,423 @@
+"""Benchmark: start-up to the end of step 1, and steady-state step time, aot vs eager vs compiled DDP.
+
+    python bench/startup_and_step.py [--steps 30] [--repeats 3] [--out results.json]
+
+On this machine's CPUs, 2 ranks with gloo (torchrun --standalone --nproc-per-node 2), the GPT of
+examples/gpt.py, 8 samples per rank, the data of examples/prepare_data.py. One invocation runs
+every variant, interleaved and in a rotating order, `--repeats` times, so the ratios compare runs
+that saw the same machine load. Variants:
+
+    aot               bench/aot_worker.py: runner.trainer.Trainer on an artifact built once by
+                      `aot build` (build time reported apart), stepped exactly as `aot run` does
+    aot run (CLI)     `torchrun -m aot run ... --metrics M` itself; its start-up is when this
+                      script sees the first metrics line (polled every 5 ms)
+    eager DDP         bench/ddp_worker.py: DistributedDataParallel, the model file's AdamW,
+                      scheduler and clip_grad_norm_
+    compiled DDP      bench/ddp_worker.py --compile: torch.compile(DDP(model)), with a fresh
+      (cold cache)    TORCHINDUCTOR_CACHE_DIR per run
+    compiled DDP      the same with an inductor cache primed once before the repeats
+      (warm cache)
+
+Start-up is wall time from BENCH_T0 (time.time() just before the torchrun subprocess is started)
+to the end of step 1 on rank 0, so torchrun's and the interpreter's start are counted alike for
+every variant. Steady-state step time is the median of steps 6..N (rank 0). Every child gets
+OMP_NUM_THREADS=1. All files live in one temporary folder that is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+WARMUP_STEPS = 5  # steady state = steps 6..N
+
+VARIANTS = {
+    "aot": "aot (runner.Trainer)",
+    "aot_cli": "aot run (CLI)",
+    "ddp_eager": "eager DDP",
+    "ddp_compile_cold": "compiled DDP, cold cache",
+    "ddp_compile_warm": "compiled DDP, warm cache",
+}
+
+
+# -- processes ----------------------------------------------------------------------------
+def child_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"  # torchrun's default, pinned so every variant gets the same
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    env.pop("AOT_DEBUG", None)
+    env.update(extra or {})
+    return env
+
+
+def torchrun(world: int) -> list[str]:
+    # `python -m torch.distributed.run` is the `torchrun` console script, run by this interpreter.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+
+
+class Failed(Exception):
+    def __init__(self, cmd: list[str], rc, log: Path):
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+        super().__init__(f"exit {rc}: {shlex.join(cmd)}\n{tail}")
+        self.cmd, self.rc, self.tail = shlex.join(cmd), rc, tail
+
+
+def busy_cpu_s() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot (all cores, /proc/stat), or None."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+def own_cpu_s() -> float:
+    """CPU seconds used by this process and every child it has waited for (and theirs)."""
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+class Load:
+    """How many cores' worth of CPU *other* processes used while a run was going: the noise gauge."""
+
+    def __enter__(self):
+        self.t, self.busy, self.own = time.time(), busy_cpu_s(), own_cpu_s()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.time() - self.t
+        busy = busy_cpu_s()
+        self.other_cores = (None if busy is None or self.busy is None or wall <= 0 else
+                            max(0.0, (busy - self.busy) - (own_cpu_s() - self.own)) / wall)
+
+
+def run_child(cmd: list[str], env: dict, log: Path, timeout: float, poll_file: Path | None = None):
+    """Run cmd in its own session; return (launch time, time poll_file first became non-empty, Load)."""
+    with open(log, "w") as out, Load() as load:
+        t0 = time.time()
+        env = dict(env, BENCH_T0=repr(t0))
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        seen = None
+        try:
+            while True:
+                try:
+                    rc = proc.wait(timeout=0.005 if poll_file is not None and seen is None else 0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if seen is None and poll_file is not None and poll_file.exists() and poll_file.stat().st_size > 0:
+                    seen = time.time()
+                if time.time() - t0 > timeout:
+                    raise Failed(cmd, f"timeout after {timeout:.0f} s", log)
+        finally:
+            if proc.poll() is None:  # timeout or Ctrl-C: end the torchrun we started and its ranks
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+    if rc != 0:
+        raise Failed(cmd, rc, log)
+    return t0, seen, load
+
+
+def run_variant(name: str, ctx: dict, tmp: Path, rep: int) -> dict:
+    world, steps, batch = ctx["world"], ctx["steps"], ctx["batch"]
+    result_file = tmp / f"{name}.{rep}.json"
+    log = tmp / f"{name}.{rep}.log"
+    env = child_env({"BENCH_RESULT": str(result_file)})
+    if name == "aot":
+        cmd = torchrun(world) + [str(BENCH / "aot_worker.py"), ctx["artifact"], ctx["data"], "--steps", str(steps)]
+    elif name == "aot_cli":
+        metrics = tmp / f"metrics.{rep}.jsonl"
+        cmd = torchrun(world) + ["-m", "aot", "run", ctx["artifact"], "--steps", str(steps), "--data", ctx["data"],
+                                 "--metrics", str(metrics), "--quiet"]
+        t0, seen, load = run_child(cmd, env, log, ctx["timeout"], poll_file=metrics)
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        return {
+            "variant": name, "command": shlex.join(cmd), "other_load_cores": load.other_cores,
+            "launch_to_step1_end_s": (seen - t0) if seen else None,
+            # runner-reported: from `import runner.cli` to the end of step 1 (no torchrun, interpreter or torch import)
+            "runner_time_since_start_step1_s": records[0]["time_since_start_s"] if records else None,
+            "first_step_s": records[0]["step_time_s"] if records else None,
+            "step_times_s": [r["step_time_s"] for r in records],
+            "losses": [r["loss"] for r in records],
+        }
+    else:
+        cmd = torchrun(world) + [str(BENCH / "ddp_worker.py"), ctx["model"], ctx["data"], "--steps", str(steps),
+                                 "--batch-size", str(batch)]
+        if name.startswith("ddp_compile"):
+            cmd.append("--compile")
+            cache = tmp / (f"inductor-cold-{rep}" if name == "ddp_compile_cold" else "inductor-warm")
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    _, _, load = run_child(cmd, env, log, ctx["timeout"])
+    result = json.loads(result_file.read_text())
+    result.update(variant=name, command=shlex.join(cmd), other_load_cores=load.other_cores)
+    return result
+
+
+# -- statistics ---------------------------------------------------------------------------
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def minimum(values):
+    values = [v for v in values if v is not None]
+    return min(values) if values else None
+
+
+def steady(run: dict):
+    tail = run.get("step_times_s", [])[WARMUP_STEPS:]
+    return statistics.median(tail) if tail else None
+
+
+def machine() -> dict:
+    info = {"nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        info["cpu_model"] = next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")), None)
+    except (OSError, subprocess.SubprocessError):
+        info["cpu_model"] = None
+    import torch
+    info["torch"] = torch.__version__
+    info["gpu"] = torch.cuda.is_available()
+    return info
+
+
+def fmt(value, scale=1.0, digits=2):
+    return "—" if value is None else f"{value * scale:.{digits}f}"
+
+
+def summarize(runs: dict, ctx: dict) -> dict:
+    G = ctx["batch"] * ctx["world"]
+    rows = {}
+    for name, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        row = {
+            "runs": len(ok), "failed": len(rs) - len(ok),
+            "startup_s": median(r.get("launch_to_step1_end_s") for r in ok),
+            "startup_best_s": minimum(r.get("launch_to_step1_end_s") for r in ok),
+            "startup_all_s": [r.get("launch_to_step1_end_s") for r in ok],
+            "launch_to_process_s": median(r.get("launch_to_process_s") for r in ok),
+            "import_torch_s": median(r.get("import_torch_s") for r in ok),
+            "setup_s": median(r.get("setup_s") for r in ok),
+            "first_step_s": median(r.get("first_step_s") for r in ok),
+            "steady_step_s": median(steady(r) for r in ok),
+            "steady_step_best_s": minimum(steady(r) for r in ok),
+            "other_load_cores": median(r.get("other_load_cores") for r in ok),
+            "steady_step_all_s": [steady(r) for r in ok],
+        }
+        if name == "aot":
+            row["load_artifact_s"] = median(r.get("load_artifact_s") for r in ok)
+        if name == "aot_cli":
+            row["runner_time_since_start_step1_s"] = median(r.get("runner_time_since_start_step1_s") for r in ok)
+        row["samples_per_s"] = G / row["steady_step_s"] if row["steady_step_s"] else None
+        if name.startswith("aot"):
+            row["collectives_per_step"] = ctx["aot_collectives_per_step"]
+        elif ok:
+            row["collectives_per_step"] = ok[0].get("parameter_tensors")
+            row["ddp_buckets"] = ok[0].get("ddp_buckets")
+        rows[name] = row
+    return rows
+
+
+def paired_ratios(runs: dict, a: str, b: str, key) -> list[float]:
+    """Per-repeat ratios a/b (runs of one repeat ran back to back, so they share the machine's load)."""
+    out = []
+    for ra, rb in zip(runs.get(a, []), runs.get(b, [])):
+        va, vb = key(ra), key(rb)
+        if va is not None and vb:
+            out.append(va / vb)
+    return out
+
+
+def ratio(rows, a, b, key):
+    va, vb = rows.get(a, {}).get(key), rows.get(b, {}).get(key)
+    return va / vb if va is not None and vb else None
+
+
+def loss_check(runs: dict) -> dict:
+    ref = next((r for r in runs.get("ddp_eager", []) if "error" not in r), None)
+    out = {}
+    if ref is None:
+        return out
+    for name, rs in runs.items():
+        r = next((r for r in rs if "error" not in r), None)
+        if r is None or name == "ddp_eager":
+            continue
+        pairs = list(zip(r.get("losses", []), ref["losses"]))
+        out[name] = max((abs(x - y) for x, y in pairs), default=None)
+    return out
+
+
+def render(rows: dict, ctx: dict, ratios: dict, losses: dict) -> str:
+    lines = [
+        f"{ctx['world']} ranks (gloo, CPU), {Path(ctx['model']).name}, batch {ctx['batch']} per rank, "
+        f"{ctx['steps']} steps, {ctx['repeats']} interleaved repeat(s), medians; "
+        f"aot build (once, not in start-up): {ctx['build_wall_s']:.1f} s wall "
+        f"({ctx['build_reported_s']:.1f} s reported by `aot build`)",
+        "",
+        "| variant | start-up to end of step 1, s: median (best) | launch → Python | import torch | set-up | step 1 | "
+        "steady step, ms: median (best) | samples/s | collectives/step | other processes' CPU, cores |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for name, row in rows.items():
+        coll = row.get("collectives_per_step")
+        if name.startswith("ddp"):
+            coll = f"{coll} params (per-param baseline); DDP used {row.get('ddp_buckets')} bucket(s)" if coll else "—"
+        lines.append(
+            f"| {VARIANTS[name]} | {fmt(row['startup_s'])} ({fmt(row['startup_best_s'])}) | {fmt(row['launch_to_process_s'])} | "
+            f"{fmt(row['import_torch_s'])} | {fmt(row['setup_s'])} | {fmt(row['first_step_s'])} | "
+            f"{fmt(row['steady_step_s'], 1e3, 1)} ({fmt(row['steady_step_best_s'], 1e3, 1)}) | "
+            f"{fmt(row['samples_per_s'], digits=0)} | {coll if coll is not None else '—'} | {fmt(row['other_load_cores'])} |"
+        )
+    if "aot" in rows and rows["aot"].get("load_artifact_s") is not None:
+        lines.append("")
+        lines.append(f"aot set-up: {rows['aot']['load_artifact_s']:.2f} s of it in runner import + Trainer() "
+                     f"(verify, deserialize program, process group)")
+    if rows.get("aot_cli", {}).get("runner_time_since_start_step1_s") is not None:
+        lines.append(f"aot run (CLI): its own metrics say step 1 ended "
+                     f"{rows['aot_cli']['runner_time_since_start_step1_s']:.2f} s after `import runner.cli`")
+    lines.append("")
+    lines.append("| ratio | of medians | of bests | per repeat (paired) | goal | met? |")
+    lines.append("|---|---:|---:|---|---:|---|")
+    for label, (value, best, per, goal) in ratios.items():
+        met = "—" if value is None or goal is None else ("yes" if value <= goal else "NO")
+        if met != "—" and best is not None and (best <= goal) != (value <= goal):
+            met = "unclear (median and best disagree)"
+        lines.append(f"| {label} | {fmt(value, digits=3)} | {fmt(best, digits=3)} | {', '.join(f'{p:.3f}' for p in per) or '—'} | "
+                     f"{'≤ ' + str(goal) if goal is not None else '—'} | {met} |")
+    if losses:
+        lines.append("")
+        lines.append("max |loss − eager DDP loss| over all steps: " +
+                     ", ".join(f"{VARIANTS[k]} {v:.2e}" for k, v in losses.items() if v is not None))
+    return "\n".join(lines)
+
+
+# -- main ---------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=30, help="training steps per run (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every variant (default: %(default)s)")
+    p.add_argument("--out", type=Path, help="write every run and the summary to this JSON file")
+    p.add_argument("--model", type=Path, default=REPO / "examples" / "gpt.py")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8, help="samples per rank per step (default: %(default)s)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per run (default: %(default)s)")
+    args = p.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.steps <= WARMUP_STEPS:
+        p.error(f"--steps must be more than {WARMUP_STEPS} (steady state is steps {WARMUP_STEPS + 1}..N)")
+
+    ctx = {"world": args.world_size, "steps": args.steps, "batch": args.batch_size, "repeats": args.repeats,
+           "model": str(args.model.resolve()), "timeout": args.timeout, "machine": machine()}
+    m = ctx["machine"]
+    print(f"machine: {m['nproc']} CPUs ({m['cpu_model']}), torch {m['torch']}, GPU: {m['gpu']}", file=sys.stderr)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="aot-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        env = child_env()
+        data = tmp / "data.safetensors"
+        subprocess.run([sys.executable, str(REPO / "examples" / "prepare_data.py"), "-o", str(data)],
+                       cwd=REPO, env=env, check=True, capture_output=True)
+        artifact = tmp / "artifact"
+        build_cmd = [sys.executable, "-m", "aot", "build", ctx["model"], "--world-size", str(args.world_size),
+                     "--batch-size", str(args.batch_size), "-o", str(artifact), "--json"]
+        t = time.perf_counter()
+        built = subprocess.run(build_cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        ctx["build_wall_s"] = time.perf_counter() - t
+        if built.returncode != 0:
+            print(f"aot build failed (exit {built.returncode}): {shlex.join(build_cmd)}\n{built.stderr[-3000:]}", file=sys.stderr)
+            return 1
+        ctx["build_reported_s"] = json.loads(built.stdout)["seconds"]
+        ctx["build_command"] = shlex.join(build_cmd)
+        inspected = subprocess.run([sys.executable, "-m", "aot", "inspect", str(artifact), "--json"],
+                                   cwd=REPO, env=env, capture_output=True, text=True, check=True)
+        ctx["aot_collectives_per_step"] = json.loads(inspected.stdout)["programs"]["train"]["collectives_per_step"]
+        ctx.update(artifact=str(artifact), data=str(data))
+        print(f"aot build: {ctx['build_wall_s']:.1f} s wall, {ctx['aot_collectives_per_step']} collective(s) per step",
+              file=sys.stderr)
+
+        if "ddp_compile_warm" in variants:  # prime the warm inductor cache once, unmeasured
+            print("priming the inductor cache for 'compiled DDP, warm cache' ...", file=sys.stderr)
+            try:
+                run_variant("ddp_compile_warm", dict(ctx, steps=WARMUP_STEPS + 1), tmp, -1)
+            except Failed as e:
+                failures.append({"variant": "ddp_compile_warm (priming)", "error": str(e)})
+
+        for rep in range(args.repeats):
+            order = variants[rep % len(variants):] + variants[:rep % len(variants)]  # rotate the order
+            for name in order:
+                try:
+                    r = run_variant(name, ctx, tmp, rep)
+                    print(f"repeat {rep + 1}/{args.repeats}  {VARIANTS[name]:<26} start-up "
+                          f"{fmt(r.get('launch_to_step1_end_s'))} s, steady step {fmt(steady(r), 1e3, 1)} ms, "
+                          f"other processes {fmt(r.get('other_load_cores'))} cores",
+                          file=sys.stderr)
+                except Failed as e:
+                    r = {"variant": name, "error": str(e), "command": e.cmd}
+                    failures.append(r)
+                    print(f"repeat {rep + 1}/{args.repeats}  {VARIANTS[name]} FAILED: {e}", file=sys.stderr)
+                r["repeat"] = rep
+                runs[name].append(r)
+        del ctx["artifact"], ctx["data"]  # gone with the temporary folder
+
+    rows = summarize(runs, ctx)
+    startup = lambda r: r.get("launch_to_step1_end_s")  # noqa: E731
+    def pair(a, b, what, goal=None):
+        key = startup if what == "startup" else steady
+        return (ratio(rows, a, b, f"{what}_s"), ratio(rows, a, b, f"{what}_best_s"), paired_ratios(runs, a, b, key), goal)
+
+    ratios = {
+        "aot start-up / compiled DDP (cold cache) start-up": pair("aot", "ddp_compile_cold", "startup", 0.1),
+        "aot start-up / compiled DDP (warm cache) start-up": pair("aot", "ddp_compile_warm", "startup"),
+        "aot start-up / eager DDP start-up": pair("aot", "ddp_eager", "startup"),
+        "aot steady step / eager DDP steady step": pair("aot", "ddp_eager", "steady_step", 1.0),
+        "aot steady step / compiled DDP (cold cache) steady step": pair("aot", "ddp_compile_cold", "steady_step"),
+        "aot steady step / compiled DDP (warm cache) steady step": pair("aot", "ddp_compile_warm", "steady_step"),
+        "aot run (CLI) steady step / eager DDP steady step": pair("aot_cli", "ddp_eager", "steady_step"),
+    }
+    ratios = {k: v for k, v in ratios.items() if v[0] is not None}
+    losses = loss_check(runs)
+    print(render(rows, ctx, ratios, losses))
+    if failures:
+        print("\nFAILED runs:", file=sys.stderr)
+        for f in failures:
+            print(f"- {f['variant']}: {f['error']}", file=sys.stderr)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "context": ctx, "summary": rows,
+            "ratios": {k: {"of_medians": v, "of_bests": best, "per_repeat": per, "goal": goal}
+                       for k, (v, best, per, goal) in ratios.items()},
+            "max_loss_diff_vs_eager": losses, "runs": runs, "failures": failures,
+        }, indent=1))
+        print(f"\nwrote {args.out}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

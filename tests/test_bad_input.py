@@ -1,0 +1,462 @@
+"""Bad input reaches the user as one line, never as a traceback.
+
+Every test runs the real command line in a subprocess (`python -m aot ...`, and torchrun for
+multi-rank runs) and checks the contract of runner/console.py: a user error prints exactly one
+`aot: error: ...` line (`aot: error: [rank r] ...` per rank under a multi-rank torchrun), exits 1,
+and names the problem; tracebacks appear only with --debug. Failed builds leave no half-written
+artifact. Bad model files live in tests/models/bad_*.py.
+
+Tests marked xfail(strict=True), if any, document known bugs: they assert the
+correct behaviour and fail today; when one starts passing, remove its marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = Path(__file__).resolve().parent / "models"
+MLP = REPO / "examples" / "mlp.py"
+TIMEOUT = 180
+
+# A Python frame of aot's own code in a traceback (torchrun's launcher prints its own traceback
+# when a child exits non-zero; that one is torch's, not aot's).
+AOT_FRAME = re.compile(r'File "[^"]*[/\\](aot|runner)[/\\][^"]*\.py", line \d+')
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("AOT_DEBUG", None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def aot(*args) -> subprocess.CompletedProcess:
+    """`python -m aot ARGS` from the repository root."""
+    return subprocess.run([sys.executable, "-m", "aot", *map(str, args)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def torchrun(nproc: int, *args) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node N -m aot ARGS` (--standalone: a free port)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "aot", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _show(r: subprocess.CompletedProcess) -> str:
+    return f"exit {r.returncode}\n--- stdout ---\n{r.stdout[-3000:]}\n--- stderr ---\n{r.stderr[-6000:]}"
+
+
+def assert_user_error(r: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit 1, no traceback, exactly one `aot: error:` line naming the problem; returns that line.
+
+    `needles` are substrings the error line must contain (the distinctive part of the message).
+    """
+    assert r.returncode == 1, _show(r)
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, _show(r)
+    assert "internal error" not in r.stderr, _show(r)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("aot: error: ")]
+    assert len(errors) == 1, _show(r)
+    # the error is the last thing printed: nothing (a warning, a stray log) follows it
+    assert lines[-1] == errors[0], _show(r)
+    for needle in needles:
+        assert needle in errors[0], f"{needle!r} not in the error line\n{_show(r)}"
+    return errors[0]
+
+
+def assert_rank_errors(r: subprocess.CompletedProcess, *needles: str) -> list[str]:
+    """The torchrun form: non-zero exit, aot's ranks print one-line errors, no aot traceback."""
+    assert r.returncode != 0, _show(r)
+    assert not AOT_FRAME.search(r.stderr), _show(r)
+    assert "internal error" not in r.stderr, _show(r)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("aot: error: ")]
+    assert errors, _show(r)
+    for line in errors:
+        for needle in needles:
+            assert needle in line, f"{needle!r} not in {line!r}\n{_show(r)}"
+    return errors
+
+
+def line_of(path: Path, marker: str) -> int:
+    """1-based number of the line of `path` that contains `marker`."""
+    for number, text in enumerate(path.read_text().splitlines(), 1):
+        if marker in text:
+            return number
+    raise AssertionError(f"{marker!r} not in {path}")
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    offset = len(data) // 2 if offset is None else offset
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def edit_manifest(folder: Path, **changes) -> None:
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.update(changes)
+    path.write_text(json.dumps(manifest, indent=1))
+
+
+def staging_folders(folder: Path) -> list[Path]:
+    return list(folder.glob(".staging-*")) if folder.is_dir() else []
+
+
+# -- shared artifacts ------------------------------------------------------------------------
+
+def _build(folder: Path, model: Path, *options) -> Path:
+    r = aot("build", model, "-o", folder, "--quiet", *options)
+    assert r.returncode == 0, _show(r)
+    assert (folder / "manifest.json").is_file()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def artifact1(tmp_path_factory) -> Path:
+    """examples/mlp.py built for world size 1 (runs without torchrun). Do not alter: copy it."""
+    return _build(tmp_path_factory.mktemp("ws1") / "artifact", MLP, "--world-size", "1")
+
+
+@pytest.fixture(scope="module")
+def artifact2(tmp_path_factory) -> Path:
+    """examples/mlp.py built for world size 2."""
+    return _build(tmp_path_factory.mktemp("ws2") / "artifact", MLP, "--world-size", "2")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(artifact1, tmp_path_factory) -> Path:
+    """A checkpoint written by one step of `aot run --save`."""
+    folder = tmp_path_factory.mktemp("ckpt") / "checkpoint"
+    r = aot("run", artifact1, "--steps", "1", "--save", folder, "--quiet")
+    assert r.returncode == 0, _show(r)
+    assert (folder / "checkpoint.json").is_file()
+    return folder
+
+
+@pytest.fixture
+def copy1(artifact1, tmp_path) -> Path:
+    """A private copy of the world-size-1 artifact that a test may alter."""
+    return Path(shutil.copytree(artifact1, tmp_path / "artifact"))
+
+
+# -- 1. model files that break the model-file contract --------------------------------------
+
+def test_model_file_without_model(tmp_path):
+    r = aot("build", MODELS / "bad_no_model.py", "-o", tmp_path / "out", "--quiet")
+    assert_user_error(r, "bad_no_model.py", "model()")
+
+
+def test_model_file_without_batch(tmp_path):
+    r = aot("build", MODELS / "bad_no_batch.py", "-o", tmp_path / "out", "--quiet")
+    assert_user_error(r, "bad_no_batch.py", "batch()")
+
+
+def test_model_file_syntax_error_names_file_and_line(tmp_path):
+    path = MODELS / "bad_syntax.py"
+    line = assert_user_error(aot("build", path, "-o", tmp_path / "out", "--quiet"), "syntax error")
+    assert f"bad_syntax.py:{line_of(path, 'def model(:')}" in line
+
+
+def test_model_raising_names_file_and_line(tmp_path):
+    path = MODELS / "bad_model_raises.py"
+    line = assert_user_error(aot("build", path, "-o", tmp_path / "out", "--quiet"),
+                             "model()", "RuntimeError", "exploded on purpose")
+    assert f"bad_model_raises.py:{line_of(path, 'MARK: raises')}" in line
+
+
+def test_max_grad_norm_not_a_number(tmp_path):
+    r = aot("build", MODELS / "bad_max_grad_norm.py", "-o", tmp_path / "out", "--quiet")
+    assert_user_error(r, "max_grad_norm", "'x'")
+
+
+def test_model_file_that_does_not_exist(tmp_path):
+    r = aot("build", tmp_path / "no_such_model.py", "-o", tmp_path / "out", "--quiet")
+    assert_user_error(r, "no_such_model.py", "no such model file")
+    assert not (tmp_path / "out").exists()
+
+
+# -- 2. models that cannot be traced --------------------------------------------------------
+
+def test_data_dependent_control_flow_names_problem_and_line(tmp_path):
+    path = MODELS / "bad_data_dependent.py"
+    line = assert_user_error(aot("build", path, "-o", tmp_path / "out", "--quiet"),
+                             "cannot be traced", "data-dependent")
+    assert f"bad_data_dependent.py:{line_of(path, 'MARK: data-dependent')}" in line
+    assert "if x.sum() > 0" in line
+
+
+def test_shape_mismatch_in_forward_is_one_line(tmp_path):
+    r = aot("build", MODELS / "bad_shape_mismatch.py", "-o", tmp_path / "out", "--quiet")
+    assert_user_error(r, "bad_shape_mismatch.py", "cannot be traced", "[8, 4]", "[5, 3]")
+
+
+# -- 3. data that does not match the built program ------------------------------------------
+
+def _good_row(n: int = 16) -> dict:
+    # examples/mlp.py: 32 float32 features per sample, int64 class targets
+    return {"inputs": torch.randn(n, 32), "targets": torch.randint(0, 10, (n,))}
+
+
+def test_data_with_wrong_sample_shape(artifact1, tmp_path):
+    data = tmp_path / "bad.safetensors"
+    save_file({**_good_row(), "inputs": torch.randn(16, 5)}, str(data))
+    r = aot("run", artifact1, "--steps", "1", "--data", data, "--quiet")
+    line = assert_user_error(r, str(data), "expected", "got")
+    assert "[32] float32" in line and "[5] float32" in line  # expected vs got
+
+
+def test_data_with_wrong_dtype(artifact1, tmp_path):
+    data = tmp_path / "bad.safetensors"
+    save_file({**_good_row(), "inputs": torch.randn(16, 32, dtype=torch.float64)}, str(data))
+    r = aot("run", artifact1, "--steps", "1", "--data", data, "--quiet")
+    line = assert_user_error(r, str(data), "float32")
+    assert "float64" in line
+
+
+def test_data_without_targets(artifact1, tmp_path):
+    data = tmp_path / "bad.safetensors"
+    save_file({"inputs": torch.randn(16, 32)}, str(data))
+    r = aot("run", artifact1, "--steps", "1", "--data", data, "--quiet")
+    assert_user_error(r, str(data), "'targets'")
+
+
+def test_data_file_that_is_not_safetensors(artifact1, tmp_path):
+    data = tmp_path / "bad.safetensors"
+    data.write_text("this is not a safetensors file\n")
+    r = aot("run", artifact1, "--steps", "1", "--data", data, "--quiet")
+    assert_user_error(r, str(data), "safetensors")
+
+
+def test_data_file_that_does_not_exist(artifact1, tmp_path):
+    data = tmp_path / "missing.safetensors"
+    r = aot("run", artifact1, "--steps", "1", "--data", data, "--quiet")
+    assert_user_error(r, str(data), "no such data file")
+
+
+# -- 4. world size of the launch differs from the artifact's --------------------------------
+
+def test_torchrun_with_fewer_ranks_than_built(artifact2):
+    r = torchrun(1, "run", artifact2, "--steps", "1", "--quiet")
+    assert_rank_errors(r, "world size 2", "1 process")
+
+
+def test_torchrun_with_more_ranks_than_built_prefixes_each_rank(artifact1):
+    r = torchrun(2, "run", artifact1, "--steps", "1", "--quiet")
+    errors = assert_rank_errors(r, "world size 1", "2 process")
+    # torchrun may stop the other rank before it prints, so at least one rank reports
+    assert all(re.match(r"aot: error: \[rank [01]\] ", line) for line in errors), _show(r)
+
+
+def test_world_size_2_artifact_without_torchrun(artifact2):
+    r = aot("run", artifact2, "--steps", "1", "--quiet")
+    assert_user_error(r, "world size 2", "1 process", "torchrun")
+
+
+# -- 5. missing and altered artifact files --------------------------------------------------
+
+def test_altered_weights_file(copy1):
+    flip_byte(copy1 / "state" / "weights.safetensors")
+    r = aot("run", copy1, "--steps", "1", "--quiet")
+    assert_user_error(r, "state/weights.safetensors", "sha256")
+
+
+def test_altered_program_file(copy1):
+    flip_byte(copy1 / "programs" / "train.json")
+    r = aot("run", copy1, "--steps", "1", "--quiet")
+    assert_user_error(r, "programs/train.json", "sha256")
+
+
+def test_missing_example_batch(copy1):
+    (copy1 / "data" / "example_batch.safetensors").unlink()
+    r = aot("run", copy1, "--steps", "1", "--quiet")
+    assert_user_error(r, "data/example_batch.safetensors", "missing")
+
+
+def test_missing_manifest(copy1):
+    (copy1 / "manifest.json").unlink()
+    r = aot("run", copy1, "--steps", "1", "--quiet")
+    assert_user_error(r, str(copy1), "manifest.json")
+
+
+def test_artifact_folder_that_does_not_exist(tmp_path):
+    r = aot("run", tmp_path / "nothing_here", "--steps", "1", "--quiet")
+    assert_user_error(r, "nothing_here", "no such artifact folder")
+
+
+def test_manifest_file_entry_without_sha256(copy1):
+    manifest = json.loads((copy1 / "manifest.json").read_text())
+    del manifest["files"]["state/weights.safetensors"]["sha256"]
+    (copy1 / "manifest.json").write_text(json.dumps(manifest))
+    r = aot("run", copy1, "--steps", "1", "--quiet")
+    assert_user_error(r, "state/weights.safetensors")
+
+
+# -- 6. artifacts from another torch or format version --------------------------------------
+
+def test_artifact_from_another_torch_version(copy1):
+    edit_manifest(copy1, torch_version="2.99.0")
+    r = aot("run", copy1, "--steps", "1", "--quiet")
+    assert_user_error(r, "2.99.0", torch.__version__.split("+")[0])
+
+
+def test_artifact_of_another_format_version(copy1):
+    edit_manifest(copy1, format_version=99)
+    r = aot("run", copy1, "--steps", "1", "--quiet")
+    line = assert_user_error(r, "format version 99")
+    assert re.search(r"\b1\b", line.split("99", 1)[1]), line  # names the version it reads
+
+
+# -- 7. bad command-line options ------------------------------------------------------------
+
+@pytest.mark.parametrize("options, needles", [
+    (["--strategy", "tp=2"], ["'tp'", "not supported"]),
+    (["--strategy", "dp=3", "--world-size", "2"], ["dp=3", "3", "world size 2"]),
+    (["--batch-size", "0"], ["--batch-size", "0"]),
+    (["--topology", "nonexistent_profile"], ["nonexistent_profile", "built-in: cpu"]),
+    (["--topology", "gpu8"], ["'gpu8'", "no built-in profile"]),
+], ids=["unsupported-axis", "degrees-vs-world-size", "batch-size-0", "topology-path", "unknown-builtin"])
+def test_bad_build_options(tmp_path, options, needles):
+    out = tmp_path / "out"
+    r = aot("build", MLP, "-o", out, "--quiet", *options)
+    assert_user_error(r, *needles)
+    assert not out.exists()
+
+
+def test_topology_file_that_is_not_a_profile(tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"schema": "something-else"}))
+    r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--topology", profile)
+    assert_user_error(r, str(profile), "not a topology profile")
+
+
+# -- 8. a failed build leaves no half-written artifact -------------------------------------
+
+def test_failed_build_into_fresh_folder_leaves_nothing(tmp_path):
+    out = tmp_path / "fresh"
+    r = aot("build", MODELS / "bad_data_dependent.py", "-o", out, "--quiet")
+    assert_user_error(r, "cannot be traced")
+    assert not (out / "manifest.json").exists()
+    assert not staging_folders(out)
+
+
+def test_failed_rebuild_keeps_the_good_artifact(copy1):
+    before = (copy1 / "manifest.json").read_bytes()
+    r = aot("build", MODELS / "bad_data_dependent.py", "-o", copy1, "--quiet")
+    assert_user_error(r, "cannot be traced")
+    assert (copy1 / "manifest.json").read_bytes() == before
+    assert not staging_folders(copy1)
+    inspect = aot("inspect", copy1)
+    assert inspect.returncode == 0, _show(inspect)
+    assert "mlp.py" in inspect.stdout
+
+
+def test_failure_while_writing_keeps_the_good_artifact(copy1, tmp_path):
+    """bad_aliased_buffer.py traces fine and fails in the staged write stage itself."""
+    before = (copy1 / "manifest.json").read_bytes()
+    r = aot("build", MODELS / "bad_aliased_buffer.py", "-o", copy1, "--quiet")
+    assert r.returncode != 0, _show(r)
+    assert (copy1 / "manifest.json").read_bytes() == before
+    assert not staging_folders(copy1)
+    assert sorted(p.name for p in copy1.iterdir()) == ["data", "manifest.json", "programs", "state"]
+    inspect = aot("inspect", copy1)
+    assert inspect.returncode == 0, _show(inspect)
+
+    fresh = tmp_path / "fresh"
+    r = aot("build", MODELS / "bad_aliased_buffer.py", "-o", fresh, "--quiet")
+    assert r.returncode != 0, _show(r)
+    assert not (fresh / "manifest.json").exists()
+    assert not staging_folders(fresh)
+
+
+def test_buffer_sharing_memory_with_a_parameter(tmp_path):
+    r = aot("build", MODELS / "bad_aliased_buffer.py", "-o", tmp_path / "out", "--quiet")
+    if r.returncode == 0:
+        return  # building it is a fine answer too
+    assert_user_error(r, "first_row")
+
+
+def test_build_output_below_a_file(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder\n")
+    r = aot("build", MLP, "-o", blocker / "out", "--quiet")
+    assert_user_error(r, "a_file")
+
+
+# -- 9. --debug shows the traceback ---------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_debug_shows_traceback(tmp_path, where):
+    args = ["build", MODELS / "bad_no_model.py", "-o", tmp_path / "out", "--quiet"]
+    r = aot(*(args + ["--debug"] if where == "after" else ["--debug"] + args))
+    assert r.returncode != 0, _show(r)
+    assert "Traceback (most recent call last)" in r.stderr, _show(r)
+    assert "AotError" in r.stderr and "defines no model()" in r.stderr, _show(r)
+
+
+def test_debug_env_shows_traceback_for_run(copy1):
+    flip_byte(copy1 / "state" / "weights.safetensors")
+    r = subprocess.run([sys.executable, "-m", "aot", "run", str(copy1), "--steps", "1", "--quiet"],
+                       cwd=REPO, env={**_env(), "AOT_DEBUG": "1"}, capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode != 0, _show(r)
+    assert "Traceback (most recent call last)" in r.stderr and "sha256" in r.stderr, _show(r)
+
+
+# -- 10. checkpoints ------------------------------------------------------------------------
+
+def test_merge_of_a_folder_that_is_not_a_checkpoint(artifact1, tmp_path):
+    out = tmp_path / "merged.safetensors"
+    r = aot("checkpoint", "merge", artifact1, "-o", out)
+    assert_user_error(r, str(artifact1), "not an aot checkpoint")
+    assert not out.exists()
+
+
+def test_resume_from_a_folder_that_is_not_a_checkpoint(artifact1):
+    r = aot("run", artifact1, "--steps", "1", "--resume", artifact1, "--quiet")
+    assert_user_error(r, str(artifact1), "not an aot checkpoint")
+
+
+def test_resume_from_a_folder_that_does_not_exist(artifact1, tmp_path):
+    missing = tmp_path / "no_checkpoint_here"
+    r = aot("run", artifact1, "--steps", "1", "--resume", missing, "--quiet")
+    assert_user_error(r, str(missing), "no such")
+
+
+def test_merge_of_an_altered_checkpoint(checkpoint, tmp_path):
+    altered = Path(shutil.copytree(checkpoint, tmp_path / "altered"))
+    flip_byte(altered / "model.safetensors", offset=-3)
+    out = tmp_path / "merged.safetensors"
+    r = aot("checkpoint", "merge", altered, "-o", out)
+    assert_user_error(r, "model.safetensors", "sha256")
+    assert not out.exists()
+
+
+def test_merge_into_an_existing_folder(checkpoint, tmp_path):
+    out = tmp_path / "a_folder"
+    out.mkdir()
+    r = aot("checkpoint", "merge", checkpoint, "-o", out)
+    try:
+        assert_user_error(r, str(out))
+    finally:
+        assert not (tmp_path / "a_folder.tmp").exists(), "half-written merge output left behind"
+
+
+def test_metrics_path_that_is_a_folder(artifact1, tmp_path):
+    r = aot("run", artifact1, "--steps", "1", "--metrics", tmp_path, "--quiet")
+    assert_user_error(r, str(tmp_path))
