@@ -66,4 +66,5 @@ if trainer.rank == 0 and os.environ.get("BENCH_RESULT"):
     with open(os.environ["BENCH_RESULT"], "w") as f:
         json.dump(result, f)
 if dist.is_initialized():
+    dist.barrier()  # measurements are done; let both ranks reach teardown together
     dist.destroy_process_group()

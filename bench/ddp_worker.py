@@ -113,4 +113,5 @@ if rank == 0 and os.environ.get("BENCH_RESULT"):
     }
     with open(os.environ["BENCH_RESULT"], "w") as f:
         json.dump(result, f)
+dist.barrier()  # measurements are done; let both ranks reach teardown together
 dist.destroy_process_group()

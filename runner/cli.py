@@ -26,9 +26,10 @@ _STARTED = time.perf_counter()  # as close to process start as this module gets
 @click.option("--rank", type=int, help="This process's rank (default: $RANK from torchrun).")
 @click.option("--allow-topology-mismatch", is_flag=True,
               help="Run even if the live machine differs from the artifact's topology profile (with a warning).")
+@click.option("--log-every", default=1, show_default=True, type=click.IntRange(min=1), help="Print a progress line every N steps.")
 @click.option("--quiet", is_flag=True, help="Print only errors.")
 @debug_option
-def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_mismatch, quiet):
+def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_mismatch, log_every, quiet):
     """Train from ARTIFACT (a folder made by `aot build`) on this rank.
 
     Launch one process per rank with torchrun; rank and world size come from its environment:
@@ -69,7 +70,7 @@ def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_misma
         raise AotError(f"{metrics}: cannot write metrics ({e.strerror})") from None
     first = last = None
     try:
-        for _ in range(steps):
+        for i in range(steps):
             step = trainer.step_index
             inputs, targets = source.batch(step)
             start = time.perf_counter()
@@ -85,7 +86,8 @@ def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_misma
             if log:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
-            say(f"step {step + 1:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s")
+            if (step + 1) % log_every == 0 or i == steps - 1:
+                say(f"step {step + 1:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s")
     finally:
         if log:
             log.close()

@@ -24,10 +24,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-REPO = Path(__file__).resolve().parents[1]
-MODELS = Path(__file__).resolve().parent / "models"
+from helpers.commands import MODELS, REPO, TIMEOUT, aot, clean_env, show, torchrun
+
 MLP = REPO / "examples" / "mlp.py"
-TIMEOUT = 180
 
 # A Python frame of aot's own code in a traceback (torchrun's launcher prints its own traceback
 # when a child exits non-zero; that one is torch's, not aot's).
@@ -36,60 +35,34 @@ AOT_FRAME = re.compile(r'File "[^"]*[/\\](aot|runner)[/\\][^"]*\.py", line \d+')
 
 # -- helpers ---------------------------------------------------------------------------------
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env.pop("AOT_DEBUG", None)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
-
-
-def aot(*args) -> subprocess.CompletedProcess:
-    """`python -m aot ARGS` from the repository root."""
-    return subprocess.run([sys.executable, "-m", "aot", *map(str, args)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT)
-
-
-def torchrun(nproc: int, *args) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node N -m aot ARGS` (--standalone: a free port)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "aot", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-
-
-def _show(r: subprocess.CompletedProcess) -> str:
-    return f"exit {r.returncode}\n--- stdout ---\n{r.stdout[-3000:]}\n--- stderr ---\n{r.stderr[-6000:]}"
-
-
 def assert_user_error(r: subprocess.CompletedProcess, *needles: str) -> str:
     """Exit 1, no traceback, exactly one `aot: error:` line naming the problem; returns that line.
 
     `needles` are substrings the error line must contain (the distinctive part of the message).
     """
-    assert r.returncode == 1, _show(r)
-    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, _show(r)
-    assert "internal error" not in r.stderr, _show(r)
+    assert r.returncode == 1, show(r)
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, show(r)
+    assert "internal error" not in r.stderr, show(r)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("aot: error: ")]
-    assert len(errors) == 1, _show(r)
+    assert len(errors) == 1, show(r)
     # the error is the last thing printed: nothing (a warning, a stray log) follows it
-    assert lines[-1] == errors[0], _show(r)
+    assert lines[-1] == errors[0], show(r)
     for needle in needles:
-        assert needle in errors[0], f"{needle!r} not in the error line\n{_show(r)}"
+        assert needle in errors[0], f"{needle!r} not in the error line\n{show(r)}"
     return errors[0]
 
 
 def assert_rank_errors(r: subprocess.CompletedProcess, *needles: str) -> list[str]:
     """The torchrun form: non-zero exit, aot's ranks print one-line errors, no aot traceback."""
-    assert r.returncode != 0, _show(r)
-    assert not AOT_FRAME.search(r.stderr), _show(r)
-    assert "internal error" not in r.stderr, _show(r)
+    assert r.returncode != 0, show(r)
+    assert not AOT_FRAME.search(r.stderr), show(r)
+    assert "internal error" not in r.stderr, show(r)
     errors = [line for line in r.stderr.splitlines() if line.startswith("aot: error: ")]
-    assert errors, _show(r)
+    assert errors, show(r)
     for line in errors:
         for needle in needles:
-            assert needle in line, f"{needle!r} not in {line!r}\n{_show(r)}"
+            assert needle in line, f"{needle!r} not in {line!r}\n{show(r)}"
     return errors
 
 
@@ -123,7 +96,7 @@ def staging_folders(folder: Path) -> list[Path]:
 
 def _build(folder: Path, model: Path, *options) -> Path:
     r = aot("build", model, "-o", folder, "--quiet", *options)
-    assert r.returncode == 0, _show(r)
+    assert r.returncode == 0, show(r)
     assert (folder / "manifest.json").is_file()
     return folder
 
@@ -145,7 +118,7 @@ def checkpoint(artifact1, tmp_path_factory) -> Path:
     """A checkpoint written by one step of `aot run --save`."""
     folder = tmp_path_factory.mktemp("ckpt") / "checkpoint"
     r = aot("run", artifact1, "--steps", "1", "--save", folder, "--quiet")
-    assert r.returncode == 0, _show(r)
+    assert r.returncode == 0, show(r)
     assert (folder / "checkpoint.json").is_file()
     return folder
 
@@ -261,7 +234,7 @@ def test_torchrun_with_more_ranks_than_built_prefixes_each_rank(artifact1):
     r = torchrun(2, "run", artifact1, "--steps", "1", "--quiet")
     errors = assert_rank_errors(r, "world size 1", "2 process")
     # torchrun may stop the other rank before it prints, so at least one rank reports
-    assert all(re.match(r"aot: error: \[rank [01]\] ", line) for line in errors), _show(r)
+    assert all(re.match(r"aot: error: \[rank [01]\] ", line) for line in errors), show(r)
 
 
 def test_world_size_2_artifact_without_torchrun(artifact2):
@@ -371,7 +344,7 @@ def test_failure_while_writing_keeps_the_good_artifact(copy1, tmp_path):
     """bad_aliased_buffer.py traces fine and fails in the staged write stage itself."""
     before = (copy1 / "manifest.json").read_bytes()
     r = aot("build", MODELS / "bad_aliased_buffer.py", "-o", copy1, "--quiet")
-    assert r.returncode != 0, _show(r)
+    assert r.returncode != 0, show(r)
     assert (copy1 / "manifest.json").read_bytes() == before
     assert not staging_folders(copy1)
     assert sorted(p.name for p in copy1.iterdir()) == ["data", "manifest.json", "programs", "state"]
@@ -380,7 +353,7 @@ def test_failure_while_writing_keeps_the_good_artifact(copy1, tmp_path):
 
     fresh = tmp_path / "fresh"
     r = aot("build", MODELS / "bad_aliased_buffer.py", "-o", fresh, "--quiet")
-    assert r.returncode != 0, _show(r)
+    assert r.returncode != 0, show(r)
     assert not (fresh / "manifest.json").exists()
     assert not staging_folders(fresh)
 
@@ -405,17 +378,17 @@ def test_build_output_below_a_file(tmp_path):
 def test_debug_shows_traceback(tmp_path, where):
     args = ["build", MODELS / "bad_no_model.py", "-o", tmp_path / "out", "--quiet"]
     r = aot(*(args + ["--debug"] if where == "after" else ["--debug"] + args))
-    assert r.returncode != 0, _show(r)
-    assert "Traceback (most recent call last)" in r.stderr, _show(r)
-    assert "AotError" in r.stderr and "defines no model()" in r.stderr, _show(r)
+    assert r.returncode != 0, show(r)
+    assert "Traceback (most recent call last)" in r.stderr, show(r)
+    assert "AotError" in r.stderr and "defines no model()" in r.stderr, show(r)
 
 
 def test_debug_env_shows_traceback_for_run(copy1):
     flip_byte(copy1 / "state" / "weights.safetensors")
     r = subprocess.run([sys.executable, "-m", "aot", "run", str(copy1), "--steps", "1", "--quiet"],
-                       cwd=REPO, env={**_env(), "AOT_DEBUG": "1"}, capture_output=True, text=True, timeout=TIMEOUT)
-    assert r.returncode != 0, _show(r)
-    assert "Traceback (most recent call last)" in r.stderr and "sha256" in r.stderr, _show(r)
+                       cwd=REPO, env={**clean_env(), "AOT_DEBUG": "1"}, capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode != 0, show(r)
+    assert "Traceback (most recent call last)" in r.stderr and "sha256" in r.stderr, show(r)
 
 
 # -- 10. checkpoints ------------------------------------------------------------------------

@@ -95,8 +95,9 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
         loss = call_user(mf.loss, "loss(outputs, targets)", mf.path, outputs, batch_targets)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise AotError(f"{mf.path.name}: loss(outputs, targets) must return a scalar tensor")
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        # Detached before backward so its reduction can join the first gradient bucket.
         local_loss = loss.detach()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
         global_loss = local_loss
         if reduction is not None:
             grads = [None if g is None else _average(g, reduction) for g in grads]

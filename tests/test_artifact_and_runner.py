@@ -1,0 +1,157 @@
+"""The artifact format and the runner: pickle-free files, hashes, the Python API, checkpoints,
+resume, inspect and verify, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import runner
+from helpers.commands import EXAMPLES, aot, ok, torchrun
+from runner.artifact import Artifact
+
+
+@pytest.fixture(scope="module")
+def mlp1(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mlp1") / "art"
+    ok(aot("build", EXAMPLES / "mlp.py", "-o", out, "--quiet"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpt2") / "art"
+    ok(aot("build", EXAMPLES / "gpt.py", "--world-size", "2", "--batch-size", "4", "-o", out, "--quiet"))
+    return out
+
+
+def test_no_file_is_a_pickle_and_every_file_is_hashed(gpt2):
+    manifest = json.loads((gpt2 / "manifest.json").read_text())
+    on_disk = {str(p.relative_to(gpt2)) for p in gpt2.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert on_disk == set(manifest["files"])
+    for rel in on_disk:
+        data = (gpt2 / rel).read_bytes()
+        assert not data.startswith(b"\x80"), f"{rel} looks like a pickle"
+        assert not zipfile.is_zipfile(gpt2 / rel), f"{rel} is a zip (torch.save / torch.export.save format)"
+        if rel.endswith(".json"):
+            json.loads(data)
+        else:
+            assert rel.endswith(".safetensors")
+            load_file(gpt2 / rel)
+
+
+def test_loading_never_calls_torch_load(mlp1, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.load called while loading an artifact")
+    monkeypatch.setattr(torch, "load", refuse)
+    trainer = runner.load(mlp1, rank=0, world_size=1)
+    inputs, targets = trainer.data_source().batch(0)
+    assert torch.isfinite(torch.tensor(trainer.step(inputs, targets)))
+
+
+def test_program_files_are_shared_across_ranks(gpt2):
+    manifest = json.loads((gpt2 / "manifest.json").read_text())
+    assert len(manifest["ranks"]) == 2 and len(manifest["programs"]) == 1
+    assert {r["program"] for r in manifest["ranks"]} == {"train"}
+    assert manifest["process_groups"] == {"aot.dp": {"axis": "dp", "groups": [[0, 1]]}}
+    assert manifest["build"]["world_size"] == 2
+
+
+def test_python_api_matches_eager_single_process(mlp1):
+    """runner.load(...).step() against a plain eager loop in this process."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mlp_example", EXAMPLES / "mlp.py")
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    torch.manual_seed(0)
+    model = user.model()
+    opt = user.optimizer(model.parameters())
+    trainer = runner.load(mlp1, rank=0, world_size=1)
+    source = trainer.data_source()
+    for step in range(3):
+        inputs, targets = source.batch(step)
+        loss = trainer.step(inputs, targets)
+        opt.zero_grad()
+        eager = torch.nn.functional.cross_entropy(model(*inputs), targets)
+        eager.backward()
+        opt.step()
+        assert abs(loss - eager.item()) <= 1e-6
+    state = trainer.state_dict()
+    assert list(state) == list(model.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.allclose(state[k], v, atol=1e-6)
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(gpt2, tmp_path):
+    full, first, resumed = tmp_path / "full", tmp_path / "first", tmp_path / "resumed"
+    ok(torchrun(2, "run", gpt2, "--steps", "4", "--save", full, "--quiet"))
+    ok(torchrun(2, "run", gpt2, "--steps", "2", "--save", first, "--quiet"))
+    ok(torchrun(2, "run", gpt2, "--steps", "2", "--resume", first, "--save", resumed, "--quiet"))
+    assert json.loads((resumed / "checkpoint.json").read_text())["step"] == 4
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        a, b = load_file(full / name), load_file(resumed / name)
+        assert sorted(a) == sorted(b)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_merged_checkpoint_loads_into_the_users_model(gpt2, tmp_path):
+    ok(torchrun(2, "run", gpt2, "--steps", "1", "--save", tmp_path / "ck", "--quiet"))
+    ok(aot("checkpoint", "merge", tmp_path / "ck", "-o", tmp_path / "full.safetensors"))
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpt_example", EXAMPLES / "gpt.py")
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    model = user.model()
+    result = model.load_state_dict(load_file(tmp_path / "full.safetensors"))
+    assert not result.missing_keys and not result.unexpected_keys
+
+
+def test_metrics_and_progress(gpt2, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    r = ok(torchrun(2, "run", gpt2, "--steps", "3", "--metrics", metrics))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(set(r) >= {"step", "loss", "step_time_s", "samples_per_s"} for r in records)
+    assert all(r["samples_per_s"] > 0 for r in records)
+    assert "step     3" in r.stderr and "loss" in r.stderr
+
+
+def test_inspect_reports_collectives_per_step(gpt2):
+    summary = json.loads(ok(aot("inspect", gpt2, "--json")).stdout)
+    train = summary["programs"]["train"]
+    params = len(Artifact(gpt2).manifest["state"]["params"])
+    # gradients (and the loss) travel in one 25 MB bucket, not one collective per parameter
+    assert train["collectives_per_step"] == 1 < params
+    assert train["collectives"][0]["kind"] == "all_reduce" and train["collectives"][0]["group"] == "aot.dp"
+    assert summary["world_size"] == 2 and summary["ranks"][1]["coords"] == {"dp": 1}
+    text = ok(aot("inspect", gpt2)).stdout
+    assert "1 collectives per step" in text and "programs/train.json" in text
+
+
+def test_small_buckets_give_more_collectives(tmp_path):
+    out = tmp_path / "art"
+    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", "2", "--bucket-mb", "0.01", "-o", out, "--quiet"))
+    summary = json.loads(ok(aot("inspect", out, "--json")).stdout)
+    assert summary["programs"]["train"]["collectives_per_step"] > 1
+
+
+def test_verify_passes_on_a_good_artifact_and_fails_on_a_wrong_model(gpt2, tmp_path):
+    result = json.loads(ok(aot("verify", gpt2, EXAMPLES / "gpt.py", "--steps", "3", "--json")).stdout)
+    assert result["ok"] and result["max_loss_diff"] <= 1e-5 and result["max_weight_diff"] <= 1e-5
+    other = tmp_path / "gpt_changed.py"
+    other.write_text((EXAMPLES / "gpt.py").read_text().replace("n_layer = 2", "n_layer = 3"))
+    r = aot("verify", gpt2, other)
+    assert r.returncode == 1 and "differs from the model file the artifact was built from" in r.stderr
+
+
+def test_builds_for_many_ranks_on_one_machine(tmp_path):
+    """A laptop builds for a large cluster: 1024 ranks, one program, no real collective."""
+    out = tmp_path / "big"
+    summary = json.loads(ok(aot("build", EXAMPLES / "mlp.py", "--world-size", "1024", "-o", out, "--json")).stdout)
+    assert summary["world_size"] == 1024 and summary["programs"] == 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["ranks"]) == 1024 and len(manifest["files"]) == 4

@@ -1,0 +1,156 @@
+"""Each graph pass on its own: what it changes in the graph, and that the numbers stay the same.
+
+The graphs are real captured training steps (examples/mlp.py with a 2-rank gradient reduction).
+To run them numerically in one process, the graph's group name is bound to a world-size-1 gloo
+group: all_reduce is then the identity and every pass must leave the results bit-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _register_process_group
+
+from aot.capture.model_file import load_model_file
+from aot.capture.step import GradientReduction, capture_step
+from aot.capture.training_state import build_training_state
+from aot.passes import bucket_all_reduces, drop_profiler_calls, issue_early_wait_late, run_passes
+from aot.passes.graph_utils import ALL_REDUCE, WAIT, funcol, is_call
+from helpers.commands import EXAMPLES
+
+GROUP = "aot.test"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_rank_group():
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    _register_process_group(GROUP, dist.group.WORLD)
+    yield
+
+
+def capture(model="mlp.py"):
+    mf = load_model_file(EXAMPLES / model)
+    state = build_training_state(mf, seed=0, max_steps=10)
+    inputs, targets = mf.batch(4)
+    # size 1: the average over the (single-rank) group is the identity, so results are checkable
+    return capture_step(mf, state, [inputs], targets, GradientReduction(GROUP, 1))
+
+
+def run_graph(gm, args):
+    fresh = [a.clone() for a in args]
+    out = gm(*fresh)
+    return [o.clone() for o in out], fresh
+
+
+def first_use(gm, node):
+    return next(n for n in gm.graph.nodes if n in node.users)
+
+
+def count(gm, target):
+    return sum(1 for n in gm.graph.nodes if is_call(n, {target}))
+
+
+def position(gm):
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def test_capture_has_one_all_reduce_per_gradient_and_loss():
+    step = capture()
+    params = sum(1 for s in step.slots if s["kind"] == "param")
+    assert count(step.graph, ALL_REDUCE) == params + 1
+    assert count(step.graph, WAIT) == params + 1
+
+
+def test_drop_profiler_calls_removes_only_profiler_ops():
+    step = capture()
+    before, _ = run_graph(step.graph, step.example_args)
+    profiler_ops = [n for n in step.graph.graph.nodes if n.op == "call_function" and "profiler" in str(n.target)]
+    assert profiler_ops, "torch.optim's record_function should appear in a raw capture"
+    gm = drop_profiler_calls(step.graph)
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and "profiler" in str(n.target)]
+    after, _ = run_graph(gm, step.example_args)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("bucket_bytes,expected", [(2**30, 1), (1, None)])
+def test_bucketing_counts_and_numbers(bucket_bytes, expected):
+    step = capture()
+    n_reduces = count(step.graph, ALL_REDUCE)
+    before_out, before_state = run_graph(step.graph, step.example_args)
+    gm = bucket_all_reduces(drop_profiler_calls(step.graph), bucket_bytes)
+    after_out, after_state = run_graph(gm, step.example_args)
+    # one bucket when everything fits; with 1-byte buckets every all_reduce stays on its own
+    assert count(gm, ALL_REDUCE) == (expected if expected is not None else n_reduces)
+    assert all(torch.equal(a, b) for a, b in zip(before_out, after_out))
+    # the step's in-place updates (weights, momentum) are the same too
+    assert all(torch.equal(a, b) for a, b in zip(before_state, after_state))
+
+
+def test_bucketing_respects_bucket_size():
+    step = capture()
+    grads = [n.args[0].meta["val"] for n in step.graph.graph.nodes if is_call(n, {ALL_REDUCE})]
+    largest = max(g.numel() * g.element_size() for g in grads)
+    gm = bucket_all_reduces(drop_profiler_calls(step.graph), largest)
+    buckets = count(gm, ALL_REDUCE)
+    assert 1 < buckets < len(grads)
+
+
+def test_bucketing_never_fuses_dependent_all_reduces():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    first = graph.call_function(funcol.all_reduce.default, (x, "sum", GROUP))
+    first_wait = graph.call_function(funcol.wait_tensor.default, (first,))
+    doubled = graph.call_function(torch.ops.aten.mul.Tensor, (first_wait, 2))
+    second = graph.call_function(funcol.all_reduce.default, (doubled, "sum", GROUP))
+    second_wait = graph.call_function(funcol.wait_tensor.default, (second,))
+    graph.output((first_wait, second_wait))
+    example = torch.ones(3)
+    for node in graph.nodes:  # the pass reads shapes from tracing metadata
+        if node.op != "output":
+            node.meta["val"] = example
+    gm = bucket_all_reduces(torch.fx.GraphModule(torch.nn.Module(), graph), 2**30)
+    assert count(gm, ALL_REDUCE) == 2
+    a, b = gm(torch.arange(3.0))
+    assert torch.equal(a, torch.arange(3.0)) and torch.equal(b, 2 * torch.arange(3.0))
+
+
+def test_overlap_issues_collectives_during_backward_and_waits_late():
+    step = capture()
+    grads = [n.args[0].meta["val"] for n in step.graph.graph.nodes if is_call(n, {ALL_REDUCE})]
+    before_out, before_state = run_graph(step.graph, step.example_args)
+    gm = bucket_all_reduces(drop_profiler_calls(step.graph), max(g.numel() * 4 for g in grads))
+    gm = issue_early_wait_late(gm)
+    pos = position(gm)
+    reduces = [n for n in gm.graph.nodes if is_call(n, {ALL_REDUCE})]
+    matmuls = [n for n in gm.graph.nodes if is_call(n, {torch.ops.aten.mm.default})]
+    # the first bucket goes out while backward still has matrix products to compute ...
+    assert pos[reduces[0]] < pos[matmuls[-1]]
+    for node in reduces:
+        wait = next(iter(node.users))
+        # ... and each wait sits right before the first use of its result
+        assert first_use(gm, wait) == wait.next or is_call(wait.next, {torch.ops.aten.split_with_sizes.default})
+    # every bucket but the last (issued when backward is done) has compute to hide behind
+    for node in reduces[:-1]:
+        assert pos[next(iter(node.users))] - pos[node] > 1
+    after_out, after_state = run_graph(gm, step.example_args)
+    assert all(torch.equal(a, b) for a, b in zip(before_out, after_out))
+    assert all(torch.equal(a, b) for a, b in zip(before_state, after_state))
+
+
+def test_pipeline_composes_on_gpt():
+    step = capture("gpt.py")
+    before_out, before_state = run_graph(step.graph, step.example_args)
+    gm = run_passes(step.graph, bucket_bytes=25 * 2**20)
+    assert count(gm, ALL_REDUCE) == 1
+    after_out, after_state = run_graph(gm, step.example_args)
+    assert all(torch.equal(a, b) for a, b in zip(before_out, after_out))
+    assert all(torch.equal(a, b) for a, b in zip(before_state, after_state))
