@@ -31,6 +31,7 @@ class BuildOptions:
     max_steps: int = 1000
     bucket_mb: float = 25.0
     seed: int = 0
+    sign_key: Path | None = None
 
 
 def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
@@ -57,6 +58,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     if options.bucket_mb <= 0:
         raise AotError(f"--bucket-mb must be positive, got {options.bucket_mb}")
     check_writable_target(options.output, "folder")
+    if options.sign_key is not None and not Path(options.sign_key).is_file():
+        raise AotError(f"{options.sign_key}: no such signing key (make one with `aot keygen`)")
     mesh = Mesh.parse(options.strategy, options.world_size)
     profile = load_profile(options.topology) if options.topology else live_profile()
 
@@ -81,7 +84,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     with progress.stage(f"writing the artifact to {options.output}"):
         manifest = emit_artifact(
             options.output, ep=ep, captured=captured, state=state, mesh=mesh, profile=profile,
-            example=example, batch_size=options.batch_size,
+            example=example, batch_size=options.batch_size, sign_key=options.sign_key,
             build={
                 "model_file": mf.path.name, "model_sha256": mf.sha256, "world_size": options.world_size,
                 "strategy": mesh.describe(), "batch_size": options.batch_size, "max_steps": options.max_steps,

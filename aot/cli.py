@@ -42,10 +42,11 @@ def cli():
 @click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="Gradient bucket size for all_reduce, in MiB.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Initial weights are those of torch.manual_seed(seed); model().")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Artifact folder to write.")
+@click.option("--sign", "sign_key", type=click.Path(path_type=Path), help="Sign the artifact with this Ed25519 private key (see `aot keygen`).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
 @debug_option
-def build(model_file, topology, world_size, strategy, batch_size, max_steps, bucket_mb, seed, output, quiet, as_json):
+def build(model_file, topology, world_size, strategy, batch_size, max_steps, bucket_mb, seed, output, sign_key, quiet, as_json):
     """Trace MODEL_FILE's whole training step into per-rank artifacts.
 
     MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),
@@ -61,7 +62,8 @@ def build(model_file, topology, world_size, strategy, batch_size, max_steps, buc
     if world_size is None:
         world_size = Mesh.parse(strategy, 1).world_size if strategy else 1
     options = BuildOptions(model_path=model_file, output=output, topology=topology, world_size=world_size,
-                           strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, seed=seed)
+                           strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, seed=seed,
+                           sign_key=sign_key)
     progress = Progress(total=6, quiet=quiet or as_json)
     manifest = run_build(options, progress)
     program = manifest["programs"]["train"]
@@ -124,6 +126,21 @@ def verify(artifact, model_file, steps, data, tolerance, as_json):
                    f"(tolerance {tolerance:g}): {'OK' if result['ok'] else 'FAILED'}")
     if not result["ok"]:
         raise SystemExit(1)
+
+
+@cli.command()
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Private key file to write; the public key goes to OUTPUT.pub.")
+@debug_option
+def keygen(output):
+    """Make an Ed25519 key pair for signing artifacts.
+
+    Build with `aot build --sign KEY`; clusters run with `aot run --trusted-key KEY.pub` and refuse
+    artifacts that are unsigned, altered after signing, or signed by another key.
+    """
+    from runner.signing import generate_keypair
+
+    public = generate_keypair(output)
+    click.echo(f"wrote private key {output} (keep it secret) and public key {public}", err=True)
 
 
 @cli.group()

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from runner.errors import AotError
-from runner.integrity import read_verified
+from runner.integrity import canonical_json, content_problem, read_verified, sha256_bytes
 
 FORMAT_NAME = "aot-artifact"
 FORMAT_VERSION = 1
@@ -35,7 +35,13 @@ _REQUIRED = {
     "data": dict,
     "topology": dict,
     "files": dict,
+    "digest": str,
 }
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 over every entry of the manifest but the digest itself (canonical JSON)."""
+    return sha256_bytes(canonical_json({k: v for k, v in manifest.items() if k != "digest"}))
 
 
 def torch_release(version: str | None = None) -> str:
@@ -47,33 +53,44 @@ class Artifact:
     """A verified view of an artifact folder. Construction checks only the manifest; every
     other file is checked against its sha256 when it is read."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, trusted_keys: list[str] | None = None):
         self.root = Path(root)
         path = self.root / MANIFEST
         if not self.root.is_dir():
             raise AotError(f"{self.root}: no such artifact folder")
         if not path.is_file():
             raise AotError(f"{self.root}: no {MANIFEST}; not an aot artifact (make one with `aot build`)")
+        raw = path.read_bytes()
+        self.signer = None
+        if trusted_keys:
+            # before anything of the artifact is parsed
+            from runner.signing import check_signature
+            self.signer = check_signature(self.root, raw, trusted_keys)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise AotError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise AotError(f"{path}: not an aot artifact manifest (format is not {FORMAT_NAME!r})")
-        for key, kind in _REQUIRED.items():
-            if not isinstance(data.get(key), kind):
-                raise AotError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
-        if data["format_version"] != FORMAT_VERSION:
+        # Versions first: a manifest of another version may follow other rules for the rest.
+        if data.get("format_version") != FORMAT_VERSION:
             raise AotError(
                 f"{path}: artifact format version {data['format_version']} but this runner reads "
                 f"version {FORMAT_VERSION}; rebuild with a matching aot"
             )
+        if not isinstance(data.get("torch_version"), str):
+            raise AotError(f"{path}: field 'torch_version' is missing or not a str")
         if torch_release(data["torch_version"]) != torch_release():
             raise AotError(
                 f"{path}: built with torch {data['torch_version']} but this runner has torch "
                 f"{torch.__version__}; rebuild with torch {torch_release()} or install torch "
                 f"{torch_release(data['torch_version'])}"
             )
+        for key, kind in _REQUIRED.items():
+            if not isinstance(data.get(key), kind):
+                raise AotError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
+        if data["digest"] != manifest_digest(data):
+            raise AotError(f"{path}: digest does not match its entries (manifest altered or corrupt)")
         _check_structure(data, str(path))
         self.manifest = data
 
@@ -85,7 +102,11 @@ class Artifact:
         entry = self.manifest["files"].get(relpath)
         if entry is None:
             raise AotError(f"{self.root / MANIFEST}: names {relpath} but does not list its sha256")
-        return read_verified(self.root, relpath, entry)
+        data = read_verified(self.root, relpath, entry)
+        problem = content_problem(relpath, data)
+        if problem:
+            raise AotError(f"{self.root / relpath}: {problem}; refusing to deserialize it")
+        return data
 
     def tensors(self, relpath: str) -> dict[str, torch.Tensor]:
         return load_safetensors(self.read(relpath))

@@ -26,10 +26,12 @@ _STARTED = time.perf_counter()  # as close to process start as this module gets
 @click.option("--rank", type=int, help="This process's rank (default: $RANK from torchrun).")
 @click.option("--allow-topology-mismatch", is_flag=True,
               help="Run even if the live machine differs from the artifact's topology profile (with a warning).")
+@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(path_type=Path),
+              help="Run only artifacts signed by this public key (repeatable; see `aot keygen`).")
 @click.option("--log-every", default=1, show_default=True, type=click.IntRange(min=1), help="Print a progress line every N steps.")
 @click.option("--quiet", is_flag=True, help="Print only errors.")
 @debug_option
-def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_mismatch, log_every, quiet):
+def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_mismatch, trusted_keys, log_every, quiet):
     """Train from ARTIFACT (a folder made by `aot build`) on this rank.
 
     Launch one process per rank with torchrun; rank and world size come from its environment:
@@ -53,7 +55,10 @@ def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_misma
         check_writable_target(metrics, "file")
 
     say = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
+    from runner.signing import read_public_key
+
     trainer = Trainer(artifact, rank, allow_topology_mismatch=allow_topology_mismatch,
+                      trusted_keys=[read_public_key(k) for k in trusted_keys],
                       warn=lambda msg: click.echo(f"warning: {msg}", err=True))
     lead = trainer.rank == 0
     say = say if lead else (lambda msg: None)

@@ -55,6 +55,26 @@ def check_writable_target(path: Path, kind: str = "folder") -> None:
             return
 
 
+def content_problem(relpath: str, data: bytes) -> str | None:
+    """Why these bytes must not be deserialized, judged from the bytes alone (None if fine).
+
+    Runs even when the hashes match, so a payload planted together with rewritten hashes is
+    still refused: artifacts hold only JSON and safetensors, never pickles or zip archives.
+    """
+    if relpath.endswith(".json"):
+        return None if data.lstrip()[:1] == b"{" else "is not a JSON object (a pickle or other payload?)"
+    if relpath.endswith(".safetensors"):
+        # 8-byte little-endian header length, then the JSON header: a pickle or zip cannot pass
+        header = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+        ok = 0 < header and 8 + header <= len(data) and data[8:9] == b"{"
+        return None if ok else "is not a safetensors file (a pickle or other payload?)"
+    if data[:1] == b"\x80":
+        return "holds a pickle"
+    if data[:4] == b"PK\x03\x04":
+        return "is a zip archive (torch.save / torch.export.save format)"
+    return None
+
+
 def canonical_json(obj) -> bytes:
     """JSON with sorted keys and fixed separators, so equal content gives equal bytes."""
     return (json.dumps(obj, sort_keys=True, indent=1, separators=(",", ": ")) + "\n").encode()
@@ -97,7 +117,9 @@ class StagedDir:
         self.files[relpath] = entry
         return entry
 
-    def commit(self, index: dict) -> None:
+    def commit(self, index: dict, unlisted: dict[str, bytes | None] | None = None) -> None:
+        """Move the files in and write `index` last. `unlisted` files (a signature over the
+        index) are written beside it, or removed where their content is None."""
         index_path = self.dest / self.index_name
         stale = _listed_files(index_path) - set(self.files)
         if index_path.exists():
@@ -108,6 +130,12 @@ class StagedDir:
             target = self.dest / relpath
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(self.staging / relpath, target)
+        for relpath, data in (unlisted or {}).items():
+            if data is None:
+                (self.dest / relpath).unlink(missing_ok=True)
+            else:
+                (self.staging / relpath).write_bytes(data)
+                os.replace(self.staging / relpath, self.dest / relpath)
         tmp = self.staging / self.index_name
         tmp.write_bytes(canonical_json(index))
         os.replace(tmp, index_path)

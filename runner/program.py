@@ -9,6 +9,8 @@ alone. No example inputs are stored, so weights are never duplicated inside a pr
 
 from __future__ import annotations
 
+import json
+
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
@@ -33,7 +35,16 @@ def encode_program(ep: torch.export.ExportedProgram) -> tuple[bytes, bytes | Non
         serialize_example_inputs=False,
     )
     constants = save_safetensors(tensors) if tensors else None
-    return artifact.exported_program, constants
+    return _reproducible(artifact.exported_program), constants
+
+
+def _reproducible(program_json: bytes) -> bytes:
+    """Drop per-node debug metadata (source stack traces, Python object ids of the tracing
+    session): nothing at run time reads it, and it would make two identical builds differ."""
+    program = json.loads(program_json)
+    for node in program["graph_module"]["graph"]["nodes"]:
+        node["metadata"] = {}
+    return json.dumps(program, sort_keys=True, separators=(",", ":")).encode()
 
 
 def decode_program(program_json: bytes, constants: bytes | None) -> torch.export.ExportedProgram:

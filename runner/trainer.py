@@ -37,8 +37,8 @@ class Trainer:
 
     def __init__(self, path: str | Path, rank: int | None = None, *, world_size: int | None = None,
                  device: str | torch.device | None = None, allow_topology_mismatch: bool = False,
-                 warn=lambda msg: None):
-        self.artifact = artifact = Artifact(path)
+                 trusted_keys: list[str] | None = None, warn=lambda msg: None):
+        self.artifact = artifact = Artifact(path, trusted_keys)
         manifest = artifact.manifest
         self.rank = rank if rank is not None else (_env_int("RANK") or 0)
         self.world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)

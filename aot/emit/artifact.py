@@ -20,9 +20,10 @@ from aot.capture.training_state import TrainingState
 from aot.errors import AotError
 from aot.passes.graph_utils import COLLECTIVES, is_call, tensor_bytes
 from aot.plan.mesh import Mesh
-from runner.artifact import FORMAT_NAME, FORMAT_VERSION, MANIFEST
+from runner.artifact import FORMAT_NAME, FORMAT_VERSION, MANIFEST, manifest_digest
 from runner.data import dtype_name
-from runner.integrity import StagedDir
+from runner.integrity import StagedDir, canonical_json
+from runner.signing import SIGNATURE, sign_manifest
 from runner.program import encode_program
 from runner.topology import profile_sha256
 
@@ -57,7 +58,7 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: CapturedStep, state: TrainingState,
                   mesh: Mesh, profile: dict, example: dict[str, torch.Tensor], batch_size: int,
-                  build: dict) -> dict:
+                  build: dict, sign_key: Path | None = None) -> dict:
     program_json, constants = encode_program(ep)
     weights = _contiguous({**state.params, **state.buffers})
     data_slots = [s for s in captured.slots if s["kind"] in ("input", "target")]
@@ -113,5 +114,7 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
             },
         }
         manifest["files"] = dict(sorted(files.files.items()))
-        files.commit(manifest)
+        manifest["digest"] = manifest_digest(manifest)
+        signature = sign_manifest(canonical_json(manifest), sign_key) if sign_key else None
+        files.commit(manifest, unlisted={SIGNATURE: signature})
     return manifest
