@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -14,6 +15,11 @@ from runner.console import console_main, debug_option
 _STARTED = time.perf_counter()  # as close to process start as this module gets
 
 
+def _restarted() -> bool:
+    """Whether torchrun restarted this worker group after a failure (--max-restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
 @click.command("run")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(min=0), help="Training steps to run.")
@@ -21,17 +27,22 @@ _STARTED = time.perf_counter()  # as close to process start as this module gets
               help="safetensors file with `inputs` (or inputs.0, inputs.1, ...) and `targets`, one sample per row. "
                    "Default: the example batch recorded at build time.")
 @click.option("--metrics", type=click.Path(path_type=Path), help="Append one JSON line per step (rank 0).")
-@click.option("--save", type=click.Path(path_type=Path), help="Write a checkpoint here at the end.")
+@click.option("--save", type=click.Path(path_type=Path), help="Write a checkpoint here at the end (and every --save-every steps).")
+@click.option("--save-every", type=click.IntRange(min=1), help="Also checkpoint every N steps. A run that torchrun restarts "
+              "(--max-restarts) resumes from the last complete checkpoint in --save and still stops at the same step.")
 @click.option("--resume", type=click.Path(path_type=Path), help="Continue from a checkpoint written by --save.")
 @click.option("--rank", type=int, help="This process's rank (default: $RANK from torchrun).")
 @click.option("--allow-topology-mismatch", is_flag=True,
               help="Run even if the live machine differs from the artifact's topology profile (with a warning).")
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(path_type=Path),
               help="Run only artifacts signed by this public key (repeatable; see `aot keygen`).")
+@click.option("--timeout", "timeout_s", default=600, show_default=True, type=click.IntRange(min=1),
+              help="Seconds a collective may wait for the other ranks before the run fails, naming it.")
 @click.option("--log-every", default=1, show_default=True, type=click.IntRange(min=1), help="Print a progress line every N steps.")
 @click.option("--quiet", is_flag=True, help="Print only errors.")
 @debug_option
-def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_mismatch, trusted_keys, log_every, quiet):
+def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_topology_mismatch, trusted_keys,
+        timeout_s, log_every, quiet):
     """Train from ARTIFACT (a folder made by `aot build`) on this rank.
 
     Launch one process per rank with torchrun; rank and world size come from its environment:
@@ -44,38 +55,46 @@ def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_misma
     """
     import torch.distributed as dist
 
+    from runner.checkpoint import read_index
     from runner.errors import AotError
     from runner.integrity import check_writable_target
+    from runner.signing import read_public_key
     from runner.trainer import Trainer
 
-    # Output paths are checked before any work, not after the last step.
+    # Everything that can be checked before the work is checked before it.
+    if save_every is not None and save is None:
+        raise AotError("--save-every needs --save DIR")
     if save is not None:
         check_writable_target(save, "folder")
     if metrics is not None:
         check_writable_target(metrics, "file")
+    keys = [read_public_key(k) for k in trusted_keys]
 
-    say = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
-    from runner.signing import read_public_key
+    trainer = Trainer(artifact, rank, allow_topology_mismatch=allow_topology_mismatch, trusted_keys=keys,
+                      timeout_s=timeout_s, warn=lambda msg: click.echo(f"warning: {msg}", err=True))
+    say = (lambda msg: click.echo(msg, err=True)) if (trainer.rank == 0 and not quiet) else (lambda msg: None)
 
-    trainer = Trainer(artifact, rank, allow_topology_mismatch=allow_topology_mismatch,
-                      trusted_keys=[read_public_key(k) for k in trusted_keys],
-                      warn=lambda msg: click.echo(f"warning: {msg}", err=True))
-    lead = trainer.rank == 0
-    say = say if lead else (lambda msg: None)
-    if resume is not None:
+    target = None
+    if save is not None and _restarted() and (save / "checkpoint.json").is_file():
+        target = read_index(save).get("target_step")
+        trainer.resume(save)
+        say(f"restarted by torchrun: resumed from {save} at step {trainer.step_index}")
+    elif resume is not None:
         trainer.resume(resume)
         say(f"resumed from {resume} at step {trainer.step_index}")
-    trainer.check_steps(steps)
+    target = target if target is not None else trainer.step_index + steps
+    trainer.check_steps(target - trainer.step_index)
     source = trainer.data_source(data)
     say(f"rank 0 of {trainer.world_size} ready in {time.perf_counter() - _STARTED:.2f} s "
         f"({trainer.device}, {source.rows} samples from {data or 'the example batch'})")
+
     try:
-        log = open(metrics, "a") if (metrics is not None and lead) else None
+        log = open(metrics, "a") if (metrics is not None and trainer.rank == 0) else None
     except OSError as e:
         raise AotError(f"{metrics}: cannot write metrics ({e.strerror})") from None
     first = last = None
     try:
-        for i in range(steps):
+        while trainer.step_index < target:
             step = trainer.step_index
             inputs, targets = source.batch(step)
             start = time.perf_counter()
@@ -91,16 +110,18 @@ def run(artifact, steps, data, metrics, save, resume, rank, allow_topology_misma
             if log:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
-            if (step + 1) % log_every == 0 or i == steps - 1:
+            if (step + 1) % log_every == 0 or step + 1 == target:
                 say(f"step {step + 1:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s")
+            if save_every and (step + 1) % save_every == 0 and step + 1 < target:
+                trainer.save(save, target_step=target)
     finally:
         if log:
             log.close()
     if save is not None:
-        trainer.save(save)
+        trainer.save(save, target_step=target)
         say(f"saved checkpoint at step {trainer.step_index} to {save}")
-    if steps:
-        say(f"trained {steps} steps: loss {first:.4f} -> {last:.4f}")
+    if first is not None:
+        say(f"trained to step {trainer.step_index}: loss {first:.4f} -> {last:.4f}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -85,8 +85,9 @@ class StagedDir:
 
     Usage: `with StagedDir(dest, "manifest.json") as out: out.write("a.bin", data); ...;
     out.commit(index)`. Leaving the block without `commit` (an exception) removes the staging
-    folder and leaves `dest` as it was. `commit` first removes the old index, then moves the new
-    files in, then writes the new index: a reader sees either no index or a complete one.
+    folder and leaves `dest` as it was. `commit` moves the new files in, then atomically replaces
+    the index: a reader sees a complete old index, a complete new one, or (when new files took
+    the old ones' names) no index, never one describing bytes that are not there.
     Files of `dest` that the new index does not list but the old one did are removed, so a
     rebuild into the same folder leaves no stale programs behind; unrelated files (FORMAT.md in
     the repository's artifacts/ folder) are kept.
@@ -121,11 +122,14 @@ class StagedDir:
         """Move the files in and write `index` last. `unlisted` files (a signature over the
         index) are written beside it, or removed where their content is None."""
         index_path = self.dest / self.index_name
-        stale = _listed_files(index_path) - set(self.files)
-        if index_path.exists():
-            index_path.unlink()
-        for relpath in stale:
-            (self.dest / relpath).unlink(missing_ok=True)
+        listed = _listed_files(index_path)
+        stale = listed - set(self.files)
+        if listed & set(self.files):
+            # New files replace files the old index lists: drop that index first, so a crash
+            # mid-way leaves no index rather than one describing other bytes. Writers that need
+            # the old state to survive a crash (checkpoints) use fresh names, keeping the old
+            # index valid until the atomic replace below.
+            index_path.unlink(missing_ok=True)
         for relpath in self.files:
             target = self.dest / relpath
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -139,6 +143,8 @@ class StagedDir:
         tmp = self.staging / self.index_name
         tmp.write_bytes(canonical_json(index))
         os.replace(tmp, index_path)
+        for relpath in stale:
+            (self.dest / relpath).unlink(missing_ok=True)
         for folder in sorted({(self.dest / p).parent for p in stale}, reverse=True):
             if folder != self.dest and folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()

@@ -8,6 +8,7 @@ inside it, and parameters, buffers and optimizer state are updated in place.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from runner.artifact import Artifact
 from runner.checkpoint import layout_of, load_checkpoint, optimizer_key, save_checkpoint
+from runner.custom_ops import import_op_libraries
 from runner.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
 from runner.groups import bind_process_groups
@@ -37,7 +39,7 @@ class Trainer:
 
     def __init__(self, path: str | Path, rank: int | None = None, *, world_size: int | None = None,
                  device: str | torch.device | None = None, allow_topology_mismatch: bool = False,
-                 trusted_keys: list[str] | None = None, warn=lambda msg: None):
+                 trusted_keys: list[str] | None = None, timeout_s: float = 600, warn=lambda msg: None):
         self.artifact = artifact = Artifact(path, trusted_keys)
         manifest = artifact.manifest
         self.rank = rank if rank is not None else (_env_int("RANK") or 0)
@@ -61,12 +63,14 @@ class Trainer:
             warn(f"topology mismatch, schedule was tuned for other hardware: {line}")
 
         self.device = torch.device(device) if device else self._default_device(profile)
+        self.timeout_s = timeout_s
         self._init_distributed(profile)
         self.groups = bind_process_groups(manifest["process_groups"], self.rank, self.world_size)
 
         entry = artifact.rank(self.rank)
         program = artifact.program(entry["program"])
         constants = artifact.read(program["constants"]) if program.get("constants") else None
+        import_op_libraries(manifest)  # the program's custom operators resolve only once their module is imported
         ep = decode_program(artifact.read(program["file"]), constants)
         if self.device.type != "cpu":
             from torch.export.passes import move_to_device_pass
@@ -104,7 +108,8 @@ class Trainer:
         if "MASTER_ADDR" not in os.environ:
             raise AotError("no rendezvous set: launch multi-rank artifacts with torchrun")
         kwargs = {"device_id": self.device} if backend == "nccl" else {}
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, **kwargs)
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=self.timeout_s), **kwargs)
 
     def _place(self, t: torch.Tensor) -> torch.Tensor:
         # Zero-dim state (Adam's step counter) stays on the CPU as torch.optim keeps it, so
@@ -147,9 +152,22 @@ class Trainer:
                 args[i] = self._check(next(given, None), slot, f"inputs[{slot['index']}]")
             elif slot["kind"] == "target":
                 args[i] = self._check(targets, slot, "targets")
-        _, global_loss = self._module(*args)
+        try:
+            _, global_loss = self._module(*args)
+            loss = float(global_loss)
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                raise
+            raise AotError(f"step {self.step_index + 1}: {self._collectives()} did not complete within "
+                           f"{self.timeout_s:g} s; a rank is stuck or gone ({str(e).strip().splitlines()[0]})") from e
         self.step_index += 1
-        return float(global_loss)
+        return loss
+
+    def _collectives(self) -> str:
+        """The collectives of this rank's program and their groups, for error messages."""
+        program = self.artifact.program(self.artifact.rank(self.rank)["program"])
+        kinds = sorted({f"{c['kind']} over {c['group']} (ranks {self.groups.get(c['group'])})" for c in program["collectives"]})
+        return "collective " + ", ".join(kinds) if kinds else "a collective"
 
     def _check(self, tensor, slot: dict, name: str) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
@@ -177,10 +195,10 @@ class Trainer:
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         return dict(self._optimizer)
 
-    def save(self, folder: str | Path) -> None:
+    def save(self, folder: str | Path, target_step: int | None = None) -> None:
         """Checkpoint on the rank that holds the replicated state; every rank waits for it."""
         if self.rank == 0:
-            save_checkpoint(folder, self.step_index, self._weights, self._optimizer, self.state_spec)
+            save_checkpoint(folder, self.step_index, self._weights, self._optimizer, self.state_spec, target_step)
         if dist.is_initialized():
             dist.barrier()
 

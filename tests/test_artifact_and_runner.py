@@ -92,7 +92,9 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(gpt2, tmp_path):
     ok(torchrun(2, "run", gpt2, "--steps", "2", "--save", first, "--quiet"))
     ok(torchrun(2, "run", gpt2, "--steps", "2", "--resume", first, "--save", resumed, "--quiet"))
     assert json.loads((resumed / "checkpoint.json").read_text())["step"] == 4
-    for name in ("model.safetensors", "optimizer.safetensors"):
+    for role in ("weights", "optimizer"):
+        name = json.loads((full / "checkpoint.json").read_text())[role]
+        assert name == json.loads((resumed / "checkpoint.json").read_text())[role]
         a, b = load_file(full / name), load_file(resumed / name)
         assert sorted(a) == sorted(b)
         assert all(torch.equal(a[k], b[k]) for k in a), name

@@ -417,10 +417,11 @@ def test_resume_from_a_folder_that_does_not_exist(artifact1, tmp_path):
 
 def test_merge_of_an_altered_checkpoint(checkpoint, tmp_path):
     altered = Path(shutil.copytree(checkpoint, tmp_path / "altered"))
-    flip_byte(altered / "model.safetensors", offset=-3)
+    weights = json.loads((altered / "checkpoint.json").read_text())["weights"]
+    flip_byte(altered / weights, offset=-3)
     out = tmp_path / "merged.safetensors"
     r = aot("checkpoint", "merge", altered, "-o", out)
-    assert_user_error(r, "model.safetensors", "sha256")
+    assert_user_error(r, weights, "sha256")
     assert not out.exists()
 
 

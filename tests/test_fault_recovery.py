@@ -1,0 +1,128 @@
+"""Faults under torchrun: a killed rank, a crash while checkpointing, a rank stuck in a collective."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers.commands import EXAMPLES, REPO, aot, clean_env, ok, show, torchrun
+
+STEPS, EVERY = 160, 20
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fault") / "art"
+    ok(aot("build", EXAMPLES / "gpt.py", "--world-size", "2", "--batch-size", "4", "-o", out, "--quiet"))
+    return out
+
+
+def launch(*args, restarts=0):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", str(restarts), "-m", "aot", *map(str, args)]
+    return subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(metrics, step, proc, limit=240):
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if metrics.exists():
+            lines = metrics.read_text().splitlines()
+            if lines and json.loads(lines[-1])["step"] >= step:
+                return
+        assert proc.poll() is None, "run ended before the fault could be injected"
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+def workers(agent_pid):
+    out = subprocess.run(["pgrep", "-P", str(agent_pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def checkpoint_tensors(folder):
+    index = json.loads((folder / "checkpoint.json").read_text())
+    return index["step"], load_file(folder / index["weights"]), load_file(folder / index["optimizer"])
+
+
+def test_killed_rank_restarts_from_last_checkpoint_bit_identical(gpt, tmp_path):
+    clean = tmp_path / "clean"
+    ok(torchrun(2, "run", gpt, "--steps", STEPS, "--save", clean, "--save-every", EVERY, "--quiet"))
+
+    faulty, metrics = tmp_path / "faulty", tmp_path / "metrics.jsonl"
+    proc = launch("run", gpt, "--steps", STEPS, "--save", faulty, "--save-every", EVERY,
+                  "--metrics", metrics, restarts=1)
+    wait_for_step(metrics, 2 * EVERY + 5, proc)
+    os.kill(workers(proc.pid)[-1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "restarted by torchrun: resumed from" in err
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps[-1] == STEPS and len(steps) > STEPS  # some steps ran twice: after the restart
+
+    a, b = checkpoint_tensors(clean), checkpoint_tensors(faulty)
+    assert a[0] == b[0] == STEPS
+    for clean_part, faulty_part in zip(a[1:], b[1:]):
+        assert sorted(clean_part) == sorted(faulty_part)
+        assert all(torch.equal(clean_part[k], faulty_part[k]) for k in clean_part)
+
+
+CRASHING_WRITER = """
+import sys, torch
+from runner.checkpoint import save_checkpoint
+spec = {"state_dict_keys": ["w"], "aliases": {}}
+step = int(sys.argv[2])
+while True:
+    step += 1
+    w = torch.full((1 << 22,), float(step))
+    save_checkpoint(sys.argv[1], step, {"w": w}, {"w:m": w.clone()}, spec)
+"""
+
+
+def test_crash_while_checkpointing_never_damages_the_last_good_one(tmp_path):
+    from runner.checkpoint import load_checkpoint, save_checkpoint
+    folder = tmp_path / "ck"
+    save_checkpoint(folder, 1, {"w": torch.full((1 << 22,), 1.0)}, {"w:m": torch.full((1 << 22,), 1.0)},
+                    {"state_dict_keys": ["w"], "aliases": {}})
+    for attempt in range(6):
+        writer = subprocess.Popen([sys.executable, "-c", CRASHING_WRITER, str(folder), str(10 * attempt + 1)],
+                                  cwd=REPO, env=clean_env())
+        time.sleep(0.4 + 0.23 * attempt)
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        index, weights, optimizer = load_checkpoint(folder)   # verifies every hash
+        assert torch.equal(weights["w"], torch.full((1 << 22,), float(index["step"])))
+        assert torch.equal(optimizer["w:m"], weights["w"])
+
+
+def test_stuck_rank_ends_with_a_timeout_naming_the_collective(gpt, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = launch("run", gpt, "--steps", 900, "--timeout", 5, "--metrics", metrics)
+    stopped = None
+    try:
+        wait_for_step(metrics, 3, proc)
+        stopped = workers(proc.pid)[-1]
+        os.kill(stopped, signal.SIGSTOP)
+        deadline = time.time() + 120
+        err = ""
+        while time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            if stopped and not any(os.path.exists(f"/proc/{p}") for p in workers(proc.pid) if p != stopped):
+                break
+        os.kill(stopped, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    line = next((l for l in err.splitlines() if l.startswith("aot: error:")), None)
+    assert line is not None, err[-3000:]
+    assert "did not complete within 5 s" in line and "all_reduce over aot.dp" in line, line
