@@ -21,24 +21,6 @@ FORMAT_NAME = "aot-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
-_REQUIRED = {
-    "format": str,
-    "format_version": int,
-    "torch_version": str,
-    "world_size": int,
-    "mesh": dict,
-    "process_groups": dict,
-    "programs": dict,
-    "ranks": list,
-    "state": dict,
-    "schedule": dict,
-    "data": dict,
-    "topology": dict,
-    "files": dict,
-    "digest": str,
-}
-
-
 def manifest_digest(manifest: dict) -> str:
     """sha256 over every entry of the manifest but the digest itself (canonical JSON)."""
     return sha256_bytes(canonical_json({k: v for k, v in manifest.items() if k != "digest"}))
@@ -86,9 +68,8 @@ class Artifact:
                 f"{torch.__version__}; rebuild with torch {torch_release()} or install torch "
                 f"{torch_release(data['torch_version'])}"
             )
-        for key, kind in _REQUIRED.items():
-            if not isinstance(data.get(key), kind):
-                raise AotError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
+        if not isinstance(data.get("digest"), str):
+            raise AotError(f"{path}: field 'digest' is missing or not a str")
         if data["digest"] != manifest_digest(data):
             raise AotError(f"{path}: digest does not match its entries (manifest altered or corrupt)")
         _check_structure(data, str(path))
@@ -121,49 +102,104 @@ class Artifact:
         return self.manifest["programs"][name]
 
 
+class Map:
+    """A JSON object with any keys whose values all follow `schema`."""
+    def __init__(self, schema):
+        self.schema = schema
+
+
+class OneOf:
+    def __init__(self, *values):
+        self.values = values
+
+
+SHAPE = [int]
+TENSOR = {"shape": SHAPE, "dtype": str}
+NUMBER = (int, float)
+# What a version-1 manifest must hold (more keys may appear; readers ignore them). Nested dicts
+# are required keys, one-element lists are lists of that, Map is an object of any keys.
+SCHEMA = {
+    "world_size": int,
+    "mesh": {"axes": [str], "shape": [int]},
+    "process_groups": Map({"axis": str, "groups": [[int]]}),
+    "programs": Map({"file": str, "inputs": [{"kind": OneOf("param", "buffer", "optim", "lr", "input", "target")}],
+                     "outputs": [str], "collectives": [{"kind": str, "group": str, "bytes": int}]}),
+    "ranks": [{"rank": int, "program": str, "coords": Map(int), "weights": str, "optimizer": str}],
+    "state": {"params": Map([SHAPE, str]), "buffers": Map([SHAPE, str]), "aliases": Map(str),
+              "state_dict_keys": [str], "optimizer": {"class": str}},
+    "schedule": {"constant": bool, "lr": [[NUMBER]]},
+    "data": {"batch_size": int, "example": str, "inputs": [TENSOR], "targets": TENSOR},
+    "topology": {"name": str, "sha256": str, "profile": dict},
+    "files": Map({"sha256": str, "size": int}),
+}
+SLOT_FIELDS = {"param": {"name": str}, "buffer": {"name": str}, "optim": {"name": str, "key": str},
+               "lr": {"group": int}, "input": {"index": int, **TENSOR}, "target": TENSOR}
+
+
+def _conform(value, schema, path: str) -> None:
+    """Raise AotError naming the first place where `value` does not follow `schema`."""
+    def fail(what: str):
+        raise AotError(f"{path or 'manifest'}: {what}")
+
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            fail("must be an object")
+        for key, sub in schema.items():
+            if key not in value:
+                fail(f"field {key!r} is missing")
+            _conform(value[key], sub, f"{path}.{key}" if path else key)
+    elif isinstance(schema, list):
+        if not isinstance(value, list):
+            fail("must be a list")
+        if len(schema) > 1 and len(value) != len(schema):  # a fixed-length pair such as [shape, dtype]
+            fail(f"must have {len(schema)} entries")
+        for i, item in enumerate(value):
+            _conform(item, schema[i] if len(schema) > 1 else schema[0], f"{path}[{i}]")
+    elif isinstance(schema, Map):
+        if not isinstance(value, dict):
+            fail("must be an object")
+        for key, item in value.items():
+            _conform(item, schema.schema, f"{path}[{key!r}]")
+    elif isinstance(schema, OneOf):
+        if value not in schema.values:
+            fail(f"must be one of {', '.join(map(str, schema.values))}")
+    elif schema is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        fail("must be a non-negative integer")
+    elif not isinstance(value, schema) or (schema is not bool and isinstance(value, bool)):
+        names = schema.__name__ if isinstance(schema, type) else " or ".join(t.__name__ for t in schema)
+        fail(f"must be a {names}")
+
+
 def _check_structure(m: dict, where: str) -> None:
     """Refuse a hand-edited or damaged manifest with one line, before any field is used."""
+    try:
+        _conform(m, SCHEMA, "")
+    except AotError as e:
+        raise AotError(f"{where}: {e}") from None
+
     def expect(ok: bool, what: str) -> None:
         if not ok:
             raise AotError(f"{where}: {what}")
 
-    def is_list_of(value, kind) -> bool:
-        return isinstance(value, list) and all(isinstance(v, kind) for v in value)
-
-    for name, entry in m["files"].items():
-        expect(isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64
-               and isinstance(entry.get("size"), int), f"files[{name!r}] needs a 64-digit sha256 and an integer size")
+    for name, program in m["programs"].items():
+        expect(program["file"] in m["files"], f"programs[{name!r}].file is not listed in files")
+        for j, slot in enumerate(program["inputs"]):
+            try:
+                _conform(slot, SLOT_FIELDS[slot["kind"]], f"programs[{name!r}].inputs[{j}]")
+            except AotError as e:
+                raise AotError(f"{where}: {e}") from None
     mesh = m["mesh"]
-    expect(is_list_of(mesh.get("axes"), str) and is_list_of(mesh.get("shape"), int)
-           and len(mesh["axes"]) == len(mesh["shape"]), "mesh needs axes (names) and shape (degrees) of equal length")
+    expect(len(mesh["axes"]) == len(mesh["shape"]), "mesh needs axes (names) and shape (degrees) of equal length")
     size = 1
     for degree in mesh["shape"]:
         size *= degree
     expect(size == m["world_size"], f"mesh shape {mesh['shape']} does not multiply to world size {m['world_size']}")
-    for name, group in m["process_groups"].items():
-        expect(isinstance(group, dict) and isinstance(group.get("groups"), list)
-               and all(is_list_of(g, int) for g in group["groups"]), f"process_groups[{name!r}] needs groups (rank lists)")
-    for name, program in m["programs"].items():
-        expect(isinstance(program, dict) and isinstance(program.get("file"), str) and program["file"] in m["files"],
-               f"programs[{name!r}] needs a file listed in files")
-        expect(is_list_of(program.get("inputs"), dict) and all("kind" in i for i in program["inputs"]),
-               f"programs[{name!r}] needs inputs")
-        expect(is_list_of(program.get("collectives"), dict), f"programs[{name!r}] needs collectives")
     expect(len(m["ranks"]) == m["world_size"], f"ranks lists {len(m['ranks'])} entries for world size {m['world_size']}")
     for entry in m["ranks"]:
-        expect(isinstance(entry, dict) and isinstance(entry.get("rank"), int) and entry.get("program") in m["programs"]
-               and isinstance(entry.get("coords"), dict) and entry.get("weights") in m["files"]
-               and entry.get("optimizer") in m["files"], f"ranks entry {entry!r:.80} is incomplete")
-    state = m["state"]
-    expect(all(isinstance(state.get(k), kind) for k, kind in
-               (("params", dict), ("buffers", dict), ("aliases", dict), ("state_dict_keys", list), ("optimizer", dict))),
-           "state needs params, buffers, aliases, state_dict_keys and optimizer")
-    schedule = m["schedule"]
-    expect(isinstance(schedule.get("constant"), bool) and isinstance(schedule.get("lr"), list) and schedule["lr"]
-           and all(is_list_of(step, (int, float)) for step in schedule["lr"]), "schedule needs constant and lr (a list per step)")
-    data = m["data"]
-    expect(isinstance(data.get("batch_size"), int) and data.get("example") in m["files"]
-           and is_list_of(data.get("inputs"), dict) and isinstance(data.get("targets"), dict),
-           "data needs batch_size, example (a listed file), inputs and targets")
-    expect(isinstance(m["topology"].get("profile"), dict) and isinstance(m["topology"].get("name"), str),
-           "topology needs name and profile")
+        expect(entry["program"] in m["programs"], f"rank {entry['rank']} names program {entry['program']!r}, which is not listed")
+        for role in ("weights", "optimizer"):
+            expect(entry[role] in m["files"], f"rank {entry['rank']}'s {role} file is not listed in files")
+    expect(bool(m["schedule"]["lr"]), "schedule.lr is empty")
+    expect(m["data"]["example"] in m["files"], "data.example is not listed in files")
+    for name, entry in m["files"].items():
+        expect(len(entry["sha256"]) == 64, f"files[{name!r}].sha256 must have 64 hex digits")

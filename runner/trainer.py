@@ -89,6 +89,7 @@ class Trainer:
         self.schedule = manifest["schedule"]
         self._slots = program["inputs"]
         self._lrs = [torch.zeros((), dtype=torch.float64) for _ in range(len(self.schedule["lr"][0]))]
+        self._check_bindings()
         self._args = [self._bind(slot) for slot in self._slots]
         self.step_index = 0
 
@@ -115,6 +116,31 @@ class Trainer:
         # Zero-dim state (Adam's step counter) stays on the CPU as torch.optim keeps it, so
         # reading it as a Python number inside the program never synchronizes the device.
         return t if t.dim() == 0 else t.to(self.device)
+
+    def _check_bindings(self) -> None:
+        """Every tensor the program's inputs name must exist in the rank's files, and the schedule
+        must give each optimizer group a learning rate: checked once, before the first step."""
+        where = f"{self.artifact.root}/manifest.json"
+        n_groups = len(self._lrs)
+        inputs = sum(1 for s in self._slots if s["kind"] == "input")
+        for slot in self._slots:
+            kind = slot["kind"]
+            if kind in ("param", "buffer") and slot["name"] not in self._weights:
+                raise AotError(f"{where}: the program takes {kind} {slot['name']!r}, which the weights file lacks")
+            if kind == "optim" and optimizer_key(slot["name"], slot["key"]) not in self._optimizer:
+                raise AotError(f"{where}: the program takes optimizer state {slot['name']}:{slot['key']}, which the optimizer file lacks")
+            if kind == "lr" and not 0 <= slot["group"] < n_groups:
+                raise AotError(f"{where}: the program takes a learning rate for group {slot['group']}, the schedule has {n_groups}")
+            if kind == "input" and not 0 <= slot["index"] < inputs:
+                raise AotError(f"{where}: program input index {slot['index']} out of range")
+        if any(len(step) != n_groups for step in self.schedule["lr"]):
+            raise AotError(f"{where}: schedule.lr steps do not all give {n_groups} learning rate(s)")
+        aliases = self.state_spec["aliases"]
+        for key in self.state_spec["state_dict_keys"]:
+            if aliases.get(key, key) not in self._weights:
+                raise AotError(f"{where}: state_dict key {key!r} names no stored tensor")
+        if [s["kind"] for s in self._slots].count("target") != 1:
+            raise AotError(f"{where}: the program must take exactly one targets input")
 
     def _bind(self, slot: dict):
         kind = slot["kind"]
