@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from aot.capture.model_file import call_user, load_model_file
-from aot.capture.step import GradientReduction, capture_step
+from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
 from aot.emit.artifact import emit_artifact, export_step
 from aot.errors import AotError
@@ -65,8 +65,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
 
     with progress.stage(f"loading {options.model_path.name}"):
         mf = load_model_file(options.model_path)
-        dp = mesh.size("dp")
-        example = _example_batch(mf, options.batch_size * dp)
+        example = _example_batch(mf, options.batch_size * mesh.data_parallel_size)
         inputs, targets = split_batch_tensors(example, "batch()")
         rank_inputs = [t[: options.batch_size] for t in inputs]
         rank_targets = targets[: options.batch_size]
@@ -74,16 +73,17 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         state = build_training_state(mf, options.seed, options.max_steps)
     progress.note(f"{sum(p.numel() for p in state.params.values()):,} parameters, "
                   f"{state.optimizer_class}, mesh {mesh.describe()} on topology {profile['name']!r}")
+    layout = StepLayout(*(Group(Mesh.group_name(axis), mesh.size(axis)) if mesh.size(axis) > 1 else None
+                          for axis in ("dp", "fsdp")))
     with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
-        reduction = GradientReduction(Mesh.group_name("dp"), dp) if dp > 1 else None
-        captured = capture_step(mf, state, rank_inputs, rank_targets, reduction)
+        captured = capture_step(mf, state, rank_inputs, rank_targets, layout)
     with progress.stage("running graph passes (bucketing, overlap)"):
         captured.graph = run_passes(captured.graph, bucket_bytes=int(options.bucket_mb * 2**20))
     with progress.stage("exporting the program"):
         ep = export_step(captured)
     with progress.stage(f"writing the artifact to {options.output}"):
         manifest = emit_artifact(
-            options.output, ep=ep, captured=captured, state=state, mesh=mesh, profile=profile,
+            options.output, ep=ep, captured=captured, state=state, layout=layout, mesh=mesh, profile=profile,
             example=example, batch_size=options.batch_size, sign_key=options.sign_key,
             build={
                 "model_file": mf.path.name, "model_sha256": mf.sha256, "world_size": options.world_size,

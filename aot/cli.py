@@ -36,7 +36,7 @@ def cli():
 @click.option("--topology", metavar="PROFILE",
               help="Built-in profile name (e.g. cpu) or a profile JSON file. Default: this machine.")
 @click.option("--world-size", type=int, default=None, help="Number of ranks to build for. Default: the product of --strategy's degrees, else 1.")
-@click.option("--strategy", metavar="AXIS=N[,...]", help="Mesh as axis=degree pairs, e.g. dp=4. Default: data parallel over all ranks.")
+@click.option("--strategy", metavar="AXIS=N[,...]", help="Mesh as axis=degree pairs: dp=4 (data parallel), fsdp=4 (sharded, ZeRO-3), dp=2,fsdp=2. Default: data parallel over all ranks.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Samples per data-parallel rank per step.")
 @click.option("--max-steps", type=int, default=1000, show_default=True, help="Steps of learning-rate schedule to store.")
 @click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="Gradient bucket size for all_reduce, in MiB.")
@@ -60,7 +60,7 @@ def build(model_file, topology, world_size, strategy, batch_size, max_steps, buc
     from runner.inspect import human
 
     if world_size is None:
-        world_size = Mesh.parse(strategy, 1).world_size if strategy else 1
+        world_size = Mesh.parse(strategy, None).world_size
     options = BuildOptions(model_path=model_file, output=output, topology=topology, world_size=world_size,
                            strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, seed=seed,
                            sign_key=sign_key)

@@ -199,6 +199,13 @@ def _check_structure(m: dict, where: str) -> None:
         expect(entry["program"] in m["programs"], f"rank {entry['rank']} names program {entry['program']!r}, which is not listed")
         for role in ("weights", "optimizer"):
             expect(entry[role] in m["files"], f"rank {entry['rank']}'s {role} file is not listed in files")
+    if m.get("sharding") is not None:
+        try:
+            _conform(m["sharding"], {"axis": str, "group": str, "size": int, "params": Map(int)}, "sharding")
+        except AotError as e:
+            raise AotError(f"{where}: {e}") from None
+        expect(m["sharding"]["group"] in m["process_groups"], "sharding.group names no process group")
+        expect(set(m["sharding"]["params"]) <= set(m["state"]["params"]), "sharding.params names unknown parameters")
     expect(bool(m["schedule"]["lr"]), "schedule.lr is empty")
     expect(m["data"]["example"] in m["files"], "data.example is not listed in files")
     for name, entry in m["files"].items():

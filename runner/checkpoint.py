@@ -1,14 +1,20 @@
-"""Checkpoints: training state keyed by the user's names, in safetensors, written all-or-nothing.
+"""Checkpoints: training state keyed by the user's names, in safetensors, crash-safe.
 
-A checkpoint folder holds model.step-N.safetensors (parameters and buffers by their names in the
-user's model), optimizer.step-N.safetensors ("<parameter>:<state key>") and checkpoint.json (the
-step to resume at, the tensor layout, the state_dict aliases of tied weights and the sha256 of
-both files).
+A checkpoint folder holds, per shard of the training state (one when the state is replicated,
+one per fsdp rank when sharded), model.step-N[.shard-I].safetensors (parameters and buffers by
+their names in the user's model) and optimizer.step-N[.shard-I].safetensors
+("<parameter>:<state key>"), and checkpoint.json: the step to resume at, the shard placement,
+the tensor layout, the state_dict aliases of tied weights and the sha256 of every file.
+
+File names carry the step, so writing never touches the files of the previous checkpoint, and
+checkpoint.json is replaced atomically once all new files exist: a crash at any moment leaves the
+last complete checkpoint readable.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -16,7 +22,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from runner.errors import AotError
-from runner.integrity import StagedDir, check_writable_target, content_problem, read_verified
+from runner.integrity import canonical_json, check_writable_target, content_problem, read_verified, sha256_file
+from runner.sharding import unshard
 
 INDEX = "checkpoint.json"
 FORMAT_NAME = "aot-checkpoint"
@@ -31,40 +38,75 @@ def layout_of(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
     return {name: [list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in sorted(tensors.items())}
 
 
-def save_checkpoint(folder: str | Path, step: int, weights: dict, optimizer: dict, state_spec: dict,
-                    target_step: int | None = None) -> None:
-    """Write weights and optimizer state at `step` (the next step to run) into `folder`.
+def shard_files(step: int, index: int, sharded: bool) -> dict[str, str]:
+    """The file names of one shard of the checkpoint at `step` (deterministic, so every rank
+    knows every name without exchanging them)."""
+    suffix = f".shard-{index}" if sharded else ""
+    return {"weights": f"model.step-{step:08d}{suffix}.safetensors",
+            "optimizer": f"optimizer.step-{step:08d}{suffix}.safetensors"}
 
-    File names carry the step, so writing never touches the files of the previous checkpoint
-    and its index stays valid until the new index atomically replaces it: a crash at any moment
-    leaves the last good checkpoint readable. `target_step` is where the run that wrote it means
-    to stop, so a run restarted by torchrun knows how far to go.
-    """
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_shard(folder: str | Path, step: int, index: int, sharded: bool, weights: dict, optimizer: dict) -> None:
+    """Write one shard's files; nothing refers to them until `commit_checkpoint`."""
     folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    names = shard_files(step, index, sharded)
     cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}
-    weights, optimizer = cpu(weights), cpu(optimizer)
-    names = {"weights": f"model.step-{step:08d}.safetensors", "optimizer": f"optimizer.step-{step:08d}.safetensors"}
-    with StagedDir(folder, INDEX) as out:
-        out.write(names["weights"], save_safetensors(weights))
-        out.write(names["optimizer"], save_safetensors(optimizer))
-        out.commit({
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "target_step": target_step,
-            **names,
-            "layout": {"model": layout_of(weights), "optimizer": layout_of(optimizer)},
-            "state_dict_keys": state_spec["state_dict_keys"],
-            "aliases": state_spec["aliases"],
-            "files": out.files,
-        })
-    # files of a write that crashed before its index was swapped in
-    for orphan in folder.glob("*.step-*.safetensors"):
-        if orphan.name not in names.values():
-            orphan.unlink(missing_ok=True)
+    _write_atomically(folder / names["weights"], save_safetensors(cpu(weights)))
+    _write_atomically(folder / names["optimizer"], save_safetensors(cpu(optimizer)))
+
+
+def commit_checkpoint(folder: str | Path, step: int, spec: dict, sharding: dict | None,
+                      target_step: int | None = None) -> None:
+    """Make the shards written for `step` the folder's checkpoint (one atomic index replace),
+    then remove files no index refers to. `spec` is the manifest's `state` entry; `target_step`
+    is where the run means to stop, so a run restarted by torchrun knows how far to go."""
+    folder = Path(folder)
+    count = sharding["size"] if sharding else 1
+    shards = [shard_files(step, i, sharding is not None) for i in range(count)]
+    files = {}
+    for names in shards:
+        for name in names.values():
+            path = folder / name
+            files[name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+    first = [load_safetensors((folder / shards[0][role]).read_bytes()) for role in ("weights", "optimizer")]
+    index = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "target_step": target_step,
+        "shards": shards,
+        "sharding": sharding,
+        "shapes": {name: shape for name, (shape, _) in spec["params"].items()},
+        "layout": {"model": layout_of(first[0]), "optimizer": layout_of(first[1])},
+        "state_dict_keys": spec["state_dict_keys"],
+        "aliases": spec["aliases"],
+        "files": files,
+    }
+    _write_atomically(folder / INDEX, canonical_json(index))
+    for stale in folder.glob("*.step-*.safetensors"):  # the previous checkpoint, or a crashed write
+        if stale.name not in files:
+            stale.unlink(missing_ok=True)
+
+
+def save_checkpoint(folder: str | Path, step: int, weights: dict, optimizer: dict, spec: dict,
+                    target_step: int | None = None) -> None:
+    """Write and commit an unsharded checkpoint from one process."""
+    write_shard(folder, step, 0, False, weights, optimizer)
+    commit_checkpoint(folder, step, spec, None, target_step)
 
 
 def read_index(folder: Path) -> dict:
+    folder = Path(folder)
     path = folder / INDEX
     if not folder.is_dir():
         raise AotError(f"{folder}: no such checkpoint folder")
@@ -78,20 +120,25 @@ def read_index(folder: Path) -> dict:
         raise AotError(f"{path}: not an aot checkpoint index")
     if index.get("format_version") != FORMAT_VERSION:
         raise AotError(f"{path}: checkpoint format version {index.get('format_version')}, this runner reads {FORMAT_VERSION}")
+    shards = index.get("shards")
+    if not (isinstance(shards, list) and shards and all(isinstance(s, dict) for s in shards)
+            and isinstance(index.get("files"), dict) and isinstance(index.get("step"), int)):
+        raise AotError(f"{path}: needs step, shards and files")
     return index
 
 
-def load_checkpoint(folder: str | Path) -> tuple[dict, dict, dict]:
-    """(index, weights, optimizer state) of a checkpoint, every file verified first."""
+def load_checkpoint(folder: str | Path, shard: int = 0) -> tuple[dict, dict, dict]:
+    """(index, weights, optimizer state) of one shard of a checkpoint, its files verified first."""
     folder = Path(folder)
     index = read_index(folder)
-    files = index.get("files", {})
+    if not 0 <= shard < len(index["shards"]):
+        raise AotError(f"{folder}: has {len(index['shards'])} shard(s), not shard {shard}")
     tensors = []
     for role in ("weights", "optimizer"):
-        name = index.get(role)
-        if not isinstance(name, str) or name not in files:
+        name = index["shards"][shard].get(role)
+        if not isinstance(name, str) or name not in index["files"]:
             raise AotError(f"{folder / INDEX}: does not list its {role} file")
-        data = read_verified(folder, name, files[name])
+        data = read_verified(folder, name, index["files"][name])
         problem = content_problem(name, data)
         if problem:
             raise AotError(f"{folder / name}: {problem}; refusing to deserialize it")
@@ -99,10 +146,23 @@ def load_checkpoint(folder: str | Path) -> tuple[dict, dict, dict]:
     return index, tensors[0], tensors[1]
 
 
+def full_weights(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(index, every parameter and buffer at full size), reassembling fsdp shards."""
+    index, weights, _ = load_checkpoint(folder, 0)
+    sharding = index.get("sharding")
+    if sharding:
+        pieces = [weights] + [load_checkpoint(folder, i)[1] for i in range(1, len(index["shards"]))]
+        for name in sharding["params"]:
+            weights[name] = unshard([p[name] for p in pieces], index["shapes"][name])
+    return index, weights
+
+
 def merge_checkpoint(folder: str | Path, output: str | Path) -> int:
     """Write the full model state_dict (every key `model().state_dict()` has, tied weights under
     each of their names) to one safetensors file; returns the number of keys written."""
-    index, weights, _ = load_checkpoint(folder)
+    output = Path(output)
+    check_writable_target(output, "file")
+    index, weights = full_weights(folder)
     aliases = index["aliases"]
     state = {}
     for key in index["state_dict_keys"]:
@@ -111,13 +171,6 @@ def merge_checkpoint(folder: str | Path, output: str | Path) -> int:
             raise AotError(f"{folder}: checkpoint lacks {source!r} needed for state_dict key {key!r}")
         # safetensors refuses tensors sharing storage, so each alias gets its own copy
         state[key] = weights[source].clone()
-    output = Path(output)
-    check_writable_target(output, "file")
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp")
-    try:
-        tmp.write_bytes(save_safetensors(state))
-        tmp.replace(output)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _write_atomically(output, save_safetensors(state))
     return len(state)

@@ -15,9 +15,10 @@ from torch._C._distributed_c10d import _register_process_group, _unregister_proc
 from runner.errors import AotError
 
 
-def bind_process_groups(process_groups: dict, rank: int, world_size: int) -> dict[str, list[int]]:
-    """Create and register the groups the manifest names; returns name -> this rank's members."""
-    bound: dict[str, list[int]] = {}
+def bind_process_groups(process_groups: dict, rank: int, world_size: int) -> dict[str, tuple[list[int], object]]:
+    """Create and register the groups the manifest names; returns name -> (this rank's members,
+    the live process group)."""
+    bound: dict[str, tuple[list[int], object]] = {}
     for name, spec in process_groups.items():
         mine = None
         for ranks in spec["groups"]:
@@ -26,7 +27,7 @@ def bind_process_groups(process_groups: dict, rank: int, world_size: int) -> dic
             else:
                 group = dist.new_group(ranks)
             if rank in ranks:
-                mine, bound[name] = group, list(ranks)
+                mine, bound[name] = group, (list(ranks), group)
         if mine is None:
             raise AotError(f"manifest: rank {rank} belongs to no group of {name!r}")
         try:

@@ -15,13 +15,17 @@ import torch
 import torch.distributed as dist
 
 from runner.artifact import Artifact
-from runner.checkpoint import layout_of, load_checkpoint, optimizer_key, save_checkpoint
+from runner.checkpoint import commit_checkpoint, layout_of, load_checkpoint, optimizer_key, write_shard
 from runner.custom_ops import import_op_libraries
 from runner.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
 from runner.groups import bind_process_groups
 from runner.program import decode_program
+from runner.sharding import unshard
 from runner.topology import live_profile, mismatches
+
+
+DATA_AXES = ("dp", "fsdp")
 
 
 def _env_int(name: str) -> int | None:
@@ -85,7 +89,14 @@ class Trainer:
 
         self.data_spec = manifest["data"]
         self.coords = entry["coords"]
-        self.dp_rank, self.dp_size = entry["coords"].get("dp", 0), manifest["mesh"]["shape"][0] if manifest["mesh"]["axes"][:1] == ["dp"] else 1
+        # Ranks that differ along a data axis (dp, fsdp) read different rows of the data.
+        self.data_rank, self.data_size = 0, 1
+        for axis, degree in zip(manifest["mesh"]["axes"], manifest["mesh"]["shape"]):
+            if axis in DATA_AXES:
+                self.data_rank = self.data_rank * degree + self.coords.get(axis, 0)
+                self.data_size *= degree
+        self.sharding = manifest.get("sharding")
+        self.shard_index = self.coords.get(self.sharding["axis"], 0) if self.sharding else 0
         self.schedule = manifest["schedule"]
         self._slots = program["inputs"]
         self._lrs = [torch.zeros((), dtype=torch.float64) for _ in range(len(self.schedule["lr"][0]))]
@@ -192,7 +203,7 @@ class Trainer:
     def _collectives(self) -> str:
         """The collectives of this rank's program and their groups, for error messages."""
         program = self.artifact.program(self.artifact.rank(self.rank)["program"])
-        kinds = sorted({f"{c['kind']} over {c['group']} (ranks {self.groups.get(c['group'])})" for c in program["collectives"]})
+        kinds = sorted({f"{c['kind']} over {c['group']} (ranks {self.groups.get(c['group'], ('?',))[0]})" for c in program["collectives"]})
         return "collective " + ", ".join(kinds) if kinds else "a collective"
 
     def _check(self, tensor, slot: dict, name: str) -> torch.Tensor:
@@ -207,31 +218,55 @@ class Trainer:
     def data_source(self, path: str | Path | None = None) -> DataSource:
         """The --data file's rows for this rank, or the artifact's recorded example batch."""
         if path is not None:
-            return DataSource.from_file(path, self.data_spec, self.dp_rank, self.dp_size)
+            return DataSource.from_file(path, self.data_spec, self.data_rank, self.data_size)
         example = self.artifact.tensors(self.data_spec["example"])
         inputs, targets = split_batch_tensors(example, self.data_spec["example"])
-        return DataSource(inputs, targets, self.data_spec, self.dp_rank, self.dp_size, "example batch")
+        return DataSource(inputs, targets, self.data_spec, self.data_rank, self.data_size, "example batch")
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state_dict as the user's model would return it (tied weights under every name)."""
+        """The model's state_dict as the user's model would return it (tied weights under every
+        name). With sharded parameters this all-gathers them: every rank must call it."""
         aliases = self.state_spec["aliases"]
-        return {key: self._weights[aliases.get(key, key)] for key in self.state_spec["state_dict_keys"]}
+        weights = self._full_weights()
+        return {key: weights[aliases.get(key, key)] for key in self.state_spec["state_dict_keys"]}
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        if not self.sharding:
+            return self._weights
+        _, group = self.groups[self.sharding["group"]]
+        full = dict(self._weights)
+        for name in self.sharding["params"]:
+            piece = self._weights[name]
+            gathered = torch.empty(piece.numel() * self.sharding["size"], dtype=piece.dtype, device=piece.device)
+            dist.all_gather_into_tensor(gathered, piece.contiguous(), group=group)
+            full[name] = unshard([gathered], self.state_spec["params"][name][0])
+        return full
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state (its shard when sharded)."""
         return dict(self._optimizer)
 
     def save(self, folder: str | Path, target_step: int | None = None) -> None:
-        """Checkpoint on the rank that holds the replicated state; every rank waits for it."""
+        """Checkpoint: one replica of each shard writes its files, then rank 0 commits the index.
+        Every rank must call it."""
+        writes = all(v == 0 for axis, v in self.coords.items() if axis != (self.sharding or {}).get("axis"))
+        if writes:
+            write_shard(folder, self.step_index, self.shard_index, self.sharding is not None,
+                        self._weights, self._optimizer)
+        if dist.is_initialized():
+            dist.barrier()
         if self.rank == 0:
-            save_checkpoint(folder, self.step_index, self._weights, self._optimizer, self.state_spec, target_step)
+            commit_checkpoint(folder, self.step_index, self.state_spec, self.sharding, target_step)
         if dist.is_initialized():
             dist.barrier()
 
     def resume(self, folder: str | Path) -> None:
-        index, weights, optimizer = load_checkpoint(folder)
+        index, weights, optimizer = load_checkpoint(folder, self.shard_index)
+        if (index.get("sharding") or None) != (self.sharding or None):
+            raise AotError(f"{folder}: checkpoint was written with another sharding than this artifact's")
         for name, saved, live in (("weights", weights, self._weights), ("optimizer state", optimizer, self._optimizer)):
-            if layout_of(saved) != layout_of({k: v for k, v in live.items()}):
+            if layout_of(saved) != layout_of(live):
                 raise AotError(f"{folder}: checkpoint {name} do not match this artifact's tensors (names, shapes or dtypes)")
             with torch.no_grad():
                 for key, tensor in saved.items():

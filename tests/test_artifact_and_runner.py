@@ -93,8 +93,8 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(gpt2, tmp_path):
     ok(torchrun(2, "run", gpt2, "--steps", "2", "--resume", first, "--save", resumed, "--quiet"))
     assert json.loads((resumed / "checkpoint.json").read_text())["step"] == 4
     for role in ("weights", "optimizer"):
-        name = json.loads((full / "checkpoint.json").read_text())[role]
-        assert name == json.loads((resumed / "checkpoint.json").read_text())[role]
+        name = json.loads((full / "checkpoint.json").read_text())["shards"][0][role]
+        assert name == json.loads((resumed / "checkpoint.json").read_text())["shards"][0][role]
         a, b = load_file(full / name), load_file(resumed / name)
         assert sorted(a) == sorted(b)
         assert all(torch.equal(a[k], b[k]) for k in a), name
@@ -157,3 +157,34 @@ def test_builds_for_many_ranks_on_one_machine(tmp_path):
     assert summary["world_size"] == 1024 and summary["programs"] == 1
     manifest = json.loads((out / "manifest.json").read_text())
     assert len(manifest["ranks"]) == 1024 and len(manifest["files"]) == 4
+
+
+def test_fsdp_shards_parameters_and_optimizer_state(tmp_path):
+    """Per-rank parameters + optimizer state, measured on the runner's live tensors, are about
+    1/N of data parallel's; resuming a sharded run is exact."""
+    sizes = {}
+    for strategy in ("dp=4", "fsdp=4"):
+        out = tmp_path / strategy
+        ok(aot("build", EXAMPLES / "gpt.py", "--strategy", strategy, "--batch-size", "2", "-o", out, "--quiet"))
+        manifest = json.loads((out / "manifest.json").read_text())
+        per_rank = []
+        for rank in range(4):
+            entry = manifest["ranks"][rank]
+            state = Artifact(out).tensors(entry["weights"]) | Artifact(out).tensors(entry["optimizer"])
+            params = set(manifest["state"]["params"])
+            per_rank.append(sum(t.numel() * t.element_size() for k, t in state.items()
+                                if k in params or k.split(":")[0] in params))
+        sizes[strategy] = per_rank
+    for rank in range(4):
+        assert abs(sizes["fsdp=4"][rank] / sizes["dp=4"][rank] - 0.25) < 0.05 * 0.25
+    out = tmp_path / "fsdp=4"
+    full, first, resumed = tmp_path / "full", tmp_path / "first", tmp_path / "resumed"
+    ok(torchrun(4, "run", out, "--steps", "3", "--save", full, "--quiet"))
+    ok(torchrun(4, "run", out, "--steps", "1", "--save", first, "--quiet"))
+    ok(torchrun(4, "run", out, "--steps", "2", "--resume", first, "--save", resumed, "--quiet"))
+    a, b = json.loads((full / "checkpoint.json").read_text()), json.loads((resumed / "checkpoint.json").read_text())
+    assert len(a["shards"]) == 4 and a["shards"] == b["shards"]
+    for shard in a["shards"]:
+        for name in shard.values():
+            x, y = load_file(full / name), load_file(resumed / name)
+            assert all(torch.equal(x[k], y[k]) for k in x)

@@ -417,7 +417,7 @@ def test_resume_from_a_folder_that_does_not_exist(artifact1, tmp_path):
 
 def test_merge_of_an_altered_checkpoint(checkpoint, tmp_path):
     altered = Path(shutil.copytree(checkpoint, tmp_path / "altered"))
-    weights = json.loads((altered / "checkpoint.json").read_text())["weights"]
+    weights = json.loads((altered / "checkpoint.json").read_text())["shards"][0]["weights"]
     flip_byte(altered / weights, offset=-3)
     out = tmp_path / "merged.safetensors"
     r = aot("checkpoint", "merge", altered, "-o", out)

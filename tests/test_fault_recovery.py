@@ -50,7 +50,8 @@ def workers(agent_pid):
 
 def checkpoint_tensors(folder):
     index = json.loads((folder / "checkpoint.json").read_text())
-    return index["step"], load_file(folder / index["weights"]), load_file(folder / index["optimizer"])
+    shard = index["shards"][0]
+    return index["step"], load_file(folder / shard["weights"]), load_file(folder / shard["optimizer"])
 
 
 def test_killed_rank_restarts_from_last_checkpoint_bit_identical(gpt, tmp_path):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _register_process_group
 
 from aot.capture.model_file import load_model_file
-from aot.capture.step import GradientReduction, capture_step
+from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
 from aot.passes import bucket_all_reduces, drop_profiler_calls, issue_early_wait_late, run_passes
 from aot.passes.graph_utils import ALL_REDUCE, WAIT, funcol, is_call
@@ -42,7 +42,7 @@ def capture(model="mlp.py"):
     state = build_training_state(mf, seed=0, max_steps=10)
     inputs, targets = mf.batch(4)
     # size 1: the average over the (single-rank) group is the identity, so results are checkable
-    return capture_step(mf, state, [inputs], targets, GradientReduction(GROUP, 1))
+    return capture_step(mf, state, [inputs], targets, StepLayout(dp=Group(GROUP, 1)))
 
 
 def run_graph(gm, args):

@@ -1,9 +1,10 @@
-"""The artifact trains exactly like eager PyTorch DistributedDataParallel.
+"""The artifact trains exactly like eager PyTorch DistributedDataParallel, for every strategy.
 
 Each case builds a model file with `aot build`, trains it with `torchrun -m aot run` (real gloo
 processes), and trains the same model file with plain DDP (tests/helpers/ddp_reference.py, which
 imports nothing of aot) on the same data, seed, optimizer, schedule and clipping. Losses of every
-step and the merged final weights must agree within 1e-5.
+step and the merged final weights must agree within 1e-5. Sharded strategies (fsdp) compute the
+same mathematics as data parallel over the same ranks, so DDP is their reference too.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def gpt_data(tmp_path_factory):
     return path
 
 
-def train_both(model_file, world, tmp_path, data=None, batch_size=4):
+def train_both(model_file, world, tmp_path, data=None, batch_size=4, strategy=None):
     art, ckpt, ref = tmp_path / "art", tmp_path / "ckpt", tmp_path / "ref"
-    ok(aot("build", model_file, "--world-size", world, "--batch-size", batch_size, "-o", art, "--quiet"))
+    ok(aot("build", model_file, "--world-size", world, "--batch-size", batch_size, "-o", art, "--quiet",
+           *(["--strategy", strategy] if strategy else [])))
     metrics = tmp_path / "metrics.jsonl"
     run_args = ["run", art, "--steps", STEPS, "--metrics", metrics, "--save", ckpt, "--quiet"]
     if data is not None:
@@ -75,3 +77,19 @@ def test_batchnorm_adam_steplr_matches_ddp(tmp_path):
     # running statistics changed during training, as in eager (rank 0's, as DDP keeps them)
     assert weights["1.num_batches_tracked"].item() == STEPS
     assert not torch.equal(weights["1.running_mean"], torch.zeros(32))
+
+
+@pytest.mark.parametrize("model,strategy,world", [
+    ("gpt.py", "fsdp=2", 2),
+    ("mlp.py", "fsdp=4", 4),
+    ("gpt.py", "dp=2,fsdp=2", 4),
+])
+def test_sharded_strategies_match_ddp(model, strategy, world, tmp_path, gpt_data):
+    data = gpt_data if model == "gpt.py" else None
+    losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / model, world, tmp_path, data=data, strategy=strategy)
+    assert_same_training(losses, ref_losses, weights, ref_weights)
+
+
+def test_fsdp_batchnorm_adam_matches_ddp(tmp_path):
+    losses, ref_losses, weights, ref_weights = train_both(MODELS / "bn_adam.py", 2, tmp_path, batch_size=8, strategy="fsdp=2")
+    assert_same_training(losses, ref_losses, weights, ref_weights)

@@ -20,16 +20,27 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from aot.capture.model_file import ModelFile, call_user
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
+from runner.checkpoint import optimizer_key
 from runner.data import dtype_name
+from runner.sharding import shard
 
 _funcol = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
-class GradientReduction:
-    """Average gradients (and the reported loss) over one process group of `size` ranks."""
-    group: str
+class Group:
+    """A process group as the graph names it, and how many ranks it has."""
+    name: str
     size: int
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """How the plan distributes the step: gradients (and the reported loss) are averaged over
+    `dp` (replicas) and `fsdp` (shards); with `fsdp`, every parameter and its optimizer state
+    arrive as this rank's flat-padded shard and are all-gathered for use."""
+    dp: Group | None = None
+    fsdp: Group | None = None
 
 
 @dataclass
@@ -39,9 +50,25 @@ class CapturedStep:
     example_args: list[torch.Tensor]
 
 
-def _average(t: torch.Tensor, reduction: GradientReduction) -> torch.Tensor:
-    summed = _funcol.wait_tensor(_funcol.all_reduce(t, "sum", reduction.group))
-    return summed / reduction.size
+def _average(t: torch.Tensor, group: Group) -> torch.Tensor:
+    summed = _funcol.wait_tensor(_funcol.all_reduce(t, "sum", group.name))
+    return summed / group.size
+
+
+def _gather(piece: torch.Tensor, full: torch.Tensor, group: Group) -> torch.Tensor:
+    """The whole parameter from this rank's shard. The autograd variant of all_gather makes
+    backward reduce-scatter the gradient, so it arrives summed over the group and sharded."""
+    gathered = _funcol.wait_tensor(torch.ops._c10d_functional_autograd.all_gather_into_tensor(piece, group.size, group.name))
+    return gathered[: full.numel()].view(full.shape)
+
+
+def _clip_sharded(shards: list[torch.Tensor], max_norm: float, group: Group) -> None:
+    """clip_grad_norm_ for gradients sharded over `group`: the same global norm (the square root
+    of the sum of squares of every element), summed across the shards first."""
+    squares = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in shards]).sum()
+    total = torch.sqrt(_funcol.wait_tensor(_funcol.all_reduce(squares, "sum", group.name)))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(shards, coef)
 
 
 @contextlib.contextmanager
@@ -77,7 +104,7 @@ def _slot(kind: str, tensor: torch.Tensor | None = None, **fields) -> dict:
 
 
 def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
-                 reduction: GradientReduction | None) -> CapturedStep:
+                 layout: StepLayout) -> CapturedStep:
     param_names, buffer_names = list(state.params), list(state.buffers)
     n_params, n_buffers = len(param_names), len(buffer_names)
     n_state, n_groups = len(state.optimizer_slots), len(state.param_groups)
@@ -90,7 +117,11 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
         batch_inputs, batch_targets = flat[-1 - len(inputs):-1], flat[-1]
         by_name = dict(zip(param_names, params))
 
-        tensors = {**by_name, **dict(zip(buffer_names, buffers))}
+        if layout.fsdp is not None:
+            used = {n: _gather(p, state.params[n], layout.fsdp) for n, p in by_name.items()}
+        else:
+            used = by_name
+        tensors = {**used, **dict(zip(buffer_names, buffers))}
         outputs = torch.func.functional_call(state.model, tensors, tuple(batch_inputs))
         loss = call_user(mf.loss, "loss(outputs, targets)", mf.path, outputs, batch_targets)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -99,9 +130,12 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
         local_loss = loss.detach()
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         global_loss = local_loss
-        if reduction is not None:
-            grads = [None if g is None else _average(g, reduction) for g in grads]
-            global_loss = _average(local_loss, reduction)
+        if layout.fsdp is not None:  # already summed over the shard group by the reduce-scatter
+            grads = [None if g is None else g / layout.fsdp.size for g in grads]
+            global_loss = _average(global_loss, layout.fsdp)
+        if layout.dp is not None:
+            grads = [None if g is None else _average(g, layout.dp) for g in grads]
+            global_loss = _average(global_loss, layout.dp)
 
         optimizer = call_user(mf.optimizer, "optimizer(params)", mf.path, params)
         for group, lr in zip(optimizer.param_groups, lrs):
@@ -110,16 +144,20 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
             optimizer.state[by_name[name]][key] = value
         for p, g in zip(params, grads):
             p.grad = g
-        if mf.max_grad_norm is not None:
+        if mf.max_grad_norm is not None and layout.fsdp is not None:
+            _clip_sharded([p.grad for p in params if p.grad is not None], mf.max_grad_norm, layout.fsdp)
+        elif mf.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, mf.max_grad_norm)
         optimizer.step()
         return local_loss, global_loss
 
     lr_args = [torch.tensor(v, dtype=torch.float64) for v in state.lr_schedule[0]]
+    # Traced on shard 0's shapes: every rank's shard has the same shape, so one program serves all.
+    local = rank_state(state, layout, 0)
     args = [
-        *(p.detach().clone().requires_grad_(True) for p in state.params.values()),
+        *(p.requires_grad_(True) for p in local.params.values()),
         *(b.detach().clone() for b in state.buffers.values()),
-        *(state.optimizer_state[f"{n}:{k}"].clone() for n, k in state.optimizer_slots),
+        *(local.optimizer_state[f"{n}:{k}"].clone() for n, k in state.optimizer_slots),
         *lr_args, *inputs, targets,
     ]
     slots = [
@@ -140,6 +178,33 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
     # Export re-traces the graph with in-place updates on these inputs; they must not require grad.
     example = [a.detach() for a in args]
     return CapturedStep(graph=graph, slots=slots, example_args=example)
+
+
+@dataclass
+class RankState:
+    params: dict[str, torch.Tensor]
+    optimizer_state: dict[str, torch.Tensor]
+
+
+def rank_state(state: TrainingState, layout: StepLayout, shard_index: int) -> RankState:
+    """The parameters and optimizer state one rank holds: everything, or its fsdp shard of every
+    tensor shaped like its parameter (0-dim state such as step counters is replicated)."""
+    if layout.fsdp is None:
+        return RankState({n: p.detach().clone() for n, p in state.params.items()},
+                         {k: v.clone() for k, v in state.optimizer_state.items()})
+    parts = layout.fsdp.size
+    params = {n: shard(p, parts, shard_index) for n, p in state.params.items()}
+    optimizer_state = {}
+    for name, key in state.optimizer_slots:
+        value = state.optimizer_state[optimizer_key(name, key)]
+        if value.dim() == 0:
+            optimizer_state[optimizer_key(name, key)] = value.clone()
+        elif value.shape == state.params[name].shape:
+            optimizer_state[optimizer_key(name, key)] = shard(value, parts, shard_index)
+        else:
+            raise AotError(f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, unlike its parameter; "
+                           f"it cannot be sharded with fsdp")
+    return RankState(params, optimizer_state)
 
 
 def _describe_trace_error(e: Exception, mf: ModelFile) -> str:

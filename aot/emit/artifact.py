@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 import runner
-from aot.capture.step import CapturedStep
+from aot.capture.step import CapturedStep, StepLayout, rank_state
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
 from aot.passes.graph_utils import COLLECTIVES, is_call, tensor_bytes
@@ -56,18 +56,27 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
 
 
+def _state_files(shard_index: int | None) -> tuple[str, str]:
+    suffix = "" if shard_index is None else f".fsdp-{shard_index}"
+    return f"state/weights{suffix}.safetensors", f"state/optimizer{suffix}.safetensors"
+
+
 def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: CapturedStep, state: TrainingState,
-                  mesh: Mesh, profile: dict, example: dict[str, torch.Tensor], batch_size: int,
+                  layout: StepLayout, mesh: Mesh, profile: dict, example: dict[str, torch.Tensor], batch_size: int,
                   build: dict, sign_key: Path | None = None) -> dict:
     program_json, constants = encode_program(ep)
-    weights = _contiguous({**state.params, **state.buffers})
     data_slots = [s for s in captured.slots if s["kind"] in ("input", "target")]
+    # One pair of state files per distinct shard: replicas (data parallel) share theirs.
+    shards = [None] if layout.fsdp is None else list(range(layout.fsdp.size))
     with StagedDir(out, MANIFEST) as files:
         files.write(f"programs/{PROGRAM}.json", program_json)
         if constants is not None:
             files.write(f"programs/{PROGRAM}.constants.safetensors", constants)
-        files.write("state/weights.safetensors", save_safetensors(weights))
-        files.write("state/optimizer.safetensors", save_safetensors(_contiguous(state.optimizer_state)))
+        for index in shards:
+            local = rank_state(state, layout, index or 0)
+            weights_file, optimizer_file = _state_files(index)
+            files.write(weights_file, save_safetensors(_contiguous({**local.params, **state.buffers})))
+            files.write(optimizer_file, save_safetensors(_contiguous(local.optimizer_state)))
         files.write("data/example_batch.safetensors", save_safetensors(_contiguous(example)))
         manifest = {
             "format": FORMAT_NAME,
@@ -94,9 +103,13 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
             },
             "ranks": [
                 {"rank": r, "program": PROGRAM, "coords": mesh.coords(r),
-                 "weights": "state/weights.safetensors", "optimizer": "state/optimizer.safetensors"}
+                 **dict(zip(("weights", "optimizer"), _state_files(mesh.coords(r)["fsdp"] if layout.fsdp else None)))}
                 for r in range(mesh.world_size)
             ],
+            "sharding": None if layout.fsdp is None else {
+                "axis": "fsdp", "group": layout.fsdp.name, "size": layout.fsdp.size, "layout": "flat-padded",
+                "params": {n: p.numel() for n, p in state.params.items()},
+            },
             "state": {
                 "params": {n: [list(t.shape), dtype_name(t.dtype)] for n, t in state.params.items()},
                 "buffers": {n: [list(t.shape), dtype_name(t.dtype)] for n, t in state.buffers.items()},

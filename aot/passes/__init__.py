@@ -8,15 +8,16 @@ from __future__ import annotations
 import torch
 
 from aot.passes.bucketing import bucket_all_reduces
-from aot.passes.cleanup import drop_profiler_calls
+from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 from aot.passes.overlap import issue_early_wait_late
 
 
 def run_passes(gm: torch.fx.GraphModule, *, bucket_bytes: int) -> torch.fx.GraphModule:
     gm = drop_profiler_calls(gm)
+    gm = plain_collectives(gm)
     gm = bucket_all_reduces(gm, bucket_bytes)
     gm = issue_early_wait_late(gm)
     return gm
 
 
-__all__ = ["run_passes", "bucket_all_reduces", "drop_profiler_calls", "issue_early_wait_late"]
+__all__ = ["run_passes", "bucket_all_reduces", "drop_profiler_calls", "plain_collectives", "issue_early_wait_late"]

@@ -3,8 +3,8 @@
 Capture emits one all_reduce per gradient. Each costs a fixed latency, so, as DDP does, gradients
 are packed into buckets of about `bucket_bytes` in the order they are produced by backward,
 reduced as one flat tensor and unpacked. Collectives per step then count buckets, not parameters.
-Only all_reduces over the same group, op and dtype share a bucket, and never one whose input
-depends on another member's result (that would make the bucket wait for itself).
+Only all_reduces over the same group, op and dtype share a bucket, and only when all their
+inputs exist before any of their results is needed (else the bucket would wait for itself).
 """
 
 from __future__ import annotations
@@ -21,23 +21,6 @@ aten = torch.ops.aten
 def _reducible(node: torch.fx.Node) -> bool:
     users = list(node.users)
     return is_call(node, {ALL_REDUCE}) and len(users) == 1 and is_call(users[0], {WAIT})
-
-
-def _depends_on(node: torch.fx.Node, targets: set, memo: dict) -> bool:
-    """Whether `node` is (transitively) computed from any node in `targets`."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in targets:
-            return True
-        if n in seen:
-            continue
-        seen.add(n)
-        if memo.get(n) is False:
-            continue
-        stack.extend(n.all_input_nodes)
-    memo[node] = False
-    return False
 
 
 def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node], order: dict) -> None:
@@ -78,6 +61,10 @@ def bucket_all_reduces(gm: torch.fx.GraphModule, bucket_bytes: int) -> torch.fx.
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     candidates = sorted((n for n in graph.nodes if _reducible(n)), key=lambda n: order[n.args[0]])
+    # A bucket is reduced once all its inputs exist and must be done before any member's result
+    # is used. Keeping (last input) < (first use) for each bucket, in the original order, keeps
+    # every edge pointing forward in that order, so no bucket can end up waiting for itself.
+    first_use = {n: min((order[u] for u in next(iter(n.users)).users), default=len(order)) for n in candidates}
     buckets: dict[tuple, list[list[torch.fx.Node]]] = {}
     for node in candidates:
         val = node.args[0].meta["val"]
@@ -85,8 +72,9 @@ def bucket_all_reduces(gm: torch.fx.GraphModule, bucket_bytes: int) -> torch.fx.
         open_buckets = buckets.setdefault(key, [[]])
         bucket = open_buckets[-1]
         size = sum(tensor_bytes(m.args[0]) for m in bucket)
-        waits = {next(iter(m.users)) for m in bucket}
-        if bucket and (size >= bucket_bytes or _depends_on(node.args[0], waits, {})):
+        ready = max(order[m.args[0]] for m in [*bucket, node])
+        needed = min(first_use[m] for m in [*bucket, node])
+        if bucket and (size >= bucket_bytes or ready >= needed):
             bucket = []
             open_buckets.append(bucket)
         bucket.append(node)

@@ -14,6 +14,22 @@ _PROFILER_OPS = {
 }
 
 
+# Collectives with an autograd formula, used only so tracing can differentiate through them; at
+# run time the graph is already differentiated and the plain collective does the same work.
+_AUTOGRAD_COLLECTIVES = {
+    torch.ops._c10d_functional_autograd.all_gather_into_tensor.default: torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional_autograd.reduce_scatter_tensor.default: torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def plain_collectives(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _AUTOGRAD_COLLECTIVES:
+            node.target = _AUTOGRAD_COLLECTIVES[node.target]
+    gm.recompile()
+    return gm
+
+
 def drop_profiler_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     # Reverse order visits each exit before the enter whose value it consumes.
     for node in reversed(list(gm.graph.nodes)):

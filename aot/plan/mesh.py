@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from aot.errors import AotError
 
-SUPPORTED_AXES = ("dp",)
+SUPPORTED_AXES = ("dp", "fsdp")
+# Axes over which ranks see different data; the others (tensor parallel, later) see the same batch.
+DATA_AXES = ("dp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -23,8 +25,11 @@ class Mesh:
     shape: tuple[int, ...]
 
     @classmethod
-    def parse(cls, strategy: str | None, world_size: int) -> "Mesh":
-        if world_size < 1:
+    def parse(cls, strategy: str | None, world_size: int | None) -> "Mesh":
+        """The mesh a strategy names; `world_size` None takes it from the degrees."""
+        if world_size is None:
+            world_size = 1 if not strategy else None
+        if world_size is not None and world_size < 1:
             raise AotError(f"--world-size must be at least 1, got {world_size}")
         if not strategy:
             return cls(("dp",), (world_size,))
@@ -40,7 +45,7 @@ class Mesh:
                 raise AotError(f"--strategy {strategy!r}: axis {name!r} is given twice")
             axes.append(name)
             shape.append(int(degree))
-        if math.prod(shape) != world_size:
+        if world_size is not None and math.prod(shape) != world_size:
             raise AotError(f"--strategy {strategy!r}: degrees multiply to {math.prod(shape)}, not the world size {world_size}")
         return cls(tuple(axes), tuple(shape))
 
@@ -71,6 +76,10 @@ class Mesh:
             base = dict(zip(others, fixed))
             result.append([self.rank_of({**base, axis: i}) for i in range(self.size(axis))])
         return result
+
+    @property
+    def data_parallel_size(self) -> int:
+        return math.prod(self.size(a) for a in DATA_AXES)
 
     @staticmethod
     def group_name(axis: str) -> str:
