@@ -19,7 +19,7 @@ from aot.capture.model_file import load_model_file
 from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
 from aot.passes import bucket_all_reduces, drop_profiler_calls, issue_early_wait_late, run_passes
-from aot.passes.graph_utils import ALL_REDUCE, WAIT, funcol, is_call
+from aot.passes.graph_utils import ALL_GATHER, ALL_REDUCE, WAIT, funcol, is_call
 from helpers.commands import EXAMPLES
 
 GROUP = "aot.test"
@@ -37,12 +37,12 @@ def single_rank_group():
     yield
 
 
-def capture(model="mlp.py"):
+def capture(model="mlp.py", axis="dp"):
     mf = load_model_file(EXAMPLES / model)
     state = build_training_state(mf, seed=0, max_steps=10)
     inputs, targets = mf.batch(4)
     # size 1: the average over the (single-rank) group is the identity, so results are checkable
-    return capture_step(mf, state, [inputs], targets, StepLayout(dp=Group(GROUP, 1)))
+    return capture_step(mf, state, [inputs], targets, StepLayout(**{axis: Group(GROUP, 1)}))
 
 
 def run_graph(gm, args):
@@ -151,6 +151,26 @@ def test_pipeline_composes_on_gpt():
     before_out, before_state = run_graph(step.graph, step.example_args)
     gm = run_passes(step.graph, bucket_bytes=25 * 2**20)
     assert count(gm, ALL_REDUCE) == 1
+    after_out, after_state = run_graph(gm, step.example_args)
+    assert all(torch.equal(a, b) for a, b in zip(before_out, after_out))
+    assert all(torch.equal(a, b) for a, b in zip(before_state, after_state))
+
+
+def test_fsdp_gathers_are_prefetched_one_parameter_ahead():
+    step = capture("gpt.py", axis="fsdp")
+    before_out, before_state = run_graph(step.graph, step.example_args)
+    gm = run_passes(step.graph, bucket_bytes=25 * 2**20)
+    pos = position(gm)
+    gathers = sorted((n for n in gm.graph.nodes if is_call(n, {ALL_GATHER})), key=lambda g: pos[next(iter(g.users))])
+    waits = [next(iter(g.users)) for g in gathers]
+    assert len(gathers) == sum(1 for s in step.slots if s["kind"] == "param")
+    for k in range(1, len(gathers)):
+        # issued while the previous parameter's layer is about to compute, not all at the start
+        assert pos[gathers[k]] < pos[waits[k - 1]]
+        if k >= 2:
+            assert pos[gathers[k]] > pos[waits[k - 2]]
+    # the reduce-scattered gradients and every result are unchanged
+    assert count(gm, torch.ops._c10d_functional.reduce_scatter_tensor.default) == len(gathers)
     after_out, after_state = run_graph(gm, step.example_args)
     assert all(torch.equal(a, b) for a, b in zip(before_out, after_out))
     assert all(torch.equal(a, b) for a, b in zip(before_state, after_state))

@@ -6,10 +6,11 @@ import torch
 
 funcol = torch.ops._c10d_functional
 ALL_REDUCE = funcol.all_reduce.default
+ALL_GATHER = funcol.all_gather_into_tensor.default
 WAIT = funcol.wait_tensor.default
 COLLECTIVES = {
     ALL_REDUCE,
-    funcol.all_gather_into_tensor.default,
+    ALL_GATHER,
     funcol.reduce_scatter_tensor.default,
     funcol.broadcast.default,
 }

@@ -19,7 +19,8 @@ aten = torch.ops.aten
 # Ops that only reshape or pack a tensor for a collective: free to move with it.
 _PACKING = {aten.view.default, aten.cat.default, aten._unsafe_view.default, aten.reshape.default}
 # Ops that only unpack a collective's result: they move down with its wait.
-_UNPACKING = {aten.view.default, aten.split_with_sizes.default, aten._unsafe_view.default, operator.getitem}
+_UNPACKING = {aten.view.default, aten.split_with_sizes.default, aten._unsafe_view.default, operator.getitem,
+              aten.slice.Tensor}
 
 
 def _hoist(node: torch.fx.Node) -> None:
