@@ -14,13 +14,19 @@ import json
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-from torch._export.serde import serialize as serde
 
 from runner.errors import AotError
 
 
+def _serde():
+    # imported on use: it pulls in torch._dynamo, seconds a runner's start-up should not pay
+    from torch._export.serde import serialize
+    return serialize
+
+
 def encode_program(ep: torch.export.ExportedProgram) -> tuple[bytes, bytes | None]:
     """(program JSON, constants safetensors or None) for an exported program."""
+    serde = _serde()
     # Keys are prefixed by the table they belong to, since the deserializer takes the two apart.
     tensors: dict[str, torch.Tensor] = {}
     for table, entries in (("state_dict", ep.state_dict), ("constants", ep.constants)):
@@ -48,6 +54,7 @@ def _reproducible(program_json: bytes) -> bytes:
 
 
 def decode_program(program_json: bytes, constants: bytes | None) -> torch.export.ExportedProgram:
+    serde = _serde()
     tables: dict[str, dict[str, torch.Tensor]] = {"state_dict": {}, "constants": {}}
     for key, value in (load_safetensors(constants) if constants else {}).items():
         table, _, name = key.partition("/")

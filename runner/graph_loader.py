@@ -1,0 +1,116 @@
+"""A fast path from a serialized program (torch's export schema JSON) to a runnable FX graph.
+
+torch's deserializer rebuilds a whole ExportedProgram: it imports torch._dynamo and re-creates a
+fake tensor for every node, which at start-up costs seconds that a runner should not pay. Our
+programs are plain: every input is a user input, every output a user output, and every node a
+call of a `torch.ops` operator. For those this module builds the FX graph directly from the
+JSON (the same schema, read the same way) and lets FX generate its Python code; anything else
+(higher-order ops, lifted constants, symbolic shapes) returns None, and the caller uses torch's
+deserializer instead. tests/test_program_loader.py checks both paths give bit-identical steps.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+
+import torch
+
+# ScalarType, MemoryFormat and Layout numbers of torch._export.serde.schema (the stored format)
+_DTYPES = {
+    1: torch.uint8, 2: torch.int8, 3: torch.int16, 4: torch.int32, 5: torch.int64, 6: torch.float16,
+    7: torch.float32, 8: torch.float64, 9: torch.complex32, 10: torch.complex64, 11: torch.complex128,
+    12: torch.bool, 13: torch.bfloat16, 28: torch.uint16, 29: torch.float8_e4m3fn, 30: torch.float8_e5m2,
+    31: torch.float8_e4m3fnuz, 32: torch.float8_e5m2fnuz, 34: torch.uint32, 35: torch.uint64,
+}
+_MEMORY_FORMATS = {1: torch.contiguous_format, 2: torch.channels_last, 3: torch.channels_last_3d,
+                   4: torch.preserve_format}
+_LAYOUTS = {7: torch.strided}
+_LITERALS = ("as_int", "as_float", "as_bool", "as_string", "as_ints", "as_floats", "as_bools", "as_strings")
+
+
+class Unsupported(Exception):
+    """The program needs torch's full deserializer."""
+
+
+def _operator(target: str):
+    parts = target.split(".")
+    if parts[:2] != ["torch", "ops"] or len(parts) != 5:
+        raise Unsupported(target)
+    try:
+        return getattr(getattr(getattr(torch.ops, parts[2]), parts[3]), parts[4])
+    except (AttributeError, RuntimeError):
+        raise Unsupported(target) from None
+
+
+def _value(arg: dict, env: dict, device: torch.device | None):
+    (kind, value), = arg.items()
+    if kind == "as_float":  # the schema writes non-finite floats as strings ("-Infinity", "NaN")
+        return float(value)
+    if kind == "as_floats":
+        return [float(v) for v in value]
+    if kind in _LITERALS:
+        return value
+    if kind == "as_none":
+        return None
+    if kind == "as_tensor" or kind in ("as_sym_float", "as_sym_int", "as_sym_bool"):
+        name = value["name"] if kind == "as_tensor" else value.get("as_name")
+        if name not in env:
+            raise Unsupported(f"{kind} {value}")
+        return env[name]
+    if kind == "as_tensors":
+        return [env[t["name"]] for t in value]
+    if kind == "as_optional_tensors":
+        return [None if "as_none" in t else env[t["as_tensor"]["name"]] for t in value]
+    if kind == "as_scalar_type" and value in _DTYPES:
+        return _DTYPES[value]
+    if kind == "as_memory_format" and value in _MEMORY_FORMATS:
+        return _MEMORY_FORMATS[value]
+    if kind == "as_layout" and value in _LAYOUTS:
+        return _LAYOUTS[value]
+    if kind == "as_device":
+        # Devices baked into the trace (arange, full, ...) follow the program to its device.
+        return device if device is not None else torch.device(value["type"], value.get("index"))
+    raise Unsupported(kind)
+
+
+def load_graph_module(program_json: bytes, device: torch.device | None = None) -> torch.fx.GraphModule | None:
+    """The program as an FX GraphModule taking its inputs positionally, or None if it needs
+    torch's deserializer."""
+    try:
+        program = json.loads(program_json)
+        module = program["graph_module"]
+        signature = module["signature"]
+        if any("user_input" not in s for s in signature["input_specs"]) or \
+                any("user_output" not in s for s in signature["output_specs"]):
+            raise Unsupported("lifted inputs or mutation outputs")
+        graph_json = module["graph"]
+        graph = torch.fx.Graph()
+        env: dict = {}
+        for inp in graph_json["inputs"]:
+            name = inp["as_tensor"]["name"]
+            env[name] = graph.placeholder(name)
+        for node in graph_json["nodes"]:
+            args, kwargs = [], {}
+            for inp in node["inputs"]:
+                value = _value(inp["arg"], env, device)
+                if inp["kind"] == 1:
+                    args.append(value)
+                else:
+                    kwargs[inp["name"]] = value
+            call = graph.call_function(_operator(node["target"]), tuple(args), kwargs)
+            outputs = node["outputs"]
+            if len(outputs) == 1 and "as_tensors" not in outputs[0]:
+                (kind, value), = outputs[0].items()
+                if kind != "as_none":
+                    env[value["name"] if kind == "as_tensor" else value["as_name"]] = call
+            else:
+                listed = outputs[0]["as_tensors"] if len(outputs) == 1 else [o.get("as_tensor") for o in outputs]
+                for index, out in enumerate(listed):
+                    if out is not None:
+                        env[out["name"]] = graph.call_function(operator.getitem, (call, index))
+        graph.output(tuple(env[o["as_tensor"]["name"]] for o in graph_json["outputs"]))
+        gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        return gm
+    except (Unsupported, KeyError, TypeError, ValueError):
+        return None
