@@ -69,7 +69,7 @@ class Artifact:
                 f"{torch_release(data['torch_version'])}"
             )
         if not isinstance(data.get("digest"), str):
-            raise AotError(f"{path}: field 'digest' is missing or not a str")
+            raise AotError(f"{path}: has no digest; it was written by an older development build of aot: rebuild it")
         if data["digest"] != manifest_digest(data):
             raise AotError(f"{path}: digest does not match its entries (manifest altered or corrupt)")
         _check_structure(data, str(path))
@@ -132,6 +132,8 @@ SCHEMA = {
     "topology": {"name": str, "sha256": str, "profile": dict},
     "files": Map({"sha256": str, "size": int}),
 }
+IO = {"name": str, "shape": [(int, str)], "dtype": str}  # str: a symbolic dimension such as "batch"
+INFERENCE_SCHEMA = {"file": str, "batch_dim": str, "inputs": [IO], "outputs": [IO]}
 SLOT_FIELDS = {"param": {"name": str}, "buffer": {"name": str}, "optim": {"name": str, "key": str},
                "lr": {"group": int}, "input": {"index": int, **TENSOR}, "target": TENSOR}
 
@@ -206,6 +208,14 @@ def _check_structure(m: dict, where: str) -> None:
             raise AotError(f"{where}: {e}") from None
         expect(m["sharding"]["group"] in m["process_groups"], "sharding.group names no process group")
         expect(set(m["sharding"]["params"]) <= set(m["state"]["params"]), "sharding.params names unknown parameters")
+    for key, schema in (("inference", INFERENCE_SCHEMA), ("custom_ops", {"modules": [str], "ops": [str]})):
+        if m.get(key) is not None:  # optional entries: the ONNX export, custom operator libraries
+            try:
+                _conform(m[key], schema, key)
+            except AotError as e:
+                raise AotError(f"{where}: {e}") from None
+    if m.get("inference") is not None:
+        expect(m["inference"]["file"] in m["files"], "inference.file is not listed in files")
     expect(bool(m["schedule"]["lr"]), "schedule.lr is empty")
     expect(m["data"]["example"] in m["files"], "data.example is not listed in files")
     for name, entry in m["files"].items():
