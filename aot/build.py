@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from aot.capture.custom_ops import custom_op_spec
 from aot.capture.model_file import call_user, load_model_file
 from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
 from aot.emit.artifact import emit_artifact, export_step
+from aot.emit.onnx_export import ONNX_FILE, build_inference
 from aot.errors import AotError
 from aot.passes import run_passes
 from aot.plan.mesh import Mesh
 from aot.progress import Progress
 from runner.data import split_batch_tensors
 from runner.integrity import check_writable_target
-from runner.topology import live_profile, load_profile
+from runner.topology import for_nodes, live_profile, load_profile
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,9 @@ class BuildOptions:
     max_steps: int = 1000
     bucket_mb: float = 25.0
     seed: int = 0
+    nodes: int | None = None  # nodes the job spans (None: the profile's own count)
     sign_key: Path | None = None
+    onnx: bool | None = None   # export the forward to ONNX: None if it can (else a warning), True or fail, False skip
 
 
 def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
@@ -51,6 +55,7 @@ def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
 
 
 def build(options: BuildOptions, progress: Progress) -> dict:
+    """Run the stages (6, plus the ONNX export unless options.onnx is False) and write the artifact."""
     if options.batch_size < 1:
         raise AotError(f"--batch-size must be at least 1, got {options.batch_size}")
     if options.max_steps < 1:
@@ -60,8 +65,14 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     check_writable_target(options.output, "folder")
     if options.sign_key is not None and not Path(options.sign_key).is_file():
         raise AotError(f"{options.sign_key}: no such signing key (make one with `aot keygen`)")
-    mesh = Mesh.parse(options.strategy, options.world_size)
     profile = load_profile(options.topology) if options.topology else live_profile()
+    profile = for_nodes(profile, options.nodes, options.world_size)
+    planned = None
+    if options.strategy == "auto":  # the planner's best plan (aot/plan/search.py), priced on this profile
+        from aot.plan.search import plan_for_build
+        planned = plan_for_build(options, profile, progress)
+        options = replace(options, strategy=planned.strategy, bucket_mb=planned.bucket_mb)
+    mesh = Mesh.parse(options.strategy, options.world_size)
 
     with progress.stage(f"loading {options.model_path.name}"):
         mf = load_model_file(options.model_path)
@@ -79,12 +90,24 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         captured = capture_step(mf, state, rank_inputs, rank_targets, layout)
     with progress.stage("running graph passes (bucketing, overlap)"):
         captured.graph = run_passes(captured.graph, bucket_bytes=int(options.bucket_mb * 2**20))
+    plan_entry, plan_files = planned.finish(captured.graph, captured.slots) if planned else (None, {})
     with progress.stage("exporting the program"):
         ep = export_step(captured)
+        custom_ops = custom_op_spec(mf, ep.graph)
+    inference, warnings = None, []
+    if options.onnx is not False:
+        with progress.stage("exporting the forward to ONNX and checking it with ONNX Runtime"):
+            inference = build_inference(mf, state.model, rank_inputs, required=options.onnx is True, warn=warnings.append)
+    for message in warnings:
+        progress.warn(message)
     with progress.stage(f"writing the artifact to {options.output}"):
         manifest = emit_artifact(
             options.output, ep=ep, captured=captured, state=state, layout=layout, mesh=mesh, profile=profile,
             example=example, batch_size=options.batch_size, sign_key=options.sign_key,
+            extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files} or None,
+            extra_fields={**({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
+                          **({"custom_ops": custom_ops} if custom_ops else {}),
+                          **({"plan": plan_entry} if plan_entry else {})},
             build={
                 "model_file": mf.path.name, "model_sha256": mf.sha256, "world_size": options.world_size,
                 "strategy": mesh.describe(), "batch_size": options.batch_size, "max_steps": options.max_steps,

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import click
 
+from aot.inference_cli import export as export_command, infer as infer_command
+from aot.plan_cli import calibrate as calibrate_command, plan as plan_command
+from aot.topology_cli import topology as topology_group
 from runner.cli import run as run_command
 from runner.console import console_main, debug_option
 
@@ -35,18 +38,22 @@ def cli():
 @click.argument("model_file", type=click.Path(path_type=Path))
 @click.option("--topology", metavar="PROFILE",
               help="Built-in profile name (e.g. cpu) or a profile JSON file. Default: this machine.")
+@click.option("--nodes", type=int, default=None,
+              help="Nodes the job spans (one rank per GPU, ranks split evenly). Default: the profile's node count.")
 @click.option("--world-size", type=int, default=None, help="Number of ranks to build for. Default: the product of --strategy's degrees, else 1.")
-@click.option("--strategy", metavar="AXIS=N[,...]", help="Mesh as axis=degree pairs: dp=4 (data parallel), fsdp=4 (sharded, ZeRO-3), dp=2,fsdp=2. Default: data parallel over all ranks.")
+@click.option("--strategy", metavar="AXIS=N[,...]", help="Mesh as axis=degree pairs: dp=4 (data parallel), fsdp=4 (sharded, ZeRO-3), dp=2,fsdp=2; or auto: the best plan of `aot plan`. Default: data parallel over all ranks.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Samples per data-parallel rank per step.")
 @click.option("--max-steps", type=int, default=1000, show_default=True, help="Steps of learning-rate schedule to store.")
 @click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="Gradient bucket size for all_reduce, in MiB.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Initial weights are those of torch.manual_seed(seed); model().")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Artifact folder to write.")
 @click.option("--sign", "sign_key", type=click.Path(path_type=Path), help="Sign the artifact with this Ed25519 private key (see `aot keygen`).")
+@click.option("--onnx/--no-onnx", default=None,
+              help="Also export the forward to ONNX for `aot infer` (default: yes if the model can be, else a warning; --onnx: or fail).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
 @debug_option
-def build(model_file, topology, world_size, strategy, batch_size, max_steps, bucket_mb, seed, output, sign_key, quiet, as_json):
+def build(model_file, topology, nodes, world_size, strategy, batch_size, max_steps, bucket_mb, seed, output, sign_key, onnx, quiet, as_json):
     """Trace MODEL_FILE's whole training step into per-rank artifacts.
 
     MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),
@@ -60,11 +67,11 @@ def build(model_file, topology, world_size, strategy, batch_size, max_steps, buc
     from runner.inspect import human
 
     if world_size is None:
-        world_size = Mesh.parse(strategy, None).world_size
-    options = BuildOptions(model_path=model_file, output=output, topology=topology, world_size=world_size,
+        world_size = Mesh.parse(strategy, None).world_size if strategy != "auto" else 1
+    options = BuildOptions(model_path=model_file, output=output, topology=topology, nodes=nodes, world_size=world_size,
                            strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, seed=seed,
-                           sign_key=sign_key)
-    progress = Progress(total=6, quiet=quiet or as_json)
+                           sign_key=sign_key, onnx=onnx)
+    progress = Progress(total=6 + (onnx is not False), quiet=quiet or as_json)
     manifest = run_build(options, progress)
     program = manifest["programs"]["train"]
     summary = {
@@ -73,6 +80,7 @@ def build(model_file, topology, world_size, strategy, batch_size, max_steps, buc
         "collective_bytes_per_step": sum(c["bytes"] for c in program["collectives"]),
         "total_bytes": sum(f["size"] for f in manifest["files"].values()),
         "seconds": round(progress.elapsed(), 3),
+        "inference": manifest.get("inference", {}).get("file"),
     }
     if as_json:
         click.echo(json.dumps(summary, indent=1))
@@ -84,6 +92,11 @@ def build(model_file, topology, world_size, strategy, batch_size, max_steps, buc
 
 
 cli.add_command(run_command)
+cli.add_command(topology_group)
+cli.add_command(infer_command)
+cli.add_command(export_command)
+cli.add_command(plan_command)
+topology_group.add_command(calibrate_command)
 
 
 @cli.command()

@@ -29,6 +29,11 @@ class Progress:
     def note(self, message: str) -> None:
         self._write(f"      {message}")
 
+    def warn(self, message: str) -> None:
+        """A warning line; printed even when quiet (quiet silences progress, not problems)."""
+        self.stream.write(f"warning: {message}\n")
+        self.stream.flush()
+
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 

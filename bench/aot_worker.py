@@ -38,12 +38,13 @@ trainer.check_steps(args.steps)
 source = trainer.data_source(args.data)
 T_READY = time.time()
 
-step_times, losses, T_STEP1 = [], [], None
+step_times, cpu_times, losses, T_STEP1 = [], [], [], None
 for _ in range(args.steps):
     inputs, targets = source.batch(trainer.step_index)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     loss = trainer.step(inputs, targets)
     step_times.append(time.perf_counter() - start)
+    cpu_times.append(time.process_time() - cpu_start)  # all of this rank's threads
     losses.append(loss)
     if T_STEP1 is None:
         T_STEP1 = time.time()
@@ -61,6 +62,7 @@ if trainer.rank == 0 and os.environ.get("BENCH_RESULT"):
         "launch_to_step1_end_s": (T_STEP1 - t0) if T_STEP1 else None,
         "process_to_step1_end_s": (T_STEP1 - T_TOP) if T_STEP1 else None,
         "step_times_s": step_times,
+        "step_cpu_s": cpu_times,
         "losses": losses,
     }
     with open(os.environ["BENCH_RESULT"], "w") as f:

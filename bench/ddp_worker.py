@@ -68,10 +68,10 @@ def batch(step):
     return [t.index_select(0, idx) for t in inputs], targets.index_select(0, idx)
 
 
-step_times, losses, T_STEP1 = [], [], None
+step_times, cpu_times, losses, T_STEP1 = [], [], [], None
 for step in range(args.steps):
     x, y = batch(step)  # outside the timed region, as in `aot run`
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     opt.zero_grad()
     loss = loss_fn(step_fn(*x), y)
     loss.backward()
@@ -87,6 +87,7 @@ for step in range(args.steps):
     dist.all_reduce(global_loss)
     value = global_loss.item() / world
     step_times.append(time.perf_counter() - start)
+    cpu_times.append(time.process_time() - cpu_start)  # all of this rank's threads
     losses.append(value)
     if T_STEP1 is None:
         T_STEP1 = time.time()
@@ -107,6 +108,7 @@ if rank == 0 and os.environ.get("BENCH_RESULT"):
         "launch_to_step1_end_s": (T_STEP1 - t0) if T_STEP1 else None,
         "process_to_step1_end_s": (T_STEP1 - T_TOP) if T_STEP1 else None,
         "step_times_s": step_times,
+        "step_cpu_s": cpu_times,
         "losses": losses,
         "parameter_tensors": len(params),
         "ddp_buckets": buckets,

@@ -21,7 +21,9 @@ that saw the same machine load. Variants:
 Start-up is wall time from BENCH_T0 (time.time() just before the torchrun subprocess is started)
 to the end of step 1 on rank 0, so torchrun's and the interpreter's start are counted alike for
 every variant. Steady-state step time is the median of steps 6..N (rank 0). Every child gets
-OMP_NUM_THREADS=1. All files live in one temporary folder that is removed at the end.
+OMP_NUM_THREADS=1. All files live in one temporary folder that is removed at the end. The code
+under test (aot/, runner/, examples/ and the two bench workers) is copied there at the start and
+every child runs that copy, so edits made to the working tree during a run cannot mix versions.
 
 The machine may be shared: during every run the script measures how many cores' worth of CPU
 *other* processes used (/proc/stat minus this script's own children). A run disturbed by more than
@@ -32,11 +34,13 @@ is kept; the table shows the foreign load the kept runs saw, and medians as well
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
 import resource
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -46,7 +50,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "bench"
+CODE = REPO  # where children import aot/runner from: a snapshot of REPO unless --no-snapshot
+SNAPSHOT = ("aot", "runner", "examples", "bench/aot_worker.py", "bench/ddp_worker.py")
 WARMUP_STEPS = 5  # steady state = steps 6..N
 
 VARIANTS = {
@@ -62,7 +67,7 @@ VARIANTS = {
 def child_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"  # torchrun's default, pinned so every variant gets the same
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([str(CODE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     env.pop("AOT_DEBUG", None)
     env.update(extra or {})
@@ -115,7 +120,7 @@ def run_child(cmd: list[str], env: dict, log: Path, timeout: float, poll_file: P
     with open(log, "w") as out, Load() as load:
         t0 = time.time()
         env = dict(env, BENCH_T0=repr(t0))
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=CODE, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         seen = None
         try:
             while True:
@@ -148,7 +153,7 @@ def run_variant(name: str, ctx: dict, tmp: Path, tag: str) -> dict:
     log = tmp / f"{name}.{tag}.log"
     env = child_env({"BENCH_RESULT": str(result_file)})
     if name == "aot":
-        cmd = torchrun(world) + [str(BENCH / "aot_worker.py"), ctx["artifact"], ctx["data"], "--steps", str(steps)]
+        cmd = torchrun(world) + [str(CODE / "bench" / "aot_worker.py"), ctx["artifact"], ctx["data"], "--steps", str(steps)]
     elif name == "aot_cli":
         metrics = tmp / f"metrics.{tag}.jsonl"
         cmd = torchrun(world) + ["-m", "aot", "run", ctx["artifact"], "--steps", str(steps), "--data", ctx["data"],
@@ -165,7 +170,7 @@ def run_variant(name: str, ctx: dict, tmp: Path, tag: str) -> dict:
             "losses": [r["loss"] for r in records],
         }
     else:
-        cmd = torchrun(world) + [str(BENCH / "ddp_worker.py"), ctx["model"], ctx["data"], "--steps", str(steps),
+        cmd = torchrun(world) + [str(CODE / "bench" / "ddp_worker.py"), ctx["model"], ctx["data"], "--steps", str(steps),
                                  "--batch-size", str(batch)]
         if name.startswith("ddp_compile"):
             cmd.append("--compile")
@@ -183,6 +188,11 @@ def median(values):
     return statistics.median(values) if values else None
 
 
+def steady_cpu(run: dict):
+    tail = run.get("step_cpu_s", [])[WARMUP_STEPS:]
+    return statistics.median(tail) if tail else None
+
+
 def minimum(values):
     values = [v for v in values if v is not None]
     return min(values) if values else None
@@ -193,6 +203,29 @@ def steady(run: dict):
     return statistics.median(tail) if tail else None
 
 
+def snapshot(dest: Path) -> Path:
+    """Copy the code under test, so edits others make to the working tree mid-run cannot mix
+    two versions of aot/runner into one comparison."""
+    for rel in SNAPSHOT:
+        src, dst = REPO / rel, dest / rel
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(dest)], check=False, capture_output=True)
+    return dest
+
+
+def code_digest(root: Path) -> str:
+    """sha256 over the .py files of aot/ and runner/ that the children run."""
+    h = hashlib.sha256()
+    for pkg in ("aot", "runner"):
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def machine() -> dict:
     info = {"nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
@@ -201,6 +234,12 @@ def machine() -> dict:
         info["cpu_model"] = next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")), None)
     except (OSError, subprocess.SubprocessError):
         info["cpu_model"] = None
+    try:  # the code measured: other people may be editing the working tree
+        git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout  # noqa: E731
+        info["git_commit"] = git("rev-parse", "--short", "HEAD").strip()
+        info["git_dirty_paths"] = [l[3:] for l in git("status", "--porcelain", "--", "aot", "runner").splitlines()]
+    except (OSError, subprocess.SubprocessError):
+        pass
     import torch
     info["torch"] = torch.__version__
     info["gpu"] = torch.cuda.is_available()
@@ -227,6 +266,8 @@ def summarize(runs: dict, ctx: dict) -> dict:
             "first_step_s": median(r.get("first_step_s") for r in ok),
             "steady_step_s": median(steady(r) for r in ok),
             "steady_step_best_s": minimum(steady(r) for r in ok),
+            "steady_cpu_s": median(steady_cpu(r) for r in ok),
+            "steady_cpu_best_s": minimum(steady_cpu(r) for r in ok),
             "other_load_cores": median(r.get("other_load_cores") for r in ok),
             "other_load_max_cores": max((r["other_load_cores"] for r in ok if r.get("other_load_cores") is not None), default=None),
             "launches": sum(len(r.get("attempts", [])) for r in rs),
@@ -275,7 +316,19 @@ def loss_check(runs: dict) -> dict:
     return out
 
 
-def render(rows: dict, ctx: dict, ratios: dict, losses: dict) -> str:
+def quiet(runs: dict, limit: float) -> dict:
+    """Medians over every launch (kept or not) during which other processes used ≤ limit cores."""
+    out = {}
+    for name, rs in runs.items():
+        launches = [a for r in rs for a in r.get("attempts", [])
+                    if a.get("other_load_cores") is not None and a["other_load_cores"] <= limit]
+        out[name] = {"launches": len(launches),
+                     "startup_s": median(a.get("startup_s") for a in launches),
+                     "steady_step_s": median(a.get("steady_step_s") for a in launches)}
+    return out
+
+
+def render(rows: dict, ctx: dict, ratios: dict, losses: dict, calm: dict | None = None) -> str:
     lines = [
         f"{ctx['world']} ranks (gloo, CPU), {Path(ctx['model']).name}, batch {ctx['batch']} per rank, "
         f"{ctx['steps']} steps, {ctx['repeats']} interleaved repeat(s), medians; "
@@ -283,8 +336,8 @@ def render(rows: dict, ctx: dict, ratios: dict, losses: dict) -> str:
         f"({ctx['build_reported_s']:.1f} s reported by `aot build`)",
         "",
         "| variant | start-up to end of step 1, s: median (best) | launch → Python | import torch | set-up | step 1 | "
-        "steady step, ms: median (best) | samples/s | collectives/step | other processes' CPU, cores |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "steady step, ms: median (best) | CPU per steady step, ms | samples/s | collectives/step | other processes' CPU, cores |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for name, row in rows.items():
         coll = row.get("collectives_per_step")
@@ -293,7 +346,7 @@ def render(rows: dict, ctx: dict, ratios: dict, losses: dict) -> str:
         lines.append(
             f"| {VARIANTS[name]} | {fmt(row['startup_s'])} ({fmt(row['startup_best_s'])}) | {fmt(row['launch_to_process_s'])} | "
             f"{fmt(row['import_torch_s'])} | {fmt(row['setup_s'])} | {fmt(row['first_step_s'])} | "
-            f"{fmt(row['steady_step_s'], 1e3, 1)} ({fmt(row['steady_step_best_s'], 1e3, 1)}) | "
+            f"{fmt(row['steady_step_s'], 1e3, 1)} ({fmt(row['steady_step_best_s'], 1e3, 1)}) | {fmt(row['steady_cpu_s'], 1e3, 1)} | "
             f"{fmt(row['samples_per_s'], digits=0)} | {coll if coll is not None else '—'} | {fmt(row['other_load_cores'])} |"
         )
     lines.append("")
@@ -316,6 +369,20 @@ def render(rows: dict, ctx: dict, ratios: dict, losses: dict) -> str:
             met = "unclear (median and best disagree)"
         lines.append(f"| {label} | {fmt(value, digits=3)} | {fmt(best, digits=3)} | {', '.join(f'{p:.3f}' for p in per) or '—'} | "
                      f"{'≤ ' + str(goal) if goal is not None else '—'} | {met} |")
+    if calm:
+        lines.append("")
+        lines.append(f"Only the launches during which other processes used ≤ {ctx['max_other_load']} cores "
+                     f"(kept or not; fewer runs, so a cross-check rather than the result):")
+        lines.append("")
+        lines.append("| variant | such launches | start-up, s (median) | steady step, ms (median) |")
+        lines.append("|---|---:|---:|---:|")
+        for name, q in calm.items():
+            lines.append(f"| {VARIANTS[name]} | {q['launches']} | {fmt(q['startup_s'])} | {fmt(q['steady_step_s'], 1e3, 1)} |")
+        for label, a, b, key, goal in (("aot start-up / compiled DDP (cold cache) start-up", "aot", "ddp_compile_cold", "startup_s", 0.1),
+                                       ("aot steady step / eager DDP steady step", "aot", "ddp_eager", "steady_step_s", 1.0)):
+            value = ratio(calm, a, b, key)
+            if value is not None:
+                lines.append(f"- undisturbed launches only: {label} = {value:.3f} (goal ≤ {goal}: {'met' if value <= goal else 'not met'})")
     if losses:
         lines.append("")
         lines.append("max |loss − eager DDP loss| over all steps: " +
@@ -336,8 +403,10 @@ def main(argv=None) -> int:
                    help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
     p.add_argument("--max-other-load", type=float, default=0.25,
                    help="re-launch a run during which other processes used more than this many cores (default: %(default)s)")
-    p.add_argument("--attempts", type=int, default=3,
+    p.add_argument("--attempts", type=int, default=2,
                    help="launches at most per variant and repeat; the least disturbed is kept (default: %(default)s)")
+    p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
+                   help="run aot/runner from the working tree instead of a copy taken at start")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per run (default: %(default)s)")
     args = p.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -351,20 +420,29 @@ def main(argv=None) -> int:
            "model": str(args.model.resolve()), "timeout": args.timeout,
            "attempts": args.attempts, "max_other_load": args.max_other_load, "machine": machine()}
     m = ctx["machine"]
-    print(f"machine: {m['nproc']} CPUs ({m['cpu_model']}), torch {m['torch']}, GPU: {m['gpu']}", file=sys.stderr)
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     failures, lost = [], []
+    global CODE
     with tempfile.TemporaryDirectory(prefix="aot-bench-") as tmp_name:
         tmp = Path(tmp_name)
+        if args.snapshot:
+            CODE = snapshot(tmp / "code")
+            model = Path(ctx["model"])
+            if model.is_relative_to(REPO):
+                ctx["model"] = str(CODE / model.relative_to(REPO))
+        ctx["machine"]["code_sha256"] = code_digest(CODE)
+        print(f"machine: {m['nproc']} CPUs ({m['cpu_model']}), torch {m['torch']}, GPU: {m['gpu']}; code: commit "
+              f"{m.get('git_commit')} with {len(m.get('git_dirty_paths', []))} uncommitted path(s) under aot/ and runner/, "
+              f"{'snapshot' if args.snapshot else 'working tree'} sha256 {m['code_sha256']}", file=sys.stderr)
         env = child_env()
         data = tmp / "data.safetensors"
-        subprocess.run([sys.executable, str(REPO / "examples" / "prepare_data.py"), "-o", str(data)],
-                       cwd=REPO, env=env, check=True, capture_output=True)
+        subprocess.run([sys.executable, str(CODE / "examples" / "prepare_data.py"), "-o", str(data)],
+                       cwd=CODE, env=env, check=True, capture_output=True)
         artifact = tmp / "artifact"
         build_cmd = [sys.executable, "-m", "aot", "build", ctx["model"], "--world-size", str(args.world_size),
                      "--batch-size", str(args.batch_size), "-o", str(artifact), "--json"]
         t = time.perf_counter()
-        built = subprocess.run(build_cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        built = subprocess.run(build_cmd, cwd=CODE, env=env, capture_output=True, text=True)
         ctx["build_wall_s"] = time.perf_counter() - t
         if built.returncode != 0:
             print(f"aot build failed (exit {built.returncode}): {shlex.join(build_cmd)}\n{built.stderr[-3000:]}", file=sys.stderr)
@@ -372,7 +450,7 @@ def main(argv=None) -> int:
         ctx["build_reported_s"] = json.loads(built.stdout)["seconds"]
         ctx["build_command"] = shlex.join(build_cmd)
         inspected = subprocess.run([sys.executable, "-m", "aot", "inspect", str(artifact), "--json"],
-                                   cwd=REPO, env=env, capture_output=True, text=True, check=True)
+                                   cwd=CODE, env=env, capture_output=True, text=True, check=True)
         ctx["aot_collectives_per_step"] = json.loads(inspected.stdout)["programs"]["train"]["collectives_per_step"]
         ctx.update(artifact=str(artifact), data=str(data))
         print(f"aot build: {ctx['build_wall_s']:.1f} s wall, {ctx['aot_collectives_per_step']} collective(s) per step",
@@ -419,7 +497,7 @@ def main(argv=None) -> int:
     rows = summarize(runs, ctx)
     startup = lambda r: r.get("launch_to_step1_end_s")  # noqa: E731
     def pair(a, b, what, goal=None):
-        key = startup if what == "startup" else steady
+        key = {"startup": startup, "steady_step": steady, "steady_cpu": steady_cpu}[what]
         return (ratio(rows, a, b, f"{what}_s"), ratio(rows, a, b, f"{what}_best_s"), paired_ratios(runs, a, b, key), goal)
 
     ratios = {
@@ -430,10 +508,12 @@ def main(argv=None) -> int:
         "aot steady step / compiled DDP (cold cache) steady step": pair("aot", "ddp_compile_cold", "steady_step"),
         "aot steady step / compiled DDP (warm cache) steady step": pair("aot", "ddp_compile_warm", "steady_step"),
         "aot run (CLI) steady step / eager DDP steady step": pair("aot_cli", "ddp_eager", "steady_step"),
+        "aot CPU per step / eager DDP CPU per step (rank 0; less load-sensitive)": pair("aot", "ddp_eager", "steady_cpu"),
     }
     ratios = {k: v for k, v in ratios.items() if v[0] is not None}
     losses = loss_check(runs)
-    print(render(rows, ctx, ratios, losses))
+    calm = quiet(runs, args.max_other_load)
+    print(render(rows, ctx, ratios, losses, calm))
     if failures:
         print(f"\nFailed launches ({len(failures)}; {len(lost)} repeat(s) left without a result):", file=sys.stderr)
         for f in failures:
@@ -444,7 +524,7 @@ def main(argv=None) -> int:
             "context": ctx, "summary": rows,
             "ratios": {k: {"of_medians": v, "of_bests": best, "per_repeat": per, "goal": goal}
                        for k, (v, best, per, goal) in ratios.items()},
-            "max_loss_diff_vs_eager": losses, "runs": runs, "failures": failures,
+            "max_loss_diff_vs_eager": losses, "undisturbed_launches": calm, "runs": runs, "failures": failures,
         }, indent=1))
         print(f"\nwrote {args.out}", file=sys.stderr)
     return 1 if lost else 0

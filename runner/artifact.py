@@ -57,7 +57,7 @@ class Artifact:
         # Versions first: a manifest of another version may follow other rules for the rest.
         if data.get("format_version") != FORMAT_VERSION:
             raise AotError(
-                f"{path}: artifact format version {data['format_version']} but this runner reads "
+                f"{path}: artifact format version {data.get('format_version')} but this runner reads "
                 f"version {FORMAT_VERSION}; rebuild with a matching aot"
             )
         if not isinstance(data.get("torch_version"), str):

@@ -38,11 +38,13 @@ def _restarted() -> bool:
               help="Run only artifacts signed by this public key (repeatable; see `aot keygen`).")
 @click.option("--timeout", "timeout_s", default=600, show_default=True, type=click.IntRange(min=1),
               help="Seconds a collective may wait for the other ranks before the run fails, naming it.")
+@click.option("--no-bind", is_flag=True,
+              help="Do not bind each rank to the CPU cores and NUMA memory node nearest its GPU.")
 @click.option("--log-every", default=1, show_default=True, type=click.IntRange(min=1), help="Print a progress line every N steps.")
 @click.option("--quiet", is_flag=True, help="Print only errors.")
 @debug_option
 def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_topology_mismatch, trusted_keys,
-        timeout_s, log_every, quiet):
+        timeout_s, no_bind, log_every, quiet):
     """Train from ARTIFACT (a folder made by `aot build`) on this rank.
 
     Launch one process per rank with torchrun; rank and world size come from its environment:
@@ -59,6 +61,7 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
     from runner.errors import AotError
     from runner.integrity import check_writable_target
     from runner.signing import read_public_key
+    from runner.topology import TopologyMismatch
     from runner.trainer import Trainer
 
     # Everything that can be checked before the work is checked before it.
@@ -70,8 +73,16 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
         check_writable_target(metrics, "file")
     keys = [read_public_key(k) for k in trusted_keys]
 
-    trainer = Trainer(artifact, rank, allow_topology_mismatch=allow_topology_mismatch, trusted_keys=keys,
-                      timeout_s=timeout_s, warn=lambda msg: click.echo(f"warning: {msg}", err=True))
+    tag = f"[rank {rank if rank is not None else os.environ.get('RANK', 0)}] " if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    try:
+        trainer = Trainer(artifact, rank, allow_topology_mismatch=allow_topology_mismatch, trusted_keys=keys,
+                          timeout_s=timeout_s, warn=lambda msg: click.echo(f"warning: {msg}", err=True),
+                          bind=not no_bind, log=(lambda msg: None) if quiet else (lambda msg: click.echo(f"{tag}{msg}", err=True)))
+    except TopologyMismatch as e:  # one line per mismatch class (from local rank 0 of each node), then the error
+        if e.report:
+            for line in e.lines:
+                click.echo(f"{tag}topology mismatch: {line}", err=True)
+        raise AotError(e.summary) from None
     say = (lambda msg: click.echo(msg, err=True)) if (trainer.rank == 0 and not quiet) else (lambda msg: None)
 
     target = None
@@ -106,7 +117,7 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
             last = loss
             record = {"step": step + 1, "loss": loss, "step_time_s": seconds,
                       "samples_per_s": source.global_batch / seconds,
-                      "time_since_start_s": time.perf_counter() - _STARTED}
+                      "time_since_start_s": time.perf_counter() - _STARTED, "unix_time": time.time()}
             if log:
                 log.write(json.dumps(record) + "\n")
                 log.flush()

@@ -25,8 +25,13 @@ def human(n: float) -> str:
 def summarize(artifact: Artifact) -> dict:
     m = artifact.manifest
     state = m["state"]
-    param_count = sum(math.prod(s) for s, _ in state["params"].values())
-    param_bytes = sum(_bytes(v) for v in state["params"].values())
+    # Per rank: a sharded (fsdp) parameter counts with its shard, flat-padded to a multiple of N.
+    sharding = m.get("sharding") or {}
+    parts = sharding.get("size", 1)
+    held = {n: (-(-math.prod(s) // parts) if n in sharding.get("params", {}) else math.prod(s))
+            for n, (s, _) in state["params"].items()}
+    param_count = sum(held.values())
+    param_bytes = sum(_bytes([[held[n]], dtype]) for n, (_, dtype) in state["params"].items())
     programs = {}
     for name, program in m["programs"].items():
         collectives = program["collectives"]
@@ -55,6 +60,9 @@ def summarize(artifact: Artifact) -> dict:
         "programs": programs,
         "ranks": ranks,
         "files": m["files"],
+        "inference": m.get("inference"),
+        "custom_ops": m.get("custom_ops"),
+        "plan": m.get("plan"),
         "total_bytes": sum(f["size"] for f in m["files"].values()),
     }
 
@@ -81,6 +89,27 @@ def render(summary: dict) -> str:
         for (kind, group, dtype), count in kinds.items():
             size = sum(c["bytes"] for c in p["collectives"] if (c["kind"], c["group"], c["dtype"]) == (kind, group, dtype))
             lines.append(f"    {count} x {kind} over {group} ({dtype}), {human(size)} in all")
+    inference = summary.get("inference")
+    if inference:
+        io = ", ".join(f"{i['name']} [{', '.join(map(str, i['shape']))}] {i['dtype']}" for i in inference["inputs"])
+        lines.append(f"inference  {inference['file']}  ONNX opset {inference.get('opset')}, {io}, "
+                     f"max |ONNX Runtime - eager| {inference.get('max_abs_diff', float('nan')):.2g} at build")
+    else:
+        lines.append("inference  none (built with --no-onnx, or the model could not be exported)")
+    if summary.get("custom_ops"):
+        lines.append(f"custom ops {', '.join(summary['custom_ops']['ops'])}  (runner imports {', '.join(summary['custom_ops']['modules'])})")
+    plan = summary.get("plan")
+    if plan:  # written by `aot build --strategy auto`: the planner's predictions for this artifact
+        p = plan.get("predicted", {})
+        mem = p.get("memory_bytes", {})
+        lines.append(f"plan       {plan.get('strategy')}, bucket {plan.get('bucket_mb')} MiB, chosen by {plan.get('source')} on "
+                     f"{plan.get('topology')} ({'calibrated' if plan.get('calibrated') else 'uncalibrated'})")
+        lines.append(f"  predicted {p.get('step_s', 0) * 1e3:.3g} ms per step (compute {p.get('compute_s', 0) * 1e3:.3g} ms, "
+                     f"communication {p.get('comm_s', 0) * 1e3:.3g} ms of which {p.get('exposed_comm_s', 0) * 1e3:.3g} ms exposed), "
+                     f"{human(mem.get('peak', 0))} per rank (parameters {human(mem.get('params', 0))}, optimizer "
+                     f"{human(mem.get('optimizer', 0))}, activations and gradients at peak {human(mem.get('peak_transient', 0))})")
+        if plan.get("timeline"):
+            lines.append(f"  predicted timeline {plan['timeline']} (Chrome trace: Perfetto or chrome://tracing)")
     lines.append("ranks")
     seen = set()
     for r in summary["ranks"]:

@@ -20,9 +20,11 @@ from runner.custom_ops import import_op_libraries
 from runner.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
 from runner.groups import bind_process_groups
+from runner.graph_loader import load_graph_module
 from runner.program import decode_program
+from runner.binding import bind_rank
 from runner.sharding import unshard
-from runner.topology import live_profile, mismatches
+from runner.topology import verify_live
 
 
 DATA_AXES = ("dp", "fsdp")
@@ -43,7 +45,8 @@ class Trainer:
 
     def __init__(self, path: str | Path, rank: int | None = None, *, world_size: int | None = None,
                  device: str | torch.device | None = None, allow_topology_mismatch: bool = False,
-                 trusted_keys: list[str] | None = None, timeout_s: float = 600, warn=lambda msg: None):
+                 trusted_keys: list[str] | None = None, timeout_s: float = 600, bind: bool = True,
+                 warn=lambda msg: None, log=lambda msg: None):
         self.artifact = artifact = Artifact(path, trusted_keys)
         manifest = artifact.manifest
         self.rank = rank if rank is not None else (_env_int("RANK") or 0)
@@ -58,15 +61,13 @@ class Trainer:
             raise AotError(f"rank {self.rank} is outside world size {self.world_size}")
 
         # The topology contract is checked before any collective can hang on the wrong fabric.
+        # Raises runner.topology.TopologyMismatch (an AotError) with one line per mismatch class.
         profile = manifest["topology"]["profile"]
-        problems = mismatches(profile, live_profile())
-        if problems and not allow_topology_mismatch:
-            raise AotError("live topology differs from the artifact's profile: " + "; ".join(problems)
-                           + " (--allow-topology-mismatch runs anyway)")
-        for line in problems:
-            warn(f"topology mismatch, schedule was tuned for other hardware: {line}")
+        verify_live(profile, allow_mismatch=allow_topology_mismatch, warn=warn)
 
         self.device = torch.device(device) if device else self._default_device(profile)
+        # The CPU cores and memory node nearest this rank's GPU, before the process group starts its threads.
+        self.binding = bind_rank(self.device, enabled=bind, log=log)
         self.timeout_s = timeout_s
         self._init_distributed(profile)
         self.groups = bind_process_groups(manifest["process_groups"], self.rank, self.world_size)
@@ -75,11 +76,17 @@ class Trainer:
         program = artifact.program(entry["program"])
         constants = artifact.read(program["constants"]) if program.get("constants") else None
         import_op_libraries(manifest)  # the program's custom operators resolve only once their module is imported
-        ep = decode_program(artifact.read(program["file"]), constants)
-        if self.device.type != "cpu":
-            from torch.export.passes import move_to_device_pass
-            ep = move_to_device_pass(ep, self.device)
-        self._module = ep.module()
+        program_json = artifact.read(program["file"])
+        self._module = None if constants else load_graph_module(
+            program_json, self.device if self.device.type != "cpu" else None)
+        self.program_loader = "fx"
+        if self._module is None:  # a program the fast path does not cover: torch's deserializer
+            ep = decode_program(program_json, constants)
+            if self.device.type != "cpu":
+                from torch.export.passes import move_to_device_pass
+                ep = move_to_device_pass(ep, self.device)
+            self._module = ep.module()
+            self.program_loader = "torch.export"
 
         self.state_spec = manifest["state"]
         weights = artifact.tensors(entry["weights"])

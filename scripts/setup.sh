@@ -13,5 +13,10 @@ fi
 # wheel index (e.g. PyTorch's CPU index) where the default index would give a CUDA build.
 echo "setup: installing torch 2.13.0 and aot into $VENV (quiet; first run takes a few minutes)" >&2
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check ${AOT_TORCH_INDEX:+--index-url "$AOT_TORCH_INDEX"} "torch==2.13.0"
+# onnxruntime and onnxruntime-gpu install the same `onnxruntime` module and clobber each other's
+# files: where pyproject.toml asks for onnxruntime-gpu (Linux x86-64), drop a CPU-only one first.
+if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && "$VENV/bin/python" -m pip show onnxruntime >/dev/null 2>&1; then
+  "$VENV/bin/python" -m pip uninstall -y -q onnxruntime onnxruntime-gpu
+fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
 export PATH="$PWD/$VENV/bin:$PATH"

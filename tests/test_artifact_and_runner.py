@@ -39,6 +39,9 @@ def test_no_file_is_a_pickle_and_every_file_is_hashed(gpt2):
         assert not zipfile.is_zipfile(gpt2 / rel), f"{rel} is a zip (torch.save / torch.export.save format)"
         if rel.endswith(".json"):
             json.loads(data)
+        elif rel.endswith(".onnx"):  # the inference export: ONNX protobuf
+            import onnx
+            onnx.load_from_string(data)
         else:
             assert rel.endswith(".safetensors")
             load_file(gpt2 / rel)
@@ -156,7 +159,7 @@ def test_builds_for_many_ranks_on_one_machine(tmp_path):
     summary = json.loads(ok(aot("build", EXAMPLES / "mlp.py", "--world-size", "1024", "-o", out, "--json")).stdout)
     assert summary["world_size"] == 1024 and summary["programs"] == 1
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["ranks"]) == 1024 and len(manifest["files"]) == 4
+    assert len(manifest["ranks"]) == 1024 and len(manifest["files"]) == 5  # 4 + the ONNX inference export
 
 
 def test_fsdp_shards_parameters_and_optimizer_state(tmp_path):

@@ -351,7 +351,7 @@ def test_failure_while_writing_keeps_the_good_artifact(copy1, tmp_path):
     assert r.returncode != 0, show(r)
     assert (copy1 / "manifest.json").read_bytes() == before
     assert not staging_folders(copy1)
-    assert sorted(p.name for p in copy1.iterdir()) == ["data", "manifest.json", "programs", "state"]
+    assert sorted(p.name for p in copy1.iterdir()) == ["data", "inference", "manifest.json", "programs", "state"]
     inspect = aot("inspect", copy1)
     assert inspect.returncode == 0, _show(inspect)
 

@@ -60,7 +60,7 @@ def test_killed_rank_restarts_from_last_checkpoint_bit_identical(gpt, tmp_path):
 
     faulty, metrics = tmp_path / "faulty", tmp_path / "metrics.jsonl"
     proc = launch("run", gpt, "--steps", STEPS, "--save", faulty, "--save-every", EVERY,
-                  "--metrics", metrics, restarts=1)
+                  "--metrics", metrics, restarts=2)  # a second chance if a restart's rendezvous races the dying group
     wait_for_step(metrics, 2 * EVERY + 5, proc)
     os.kill(workers(proc.pid)[-1], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
@@ -79,7 +79,7 @@ def test_killed_rank_restarts_from_last_checkpoint_bit_identical(gpt, tmp_path):
 CRASHING_WRITER = """
 import sys, torch
 from runner.checkpoint import save_checkpoint
-spec = {"state_dict_keys": ["w"], "aliases": {}}
+spec = {"state_dict_keys": ["w"], "aliases": {}, "params": {"w": [[1 << 22], "float32"]}}
 step = int(sys.argv[2])
 while True:
     step += 1
@@ -92,7 +92,7 @@ def test_crash_while_checkpointing_never_damages_the_last_good_one(tmp_path):
     from runner.checkpoint import load_checkpoint, save_checkpoint
     folder = tmp_path / "ck"
     save_checkpoint(folder, 1, {"w": torch.full((1 << 22,), 1.0)}, {"w:m": torch.full((1 << 22,), 1.0)},
-                    {"state_dict_keys": ["w"], "aliases": {}})
+                    {"state_dict_keys": ["w"], "aliases": {}, "params": {"w": [[1 << 22], "float32"]}})
     for attempt in range(6):
         writer = subprocess.Popen([sys.executable, "-c", CRASHING_WRITER, str(folder), str(10 * attempt + 1)],
                                   cwd=REPO, env=clean_env())

@@ -107,3 +107,15 @@ def test_planted_pickle_with_rewritten_hashes_never_executes(art, relpath, tmp_p
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert relpath in r.stderr and "refusing to deserialize" in r.stderr
         assert not marker.exists(), "the planted pickle was executed"
+
+
+def test_two_builds_are_byte_identical(tmp_path):
+    outputs = [tmp_path / "one", tmp_path / "two"]
+    for out in outputs:
+        ok(aot("build", EXAMPLES / "gpt.py", "--world-size", "2", "--batch-size", "2", "-o", out, "--quiet"))
+    files = [sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file()) for out in outputs]
+    assert files[0] == files[1]
+    for rel in files[0]:
+        assert (outputs[0] / rel).read_bytes() == (outputs[1] / rel).read_bytes(), rel
+    digests = [json.loads((out / "manifest.json").read_text())["digest"] for out in outputs]
+    assert digests[0] == digests[1]

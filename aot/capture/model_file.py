@@ -1,7 +1,9 @@
 """Loading a user's model.py and checking it against the model-file contract.
 
 Required: `model() -> nn.Module` and `batch(batch_size) -> (inputs, targets)`.
-Optional: `loss(outputs, targets)`, `optimizer(params)`, `scheduler(optimizer)`, `max_grad_norm`.
+Optional: `loss(outputs, targets)`, `optimizer(params)`, `scheduler(optimizer)`, `max_grad_norm`,
+`custom_op_modules` (modules that register custom operators; see aot/capture/custom_ops.py) and
+`onnx_translations` (custom operator -> ONNX translation; see aot/emit/onnx_export.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class ModelFile:
     optimizer: Callable
     scheduler: Callable | None
     max_grad_norm: float | None
+    custom_op_modules: tuple[str, ...] = ()
+    onnx_translations: object = None          # a dict, or a function returning one (read only when exporting)
+    module_name: str = ""                     # the name the model file was imported under
 
 
 def _user_frame(exc: BaseException, path: Path) -> str:
@@ -84,6 +89,14 @@ def load_model_file(path: str | Path) -> ModelFile:
     max_grad_norm = getattr(module, "max_grad_norm", None)
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0):
         raise AotError(f"{path.name}: max_grad_norm must be a positive number, got {max_grad_norm!r}")
+    custom_op_modules = getattr(module, "custom_op_modules", ())
+    if isinstance(custom_op_modules, str) or not isinstance(custom_op_modules, (list, tuple)) \
+            or not all(isinstance(m, str) and m for m in custom_op_modules):
+        raise AotError(f"{path.name}: custom_op_modules must be a list of module names, got {custom_op_modules!r}")
+    onnx_translations = getattr(module, "onnx_translations", None)
+    if onnx_translations is not None and not (isinstance(onnx_translations, dict) or callable(onnx_translations)):
+        raise AotError(f"{path.name}: onnx_translations must be a dict (or a function returning one), "
+                       f"got {type(onnx_translations).__name__}")
     return ModelFile(
         path=path,
         sha256=sha256_file(path),
@@ -93,4 +106,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         optimizer=function("optimizer", False) or default_optimizer,
         scheduler=function("scheduler", False),
         max_grad_norm=float(max_grad_norm) if max_grad_norm is not None else None,
+        custom_op_modules=tuple(custom_op_modules),
+        onnx_translations=onnx_translations,
+        module_name=spec.name,
     )

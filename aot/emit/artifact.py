@@ -63,7 +63,11 @@ def _state_files(shard_index: int | None) -> tuple[str, str]:
 
 def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: CapturedStep, state: TrainingState,
                   layout: StepLayout, mesh: Mesh, profile: dict, example: dict[str, torch.Tensor], batch_size: int,
-                  build: dict, sign_key: Path | None = None) -> dict:
+                  build: dict, sign_key: Path | None = None, extra_files: dict[str, bytes] | None = None,
+                  extra_fields: dict | None = None) -> dict:
+    """Write the artifact folder. `extra_files` (relative path -> bytes) are written and hashed like
+    every other file; `extra_fields` are optional top-level manifest entries that describe them
+    (the ONNX inference export, the custom operator libraries)."""
     program_json, constants = encode_program(ep)
     data_slots = [s for s in captured.slots if s["kind"] in ("input", "target")]
     # One pair of state files per distinct shard: replicas (data parallel) share theirs.
@@ -78,6 +82,8 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
             files.write(weights_file, save_safetensors(_contiguous({**local.params, **state.buffers})))
             files.write(optimizer_file, save_safetensors(_contiguous(local.optimizer_state)))
         files.write("data/example_batch.safetensors", save_safetensors(_contiguous(example)))
+        for relpath, data in (extra_files or {}).items():
+            files.write(relpath, data)
         manifest = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -126,6 +132,7 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
                 "targets": next({"shape": s["shape"], "dtype": s["dtype"]} for s in data_slots if s["kind"] == "target"),
             },
         }
+        manifest.update(extra_fields or {})
         manifest["files"] = dict(sorted(files.files.items()))
         manifest["digest"] = manifest_digest(manifest)
         signature = sign_manifest(canonical_json(manifest), sign_key) if sign_key else None

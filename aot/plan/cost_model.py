@@ -1,0 +1,571 @@
+"""Cost model of one rank's training step: compute per graph node, collectives over the links
+their group spans, memory from graph liveness, and step time with overlap.
+
+`analyze(graph)` reads a captured step graph once (FX, with fake tensors in `meta["val"]`):
+
+- every op's FLOPs (torch.utils.flop_counter's formulas, applied to the fake tensors' shapes) and
+  the bytes it reads and writes (views move nothing; they still cost a dispatch);
+- every collective with the point where its inputs exist and the point where its result is first
+  needed (issue early, wait late: what aot.passes.overlap makes of the graph, so a graph before
+  or after that pass gives the same schedule);
+- memory: parameters, buffers, optimizer state and the batch are resident; every other storage
+  lives from the op that creates it to the last op that reads any view of it; the peak of the sum
+  over graph order is the step's transient peak (activations, gradients, buckets, temporaries).
+
+`rebucket(step, bucket_bytes)` packs the all_reduces of an unbucketed graph as
+aot.passes.bucketing would (same order, same size rule), analytically, so candidate bucket sizes
+are priced without re-tracing. `simulate(...)` walks the ops in graph order on two clocks, one for
+compute and one for communication: a collective starts when both its inputs exist and the
+communication clock is free, and the compute clock stalls at a wait until the collective ends.
+The step time is when the last op (or collective) finishes.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from aot.plan.machine import Compute
+
+try:
+    from torch.multiprocessing.reductions import StorageWeakRef
+except ImportError:  # pragma: no cover
+    StorageWeakRef = None
+
+_FUNCOL = "_c10d_functional"
+_WAIT = "wait_tensor"
+_COLLECTIVES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+                "reduce_scatter_tensor": "reduce_scatter", "broadcast": "broadcast"}
+_FREE = {operator.getitem}
+_RESIDENT_SLOTS = ("param", "buffer", "optim", "lr", "input", "target")
+
+
+@dataclass
+class Op:
+    name: str
+    target: str
+    flops: float = 0.0
+    bytes: float = 0.0
+    dtype: str = "float32"
+    kind: str = "compute"  # compute (moves bytes), view (dispatch only), free (no cost)
+    tensors: tuple = ()    # (numel, element size, flat) of every tensor read or written: `bytes` is their sum
+
+
+@dataclass
+class CommSite:
+    """One collective: issued once `issue_at` ops have run, waited for before op `wait_at` runs.
+    `bytes` is n of the alpha-beta formulas (the whole tensor: all_gather output, reduce_scatter
+    input, all_reduce buffer); `input_bytes` is what the graph's node takes."""
+    name: str
+    kind: str
+    group: str
+    bytes: int
+    input_bytes: int
+    dtype: str
+    issue_at: int
+    wait_at: int
+    members: int = 1
+    pre_ops: list[Op] = field(default_factory=list)   # packing, run on the compute clock before issue
+    post_ops: list[Op] = field(default_factory=list)  # unpacking, run after the wait
+    input_numel: int = 0
+    group_size: int = 1
+    readers: tuple = ()   # indices of the ops that read the result
+
+
+@dataclass
+class Memory:
+    params: int = 0
+    buffers: int = 0
+    optimizer: int = 0
+    batch: int = 0
+    peak_transient: int = 0   # activations, gradients, buckets and temporaries at their peak
+    resident_tensors: tuple = ()   # (part, numel, element size) of every resident storage
+    intervals: tuple = ()          # (first op, last op, numel, element size) of every transient storage
+
+    @property
+    def resident(self) -> int:
+        return self.params + self.buffers + self.optimizer + self.batch
+
+    @property
+    def peak(self) -> int:
+        return self.resident + self.peak_transient
+
+    def to_json(self) -> dict:
+        return {"params": self.params, "buffers": self.buffers, "optimizer": self.optimizer, "batch": self.batch,
+                "peak_transient": self.peak_transient, "peak": self.peak}
+
+
+@dataclass
+class StepGraph:
+    ops: list[Op]
+    comms: list[CommSite]
+    memory: Memory
+    graph_nodes: int
+
+    @property
+    def flops(self) -> float:
+        return sum(op.flops for op in self.ops)
+
+
+# -- reading a graph ----------------------------------------------------------------------------
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+
+
+def _map_args(args):
+    return torch.fx.node.map_aggregate(args, lambda a: _val(a) if isinstance(a, torch.fx.Node) else a)
+
+
+def _is_view(target) -> bool:
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return False
+    returns = schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _flops(node) -> float:
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet) if packet is not None else None
+    if formula is None:
+        return 0.0
+    try:
+        return float(formula(*_map_args(node.args), **_map_args(node.kwargs), out_val=_val(node)))
+    except Exception:  # a formula that does not accept these arguments: count no FLOPs
+        return 0.0
+
+
+def _target_name(target) -> str:
+    name = getattr(target, "__name__", None) or str(target)
+    schema = getattr(target, "_schema", None)
+    return schema.name.split("::")[-1] if schema is not None else name
+
+
+def _collective_kind(node) -> str | None:
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.name.startswith(_FUNCOL + "::"):
+        return None
+    return _COLLECTIVES.get(schema.name.split("::")[-1])
+
+
+def _is_wait(node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.name == f"{_FUNCOL}::{_WAIT}"
+
+
+def _group_size(node) -> int:
+    for a in node.args[1:]:
+        if isinstance(a, int) and not isinstance(a, bool):
+            return a
+    return 1
+
+
+def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = None) -> StepGraph:
+    """The cost-relevant facts of a step graph (see the module docstring). `slots` (the captured
+    step's input kinds, in placeholder order) split resident memory into its parts."""
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    nodes = list(graph.nodes)
+    ops: list[Op] = []
+    ops_before: dict = {}
+    op_of: dict = {}
+    comm_nodes = []
+    for node in nodes:
+        ops_before[node] = len(ops)
+        if node.op != "call_function":
+            continue
+        if _collective_kind(node) is not None:
+            comm_nodes.append(node)
+            continue
+        if _is_wait(node):
+            continue
+        outs = _tensors(_val(node))
+        dtype = str(outs[0].dtype).replace("torch.", "") if outs else "float32"
+        name = _target_name(node.target)
+        if node.target in _FREE:
+            op = Op(node.name, name, kind="free", dtype=dtype)
+        elif _is_view(node.target):
+            op = Op(node.name, name, kind="view", dtype=dtype)
+        else:
+            ins = [t for a in node.all_input_nodes for t in _tensors(_val(a))]
+            tensors = tuple((t.numel(), t.element_size(), t.dim() <= 1) for t in (*ins, *outs))
+            op = Op(node.name, name, flops=_flops(node), bytes=float(sum(n * e for n, e, _ in tensors)),
+                    dtype=dtype, tensors=tensors)
+        op_of[node] = len(ops)
+        ops.append(op)
+
+    position = {n: i for i, n in enumerate(nodes)}
+    comms = []
+    for node in comm_nodes:
+        kind = _collective_kind(node)
+        val = _val(node.args[0])
+        numel = val.numel() if isinstance(val, torch.Tensor) else 0
+        elsize = val.element_size() if isinstance(val, torch.Tensor) else 4
+        size = _group_size(node) if kind in ("all_gather", "reduce_scatter") else None
+        # issue once the latest input exists (aot.passes.overlap: issue early)
+        producers = [a for a in node.all_input_nodes if a.op != "placeholder"]
+        latest = max(producers, key=position.get) if producers else None
+        issue_at = 0 if latest is None else ops_before[latest] + (1 if latest in op_of else 0)
+        # wait before the first op that reads the result (wait late), through the wait node
+        readers = [u for w in node.users for u in (w.users if _is_wait(w) else [w])]
+        first = min(readers, key=position.get) if readers else None
+        wait_at = len(ops) if first is None or first.op == "output" else ops_before[first]
+        dtype = str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else "float32"
+        site = CommSite(node.name, kind, str(node.args[-1]), 0, 0, dtype, issue_at, max(wait_at, issue_at),
+                        input_numel=numel, group_size=size or 1, readers=tuple(sorted(op_of[r] for r in readers if r in op_of)))
+        comms.append(_sized(site, elsize))
+    return StepGraph(ops=ops, comms=comms, memory=_memory(nodes, slots), graph_nodes=len(nodes))
+
+
+def _sized(site: CommSite, elsize: int) -> CommSite:
+    """`bytes` and `input_bytes` of a site from its input numel (n of all_gather is the output)."""
+    site.input_bytes = site.input_numel * elsize
+    site.bytes = site.input_bytes * (site.group_size if site.kind == "all_gather" else 1)
+    return site
+
+
+def _elsize(site: CommSite) -> int:
+    return site.input_bytes // site.input_numel if site.input_numel else 4
+
+
+def _storage_key(t: torch.Tensor):
+    if StorageWeakRef is not None:
+        try:
+            return StorageWeakRef(t.untyped_storage())
+        except Exception:
+            pass
+    return id(t)
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:
+        return _nbytes(t)
+
+
+_PARTS = {"param": "params", "buffer": "buffers", "optim": "optimizer", "lr": "batch", "input": "batch", "target": "batch"}
+
+
+def _memory(nodes: list, slots: list[dict] | None) -> Memory:
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    resident_keys = set()
+    resident = []
+    for i, node in enumerate(placeholders):
+        kind = slots[i]["kind"] if slots and i < len(slots) else "param"
+        for t in _tensors(_val(node)):
+            key = _storage_key(t)
+            if key in resident_keys:
+                continue
+            resident_keys.add(key)
+            # the tensor, not its storage: an input may be traced as a slice of a larger batch
+            resident.append((_PARTS.get(kind, "params"), t.numel(), t.element_size()))
+
+    key_of: dict = {}        # node -> storage keys its value lives in
+    born: dict = {}          # storage key -> (index, numel, element size)
+    last: dict = {}          # storage key -> last index that reads it
+    for i, node in enumerate(nodes):
+        if node.op == "placeholder":
+            key_of[node] = [_storage_key(t) for t in _tensors(_val(node))]
+            continue
+        for a in node.all_input_nodes:
+            for key in key_of.get(a, ()):
+                last[key] = i
+        if node.op == "output":
+            continue
+        if _is_wait(node):  # the wait returns the collective's own buffer
+            key_of[node] = key_of.get(node.args[0], [])
+            continue
+        keys = []
+        for t in _tensors(_val(node)):
+            key = _storage_key(t)
+            keys.append(key)
+            if key not in resident_keys and key not in born:
+                elsize = t.element_size()
+                born[key] = (i, _storage_bytes(t) // elsize, elsize)
+                last.setdefault(key, i)
+        key_of[node] = keys
+    intervals = tuple((start, last.get(key, start), numel, elsize) for key, (start, numel, elsize) in born.items())
+    return _memory_of(tuple(resident), intervals, len(nodes))
+
+
+def _memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Memory:
+    scale = scale or (lambda n: n)
+    mem = Memory(resident_tensors=resident, intervals=intervals)
+    for part, numel, elsize in resident:
+        setattr(mem, part, getattr(mem, part) + numel * elsize)
+    delta = [0] * (length + 2)
+    for start, end, numel, elsize in intervals:
+        size = scale(numel) * elsize
+        delta[start] += size
+        delta[min(end, length) + 1] -= size
+    live = peak = 0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    mem.peak_transient = peak
+    return mem
+
+
+# -- deriving graphs of other meshes -----------------------------------------------------------------
+
+class ShardScale:
+    """numel -> numel for a graph traced with fsdp degree `degree_from` re-read at `degree_to`.
+
+    `shard(n)`: a parameter's shard (ceil(numel / degree)) changes size; `full(n)`: a padded whole
+    parameter (shard x degree, the reduce-scatter's input) does; calling it tries shard sizes first,
+    then padded whole ones (`full_first` the other way round). Every other numel is kept. Only flat (0-d or 1-d) tensors of ops are
+    resized, as shards are; a flat tensor that merely has one of those sizes (a bias gathered and
+    sliced to its own length) is resized too: an approximation that the final pricing, on the
+    graph as built, does not make.
+    """
+
+    def __init__(self, param_numels, degree_from: int, degree_to: int):
+        self._shard: dict[int, int] = {}
+        self._full: dict[int, int] = {}
+        for n in sorted(set(param_numels)):
+            a, b = -(-n // degree_from), -(-n // degree_to)
+            self._shard.setdefault(a, b)
+            self._full.setdefault(a * degree_from, b * degree_to)
+
+    def shard(self, numel: int) -> int:
+        return self._shard.get(numel, numel)
+
+    def full(self, numel: int) -> int:
+        return self._full.get(numel, numel)
+
+    def __call__(self, numel: int) -> int:
+        return self._shard[numel] if numel in self._shard else self._full.get(numel, numel)
+
+    def full_first(self, numel: int) -> int:
+        return self._full[numel] if numel in self._full else self._shard.get(numel, numel)
+
+
+def shard_scale(param_numels, degree_from: int, degree_to: int) -> ShardScale:
+    return ShardScale(param_numels, degree_from, degree_to)
+
+
+def rescale(step: StepGraph, scale: ShardScale, group: str, degree: int) -> StepGraph:
+    """`step` with its tensors resized by `scale` and collectives over `group` at `degree` ranks:
+    the graph of a wider (or narrower) fsdp axis, without tracing it again. Resident parameters and
+    optimizer state are shards; a reduce-scatter takes a padded whole gradient; an all_gather (and
+    a data-parallel all_reduce of a sharded gradient) takes a shard."""
+    # Before the first reduce-scattered gradient is read, flat tensors are whole parameters and
+    # gradients (gathered, padded); after it, the optimizer works on shards.
+    boundary = min((c.wait_at for c in step.comms if c.kind == "reduce_scatter"), default=len(step.ops))
+    ops = []
+    for i, op in enumerate(step.ops):
+        if op.tensors:  # shards and padded whole parameters are flat; shaped tensors keep their size
+            resize = scale.full_first if i < boundary else scale
+            tensors = tuple((resize(n) if flat else n, e, flat) for n, e, flat in op.tensors)
+            op = replace(op, tensors=tensors, bytes=float(sum(n * e for n, e, _ in tensors)))
+        ops.append(op)
+    comms = []
+    for c in step.comms:
+        elsize = _elsize(c)
+        resize = scale.full if c.kind == "reduce_scatter" else scale.shard if c.kind == "all_gather" else scale
+        c = replace(c, input_numel=resize(c.input_numel), pre_ops=list(c.pre_ops), post_ops=list(c.post_ops),
+                    group_size=degree if c.group == group and c.kind in ("all_gather", "reduce_scatter") else c.group_size)
+        comms.append(_sized(c, elsize))
+    resident = tuple((part, scale.shard(n) if part in ("params", "optimizer") else n, e)
+                     for part, n, e in step.memory.resident_tensors)
+    memory = _memory_of(resident, step.memory.intervals,
+                        max((e for _, e, _, _ in step.memory.intervals), default=0) + 1, scale)
+    return StepGraph(ops=ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes)
+
+
+def drop_group(step: StepGraph, group: str) -> StepGraph:
+    """`step` without the collectives over `group` and the ops that only consume their results
+    (the averaging division): the graph of a mesh where that axis has degree 1."""
+    dropped = [c for c in step.comms if c.group == group]
+    gone = {i for c in dropped for i in c.readers if _only_reader(step, i, c)}
+    new_index, k = [], 0
+    for i in range(len(step.ops) + 1):
+        new_index.append(k)
+        if i < len(step.ops) and i not in gone:
+            k += 1
+    ops = [op for i, op in enumerate(step.ops) if i not in gone]
+    comms = [replace(c, issue_at=new_index[c.issue_at], wait_at=new_index[c.wait_at],
+                     readers=tuple(new_index[r] for r in c.readers if r not in gone))
+             for c in step.comms if c.group != group]
+    return StepGraph(ops=ops, comms=comms, memory=step.memory, graph_nodes=step.graph_nodes - 3 * len(dropped))
+
+
+def _only_reader(step: StepGraph, index: int, site: CommSite) -> bool:
+    op = step.ops[index]
+    return op.kind == "compute" and op.target in ("div", "mul") and len(site.readers) == 1
+
+
+# -- bucketing, analytically ---------------------------------------------------------------------
+
+def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
+    """`step` with its all_reduces packed as aot.passes.bucketing packs them: in the order their
+    inputs are produced, per (group, dtype), a new bucket once the open one holds `bucket_bytes`
+    or once a member would need another member's result. A bucket is issued when its last member's
+    input exists and waited for before its first member's result is read; packing (a view per
+    member and a cat) and unpacking (a split and a view per member) are ops of their own."""
+    singles = [c for c in step.comms if c.kind == "all_reduce" and c.members == 1]
+    others = [c for c in step.comms if not (c.kind == "all_reduce" and c.members == 1)]
+    order = sorted(range(len(singles)), key=lambda i: (singles[i].issue_at, i))
+    open_: dict[tuple, list[list[CommSite]]] = {}
+    for i in order:
+        c = singles[i]
+        buckets = open_.setdefault((c.group, c.dtype), [[]])
+        b = buckets[-1]
+        size = sum(m.input_bytes for m in b)
+        # aot.passes.bucketing: a new bucket once the open one is full, or once the bucket's inputs
+        # would not all exist before the first of its results is read
+        if b and (size >= bucket_bytes or max(m.issue_at for m in (*b, c)) > min(m.wait_at for m in (*b, c))):
+            b = []
+            buckets.append(b)
+        b.append(c)
+    comms = list(others)
+    extra_bytes = 0
+    for buckets in open_.values():
+        for b in buckets:
+            if len(b) == 1:
+                comms.append(b[0])
+                continue
+            total = sum(m.input_bytes for m in b)
+            extra_bytes = max(extra_bytes, total)
+            dtype = b[0].dtype
+            pre = [Op(f"view_{m.name}", "view", kind="view", dtype=dtype) for m in b]
+            pre.append(Op(f"cat_{b[0].name}", "cat", bytes=2.0 * total, dtype=dtype))
+            post = [Op(f"split_{b[0].name}", "split_with_sizes", kind="view", dtype=dtype)]
+            post += [Op(f"unpack_{m.name}", "view", kind="view", dtype=dtype) for m in b]
+            comms.append(CommSite(f"bucket_{b[0].name}", "all_reduce", b[0].group, total, total, dtype,
+                                  issue_at=max(m.issue_at for m in b), wait_at=min(m.wait_at for m in b),
+                                  members=len(b), pre_ops=pre, post_ops=post,
+                                  input_numel=sum(m.input_numel for m in b),
+                                  readers=tuple(sorted(r for m in b for r in m.readers))))
+    comms.sort(key=lambda c: (c.issue_at, c.name))
+    memory = replace(step.memory, peak_transient=step.memory.peak_transient + extra_bytes)
+    return StepGraph(ops=step.ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes)
+
+
+# -- step time ---------------------------------------------------------------------------------
+
+@dataclass
+class Prediction:
+    step_s: float
+    compute_s: float          # sum of op times (the step with free communication)
+    comm_s: float             # sum of collective times
+    exposed_comm_s: float     # time the compute clock stalled at waits
+    collectives: int
+    comm_bytes: int           # n summed over the step's collectives
+    algorithms: dict          # (kind, algorithm) -> count
+    memory: Memory
+    events: list | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "step_s": self.step_s, "compute_s": self.compute_s, "comm_s": self.comm_s,
+            "exposed_comm_s": self.exposed_comm_s, "collectives_per_step": self.collectives,
+            "collective_bytes_per_step": self.comm_bytes,
+            "algorithms": {f"{k}:{a}": n for (k, a), n in sorted(self.algorithms.items())},
+            "memory_bytes": self.memory.to_json(),
+        }
+
+
+def op_seconds(step: StepGraph, compute: Compute) -> list[float]:
+    return [_op_s(op, compute) for op in step.ops]
+
+
+def _op_s(op: Op, compute: Compute) -> float:
+    if op.kind == "free":
+        return 0.0
+    if op.kind == "view":
+        return compute.view_seconds()
+    return compute.op_seconds(op.flops, op.bytes, op.dtype)
+
+
+def simulate(step: StepGraph, compute: Compute, comm_cost, *, overlap: bool = True, trace: bool = False,
+             op_times: list[float] | None = None) -> Prediction:
+    """Predicted step time. `comm_cost(site) -> (algorithm, seconds)`. With overlap=False every
+    collective blocks the compute clock from issue to completion (ranks whose communication
+    competes with compute for the same cores)."""
+    times = op_times if op_times is not None else op_seconds(step, compute)
+    issues: dict[int, list[CommSite]] = {}
+    waits: dict[int, list[CommSite]] = {}
+    for c in step.comms:
+        issues.setdefault(c.issue_at, []).append(c)
+        waits.setdefault(c.wait_at, []).append(c)
+    events = [] if trace else None
+    t = comm_free = 0.0
+    exposed = comm_total = 0.0
+    end: dict[str, float] = {}
+    algos: dict = {}
+    comm_bytes = 0
+
+    def run(op: Op, seconds: float):
+        nonlocal t
+        if events is not None and seconds > 0:
+            events.append(("compute", op.name, op.target, t, seconds, {"flops": op.flops, "bytes": op.bytes}))
+        t += seconds
+
+    def issue(c: CommSite):
+        nonlocal comm_free, comm_total, comm_bytes, t, exposed
+        for op in c.pre_ops:
+            run(op, _op_s(op, compute))
+        algorithm, seconds = comm_cost(c)
+        algos[(c.kind, algorithm)] = algos.get((c.kind, algorithm), 0) + 1
+        start = max(t, comm_free)
+        comm_free = start + seconds
+        end[c.name] = comm_free
+        comm_total += seconds
+        comm_bytes += c.bytes
+        if events is not None:
+            events.append(("comm", c.name, f"{c.kind} {algorithm}", start, seconds,
+                           {"bytes": c.bytes, "group": c.group, "algorithm": algorithm, "members": c.members}))
+        if not overlap and comm_free > t:
+            exposed += comm_free - t
+            if events is not None:
+                events.append(("compute", f"wait_{c.name}", "wait (blocking)", t, comm_free - t, {}))
+            t = comm_free
+
+    def wait(c: CommSite):
+        nonlocal t, exposed
+        done = end[c.name]
+        if done > t:
+            if events is not None:
+                events.append(("compute", f"wait_{c.name}", "wait", t, done - t, {}))
+            exposed += done - t
+            t = done
+        for op in c.post_ops:
+            run(op, _op_s(op, compute))
+
+    for k in range(len(step.ops) + 1):
+        # waits first: a collective may take another's result as its input (on one FIFO
+        # communication stream the order does not change any start or end time)
+        here = waits.get(k, ())
+        for c in here:
+            if c.name in end:
+                wait(c)
+        for c in issues.get(k, ()):
+            issue(c)
+        for c in here:
+            if c.issue_at == k:
+                wait(c)
+        if k < len(step.ops):
+            run(step.ops[k], times[k])
+    step_s = max(t, comm_free)
+    compute_s = sum(times) + sum(_op_s(op, compute) for c in step.comms for op in (*c.pre_ops, *c.post_ops))
+    return Prediction(step_s=step_s, compute_s=compute_s, comm_s=comm_total, exposed_comm_s=exposed,
+                      collectives=len(step.comms), comm_bytes=comm_bytes, algorithms=algos,
+                      memory=step.memory, events=events)
+

@@ -1,0 +1,391 @@
+"""Strategy search: enumerate plans, predict each one's step time and memory, rank them.
+
+A plan is a mesh (degrees of the axes the build supports, aot.plan.mesh.SUPPORTED_AXES), a
+gradient bucket size, and a placement of the mesh on the machine. The model is traced at most
+twice, whatever the world size (ModelSteps: dp alone, and dp x fsdp=2, from which every other
+fsdp degree is derived); bucket sizes are applied analytically (cost_model.rebucket) and every
+candidate is priced by cost_model.simulate, so a search over 1024 GPUs costs two traces.
+
+Plans whose predicted peak memory per rank exceeds MEMORY_HEADROOM of the device's memory are kept
+in the table but marked as not fitting and never chosen. Ranking: predicted step time, then
+memory, then the fewest collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from aot.errors import AotError
+from aot.plan import collectives
+from aot.plan.cost_model import Prediction, StepGraph, analyze, op_seconds, rebucket, simulate
+from aot.plan.machine import Machine
+from aot.plan.placement import Placement, place
+
+BUCKET_MB_CANDIDATES = (1.0, 4.0, 25.0, 100.0)
+DEFAULT_BUCKET_MB = 25.0
+MEMORY_HEADROOM = 0.9      # of device memory: the CUDA context, allocator caching and fragmentation take the rest
+TIMELINE_FILE = "plan/timeline.json"
+MiB = 2**20
+
+
+class Unsupported(Exception):
+    """The build cannot yet trace a graph for this mesh."""
+
+
+def factorizations(world_size: int, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
+    """Every way to give `axes` degrees whose product is world_size (degree 1 allowed)."""
+    if not axes:
+        return [()] if world_size == 1 else []
+    out = []
+    for d in range(1, world_size + 1):
+        if world_size % d == 0:
+            out += [(d, *rest) for rest in factorizations(world_size // d, axes[1:])]
+    return out
+
+
+def strategy_string(axes, shape) -> str:
+    return ",".join(f"{a}={d}" for a, d in zip(axes, shape))
+
+
+@dataclass
+class Plan:
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+    bucket_mb: float
+    placement: Placement
+    prediction: Prediction
+    fits: bool
+    nccl_algo: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def strategy(self) -> str:
+        """The --strategy that builds this plan: axes with degree > 1, outermost first, so the build's
+        row-major layout over ranks is this plan's placement."""
+        size = dict(zip(self.axes, self.shape))
+        order = [a for a in self.placement.order if size[a] > 1] or [self.axes[0]]
+        return strategy_string(order, [size[a] for a in order])
+
+    def row(self) -> dict:
+        p = self.prediction
+        return {"strategy": self.strategy, "bucket_mb": self.bucket_mb, "fits": self.fits,
+                **p.to_json(), "placement": self.placement.to_json(), "nccl_algo": self.nccl_algo}
+
+
+class Planner:
+    """Prices plans for one machine. `step_graph(axes, shape)` gives the unbucketed step graph of
+    one rank for a mesh (raising Unsupported when the build cannot trace it)."""
+
+    def __init__(self, machine: Machine, step_graph: Callable[[tuple, tuple], StepGraph]):
+        self.machine = machine
+        self._step_graph = step_graph
+        self._graphs: dict = {}
+        self._op_times: dict = {}
+
+    def step_graph(self, axes, shape) -> StepGraph:
+        key = tuple((a, d > 1 if a == "dp" else d) for a, d in zip(axes, shape))
+        if key not in self._graphs:
+            self._graphs[key] = self._step_graph(tuple(axes), tuple(shape))
+        return self._graphs[key]
+
+    def _op_times_for(self, step: StepGraph) -> list[float]:
+        key = id(step.ops)
+        if key not in self._op_times:
+            self._op_times[key] = (step.ops, op_seconds(step, self.machine.compute))
+        return self._op_times[key][1]
+
+    # -- collectives ------------------------------------------------------------------------
+    def comm_pricer(self, placement: Placement, step: StepGraph) -> tuple[Callable, str | None]:
+        """(site -> (algorithm, seconds), NCCL_ALGO setting). The groups of one axis run at once,
+        so a collective costs what it costs on the slowest of them. NCCL's algorithm is set per
+        collective kind for the whole run (NCCL_ALGO), so each kind gets the one algorithm that
+        makes that kind's collectives cheapest in sum; other backends run what they implement."""
+        machine = self.machine
+        realizable = collectives.REALIZABLE.get(machine.backend, collectives.REALIZABLE["gloo"])
+        spans: dict = {}
+
+        def spans_of(group: str, kind: str):
+            key = (group, kind)
+            if key not in spans:
+                axis = group.split(".", 1)[1] if group.startswith("aot.") else group
+                if axis not in placement.axes:
+                    raise AotError(f"the step's collective names group {group!r}, which is no axis of mesh {placement.axes}")
+                distinct = {}
+                for g in placement.groups(axis):
+                    s = machine.span(g, kind)
+                    distinct.setdefault((s.p, s.nodes, s.per_node, s.intra, s.inter, s.rails), s)
+                spans[key] = list(distinct.values())
+            return spans[key]
+
+        def price(site, algorithm: str) -> float:
+            kind = site.kind if site.kind in collectives.ALGORITHMS else "all_reduce"
+            return max(collectives.cost(kind, algorithm, s, site.bytes) for s in spans_of(site.group, kind))
+
+        pinned: dict[str, str] = {}
+        for kind in collectives.KINDS:
+            sites = [c for c in step.comms if c.kind == kind]
+            options = realizable.get(kind, ("ring",))
+            if not sites or len(options) == 1:
+                pinned[kind] = options[0]
+                continue
+            totals = [(sum(price(c, a) for c in sites), i, a) for i, a in enumerate(options)]
+            pinned[kind] = min(totals)[2]
+        nccl = None
+        if machine.backend == "nccl" and step.comms:
+            names = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reducescatter"}
+            used = sorted({c.kind for c in step.comms if c.kind in names})
+            nccl = ";".join(f"{names[k]}:{_nccl_name(pinned[k])}" for k in used)
+
+        cache: dict = {}
+
+        def cost(site):
+            kind = site.kind if site.kind in collectives.ALGORITHMS else "all_reduce"
+            key = (site.group, kind, site.bytes)
+            if key not in cache:
+                algorithm = pinned.get(kind, "ring")
+                cache[key] = (algorithm, price(site, algorithm))
+            return cache[key]
+        return cost, nccl
+
+    # -- one plan ---------------------------------------------------------------------------
+    def evaluate(self, axes, shape, bucket_mb: float, *, step: StepGraph | None = None, bucketed: bool = False,
+                 placement: Placement | None = None, trace: bool = False) -> Plan:
+        base = step if step is not None else self.step_graph(axes, shape)
+        graph = base if bucketed else rebucket(base, int(bucket_mb * MiB))
+        if placement is None:
+            placement = place(self.machine, tuple(axes), tuple(shape), _traffic(graph))
+        cost, nccl = self.comm_pricer(placement, graph)
+        times = self._op_times_for(base)
+        prediction = simulate(graph, self.machine.compute, cost, overlap=self.overlaps, trace=trace, op_times=times)
+        limit = self.machine.memory_bytes
+        fits = limit is None or prediction.memory.peak <= MEMORY_HEADROOM * limit
+        return Plan(tuple(axes), tuple(shape), bucket_mb, placement, prediction, fits, nccl)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether communication runs beside compute. GPUs: yes (NCCL kernels on their own stream).
+        CPU ranks with gloo: its threads copy and reduce on the cores the ranks compute on, so the
+        model counts communication as not overlapping."""
+        return self.machine.device_kind == "cuda"
+
+    # -- the search ---------------------------------------------------------------------------
+    def search(self, axes: tuple[str, ...], bucket_mbs: tuple[float, ...] | None = None) -> tuple[list[Plan], list[str]]:
+        """Every mesh over `axes` for the machine's world size x every distinct bucketing, ranked."""
+        plans, skipped = [], []
+        for shape in factorizations(self.machine.world_size, axes):
+            try:
+                step = self.step_graph(axes, shape)
+            except Unsupported as e:
+                skipped.append(f"{strategy_string(axes, shape)}: {e}")
+                continue
+            placement = None
+            seen = {}
+            for mb in _bucket_candidates(step, bucket_mbs):
+                graph = rebucket(step, int(mb * MiB))
+                signature = tuple((c.kind, c.group, c.bytes, c.issue_at, c.wait_at) for c in graph.comms)
+                if signature in seen:  # same buckets as a size already priced: the same plan
+                    if abs(mb - DEFAULT_BUCKET_MB) < abs(seen[signature].bucket_mb - DEFAULT_BUCKET_MB):
+                        seen[signature].bucket_mb = mb
+                    continue
+                if placement is None:
+                    placement = place(self.machine, tuple(axes), tuple(shape), _traffic(graph))
+                plan = self.evaluate(axes, shape, mb, step=graph, bucketed=True, placement=placement)
+                seen[signature] = plan
+                plans.append(plan)
+        plans.sort(key=rank_key)
+        return plans, skipped
+
+
+def rank_key(plan: Plan):
+    p = plan.prediction
+    return (not plan.fits, round(p.step_s, 12), p.memory.peak, p.collectives, abs(plan.bucket_mb - DEFAULT_BUCKET_MB))
+
+
+def _nccl_name(algorithm: str) -> str:
+    return {"ring": "ring", "double_binary_tree": "tree"}.get(algorithm, algorithm)
+
+
+def _traffic(step: StepGraph) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in step.comms:
+        axis = c.group.split(".", 1)[1] if c.group.startswith("aot.") else c.group
+        out[axis] = out.get(axis, 0.0) + c.bytes
+    return out
+
+
+def _bucket_candidates(step: StepGraph, given) -> list[float]:
+    if given:
+        return sorted(set(float(x) for x in given))
+    grads = sum(c.input_bytes for c in step.comms if c.kind == "all_reduce")
+    sizes = set(BUCKET_MB_CANDIDATES)
+    if grads:
+        # small models: also split the gradients into 2, 4 and 8 buckets
+        sizes |= {max(0.01, round(grads / k / MiB, 2)) for k in (2, 4, 8)}
+    return sorted(sizes)
+
+
+# -- from a model file ------------------------------------------------------------------------------
+
+class ModelSteps:
+    """Step graphs of a model file for any mesh over the axes the build supports (dp, fsdp).
+
+    Traced graphs: (dp, fsdp=1) and (dp, fsdp=2), each once (the data-parallel degree changes only
+    the group's size, never the graph). A wider fsdp axis is the fsdp=2 graph re-read with its
+    shards resized (cost_model.rescale), and fsdp without dp is the dp x fsdp graph without its
+    dp collectives (cost_model.drop_group), so a search over every factorization of 1024 ranks
+    traces the model at most twice. On 2 ranks (no dp x fsdp mesh) fsdp=2 is traced alone."""
+
+    def __init__(self, model_path: Path, batch_size: int, seed: int = 0, world_size: int | None = None):
+        from aot.build import _example_batch
+        from aot.capture.model_file import load_model_file
+        from aot.capture.training_state import build_training_state
+        from runner.data import split_batch_tensors
+
+        if batch_size < 1:
+            raise AotError(f"--batch-size must be at least 1, got {batch_size}")
+        self.mf = load_model_file(model_path)
+        self.state = build_training_state(self.mf, seed, 1)
+        inputs, targets = split_batch_tensors(_example_batch(self.mf, batch_size), "batch()")
+        self.inputs, self.targets = inputs, targets
+        self.params = sum(p.numel() for p in self.state.params.values())
+        self.param_numels = [p.numel() for p in self.state.params.values()]
+        self.world_size = world_size
+        self.traced: dict[tuple, StepGraph] = {}
+
+    def capture(self, dp: int, fsdp: int) -> StepGraph:
+        """The analyzed graph of one rank for a dp x fsdp mesh, traced as the build traces it."""
+        from aot.capture.step import Group, StepLayout, capture_step
+        from aot.passes.cleanup import drop_profiler_calls, plain_collectives
+        from aot.plan.mesh import Mesh
+
+        layout = StepLayout(Group(Mesh.group_name("dp"), dp) if dp > 1 else None,
+                            Group(Mesh.group_name("fsdp"), fsdp) if fsdp > 1 else None)
+        captured = capture_step(self.mf, self.state, self.inputs, self.targets, layout)
+        gm = plain_collectives(drop_profiler_calls(captured.graph))
+        return analyze(gm, captured.slots)
+
+    def _traced(self, dp: int, fsdp: int) -> StepGraph:
+        key = (dp > 1, fsdp)
+        if key not in self.traced:
+            self.traced[key] = self.capture(dp, fsdp)
+        return self.traced[key]
+
+    def __call__(self, axes: tuple, shape: tuple) -> StepGraph:
+        from aot.plan.cost_model import drop_group, rescale, shard_scale
+
+        degrees = dict(zip(axes, shape))
+        other = [a for a, d in degrees.items() if a not in ("dp", "fsdp") and d > 1]
+        if other:
+            raise Unsupported(f"no graph for axes {', '.join(other)} yet (priced once the build captures them)")
+        dp, fsdp = degrees.get("dp", 1), degrees.get("fsdp", 1)
+        if fsdp == 1:
+            return self._traced(dp, 1)
+        if dp > 1 or (self.world_size or 0) >= 4:
+            base = self._traced(2, 2)
+            graph = base if dp > 1 else drop_group(base, "aot.dp")
+        else:
+            graph = self._traced(1, 2)
+        if fsdp == 2:
+            return graph
+        return rescale(graph, shard_scale(self.param_numels, 2, fsdp), "aot.fsdp", fsdp)
+
+
+def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int, *, seed: int = 0,
+               bucket_mbs: tuple[float, ...] | None = None, axes: tuple[str, ...] | None = None):
+    """(ranked plans, skipped meshes, machine, model steps) for a model file on a profile."""
+    from aot.plan.mesh import SUPPORTED_AXES
+
+    machine = Machine(profile, world_size)
+    steps = ModelSteps(model_path, batch_size, seed, world_size)
+    planner = Planner(machine, steps)
+    plans, skipped = planner.search(tuple(axes or SUPPORTED_AXES), bucket_mbs)
+    return plans, skipped, planner, steps
+
+
+# -- into the artifact ----------------------------------------------------------------------------
+
+def manifest_entry(planner: Planner, chosen: Plan, graph, slots, ranked: list[Plan], batch_size: int) -> tuple[dict, dict[str, bytes]]:
+    """The manifest's `plan` entry and the files it names (the predicted timeline), priced on the
+    graph exactly as built (after bucketing and overlap)."""
+    import json
+
+    from aot.plan.timeline import chrome_trace
+
+    built = analyze(graph, slots)
+    final = planner.evaluate(chosen.axes, chosen.shape, chosen.bucket_mb, step=built, bucketed=True,
+                             placement=chosen.placement, trace=True)
+    machine = planner.machine
+    trace = chrome_trace(final.prediction, title=f"{chosen.strategy}, bucket {chosen.bucket_mb:g} MiB on {machine.describe()}")
+    entry = {
+        "source": "aot build --strategy auto",
+        "strategy": chosen.strategy,
+        "bucket_mb": chosen.bucket_mb,
+        "batch_size": batch_size,
+        "topology": machine.name,
+        "calibrated": bool(machine.calibration) or machine.compute.calibrated,
+        "overlap": planner.overlaps,
+        "placement": chosen.placement.to_json(),
+        "nccl_algo": final.nccl_algo,
+        "predicted": {**final.prediction.to_json(), "fits": final.fits,
+                      "device_memory_bytes": machine.memory_bytes},
+        "candidates": [{"strategy": p.strategy, "bucket_mb": p.bucket_mb, "step_s": p.prediction.step_s,
+                        "peak_memory_bytes": p.prediction.memory.peak, "collectives_per_step": p.prediction.collectives,
+                        "fits": p.fits} for p in ranked[:16]],
+        "timeline": TIMELINE_FILE,
+    }
+    data = (json.dumps(trace, separators=(",", ":")) + "\n").encode()
+    return entry, {TIMELINE_FILE: data}
+
+
+@dataclass
+class BuildPlan:
+    """The plan `aot build --strategy auto` builds, and how to describe it in the artifact."""
+    planner: Planner
+    chosen: Plan
+    ranked: list[Plan]
+    batch_size: int
+
+    @property
+    def strategy(self) -> str:
+        return self.chosen.strategy
+
+    @property
+    def bucket_mb(self) -> float:
+        return self.chosen.bucket_mb
+
+    def finish(self, graph, slots) -> tuple[dict, dict[str, bytes]]:
+        return manifest_entry(self.planner, self.chosen, graph, slots, self.ranked, self.batch_size)
+
+
+def plan_for_build(options, profile: dict, progress) -> BuildPlan:
+    """Search plans for a build's model, world size and batch size; the best that fits, realizable
+    by the build (ranks laid out row-major in the order of the plan's axes)."""
+    from aot.plan.placement import layout
+
+    progress.total += 1
+    with progress.stage(f"planning: pricing strategies and bucket sizes on topology {profile['name']!r}"):
+        plans, skipped, planner, _ = plan_model(options.model_path, profile, options.world_size, options.batch_size,
+                                                seed=options.seed)
+        chosen = best_plan(plans)
+        identity = list(range(planner.machine.world_size))
+        realizable = layout(planner.machine, chosen.axes, chosen.shape, chosen.placement.order, identity)
+        if realizable.physical != chosen.placement.physical:
+            # the build lays ranks out as torchrun numbers them: price the layout it can make
+            chosen = planner.evaluate(chosen.axes, chosen.shape, chosen.bucket_mb, placement=realizable)
+    p = chosen.prediction
+    progress.note(f"plan: --strategy {chosen.strategy} --bucket-mb {chosen.bucket_mb:g}, predicted {p.step_s * 1e3:.3g} ms "
+                  f"per step, {p.memory.peak / 2**20:.1f} MiB per rank (best of {len(plans)} candidates)")
+    return BuildPlan(planner, chosen, plans, options.batch_size)
+
+
+def best_plan(plans: list[Plan]) -> Plan:
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        smallest = min(plans, key=lambda p: p.prediction.memory.peak) if plans else None
+        from runner.inspect import human
+        need = f" (the smallest needs {human(smallest.prediction.memory.peak)} per rank)" if smallest else ""
+        raise AotError(f"no plan fits the device memory{need}")
+    return fitting[0]
+

@@ -1,0 +1,170 @@
+"""`aot plan` (rank candidate plans for a model on a topology) and `aot topology calibrate`
+(measure a profile's alpha, beta and compute rates on the live ranks). Registered by aot/cli.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import click
+
+from runner.console import debug_option
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f}"
+
+
+def render_table(rows: list[dict], header: str) -> str:
+    from runner.inspect import human
+
+    cols = ["#", "strategy", "bucket MiB", "step ms", "compute ms", "exposed comm ms", "memory/rank",
+            "collectives", "bytes/step", "algorithms", "fits"]
+    table = [cols]
+    for i, r in enumerate(rows, 1):
+        algos = ", ".join(f"{n} {k}" for k, n in r["algorithms"].items()) or "-"
+        table.append([str(i), r["strategy"], f"{r['bucket_mb']:g}", _ms(r["step_s"]), _ms(r["compute_s"]),
+                      _ms(r["exposed_comm_s"]), human(r["memory_bytes"]["peak"]), str(r["collectives_per_step"]),
+                      human(r["collective_bytes_per_step"]), algos, "yes" if r["fits"] else "NO"])
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    lines = [header, ""]
+    for k, row in enumerate(table):
+        lines.append("  ".join(cell.rjust(widths[i]) if i not in (1, 9) else cell.ljust(widths[i])
+                               for i, cell in enumerate(row)).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+@click.command("plan")
+@click.argument("model_file", type=click.Path(path_type=Path))
+@click.option("--topology", metavar="PROFILE", help="Built-in profile name, profile JSON file or artifact folder. Default: this machine.")
+@click.option("--nodes", type=int, default=None, help="Nodes the job spans. Default: the profile's node count.")
+@click.option("--world-size", type=int, default=None,
+              help="Ranks. Default: every GPU of every node (cpu profiles: one rank per node).")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Samples per data-parallel rank per step.")
+@click.option("--bucket-mb", "bucket_mbs", type=float, multiple=True,
+              help="Gradient bucket size to consider, in MiB (repeatable). Default: 1, 4, 25, 100 and the model's gradients split in 2, 4 and 8.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows to print.")
+@click.option("--json", "as_json", is_flag=True, help="Print every candidate as JSON.")
+@debug_option
+def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, top, as_json):
+    """Rank the ways to train MODEL_FILE on a topology, before any GPU is used.
+
+    Traces the step once, then prices every candidate plan (parallel degrees among the axes the
+    build supports, gradient bucket sizes, placement of the mesh on the machine) with the cost
+    model: compute per graph node as a roofline of the profile's peak FLOP/s and memory bandwidth,
+    collectives with alpha-beta models of ring and tree algorithms over the links each group spans,
+    overlap of communication with backward, and peak memory per rank from graph liveness. Plans
+    that do not fit device memory are marked and never chosen. `aot build --strategy auto` builds
+    the first row. Calibrate the profile first (`aot topology calibrate`) for absolute times.
+    """
+    from aot.errors import AotError
+    from aot.plan.search import plan_model
+    from runner.topology import for_nodes, gpus_in_order, live_profile, load_profile
+
+    started = time.perf_counter()
+    profile = load_profile(topology) if topology else live_profile()
+    profile = for_nodes(profile, nodes)
+    if world_size is None:
+        world_size = profile["nodes"] * (len(gpus_in_order(profile)) if profile["device_kind"] == "cuda" else 1)
+    if world_size < 1:
+        raise AotError(f"--world-size must be at least 1, got {world_size}")
+    profile = for_nodes(profile, None, world_size)
+    plans, skipped, planner, steps = plan_model(model_file, profile, world_size, batch_size, seed=seed,
+                                                bucket_mbs=tuple(bucket_mbs) or None)
+    machine = planner.machine
+    seconds = time.perf_counter() - started
+    rows = [p.row() for p in plans]
+    if as_json:
+        click.echo(json.dumps({
+            "model_file": str(model_file), "topology": machine.name, "nodes": machine.nodes,
+            "world_size": world_size, "batch_size": batch_size, "parameters": steps.params,
+            "calibrated": bool(machine.calibration) or machine.compute.calibrated,
+            "overlap": planner.overlaps, "seconds": round(seconds, 3), "skipped": skipped, "plans": rows,
+        }, indent=1))
+        return
+    calibrated = "calibrated" if (machine.calibration or machine.compute.calibrated) else "uncalibrated: absolute times are estimates"
+    header = (f"{Path(model_file).name}: {steps.params:,} parameters, batch {batch_size} per data-parallel rank, "
+              f"{world_size} rank(s) on {machine.describe()} ({calibrated})")
+    click.echo(render_table(rows[:top], header))
+    if len(rows) > top:
+        click.echo(f"... {len(rows) - top} more (--top, --json)")
+    for line in skipped:
+        click.echo(f"not priced: {line}")
+    if plans:
+        best = next((p for p in plans if p.fits), None)
+        if best is not None:
+            click.echo(f"\nbest: --strategy {best.strategy} --bucket-mb {best.bucket_mb:g}"
+                       + (f" (NCCL_ALGO={best.nccl_algo})" if best.nccl_algo else "")
+                       + f"; aot build {model_file} --topology {topology or 'live'} --world-size {world_size} --strategy auto")
+        else:
+            click.echo("\nno plan fits the device memory")
+    click.echo(f"planned in {seconds:.1f} s", err=True)
+
+
+@click.command("calibrate")
+@click.option("--profile", "base", metavar="PROFILE",
+              help="Profile to calibrate (built-in name, file or artifact). Default: this machine (probed).")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Calibrated profile to write (rank 0).")
+@click.option("--name", help="Name of the calibrated profile. Default: the base profile's name + '-calibrated'.")
+@click.option("--min-bytes", type=click.IntRange(min=4), default=4096, show_default=True, help="Smallest message.")
+@click.option("--max-bytes", type=click.IntRange(min=4), default=None,
+              help="Largest message. Default: 16 MiB on cpu ranks, 256 MiB on GPUs.")
+@click.option("--reps", type=click.IntRange(min=1), default=7, show_default=True, help="Timed repetitions per size (median kept).")
+@debug_option
+def calibrate(base, output, name, min_bytes, max_bytes, reps):
+    """Measure this machine's collectives and compute and write them into a profile copy.
+
+    Run under torchrun with one process per rank the profile describes:
+
+    \b
+        torchrun --nproc-per-node 2 -m aot topology calibrate --profile cpu -o cpu-calibrated.json
+        aot plan examples/gpt.py --topology cpu-calibrated.json --world-size 2
+
+    alpha (seconds per message) and beta (seconds per byte) of all_reduce, all_gather and
+    reduce_scatter are fitted over message sizes and read through each kind's ring formula; matrix
+    multiply FLOP/s, memory bandwidth and the cost of one op in a graph are measured on every rank
+    at once. They go into the profile's `calibration` (per link class, with a per-kind table) and
+    `compute` entries, which `aot plan` and `aot build --strategy auto` use.
+    """
+    from runner.errors import AotError
+    from runner.integrity import check_writable_target
+    from runner.topology import dumps_profile, live_profile, load_profile, validate_profile
+
+    from aot.plan.calibrate import calibrate as run_calibration
+
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        check_writable_target(output, "file")
+    profile = load_profile(base) if base else live_profile()
+    profile = {k: v for k, v in profile.items() if k not in ("nodes_unknown",)}
+    if max_bytes is None:
+        max_bytes = 256 * 2**20 if profile["device_kind"] == "cuda" else 16 * 2**20
+    if max_bytes < min_bytes:
+        raise AotError(f"--max-bytes {max_bytes} is below --min-bytes {min_bytes}")
+    log = (lambda msg: click.echo(msg, err=True)) if rank == 0 else (lambda msg: None)
+    result = run_calibration(profile, min_bytes=min_bytes, max_bytes=max_bytes, reps=reps, log=log)
+    if result is None:
+        return
+    result["name"] = name or f"{profile['name']}-calibrated"
+    validate_profile(result, str(output))
+    tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(dumps_profile(result))
+        os.replace(tmp, output)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise AotError(f"{output}: cannot write ({e.strerror})") from None
+    for cls, entry in (result.get("calibration") or {}).items():
+        for kind, ab in (entry.get("per_kind") or {}).items():
+            log(f"{cls:<8} {kind:<15} alpha {ab['alpha_s'] * 1e6:8.2f} us  beta {ab['beta_s_per_byte']:.3g} s/B "
+                f"({1 / ab['beta_s_per_byte'] / 1e9 if ab['beta_s_per_byte'] else float('inf'):.3g} GB/s)")
+    c = result["compute"]
+    log(f"compute  {', '.join(f'{k} {v / 1e9:.3g} GFLOP/s' for k, v in c['flops_per_s'].items())}, "
+        f"memory {c['memory_bytes_per_s'] / 1e9:.3g} GB/s, {c['op_overhead_s'] * 1e6:.2f} us per op, "
+        f"{c['efficiency']:.0%} of that roofline on real ops")
+    log(f"wrote {result['name']!r} to {output}")

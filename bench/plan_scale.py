@@ -1,0 +1,52 @@
+"""Benchmark: how long `aot plan` takes for a large machine.
+
+    python bench/plan_scale.py [--model examples/gpt.py] [--topology dgx_a100] [--nodes 128] [--repeats 3]
+
+Runs `aot plan MODEL --topology T --nodes N --json` as a fresh process `--repeats` times and
+reports its wall time (process start to exit, interpreter and torch import included), the time the
+command itself reports (`seconds`: from the command's start, torch import included), how many
+candidate plans it priced and the best one. The foreign CPU load during each run is recorded as
+in bench/plan_accuracy.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plan_accuracy import REPO, busy_cpu_s, env, own_cpu_s  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="examples/gpt.py")
+    ap.add_argument("--topology", default="dgx_a100")
+    ap.add_argument("--nodes", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    cmd = [sys.executable, "-m", "aot", "plan", args.model, "--topology", args.topology, "--nodes", str(args.nodes), "--json"]
+    runs = []
+    for _ in range(args.repeats):
+        t0, busy0, own0 = time.time(), busy_cpu_s(), own_cpu_s()
+        out = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, check=True)
+        wall = time.time() - t0
+        other = max(0.0, (busy_cpu_s() - busy0) - (own_cpu_s() - own0)) / wall
+        result = json.loads(out.stdout)
+        runs.append({"wall_s": wall, "command_s": result["seconds"], "other_load_cores": other,
+                     "candidates": len(result["plans"]), "world_size": result["world_size"],
+                     "best": f"{result['plans'][0]['strategy']} bucket {result['plans'][0]['bucket_mb']:g} MiB"})
+        print(json.dumps(runs[-1]), file=sys.stderr)
+    print(f"`{' '.join(cmd[1:])}`: {runs[0]['world_size']} ranks, {runs[0]['candidates']} candidates, best {runs[0]['best']}; "
+          f"wall {min(r['wall_s'] for r in runs):.1f} s best / {statistics.median(r['wall_s'] for r in runs):.1f} s median, "
+          f"command-reported {statistics.median(r['command_s'] for r in runs):.1f} s median, "
+          f"foreign load {statistics.median(r['other_load_cores'] for r in runs):.2f} cores median")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Exported inference: the model's forward, exported to ONNX at build time, run by ONNX Runtime.
+
+`load(path)` takes an artifact folder whose manifest has an `inference` entry (written by
+`aot build`), or a bare `.onnx` file (written by `aot export --checkpoint`). An artifact's ONNX
+file is read through `Artifact.read`, so its sha256 is checked before ONNX Runtime sees a byte.
+The session uses the best execution provider that works here (TensorRT, then CUDA, then CPU) with
+graph optimizations at the extended level; `provider=` insists on one and fails if it cannot.
+
+onnxruntime is imported here and only here, when a session is made: training never loads it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from runner.data import describe, dtype_name
+from runner.errors import AotError
+
+PROVIDERS = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
+ORDER = ("tensorrt", "cuda", "cpu")
+
+# ONNX Runtime's element type names -> torch dtype names (runner.data.dtype_name)
+_ORT_TYPES = {
+    "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
+    "tensor(bfloat16)": "bfloat16", "tensor(int64)": "int64", "tensor(int32)": "int32",
+    "tensor(int16)": "int16", "tensor(int8)": "int8", "tensor(uint8)": "uint8", "tensor(bool)": "bool",
+}
+
+
+def _import_ort():
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise AotError(f"exported inference needs ONNX Runtime, which cannot be imported here ({e}); "
+                       f"install onnxruntime-gpu (or onnxruntime)") from None
+    return onnxruntime
+
+
+def _cuda_devices() -> int:
+    """CUDA devices the driver sees, asked of the driver itself (a CPU build of torch cannot tell)."""
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            cuda = ctypes.CDLL(name)
+        except OSError:
+            continue
+        count = ctypes.c_int(0)
+        if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            return 0
+        return count.value
+    return 0
+
+
+def _unusable(ort, key: str) -> str | None:
+    """Why provider `key` cannot run here, or None if it may."""
+    name = PROVIDERS[key]
+    if name not in ort.get_available_providers():
+        return f"not in this onnxruntime build ({', '.join(ort.get_available_providers())} are)"
+    if key != "cpu" and _cuda_devices() == 0:
+        return "no CUDA device is visible"
+    return None
+
+
+def _session(ort, model: bytes, key: str, threads: int | None):
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.log_severity_level = 3  # errors only; a provider that fails is reported by us, in one line
+    if threads:
+        options.intra_op_num_threads = threads
+    # TensorRT hands the nodes it cannot compile to CUDA, CUDA to the CPU, as ONNX Runtime documents.
+    providers = [PROVIDERS[k] for k in {"tensorrt": ORDER, "cuda": ("cuda", "cpu"), "cpu": ("cpu",)}[key]]
+    # enable_fallback=0: no silent retry on other providers (which prints to stdout); we decide.
+    session = ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
+    if session.get_providers()[0] != PROVIDERS[key]:
+        raise RuntimeError(f"ONNX Runtime fell back to {session.get_providers()[0]}")
+    return session
+
+
+def create_session(model: bytes, provider: str | None = None, *, warn: Callable[[str], None] = lambda msg: None,
+                   threads: int | None = None, where: str = "the model"):
+    """(ONNX Runtime session, provider key) for ONNX bytes: `provider` if given (or an error), else
+    the first of TensorRT, CUDA, CPU that works, with a one-line notice through `warn` when a
+    faster one was passed over."""
+    ort = _import_ort()
+    if provider is not None:
+        if provider not in PROVIDERS:
+            raise AotError(f"unknown provider {provider!r}; choose one of {', '.join(ORDER)}")
+        reason = _unusable(ort, provider)
+        if reason is None:
+            try:
+                return _session(ort, model, provider, threads), provider
+            except Exception as e:
+                if provider == "cpu":
+                    raise AotError(f"{where}: ONNX Runtime cannot load it: {_first_line(e)}") from None
+                reason = f"it failed to start ({_first_line(e)})"
+        raise AotError(f"provider {provider} ({PROVIDERS[provider]}) is not usable here: {reason}; "
+                       f"leave --provider unset to use the best available one")
+    passed_over = []
+    for key in ORDER:
+        reason = _unusable(ort, key)
+        if reason is None:
+            try:
+                session = _session(ort, model, key, threads)
+            except Exception as e:
+                if key == "cpu":
+                    raise AotError(f"{where}: ONNX Runtime cannot load it: {_first_line(e)}") from None
+                reason = f"failed to start: {_first_line(e)}"
+            else:
+                if passed_over:
+                    warn(f"notice: running on {PROVIDERS[key]}; " + "; ".join(passed_over))
+                return session, key
+        passed_over.append(f"{PROVIDERS[key]}: {reason}")
+    raise AssertionError("unreachable: the CPU provider is always tried")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _spec_of_session(session, batch_dim: str | None) -> tuple[list[dict], list[dict], str | None]:
+    """Input/output spec read from the ONNX graph itself (for a bare .onnx file)."""
+    def entry(arg):
+        shape = [d if isinstance(d, int) else str(d) for d in arg.shape]
+        return {"name": arg.name, "shape": shape, "dtype": _ORT_TYPES.get(arg.type, arg.type)}
+    inputs = [entry(a) for a in session.get_inputs()]
+    outputs = [entry(a) for a in session.get_outputs()]
+    if batch_dim is None and inputs and inputs[0]["shape"] and isinstance(inputs[0]["shape"][0], str):
+        batch_dim = inputs[0]["shape"][0]
+    return inputs, outputs, batch_dim
+
+
+class InferenceSession:
+    """An ONNX Runtime session over an exported forward.
+
+    `run(inputs)` takes a mapping of input name -> tensor (`inputs`, or `inputs.0`, `inputs.1`, ...
+    as in --data files; other names such as `targets` are ignored), or a tensor / sequence of
+    tensors in order, and returns a dict of output name -> CPU torch tensor. Input names, dtypes and
+    every dimension but the batch dimension must match the export.
+    """
+
+    def __init__(self, path: str | Path, provider: str | None = None, *,
+                 warn: Callable[[str], None] = lambda msg: None, threads: int | None = None):
+        path = Path(path)
+        if path.is_dir():
+            from runner.artifact import Artifact
+            artifact = Artifact(path)
+            spec = artifact.manifest.get("inference")
+            if spec is None:
+                raise AotError(f"{path}: the artifact has no inference export (it was built with --no-onnx, "
+                               f"or the model could not be exported; `aot build --onnx` says why)")
+            model = artifact.read(spec["file"])  # sha256 checked before ONNX Runtime parses it
+            self.where = f"{path}/{spec['file']}"
+        elif path.is_file():
+            model, spec = path.read_bytes(), {}
+            self.where = str(path)
+        else:
+            raise AotError(f"{path}: no such artifact folder or ONNX file")
+        self.spec = spec
+        self.session, self.provider = create_session(model, provider, warn=warn, threads=threads, where=self.where)
+        inputs, outputs, batch_dim = _spec_of_session(self.session, spec.get("batch_dim"))
+        if spec:
+            declared = [i.get("name") for i in spec["inputs"]], [o.get("name") for o in spec["outputs"]]
+            if declared != ([i["name"] for i in inputs], [o["name"] for o in outputs]):
+                raise AotError(f"{self.where}: the ONNX graph's inputs and outputs do not match the manifest's inference entry")
+            inputs, outputs = spec["inputs"], spec["outputs"]
+        self.inputs, self.outputs, self.batch_dim = inputs, outputs, batch_dim
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i["name"] for i in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [o["name"] for o in self.outputs]
+
+    def feeds(self, inputs, where: str = "inputs") -> dict[str, np.ndarray]:
+        """The checked numpy feeds of `run` (see the class docstring); AotError on any mismatch."""
+        names = self.input_names
+        if isinstance(inputs, (torch.Tensor, np.ndarray)):
+            inputs = [inputs]
+        if not isinstance(inputs, Mapping):
+            if not isinstance(inputs, Sequence) or len(inputs) != len(names):
+                raise AotError(f"{where}: the exported model takes {len(names)} input(s) ({', '.join(names)}), "
+                               f"got {len(inputs) if isinstance(inputs, Sequence) else type(inputs).__name__}")
+            inputs = dict(zip(names, inputs))
+        missing = [n for n in names if n not in inputs]
+        if missing:
+            raise AotError(f"{where}: no tensor named {missing[0]!r}; the exported model takes "
+                           f"{', '.join(names)} (given: {', '.join(sorted(inputs)) or 'nothing'})")
+        feeds, batch = {}, None
+        for want in self.inputs:
+            name, value = want["name"], inputs[want["name"]]
+            if isinstance(value, np.ndarray):
+                value = torch.from_numpy(value)
+            if not isinstance(value, torch.Tensor):
+                raise AotError(f"{where}: {name} is a {type(value).__name__}, expected a tensor")
+            shape, dtype = list(value.shape), dtype_name(value.dtype)
+            wanted = want["shape"]  # symbolic dimensions (the batch) are names, the others sizes
+            expected = describe(["N" if d == self.batch_dim else d for d in wanted], want["dtype"])
+            fixed_ok = len(shape) == len(wanted) and all(isinstance(d, str) or d == s for d, s in zip(wanted, shape))
+            if dtype != want["dtype"] or not fixed_ok:
+                raise AotError(f"{where}: {name} is {describe(shape, dtype)}, the exported model takes {expected}"
+                               + (" (N: any batch size)" if self.batch_dim in wanted else ""))
+            if shape and isinstance(wanted[0], str):
+                if shape[0] == 0:
+                    raise AotError(f"{where}: {name} holds no samples")
+                if batch is not None and shape[0] != batch:
+                    raise AotError(f"{where}: {name} has {shape[0]} samples but {self.input_names[0]} has {batch}")
+                batch = shape[0]
+            if value.dtype == torch.bfloat16:
+                raise AotError(f"{where}: {name} is bfloat16, which ONNX Runtime's Python API cannot take from numpy")
+            feeds[name] = value.detach().cpu().contiguous().numpy()
+        return feeds
+
+    def run(self, inputs, where: str = "inputs") -> dict[str, torch.Tensor]:
+        return self.run_feeds(self.feeds(inputs, where))
+
+    def run_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        results = self.session.run(self.output_names, feeds)
+        return {name: torch.from_numpy(np.ascontiguousarray(r)) for name, r in zip(self.output_names, results)}
+
+    def benchmark(self, inputs, *, warmup: int = 3, iters: int = 10, where: str = "inputs") -> tuple[dict, dict]:
+        """(outputs of the last run, timing): `warmup` untimed runs, then `iters` timed ones."""
+        feeds = self.feeds(inputs, where)
+        first = next(iter(feeds.values()))
+        batch = first.shape[0] if first.ndim else 1
+        for _ in range(warmup):
+            self.session.run(self.output_names, feeds)
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            outputs = self.session.run(self.output_names, feeds)
+            times.append(time.perf_counter() - start)
+        p50, p90 = (float(np.percentile(times, q)) for q in (50, 90))
+        timing = {
+            "provider": PROVIDERS[self.provider], "batch_size": batch, "warmup": warmup, "iters": iters,
+            "latency_ms_p50": p50 * 1e3, "latency_ms_p90": p90 * 1e3, "latency_ms_mean": float(np.mean(times)) * 1e3,
+            "samples_per_s": batch * iters / sum(times),
+        }
+        results = {n: torch.from_numpy(np.ascontiguousarray(r)) for n, r in zip(self.output_names, outputs)}
+        return results, timing
+
+
+def load(path: str | Path, provider: str | None = None, **kwargs) -> InferenceSession:
+    """An inference session over an artifact folder's ONNX export or an .onnx file; see InferenceSession."""
+    return InferenceSession(path, provider, **kwargs)

@@ -1,0 +1,136 @@
+"""The cost model: op costs, graph reading, memory liveness, overlap, bucketing and derived meshes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from aot.build import _example_batch
+from aot.capture.model_file import load_model_file
+from aot.capture.step import Group, StepLayout, capture_step
+from aot.capture.training_state import build_training_state
+from aot.passes import run_passes
+from aot.passes.cleanup import drop_profiler_calls, plain_collectives
+from aot.plan.cost_model import CommSite, Memory, Op, StepGraph, analyze, drop_group, rebucket, rescale, shard_scale, simulate
+from aot.plan.machine import Compute
+from runner.data import split_batch_tensors
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_roofline_with_overhead():
+    cpu = Compute({"default": 1e12}, 1e9, 1e-5, async_dispatch=False)
+    # 2 GFLOP at 1 TFLOP/s = 2 ms; 1 MB at 1 GB/s = 1 ms: compute-bound, plus 10 us of dispatch
+    assert cpu.op_seconds(2e9, 1e6, "float32") == pytest.approx(2e-3 + 1e-5)
+    gpu = Compute({"default": 1e12}, 1e9, 1e-5, async_dispatch=True)
+    assert gpu.op_seconds(2e9, 1e6, "float32") == pytest.approx(2e-3)       # launch hidden behind work
+    assert gpu.op_seconds(1e3, 1e2, "float32") == pytest.approx(1e-5)       # launch-bound
+    cached = Compute({"default": 1e12}, 1e9, 0.0, False, bandwidth_by_bytes=((1e5, 1e10),), efficiency=0.5)
+    # 1e4 bytes fit the 1e5-byte level (10 GB/s): 1 us of work, at half the roofline 2 us
+    assert cached.op_seconds(0.0, 1e4, "float32") == pytest.approx(2e-6)
+    assert cached.op_seconds(0.0, 1e6, "float32") == pytest.approx(2e-3)
+
+
+def test_graph_reading_counts_flops_bytes_views_and_liveness():
+    def f(x, w):
+        y = torch.mm(x, w)       # (4x8) @ (8x16)
+        z = y.view(-1)
+        return (z * 2).sum()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 8), torch.randn(8, 16))
+    step = analyze(gm, [{"kind": "input"}, {"kind": "param"}])
+    ops = {op.target: op for op in step.ops}
+    assert list(ops) == ["mm", "view", "mul", "sum"]
+    assert ops["mm"].flops == 2 * 4 * 8 * 16 and ops["mm"].bytes == (32 + 128 + 64) * 4
+    assert ops["view"].kind == "view" and ops["view"].bytes == 0
+    assert ops["mul"].bytes == (64 + 64) * 4 and ops["sum"].bytes == (64 + 1) * 4
+    m = step.memory
+    assert (m.batch, m.params) == (128, 512)
+    # y (256 B) lives from mm to the mul that reads its view; mul's output (256 B) from mul to sum
+    assert m.peak_transient == 512 and m.peak == 128 + 512 + 512
+
+
+def _step(times, comms):
+    return StepGraph(ops=[Op(f"op{i}", "x") for i in range(len(times))], comms=comms, memory=Memory(), graph_nodes=len(times))
+
+
+def _site(name, issue_at, wait_at, nbytes=100, group="aot.dp"):
+    return CommSite(name, "all_reduce", group, nbytes, nbytes, "float32", issue_at, wait_at, input_numel=nbytes // 4)
+
+
+@pytest.mark.parametrize("comm_ms,overlap,step_ms,exposed_ms", [
+    # A 0-1 | X issued at 1 | B 1-3, C 3-4 | wait X before D | D
+    (2.5, True, 5.0, 0.0),    # X ends at 3.5, before D starts at 4: hidden
+    (4.0, True, 6.0, 1.0),    # X ends at 5: D waits 1 ms
+    (2.5, False, 7.5, 2.5),   # no overlap: X holds compute from 1 to 3.5
+])
+def test_overlap_between_issue_and_wait(comm_ms, overlap, step_ms, exposed_ms):
+    compute = Compute({"default": 1.0}, 1.0, 0.0, False)
+    step = _step([1e-3, 2e-3, 1e-3, 1e-3], [_site("X", 1, 3)])
+    p = simulate(step, compute, lambda c: ("ring", comm_ms * 1e-3), overlap=overlap, op_times=[1e-3, 2e-3, 1e-3, 1e-3])
+    assert p.step_s == pytest.approx(step_ms * 1e-3) and p.exposed_comm_s == pytest.approx(exposed_ms * 1e-3)
+    assert p.compute_s == pytest.approx(5e-3) and p.collectives == 1 and p.algorithms == {("all_reduce", "ring"): 1}
+
+
+def test_collectives_queue_on_one_stream():
+    compute = Compute({"default": 1.0}, 1.0, 0.0, False)
+    # X and Y both issued after op 0 (t = 1 ms), 2 ms each: Y runs 3-5; D (op 3) waits for Y
+    step = _step([1e-3] * 4, [_site("X", 1, 3), _site("Y", 1, 3)])
+    p = simulate(step, compute, lambda c: ("ring", 2e-3), op_times=[1e-3] * 4, trace=True)
+    assert p.step_s == pytest.approx(6e-3) and p.exposed_comm_s == pytest.approx(2e-3)
+    comm = [e for e in p.events if e[0] == "comm"]
+    assert [(e[1], e[3], e[4]) for e in comm] == [("X", pytest.approx(1e-3), 2e-3), ("Y", pytest.approx(3e-3), 2e-3)]
+
+
+def test_rebucket_packs_in_input_order_until_full_or_needed():
+    step = _step([0.0] * 8, [_site("a", 1, 5), _site("b", 2, 5), _site("c", 3, 5), _site("d", 6, 7)])
+    b = rebucket(step, 150)
+    # a + b reach 200 >= 150; c starts a bucket; d's input comes after c's result is needed: its own
+    assert [(c.members, c.bytes, c.issue_at, c.wait_at) for c in b.comms] == [(2, 200, 2, 5), (1, 100, 3, 5), (1, 100, 6, 7)]
+    big = rebucket(step, 10**9)
+    assert [(c.members, c.bytes) for c in big.comms] == [(3, 300), (1, 100)]
+    packed = big.comms[0]
+    assert [op.target for op in packed.pre_ops] == ["view"] * 3 + ["cat"] and packed.pre_ops[-1].bytes == 600
+
+
+def _mlp_capture(dp: int, fsdp: int):
+    mf = load_model_file(EXAMPLES / "mlp.py")
+    state = build_training_state(mf, 0, 1)
+    inputs, targets = split_batch_tensors(_example_batch(mf, 8), "batch()")
+    layout = StepLayout(Group("aot.dp", dp) if dp > 1 else None, Group("aot.fsdp", fsdp) if fsdp > 1 else None)
+    return capture_step(mf, state, inputs, targets, layout), state
+
+
+def test_analytic_bucketing_matches_the_bucketing_pass():
+    compute = Compute({"default": 1e10}, 5e9, 5e-6, False)
+    captured, _ = _mlp_capture(2, 1)
+    unbucketed = analyze(plain_collectives(drop_profiler_calls(captured.graph)), captured.slots)
+    cost = lambda c: ("ring", 1e-4 + c.bytes * 1e-9)  # noqa: E731
+    for bucket in (1, 10_000, 25 * 2**20):
+        built_capture, _ = _mlp_capture(2, 1)
+        built = analyze(run_passes(built_capture.graph, bucket_bytes=bucket), built_capture.slots)
+        derived = rebucket(unbucketed, bucket)
+        assert sorted(c.bytes for c in derived.comms) == sorted(c.bytes for c in built.comms), bucket
+        a = simulate(derived, compute, cost).step_s
+        b = simulate(built, compute, cost).step_s
+        assert a == pytest.approx(b, rel=0.05), bucket
+
+
+def test_wider_fsdp_and_no_dp_are_derived_without_tracing():
+    real, state = _mlp_capture(1, 4)
+    real_step = analyze(plain_collectives(drop_profiler_calls(real.graph)), real.slots)
+    base, _ = _mlp_capture(2, 2)
+    base_step = analyze(plain_collectives(drop_profiler_calls(base.graph)), base.slots)
+    numels = [p.numel() for p in state.params.values()]
+    derived = rescale(drop_group(base_step, "aot.dp"), shard_scale(numels, 2, 4), "aot.fsdp", 4)
+    kinds = lambda s: Counter((c.kind, c.group) for c in s.comms)  # noqa: E731
+    assert kinds(derived) == kinds(real_step)
+    assert sorted(c.bytes for c in derived.comms) == sorted(c.bytes for c in real_step.comms)
+    assert sorted(c.input_bytes for c in derived.comms) == sorted(c.input_bytes for c in real_step.comms)
+    assert (derived.memory.params, derived.memory.optimizer) == (real_step.memory.params, real_step.memory.optimizer)
+    assert len(derived.ops) == len(real_step.ops)
+    assert sum(op.bytes for op in derived.ops) == pytest.approx(sum(op.bytes for op in real_step.ops), rel=0.02)

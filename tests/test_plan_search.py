@@ -1,0 +1,131 @@
+"""Strategy search end to end: `aot plan`, `aot build --strategy auto` and `aot topology calibrate`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from aot.cli import cli
+from aot.plan.machine import Machine
+from aot.plan.search import factorizations
+from runner.artifact import Artifact
+from runner.topology import load_profile
+
+REPO = Path(__file__).resolve().parents[1]
+MLP = str(REPO / "examples" / "mlp.py")
+GPT = str(REPO / "examples" / "gpt.py")
+# examples/mlp.py: 32*64 + 64 + 64*64 + 64 + 64*10 + 10 = 6922 float32 parameters
+MLP_PARAM_BYTES = 6922 * 4
+# fsdp=2 shards, each padded to an even length: 1024 + 32 + 2048 + 32 + 320 + 5 elements
+MLP_SHARD_BYTES = 3461 * 4
+
+
+def _plan(*args) -> dict:
+    result = CliRunner().invoke(cli, ["plan", *args, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_factorizations_cover_every_mesh():
+    assert factorizations(8, ("dp", "fsdp")) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert factorizations(1, ("dp",)) == [(1,)]
+    assert len(factorizations(1024, ("dp", "fsdp"))) == 11
+
+
+def test_plan_ranks_data_parallel_and_fsdp_candidates_on_cpu_ranks():
+    out = _plan(MLP, "--topology", "cpu", "--world-size", "2")
+    plans = out["plans"]
+    assert out["world_size"] == 2 and out["parameters"] == 6922 and not out["calibrated"]
+    assert {p["strategy"] for p in plans} == {"dp=2", "fsdp=2"}
+    times = [p["step_s"] for p in plans]
+    assert times == sorted(times) and all(p["fits"] for p in plans)  # a cpu profile has no memory limit
+    dp = next(p for p in plans if p["strategy"] == "dp=2" and p["bucket_mb"] == 25.0)
+    # one bucket: every gradient and the 4-byte loss
+    assert dp["collectives_per_step"] == 1 and dp["collective_bytes_per_step"] == MLP_PARAM_BYTES + 4
+    assert dp["memory_bytes"]["params"] == MLP_PARAM_BYTES and dp["memory_bytes"]["optimizer"] == MLP_PARAM_BYTES
+    fsdp = next(p for p in plans if p["strategy"] == "fsdp=2")
+    assert fsdp["memory_bytes"]["params"] == MLP_SHARD_BYTES
+    # 6 all_gathers (n = the padded whole parameter), 6 reduce_scatters, the loss's all_reduce
+    assert fsdp["algorithms"] == {"all_gather:ring": 6, "all_reduce:ring": 1, "reduce_scatter:ring": 6}
+    assert fsdp["collective_bytes_per_step"] == 2 * 2 * MLP_SHARD_BYTES + 4
+
+
+def _small_gpus(memory: int) -> dict:
+    profile = copy.deepcopy(load_profile("dgx_a100"))
+    for gpu in profile["node"]["gpus"].values():
+        gpu["memory_bytes"] = memory
+    return profile
+
+
+def test_plans_that_do_not_fit_are_kept_but_never_chosen(tmp_path):
+    # 90 kB GPUs (90% usable: 81 kB): dp=2 holds 100 kB per rank, fsdp=2 71 kB
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(_small_gpus(90_000)))
+    out = _plan(MLP, "--topology", str(path), "--world-size", "2")
+    fits = {p["strategy"]: p["fits"] for p in out["plans"]}
+    assert fits == {"fsdp=2": True, "dp=2": False}
+    assert out["plans"][0]["strategy"] == "fsdp=2"
+    path.write_text(json.dumps(_small_gpus(20_000)))
+    result = CliRunner().invoke(cli, ["build", MLP, "--topology", str(path), "--world-size", "2", "--strategy", "auto",
+                                      "--no-onnx", "--quiet", "-o", str(tmp_path / "art")])
+    assert result.exit_code == 1 and "no plan fits the device memory" in str(result.exception)
+
+
+def test_plan_for_128_dgx_a100_nodes_takes_under_10_seconds():
+    start = time.perf_counter()
+    out = _plan(GPT, "--topology", "dgx_a100", "--nodes", "128")
+    wall = time.perf_counter() - start
+    assert out["world_size"] == 1024 and out["nodes"] == 128
+    assert {p["strategy"] for p in out["plans"]} >= {"dp=1024", "fsdp=1024", "dp=128,fsdp=8"}
+    assert wall < 10, f"planning 1024 ranks took {wall:.1f} s"
+    best = out["plans"][0]
+    assert best["fits"] and best["nccl_algo"].startswith("allreduce:")
+
+
+def test_build_strategy_auto_records_the_plan_and_its_timeline(tmp_path):
+    art = tmp_path / "art"
+    result = CliRunner().invoke(cli, ["build", MLP, "--topology", "cpu", "--world-size", "2", "--strategy", "auto",
+                                      "--no-onnx", "--quiet", "-o", str(art)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    manifest = Artifact(art).manifest  # digest, schema and files check out
+    plan = manifest["plan"]
+    assert plan["strategy"] == manifest["build"]["strategy"] and plan["bucket_mb"] == manifest["build"]["bucket_mb"]
+    assert plan["candidates"][0]["strategy"] == plan["strategy"]
+    predicted = plan["predicted"]
+    assert predicted["step_s"] > 0 and predicted["memory_bytes"]["peak"] > predicted["memory_bytes"]["params"]
+    assert predicted["collectives_per_step"] == len(manifest["programs"]["train"]["collectives"])
+    assert plan["timeline"] == "plan/timeline.json" and "plan/timeline.json" in manifest["files"]
+    trace = json.loads(Artifact(art).read("plan/timeline.json"))
+    lanes = {e.get("cat") for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert lanes == {"compute", "comm"} and trace["otherData"]["predicted_step_s"] == predicted["step_s"]
+    shown = CliRunner().invoke(cli, ["inspect", str(art)], catch_exceptions=False).output
+    assert "predicted" in shown and "plan/timeline.json" in shown
+    summary = json.loads(CliRunner().invoke(cli, ["inspect", str(art), "--json"], catch_exceptions=False).output)
+    assert summary["plan"]["predicted"]["step_s"] == predicted["step_s"]
+
+
+def test_calibrate_under_torchrun_writes_a_profile_the_planner_reads(tmp_path):
+    out = tmp_path / "cal.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "aot", "topology", "calibrate", "--profile", "cpu", "-o", str(out),
+                           "--max-bytes", "65536", "--reps", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    profile = load_profile(str(out))  # validates
+    loopback = profile["calibration"]["loopback"]
+    assert set(loopback["per_kind"]) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert [n for n, _ in loopback["measured"]["all_reduce"]] == [4096 * 2**i for i in range(5)]
+    compute = profile["compute"]
+    assert compute["flops_per_s"]["float32"] > 0 and compute["op_overhead_s"] >= 0 and 0 < compute["efficiency"] <= 1
+    machine = Machine(profile, 2)
+    assert machine.compute.calibrated
+    span = machine.span([0, 1], "all_gather")
+    assert span.intra.alpha == loopback["per_kind"]["all_gather"]["alpha_s"]

@@ -1,0 +1,83 @@
+"""End to end on this CPU machine: an artifact built for a DGX A100 meets hardware that is not one.
+
+`aot build --topology dgx_a100`, then `aot run` under torchrun as a user would: refused before any
+collective with one line per mismatch class and a one-line error per rank (no traceback of
+aot's), run with a warning under --allow-topology-mismatch, and refused with the node count
+when torchrun spreads the job over two (local) nodes.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from helpers.commands import REPO, TIMEOUT, aot, clean_env, ok, show, torchrun
+
+AOT_FRAME = re.compile(r'File "[^"]*[/\\](aot|runner)[/\\][^"]*\.py", line \d+')
+MISMATCH = re.compile(r"^\[rank (\d+)\] topology mismatch: (.*)$", re.M)
+ERROR = re.compile(r"^aot: error: \[rank (\d+)\] (.*)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def dgx_artifact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("topology") / "dgx"
+    ok(aot("build", REPO / "examples" / "mlp.py", "--topology", "dgx_a100", "--world-size", "2", "-o", out, "--quiet"))
+    return out
+
+
+def refused(r: subprocess.CompletedProcess) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    assert r.returncode != 0, show(r)
+    assert not AOT_FRAME.search(r.stderr) and "internal error" not in r.stderr, show(r)
+    assert "ready in" not in r.stderr and "step " not in r.stderr, show(r)  # nothing ran
+    return MISMATCH.findall(r.stderr), ERROR.findall(r.stderr)
+
+
+def test_dgx_artifact_is_refused_on_this_machine(dgx_artifact):
+    r = torchrun(2, "run", dgx_artifact, "--steps", "2")
+    mismatches, errors = refused(r)
+    assert mismatches == [
+        ("0", "GPU count: profile 'dgx_a100' expects 8 GPUs per node (NVIDIA A100-SXM4-80GB); this node has none"),
+        ("0", "NIC: profile 'dgx_a100' expects 8 NICs at 200 Gb/s; this node has none"),
+    ], show(r)  # local rank 0 reports for its node
+    assert sorted(rank for rank, _ in errors) == ["0", "1"], show(r)
+    for _, line in errors:
+        assert "live topology differs from the artifact's profile 'dgx_a100' in 2 ways" in line
+        assert "--allow-topology-mismatch" in line
+
+
+def test_allow_topology_mismatch_runs_with_a_warning(dgx_artifact):
+    r = ok(torchrun(2, "run", dgx_artifact, "--steps", "2", "--allow-topology-mismatch"))
+    warnings = [l for l in r.stderr.splitlines() if l.startswith("warning: ")]
+    assert warnings[0] == ("warning: running on hardware that differs from the artifact's topology profile 'dgx_a100' "
+                           "(--allow-topology-mismatch): its schedule was tuned for other hardware"), show(r)
+    assert warnings[1:] == [
+        "warning: topology mismatch: GPU count: profile 'dgx_a100' expects 8 GPUs per node (NVIDIA A100-SXM4-80GB); this node has none",
+        "warning: topology mismatch: NIC: profile 'dgx_a100' expects 8 NICs at 200 Gb/s; this node has none",
+    ], show(r)  # once per node, not once per rank
+    assert "trained" in r.stderr and "step     2" in r.stderr, show(r)
+
+
+def test_node_count_is_checked_across_nodes(dgx_artifact):
+    """Two torchrun agents on this machine form a 2-node job (c10d rendezvous): the profile is for 1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "aot-topology-test",
+           "-m", "aot", "run", str(dgx_artifact), "--steps", "1"]
+    agents = [subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    results = []
+    for agent in agents:
+        out, err = agent.communicate(timeout=TIMEOUT)
+        results.append(subprocess.CompletedProcess(cmd, agent.returncode, out, err))
+    for r in results:
+        mismatches, errors = refused(r)
+        # each node's local rank 0 reports; the node count comes first
+        assert [line.split(":")[0] for _, line in mismatches] == ["node count", "GPU count", "NIC"], show(r)
+        assert mismatches[0][1] == "node count: profile 'dgx_a100' is for 1 node; this job runs on 2", show(r)
+        assert len(errors) == 1 and "in 3 ways" in errors[0][1], show(r)
