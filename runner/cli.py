@@ -61,7 +61,7 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
     from runner.errors import AotError
     from runner.integrity import check_writable_target
     from runner.signing import read_public_key
-    from runner.topology import TopologyMismatch
+    from runner.topology_check import TopologyMismatch
     from runner.trainer import Trainer
 
     # Everything that can be checked before the work is checked before it.

@@ -24,7 +24,7 @@ from runner.graph_loader import load_graph_module
 from runner.program import decode_program
 from runner.binding import bind_rank
 from runner.sharding import unshard
-from runner.topology import verify_live
+from runner.topology_check import verify_live
 
 
 DATA_AXES = ("dp", "fsdp")
@@ -61,7 +61,7 @@ class Trainer:
             raise AotError(f"rank {self.rank} is outside world size {self.world_size}")
 
         # The topology contract is checked before any collective can hang on the wrong fabric.
-        # Raises runner.topology.TopologyMismatch (an AotError) with one line per mismatch class.
+        # Raises runner.topology_check.TopologyMismatch (an AotError) with one line per mismatch class.
         profile = manifest["topology"]["profile"]
         verify_live(profile, allow_mismatch=allow_topology_mismatch, warn=warn)
 

@@ -21,9 +21,9 @@ from fixtures.topology.fake_nvml import HERE as FIXTURES, fixture
 from helpers.commands import REPO, TIMEOUT, aot, clean_env, show
 from runner.errors import AotError
 from runner.topology import (
-    builtin_names, describe, dumps_profile, for_nodes, gpus_in_order, load_profile, mismatches, normalize_bus_id,
-    pair_links, profile_sha256,
+    builtin_names, describe, dumps_profile, for_nodes, gpus_in_order, load_profile, normalize_bus_id, pair_links, profile_sha256,
 )
+from runner.topology_check import mismatches
 
 BUILTINS = ["cpu", "dgx_a100", "dgx_h100", "hgx_h200", "pcie_4gpu_nvlink_pairs"]
 

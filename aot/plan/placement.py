@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from aot.plan import collectives
 from aot.plan.machine import Machine
+from aot.plan.mesh import Mesh
 
 # Relative traffic per axis when no graph says otherwise (bytes per step per rank, for ordering only):
 # tensor parallel moves activations at every layer, FSDP gathers and scatters every parameter,
@@ -43,16 +44,10 @@ class Placement:
         return math.prod(self.shape)
 
     def mesh_coords(self, mesh_rank: int) -> dict[str, int]:
-        coords, rest = {}, mesh_rank
-        for axis, degree in reversed(list(zip(self.axes, self.shape))):
-            coords[axis], rest = rest % degree, rest // degree
-        return {a: coords[a] for a in self.axes}
+        return Mesh(self.axes, self.shape).coords(mesh_rank)  # the mesh owns the row-major layout
 
     def mesh_rank(self, coords: dict[str, int]) -> int:
-        rank = 0
-        for axis, degree in zip(self.axes, self.shape):
-            rank = rank * degree + coords.get(axis, 0)
-        return rank
+        return Mesh(self.axes, self.shape).rank_of(coords)
 
     def coords(self, physical_rank: int) -> dict[str, int]:
         """Mesh coordinates of the GPU torchrun numbers `physical_rank`."""
