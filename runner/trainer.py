@@ -127,7 +127,13 @@ class Trainer:
         if "MASTER_ADDR" not in os.environ:
             raise AotError("no rendezvous set: launch multi-rank artifacts with torchrun")
         kwargs = {"device_id": self.device} if backend == "nccl" else {}
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+        # torchrun restarts a failed group against the same store: keys of the dead attempt
+        # (peers' old addresses) would be read as live ones, so each attempt gets its own prefix.
+        store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size,
+                                           timeout=timedelta(seconds=self.timeout_s)))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+        dist.init_process_group(backend, store=dist.PrefixStore(f"aot/attempt-{attempt}/", store),
+                                rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.timeout_s), **kwargs)
 
     def _place(self, t: torch.Tensor) -> torch.Tensor:
