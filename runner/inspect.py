@@ -111,15 +111,16 @@ def render(summary: dict) -> str:
         if plan.get("timeline"):
             lines.append(f"  predicted timeline {plan['timeline']} (Chrome trace: Perfetto or chrome://tracing)")
     lines.append("ranks")
-    seen = set()
+    seen, shown = set(), 0
     for r in summary["ranks"]:
         key = (r["program"], r["parameters"], r["weights_file"])
         if key in seen and len(summary["ranks"]) > 4:
-            continue
+            continue  # large worlds: one line per distinct (program, state) is enough
         seen.add(key)
+        shown += 1
         coords = ",".join(f"{k}={v}" for k, v in r["coords"].items())
         lines.append(f"  rank {r['rank']:<4} {r['program']}  {coords}  {r['parameters']:,} parameters ({human(r['parameter_bytes'])})")
-    if len(seen) < len(summary["ranks"]):
+    if shown < len(summary["ranks"]):
         lines.append(f"  ... {len(summary['ranks'])} ranks in all; ranks not shown match one above")
     lines.append(f"files ({human(summary['total_bytes'])} in all)")
     for path, f in summary["files"].items():
