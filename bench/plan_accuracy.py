@@ -17,7 +17,8 @@
    Before the calibration and before every launch the script waits (up to 2 minutes) for a
    2-second window in which other processes use at most --max-other-load cores.
 
-The table gives predicted and measured milliseconds, the error (predicted / measured - 1) and the
+Children run a copy of aot/, runner/ and examples/ taken at the start (--no-snapshot: the working
+tree). The table gives predicted and measured milliseconds, the error (predicted / measured - 1) and the
 foreign load, and says whether the plan predicted best is the one measured best. Children get
 OMP_NUM_THREADS=1 (torchrun's default). Everything is written in one temporary folder, removed
 at the end.
@@ -30,6 +31,7 @@ import json
 import os
 import resource
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,6 +40,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+CODE = REPO  # the tree the children run: a snapshot of REPO unless --no-snapshot
 WARMUP_STEPS = 5
 QUIET_PATIENCE = 120.0  # seconds to wait for a quiet machine before each calibration and run
 
@@ -57,7 +60,7 @@ def own_cpu_s() -> float:
 
 def env() -> dict:
     e = dict(os.environ, OMP_NUM_THREADS="1")
-    e["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
+    e["PYTHONPATH"] = os.pathsep.join([str(CODE)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
     e.pop("AOT_DEBUG", None)
     return e
 
@@ -80,7 +83,7 @@ def run(cmd: list[str], log: Path, timeout: float = 900) -> tuple[float | None, 
     """Run cmd; return (cores' worth of CPU other processes used meanwhile, wall seconds)."""
     t0, busy0, own0 = time.time(), busy_cpu_s(), own_cpu_s()
     with open(log, "w") as out:
-        proc = subprocess.run(cmd, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=CODE, env=env(), stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
     wall = time.time() - t0
     busy1 = busy_cpu_s()
     other = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own_cpu_s() - own0)) / wall
@@ -125,12 +128,18 @@ def main() -> None:
     ap.add_argument("--attempts", type=int, default=3)
     ap.add_argument("--max-other-load", type=float, default=0.5, help="Cores of foreign CPU load above which a run is relaunched.")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--no-snapshot", action="store_true", help="Run the working tree, not a copy of it taken at the start.")
     args = ap.parse_args()
 
     results = {"world": args.world, "steps": args.steps, "repeats": args.repeats, "batch_size": args.batch_size,
                "nproc": os.cpu_count(), "models": {}}
+    global CODE
     with tempfile.TemporaryDirectory(prefix="aot-plan-accuracy-") as tmpdir:
         tmp = Path(tmpdir)
+        if not args.no_snapshot:  # others may edit the working tree while this runs
+            CODE = tmp / "code"
+            for part in ("aot", "runner", "examples"):
+                shutil.copytree(REPO / part, CODE / part, ignore=shutil.ignore_patterns("__pycache__"))
         profile = args.profile
         if profile is None:
             profile = tmp / "cpu-calibrated.json"
@@ -146,7 +155,7 @@ def main() -> None:
             plan_log = tmp / f"plan.{name}.json"
             with open(plan_log, "w") as out:
                 subprocess.run(aot("plan", model, "--topology", str(profile), "--world-size", str(args.world),
-                                   "--batch-size", str(args.batch_size), "--json"), cwd=REPO, env=env(), stdout=out, check=True)
+                                   "--batch-size", str(args.batch_size), "--json"), cwd=CODE, env=env(), stdout=out, check=True)
             plan = json.loads(plan_log.read_text())
             plans = plan["plans"]
             chosen = plans[:args.max_candidates - 1] + ([plans[-1]] if len(plans) >= args.max_candidates else [])

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_accuracy import REPO, busy_cpu_s, env, own_cpu_s  # noqa: E402
+from plan_accuracy import REPO, busy_cpu_s, env, own_cpu_s  # noqa: E402  (env() puts REPO first on PYTHONPATH)
 
 
 def main() -> None:
