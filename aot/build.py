@@ -11,11 +11,13 @@ from aot.capture.custom_ops import custom_op_spec
 from aot.capture.model_file import call_user, load_model_file
 from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
-from aot.emit.artifact import emit_artifact, export_step
+from aot.emit.artifact import PROGRAM, emit_artifact, export_step
 from aot.emit.onnx_export import ONNX_FILE, build_inference
 from aot.errors import AotError
 from aot.passes import run_passes
 from aot.plan.mesh import Mesh
+from aot.plan.tensor_parallel import (check_degree, check_divisible, check_sequence_length, find_plan,
+                                     sequence_parallel_layout, user_plan)
 from aot.progress import Progress
 from runner.data import split_batch_tensors
 from runner.integrity import check_writable_target
@@ -36,6 +38,8 @@ class BuildOptions:
     nodes: int | None = None  # nodes the job spans (None: the profile's own count)
     sign_key: Path | None = None
     onnx: bool | None = None   # export the forward to ONNX: None if it can (else a warning), True or fail, False skip
+    compile: str = "portable"  # "aoti": also compile each program with AOTInductor (aot/emit/aoti.py)
+    sequence_parallel: bool = False  # with tp: the residual stream split along the sequence
 
 
 def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
@@ -54,8 +58,28 @@ def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _tensor_parallel_plan(mf, model, inputs, tp: int, progress: Progress) -> dict[str, str]:
+    """The model file's tp_plan, or the column/row-wise pairs found in its forward (aot.plan.tensor_parallel)."""
+    check_degree(mf, model, tp)
+    plan = user_plan(mf, model)
+    where = f"tp_plan in {mf.path.name}"
+    if plan is None:
+        plan = find_plan(model, inputs)
+        where = "the found plan"
+        if not plan:
+            raise AotError(f"--strategy tp={tp}: no Linear pair in {mf.path.name} can be split (see README: tensor "
+                           f"parallel); name the layers in a tp_plan")
+    check_divisible(plan, model, tp, where)
+    cols = sorted(n for n, s in plan.items() if s == "colwise")
+    rows = sorted(n for n, s in plan.items() if s == "rowwise")
+    progress.note(f"tensor parallel over {tp} ranks: {len(cols)} column-wise ({', '.join(cols)}), "
+                  f"{len(rows)} row-wise ({', '.join(rows)})")
+    return plan
+
+
 def build(options: BuildOptions, progress: Progress) -> dict:
-    """Run the stages (6, plus the ONNX export unless options.onnx is False) and write the artifact."""
+    """Run the stages (6, plus the ONNX export unless options.onnx is False, plus the AOTInductor
+    compile with options.compile == "aoti") and write the artifact."""
     if options.batch_size < 1:
         raise AotError(f"--batch-size must be at least 1, got {options.batch_size}")
     if options.max_steps < 1:
@@ -73,6 +97,13 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         planned = plan_for_build(options, profile, progress)
         options = replace(options, strategy=planned.strategy, bucket_mb=planned.bucket_mb)
     mesh = Mesh.parse(options.strategy, options.world_size)
+    compile_device = None
+    if options.compile == "aoti":  # a missing C++ compiler fails here, before the work
+        from aot.emit.aoti import check_compiler, target_device
+        compile_device = target_device(profile)
+        check_compiler(compile_device)
+    elif options.compile != "portable":
+        raise AotError(f"--compile must be portable or aoti, got {options.compile!r}")
 
     with progress.stage(f"loading {options.model_path.name}"):
         mf = load_model_file(options.model_path)
@@ -84,8 +115,17 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         state = build_training_state(mf, options.seed, options.max_steps)
     progress.note(f"{sum(p.numel() for p in state.params.values()):,} parameters, "
                   f"{state.optimizer_class}, mesh {mesh.describe()} on topology {profile['name']!r}")
-    layout = StepLayout(*(Group(Mesh.group_name(axis), mesh.size(axis)) if mesh.size(axis) > 1 else None
-                          for axis in ("dp", "fsdp")))
+    groups = {axis: Group(Mesh.group_name(axis), mesh.size(axis)) for axis in mesh.axes if mesh.size(axis) > 1}
+    tp_plan = _tensor_parallel_plan(mf, state.model, rank_inputs, mesh.size("tp"), progress) if "tp" in groups else {}
+    sequence = None
+    if options.sequence_parallel:
+        if "tp" not in groups:
+            raise AotError("--sequence-parallel splits the tensor-parallel group's work: it needs --strategy with tp=N, N > 1")
+        sequence = sequence_parallel_layout(state.model, tp_plan, "the plan")
+        check_sequence_length(state.model, rank_inputs, sequence["blocks"][0], mesh.size("tp"))
+        progress.note(f"sequence parallel over blocks {sequence['blocks'][0]}..{sequence['blocks'][-1]}, "
+                      f"norms {', '.join(sequence['norms']) or 'none'}")
+    layout = StepLayout(groups.get("dp"), groups.get("fsdp"), groups.get("tp"), tuple(sorted(tp_plan.items())), sequence)
     with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
         captured = capture_step(mf, state, rank_inputs, rank_targets, layout)
     with progress.stage("running graph passes (bucketing, overlap)"):
@@ -100,12 +140,20 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             inference = build_inference(mf, state.model, rank_inputs, required=options.onnx is True, warn=warnings.append)
     for message in warnings:
         progress.warn(message)
+    compiled = None
+    if compile_device is not None:
+        from aot.emit.aoti import compile_programs
+        with progress.stage(f"compiling the program with AOTInductor for {compile_device.type} (about a minute on 2 cores)"):
+            compiled = compile_programs({PROGRAM: ep}, {Mesh.group_name(a): mesh.size(a) for a in mesh.axes if mesh.size(a) > 1},
+                                        mesh.world_size, compile_device)
     with progress.stage(f"writing the artifact to {options.output}"):
         manifest = emit_artifact(
             options.output, ep=ep, captured=captured, state=state, layout=layout, mesh=mesh, profile=profile,
             example=example, batch_size=options.batch_size, sign_key=options.sign_key,
-            extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files} or None,
+            extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files,
+                         **(compiled.files if compiled else {})} or None,
             extra_fields={**({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
+                          **({"compiled": compiled.entry} if compiled else {}),
                           **({"custom_ops": custom_ops} if custom_ops else {}),
                           **({"plan": plan_entry} if plan_entry else {})},
             build={

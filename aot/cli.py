@@ -41,7 +41,11 @@ def cli():
 @click.option("--nodes", type=int, default=None,
               help="Nodes the job spans (one rank per GPU, ranks split evenly). Default: the profile's node count.")
 @click.option("--world-size", type=int, default=None, help="Number of ranks to build for. Default: the product of --strategy's degrees, else 1.")
-@click.option("--strategy", metavar="AXIS=N[,...]", help="Mesh as axis=degree pairs: dp=4 (data parallel), fsdp=4 (sharded, ZeRO-3), dp=2,fsdp=2; or auto: the best plan of `aot plan`. Default: data parallel over all ranks.")
+@click.option("--strategy", metavar="AXIS=N[,...]", help="Mesh as axis=degree pairs: dp=4 (data parallel), fsdp=4 (sharded, ZeRO-3), tp=2 (tensor parallel), "
+                   "combined as dp=2,tp=2 or fsdp=2,tp=2; or auto: the best plan of `aot plan`. Default: data parallel over all ranks.")
+@click.option("--sequence-parallel", is_flag=True,
+              help="With tp: split the residual stream between blocks along the sequence, so norms and dropouts run "
+                   "on 1/tp of the tokens and row-wise outputs are reduce-scattered instead of all-reduced.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Samples per data-parallel rank per step.")
 @click.option("--max-steps", type=int, default=1000, show_default=True, help="Steps of learning-rate schedule to store.")
 @click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="Gradient bucket size for all_reduce, in MiB.")
@@ -50,10 +54,15 @@ def cli():
 @click.option("--sign", "sign_key", type=click.Path(path_type=Path), help="Sign the artifact with this Ed25519 private key (see `aot keygen`).")
 @click.option("--onnx/--no-onnx", default=None,
               help="Also export the forward to ONNX for `aot infer` (default: yes if the model can be, else a warning; --onnx: or fail).")
+@click.option("--compile", "compile_tier", type=click.Choice(["portable", "aoti"]), default="portable", show_default=True,
+              help="portable: ship the program as export-schema JSON only, which runs on any device with this torch "
+                   "release. aoti: also compile it with AOTInductor into native code for this machine's device kind "
+                   "(needs a C++ compiler; 20-90 s per program on 2 cores); `aot run` uses it where device kind, "
+                   "CPU level and torch build match, else the portable program with a notice.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
 @debug_option
-def build(model_file, topology, nodes, world_size, strategy, batch_size, max_steps, bucket_mb, seed, output, sign_key, onnx, quiet, as_json):
+def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, batch_size, max_steps, bucket_mb, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
     """Trace MODEL_FILE's whole training step into per-rank artifacts.
 
     MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),
@@ -70,8 +79,8 @@ def build(model_file, topology, nodes, world_size, strategy, batch_size, max_ste
         world_size = Mesh.parse(strategy, None).world_size if strategy != "auto" else 1
     options = BuildOptions(model_path=model_file, output=output, topology=topology, nodes=nodes, world_size=world_size,
                            strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, seed=seed,
-                           sign_key=sign_key, onnx=onnx)
-    progress = Progress(total=6 + (onnx is not False), quiet=quiet or as_json)
+                           sign_key=sign_key, onnx=onnx, compile=compile_tier, sequence_parallel=sequence_parallel)
+    progress = Progress(total=6 + (onnx is not False) + (compile_tier == "aoti"), quiet=quiet or as_json)
     manifest = run_build(options, progress)
     program = manifest["programs"]["train"]
     summary = {
@@ -81,6 +90,7 @@ def build(model_file, topology, nodes, world_size, strategy, batch_size, max_ste
         "total_bytes": sum(f["size"] for f in manifest["files"].values()),
         "seconds": round(progress.elapsed(), 3),
         "inference": manifest.get("inference", {}).get("file"),
+        "compiled": {name: p["file"] for name, p in manifest["compiled"]["programs"].items()} if manifest.get("compiled") else None,
     }
     if as_json:
         click.echo(json.dumps(summary, indent=1))
@@ -101,14 +111,20 @@ topology_group.add_command(calibrate_command)
 
 @cli.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--profile", "profile_dir", type=click.Path(path_type=Path),
+              help="A folder written by `aot run --profile DIR`: show measured step, compute and exposed "
+                   "communication times next to the plan's prediction.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @debug_option
-def inspect(artifact, as_json):
+def inspect(artifact, profile_dir, as_json):
     """Show ARTIFACT's ranks, programs, parameters, collectives per step and files."""
     from runner.artifact import Artifact
-    from runner.inspect import render, summarize
+    from runner.inspect import compare_profile, render, summarize
+    from runner.profiling import read_summary
 
     summary = summarize(Artifact(artifact))
+    if profile_dir is not None:
+        summary["measured"] = compare_profile(summary, read_summary(profile_dir))
     click.echo(json.dumps(summary, indent=1) if as_json else render(summary))
 
 

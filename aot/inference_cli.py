@@ -24,9 +24,11 @@ from runner.console import debug_option
               help="Execution provider to insist on. Default: the best that works here (TensorRT, then CUDA, then CPU), with a notice when one is passed over.")
 @click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0), help="Untimed runs before timing.")
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(min=1), help="Timed runs.")
+@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(path_type=Path),
+              help="Run only artifacts signed by this public key (repeatable; see `aot keygen`), as `aot run` does.")
 @click.option("--json", "as_json", is_flag=True, help="Print timing and provider as JSON on stdout.")
 @debug_option
-def infer(artifact, input_file, output, provider, warmup, iters, as_json):
+def infer(artifact, input_file, output, provider, warmup, iters, trusted_keys, as_json):
     """Run ARTIFACT's exported forward on a batch with ONNX Runtime and time it.
 
     ARTIFACT is a folder made by `aot build` (its ONNX file is checked against the manifest's
@@ -44,16 +46,18 @@ def infer(artifact, input_file, output, provider, warmup, iters, as_json):
     from runner.errors import AotError
     from runner.infer import load
     from runner.integrity import check_writable_target
+    from runner.signing import read_public_key
 
     if output is not None:
         check_writable_target(output, "file")
+    keys = [read_public_key(k) for k in trusted_keys]
     try:
         tensors = load_safetensors(Path(input_file).read_bytes())
     except FileNotFoundError:
         raise AotError(f"{input_file}: no such input file") from None
     except (SafetensorError, OSError, ValueError) as e:
         raise AotError(f"{input_file}: not a readable safetensors file ({e})") from None
-    session = load(artifact, provider, warn=lambda msg: click.echo(msg, err=True))
+    session = load(artifact, provider, warn=lambda msg: click.echo(msg, err=True), trusted_keys=keys or None)
     outputs, timing = session.benchmark(tensors, warmup=warmup, iters=iters, where=str(input_file))
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)

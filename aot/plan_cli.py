@@ -48,13 +48,16 @@ def render_table(rows: list[dict], header: str) -> str:
 @click.option("--bucket-mb", "bucket_mbs", type=float, multiple=True,
               help="Gradient bucket size to consider, in MiB (repeatable). Default: 1, 4, 25, 100 and the model's gradients split in 2, 4 and 8.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--axes", default="dp,fsdp,tp", show_default=True,
+              help="Parallel axes to search, comma-separated. Each tensor-parallel degree the model takes "
+                   "costs two traces of the step (seconds each); --axes dp,fsdp searches without tp.")
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print every candidate as JSON.")
 @debug_option
-def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, top, as_json):
+def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, axes, top, as_json):
     """Rank the ways to train MODEL_FILE on a topology, before any GPU is used.
 
-    Traces the step once, then prices every candidate plan (parallel degrees among the axes the
+    Traces the step a few times, then prices every candidate plan (parallel degrees among the axes the
     build supports, gradient bucket sizes, placement of the mesh on the machine) with the cost
     model: compute per graph node as a roofline of the profile's peak FLOP/s and memory bandwidth,
     collectives with alpha-beta models of ring and tree algorithms over the links each group spans,
@@ -63,6 +66,7 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     the first row. Calibrate the profile first (`aot topology calibrate`) for absolute times.
     """
     from aot.errors import AotError
+    from aot.plan.mesh import SUPPORTED_AXES
     from aot.plan.search import plan_model
     from runner.topology import for_nodes, gpus_in_order, live_profile, load_profile
 
@@ -74,8 +78,12 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     if world_size < 1:
         raise AotError(f"--world-size must be at least 1, got {world_size}")
     profile = for_nodes(profile, None, world_size)
+    searched = tuple(a.strip() for a in axes.split(",") if a.strip())
+    unknown = [a for a in searched if a not in SUPPORTED_AXES]
+    if unknown or not searched:
+        raise AotError(f"--axes {axes!r}: expected some of {', '.join(SUPPORTED_AXES)}")
     plans, skipped, planner, steps = plan_model(model_file, profile, world_size, batch_size, seed=seed,
-                                                bucket_mbs=tuple(bucket_mbs) or None)
+                                                bucket_mbs=tuple(bucket_mbs) or None, axes=searched)
     machine = planner.machine
     seconds = time.perf_counter() - started
     rows = [p.row() for p in plans]

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from aot.capture.model_file import load_model_file
+from runner.groups import leave_process_group
 from runner.trainer import Trainer
 
 
@@ -66,8 +67,7 @@ def main() -> None:
             "steps": args.steps, "world_size": trainer.world_size, "losses": losses,
             "max_loss_diff": max(abs(a - b) for a, b in losses), "max_weight_diff": weight_diff,
         }))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

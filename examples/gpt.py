@@ -42,23 +42,28 @@ def decode(ids):
 class CausalSelfAttention(nn.Module):
     def __init__(self):
         super().__init__()
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        # Separate q, k and v projections, and head counts read from the tensors (the -1 in the
+        # views): under tensor parallelism each rank holds whole heads of q, k and v and the same
+        # code runs on its n_head / tp of them.
+        self.q = nn.Linear(n_embd, n_embd)
+        self.k = nn.Linear(n_embd, n_embd)
+        self.v = nn.Linear(n_embd, n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
         # Non-persistent: the mask is a constant, not state to checkpoint.
         mask = torch.tril(torch.ones(block_size, block_size, dtype=torch.bool))
         self.register_buffer("mask", mask.view(1, 1, block_size, block_size), persistent=False)
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(n_embd, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_size)
-        q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        head_size = n_embd // n_head
+        # (B, T, heads * head_size) -> (B, heads, T, head_size)
+        q, k, v = (f(x).view(B, T, -1, head_size).transpose(1, 2) for f in (self.q, self.k, self.v))
         # Attention by hand rather than F.scaled_dot_product_attention: SDPA lowers to
         # backend-specific kernels, and a graph traced on CPU must also run on CUDA.
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(head_size))
         att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
         att = F.softmax(att, dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        y = (att @ v).transpose(1, 2).reshape(B, T, -1)
         return self.proj(y)
 
 

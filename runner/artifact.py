@@ -18,7 +18,7 @@ from runner.errors import AotError
 from runner.integrity import canonical_json, content_problem, read_verified, sha256_bytes
 
 FORMAT_NAME = "aot-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tensor parallel (tensor_parallel; sharding.params count tp slices)
 MANIFEST = "manifest.json"
 
 def manifest_digest(manifest: dict) -> str:
@@ -208,6 +208,20 @@ def _check_structure(m: dict, where: str) -> None:
             raise AotError(f"{where}: {e}") from None
         expect(m["sharding"]["group"] in m["process_groups"], "sharding.group names no process group")
         expect(set(m["sharding"]["params"]) <= set(m["state"]["params"]), "sharding.params names unknown parameters")
+    if m.get("tensor_parallel") is not None:
+        try:
+            _conform(m["tensor_parallel"], {"axis": str, "group": str, "size": int, "plan": Map(str), "params": Map(int),
+                                                "sequence_parallel": bool},
+                     "tensor_parallel")
+        except AotError as e:
+            raise AotError(f"{where}: {e}") from None
+        tp = m["tensor_parallel"]
+        expect(tp["group"] in m["process_groups"], "tensor_parallel.group names no process group")
+        for name, dim in tp["params"].items():
+            shape = m["state"]["params"].get(name, [None])[0]
+            expect(shape is not None, f"tensor_parallel.params names unknown parameter {name!r}")
+            expect(0 <= dim < len(shape) and shape[dim] % tp["size"] == 0,
+                   f"tensor_parallel.params: {name!r} cannot be split {tp['size']} ways along dimension {dim}")
     for key, schema in (("inference", INFERENCE_SCHEMA), ("custom_ops", {"modules": [str], "ops": [str]})):
         if m.get(key) is not None:  # optional entries: the ONNX export, custom operator libraries
             try:

@@ -1,7 +1,7 @@
 """Checkpoints: training state keyed by the user's names, in safetensors, crash-safe.
 
 A checkpoint folder holds, per shard of the training state (one when the state is replicated,
-one per fsdp rank when sharded), model.step-N[.shard-I].safetensors (parameters and buffers by
+one per tp x fsdp position when split; runner.sharding numbers them), model.step-N[.shard-I].safetensors (parameters and buffers by
 their names in the user's model) and optimizer.step-N[.shard-I].safetensors
 ("<parameter>:<state key>"), and checkpoint.json: the step to resume at, the shard placement,
 the tensor layout, the state_dict aliases of tied weights and the sha256 of every file.
@@ -23,11 +23,11 @@ from safetensors.torch import save as save_safetensors
 
 from runner.errors import AotError
 from runner.integrity import canonical_json, check_writable_target, content_problem, read_verified, sha256_file
-from runner.sharding import unshard
+from runner.sharding import assemble, shard_count
 
 INDEX = "checkpoint.json"
 FORMAT_NAME = "aot-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tensor_parallel and tp-major shard numbering
 
 
 def optimizer_key(param: str, key: str) -> str:
@@ -66,13 +66,13 @@ def write_shard(folder: str | Path, step: int, index: int, sharded: bool, weight
 
 
 def commit_checkpoint(folder: str | Path, step: int, spec: dict, sharding: dict | None,
-                      target_step: int | None = None) -> None:
+                      target_step: int | None = None, tensor_parallel: dict | None = None) -> None:
     """Make the shards written for `step` the folder's checkpoint (one atomic index replace),
     then remove files no index refers to. `spec` is the manifest's `state` entry; `target_step`
     is where the run means to stop, so a run restarted by torchrun knows how far to go."""
     folder = Path(folder)
-    count = sharding["size"] if sharding else 1
-    shards = [shard_files(step, i, sharding is not None) for i in range(count)]
+    count = shard_count(sharding, tensor_parallel)
+    shards = [shard_files(step, i, count > 1) for i in range(count)]
     files = {}
     for names in shards:
         for name in names.values():
@@ -86,6 +86,7 @@ def commit_checkpoint(folder: str | Path, step: int, spec: dict, sharding: dict 
         "target_step": target_step,
         "shards": shards,
         "sharding": sharding,
+        "tensor_parallel": tensor_parallel,
         "shapes": {name: shape for name, (shape, _) in spec["params"].items()},
         "layout": {"model": layout_of(first[0]), "optimizer": layout_of(first[1])},
         "state_dict_keys": spec["state_dict_keys"],
@@ -147,13 +148,14 @@ def load_checkpoint(folder: str | Path, shard: int = 0) -> tuple[dict, dict, dic
 
 
 def full_weights(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(index, every parameter and buffer at full size), reassembling fsdp shards."""
+    """(index, every parameter and buffer at full size), reassembling fsdp and tp shards."""
     index, weights, _ = load_checkpoint(folder, 0)
-    sharding = index.get("sharding")
-    if sharding:
+    sharding, tensor_parallel = index.get("sharding"), index.get("tensor_parallel")
+    if len(index["shards"]) != shard_count(sharding, tensor_parallel):
+        raise AotError(f"{folder / INDEX}: lists {len(index['shards'])} shard(s) for its sharding")
+    if sharding or tensor_parallel:
         pieces = [weights] + [load_checkpoint(folder, i)[1] for i in range(1, len(index["shards"]))]
-        for name in sharding["params"]:
-            weights[name] = unshard([p[name] for p in pieces], index["shapes"][name])
+        weights = assemble(pieces, index["shapes"], sharding, tensor_parallel)
     return index, weights
 
 

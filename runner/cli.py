@@ -11,6 +11,8 @@ from pathlib import Path
 import click
 
 from runner.console import console_main, debug_option
+from runner.groups import leave_process_group
+from runner.profiling import WARMUP_STEPS, StepProfiler
 
 _STARTED = time.perf_counter()  # as close to process start as this module gets
 
@@ -41,10 +43,17 @@ def _restarted() -> bool:
 @click.option("--no-bind", is_flag=True,
               help="Do not bind each rank to the CPU cores and NUMA memory node nearest its GPU.")
 @click.option("--log-every", default=1, show_default=True, type=click.IntRange(min=1), help="Print a progress line every N steps.")
+@click.option("--tier", type=click.Choice(["auto", "compiled", "portable"]), default="auto", show_default=True,
+              help="Which program runs. auto: the artifact's compiled package (`aot build --compile aoti`) when it was "
+                   "compiled for this device kind, CPU level and torch build, else the portable program with a one-line "
+                   "notice. compiled: the package or fail. portable: the portable program.")
+@click.option("--profile", "profile_dir", type=click.Path(path_type=Path),
+              help="Profile up to 5 steps after the first with torch.profiler; rank 0 writes DIR/measured_timeline.json "
+                   "(Chrome trace) and DIR/profile.json. `aot inspect ARTIFACT --profile DIR` compares them with the plan.")
 @click.option("--quiet", is_flag=True, help="Print only errors.")
 @debug_option
 def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_topology_mismatch, trusted_keys,
-        timeout_s, no_bind, log_every, quiet):
+        timeout_s, no_bind, tier, log_every, profile_dir, quiet):
     """Train from ARTIFACT (a folder made by `aot build`) on this rank.
 
     Launch one process per rank with torchrun; rank and world size come from its environment:
@@ -71,19 +80,24 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
         check_writable_target(save, "folder")
     if metrics is not None:
         check_writable_target(metrics, "file")
+    if profile_dir is not None:
+        check_writable_target(profile_dir, "folder")
     keys = [read_public_key(k) for k in trusted_keys]
 
     tag = f"[rank {rank if rank is not None else os.environ.get('RANK', 0)}] " if os.environ.get("WORLD_SIZE", "1") != "1" else ""
     try:
         trainer = Trainer(artifact, rank, allow_topology_mismatch=allow_topology_mismatch, trusted_keys=keys,
                           timeout_s=timeout_s, warn=lambda msg: click.echo(f"warning: {msg}", err=True),
-                          bind=not no_bind, log=(lambda msg: None) if quiet else (lambda msg: click.echo(f"{tag}{msg}", err=True)))
+                          bind=not no_bind, log=(lambda msg: None) if quiet else (lambda msg: click.echo(f"{tag}{msg}", err=True)),
+                          tier=tier)
     except TopologyMismatch as e:  # one line per mismatch class (from local rank 0 of each node), then the error
         if e.report:
             for line in e.lines:
                 click.echo(f"{tag}topology mismatch: {line}", err=True)
         raise AotError(e.summary) from None
     say = (lambda msg: click.echo(msg, err=True)) if (trainer.rank == 0 and not quiet) else (lambda msg: None)
+    if trainer.tier_notice:  # a compiled package passed over: one line, from rank 0
+        say(trainer.tier_notice)
 
     target = None
     if save is not None and _restarted() and (save / "checkpoint.json").is_file():
@@ -97,34 +111,39 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
     trainer.check_steps(target - trainer.step_index)
     source = trainer.data_source(data)
     say(f"rank 0 of {trainer.world_size} ready in {time.perf_counter() - _STARTED:.2f} s "
-        f"({trainer.device}, {source.rows} samples from {data or 'the example batch'})")
+        f"({trainer.device}, {trainer.tier} tier, {source.rows} samples from {data or 'the example batch'})")
 
     try:
+        if metrics is not None and trainer.rank == 0:
+            metrics.parent.mkdir(parents=True, exist_ok=True)
         log = open(metrics, "a") if (metrics is not None and trainer.rank == 0) else None
     except OSError as e:
         raise AotError(f"{metrics}: cannot write metrics ({e.strerror})") from None
     first = last = None
+    profiler = StepProfiler(profile_dir, target - trainer.step_index, trainer.rank, trainer.device, trainer.tier)
     try:
-        while trainer.step_index < target:
-            step = trainer.step_index
-            inputs, targets = source.batch(step)
-            start = time.perf_counter()
-            loss = trainer.step(inputs, targets)
-            seconds = time.perf_counter() - start
-            if not math.isfinite(loss):
-                say(f"warning: loss is {loss} at step {step + 1}")
-            first = loss if first is None else first
-            last = loss
-            record = {"step": step + 1, "loss": loss, "step_time_s": seconds,
-                      "samples_per_s": source.global_batch / seconds,
-                      "time_since_start_s": time.perf_counter() - _STARTED, "unix_time": time.time()}
-            if log:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-            if (step + 1) % log_every == 0 or step + 1 == target:
-                say(f"step {step + 1:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s")
-            if save_every and (step + 1) % save_every == 0 and step + 1 < target:
-                trainer.save(save, target_step=target)
+        with profiler:
+            while trainer.step_index < target:
+                step = trainer.step_index
+                inputs, targets = source.batch(step)
+                start = time.perf_counter()
+                loss = trainer.step(inputs, targets)
+                seconds = time.perf_counter() - start
+                if not math.isfinite(loss):
+                    say(f"warning: loss is {loss} at step {step + 1}")
+                first = loss if first is None else first
+                last = loss
+                record = {"step": step + 1, "loss": loss, "step_time_s": seconds, "tier": trainer.tier,
+                          "samples_per_s": source.global_batch / seconds,
+                          "time_since_start_s": time.perf_counter() - _STARTED, "unix_time": time.time()}
+                if log:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                if (step + 1) % log_every == 0 or step + 1 == target:
+                    say(f"step {step + 1:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s")
+                if save_every and (step + 1) % save_every == 0 and step + 1 < target:
+                    trainer.save(save, target_step=target)
+                profiler.step(seconds)
     finally:
         if log:
             log.close()
@@ -133,8 +152,11 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
         say(f"saved checkpoint at step {trainer.step_index} to {save}")
     if first is not None:
         say(f"trained to step {trainer.step_index}: loss {first:.4f} -> {last:.4f}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if profile_dir is not None and profiler.seconds:
+        say(f"profiled {len(profiler.seconds)} step(s) into {profile_dir} (aot inspect {artifact} --profile {profile_dir})")
+    elif profile_dir is not None:
+        say(f"warning: --profile needs at least {WARMUP_STEPS + 1} steps; nothing profiled")
+    leave_process_group()
 
 
 def main() -> None:

@@ -36,3 +36,15 @@ def bind_process_groups(process_groups: dict, rank: int, world_size: int) -> dic
             pass
         _register_process_group(name, mine)
     return bound
+
+
+def leave_process_group() -> None:
+    """Tear the process group down together: a gloo rank that destroys its group while a peer is
+    still inside a collective or writing files can abort the peer ("terminate called without an
+    active exception"), so every rank waits for the others first."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

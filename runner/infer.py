@@ -141,15 +141,17 @@ class InferenceSession:
     `run(inputs)` takes a mapping of input name -> tensor (`inputs`, or `inputs.0`, `inputs.1`, ...
     as in --data files; other names such as `targets` are ignored), or a tensor / sequence of
     tensors in order, and returns a dict of output name -> CPU torch tensor. Input names, dtypes and
-    every dimension but the batch dimension must match the export.
+    every dimension but the batch dimension must match the export. `trusted_keys` (public keys, as
+    runner.signing.read_public_key returns them) refuses artifacts not signed by one of them.
     """
 
     def __init__(self, path: str | Path, provider: str | None = None, *,
-                 warn: Callable[[str], None] = lambda msg: None, threads: int | None = None):
+                 warn: Callable[[str], None] = lambda msg: None, threads: int | None = None,
+                 trusted_keys: list[str] | None = None):
         path = Path(path)
         if path.is_dir():
             from runner.artifact import Artifact
-            artifact = Artifact(path)
+            artifact = Artifact(path, trusted_keys)  # the signature is checked before anything is parsed
             spec = artifact.manifest.get("inference")
             if spec is None:
                 raise AotError(f"{path}: the artifact has no inference export (it was built with --no-onnx, "
@@ -157,6 +159,9 @@ class InferenceSession:
             model = artifact.read(spec["file"])  # sha256 checked before ONNX Runtime parses it
             self.where = f"{path}/{spec['file']}"
         elif path.is_file():
+            if trusted_keys:  # only an artifact's manifest is signed: a bare file cannot prove its builder
+                raise AotError(f"{path}: a bare .onnx file carries no signature; --trusted-key needs an artifact "
+                               f"folder signed with `aot build --sign`")
             model, spec = path.read_bytes(), {}
             self.where = str(path)
         else:

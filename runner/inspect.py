@@ -6,6 +6,7 @@ import math
 from collections import Counter
 
 from runner.artifact import Artifact
+from runner.sharding import shard_numel, tp_slice_shape
 
 
 def _bytes(shape_dtype: list) -> int:
@@ -25,11 +26,14 @@ def human(n: float) -> str:
 def summarize(artifact: Artifact) -> dict:
     m = artifact.manifest
     state = m["state"]
-    # Per rank: a sharded (fsdp) parameter counts with its shard, flat-padded to a multiple of N.
-    sharding = m.get("sharding") or {}
+    # Per rank: a tensor-parallel parameter counts with its slice, and an fsdp-sharded one with
+    # its shard of that, flat-padded to a multiple of N.
+    sharding, tp = m.get("sharding") or {}, m.get("tensor_parallel") or {}
     parts = sharding.get("size", 1)
-    held = {n: (-(-math.prod(s) // parts) if n in sharding.get("params", {}) else math.prod(s))
-            for n, (s, _) in state["params"].items()}
+    held = {}
+    for n, (s, _) in state["params"].items():
+        numel = math.prod(tp_slice_shape(s, tp.get("params", {}).get(n), tp.get("size", 1)))
+        held[n] = shard_numel(numel, parts) if n in sharding.get("params", {}) else numel
     param_count = sum(held.values())
     param_bytes = sum(_bytes([[held[n]], dtype]) for n, (_, dtype) in state["params"].items())
     programs = {}
@@ -45,6 +49,8 @@ def summarize(artifact: Artifact) -> dict:
     ranks = [{
         "rank": r["rank"], "program": r["program"], "coords": r["coords"],
         "parameters": param_count, "parameter_bytes": param_bytes,
+        # parameters + their gradients + the optimizer state this rank holds (its stored file)
+        "training_state_bytes": 2 * param_bytes + m["files"][r["optimizer"]]["size"],
         "weights_file": r["weights"], "optimizer_file": r["optimizer"],
     } for r in m["ranks"]]
     return {
@@ -62,9 +68,22 @@ def summarize(artifact: Artifact) -> dict:
         "files": m["files"],
         "inference": m.get("inference"),
         "custom_ops": m.get("custom_ops"),
+        "compiled": m.get("compiled"),
         "plan": m.get("plan"),
+        "tensor_parallel": m.get("tensor_parallel"),
         "total_bytes": sum(f["size"] for f in m["files"].values()),
     }
+
+
+def compare_profile(summary: dict, measured: dict) -> dict:
+    """Measured times (runner.profiling) next to the plan's prediction, where the build has one."""
+    predicted = (summary.get("plan") or {}).get("predicted") or {}
+    rows = {}
+    for key in ("step_s", "compute_s", "exposed_comm_s"):
+        m, p = measured.get(key), predicted.get(key)
+        rows[key] = {"measured": m, "predicted": p, "ratio": (m / p) if (m is not None and p) else None}
+    return {"steps_profiled": measured.get("steps_profiled"), "tier": measured.get("tier"),
+            "trace": measured.get("trace"), "times": rows}
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -89,6 +108,12 @@ def render(summary: dict) -> str:
         for (kind, group, dtype), count in kinds.items():
             size = sum(c["bytes"] for c in p["collectives"] if (c["kind"], c["group"], c["dtype"]) == (kind, group, dtype))
             lines.append(f"    {count} x {kind} over {group} ({dtype}), {human(size)} in all")
+    tp = summary.get("tensor_parallel")
+    if tp:
+        cols = sorted(n for n, style in tp["plan"].items() if style == "colwise")
+        rows = sorted(n for n, style in tp["plan"].items() if style == "rowwise")
+        lines.append(f"tensor parallel over {tp['size']} ranks ({tp['group']}): column-wise {', '.join(cols)}; "
+                     f"row-wise {', '.join(rows)}")
     inference = summary.get("inference")
     if inference:
         io = ", ".join(f"{i['name']} [{', '.join(map(str, i['shape']))}] {i['dtype']}" for i in inference["inputs"])
@@ -96,6 +121,14 @@ def render(summary: dict) -> str:
                      f"max |ONNX Runtime - eager| {inference.get('max_abs_diff', float('nan')):.2g} at build")
     else:
         lines.append("inference  none (built with --no-onnx, or the model could not be exported)")
+    compiled = summary.get("compiled")
+    if compiled:  # `aot build --compile aoti`: the package `aot run` uses where device and torch match
+        device = compiled["device"]
+        level = device.get("capability") if device["kind"] == "cuda" else f"{device.get('arch')}, {device.get('isa')}"
+        files = ", ".join(p["file"] for p in compiled["programs"].values())
+        lines.append(f"compiled   {files}  AOTInductor for {device['kind']} ({level}), torch {compiled['torch_version']}")
+    else:
+        lines.append("compiled   none (portable program only; `aot build --compile aoti` adds a compiled package)")
     if summary.get("custom_ops"):
         lines.append(f"custom ops {', '.join(summary['custom_ops']['ops'])}  (runner imports {', '.join(summary['custom_ops']['modules'])})")
     plan = summary.get("plan")
@@ -110,6 +143,14 @@ def render(summary: dict) -> str:
                      f"{human(mem.get('optimizer', 0))}, activations and gradients at peak {human(mem.get('peak_transient', 0))})")
         if plan.get("timeline"):
             lines.append(f"  predicted timeline {plan['timeline']} (Chrome trace: Perfetto or chrome://tracing)")
+    measured = summary.get("measured")
+    if measured:
+        lines.append(f"measured   {measured['steps_profiled']} profiled step(s), {measured['tier']} tier (Chrome trace: {measured['trace']})")
+        labels = {"step_s": "step", "compute_s": "compute", "exposed_comm_s": "exposed communication"}
+        for key, row in measured["times"].items():
+            predicted = f"predicted {row['predicted'] * 1e3:.3g} ms, measured/predicted {row['ratio']:.2f}" \
+                if row["predicted"] else "no prediction (build with --strategy auto)"
+            lines.append(f"  {labels[key]:<22} measured {row['measured'] * 1e3:.3g} ms; {predicted}")
     lines.append("ranks")
     seen, shown = set(), 0
     for r in summary["ranks"]:
@@ -119,7 +160,8 @@ def render(summary: dict) -> str:
         seen.add(key)
         shown += 1
         coords = ",".join(f"{k}={v}" for k, v in r["coords"].items())
-        lines.append(f"  rank {r['rank']:<4} {r['program']}  {coords}  {r['parameters']:,} parameters ({human(r['parameter_bytes'])})")
+        lines.append(f"  rank {r['rank']:<4} {r['program']}  {coords}  {r['parameters']:,} parameters ({human(r['parameter_bytes'])}), "
+                     f"{human(r['training_state_bytes'])} with gradients and optimizer state")
     if shown < len(summary["ranks"]):
         lines.append(f"  ... {len(summary['ranks'])} ranks in all; ranks not shown match one above")
     lines.append(f"files ({human(summary['total_bytes'])} in all)")

@@ -29,3 +29,46 @@ def unshard(pieces: list[torch.Tensor], shape: list[int] | torch.Size) -> torch.
     for d in shape:
         numel *= d
     return torch.cat([p.reshape(-1) for p in pieces])[:numel].reshape(shape).clone()
+
+
+# -- state shards over the tp and fsdp axes ----------------------------------------------------
+# A rank's training state is one of tp x fsdp shards: the tensor-parallel slice (tp index) of
+# every split parameter, flat-padded over fsdp (fsdp index). Shards are numbered tp-major:
+# shard = tp_index * fsdp_size + fsdp_index, in artifacts and checkpoints alike.
+
+def shard_count(sharding: dict | None, tensor_parallel: dict | None) -> int:
+    return (sharding or {}).get("size", 1) * (tensor_parallel or {}).get("size", 1)
+
+
+def shard_number(coords: dict[str, int], sharding: dict | None, tensor_parallel: dict | None) -> int:
+    tp_index = coords.get(tensor_parallel["axis"], 0) if tensor_parallel else 0
+    fsdp_index = coords.get(sharding["axis"], 0) if sharding else 0
+    return tp_index * (sharding or {}).get("size", 1) + fsdp_index
+
+
+def tp_slice_shape(shape: list[int], dim: int | None, parts: int) -> list[int]:
+    """The shape of one tensor-parallel slice of a tensor of `shape` split along `dim`."""
+    shape = list(shape)
+    if dim is not None:
+        shape[dim] //= parts
+    return shape
+
+
+def assemble(pieces: list[dict[str, torch.Tensor]], shapes: dict[str, list[int]], sharding: dict | None,
+             tensor_parallel: dict | None) -> dict[str, torch.Tensor]:
+    """Full tensors from every shard's tensors (in shard order): fsdp pieces unflattened into
+    their tensor-parallel slice, slices concatenated along their split dimension. Tensors that
+    neither axis splits are taken from shard 0."""
+    full = dict(pieces[0])
+    fsdp = (sharding or {}).get("size", 1)
+    tp = (tensor_parallel or {}).get("size", 1)
+    dims = (tensor_parallel or {}).get("params", {})
+    for name in set((sharding or {}).get("params", {})) | set(dims):
+        dim = dims.get(name)
+        slice_shape = tp_slice_shape(shapes[name], dim, tp)
+        slices = []
+        for t in range(tp if dim is not None else 1):
+            group = pieces[t * fsdp:(t + 1) * fsdp]
+            slices.append(unshard([p[name] for p in group], slice_shape) if sharding else group[0][name])
+        full[name] = torch.cat(slices, dim) if dim is not None else slices[0]
+    return full

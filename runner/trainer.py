@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from runner.artifact import Artifact
 from runner.checkpoint import commit_checkpoint, layout_of, load_checkpoint, optimizer_key, write_shard
+from runner.compiled import choose_tier, live_device, load_compiled
 from runner.custom_ops import import_op_libraries
 from runner.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
@@ -23,11 +24,35 @@ from runner.groups import bind_process_groups
 from runner.graph_loader import load_graph_module
 from runner.program import decode_program
 from runner.binding import bind_rank
-from runner.sharding import unshard
+from runner.sharding import shard_number, tp_slice_shape, unshard
 from runner.topology_check import verify_live
 
 
 DATA_AXES = ("dp", "fsdp")
+
+
+def step_seed(seed: int, step: int, data_rank: int) -> int:
+    """The global RNG seed of one step (artifacts/FORMAT.md, "Randomness"): dropout and any other
+    random op in the program draw from it. It depends on the build's seed, the step and the data
+    rank only, so tensor-parallel ranks (same data) draw the same masks for their replicated
+    activations, data-parallel ranks draw different ones, and a resumed run draws what an
+    uninterrupted one would have."""
+    return ((seed * 1_000_003 + step) * 1_009 + data_rank) % 2**63
+
+
+def nccl_algorithm(manifest: dict, environ, log=lambda msg: None) -> str | None:
+    """Apply the planned NCCL algorithms (manifest plan.nccl_algo, an NCCL_ALGO value such as
+    "allreduce:tree") before NCCL starts, unless the user already set NCCL_ALGO, which wins.
+    Returns the value in effect."""
+    planned = (manifest.get("plan") or {}).get("nccl_algo")
+    if environ.get("NCCL_ALGO"):
+        if planned and environ["NCCL_ALGO"] != planned:
+            log(f"NCCL_ALGO={environ['NCCL_ALGO']} from the environment (the plan assumed {planned})")
+        return environ["NCCL_ALGO"]
+    if planned:
+        environ["NCCL_ALGO"] = planned
+        log(f"NCCL_ALGO={planned} (from the artifact's plan)")
+    return planned
 
 
 def _env_int(name: str) -> int | None:
@@ -46,7 +71,7 @@ class Trainer:
     def __init__(self, path: str | Path, rank: int | None = None, *, world_size: int | None = None,
                  device: str | torch.device | None = None, allow_topology_mismatch: bool = False,
                  trusted_keys: list[str] | None = None, timeout_s: float = 600, bind: bool = True,
-                 warn=lambda msg: None, log=lambda msg: None):
+                 warn=lambda msg: None, log=lambda msg: None, tier: str = "auto"):
         self.artifact = artifact = Artifact(path, trusted_keys)
         manifest = artifact.manifest
         self.rank = rank if rank is not None else (_env_int("RANK") or 0)
@@ -67,6 +92,7 @@ class Trainer:
 
         self.device = torch.device(device) if device else self._default_device(profile)
         # The CPU cores and memory node nearest this rank's GPU, before the process group starts its threads.
+        self._log = log
         self.binding = bind_rank(self.device, enabled=bind, log=log)
         self.timeout_s = timeout_s
         self._init_distributed(profile)
@@ -74,19 +100,29 @@ class Trainer:
 
         entry = artifact.rank(self.rank)
         program = artifact.program(entry["program"])
-        constants = artifact.read(program["constants"]) if program.get("constants") else None
         import_op_libraries(manifest)  # the program's custom operators resolve only once their module is imported
-        program_json = artifact.read(program["file"])
-        self._module = None if constants else load_graph_module(
-            program_json, self.device if self.device.type != "cpu" else None)
-        self.program_loader = "fx"
-        if self._module is None:  # a program the fast path does not cover: torch's deserializer
-            ep = decode_program(program_json, constants)
-            if self.device.type != "cpu":
-                from torch.export.passes import move_to_device_pass
-                ep = move_to_device_pass(ep, self.device)
-            self._module = ep.module()
-            self.program_loader = "torch.export"
+        # The compiled tier (an AOTInductor package, runner/compiled.py) where the artifact has one
+        # for this run's device kind and torch; else the portable program every artifact has, and
+        # `tier_notice` says why when a package was passed over. `tier` ("auto", "compiled",
+        # "portable") is the caller's wish; self.tier is what runs.
+        self.tier, self.tier_notice = choose_tier(manifest.get("compiled"), entry["program"], live_device(self.device),
+                                                  tier, str(artifact.root))
+        if self.tier == "compiled":
+            self._module = load_compiled(artifact, entry["program"], self.device, len(program["inputs"]))
+            self.program_loader = "aoti"
+        else:
+            constants = artifact.read(program["constants"]) if program.get("constants") else None
+            program_json = artifact.read(program["file"])
+            self._module = None if constants else load_graph_module(
+                program_json, self.device if self.device.type != "cpu" else None)
+            self.program_loader = "fx"
+            if self._module is None:  # a program the fast path does not cover: torch's deserializer
+                ep = decode_program(program_json, constants)
+                if self.device.type != "cpu":
+                    from torch.export.passes import move_to_device_pass
+                    ep = move_to_device_pass(ep, self.device)
+                self._module = ep.module()
+                self.program_loader = "torch.export"
 
         self.state_spec = manifest["state"]
         weights = artifact.tensors(entry["weights"])
@@ -103,8 +139,10 @@ class Trainer:
                 self.data_rank = self.data_rank * degree + self.coords.get(axis, 0)
                 self.data_size *= degree
         self.sharding = manifest.get("sharding")
-        self.shard_index = self.coords.get(self.sharding["axis"], 0) if self.sharding else 0
+        self.tensor_parallel = manifest.get("tensor_parallel")
+        self.shard_index = shard_number(self.coords, self.sharding, self.tensor_parallel)
         self.schedule = manifest["schedule"]
+        self.seed = int(manifest["build"].get("seed", 0))
         self._slots = program["inputs"]
         self._lrs = [torch.zeros((), dtype=torch.float64) for _ in range(len(self.schedule["lr"][0]))]
         self._check_bindings()
@@ -124,6 +162,8 @@ class Trainer:
         if self.world_size == 1 and not self.artifact.manifest["process_groups"]:
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            nccl_algorithm(self.artifact.manifest, os.environ, self._log)
         if "MASTER_ADDR" not in os.environ:
             raise AotError("no rendezvous set: launch multi-rank artifacts with torchrun")
         kwargs = {"device_id": self.device} if backend == "nccl" else {}
@@ -202,6 +242,7 @@ class Trainer:
                 args[i] = self._check(next(given, None), slot, f"inputs[{slot['index']}]")
             elif slot["kind"] == "target":
                 args[i] = self._check(targets, slot, "targets")
+        torch.manual_seed(step_seed(self.seed, self.step_index, self.data_rank))
         try:
             _, global_loss = self._module(*args)
             loss = float(global_loss)
@@ -245,15 +286,23 @@ class Trainer:
         return {key: weights[aliases.get(key, key)] for key in self.state_spec["state_dict_keys"]}
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
-        if not self.sharding:
-            return self._weights
-        _, group = self.groups[self.sharding["group"]]
         full = dict(self._weights)
-        for name in self.sharding["params"]:
-            piece = self._weights[name]
-            gathered = torch.empty(piece.numel() * self.sharding["size"], dtype=piece.dtype, device=piece.device)
-            dist.all_gather_into_tensor(gathered, piece.contiguous(), group=group)
-            full[name] = unshard([gathered], self.state_spec["params"][name][0])
+        tp = self.tensor_parallel or {}
+        dims = tp.get("params", {})
+        if self.sharding:  # fsdp pieces -> this rank's tensor-parallel slice (or the whole tensor)
+            _, group = self.groups[self.sharding["group"]]
+            for name in self.sharding["params"]:
+                piece = self._weights[name]
+                gathered = torch.empty(piece.numel() * self.sharding["size"], dtype=piece.dtype, device=piece.device)
+                dist.all_gather_into_tensor(gathered, piece.contiguous(), group=group)
+                shape = tp_slice_shape(self.state_spec["params"][name][0], dims.get(name), tp.get("size", 1))
+                full[name] = unshard([gathered], shape)
+        if tp:  # tensor-parallel slices -> whole tensors
+            _, group = self.groups[tp["group"]]
+            for name, dim in dims.items():
+                slices = [torch.empty_like(full[name]) for _ in range(tp["size"])]
+                dist.all_gather(slices, full[name].contiguous(), group=group)
+                full[name] = torch.cat(slices, dim)
         return full
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
@@ -263,20 +312,21 @@ class Trainer:
     def save(self, folder: str | Path, target_step: int | None = None) -> None:
         """Checkpoint: one replica of each shard writes its files, then rank 0 commits the index.
         Every rank must call it."""
-        writes = all(v == 0 for axis, v in self.coords.items() if axis != (self.sharding or {}).get("axis"))
+        split_by = {spec["axis"] for spec in (self.sharding, self.tensor_parallel) if spec}
+        writes = all(v == 0 for axis, v in self.coords.items() if axis not in split_by)
         if writes:
-            write_shard(folder, self.step_index, self.shard_index, self.sharding is not None,
-                        self._weights, self._optimizer)
+            write_shard(folder, self.step_index, self.shard_index, bool(split_by), self._weights, self._optimizer)
         if dist.is_initialized():
             dist.barrier()
         if self.rank == 0:
-            commit_checkpoint(folder, self.step_index, self.state_spec, self.sharding, target_step)
+            commit_checkpoint(folder, self.step_index, self.state_spec, self.sharding, target_step, self.tensor_parallel)
         if dist.is_initialized():
             dist.barrier()
 
     def resume(self, folder: str | Path) -> None:
         index, weights, optimizer = load_checkpoint(folder, self.shard_index)
-        if (index.get("sharding") or None) != (self.sharding or None):
+        if (index.get("sharding") or None) != (self.sharding or None) or \
+                (index.get("tensor_parallel") or None) != (self.tensor_parallel or None):
             raise AotError(f"{folder}: checkpoint was written with another sharding than this artifact's")
         for name, saved, live in (("weights", weights, self._weights), ("optimizer state", optimizer, self._optimizer)):
             if layout_of(saved) != layout_of(live):

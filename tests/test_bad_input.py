@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runner.artifact import manifest_digest
+from runner.artifact import FORMAT_VERSION, manifest_digest
 from helpers.commands import MODELS, REPO, TIMEOUT, aot, clean_env, show, torchrun
 
 MLP = REPO / "examples" / "mlp.py"
@@ -297,13 +297,13 @@ def test_artifact_of_another_format_version(copy1):
     edit_manifest(copy1, format_version=99)
     r = aot("run", copy1, "--steps", "1", "--quiet")
     line = assert_user_error(r, "format version 99")
-    assert re.search(r"\b1\b", line.split("99", 1)[1]), line  # names the version it reads
+    assert re.search(rf"\b{FORMAT_VERSION}\b", line.split("99", 1)[1]), line  # names the version it reads
 
 
 # -- 7. bad command-line options ------------------------------------------------------------
 
 @pytest.mark.parametrize("options, needles", [
-    (["--strategy", "tp=2"], ["'tp'", "not supported"]),
+    (["--strategy", "pp=2"], ["'pp'", "not supported"]),
     (["--strategy", "dp=3", "--world-size", "2"], ["dp=3", "3", "world size 2"]),
     (["--batch-size", "0"], ["--batch-size", "0"]),
     (["--topology", "nonexistent_profile"], ["nonexistent_profile", "built-in: cpu"]),
@@ -314,6 +314,27 @@ def test_bad_build_options(tmp_path, options, needles):
     r = aot("build", MLP, "-o", out, "--quiet", *options)
     assert_user_error(r, *needles)
     assert not out.exists()
+
+
+def test_bad_tensor_parallel_degree_or_plan(tmp_path):
+    """Refused at build time, before the step is traced (the capture stage never starts)."""
+    cases = [
+        (REPO / "examples" / "gpt.py", ["--strategy", "tp=8", "--world-size", "8"],
+         ["tp=8", "attention heads", "n_head in gpt.py = 4"]),
+        (MLP, ["--strategy", "tp=3", "--world-size", "3"], ["tp=3", "'0'", "output features do not divide by 3"]),
+        (MODELS / "bad_tp_plan.py", ["--strategy", "tp=2", "--world-size", "2"],
+         ["bad_tp_plan.py", "tp_plan", "'fc2'", "does not have"]),
+        (MLP, ["--strategy", "dp=2", "--sequence-parallel"], ["--sequence-parallel", "needs --strategy with tp"]),
+        (MLP, ["--strategy", "tp=2", "--sequence-parallel"], ["--sequence-parallel", "at the top of the model"]),
+        (MODELS / "gpt_odd_sequence.py", ["--strategy", "tp=2", "--sequence-parallel"],
+         ["sequence length 63 does not divide by 2"]),
+    ]
+    for path, options, needles in cases:
+        out = tmp_path / path.stem
+        r = aot("build", path, "-o", out, *options)
+        assert_user_error(r, *needles)
+        assert "capturing" not in r.stderr
+        assert not out.exists()
 
 
 def test_topology_file_that_is_not_a_profile(tmp_path):

@@ -20,6 +20,7 @@ from helpers.commands import EXAMPLES, REPO, aot, clean_env, ok, show
 from helpers.inference import assert_user_error, eager_model, load_user, max_diff
 
 import runner
+import runner.artifact
 import runner.infer
 from runner.errors import AotError
 
@@ -50,7 +51,7 @@ def test_build_exports_onnx_that_matches_eager_at_any_batch_size(gpt_artifact, g
     assert inference["outputs"] == [{"name": "outputs", "shape": ["batch", 64, 96], "dtype": "float32"}]
     assert inference["batch_dim"] == "batch" and isinstance(inference["opset"], int)
     assert 0 <= inference["max_abs_diff"] <= TOL
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == runner.artifact.FORMAT_VERSION
 
     # protobuf that onnx accepts, with the weights inside: no pickle, no zip, no external data
     import onnx

@@ -44,7 +44,7 @@ def test_plan_ranks_data_parallel_and_fsdp_candidates_on_cpu_ranks():
     out = _plan(MLP, "--topology", "cpu", "--world-size", "2")
     plans = out["plans"]
     assert out["world_size"] == 2 and out["parameters"] == 6922 and not out["calibrated"]
-    assert {p["strategy"] for p in plans} == {"dp=2", "fsdp=2"}
+    assert {p["strategy"] for p in plans} == {"dp=2", "fsdp=2", "tp=2"}
     times = [p["step_s"] for p in plans]
     assert times == sorted(times) and all(p["fits"] for p in plans)  # a cpu profile has no memory limit
     dp = next(p for p in plans if p["strategy"] == "dp=2" and p["bucket_mb"] == 25.0)
@@ -56,6 +56,12 @@ def test_plan_ranks_data_parallel_and_fsdp_candidates_on_cpu_ranks():
     # 6 all_gathers (n = the padded whole parameter), 6 reduce_scatters, the loss's all_reduce
     assert fsdp["algorithms"] == {"all_gather:ring": 6, "all_reduce:ring": 1, "reduce_scatter:ring": 6}
     assert fsdp["collective_bytes_per_step"] == 2 * 2 * MLP_SHARD_BYTES + 4
+    # tp=2: layer 0 column-wise (half its weight and bias), layer 2 row-wise (half its weight),
+    # the last layer whole; one all_reduce of layer 2's output (batch 8 x 64) and nothing backward,
+    # since the input needs no gradient
+    tp = next(p for p in plans if p["strategy"] == "tp=2")
+    assert tp["memory_bytes"]["params"] == (32 * 64 // 2 + 64 // 2 + 64 * 64 // 2 + 64 + 64 * 10 + 10) * 4
+    assert tp["algorithms"] == {"all_reduce:ring": 1} and tp["collective_bytes_per_step"] == 8 * 64 * 4
 
 
 def _small_gpus(memory: int) -> dict:
@@ -71,8 +77,8 @@ def test_plans_that_do_not_fit_are_kept_but_never_chosen(tmp_path):
     path.write_text(json.dumps(_small_gpus(90_000)))
     out = _plan(MLP, "--topology", str(path), "--world-size", "2")
     fits = {p["strategy"]: p["fits"] for p in out["plans"]}
-    assert fits == {"fsdp=2": True, "dp=2": False}
-    assert out["plans"][0]["strategy"] == "fsdp=2"
+    assert fits == {"fsdp=2": True, "tp=2": True, "dp=2": False}
+    assert out["plans"][0]["strategy"] in ("fsdp=2", "tp=2")
     path.write_text(json.dumps(_small_gpus(20_000)))
     result = CliRunner().invoke(cli, ["build", MLP, "--topology", str(path), "--world-size", "2", "--strategy", "auto",
                                       "--no-onnx", "--quiet", "-o", str(tmp_path / "art")])
@@ -80,12 +86,17 @@ def test_plans_that_do_not_fit_are_kept_but_never_chosen(tmp_path):
 
 
 def test_plan_for_128_dgx_a100_nodes_takes_under_10_seconds():
+    """dp x fsdp over 1024 ranks in under 10 s; tensor parallelism adds two traces per tp degree
+    (gpt.py takes tp=2 and tp=4, and tp stays inside a node)."""
     start = time.perf_counter()
-    out = _plan(GPT, "--topology", "dgx_a100", "--nodes", "128")
+    out = _plan(GPT, "--topology", "dgx_a100", "--nodes", "128", "--axes", "dp,fsdp")
     wall = time.perf_counter() - start
     assert out["world_size"] == 1024 and out["nodes"] == 128
     assert {p["strategy"] for p in out["plans"]} >= {"dp=1024", "fsdp=1024", "dp=128,fsdp=8"}
     assert wall < 10, f"planning 1024 ranks took {wall:.1f} s"
+    with_tp = _plan(GPT, "--topology", "dgx_a100", "--nodes", "128")
+    strategies = {p["strategy"] for p in with_tp["plans"]}
+    assert {"dp=256,tp=4", "dp=512,tp=2"} <= strategies and not any("tp=8" in s for s in strategies)
     best = out["plans"][0]
     assert best["fits"] and best["nccl_algo"].startswith("allreduce:")
 
@@ -129,3 +140,45 @@ def test_calibrate_under_torchrun_writes_a_profile_the_planner_reads(tmp_path):
     assert machine.compute.calibrated
     span = machine.span([0, 1], "all_gather")
     assert span.intra.alpha == loopback["per_kind"]["all_gather"]["alpha_s"]
+
+
+def test_runner_applies_the_planned_nccl_algorithm_unless_the_user_set_one(tmp_path):
+    """A dgx_a100 build records NCCL_ALGO in its plan; a runner on NCCL sets it before NCCL starts,
+    and a value already in the environment wins (checked on the function the runner calls: this
+    machine has no NCCL)."""
+    from runner.trainer import nccl_algorithm
+
+    art = tmp_path / "art"
+    result = CliRunner().invoke(cli, ["build", MLP, "--topology", "dgx_a100", "--world-size", "8", "--strategy", "auto",
+                                      "--no-onnx", "--quiet", "-o", str(art)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    manifest = Artifact(art).manifest
+    planned = manifest["plan"]["nccl_algo"]
+    assert planned and planned.startswith("allreduce:")
+    env, said = {}, []
+    assert nccl_algorithm(manifest, env, said.append) == planned and env["NCCL_ALGO"] == planned
+    env = {"NCCL_ALGO": "allreduce:ring"}
+    assert nccl_algorithm(manifest, env, said.append) == "allreduce:ring" and env["NCCL_ALGO"] == "allreduce:ring"
+    assert "from the environment" in said[-1] and planned in said[-1]
+
+
+def test_run_profile_is_compared_with_the_plan_by_inspect(tmp_path):
+    """`aot run --profile DIR` writes a measured Chrome trace and step summary; `aot inspect
+    --profile DIR` puts measured step, compute and exposed communication next to the prediction."""
+    from helpers.commands import aot, ok, torchrun
+
+    art, prof = tmp_path / "art", tmp_path / "prof"
+    ok(aot("build", MLP, "--topology", "cpu", "--world-size", 2, "--strategy", "auto", "--no-onnx", "-o", art, "--quiet"))
+    r = ok(torchrun(2, "run", art, "--steps", 10, "--profile", prof))
+    assert "profiled 5 step(s)" in r.stderr
+    trace = json.loads((prof / "measured_timeline.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "_c10d_functional::wait_tensor" in names  # the collectives' waits are on the timeline
+    summary = json.loads(ok(aot("inspect", art, "--profile", prof, "--json")).stdout)["measured"]
+    assert summary["steps_profiled"] == 5 and summary["tier"] == "portable"
+    times = summary["times"]
+    assert times["step_s"]["measured"] > 0 and times["step_s"]["predicted"] > 0
+    assert times["step_s"]["ratio"] == pytest.approx(times["step_s"]["measured"] / times["step_s"]["predicted"])
+    assert 0 <= times["exposed_comm_s"]["measured"] <= times["step_s"]["measured"] * 5
+    text = ok(aot("inspect", art, "--profile", prof)).stdout
+    assert "measured/predicted" in text and "exposed communication" in text

@@ -4,7 +4,9 @@ Each case builds a model file with `aot build`, trains it with `torchrun -m aot 
 processes), and trains the same model file with plain DDP (tests/helpers/ddp_reference.py, which
 imports nothing of aot) on the same data, seed, optimizer, schedule and clipping. Losses of every
 step and the merged final weights must agree within 1e-5. Sharded strategies (fsdp) compute the
-same mathematics as data parallel over the same ranks, so DDP is their reference too.
+same mathematics as data parallel over the same ranks, so DDP is their reference too; tensor
+parallel (tp) ranks split each layer instead of the batch, so DDP over the data-parallel ranks
+alone is theirs.
 """
 
 from __future__ import annotations
@@ -31,29 +33,37 @@ def gpt_data(tmp_path_factory):
     return path
 
 
-def train_both(model_file, world, tmp_path, data=None, batch_size=4, strategy=None):
+def tp_degree(strategy: str | None) -> int:
+    degrees = dict(part.split("=") for part in strategy.split(",")) if strategy else {}
+    return int(degrees.get("tp", 1))
+
+
+def train_both(model_file, world, tmp_path, data=None, batch_size=4, strategy=None, build_args=()):
     art, ckpt, ref = tmp_path / "art", tmp_path / "ckpt", tmp_path / "ref"
-    ok(aot("build", model_file, "--world-size", world, "--batch-size", batch_size, "-o", art, "--quiet",
-           *(["--strategy", strategy] if strategy else [])))
+    # --no-onnx: the inference export has its own tests (test_onnx.py); this compares training only
+    ok(aot("build", model_file, "--world-size", world, "--batch-size", batch_size, "-o", art, "--quiet", "--no-onnx",
+           *(["--strategy", strategy] if strategy else []), *build_args))
     metrics = tmp_path / "metrics.jsonl"
     run_args = ["run", art, "--steps", STEPS, "--metrics", metrics, "--save", ckpt, "--quiet"]
     if data is not None:
         run_args += ["--data", data]
     ok(torchrun(world, *run_args))
     data_file = data if data is not None else art / "data" / "example_batch.safetensors"
-    ok(torchrun(world, REFERENCE, model_file, data_file, ref, "--steps", STEPS, "--batch-size", batch_size, module=None))
+    # Tensor-parallel ranks share a batch: the reference has one process per data-parallel rank.
+    ref_world = world // tp_degree(strategy)
+    ok(torchrun(ref_world, REFERENCE, model_file, data_file, ref, "--steps", STEPS, "--batch-size", batch_size, module=None))
     ok(aot("checkpoint", "merge", ckpt, "-o", tmp_path / "merged.safetensors"))
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     return losses, json.loads((ref / "losses.json").read_text()), load_file(tmp_path / "merged.safetensors"), \
         load_file(ref / "state_dict.safetensors")
 
 
-def assert_same_training(losses, ref_losses, weights, ref_weights):
+def assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=TOL):
     assert len(losses) == len(ref_losses) == STEPS
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL, (losses, ref_losses)
     assert sorted(weights) == sorted(ref_weights)
     worst = max((weights[k].double() - ref_weights[k].double()).abs().max().item() for k in ref_weights)
-    assert worst <= TOL, worst
+    assert worst <= weight_tol, worst
     # the run really trained: weights moved away from their initial values and the loss fell
     assert losses[-1] < losses[0]
 
@@ -80,16 +90,41 @@ def test_batchnorm_adam_steplr_matches_ddp(tmp_path):
 
 
 @pytest.mark.parametrize("model,strategy,world", [
-    ("gpt.py", "fsdp=2", 2),
-    ("mlp.py", "fsdp=4", 4),
-    ("gpt.py", "dp=2,fsdp=2", 4),
-])
+    (model, strategy, world)
+    for strategy, world in (("fsdp=2", 2), ("fsdp=4", 4), ("tp=2", 2), ("dp=2,tp=2", 4), ("fsdp=2,tp=2", 4))
+    for model in ("gpt.py", "mlp.py")
+] + [("gpt.py", "dp=2,fsdp=2", 4)])
 def test_sharded_strategies_match_ddp(model, strategy, world, tmp_path, gpt_data):
     data = gpt_data if model == "gpt.py" else None
     losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / model, world, tmp_path, data=data, strategy=strategy)
-    assert_same_training(losses, ref_losses, weights, ref_weights)
+    # Split matmuls (tp) sum in another order than whole ones, a last-bit difference; AdamW divides
+    # each gradient by its own running size, so an element whose gradient is near zero turns that
+    # into a larger step (measured: 1 element of 4096 in a k projection 1.2e-5 off at dp=2,tp=2).
+    # Losses stay within 1e-5 and every other weight within it too.
+    weight_tol = 2 * TOL if tp_degree(strategy) > 1 and model == "gpt.py" else TOL
+    assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol)
+
+
+def test_sequence_parallel_matches_ddp(tmp_path, gpt_data):
+    """dp=2,tp=2 with the residual stream split along the sequence between blocks."""
+    losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / "gpt.py", 4, tmp_path, data=gpt_data,
+                                                          strategy="dp=2,tp=2", build_args=("--sequence-parallel",))
+    assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=2 * TOL)  # see test_sharded_strategies_match_ddp
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert manifest["tensor_parallel"]["sequence_parallel"]
+    kinds = {c["kind"] for c in manifest["programs"]["train"]["collectives"] if c["group"] == "aot.tp"}
+    assert {"reduce_scatter_tensor", "all_gather_into_tensor"} <= kinds  # row-wise outputs are reduce-scattered
 
 
 def test_fsdp_batchnorm_adam_matches_ddp(tmp_path):
     losses, ref_losses, weights, ref_weights = train_both(MODELS / "bn_adam.py", 2, tmp_path, batch_size=8, strategy="fsdp=2")
     assert_same_training(losses, ref_losses, weights, ref_weights)
+
+
+@pytest.mark.parametrize("strategy,world", [("tp=2", 2), ("dp=2", 2)])
+def test_dropout_masks_follow_the_per_step_seed(strategy, world, tmp_path):
+    """Dropout where tp ranks hold whole activations: every tp rank draws the reference's mask."""
+    losses, ref_losses, weights, ref_weights = train_both(MODELS / "mlp_dropout.py", world, tmp_path, strategy=strategy)
+    assert_same_training(losses, ref_losses, weights, ref_weights)
+    program = (tmp_path / "art" / "programs" / "train.json").read_text()
+    assert "native_dropout" in program or "bernoulli" in program  # the mask really is drawn in the graph

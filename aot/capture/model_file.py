@@ -3,7 +3,8 @@
 Required: `model() -> nn.Module` and `batch(batch_size) -> (inputs, targets)`.
 Optional: `loss(outputs, targets)`, `optimizer(params)`, `scheduler(optimizer)`, `max_grad_norm`,
 `custom_op_modules` (modules that register custom operators; see aot/capture/custom_ops.py) and
-`onnx_translations` (custom operator -> ONNX translation; see aot/emit/onnx_export.py).
+`onnx_translations` (custom operator -> ONNX translation; see aot/emit/onnx_export.py) and
+`tp_plan` (module name -> "colwise" | "rowwise"; see aot/plan/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class ModelFile:
     custom_op_modules: tuple[str, ...] = ()
     onnx_translations: object = None          # a dict, or a function returning one (read only when exporting)
     module_name: str = ""                     # the name the model file was imported under
+    tp_plan: object = None                    # module name -> "colwise" | "rowwise" (see aot/plan/tensor_parallel.py)
+    globals: dict = None                      # the model file's other module-level names (head counts, say)
 
 
 def _user_frame(exc: BaseException, path: Path) -> str:
@@ -109,4 +112,6 @@ def load_model_file(path: str | Path) -> ModelFile:
         custom_op_modules=tuple(custom_op_modules),
         onnx_translations=onnx_translations,
         module_name=spec.name,
+        tp_plan=getattr(module, "tp_plan", None),
+        globals={k: v for k, v in vars(module).items() if not k.startswith("_")},
     )

@@ -18,6 +18,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile, call_user
+from aot.capture.tensor_parallel import TensorParallel, local_piece, rename_group, tensor_parallel
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
 from runner.checkpoint import optimizer_key
@@ -38,9 +39,42 @@ class Group:
 class StepLayout:
     """How the plan distributes the step: gradients (and the reported loss) are averaged over
     `dp` (replicas) and `fsdp` (shards); with `fsdp`, every parameter and its optimizer state
-    arrive as this rank's flat-padded shard and are all-gathered for use."""
+    arrive as this rank's flat-padded shard and are all-gathered for use. With `tp`, the Linear
+    layers `tp_plan` names (module -> "colwise" | "rowwise") hold a slice of their weights, and
+    fsdp shards that slice."""
     dp: Group | None = None
     fsdp: Group | None = None
+    tp: Group | None = None
+    tp_plan: tuple[tuple[str, str], ...] = ()
+    sequence: dict | None = None   # sequence parallelism (aot.plan.tensor_parallel.sequence_parallel_layout)
+
+    def tp_dims(self, state: TrainingState) -> dict[str, int]:
+        """Parameter name -> the dimension tensor parallelism splits it along (torch's
+        ColwiseParallel splits weight and bias along the output features, RowwiseParallel the
+        weight along the input features and keeps the bias whole)."""
+        if self.tp is None:
+            return {}
+        dims = {}
+        for module, style in self.tp_plan:
+            entries = {"weight": 0, "bias": 0} if style == "colwise" else {"weight": 1}
+            for leaf, dim in entries.items():
+                name = f"{module}.{leaf}"
+                if name in state.aliases or any(v == name for v in state.aliases.values()):
+                    raise AotError(f"tensor parallel: {name} is tied to another parameter; a tied weight "
+                                   f"cannot be split (leave {module!r} out of tp_plan)")
+                if name in state.params:
+                    dims[name] = dim
+        return dims
+
+    def local_shapes(self, state: TrainingState) -> dict[str, torch.Size]:
+        """Every parameter's shape on one rank before fsdp sharding (its tensor-parallel slice)."""
+        dims, shapes = self.tp_dims(state), {}
+        for name, p in state.params.items():
+            shape = list(p.shape)
+            if name in dims:
+                shape[dims[name]] //= self.tp.size
+            shapes[name] = torch.Size(shape)
+        return shapes
 
 
 @dataclass
@@ -55,20 +89,30 @@ def _average(t: torch.Tensor, group: Group) -> torch.Tensor:
     return summed / group.size
 
 
-def _gather(piece: torch.Tensor, full: torch.Tensor, group: Group) -> torch.Tensor:
-    """The whole parameter from this rank's shard. The autograd variant of all_gather makes
-    backward reduce-scatter the gradient, so it arrives summed over the group and sharded."""
+def _gather(piece: torch.Tensor, shape: torch.Size, group: Group) -> torch.Tensor:
+    """The whole parameter (of `shape`) from this rank's shard. The autograd variant of all_gather
+    makes backward reduce-scatter the gradient, so it arrives summed over the group and sharded."""
     gathered = _funcol.wait_tensor(torch.ops._c10d_functional_autograd.all_gather_into_tensor(piece, group.size, group.name))
-    return gathered[: full.numel()].view(full.shape)
+    return gathered[: shape.numel()].view(shape)
 
 
-def _clip_sharded(shards: list[torch.Tensor], max_norm: float, group: Group) -> None:
-    """clip_grad_norm_ for gradients sharded over `group`: the same global norm (the square root
-    of the sum of squares of every element), summed across the shards first."""
-    squares = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in shards]).sum()
-    total = torch.sqrt(_funcol.wait_tensor(_funcol.all_reduce(squares, "sum", group.name)))
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_(shards, coef)
+def _squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([torch.linalg.vector_norm(g) ** 2 for g in grads]).sum()
+
+
+def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm: float, layout: StepLayout) -> None:
+    """clip_grad_norm_ for gradients split across ranks: the same global norm (the square root of
+    the sum of squares of every element). Tensor-parallel slices add up over the tp group (the
+    replicated gradients are equal on every tp rank and count once); fsdp shards over the fsdp group."""
+    split = [g for g, s in zip(grads, tp_split) if s]
+    whole = [g for g, s in zip(grads, tp_split) if not s]
+    total = _squares(whole) if whole else grads[0].new_zeros(())
+    if split:
+        total = total + _funcol.wait_tensor(_funcol.all_reduce(_squares(split), "sum", layout.tp.name))
+    if layout.fsdp is not None:
+        total = _funcol.wait_tensor(_funcol.all_reduce(total, "sum", layout.fsdp.name))
+    coef = torch.clamp(max_norm / (torch.sqrt(total) + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef)
 
 
 @contextlib.contextmanager
@@ -105,7 +149,34 @@ def _slot(kind: str, tensor: torch.Tensor | None = None, **fields) -> dict:
 
 def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
                  layout: StepLayout) -> CapturedStep:
+    if layout.tp is None:
+        return _capture(mf, state, inputs, targets, layout, None)
+    # One program serves every tp rank, so the trace must not depend on the rank: DTensor picks
+    # "this rank's" piece by the mesh coordinate at trace time wherever a whole tensor becomes a
+    # shard. Traced as tp rank 0 and as the last tp rank; any difference is refused.
+    traced = []
+    for rank in (0, layout.tp.size - 1):
+        with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence,
+                             rank=rank) as tp:
+            expected = layout.tp_dims(state)
+            found = {n: d for n, d in tp.dims.items() if n in state.params}
+            if found != expected:  # our slicing of the stored state must be torch's
+                raise AotError(f"tensor parallel: torch placed {found}, expected {expected}")
+            captured = _capture(mf, state, inputs, targets, layout, tp)
+            rename_group(captured.graph, tp.mesh.get_group().group_name, layout.tp.name)
+        traced.append(captured)
+    if traced[0].graph.code != traced[1].graph.code:
+        raise AotError("tensor parallel: the traced step differs between tp ranks (a whole tensor is split by rank "
+                       "inside the model); this plan cannot run as one program, change tp_plan")
+    return traced[0]
+
+
+def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
+             layout: StepLayout, tp: TensorParallel | None) -> CapturedStep:
     param_names, buffer_names = list(state.params), list(state.buffers)
+    local_shapes = layout.local_shapes(state)
+    full_shapes = {n: p.shape for n, p in state.params.items()}
+    tp_split = [n in layout.tp_dims(state) for n in param_names]
     n_params, n_buffers = len(param_names), len(buffer_names)
     n_state, n_groups = len(state.optimizer_slots), len(state.param_groups)
 
@@ -118,11 +189,14 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
         by_name = dict(zip(param_names, params))
 
         if layout.fsdp is not None:
-            used = {n: _gather(p, state.params[n], layout.fsdp) for n, p in by_name.items()}
+            used = {n: _gather(p, local_shapes[n], layout.fsdp) for n, p in by_name.items()}
         else:
             used = by_name
+        if tp is not None:
+            used = tp.wrap(used, full_shapes)
         tensors = {**used, **dict(zip(buffer_names, buffers))}
-        outputs = torch.func.functional_call(state.model, tensors, tuple(batch_inputs))
+        model = state.model if tp is None else tp.model
+        outputs = torch.func.functional_call(model, tensors, tuple(batch_inputs))
         loss = call_user(mf.loss, "loss(outputs, targets)", mf.path, outputs, batch_targets)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise AotError(f"{mf.path.name}: loss(outputs, targets) must return a scalar tensor")
@@ -144,8 +218,9 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
             optimizer.state[by_name[name]][key] = value
         for p, g in zip(params, grads):
             p.grad = g
-        if mf.max_grad_norm is not None and layout.fsdp is not None:
-            _clip_sharded([p.grad for p in params if p.grad is not None], mf.max_grad_norm, layout.fsdp)
+        if mf.max_grad_norm is not None and (layout.fsdp is not None or tp is not None):
+            present = [(p.grad, s) for p, s in zip(params, tp_split) if p.grad is not None]
+            _clip_distributed([g for g, _ in present], [s for _, s in present], mf.max_grad_norm, layout)
         elif mf.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, mf.max_grad_norm)
         optimizer.step()
@@ -153,7 +228,7 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
 
     lr_args = [torch.tensor(v, dtype=torch.float64) for v in state.lr_schedule[0]]
     # Traced on shard 0's shapes: every rank's shard has the same shape, so one program serves all.
-    local = rank_state(state, layout, 0)
+    local = rank_state(state, layout)
     args = [
         *(p.requires_grad_(True) for p in local.params.values()),
         *(b.detach().clone() for b in state.buffers.values()),
@@ -186,24 +261,31 @@ class RankState:
     optimizer_state: dict[str, torch.Tensor]
 
 
-def rank_state(state: TrainingState, layout: StepLayout, shard_index: int) -> RankState:
-    """The parameters and optimizer state one rank holds: everything, or its fsdp shard of every
-    tensor shaped like its parameter (0-dim state such as step counters is replicated)."""
-    if layout.fsdp is None:
-        return RankState({n: p.detach().clone() for n, p in state.params.items()},
-                         {k: v.clone() for k, v in state.optimizer_state.items()})
-    parts = layout.fsdp.size
-    params = {n: shard(p, parts, shard_index) for n, p in state.params.items()}
+def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp_index: int = 0) -> RankState:
+    """The parameters and optimizer state one rank holds: its tensor-parallel slice of every
+    parameter `tp_plan` splits (whole otherwise), then its fsdp shard of that; optimizer state
+    shaped like its parameter follows the parameter, 0-dim state (step counters) is replicated."""
+    dims = layout.tp_dims(state)
+    tp_size = layout.tp.size if layout.tp else 1
+    parts = layout.fsdp.size if layout.fsdp else 1
+
+    def place(name: str, value: torch.Tensor) -> torch.Tensor:
+        piece = local_piece(value, dims.get(name), tp_size, tp_index)
+        return piece if parts == 1 else shard(piece, parts, fsdp_index)
+
+    params = {n: place(n, p) for n, p in state.params.items()}
     optimizer_state = {}
     for name, key in state.optimizer_slots:
         value = state.optimizer_state[optimizer_key(name, key)]
         if value.dim() == 0:
             optimizer_state[optimizer_key(name, key)] = value.clone()
         elif value.shape == state.params[name].shape:
-            optimizer_state[optimizer_key(name, key)] = shard(value, parts, shard_index)
+            optimizer_state[optimizer_key(name, key)] = place(name, value)
+        elif parts == 1 and name not in dims:
+            optimizer_state[optimizer_key(name, key)] = value.clone()
         else:
             raise AotError(f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, unlike its parameter; "
-                           f"it cannot be sharded with fsdp")
+                           f"it cannot be sharded")
     return RankState(params, optimizer_state)
 
 

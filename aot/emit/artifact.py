@@ -56,9 +56,14 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
 
 
-def _state_files(shard_index: int | None) -> tuple[str, str]:
-    suffix = "" if shard_index is None else f".fsdp-{shard_index}"
+def _state_files(tp_index: int | None, fsdp_index: int | None) -> tuple[str, str]:
+    suffix = ("" if tp_index is None else f".tp-{tp_index}") + ("" if fsdp_index is None else f".fsdp-{fsdp_index}")
     return f"state/weights{suffix}.safetensors", f"state/optimizer{suffix}.safetensors"
+
+
+def _shard_of(layout: StepLayout, coords: dict[str, int]) -> tuple[int | None, int | None]:
+    """(tp index, fsdp index) of the state a rank holds; None along an axis that does not split it."""
+    return (coords["tp"] if layout.tp else None), (coords["fsdp"] if layout.fsdp else None)
 
 
 def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: CapturedStep, state: TrainingState,
@@ -71,14 +76,15 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
     program_json, constants = encode_program(ep)
     data_slots = [s for s in captured.slots if s["kind"] in ("input", "target")]
     # One pair of state files per distinct shard: replicas (data parallel) share theirs.
-    shards = [None] if layout.fsdp is None else list(range(layout.fsdp.size))
+    shards = sorted({_shard_of(layout, mesh.coords(r)) for r in range(mesh.world_size)}, key=lambda s: (s[0] or 0, s[1] or 0))
+    tp_dims = layout.tp_dims(state)
     with StagedDir(out, MANIFEST) as files:
         files.write(f"programs/{PROGRAM}.json", program_json)
         if constants is not None:
             files.write(f"programs/{PROGRAM}.constants.safetensors", constants)
-        for index in shards:
-            local = rank_state(state, layout, index or 0)
-            weights_file, optimizer_file = _state_files(index)
+        for tp_index, fsdp_index in shards:
+            local = rank_state(state, layout, fsdp_index or 0, tp_index or 0)
+            weights_file, optimizer_file = _state_files(tp_index, fsdp_index)
             files.write(weights_file, save_safetensors(_contiguous({**local.params, **state.buffers})))
             files.write(optimizer_file, save_safetensors(_contiguous(local.optimizer_state)))
         files.write("data/example_batch.safetensors", save_safetensors(_contiguous(example)))
@@ -109,12 +115,16 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
             },
             "ranks": [
                 {"rank": r, "program": PROGRAM, "coords": mesh.coords(r),
-                 **dict(zip(("weights", "optimizer"), _state_files(mesh.coords(r)["fsdp"] if layout.fsdp else None)))}
+                 **dict(zip(("weights", "optimizer"), _state_files(*_shard_of(layout, mesh.coords(r)))))}
                 for r in range(mesh.world_size)
             ],
             "sharding": None if layout.fsdp is None else {
                 "axis": "fsdp", "group": layout.fsdp.name, "size": layout.fsdp.size, "layout": "flat-padded",
-                "params": {n: p.numel() for n, p in state.params.items()},
+                "params": {n: s.numel() for n, s in layout.local_shapes(state).items()},
+            },
+            "tensor_parallel": None if layout.tp is None else {
+                "axis": "tp", "group": layout.tp.name, "size": layout.tp.size,
+                "plan": dict(layout.tp_plan), "params": tp_dims, "sequence_parallel": layout.sequence is not None,
             },
             "state": {
                 "params": {n: [list(t.shape), dtype_name(t.dtype)] for n, t in state.params.items()},

@@ -11,6 +11,7 @@ from aot.passes.bucketing import bucket_all_reduces
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 from aot.passes.overlap import issue_early_wait_late
 from aot.passes.prefetch import prefetch_parameter_gathers
+from aot.passes.regather import regather_in_backward
 
 
 def run_passes(gm: torch.fx.GraphModule, *, bucket_bytes: int) -> torch.fx.GraphModule:
@@ -18,9 +19,10 @@ def run_passes(gm: torch.fx.GraphModule, *, bucket_bytes: int) -> torch.fx.Graph
     gm = plain_collectives(gm)
     gm = bucket_all_reduces(gm, bucket_bytes)
     gm = issue_early_wait_late(gm)
+    gm = regather_in_backward(gm)
     gm = prefetch_parameter_gathers(gm)
     return gm
 
 
 __all__ = ["run_passes", "bucket_all_reduces", "drop_profiler_calls", "plain_collectives", "issue_early_wait_late",
-           "prefetch_parameter_gathers"]
+           "prefetch_parameter_gathers", "regather_in_backward"]

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from aot.errors import AotError
 
-SUPPORTED_AXES = ("dp", "fsdp")
-# Axes over which ranks see different data; the others (tensor parallel, later) see the same batch.
+SUPPORTED_AXES = ("dp", "fsdp", "tp")
+# Axes over which ranks see different data; tensor-parallel ranks see the same batch.
 DATA_AXES = ("dp", "fsdp")
 
 

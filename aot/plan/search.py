@@ -2,9 +2,10 @@
 
 A plan is a mesh (degrees of the axes the build supports, aot.plan.mesh.SUPPORTED_AXES), a
 gradient bucket size, and a placement of the mesh on the machine. The model is traced at most
-twice, whatever the world size (ModelSteps: dp alone, and dp x fsdp=2, from which every other
-fsdp degree is derived); bucket sizes are applied analytically (cost_model.rebucket) and every
-candidate is priced by cost_model.simulate, so a search over 1024 GPUs costs two traces.
+twice per tensor-parallel degree, whatever the world size (ModelSteps: dp alone, and dp x fsdp=2,
+from which every other fsdp degree is derived); bucket sizes are applied analytically
+(cost_model.rebucket) and every candidate is priced by cost_model.simulate, so a search over 1024
+GPUs costs a handful of traces.
 
 Plans whose predicted peak memory per rank exceeds MEMORY_HEADROOM of the device's memory are kept
 in the table but marked as not fitting and never chosen. Ranking: predicted step time, then
@@ -229,15 +230,18 @@ def _bucket_candidates(step: StepGraph, given) -> list[float]:
 # -- from a model file ------------------------------------------------------------------------------
 
 class ModelSteps:
-    """Step graphs of a model file for any mesh over the axes the build supports (dp, fsdp).
+    """Step graphs of a model file for any mesh over the axes the build supports (dp, fsdp, tp).
 
-    Traced graphs: (dp, fsdp=1) and (dp, fsdp=2), each once (the data-parallel degree changes only
-    the group's size, never the graph). A wider fsdp axis is the fsdp=2 graph re-read with its
-    shards resized (cost_model.rescale), and fsdp without dp is the dp x fsdp graph without its
-    dp collectives (cost_model.drop_group), so a search over every factorization of 1024 ranks
-    traces the model at most twice. On 2 ranks (no dp x fsdp mesh) fsdp=2 is traced alone."""
+    Traced graphs: (dp, fsdp=1) and (dp, fsdp=2) per tensor-parallel degree, each once (the
+    data-parallel degree changes only the group's size, never the graph). A wider fsdp axis is the
+    fsdp=2 graph re-read with its shards resized (cost_model.rescale), and fsdp without dp is the
+    dp x fsdp graph without its dp collectives (cost_model.drop_group), so a search over every
+    factorization of 1024 ranks traces the model twice per tp degree. On 2 ranks (no dp x fsdp
+    mesh) fsdp=2 is traced alone. tp is priced only within a node (`max_tp`, the ranks per node)
+    and where the model can take it (heads and split features divide, aot.plan.tensor_parallel)."""
 
-    def __init__(self, model_path: Path, batch_size: int, seed: int = 0, world_size: int | None = None):
+    def __init__(self, model_path: Path, batch_size: int, seed: int = 0, world_size: int | None = None,
+                 max_tp: int | None = None):
         from aot.build import _example_batch
         from aot.capture.model_file import load_model_file
         from aot.capture.training_state import build_training_state
@@ -252,44 +256,71 @@ class ModelSteps:
         self.params = sum(p.numel() for p in self.state.params.values())
         self.param_numels = [p.numel() for p in self.state.params.values()]
         self.world_size = world_size
+        self.max_tp = max_tp
         self.traced: dict[tuple, StepGraph] = {}
+        self._tp_plan: dict | None = None
 
-    def capture(self, dp: int, fsdp: int) -> StepGraph:
-        """The analyzed graph of one rank for a dp x fsdp mesh, traced as the build traces it."""
-        from aot.capture.step import Group, StepLayout, capture_step
-        from aot.passes.cleanup import drop_profiler_calls, plain_collectives
+    def tp_plan(self, tp: int) -> dict[str, str]:
+        """The plan the build would use at this degree; Unsupported where the build would refuse."""
+        from aot.plan.tensor_parallel import check_degree, check_divisible, find_plan, user_plan
+
+        if self.max_tp is not None and tp > self.max_tp:
+            raise Unsupported(f"tp={tp} would span nodes ({self.max_tp} ranks per node)")
+        try:
+            check_degree(self.mf, self.state.model, tp)
+            if self._tp_plan is None:
+                self._tp_plan = user_plan(self.mf, self.state.model) or find_plan(self.state.model, self.inputs)
+            if not self._tp_plan:
+                raise Unsupported("no Linear pair to split")
+            check_divisible(self._tp_plan, self.state.model, tp, "the plan")
+        except AotError as e:
+            raise Unsupported(str(e)) from None
+        return self._tp_plan
+
+    def layout(self, dp: int, fsdp: int, tp: int):
+        from aot.capture.step import Group, StepLayout
         from aot.plan.mesh import Mesh
 
-        layout = StepLayout(Group(Mesh.group_name("dp"), dp) if dp > 1 else None,
-                            Group(Mesh.group_name("fsdp"), fsdp) if fsdp > 1 else None)
-        captured = capture_step(self.mf, self.state, self.inputs, self.targets, layout)
+        group = lambda axis, size: Group(Mesh.group_name(axis), size) if size > 1 else None
+        plan = tuple(sorted(self.tp_plan(tp).items())) if tp > 1 else ()
+        return StepLayout(group("dp", dp), group("fsdp", fsdp), group("tp", tp), plan)
+
+    def capture(self, dp: int, fsdp: int, tp: int = 1) -> StepGraph:
+        """The analyzed graph of one rank for a dp x fsdp x tp mesh, traced as the build traces it."""
+        from aot.capture.step import capture_step
+        from aot.passes.cleanup import drop_profiler_calls, plain_collectives
+
+        captured = capture_step(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp))
         gm = plain_collectives(drop_profiler_calls(captured.graph))
         return analyze(gm, captured.slots)
 
-    def _traced(self, dp: int, fsdp: int) -> StepGraph:
-        key = (dp > 1, fsdp)
+    def _traced(self, dp: int, fsdp: int, tp: int) -> StepGraph:
+        key = (dp > 1, fsdp, tp)
         if key not in self.traced:
-            self.traced[key] = self.capture(dp, fsdp)
+            self.traced[key] = self.capture(dp, fsdp, tp)
         return self.traced[key]
 
     def __call__(self, axes: tuple, shape: tuple) -> StepGraph:
         from aot.plan.cost_model import drop_group, rescale, shard_scale
 
         degrees = dict(zip(axes, shape))
-        other = [a for a, d in degrees.items() if a not in ("dp", "fsdp") and d > 1]
+        other = [a for a, d in degrees.items() if a not in ("dp", "fsdp", "tp") and d > 1]
         if other:
             raise Unsupported(f"no graph for axes {', '.join(other)} yet (priced once the build captures them)")
-        dp, fsdp = degrees.get("dp", 1), degrees.get("fsdp", 1)
+        dp, fsdp, tp = degrees.get("dp", 1), degrees.get("fsdp", 1), degrees.get("tp", 1)
+        if tp > 1:
+            self.tp_plan(tp)
         if fsdp == 1:
-            return self._traced(dp, 1)
-        if dp > 1 or (self.world_size or 0) >= 4:
-            base = self._traced(2, 2)
+            return self._traced(dp, 1, tp)
+        if dp > 1 or (self.world_size or 0) >= 4 * tp:
+            base = self._traced(2, 2, tp)
             graph = base if dp > 1 else drop_group(base, "aot.dp")
         else:
-            graph = self._traced(1, 2)
+            graph = self._traced(1, 2, tp)
         if fsdp == 2:
             return graph
-        return rescale(graph, shard_scale(self.param_numels, 2, fsdp), "aot.fsdp", fsdp)
+        numels = [s.numel() for s in self.layout(1, 1, tp).local_shapes(self.state).values()]
+        return rescale(graph, shard_scale(numels, 2, fsdp), "aot.fsdp", fsdp)
 
 
 def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int, *, seed: int = 0,
@@ -298,7 +329,7 @@ def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int
     from aot.plan.mesh import SUPPORTED_AXES
 
     machine = Machine(profile, world_size)
-    steps = ModelSteps(model_path, batch_size, seed, world_size)
+    steps = ModelSteps(model_path, batch_size, seed, world_size, max_tp=machine.per_node)
     planner = Planner(machine, steps)
     plans, skipped = planner.search(tuple(axes or SUPPORTED_AXES), bucket_mbs)
     return plans, skipped, planner, steps

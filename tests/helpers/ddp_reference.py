@@ -53,6 +53,8 @@ for step in range(args.steps):
     x = [t[idx] for t in inputs]
     y = targets[idx]
     opt.zero_grad()
+    # The runner's per-step seed (artifacts/FORMAT.md, "Randomness"): dropout masks line up.
+    torch.manual_seed(((args.seed * 1_000_003 + step) * 1_009 + rank) % 2**63)
     loss = loss_fn(ddp(*x), y)
     loss.backward()
     if clip is not None:
@@ -71,4 +73,6 @@ if rank == 0:
     out.mkdir(parents=True, exist_ok=True)
     (out / "losses.json").write_text(json.dumps(losses))
     save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(out / "state_dict.safetensors"))
+# Tear down together: a gloo rank destroying its group while a peer is still busy can abort.
+dist.barrier()
 dist.destroy_process_group()

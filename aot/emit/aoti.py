@@ -1,0 +1,186 @@
+"""Compile: each training program, compiled ahead of time by AOTInductor (`aot build --compile aoti`).
+
+The exported step (the same program the portable tier stores as JSON) goes through
+`torch._inductor.aoti_compile_and_package`, which lowers it, generates C++ (or CUDA) kernels and a
+wrapper, and links them into a shared library packaged as a `.pt2` zip. The runner loads it with no
+compiler and no Python graph (runner/compiled.py) when the run's device kind, instruction set and
+torch match what it was compiled for, and otherwise runs the portable program.
+
+Choices that keep the two tiers interchangeable:
+- Collectives stay functional collectives naming their group ("aot.dp"); AOTInductor resolves the
+  name when the package runs, against the groups the runner binds (runner/groups.py). Compiling
+  needs a group under each name too (inductor asks its size), so a fake process group stands in.
+- Random operators fall back to ATen's (`fallback_random`), so dropout draws the same numbers from
+  the same seed as the portable program.
+- On x86-64, the library is compiled for the instruction-set level inductor vectorizes for
+  (x86-64-v3 for AVX2, x86-64-v4 for AVX-512) instead of `-march=native`, so it runs on every CPU
+  of that level and the runner can tell from ATen's CPU capability whether a CPU is one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import platform
+import tempfile
+import warnings
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from aot.errors import AotError
+from runner.compiled import MODEL_NAME, X86_ISA, package_problem
+
+COMPILED_DIR = "compiled"
+COMPILERS = ("portable", "aoti")
+
+
+@dataclass
+class CompiledPackages:
+    files: dict[str, bytes]  # relative path -> package bytes, written and hashed with the artifact
+    entry: dict              # the manifest's `compiled` entry (artifacts/FORMAT.md, "Compiled tier")
+
+
+def target_device(profile: dict) -> torch.device:
+    """The build machine's device kind the packages are compiled for: CUDA when the artifact's
+    topology is a GPU one and this machine has a GPU (a CUDA package is useless to CPU ranks),
+    else the CPU."""
+    if profile.get("device_kind") == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def check_compiler(device: torch.device) -> None:
+    """Fail before the build's work, in one line, where AOTInductor could not compile at all."""
+    from torch._inductor import config, exc
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        found = ", ".join(c for c in config.cpp.cxx if c) or "none"
+        raise AotError(f"--compile aoti needs a C++ compiler on the build machine and none works here (tried {found}; "
+                       f"set CXX, or build without --compile aoti)") from None
+    if device.type == "cuda":
+        from torch.utils.cpp_extension import CUDA_HOME
+        if CUDA_HOME is None:
+            raise AotError("--compile aoti for CUDA needs the CUDA toolkit (nvcc) on the build machine; "
+                           "set CUDA_HOME, or build without --compile aoti")
+
+
+def _cpu_target() -> tuple[dict, dict]:
+    """(the manifest's device entry, inductor config) for a CPU package built here."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = str(pick_vec_isa() or "") or "none"
+    arch = platform.machine()
+    if arch in ("x86_64", "AMD64"):
+        march, capability = X86_ISA.get(isa, ("x86-64", "DEFAULT"))
+        return ({"kind": "cpu", "arch": arch, "isa": isa, "capability": capability, "march": march},
+                {"cpp.march": march})
+    # Elsewhere inductor's own flags stay; the runner then asks for this very CPU capability.
+    return ({"kind": "cpu", "arch": arch, "isa": isa, "capability": torch.backends.cpu.get_cpu_capability(),
+             "march": "default"}, {})
+
+
+def _cuda_target(device: torch.device) -> tuple[dict, dict]:
+    major, minor = torch.cuda.get_device_capability(device)
+    return {"kind": "cuda", "capability": f"{major}.{minor}", "name": torch.cuda.get_device_name(device)}, {}
+
+
+@contextlib.contextmanager
+def _fake_groups(groups: dict[str, int], world_size: int):
+    """A fake process group of `world_size` with a group of each size registered under each graph
+    name, for as long as the compile runs; nothing is communicated."""
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise AotError("--compile aoti needs its own (fake) process group, but one is already initialized")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        for name, size in groups.items():
+            group = dist.group.WORLD if size == world_size else dist.new_group(list(range(size)))
+            _register_process_group(name, group)
+        yield
+    finally:
+        for name in groups:
+            with contextlib.suppress(Exception):
+                _unregister_process_group(name)
+        dist.destroy_process_group()
+
+
+def _example_inputs(ep: torch.export.ExportedProgram, device: torch.device) -> tuple:
+    """Real zero tensors shaped like the program's inputs: AOTInductor reads their shapes, dtypes,
+    strides and devices (it never runs them)."""
+    values = [node.meta["val"] for node in ep.graph.nodes if node.op == "placeholder"]
+    return tuple(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device).zero_() for v in values)
+
+
+def _reproducible(data: bytes) -> bytes:
+    """The package re-written so that two builds of one program give the same bytes (as the rest
+    of an artifact does): the generated sources lose the compile and link commands inductor
+    appends (build-machine paths; appended again on a cache hit), the random serialization id
+    becomes one derived from the content, and entries get fixed dates. The library itself is
+    already reproducible."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        entries = [(info.filename, archive.read(info)) for info in archive.infolist() if not info.is_dir()]
+    cleaned = []
+    for name, content in entries:
+        if name.endswith(".cpp") and b"\n// Compile cmd\n" in content:
+            content = content[: content.index(b"\n// Compile cmd\n")].rstrip() + b"\n"
+        cleaned.append((name, content))
+    digest = hashlib.sha256(b"".join(n.encode() + c for n, c in cleaned if not n.endswith("serialization_id")))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+        for name, content in cleaned:
+            if name.endswith(".data/serialization_id"):
+                content = str(int(digest.hexdigest(), 16))[:40].encode()
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, content)
+    return out.getvalue()
+
+
+def compile_programs(programs: dict[str, torch.export.ExportedProgram], groups: dict[str, int], world_size: int,
+                     device: torch.device) -> CompiledPackages:
+    """One AOTInductor package per program (name -> exported program), for `device`.
+    `groups`: the graph's process-group names and their sizes."""
+    import torch._inductor  # noqa: F401  (torch imports it lazily)
+
+    device_entry, configs = _cuda_target(device) if device.type == "cuda" else _cpu_target()
+    configs = {**configs, "fallback_random": True}
+    files, entries = {}, {}
+    with tempfile.TemporaryDirectory(prefix="aot-aoti-") as tmp, _fake_groups(groups, world_size), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own deprecation chatter during lowering
+        for name, ep in programs.items():
+            if device.type != "cpu":
+                from torch.export.passes import move_to_device_pass
+                ep = move_to_device_pass(ep, device)
+            saved = ep._example_inputs
+            ep._example_inputs = (_example_inputs(ep, device), {})
+            try:
+                path = torch._inductor.aoti_compile_and_package(
+                    ep, package_path=str(Path(tmp) / f"{name}.pt2"), inductor_configs=configs)
+            except AotError:
+                raise
+            except Exception as e:
+                message = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+                raise AotError(f"AOTInductor could not compile program {name!r} ({type(e).__name__}: {message[:300]}); "
+                               f"build without --compile aoti to ship the portable program only") from e
+            finally:
+                ep._example_inputs = saved
+            data = _reproducible(Path(path).read_bytes())
+            problem = package_problem(data)
+            if problem:  # pickled entries are refused, never shipped
+                raise AotError(f"the AOTInductor package of program {name!r} {problem}")
+            relpath = f"{COMPILED_DIR}/{name}.{device.type}.pt2"
+            files[relpath] = data
+            entries[name] = {"file": relpath, "model_name": MODEL_NAME}
+    entry = {"compiler": "aoti", "device": device_entry, "torch_version": torch.__version__, "programs": entries}
+    return CompiledPackages(files, entry)

@@ -1,0 +1,94 @@
+"""FSDP re-gather: all-gather a parameter again for backward instead of keeping it from forward.
+
+Autograd saves what backward needs, and for a layer that is its full (gathered) weight, so without
+this pass every gathered parameter of the model stays alive from its forward use to its backward
+use: at the turn of the step the rank holds the whole model, as data parallel would. FSDP (ZeRO-3)
+frees each full parameter after forward and gathers it again when backward reaches its layer;
+this pass does the same in the graph. Backward uses of a gathered parameter (and of views of it:
+slices, reshapes, transposes) are redirected to a fresh gather of the same shard placed at that
+point, so the forward copy dies after its last forward use. The gather is recomputed from the
+unchanged shard, so results are bit-identical; run before `prefetch_parameter_gathers`, which then
+puts each backward gather one parameter ahead of its use too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aot.passes.graph_utils import ALL_GATHER, WAIT, is_call
+
+_aten = torch.ops.aten
+# Ops that only view their input: a chain of them from a gather still is "the parameter".
+_VIEWS = {
+    _aten.slice.Tensor, _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.t.default,
+    _aten.transpose.int, _aten.permute.default, _aten.expand.default, _aten.alias.default,
+    _aten.unsqueeze.default, _aten.squeeze.dim, _aten.squeeze.default,
+}
+
+
+def regather_in_backward(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = gm.graph
+    boundary = _loss_node(graph)
+    if boundary is None:
+        return gm
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    turn = position[boundary]
+    for gather in [n for n in graph.nodes if is_call(n, {ALL_GATHER}) and n.args[0].op == "placeholder"]:
+        waits = [u for u in gather.users if is_call(u, {WAIT})]
+        if len(waits) != 1:
+            continue
+        chain = _view_chain(waits[0])
+        late = [u for node in chain for u in node.users if u not in chain and position[u] > turn]
+        if not late or all(position[node] > turn for node in chain):
+            continue
+        first = min(late, key=position.__getitem__)
+        copies: dict[torch.fx.Node, torch.fx.Node] = {}
+        with graph.inserting_before(first):
+            copies[gather] = graph.node_copy(gather)
+            for node in chain:  # in graph order, so every input is copied before its users
+                copies[node] = graph.node_copy(node, lambda n: copies.get(n, n))
+        for copy in copies.values():
+            _fresh_value(copy)
+        for node in chain:
+            for user in [u for u in node.users if u not in chain and u not in copies.values() and position.get(u, -1) > turn]:
+                user.replace_input_with(node, copies[node])
+        for node in reversed(chain):  # views that only backward read are now dead: drop them
+            if not node.users and node is not chain[0]:
+                graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _fresh_value(node: torch.fx.Node) -> None:
+    """node_copy shares the original's fake value, hence its storage: recompute it from the copy's
+    own inputs so later analyses (memory liveness) see a new buffer and views of it."""
+    val = node.meta.get("val")
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return
+    as_value = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a
+    with mode:
+        node.meta["val"] = node.target(*[as_value(a) for a in node.args],
+                                       **{k: as_value(v) for k, v in node.kwargs.items()})
+
+
+def _loss_node(graph: torch.fx.Graph) -> torch.fx.Node | None:
+    """The step's loss: the program's first output is its detached value. Every node after the
+    loss belongs to backward or to the optimizer update."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    first = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else None
+    if not isinstance(first, torch.fx.Node):
+        return None
+    return first.args[0] if first.target == _aten.detach.default else first
+
+
+def _view_chain(wait: torch.fx.Node) -> list[torch.fx.Node]:
+    """The wait and every node that only views it (transitively), in graph order."""
+    chain, todo = {wait}, [wait]
+    while todo:
+        for user in todo.pop().users:
+            if user not in chain and is_call(user, _VIEWS) and user.args[0] in chain:
+                chain.add(user)
+                todo.append(user)
+    return [n for n in wait.graph.nodes if n in chain]

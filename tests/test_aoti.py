@@ -1,0 +1,203 @@
+"""The compiled tier: `aot build --compile aoti` packages, and `aot run` choosing between tiers.
+
+Real builds and real 2-rank torchrun runs on CPU with gloo: the AOTInductor package of a program
+with all_reduce, all_gather and reduce_scatter trains to the same losses and weights as the portable
+program (1e-5). A run that cannot use the package (another device kind, a CPU below the package's
+level, another torch) falls back with one notice line, or fails in one line when --tier compiled
+insists. Packages are checked entry by entry before they are loaded: no pickle is ever read.
+Each strategy compiles once per module (about 30-40 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers.commands import EXAMPLES, REPO, TIMEOUT, aot, clean_env, ok, show
+from runner.artifact import Artifact, manifest_digest
+from runner.checkpoint import merge_checkpoint
+from runner.compiled import choose_tier, live_device, load_compiled, mismatch, package_problem
+from runner.errors import AotError
+from runner.integrity import sha256_bytes
+
+MLP = EXAMPLES / "mlp.py"
+AOT_FRAME = re.compile(r'File "[^"]*[/\\](aot|runner)[/\\][^"]*\.py", line \d+')
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                                reason="AOTInductor needs a C++ compiler")
+
+
+def torchrun(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node 2 -m aot ARGS`, with extra environment variables."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "aot",
+           *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """strategy -> examples/mlp.py built with --compile aoti for 2 ranks. Both builds run at once:
+    compiling is mostly one core's work, and the machine has two."""
+    root = tmp_path_factory.mktemp("aoti")
+    strategies = ("dp=2", "fsdp=2")
+    with ThreadPoolExecutor(len(strategies)) as pool:
+        results = pool.map(lambda s: aot("build", MLP, "--strategy", s, "--no-onnx", "--compile", "aoti",
+                                         "-o", root / s.replace("=", ""), "--quiet"), strategies)
+        for r in results:
+            ok(r)
+    return lambda strategy: root / strategy.replace("=", "")
+
+
+def train(art: Path, tier: str, folder: Path) -> tuple[list[dict], dict[str, torch.Tensor], str]:
+    """3 steps at 2 ranks: (metrics records, merged final weights, stderr)."""
+    folder.mkdir(parents=True)
+    r = ok(torchrun("run", art, "--steps", "3", "--tier", tier, "--metrics", folder / "m.jsonl", "--save", folder / "ck"))
+    merge_checkpoint(folder / "ck", folder / "w.safetensors")  # what `aot checkpoint merge` runs
+    records = [json.loads(line) for line in (folder / "m.jsonl").read_text().splitlines()]
+    return records, load_file(folder / "w.safetensors"), r.stderr
+
+
+@pytest.mark.parametrize("strategy", ["dp=2", "fsdp=2"])
+def test_compiled_tier_trains_like_the_portable_tier(compiled, strategy, tmp_path):
+    art = compiled(strategy)
+    manifest = json.loads((art / "manifest.json").read_text())
+    entry = manifest["compiled"]
+    assert entry["device"]["kind"] == "cpu" and entry["torch_version"] == torch.__version__
+    package = entry["programs"]["train"]["file"]
+    assert package in manifest["files"] and (art / package).is_file()
+    kinds = {c["kind"] for c in manifest["programs"]["train"]["collectives"]}
+    assert "all_reduce" in kinds and (strategy == "dp=2" or {"all_gather_into_tensor", "reduce_scatter_tensor"} <= kinds)
+
+    runs = {tier: train(art, tier, tmp_path / tier) for tier in ("compiled", "portable")}
+    (c_records, c_weights, c_err), (p_records, p_weights, p_err) = runs["compiled"], runs["portable"]
+    assert [r["tier"] for r in c_records] == ["compiled"] * 3 and [r["tier"] for r in p_records] == ["portable"] * 3
+    assert "compiled tier" in c_err and "portable tier" in p_err and "notice:" not in c_err
+    for a, b in zip(c_records, p_records):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
+    assert c_records[-1]["loss"] < c_records[0]["loss"]  # it trains
+    assert c_weights.keys() == p_weights.keys()
+    for name in c_weights:
+        assert torch.allclose(c_weights[name], p_weights[name], rtol=0, atol=1e-5), name
+    summary = json.loads(ok(aot("inspect", art, "--json")).stdout)
+    assert summary["compiled"]["programs"]["train"]["file"] == package
+
+
+def test_tier_choice_follows_device_kind_cpu_level_and_torch():
+    cpu = {"kind": "cpu", "arch": "x86_64", "isa": "avx2", "capability": "AVX2", "march": "x86-64-v3"}
+    entry = {"compiler": "aoti", "device": cpu, "torch_version": torch.__version__,
+             "programs": {"train": {"file": "compiled/train.cpu.pt2"}}}
+    here_cpu = {"kind": "cpu", "arch": "x86_64", "capability": "AVX2"}
+    assert choose_tier(entry, "train", here_cpu) == ("compiled", None)
+    assert choose_tier(entry, "train", {**here_cpu, "capability": "AVX512"}) == ("compiled", None)
+    assert choose_tier(entry, "train", here_cpu, "portable") == ("portable", None)
+    # a package for the CPU on a GPU run, and one for a GPU on a CPU run: the portable program, one notice
+    tier, notice = choose_tier(entry, "train", {"kind": "cuda", "capability": "9.0"})
+    assert tier == "portable"
+    assert notice == "notice: compiled package is for cpu, this run is cuda; using the portable program"
+    cuda = {**entry, "device": {"kind": "cuda", "capability": "9.0"}}
+    assert choose_tier(cuda, "train", here_cpu)[1] == \
+        "notice: compiled package is for cuda, this run is cpu; using the portable program"
+    assert choose_tier(cuda, "train", {"kind": "cuda", "capability": "9.0"}) == ("compiled", None)
+    assert "compute capability 9.0, this GPU has 8.0" in choose_tier(cuda, "train", {"kind": "cuda", "capability": "8.0"})[1]
+    with pytest.raises(AotError, match="compiled package is for cuda, this run is cpu; .*--tier auto"):
+        choose_tier(cuda, "train", here_cpu, "compiled")
+    # below the package's CPU level, another architecture, another torch build
+    assert "needs AVX2 CPUs" in choose_tier(entry, "train", {**here_cpu, "capability": "DEFAULT"})[1]
+    assert "is for x86_64 CPUs" in choose_tier(entry, "train", {**here_cpu, "arch": "aarch64"})[1]
+    assert "torch 2.99.0+cu999" in mismatch(cpu, here_cpu, "2.99.0+cu999")
+    # an artifact built without --compile aoti: portable with nothing to say, or one line when insisted on
+    assert choose_tier(None, "train", here_cpu) == ("portable", None)
+    with pytest.raises(AotError, match="has no compiled package"):
+        choose_tier(None, "train", here_cpu, "compiled")
+    with pytest.raises(AotError, match="the compiled entry needs"):
+        choose_tier({"device": "cpu"}, "train", here_cpu)
+    assert live_device(torch.device("cpu"))["capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_cpu_below_the_package_level_falls_back_with_one_notice(compiled, tmp_path):
+    """A run whose CPU capability is below the package's (ATen told to use its baseline kernels, as
+    on a CPU without AVX2): auto runs the portable program after one notice line; --tier compiled
+    fails in one line on every rank."""
+    art = compiled("dp=2")
+    baseline = {"ATEN_CPU_CAPABILITY": "default"}
+    r = ok(torchrun("run", art, "--steps", "1", "--metrics", tmp_path / "m.jsonl", env=baseline))
+    notices = [line for line in r.stderr.splitlines() if line.startswith("notice:")]
+    assert len(notices) == 1, show(r)
+    assert "compiled package needs" in notices[0] and notices[0].endswith("using the portable program"), show(r)
+    assert json.loads((tmp_path / "m.jsonl").read_text())["tier"] == "portable"
+
+    r = torchrun("run", art, "--steps", "1", "--tier", "compiled", env=baseline)
+    assert r.returncode != 0 and not AOT_FRAME.search(r.stderr), show(r)  # torchrun's own traceback is torch's
+    errors = [line for line in r.stderr.splitlines() if line.startswith("aot: error: ")]
+    assert len(errors) == 2 and all("compiled package needs" in e and "--tier auto" in e for e in errors), show(r)
+
+
+class Exploit:
+    """A pickle that, if ever unpickled, writes a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _repack(data: bytes, extra: dict[str, bytes]) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info, src.read(info))
+        for name, content in extra.items():
+            dst.writestr(name, content)
+    return out.getvalue()
+
+
+def test_compiled_package_holding_a_pickle_is_refused(compiled, tmp_path):
+    """A pickle planted in the package with the hashes and digest rewritten to match is refused
+    before the loader sees the package, and is never unpickled."""
+    art = Path(shutil.copytree(compiled("dp=2"), tmp_path / "art"))
+    manifest = json.loads((art / "manifest.json").read_text())
+    relpath = manifest["compiled"]["programs"]["train"]["file"]
+    marker = tmp_path / "executed"
+    planted = _repack((art / relpath).read_bytes(), {"train/data/aotinductor/model/constants.json":
+                                                     pickle.dumps(Exploit(str(marker)))})
+    (art / relpath).write_bytes(planted)
+    manifest["files"][relpath] = {"sha256": sha256_bytes(planted), "size": len(planted)}
+    manifest["digest"] = manifest_digest(manifest)
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(AotError, match="holds a pickle") as e:
+        load_compiled(Artifact(art), "train", torch.device("cpu"), len(manifest["programs"]["train"]["inputs"]))
+    assert relpath in str(e.value) and "\n" not in str(e.value)
+    assert not marker.exists()
+
+
+def test_package_entries_are_checked_before_loading(compiled):
+    data = (compiled("dp=2") / "compiled" / "train.cpu.pt2").read_bytes()
+    assert package_problem(data) is None
+    assert "unsafe path" in package_problem(_repack(data, {"../outside.so": b"\x7fELF"}))
+    assert "not part of an AOTInductor package" in package_problem(_repack(data, {"train/data/weights.pkl": b"x"}))
+    assert "nested zip" in package_problem(_repack(data, {"train/extra.json": data[:64]}))
+    assert "not a zip" in package_problem(b"\x80\x04K\x01.")
+
+
+def test_build_without_a_cpp_compiler_fails_in_one_line(tmp_path):
+    env = {**clean_env(), "CXX": str(tmp_path / "no-such-compiler")}
+    r = subprocess.run([sys.executable, "-m", "aot", "build", str(MLP), "--no-onnx", "--compile", "aoti",
+                        "-o", str(tmp_path / "art"), "--quiet"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, show(r)
+    assert r.stderr.strip().splitlines() == [line for line in r.stderr.strip().splitlines() if line.startswith("aot: error: ")]
+    assert "needs a C++ compiler" in r.stderr, show(r)
+    assert not (tmp_path / "art").exists()
