@@ -1,6 +1,6 @@
 """Benchmark: how long `aot plan` takes for a large machine.
 
-    python bench/plan_scale.py [--model examples/gpt.py] [--topology dgx_a100] [--nodes 128] [--repeats 3]
+    python bench/plan_scale.py [--model examples/gpt.py] [--topology dgx_a100] [--nodes 128] [--repeats 3] [--axes dp,fsdp]
 
 Runs `aot plan MODEL --topology T --nodes N --json` as a fresh process `--repeats` times and
 reports its wall time (process start to exit, interpreter and torch import included), the time the
@@ -29,8 +29,11 @@ def main() -> None:
     ap.add_argument("--topology", default="dgx_a100")
     ap.add_argument("--nodes", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--axes", default=None, help="passed to `aot plan --axes` (default: the command's own)")
     args = ap.parse_args()
     cmd = [sys.executable, "-m", "aot", "plan", args.model, "--topology", args.topology, "--nodes", str(args.nodes), "--json"]
+    if args.axes:
+        cmd += ["--axes", args.axes]
     runs = []
     for _ in range(args.repeats):
         t0, busy0, own0 = time.time(), busy_cpu_s(), own_cpu_s()

@@ -140,7 +140,7 @@ def test_inspect_reports_collectives_per_step(gpt2):
 
 def test_small_buckets_give_more_collectives(tmp_path):
     out = tmp_path / "art"
-    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", "2", "--bucket-mb", "0.01", "-o", out, "--quiet"))
+    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", "2", "--bucket-mb", "0.01", "-o", out, "--quiet", "--no-onnx"))
     summary = json.loads(ok(aot("inspect", out, "--json")).stdout)
     assert summary["programs"]["train"]["collectives_per_step"] > 1
 
@@ -169,7 +169,7 @@ def test_fsdp_shards_parameters_and_optimizer_state(tmp_path):
     sizes = {}
     for strategy in ("dp=4", "fsdp=4"):
         out = tmp_path / strategy
-        ok(aot("build", EXAMPLES / "gpt.py", "--strategy", strategy, "--batch-size", "2", "-o", out, "--quiet"))
+        ok(aot("build", EXAMPLES / "gpt.py", "--strategy", strategy, "--batch-size", "2", "-o", out, "--quiet", "--no-onnx"))
         manifest = json.loads((out / "manifest.json").read_text())
         per_rank = []
         for rank in range(4):

@@ -21,7 +21,7 @@ STEPS, EVERY = 160, 20
 @pytest.fixture(scope="module")
 def gpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("fault") / "art"
-    ok(aot("build", EXAMPLES / "gpt.py", "--world-size", "2", "--batch-size", "4", "-o", out, "--quiet"))
+    ok(aot("build", EXAMPLES / "gpt.py", "--world-size", "2", "--batch-size", "4", "-o", out, "--quiet", "--no-onnx"))
     return out
 
 

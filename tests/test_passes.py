@@ -27,7 +27,8 @@ GROUP = "aot.test"
 
 @pytest.fixture(scope="module", autouse=True)
 def single_rank_group():
-    if not dist.is_initialized():
+    started = not dist.is_initialized()
+    if started:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -35,6 +36,9 @@ def single_rank_group():
         dist.init_process_group("gloo", rank=0, world_size=1)
     _register_process_group(GROUP, dist.group.WORLD)
     yield
+    # Later tests build in this process; a tensor-parallel capture needs its own (fake) group.
+    if started:
+        dist.destroy_process_group()
 
 
 def capture(model="mlp.py", axis="dp"):

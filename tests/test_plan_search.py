@@ -85,20 +85,25 @@ def test_plans_that_do_not_fit_are_kept_but_never_chosen(tmp_path):
     assert result.exit_code == 1 and "no plan fits the device memory" in str(result.exception)
 
 
-def test_plan_for_128_dgx_a100_nodes_takes_under_10_seconds():
-    """dp x fsdp over 1024 ranks in under 10 s; tensor parallelism adds two traces per tp degree
-    (gpt.py takes tp=2 and tp=4, and tp stays inside a node)."""
-    start = time.perf_counter()
+def test_plan_for_128_dgx_a100_nodes():
+    """dp x fsdp over 1024 ranks: the model traced twice, every factorization priced. How long it
+    takes is a benchmark (bench/plan_scale.py, BENCHMARKS.md), not a timed test."""
     out = _plan(GPT, "--topology", "dgx_a100", "--nodes", "128", "--axes", "dp,fsdp")
-    wall = time.perf_counter() - start
     assert out["world_size"] == 1024 and out["nodes"] == 128
     assert {p["strategy"] for p in out["plans"]} >= {"dp=1024", "fsdp=1024", "dp=128,fsdp=8"}
-    assert wall < 10, f"planning 1024 ranks took {wall:.1f} s"
+    best = out["plans"][0]
+    assert best["fits"] and best["nccl_algo"].startswith("allreduce:")
+
+
+@pytest.mark.slow
+def test_plan_for_128_dgx_a100_nodes_prices_tensor_parallel_within_a_node():
     with_tp = _plan(GPT, "--topology", "dgx_a100", "--nodes", "128")
     strategies = {p["strategy"] for p in with_tp["plans"]}
     assert {"dp=256,tp=4", "dp=512,tp=2"} <= strategies and not any("tp=8" in s for s in strategies)
-    best = out["plans"][0]
-    assert best["fits"] and best["nccl_algo"].startswith("allreduce:")
+    skipped = " | ".join(with_tp["skipped"])
+    assert "tp=8: --strategy tp=8: the tensor-parallel degree must divide the attention heads" in skipped
+    assert "tp=16 would span nodes (8 ranks per node)" in skipped
+    assert with_tp["plans"][0]["fits"]
 
 
 def test_build_strategy_auto_records_the_plan_and_its_timeline(tmp_path):

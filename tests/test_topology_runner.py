@@ -25,7 +25,7 @@ ERROR = re.compile(r"^aot: error: \[rank (\d+)\] (.*)$", re.M)
 @pytest.fixture(scope="module")
 def dgx_artifact(tmp_path_factory):
     out = tmp_path_factory.mktemp("topology") / "dgx"
-    ok(aot("build", REPO / "examples" / "mlp.py", "--topology", "dgx_a100", "--world-size", "2", "-o", out, "--quiet"))
+    ok(aot("build", REPO / "examples" / "mlp.py", "--topology", "dgx_a100", "--world-size", "2", "-o", out, "--quiet", "--no-onnx"))
     return out
 
 

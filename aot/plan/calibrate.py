@@ -34,6 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from runner.groups import leave_process_group
+
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -308,7 +310,7 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, log=prin
                 measurements[kind] = [[n, t] for n, t in pts]
     finally:
         if started:
-            dist.destroy_process_group()
+            leave_process_group()
     if rank != 0:
         return None
     profile = dict(base)
