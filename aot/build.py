@@ -96,6 +96,9 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         from aot.plan.search import plan_for_build
         planned = plan_for_build(options, profile, progress)
         options = replace(options, strategy=planned.strategy, bucket_mb=planned.bucket_mb)
+        if options.sequence_parallel and "tp=" not in planned.strategy:
+            progress.note("the plan has no tp axis: --sequence-parallel does not apply")
+            options = replace(options, sequence_parallel=False)
     mesh = Mesh.parse(options.strategy, options.world_size)
     compile_device = None
     if options.compile == "aoti":  # a missing C++ compiler fails here, before the work

@@ -51,10 +51,12 @@ def render_table(rows: list[dict], header: str) -> str:
 @click.option("--axes", default="dp,fsdp,tp", show_default=True,
               help="Parallel axes to search, comma-separated. Each tensor-parallel degree the model takes "
                    "costs two traces of the step (seconds each); --axes dp,fsdp searches without tp.")
+@click.option("--sequence-parallel", is_flag=True,
+              help="Price tensor-parallel meshes with sequence parallelism, as `aot build --sequence-parallel` builds them.")
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print every candidate as JSON.")
 @debug_option
-def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, axes, top, as_json):
+def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, axes, sequence_parallel, top, as_json):
     """Rank the ways to train MODEL_FILE on a topology, before any GPU is used.
 
     Traces the step a few times, then prices every candidate plan (parallel degrees among the axes the
@@ -83,7 +85,8 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     if unknown or not searched:
         raise AotError(f"--axes {axes!r}: expected some of {', '.join(SUPPORTED_AXES)}")
     plans, skipped, planner, steps = plan_model(model_file, profile, world_size, batch_size, seed=seed,
-                                                bucket_mbs=tuple(bucket_mbs) or None, axes=searched)
+                                                bucket_mbs=tuple(bucket_mbs) or None, axes=searched,
+                                                sequence_parallel=sequence_parallel)
     machine = planner.machine
     seconds = time.perf_counter() - started
     rows = [p.row() for p in plans]

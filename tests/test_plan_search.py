@@ -187,3 +187,15 @@ def test_run_profile_is_compared_with_the_plan_by_inspect(tmp_path):
     assert 0 <= times["exposed_comm_s"]["measured"] <= times["step_s"]["measured"] * 5
     text = ok(aot("inspect", art, "--profile", prof)).stdout
     assert "measured/predicted" in text and "exposed communication" in text
+
+
+def test_plan_prices_sequence_parallel_as_the_build_makes_it():
+    """tp=4 on 4 ranks: row-wise outputs all-reduced without --sequence-parallel; all-gathered and
+    reduce-scattered along the sequence with it, and fewer activation bytes held per rank."""
+    plain = _plan(GPT, "--topology", "dgx_a100", "--world-size", "4", "--axes", "tp", "--bucket-mb", "25")["plans"][0]
+    sp = _plan(GPT, "--topology", "dgx_a100", "--world-size", "4", "--axes", "tp", "--bucket-mb", "25",
+               "--sequence-parallel")["plans"][0]
+    assert plain["strategy"] == sp["strategy"] == "tp=4"
+    assert set(plain["algorithms"]) == {"all_reduce:double_binary_tree"}
+    assert {k.split(":")[0] for k in sp["algorithms"]} == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert sp["memory_bytes"]["peak_transient"] < plain["memory_bytes"]["peak_transient"]

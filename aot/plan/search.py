@@ -241,7 +241,7 @@ class ModelSteps:
     and where the model can take it (heads and split features divide, aot.plan.tensor_parallel)."""
 
     def __init__(self, model_path: Path, batch_size: int, seed: int = 0, world_size: int | None = None,
-                 max_tp: int | None = None):
+                 max_tp: int | None = None, sequence_parallel: bool = False):
         from aot.build import _example_batch
         from aot.capture.model_file import load_model_file
         from aot.capture.training_state import build_training_state
@@ -257,6 +257,7 @@ class ModelSteps:
         self.param_numels = [p.numel() for p in self.state.params.values()]
         self.world_size = world_size
         self.max_tp = max_tp
+        self.sequence_parallel = sequence_parallel   # price tp meshes with sequence parallelism (--sequence-parallel)
         self.traced: dict[tuple, StepGraph] = {}
         self._tp_plan: dict | None = None
 
@@ -282,8 +283,20 @@ class ModelSteps:
         from aot.plan.mesh import Mesh
 
         group = lambda axis, size: Group(Mesh.group_name(axis), size) if size > 1 else None
-        plan = tuple(sorted(self.tp_plan(tp).items())) if tp > 1 else ()
-        return StepLayout(group("dp", dp), group("fsdp", fsdp), group("tp", tp), plan)
+        plan = self.tp_plan(tp) if tp > 1 else {}
+        sequence = self.sequence_layout(plan, tp) if tp > 1 and self.sequence_parallel else None
+        return StepLayout(group("dp", dp), group("fsdp", fsdp), group("tp", tp), tuple(sorted(plan.items())), sequence)
+
+    def sequence_layout(self, plan: dict[str, str], tp: int) -> dict:
+        """The build's sequence-parallel layout at this degree; Unsupported where the build would refuse."""
+        from aot.plan.tensor_parallel import check_sequence_length, sequence_parallel_layout
+
+        try:
+            sequence = sequence_parallel_layout(self.state.model, plan, "the plan")
+            check_sequence_length(self.state.model, self.inputs, sequence["blocks"][0], tp)
+        except AotError as e:
+            raise Unsupported(str(e)) from None
+        return sequence
 
     def capture(self, dp: int, fsdp: int, tp: int = 1) -> StepGraph:
         """The analyzed graph of one rank for a dp x fsdp x tp mesh, traced as the build traces it."""
@@ -309,7 +322,7 @@ class ModelSteps:
             raise Unsupported(f"no graph for axes {', '.join(other)} yet (priced once the build captures them)")
         dp, fsdp, tp = degrees.get("dp", 1), degrees.get("fsdp", 1), degrees.get("tp", 1)
         if tp > 1:
-            self.tp_plan(tp)
+            self.layout(1, 1, tp)  # Unsupported here, before any trace, where the build would refuse tp
         if fsdp == 1:
             return self._traced(dp, 1, tp)
         if dp > 1 or (self.world_size or 0) >= 4 * tp:
@@ -324,12 +337,14 @@ class ModelSteps:
 
 
 def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int, *, seed: int = 0,
-               bucket_mbs: tuple[float, ...] | None = None, axes: tuple[str, ...] | None = None):
+               bucket_mbs: tuple[float, ...] | None = None, axes: tuple[str, ...] | None = None,
+               sequence_parallel: bool = False):
     """(ranked plans, skipped meshes, machine, model steps) for a model file on a profile."""
     from aot.plan.mesh import SUPPORTED_AXES
 
     machine = Machine(profile, world_size)
-    steps = ModelSteps(model_path, batch_size, seed, world_size, max_tp=machine.per_node)
+    steps = ModelSteps(model_path, batch_size, seed, world_size, max_tp=machine.per_node,
+                       sequence_parallel=sequence_parallel)
     planner = Planner(machine, steps)
     plans, skipped = planner.search(tuple(axes or SUPPORTED_AXES), bucket_mbs)
     return plans, skipped, planner, steps
@@ -398,7 +413,7 @@ def plan_for_build(options, profile: dict, progress) -> BuildPlan:
     progress.total += 1
     with progress.stage(f"planning: pricing strategies and bucket sizes on topology {profile['name']!r}"):
         plans, skipped, planner, _ = plan_model(options.model_path, profile, options.world_size, options.batch_size,
-                                                seed=options.seed)
+                                                seed=options.seed, sequence_parallel=options.sequence_parallel)
         chosen = best_plan(plans)
         identity = list(range(planner.machine.world_size))
         realizable = layout(planner.machine, chosen.axes, chosen.shape, chosen.placement.order, identity)
