@@ -15,7 +15,9 @@ from aot.emit.artifact import PROGRAM, emit_artifact, export_step
 from aot.emit.onnx_export import ONNX_FILE, build_inference
 from aot.errors import AotError
 from aot.passes import run_passes
+from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
+from aot.plan.placement import Placement, place
 from aot.plan.tensor_parallel import (check_degree, check_divisible, check_sequence_length, find_plan,
                                      sequence_parallel_layout, user_plan)
 from aot.progress import Progress
@@ -34,6 +36,7 @@ class BuildOptions:
     batch_size: int = 8
     max_steps: int = 1000
     bucket_mb: float = 25.0
+    prefetch_mb: float | None = None  # fsdp: full parameters gathered ahead of use (None: one parameter)
     seed: int = 0
     nodes: int | None = None  # nodes the job spans (None: the profile's own count)
     sign_key: Path | None = None
@@ -77,6 +80,16 @@ def _tensor_parallel_plan(mf, model, inputs, tp: int, progress: Progress) -> dic
     return plan
 
 
+def place_mesh(mesh: Mesh, profile: dict, planned=None) -> Placement:
+    """Which physical rank (torchrun's RANK, one per GPU) holds each coordinate of the mesh: the
+    plan's placement for `--strategy auto`, else the cheapest `place()` finds on the profile with
+    each axis's usual traffic (the mesh's own order on a tie, so CPU profiles and profiles whose
+    fast islands follow the GPU numbering keep mesh rank r on rank r)."""
+    if planned is not None:
+        return planned.chosen.placement.reordered(mesh.axes, mesh.shape)
+    return place(Machine(profile, mesh.world_size), mesh.axes, mesh.shape)
+
+
 def build(options: BuildOptions, progress: Progress) -> dict:
     """Run the stages (6, plus the ONNX export unless options.onnx is False, plus the AOTInductor
     compile with options.compile == "aoti") and write the artifact."""
@@ -86,6 +99,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         raise AotError(f"--max-steps must be at least 1, got {options.max_steps}")
     if options.bucket_mb <= 0:
         raise AotError(f"--bucket-mb must be positive, got {options.bucket_mb}")
+    if options.prefetch_mb is not None and options.prefetch_mb < 0:
+        raise AotError(f"--prefetch-mb must be at least 0, got {options.prefetch_mb}")
     check_writable_target(options.output, "folder")
     if options.sign_key is not None and not Path(options.sign_key).is_file():
         raise AotError(f"{options.sign_key}: no such signing key (make one with `aot keygen`)")
@@ -100,6 +115,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             progress.note("the plan has no tp axis: --sequence-parallel does not apply")
             options = replace(options, sequence_parallel=False)
     mesh = Mesh.parse(options.strategy, options.world_size)
+    placement = place_mesh(mesh, profile, planned)
     compile_device = None
     if options.compile == "aoti":  # a missing C++ compiler fails here, before the work
         from aot.emit.aoti import check_compiler, target_device
@@ -118,6 +134,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         state = build_training_state(mf, options.seed, options.max_steps)
     progress.note(f"{sum(p.numel() for p in state.params.values()):,} parameters, "
                   f"{state.optimizer_class}, mesh {mesh.describe()} on topology {profile['name']!r}")
+    if not placement.identity:
+        progress.note(f"placement: {describe_placement(placement)}")
     groups = {axis: Group(Mesh.group_name(axis), mesh.size(axis)) for axis in mesh.axes if mesh.size(axis) > 1}
     tp_plan = _tensor_parallel_plan(mf, state.model, rank_inputs, mesh.size("tp"), progress) if "tp" in groups else {}
     sequence = None
@@ -132,8 +150,11 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
         captured = capture_step(mf, state, rank_inputs, rank_targets, layout)
     with progress.stage("running graph passes (bucketing, overlap)"):
-        captured.graph = run_passes(captured.graph, bucket_bytes=int(options.bucket_mb * 2**20))
+        prefetch = None if options.prefetch_mb is None else int(options.prefetch_mb * 2**20)
+        captured.graph = run_passes(captured.graph, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch)
     plan_entry, plan_files = planned.finish(captured.graph, captured.slots) if planned else (None, {})
+    if plan_entry is not None:  # the placement over the mesh as built (its axes in the strategy's order)
+        plan_entry["placement"] = placement.to_json()
     with progress.stage("exporting the program"):
         ep = export_step(captured)
         custom_ops = custom_op_spec(mf, ep.graph)
@@ -152,7 +173,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     with progress.stage(f"writing the artifact to {options.output}"):
         manifest = emit_artifact(
             options.output, ep=ep, captured=captured, state=state, layout=layout, mesh=mesh, profile=profile,
-            example=example, batch_size=options.batch_size, sign_key=options.sign_key,
+            placement=placement, example=example, batch_size=options.batch_size, sign_key=options.sign_key,
             extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files,
                          **(compiled.files if compiled else {})} or None,
             extra_fields={**({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
@@ -162,7 +183,19 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             build={
                 "model_file": mf.path.name, "model_sha256": mf.sha256, "world_size": options.world_size,
                 "strategy": mesh.describe(), "batch_size": options.batch_size, "max_steps": options.max_steps,
-                "bucket_mb": options.bucket_mb, "seed": options.seed, "topology": profile["name"],
+                "bucket_mb": options.bucket_mb, "prefetch_mb": options.prefetch_mb, "seed": options.seed, "topology": profile["name"],
             },
         )
     return manifest
+
+
+def describe_placement(placement: Placement) -> str:
+    """One line: each axis's groups of physical ranks, innermost axis first."""
+    size = dict(zip(placement.axes, placement.shape))
+    parts = []
+    for axis in reversed(placement.order):
+        if size[axis] > 1:
+            groups = placement.groups(axis)
+            shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:4]) + (" ..." if len(groups) > 4 else "")
+            parts.append(f"{axis} groups {shown}")
+    return "; ".join(parts)

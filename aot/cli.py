@@ -49,6 +49,9 @@ def cli():
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Samples per data-parallel rank per step.")
 @click.option("--max-steps", type=int, default=1000, show_default=True, help="Steps of learning-rate schedule to store.")
 @click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="Gradient bucket size for all_reduce, in MiB.")
+@click.option("--prefetch-mb", type=float, default=None,
+              help="FSDP: MiB of full parameters that may be gathered ahead of their use (larger hides more of a slow "
+                   "link, for more memory). Default: one parameter ahead, as FSDP does.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Initial weights are those of torch.manual_seed(seed); model().")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Artifact folder to write.")
 @click.option("--sign", "sign_key", type=click.Path(path_type=Path), help="Sign the artifact with this Ed25519 private key (see `aot keygen`).")
@@ -62,7 +65,7 @@ def cli():
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
 @debug_option
-def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, batch_size, max_steps, bucket_mb, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
+def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, batch_size, max_steps, bucket_mb, prefetch_mb, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
     """Trace MODEL_FILE's whole training step into per-rank artifacts.
 
     MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),
@@ -78,7 +81,7 @@ def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, 
     if world_size is None:
         world_size = Mesh.parse(strategy, None).world_size if strategy != "auto" else 1
     options = BuildOptions(model_path=model_file, output=output, topology=topology, nodes=nodes, world_size=world_size,
-                           strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, seed=seed,
+                           strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, prefetch_mb=prefetch_mb, seed=seed,
                            sign_key=sign_key, onnx=onnx, compile=compile_tier, sequence_parallel=sequence_parallel)
     progress = Progress(total=6 + (onnx is not False) + (compile_tier == "aoti"), quiet=quiet or as_json)
     manifest = run_build(options, progress)

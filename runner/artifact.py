@@ -131,6 +131,7 @@ SCHEMA = {
     "data": {"batch_size": int, "example": str, "inputs": [TENSOR], "targets": TENSOR},
     "topology": {"name": str, "sha256": str, "profile": dict},
     "files": Map({"sha256": str, "size": int}),
+    "build": dict,
 }
 IO = {"name": str, "shape": [(int, str)], "dtype": str}  # str: a symbolic dimension such as "batch"
 INFERENCE_SCHEMA = {"file": str, "batch_dim": str, "inputs": [IO], "outputs": [IO]}
@@ -183,8 +184,13 @@ def _check_structure(m: dict, where: str) -> None:
         if not ok:
             raise AotError(f"{where}: {what}")
 
+    expect(isinstance(m["build"].get("seed", 0), int) and not isinstance(m["build"].get("seed", 0), bool),
+           "build.seed must be an integer")
     for name, program in m["programs"].items():
         expect(program["file"] in m["files"], f"programs[{name!r}].file is not listed in files")
+        constants = program.get("constants")
+        expect(constants is None or (isinstance(constants, str) and constants in m["files"]),
+               f"programs[{name!r}].constants is not listed in files")
         for j, slot in enumerate(program["inputs"]):
             try:
                 _conform(slot, SLOT_FIELDS[slot["kind"]], f"programs[{name!r}].inputs[{j}]")
@@ -201,6 +207,7 @@ def _check_structure(m: dict, where: str) -> None:
         expect(entry["program"] in m["programs"], f"rank {entry['rank']} names program {entry['program']!r}, which is not listed")
         for role in ("weights", "optimizer"):
             expect(entry[role] in m["files"], f"rank {entry['rank']}'s {role} file is not listed in files")
+    _check_placement(m, where, expect)
     if m.get("sharding") is not None:
         try:
             _conform(m["sharding"], {"axis": str, "group": str, "size": int, "params": Map(int)}, "sharding")
@@ -234,3 +241,52 @@ def _check_structure(m: dict, where: str) -> None:
     expect(m["data"]["example"] in m["files"], "data.example is not listed in files")
     for name, entry in m["files"].items():
         expect(len(entry["sha256"]) == 64, f"files[{name!r}].sha256 must have 64 hex digits")
+
+
+def _mesh_coords(axes: list[str], shape: list[int], mesh_rank: int) -> dict[str, int]:
+    """Coordinates of a mesh rank: row-major over the mesh's axes, the last fastest."""
+    coords = {}
+    for axis, degree in reversed(list(zip(axes, shape))):
+        coords[axis], mesh_rank = mesh_rank % degree, mesh_rank // degree
+    return coords
+
+
+def _check_placement(m: dict, where: str, expect) -> None:
+    """`ranks` are physical ranks (torchrun's RANK), one entry each, with the coordinates
+    `placement` gives them; every group of `process_groups` lists its ranks ascending, each at the
+    index of its coordinate along the group's axis. torch's new_group sorts the ranks it is given,
+    so a member's place in a collective (its all_gather piece, its reduce_scatter shard) is its
+    place in the sorted group: a group that is not in coordinate order would exchange shards out
+    of order, silently."""
+    world = m["world_size"]
+    axes, shape = m["mesh"]["axes"], m["mesh"]["shape"]
+    coords = {}
+    for entry in m["ranks"]:
+        expect(entry["rank"] < world and entry["rank"] not in coords,
+               f"ranks: rank {entry['rank']} is listed twice or outside world size {world}")
+        expect(sorted(entry["coords"]) == sorted(axes) and all(entry["coords"][a] < d for a, d in zip(axes, shape)),
+               f"ranks: rank {entry['rank']}'s coords {entry['coords']} are not coordinates of mesh {dict(zip(axes, shape))}")
+        coords[entry["rank"]] = entry["coords"]
+    placement = m.get("placement")
+    if placement is not None:
+        try:
+            _conform(placement, {"axes_outer_to_inner": [str], "physical_rank_of_mesh_rank": [int]}, "placement")
+        except AotError as e:
+            raise AotError(f"{where}: {e}") from None
+        physical = placement["physical_rank_of_mesh_rank"]
+        expect(sorted(physical) == list(range(world)),
+               f"placement.physical_rank_of_mesh_rank is not a permutation of the {world} ranks")
+        expect(sorted(placement["axes_outer_to_inner"]) == sorted(axes), "placement.axes_outer_to_inner are not the mesh's axes")
+        for mesh_rank, rank in enumerate(physical):
+            expect(coords[rank] == _mesh_coords(axes, shape, mesh_rank),
+                   f"ranks: rank {rank}'s coords {coords[rank]} are not those of mesh rank {mesh_rank}, which "
+                   f"placement puts on it")
+    for name, spec in m["process_groups"].items():
+        axis = spec["axis"]
+        expect(axis in axes, f"process_groups[{name!r}]: axis {axis!r} is not a mesh axis")
+        for group in spec["groups"]:
+            expect(all(r in coords for r in group), f"process_groups[{name!r}]: group {group} names a rank outside the world")
+            expect(group == sorted(set(group)) and [coords[r][axis] for r in group] == list(range(len(group))),
+                   f"process_groups[{name!r}]: group {group} does not list its ranks ascending in {axis} coordinate "
+                   f"order ({axis} = {[coords[r][axis] for r in group]}); torch orders a group's members by rank, "
+                   f"so its shards would be exchanged out of order: rebuild the artifact")

@@ -11,8 +11,6 @@ from pathlib import Path
 import click
 
 from runner.console import console_main, debug_option
-from runner.groups import leave_process_group
-from runner.profiling import WARMUP_STEPS, StepProfiler
 
 _STARTED = time.perf_counter()  # as close to process start as this module gets
 
@@ -68,7 +66,9 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
 
     from runner.checkpoint import read_index
     from runner.errors import AotError
+    from runner.groups import leave_process_group
     from runner.integrity import check_writable_target
+    from runner.profiling import WARMUP_STEPS, StepProfiler
     from runner.signing import read_public_key
     from runner.topology_check import TopologyMismatch
     from runner.trainer import Trainer
@@ -86,18 +86,18 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
 
     tag = f"[rank {rank if rank is not None else os.environ.get('RANK', 0)}] " if os.environ.get("WORLD_SIZE", "1") != "1" else ""
     try:
+        # The tier is chosen before the process group starts: a compiled package passed over gets
+        # one notice line (from rank 0: --rank, else torchrun's $RANK), --tier compiled an error.
         trainer = Trainer(artifact, rank, allow_topology_mismatch=allow_topology_mismatch, trusted_keys=keys,
                           timeout_s=timeout_s, warn=lambda msg: click.echo(f"warning: {msg}", err=True),
                           bind=not no_bind, log=(lambda msg: None) if quiet else (lambda msg: click.echo(f"{tag}{msg}", err=True)),
-                          tier=tier)
+                          tier=tier, notice=(lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True)))
     except TopologyMismatch as e:  # one line per mismatch class (from local rank 0 of each node), then the error
         if e.report:
             for line in e.lines:
                 click.echo(f"{tag}topology mismatch: {line}", err=True)
         raise AotError(e.summary) from None
     say = (lambda msg: click.echo(msg, err=True)) if (trainer.rank == 0 and not quiet) else (lambda msg: None)
-    if trainer.tier_notice:  # a compiled package passed over: one line, from rank 0
-        say(trainer.tier_notice)
 
     target = None
     if save is not None and _restarted() and (save / "checkpoint.json").is_file():

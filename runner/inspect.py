@@ -62,6 +62,7 @@ def summarize(artifact: Artifact) -> dict:
         "topology": {"name": m["topology"]["name"], "sha256": m["topology"]["sha256"]},
         "world_size": m["world_size"],
         "mesh": m["mesh"],
+        "placement": m.get("placement"),
         "optimizer": state["optimizer"]["class"],
         "programs": programs,
         "ranks": ranks,
@@ -98,9 +99,14 @@ def render(summary: dict) -> str:
         f"model      {b.get('model_file')}  sha256 {str(b.get('model_sha256'))[:16]}...  seed {b.get('seed')}",
         f"topology   {summary['topology']['name']}  sha256 {summary['topology']['sha256'][:16]}...",
         f"mesh       {mesh}  (world size {summary['world_size']}, batch {b.get('batch_size')} per data-parallel rank)",
-        f"optimizer  {summary['optimizer']}",
-        "programs",
     ]
+    placement = summary.get("placement") or {}
+    physical = placement.get("physical_rank_of_mesh_rank") or []
+    if physical != list(range(len(physical))):  # mesh rank r does not run on rank r: say where it does
+        shown = ",".join(map(str, physical[:16])) + (",..." if len(physical) > 16 else "")
+        lines.append(f"placement  mesh rank -> rank {shown}  (axes outermost first: "
+                     f"{', '.join(placement.get('axes_outer_to_inner', []))}; ranks below are torchrun's)")
+    lines += [f"optimizer  {summary['optimizer']}", "programs"]
     for name, p in summary["programs"].items():
         lines.append(f"  {name:<10} {p['graph_nodes']} graph nodes, ranks {_ranges(p['ranks'])}, "
                      f"{p['collectives_per_step']} collectives per step ({human(p['collective_bytes_per_step'])})")

@@ -54,6 +54,14 @@ def tp_slice_shape(shape: list[int], dim: int | None, parts: int) -> list[int]:
     return shape
 
 
+def tp_slice(t: torch.Tensor, dim: int | None, parts: int, index: int) -> torch.Tensor:
+    """Slice `index` of `t` split evenly along `dim` (the whole tensor when `dim` is None): what
+    tensor-parallel rank `index` holds. `assemble` is its inverse."""
+    if dim is None or parts == 1:
+        return t.detach().clone()
+    return t.detach().chunk(parts, dim)[index].clone()
+
+
 def assemble(pieces: list[dict[str, torch.Tensor]], shapes: dict[str, list[int]], sharding: dict | None,
              tensor_parallel: dict | None) -> dict[str, torch.Tensor]:
     """Full tensors from every shard's tensors (in shard order): fsdp pieces unflattened into

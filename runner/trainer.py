@@ -65,13 +65,15 @@ class Trainer:
 
     `step(inputs, targets)` runs one training step and returns the global-batch loss (the mean
     of the data-parallel ranks' losses). `state_dict()` and `save(dir)` give the training state
-    under the user's parameter names.
+    under the user's parameter names. `tier` picks the program (runner/compiled.py); when a
+    compiled package is passed over, rank 0 gives `notice` its one-line reason (also kept as
+    `tier_notice`) before the process group starts.
     """
 
     def __init__(self, path: str | Path, rank: int | None = None, *, world_size: int | None = None,
                  device: str | torch.device | None = None, allow_topology_mismatch: bool = False,
                  trusted_keys: list[str] | None = None, timeout_s: float = 600, bind: bool = True,
-                 warn=lambda msg: None, log=lambda msg: None, tier: str = "auto"):
+                 warn=lambda msg: None, log=lambda msg: None, tier: str = "auto", notice=lambda msg: None):
         self.artifact = artifact = Artifact(path, trusted_keys)
         manifest = artifact.manifest
         self.rank = rank if rank is not None else (_env_int("RANK") or 0)
@@ -91,22 +93,27 @@ class Trainer:
         verify_live(profile, allow_mismatch=allow_topology_mismatch, warn=warn)
 
         self.device = torch.device(device) if device else self._default_device(profile)
-        # The CPU cores and memory node nearest this rank's GPU, before the process group starts its threads.
+        # The CPU cores and memory node nearest this rank's GPU, before the process group starts its
+        # threads and before the tier check below asks CUDA for the GPU's compute capability.
         self._log = log
         self.binding = bind_rank(self.device, enabled=bind, log=log)
+        entry = artifact.rank(self.rank)
+        # The compiled tier (an AOTInductor package, runner/compiled.py) where the artifact has one
+        # for this run's device kind and torch; else the portable program every artifact has, and
+        # `tier_notice` says why when a package was passed over (given to `notice` once, by rank 0).
+        # `tier` ("auto", "compiled", "portable") is the caller's wish; self.tier is what runs.
+        # Decided from the manifest and this machine alone, before any process group starts, so
+        # `--tier compiled` on a machine the package is not for fails at once, in one line.
+        self.tier, self.tier_notice = choose_tier(manifest.get("compiled"), entry["program"], live_device(self.device),
+                                                  tier, str(artifact.root))
+        if self.tier_notice and self.rank == 0:
+            notice(self.tier_notice)
         self.timeout_s = timeout_s
         self._init_distributed(profile)
         self.groups = bind_process_groups(manifest["process_groups"], self.rank, self.world_size)
 
-        entry = artifact.rank(self.rank)
         program = artifact.program(entry["program"])
         import_op_libraries(manifest)  # the program's custom operators resolve only once their module is imported
-        # The compiled tier (an AOTInductor package, runner/compiled.py) where the artifact has one
-        # for this run's device kind and torch; else the portable program every artifact has, and
-        # `tier_notice` says why when a package was passed over. `tier` ("auto", "compiled",
-        # "portable") is the caller's wish; self.tier is what runs.
-        self.tier, self.tier_notice = choose_tier(manifest.get("compiled"), entry["program"], live_device(self.device),
-                                                  tier, str(artifact.root))
         if self.tier == "compiled":
             self._module = load_compiled(artifact, entry["program"], self.device, len(program["inputs"]))
             self.program_loader = "aoti"

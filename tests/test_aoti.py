@@ -4,8 +4,8 @@ Real builds and real 2-rank torchrun runs on CPU with gloo: the AOTInductor pack
 with all_reduce, all_gather and reduce_scatter trains to the same losses and weights as the portable
 program (1e-5). A run that cannot use the package (another device kind, a CPU below the package's
 level, another torch) falls back with one notice line, or fails in one line when --tier compiled
-insists. Packages are checked entry by entry before they are loaded: no pickle is ever read.
-Each strategy compiles once per module (about 30-40 s on 2 cores).
+insists, before any process group starts. Packages are checked entry by entry before they are
+loaded: no pickle is ever read. Each strategy compiles once per module (about 30-40 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ def torchrun(*args, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """strategy -> examples/mlp.py built with --compile aoti for 2 ranks. Both builds run at once:
-    compiling is mostly one core's work, and the machine has two."""
+    """strategy -> examples/mlp.py built with --compile aoti for 2 ranks. Two builds run at a
+    time: compiling is mostly one core's work, and the machine has two."""
     root = tmp_path_factory.mktemp("aoti")
-    strategies = ("dp=2", "fsdp=2")
-    with ThreadPoolExecutor(len(strategies)) as pool:
+    strategies = ("dp=2", "fsdp=2", "tp=2")
+    with ThreadPoolExecutor(2) as pool:
         results = pool.map(lambda s: aot("build", MLP, "--strategy", s, "--no-onnx", "--compile", "aoti",
                                          "-o", root / s.replace("=", ""), "--quiet"), strategies)
         for r in results:
@@ -69,8 +69,11 @@ def train(art: Path, tier: str, folder: Path) -> tuple[list[dict], dict[str, tor
     return records, load_file(folder / "w.safetensors"), r.stderr
 
 
-@pytest.mark.parametrize("strategy", ["dp=2", "fsdp=2"])
+@pytest.mark.parametrize("strategy", ["dp=2", "fsdp=2", "tp=2"])
 def test_compiled_tier_trains_like_the_portable_tier(compiled, strategy, tmp_path):
+    """tp=2: each weight's gradient is a bare matmul feeding SGD's weight decay
+    (`grad.add(param, alpha=wd)`), which inductor's add+mm -> addmm fusion computed without alpha
+    before aot.emit.aoti.ExplicitAlpha."""
     art = compiled(strategy)
     manifest = json.loads((art / "manifest.json").read_text())
     entry = manifest["compiled"]
@@ -78,7 +81,8 @@ def test_compiled_tier_trains_like_the_portable_tier(compiled, strategy, tmp_pat
     package = entry["programs"]["train"]["file"]
     assert package in manifest["files"] and (art / package).is_file()
     kinds = {c["kind"] for c in manifest["programs"]["train"]["collectives"]}
-    assert "all_reduce" in kinds and (strategy == "dp=2" or {"all_gather_into_tensor", "reduce_scatter_tensor"} <= kinds)
+    assert "all_reduce" in kinds and (strategy != "fsdp=2" or {"all_gather_into_tensor", "reduce_scatter_tensor"} <= kinds)
+    assert (strategy == "tp=2") == bool(manifest.get("tensor_parallel"))
 
     runs = {tier: train(art, tier, tmp_path / tier) for tier in ("compiled", "portable")}
     (c_records, c_weights, c_err), (p_records, p_weights, p_err) = runs["compiled"], runs["portable"]
@@ -92,6 +96,25 @@ def test_compiled_tier_trains_like_the_portable_tier(compiled, strategy, tmp_pat
         assert torch.allclose(c_weights[name], p_weights[name], rtol=0, atol=1e-5), name
     summary = json.loads(ok(aot("inspect", art, "--json")).stdout)
     assert summary["compiled"]["programs"]["train"]["file"] == package
+
+
+def test_explicit_alpha_keeps_weight_decay_through_the_addmm_fusion():
+    """ExplicitAlpha (inductor's post-grad pre-pass in every aot compile) turns add's alpha into a
+    mul, so the add+mm -> addmm fusion, which drops alpha, has none to drop."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from aot.emit.aoti import ExplicitAlpha
+
+    def sgd_grad(a, b, param):  # a weight's gradient straight from a matmul, plus weight decay
+        return torch.mm(a, b).add(param, alpha=1e-4)
+
+    args = (torch.randn(8, 4), torch.randn(4, 6), torch.randn(8, 6))
+    gm = make_fx(sgd_grad)(*args)
+    ExplicitAlpha()(gm.graph)
+    gm.recompile()
+    adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    assert adds and all("alpha" not in n.kwargs for n in adds)
+    assert torch.allclose(gm(*args), sgd_grad(*args), rtol=0, atol=1e-6)
 
 
 def test_tier_choice_follows_device_kind_cpu_level_and_torch():
@@ -142,6 +165,33 @@ def test_cpu_below_the_package_level_falls_back_with_one_notice(compiled, tmp_pa
     assert r.returncode != 0 and not AOT_FRAME.search(r.stderr), show(r)  # torchrun's own traceback is torch's
     errors = [line for line in r.stderr.splitlines() if line.startswith("aot: error: ")]
     assert len(errors) == 2 and all("compiled package needs" in e and "--tier auto" in e for e in errors), show(r)
+
+
+def test_tier_is_chosen_before_the_process_group_starts(compiled):
+    """The tier is decided from the manifest and this machine before rendezvous: a rank launched
+    as one of 2 with no rendezvous set (no MASTER_ADDR) reports the tier error with --tier
+    compiled, and with --tier auto prints rank 0's notice before failing on the rendezvous."""
+    art = compiled("dp=2")
+    env = {**clean_env(), "ATEN_CPU_CAPABILITY": "default", "WORLD_SIZE": "2"}
+
+    def run_rank(rank: int, tier: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "aot", "run", str(art), "--steps", "1", "--tier", tier],
+                              cwd=REPO, env={**env, "RANK": str(rank)}, capture_output=True, text=True, timeout=TIMEOUT)
+
+    r = run_rank(0, "compiled")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, show(r)
+    assert lines[0].startswith("aot: error: ") and "compiled package needs" in lines[0] and "--tier auto" in lines[0], show(r)
+    assert "rendezvous" not in r.stderr, show(r)
+
+    r = run_rank(0, "auto")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 2, show(r)
+    assert lines[0].startswith("notice: compiled package needs") and lines[0].endswith("using the portable program"), show(r)
+    assert lines[1] == "aot: error: [rank 0] no rendezvous set: launch multi-rank artifacts with torchrun", show(r)
+
+    r = run_rank(1, "auto")  # the notice is rank 0's alone
+    assert r.returncode == 1 and "notice:" not in r.stderr and "no rendezvous set" in r.stderr, show(r)
 
 
 class Exploit:

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from runner.artifact import FORMAT_VERSION, manifest_digest
-from helpers.commands import MODELS, REPO, TIMEOUT, aot, clean_env, show, torchrun
+from helpers.commands import MODELS, REPO, TIMEOUT, aot, aot_each, clean_env, show, torchrun
 
 MLP = REPO / "examples" / "mlp.py"
 
@@ -329,9 +329,9 @@ def test_bad_tensor_parallel_degree_or_plan(tmp_path):
         (MODELS / "gpt_odd_sequence.py", ["--strategy", "tp=2", "--sequence-parallel"],
          ["sequence length 63 does not divide by 2"]),
     ]
-    for path, options, needles in cases:
+    results = aot_each(*(("build", path, "-o", tmp_path / path.stem, *options) for path, options, _ in cases))
+    for (path, options, needles), r in zip(cases, results):
         out = tmp_path / path.stem
-        r = aot("build", path, "-o", out, *options)
         assert_user_error(r, *needles)
         assert "capturing" not in r.stderr
         assert not out.exists()

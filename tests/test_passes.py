@@ -7,6 +7,7 @@ group: all_reduce is then the identity and every pass must leave the results bit
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 
@@ -207,3 +208,38 @@ def test_fsdp_regathers_parameters_for_backward_and_lowers_peak_memory():
     after_out, after_state = run_graph(gm, step.example_args)
     assert all(torch.equal(a, b) for a, b in zip(before_out, after_out))
     assert all(torch.equal(a, b) for a, b in zip(before_state, after_state))
+
+
+def test_fsdp_prefetch_holds_gathered_parameters_within_its_memory_budget():
+    """A larger budget issues gathers further ahead (the predicted transient peak grows with it);
+    at every wait, the parameters gathered ahead of it fit the budget (or are just the next one);
+    results are bit-identical whatever the budget."""
+    from aot.passes.cleanup import plain_collectives
+    from aot.passes.graph_utils import tensor_bytes
+    from aot.passes.overlap import issue_early_wait_late
+    from aot.passes.prefetch import prefetch_parameter_gathers
+    from aot.passes.regather import regather_in_backward
+    from aot.plan.cost_model import analyze
+
+    step = capture("gpt.py", axis="fsdp")
+    before_out, before_state = run_graph(step.graph, step.example_args)
+    peaks, depths = [], []
+    for budget in (None, 64 * 2**10, 256 * 2**10, 2**30):
+        gm = issue_early_wait_late(plain_collectives(drop_profiler_calls(copy.deepcopy(step.graph))))
+        gm = prefetch_parameter_gathers(regather_in_backward(gm), budget)
+        pos = position(gm)
+        gathers = sorted((n for n in gm.graph.nodes if is_call(n, {ALL_GATHER})), key=lambda g: pos[next(iter(g.users))])
+        waits = [next(iter(g.users)) for g in gathers]
+        deepest = 0
+        for j, wait in enumerate(waits):
+            ahead = [g for g in gathers[j + 1:] if pos[g] < pos[wait]]
+            deepest = max(deepest, len(ahead))
+            assert len(ahead) <= 1 or sum(tensor_bytes(g) for g in ahead) <= (budget or 0)
+            assert j + 1 == len(gathers) or gathers[j + 1] in ahead  # always at least one ahead
+        depths.append(deepest)
+        peaks.append(analyze(gm, step.slots).memory.peak_transient)
+        after_out, after_state = run_graph(gm, step.example_args)
+        assert all(torch.equal(a, b) for a, b in zip(before_out, after_out))
+        assert all(torch.equal(a, b) for a, b in zip(before_state, after_state))
+    assert depths[0] == 1 and depths[1] < depths[2] < depths[3]
+    assert peaks[0] <= peaks[1] <= peaks[2] < peaks[3]

@@ -100,3 +100,64 @@ def test_identity_layout_agrees_with_the_mesh():
     for axis in mesh.axes:
         assert p.groups(axis) == mesh.groups(axis)
     assert all(p.coords(r) == mesh.coords(r) for r in range(8))
+
+
+def _rewired(pairs: tuple[set[int], ...]) -> dict:
+    """The PCIe box with its NVLink bridges between the given GPU index pairs instead."""
+    profile = copy.deepcopy(load_profile("pcie_4gpu_nvlink_pairs"))
+    for link in profile["node"]["links"]:
+        pair = {profile["node"]["gpus"][b]["index"] for b in link["gpus"]}
+        link["nvlink"] = {"count": 12, "gb_per_s_per_direction": 300.0, "via": "direct"} if pair in pairs else None
+    return profile
+
+
+def test_every_group_lists_its_ranks_ascending_in_coordinate_order():
+    """torch's new_group sorts its ranks, so a rank's place in a collective is its place in the
+    sorted group: place() returns only placements where that place is the rank's coordinate."""
+    # bridges 0-3 and 1-2: tp on them would put some dp group's ranks against their coordinates
+    m = Machine(_rewired(({0, 3}, {1, 2})))
+    assert m.device_order() == [0, 3, 1, 2]
+    assert not layout(m, ("dp", "tp"), (2, 2), ("dp", "tp")).ascending
+    p = place(m, ("dp", "tp"), (2, 2), TP_HEAVY)
+    assert p.ascending and p.identity
+    # a single axis over an island order that is not the numbering: the identity too
+    assert place(Machine(_rewired(({0, 2}, {1, 3}))), ("dp",), (4,)).identity
+    for name, nodes, world in (("pcie_4gpu_nvlink_pairs", 1, 4), ("dgx_a100", 2, 16), ("dgx_h100", 2, 16), ("cpu", 2, 8)):
+        m = Machine(for_nodes(load_profile(name), nodes), world)
+        for axes, shape in ((("dp", "tp"), (world // 2, 2)), (("tp", "dp"), (2, world // 2)),
+                            (("dp", "fsdp", "tp"), (world // 4, 2, 2)), (("tp", "fsdp", "dp"), (2, 2, world // 4))):
+            p = place(m, axes, shape, TP_HEAVY)
+            assert p.ascending, (name, axes, shape, p.physical)
+            for axis in axes:
+                assert all(group == sorted(group) for group in p.groups(axis))
+
+
+def test_a_plan_placement_carries_over_to_the_mesh_as_built():
+    """The planner places (dp, fsdp, tp) meshes; the build writes the strategy without its axes of
+    degree 1, outermost first: every physical rank keeps its coordinates."""
+    m = Machine(_rewired(({0, 2}, {1, 3})))
+    p = place(m, ("dp", "fsdp", "tp"), (2, 1, 2), TP_HEAVY)
+    for axes, shape in ((("dp", "tp"), (2, 2)), (("tp", "dp"), (2, 2)), (("dp", "fsdp", "tp"), (2, 1, 2))):
+        q = p.reordered(axes, shape)
+        assert q.ascending and sorted(q.physical) == [0, 1, 2, 3]
+        assert q.groups("tp") == [[0, 2], [1, 3]] and q.order[-1] == "tp"
+        for r in range(4):
+            assert q.coords(r) == {a: p.coords(r)[a] for a in axes}
+    assert p.reordered(("dp", "tp"), (2, 2)).physical == (0, 2, 1, 3)
+    with pytest.raises(ValueError):
+        p.reordered(("dp",), (4,))
+
+
+def test_the_build_places_the_mesh_identity_where_islands_follow_the_numbering():
+    from aot.build import place_mesh
+
+    cases = [("cpu", "dp=2,tp=2", True), ("pcie_4gpu_nvlink_pairs", "dp=2,tp=2", True),
+             ("pcie_4gpu_nvlink_pairs", "fsdp=2,tp=2", True), ("dgx_a100", "dp=2,fsdp=2", True)]
+    for name, strategy, identity in cases:
+        mesh = Mesh.parse(strategy, 4)
+        assert place_mesh(mesh, for_nodes(load_profile(name), None, 4)).identity is identity, name
+    crossed = place_mesh(Mesh.parse("dp=2,tp=2", 4), _rewired(({0, 2}, {1, 3})))
+    assert crossed.physical == (0, 2, 1, 3) and crossed.groups("tp") == [[0, 2], [1, 3]]
+    # two DGX A100 with tp written outermost: tp still fills each node, dp crosses them
+    two = place_mesh(Mesh.parse("tp=8,dp=2", 16), for_nodes(load_profile("dgx_a100"), 2, 16))
+    assert two.groups("tp") == [list(range(8)), list(range(8, 16))] and not two.identity and two.ascending

@@ -18,12 +18,12 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile, call_user
-from aot.capture.tensor_parallel import TensorParallel, local_piece, rename_group, tensor_parallel
+from aot.capture.tensor_parallel import TensorParallel, rename_group, tensor_parallel
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
 from runner.checkpoint import optimizer_key
 from runner.data import dtype_name
-from runner.sharding import shard
+from runner.sharding import shard, tp_slice, tp_slice_shape
 
 _funcol = torch.ops._c10d_functional
 
@@ -68,13 +68,8 @@ class StepLayout:
 
     def local_shapes(self, state: TrainingState) -> dict[str, torch.Size]:
         """Every parameter's shape on one rank before fsdp sharding (its tensor-parallel slice)."""
-        dims, shapes = self.tp_dims(state), {}
-        for name, p in state.params.items():
-            shape = list(p.shape)
-            if name in dims:
-                shape[dims[name]] //= self.tp.size
-            shapes[name] = torch.Size(shape)
-        return shapes
+        dims, parts = self.tp_dims(state), self.tp.size if self.tp else 1
+        return {name: torch.Size(tp_slice_shape(p.shape, dims.get(name), parts)) for name, p in state.params.items()}
 
 
 @dataclass
@@ -97,7 +92,8 @@ def _gather(piece: torch.Tensor, shape: torch.Size, group: Group) -> torch.Tenso
 
 
 def _squares(grads: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([torch.linalg.vector_norm(g) ** 2 for g in grads]).sum()
+    # one foreach node for all norms, as clip_grad_norm_ computes them
+    return torch.stack(torch._foreach_norm(grads)).pow(2).sum()
 
 
 def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm: float, layout: StepLayout) -> None:
@@ -140,6 +136,19 @@ def _optimizer_tracing():
         torch.compiler._is_compiling_flag = previous
 
 
+def _foreach_as_on_gpus(optimizer: torch.optim.Optimizer) -> None:
+    """Where the user left `foreach` unset, step as torch.optim does on GPUs: one foreach kernel per
+    update over every parameter of a group. On the fake CPU tensors of a trace torch would pick the
+    per-parameter loop, a graph about twice as many nodes (slower to trace and to run, the same
+    numbers up to rounding). `capturable` keeps the step counters and the traced learning rate as
+    tensors, which foreach needs for a tensor learning rate."""
+    for group in optimizer.param_groups:
+        if "foreach" in optimizer.defaults and group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = True
+            if "capturable" in optimizer.defaults:
+                group["capturable"] = True
+
+
 def _slot(kind: str, tensor: torch.Tensor | None = None, **fields) -> dict:
     slot = {"kind": kind, **fields}
     if kind in ("input", "target"):
@@ -148,14 +157,16 @@ def _slot(kind: str, tensor: torch.Tensor | None = None, **fields) -> dict:
 
 
 def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
-                 layout: StepLayout) -> CapturedStep:
+                 layout: StepLayout, check_ranks: bool = True) -> CapturedStep:
+    """The step's graph for one rank of `layout`. With tensor parallelism one program serves every
+    tp rank, so the trace must not depend on the rank: DTensor picks "this rank's" piece by the
+    mesh coordinate at trace time wherever a whole tensor becomes a shard. With `check_ranks` (the
+    build) the step is traced as tp rank 0 and as the last tp rank and any difference is refused;
+    the planner, which only prices the graph, traces once."""
     if layout.tp is None:
         return _capture(mf, state, inputs, targets, layout, None)
-    # One program serves every tp rank, so the trace must not depend on the rank: DTensor picks
-    # "this rank's" piece by the mesh coordinate at trace time wherever a whole tensor becomes a
-    # shard. Traced as tp rank 0 and as the last tp rank; any difference is refused.
     traced = []
-    for rank in (0, layout.tp.size - 1):
+    for rank in ((0, layout.tp.size - 1) if check_ranks else (0,)):
         with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence,
                              rank=rank) as tp:
             expected = layout.tp_dims(state)
@@ -165,7 +176,7 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
             captured = _capture(mf, state, inputs, targets, layout, tp)
             rename_group(captured.graph, tp.mesh.get_group().group_name, layout.tp.name)
         traced.append(captured)
-    if traced[0].graph.code != traced[1].graph.code:
+    if check_ranks and traced[0].graph.code != traced[1].graph.code:
         raise AotError("tensor parallel: the traced step differs between tp ranks (a whole tensor is split by rank "
                        "inside the model); this plan cannot run as one program, change tp_plan")
     return traced[0]
@@ -212,6 +223,7 @@ def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], ta
             global_loss = _average(global_loss, layout.dp)
 
         optimizer = call_user(mf.optimizer, "optimizer(params)", mf.path, params)
+        _foreach_as_on_gpus(optimizer)
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
         for (name, key), value in zip(state.optimizer_slots, opt_state):
@@ -270,7 +282,7 @@ def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp
     parts = layout.fsdp.size if layout.fsdp else 1
 
     def place(name: str, value: torch.Tensor) -> torch.Tensor:
-        piece = local_piece(value, dims.get(name), tp_size, tp_index)
+        piece = tp_slice(value, dims.get(name), tp_size, tp_index)
         return piece if parts == 1 else shard(piece, parts, fsdp_index)
 
     params = {n: place(n, p) for n, p in state.params.items()}

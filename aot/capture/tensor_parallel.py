@@ -141,10 +141,3 @@ def rename_group(graph: torch.fx.GraphModule, old: str, new: str) -> None:
         if node.op == "call_function" and getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES:
             node.args = tuple(new if a == old else a for a in node.args)
     graph.recompile()
-
-
-def local_piece(t: torch.Tensor, dim: int | None, parts: int, index: int) -> torch.Tensor:
-    """Piece `index` of `t` split evenly along `dim` (the whole tensor when `dim` is None)."""
-    if dim is None or parts == 1:
-        return t.detach().clone()
-    return t.detach().chunk(parts, dim)[index].clone()

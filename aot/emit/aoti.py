@@ -12,6 +12,10 @@ Choices that keep the two tiers interchangeable:
   needs a group under each name too (inductor asks its size), so a fake process group stands in.
 - Random operators fall back to ATen's (`fallback_random`), so dropout draws the same numbers from
   the same seed as the portable program.
+- `add(x, y, alpha=a)` becomes `add(x, mul(y, a))` before inductor's pattern passes (ExplicitAlpha):
+  torch 2.13's add+mm -> addmm fusion drops `alpha`, which turned weight decay on a weight whose
+  gradient is a bare matmul (`grad.add(param, alpha=wd)`; tensor-parallel layers' gradients come out
+  so) into `grad + param`.
 - On x86-64, the library is compiled for the instruction-set level inductor vectorizes for
   (x86-64-v3 for AVX2, x86-64-v4 for AVX-512) instead of `-march=native`, so it runs on every CPU
   of that level and the runner can tell from ATen's CPU capability whether a CPU is one.
@@ -31,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from aot.errors import AotError
 from runner.compiled import MODEL_NAME, X86_ISA, package_problem
@@ -90,6 +95,39 @@ def _cpu_target() -> tuple[dict, dict]:
 def _cuda_target(device: torch.device) -> tuple[dict, dict]:
     major, minor = torch.cuda.get_device_capability(device)
     return {"kind": "cuda", "capability": f"{major}.{minor}", "name": torch.cuda.get_device_name(device)}, {}
+
+
+class ExplicitAlpha(CustomGraphPass):
+    """Inductor post-grad pre-pass: `aten.add.Tensor(x, y, alpha=a)` with a != 1 becomes
+    `add(x, mul(y, a))`, the same arithmetic inductor's own lowering of `alpha` does.
+
+    Inductor's pattern that fuses `add(mm(m1, m2), y)` (or `add(y, mm(m1, m2))`) into
+    `addmm(y, m1, m2)` does not look at `alpha` and drops it (torch 2.13), silently computing
+    `mm + y`. SGD's and Adam's `grad.add(param, alpha=weight_decay)` match it wherever a weight's
+    gradient is a bare matmul with no transpose or collective after it, as tensor-parallel
+    (DTensor) layers' gradients are: the package then applied weight decay 1. With `alpha` made a
+    mul, the add has none to drop, and a fusion that still happens is exact."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        add = torch.ops.aten.add.Tensor
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not add or len(node.args) != 2:
+                continue
+            alpha = node.kwargs.get("alpha", 1)
+            if not isinstance(alpha, torch.fx.Node) and alpha == 1:
+                continue
+            x, y = node.args
+            with graph.inserting_before(node):
+                scaled = graph.call_function(torch.ops.aten.mul.Tensor, (y, alpha))
+            y_val = y.meta.get("val") if isinstance(y, torch.fx.Node) else y
+            a_val = alpha.meta.get("val") if isinstance(alpha, torch.fx.Node) else alpha
+            if isinstance(y_val, torch.Tensor) and a_val is not None:
+                scaled.meta["val"] = torch.ops.aten.mul.Tensor(y_val, a_val)  # y_val is a fake tensor
+            scaled.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+            node.args, node.kwargs = (x, scaled), {k: v for k, v in node.kwargs.items() if k != "alpha"}
+
+    def uuid(self) -> str:
+        return "aot.emit.aoti.ExplicitAlpha/1"
 
 
 @contextlib.contextmanager
@@ -153,7 +191,7 @@ def compile_programs(programs: dict[str, torch.export.ExportedProgram], groups: 
     import torch._inductor  # noqa: F401  (torch imports it lazily)
 
     device_entry, configs = _cuda_target(device) if device.type == "cuda" else _cpu_target()
-    configs = {**configs, "fallback_random": True}
+    configs = {**configs, "fallback_random": True, "post_grad_custom_pre_pass": ExplicitAlpha()}
     files, entries = {}, {}
     with tempfile.TemporaryDirectory(prefix="aot-aoti-") as tmp, _fake_groups(groups, world_size), \
             warnings.catch_warnings():

@@ -20,6 +20,7 @@ from aot.capture.training_state import TrainingState
 from aot.errors import AotError
 from aot.passes.graph_utils import COLLECTIVES, is_call, tensor_bytes
 from aot.plan.mesh import Mesh
+from aot.plan.placement import Placement, identity
 from runner.artifact import FORMAT_NAME, FORMAT_VERSION, MANIFEST, manifest_digest
 from runner.data import dtype_name
 from runner.integrity import StagedDir, canonical_json
@@ -68,11 +69,18 @@ def _shard_of(layout: StepLayout, coords: dict[str, int]) -> tuple[int | None, i
 
 def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: CapturedStep, state: TrainingState,
                   layout: StepLayout, mesh: Mesh, profile: dict, example: dict[str, torch.Tensor], batch_size: int,
-                  build: dict, sign_key: Path | None = None, extra_files: dict[str, bytes] | None = None,
-                  extra_fields: dict | None = None) -> dict:
-    """Write the artifact folder. `extra_files` (relative path -> bytes) are written and hashed like
-    every other file; `extra_fields` are optional top-level manifest entries that describe them
-    (the ONNX inference export, the custom operator libraries)."""
+                  build: dict, placement: Placement | None = None, sign_key: Path | None = None,
+                  extra_files: dict[str, bytes] | None = None, extra_fields: dict | None = None) -> dict:
+    """Write the artifact folder. `placement` maps mesh ranks to physical ranks (default: the
+    identity); `ranks` and `process_groups` are written in physical ranks, so a runner looks up its
+    own RANK and binds the groups as listed. `extra_files` (relative path -> bytes) are written and
+    hashed like every other file; `extra_fields` are optional top-level manifest entries that
+    describe them (the ONNX inference export, the custom operator libraries)."""
+    placement = placement or identity(mesh.axes, mesh.shape)
+    if (placement.axes, placement.shape) != (mesh.axes, mesh.shape):
+        raise AotError(f"placement of mesh {placement.axes}={placement.shape} for mesh {mesh.describe()}")
+    if not placement.ascending:  # torch orders group members by rank: coordinates must agree
+        raise AotError(f"placement {list(placement.physical)} orders some group's ranks against its coordinates")
     program_json, constants = encode_program(ep)
     data_slots = [s for s in captured.slots if s["kind"] in ("input", "target")]
     # One pair of state files per distinct shard: replicas (data parallel) share theirs.
@@ -99,8 +107,9 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
             "topology": {"name": profile["name"], "sha256": profile_sha256(profile), "profile": profile},
             "world_size": mesh.world_size,
             "mesh": {"axes": list(mesh.axes), "shape": list(mesh.shape)},
-            "process_groups": {
-                mesh.group_name(axis): {"axis": axis, "groups": mesh.groups(axis)}
+            "placement": placement.manifest_entry(),
+            "process_groups": {  # physical ranks, each group in coordinate order (ascending)
+                mesh.group_name(axis): {"axis": axis, "groups": placement.groups(axis)}
                 for axis in mesh.axes if mesh.size(axis) > 1
             },
             "programs": {
@@ -113,9 +122,9 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
                     "graph_nodes": len(ep.graph.nodes),
                 }
             },
-            "ranks": [
-                {"rank": r, "program": PROGRAM, "coords": mesh.coords(r),
-                 **dict(zip(("weights", "optimizer"), _state_files(*_shard_of(layout, mesh.coords(r)))))}
+            "ranks": [  # per physical rank: the mesh coordinates the placement gives it
+                {"rank": r, "program": PROGRAM, "coords": placement.coords(r),
+                 **dict(zip(("weights", "optimizer"), _state_files(*_shard_of(layout, placement.coords(r)))))}
                 for r in range(mesh.world_size)
             ],
             "sharding": None if layout.fsdp is None else {

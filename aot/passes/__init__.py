@@ -14,13 +14,13 @@ from aot.passes.prefetch import prefetch_parameter_gathers
 from aot.passes.regather import regather_in_backward
 
 
-def run_passes(gm: torch.fx.GraphModule, *, bucket_bytes: int) -> torch.fx.GraphModule:
+def run_passes(gm: torch.fx.GraphModule, *, bucket_bytes: int, prefetch_bytes: int | None = None) -> torch.fx.GraphModule:
     gm = drop_profiler_calls(gm)
     gm = plain_collectives(gm)
     gm = bucket_all_reduces(gm, bucket_bytes)
     gm = issue_early_wait_late(gm)
     gm = regather_in_backward(gm)
-    gm = prefetch_parameter_gathers(gm)
+    gm = prefetch_parameter_gathers(gm, prefetch_bytes)
     return gm
 
 

@@ -128,6 +128,7 @@ class Machine:
         self.memory_bytes = min((g.get("memory_bytes") or 0 for g in self.gpus), default=0) or None
         self._links = _pair_links(profile)
         self._pair_cache: dict[tuple[int, int], tuple[str, Link]] = {}
+        self._span_cache: dict[tuple, Span] = {}
 
     # -- compute ----------------------------------------------------------------------------
     def _compute(self) -> Compute:
@@ -208,10 +209,15 @@ class Machine:
     def network(self) -> Link:
         fabric = self.profile.get("fabric") or {}
         gbs = fabric.get("gb_per_s_per_rail")
+        rates = [n["rate_gbit_per_s"] for n in self.profile.get("node", {}).get("nics", []) if n.get("rate_gbit_per_s")]
         if not gbs:
-            rates = [n["rate_gbit_per_s"] for n in self.profile.get("node", {}).get("nics", []) if n.get("rate_gbit_per_s")]
             gbs = (max(rates) / 8) if rates else 12.5
         alpha = (fabric.get("latency_us") or DEFAULT_ALPHA[NETWORK] * 1e6) * 1e-6
+        if self.uniform and not (fabric.get("gb_per_s_per_rail") or rates):
+            # Nothing known of the network between CPU nodes: never price it faster than the
+            # loopback inside a node, or placement would send the busiest axis across nodes.
+            _, loop = self.pair(0, 1)
+            gbs, alpha = min(gbs, 1e-9 / loop.beta), max(alpha, loop.alpha)
         return Link(alpha, 1.0 / (gbs * 1e9), self._gamma())
 
     def rails(self) -> int:
@@ -224,14 +230,28 @@ class Machine:
 
         Inside a node the slowest pair bounds a ring; across nodes each node's share of the rails
         is its ranks' share of the node (all groups of one mesh axis communicate at once)."""
-        p = len(ranks)
         by_node: dict[int, list[int]] = {}
         for r in ranks:
             by_node.setdefault(self.node_of(r), []).append(self.local_of(r))
+        # The span depends only on which local devices each node contributes: the groups of one
+        # mesh axis are mostly translates of each other, so a search over 1024 ranks prices a few.
+        key = (kind, tuple(sorted(tuple(sorted(v)) for v in by_node.values())))
+        if key not in self._span_cache:
+            self._span_cache[key] = self._span(len(ranks), by_node, kind)
+        return self._span_cache[key]
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every two ranks of a node talk over the same link (CPU ranks: loopback)."""
+        return self.device_kind != "cuda" or not self.gpus
+
+    def _span(self, p: int, by_node: dict[int, list[int]], kind: str | None) -> Span:
         nodes = len(by_node)
         per_node = max(len(v) for v in by_node.values())
         worst_cls, worst = None, None
-        for locals_ in by_node.values():
+        # one link inside a node: no need to look at every pair (a cpu profile of 1024 ranks has 500k)
+        pairs = by_node.values() if not self.uniform else [[0, 1]] if per_node > 1 else []
+        for locals_ in pairs:
             for i in range(len(locals_)):
                 for j in range(i + 1, len(locals_)):
                     cls, link = self.pair(locals_[i], locals_[j])
@@ -251,6 +271,8 @@ class Machine:
         """Physical ranks ordered so that every island (devices joined by links at least as fast as
         some rate) is contiguous, fastest islands innermost, node by node."""
         local = list(range(self.per_node))
+        if self.uniform:  # one island: every pair of a node talks over the same link
+            return list(range(self.world_size))
         rates = sorted({round(self.pair_bytes_per_s(i, j), 3) for i in local for j in local if i < j})
 
         def order(devices: list[int], level: int) -> list[int]:

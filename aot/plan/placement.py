@@ -9,6 +9,11 @@ traffic as all_reduces over the spans its groups cross; the groups of one axis c
 so an axis costs what its slowest group costs) and the cheapest wins, the mesh's own order on a tie.
 With traffic tp >> dp this puts tp inside NVLink/NVSwitch islands and dp across nodes.
 
+Only placements whose every group lists its ranks in ascending order are candidates: torch's
+`new_group` sorts the ranks it is given, so a rank's position in a collective (its all_gather
+piece, its reduce_scatter shard) is its position in the sorted group, and that must be its
+coordinate along the axis. The identity layout always qualifies and is the fallback.
+
 Axes are names: dp, fsdp, tp or any other the mesh grows. `Placement` answers what the manifest
 needs in physical ranks: each physical rank's mesh coordinates and each axis's groups.
 """
@@ -18,6 +23,8 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from aot.plan import collectives
 from aot.plan.machine import Machine
@@ -38,6 +45,7 @@ class Placement:
 
     def __post_init__(self):
         object.__setattr__(self, "_mesh_rank_of", {p: m for m, p in enumerate(self.physical)})
+        object.__setattr__(self, "_groups", {})
 
     @property
     def world_size(self) -> int:
@@ -53,22 +61,63 @@ class Placement:
         """Mesh coordinates of the GPU torchrun numbers `physical_rank`."""
         return self.mesh_coords(self._mesh_rank_of[physical_rank])
 
+    def distinct_groups(self, axis: str, per_node: int) -> list[list[int]]:
+        """One group of each shape along `axis`: groups holding the same local devices of other
+        nodes cross the same links, so pricing one of them prices all (a mesh axis of 1024 ranks
+        has a handful of shapes, not hundreds of groups)."""
+        key = ("distinct", axis, per_node)
+        if key not in self._groups:
+            groups = np.asarray(self.groups(axis))
+            relative = groups - (groups[:, :1] // per_node) * per_node
+            _, first = np.unique(relative, axis=0, return_index=True)
+            self._groups[key] = [groups[i].tolist() for i in sorted(first)]
+        return self._groups[key]
+
     def groups(self, axis: str) -> list[list[int]]:
-        """Physical ranks of every group along `axis`, in coordinate order."""
-        others = [a for a in self.axes if a != axis]
-        size = dict(zip(self.axes, self.shape))
-        out = []
-        for fixed in itertools.product(*(range(size[a]) for a in others)):
-            base = dict(zip(others, fixed))
-            out.append([self.physical[self.mesh_rank({**base, axis: i})] for i in range(size.get(axis, 1))])
-        return out
+        """Physical ranks of every group along `axis`, in coordinate order (groups ordered by
+        their other coordinates, row-major). Computed once per axis: a search asks often."""
+        if axis not in self._groups:
+            if axis not in self.axes:
+                groups = [[p] for p in self.physical]
+            else:
+                i = self.axes.index(axis)
+                degree, stride = self.shape[i], math.prod(self.shape[i + 1:])
+                # mesh ranks (row-major) whose `axis` coordinate is 0 start the groups, in order
+                starts = [m for m in range(len(self.physical)) if (m // stride) % degree == 0]
+                groups = [[self.physical[m + k * stride] for k in range(degree)] for m in starts]
+            self._groups[axis] = groups
+        return self._groups[axis]
 
     @property
     def identity(self) -> bool:
         return list(self.physical) == list(range(len(self.physical)))
 
+    @property
+    def ascending(self) -> bool:
+        """Whether along every axis each group's ranks ascend with the coordinate, as torch orders a
+        group's members (new_group sorts its ranks): only then does every collective exchange
+        pieces in coordinate order."""
+        grid = np.asarray(self.physical).reshape(self.shape)
+        return all(bool(np.all(np.diff(grid, axis=i) > 0)) for i, d in enumerate(self.shape) if d > 1)
+
+    def reordered(self, axes: tuple[str, ...], shape: tuple[int, ...]) -> "Placement":
+        """The same placement over the mesh written with `axes` in another order (axes of degree 1
+        may be added or left out): every physical rank keeps its coordinates."""
+        size = dict(zip(self.axes, self.shape))
+        if {a: d for a, d in zip(axes, shape) if d > 1} != {a: d for a, d in size.items() if d > 1}:
+            raise ValueError(f"mesh {dict(zip(axes, shape))} is not the placement's {size}")
+        mesh = Mesh(tuple(axes), tuple(shape))
+        physical = tuple(self.physical[self.mesh_rank(mesh.coords(m))] for m in range(mesh.world_size))
+        order = tuple(a for a in axes if size.get(a, 1) <= 1) + tuple(a for a in self.order if a in axes and size[a] > 1)
+        return Placement(tuple(axes), tuple(shape), order, physical)
+
+    def manifest_entry(self) -> dict:
+        """The manifest's `placement`: the rank map always, the axes outermost first."""
+        return {"axes_outer_to_inner": list(self.order), "identity": self.identity,
+                "physical_rank_of_mesh_rank": list(self.physical)}
+
     def to_json(self) -> dict:
-        """The placement for manifests and `aot plan --json` (the rank map only when it is not the identity)."""
+        """The placement for the manifest's `plan` entry and `aot plan --json` (the rank map only when it is not the identity)."""
         out = {"axes_outer_to_inner": list(self.order), "identity": self.identity}
         if not self.identity:
             out["physical_rank_of_mesh_rank"] = list(self.physical)
@@ -101,7 +150,7 @@ def axis_cost(machine: Machine, placement: Placement, axis: str, nbytes: float) 
         return 0.0
     worst = 0.0
     seen = set()
-    for group in placement.groups(axis):
+    for group in placement.distinct_groups(axis, machine.per_node):
         span = machine.span(group, "all_reduce")
         key = (span.p, span.nodes, span.per_node, span.intra, span.inter, span.rails)
         if key in seen:
@@ -121,11 +170,18 @@ def place(machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...],
     active = tuple(a for a, d in zip(axes, shape) if d > 1)
     fixed = tuple(a for a in axes if a not in active)
     best, best_cost = None, math.inf
-    for perm in itertools.permutations(active):
-        order = fixed + perm
-        candidate = layout(machine, axes, shape, order, devices)
+    candidates = (layout(machine, axes, shape, fixed + perm, devices) for perm in itertools.permutations(active))
+    for candidate in itertools.chain(candidates, [identity(axes, shape)]):
+        if not candidate.ascending:  # torch would order some group's members otherwise than its coordinates
+            continue
         cost = sum(axis_cost(machine, candidate, a, traffic.get(a, 0.0)) for a in active)
-        # strictly cheaper wins; permutations start with the mesh's own order, so it wins ties
+        # strictly cheaper wins; permutations start with the mesh's own order, so it wins ties,
+        # and the identity (last) is there for a machine where no laid-out order qualifies
         if cost < best_cost * (1 - 1e-9):
             best, best_cost = candidate, cost
     return best
+
+
+def identity(axes: tuple[str, ...], shape: tuple[int, ...]) -> Placement:
+    """Mesh rank r on physical rank r (row-major over the mesh's axes, the last fastest)."""
+    return Placement(tuple(axes), tuple(shape), tuple(axes), tuple(range(math.prod(shape))))

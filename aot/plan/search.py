@@ -63,8 +63,8 @@ class Plan:
 
     @property
     def strategy(self) -> str:
-        """The --strategy that builds this plan: axes with degree > 1, outermost first, so the build's
-        row-major layout over ranks is this plan's placement."""
+        """The --strategy that builds this plan: axes with degree > 1, outermost first (the build
+        applies the plan's placement to the mesh written in this order)."""
         size = dict(zip(self.axes, self.shape))
         order = [a for a in self.placement.order if size[a] > 1] or [self.axes[0]]
         return strategy_string(order, [size[a] for a in order])
@@ -114,7 +114,7 @@ class Planner:
                 if axis not in placement.axes:
                     raise AotError(f"the step's collective names group {group!r}, which is no axis of mesh {placement.axes}")
                 distinct = {}
-                for g in placement.groups(axis):
+                for g in placement.distinct_groups(axis, machine.per_node):
                     s = machine.span(g, kind)
                     distinct.setdefault((s.p, s.nodes, s.per_node, s.intra, s.inter, s.rails), s)
                 spans[key] = list(distinct.values())
@@ -303,7 +303,9 @@ class ModelSteps:
         from aot.capture.step import capture_step
         from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 
-        captured = capture_step(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp))
+        # the build checks that every tp rank traces the same program; pricing needs one trace
+        captured = capture_step(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp),
+                                check_ranks=False)
         gm = plain_collectives(drop_profiler_calls(captured.graph))
         return analyze(gm, captured.slots)
 
@@ -406,20 +408,13 @@ class BuildPlan:
 
 
 def plan_for_build(options, profile: dict, progress) -> BuildPlan:
-    """Search plans for a build's model, world size and batch size; the best that fits, realizable
-    by the build (ranks laid out row-major in the order of the plan's axes)."""
-    from aot.plan.placement import layout
-
+    """Search plans for a build's model, world size and batch size; the best that fits, with the
+    placement it was priced with (`chosen.placement`), which the build applies."""
     progress.total += 1
     with progress.stage(f"planning: pricing strategies and bucket sizes on topology {profile['name']!r}"):
         plans, skipped, planner, _ = plan_model(options.model_path, profile, options.world_size, options.batch_size,
                                                 seed=options.seed, sequence_parallel=options.sequence_parallel)
         chosen = best_plan(plans)
-        identity = list(range(planner.machine.world_size))
-        realizable = layout(planner.machine, chosen.axes, chosen.shape, chosen.placement.order, identity)
-        if realizable.physical != chosen.placement.physical:
-            # the build lays ranks out as torchrun numbers them: price the layout it can make
-            chosen = planner.evaluate(chosen.axes, chosen.shape, chosen.bucket_mb, placement=realizable)
     p = chosen.prediction
     progress.note(f"plan: --strategy {chosen.strategy} --bucket-mb {chosen.bucket_mb:g}, predicted {p.step_s * 1e3:.3g} ms "
                   f"per step, {p.memory.peak / 2**20:.1f} MiB per rank (best of {len(plans)} candidates)")

@@ -30,6 +30,15 @@ def aot(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
+def aot_each(*commands: tuple) -> list[subprocess.CompletedProcess]:
+    """`aot(*args)` for each tuple of arguments, two at a time (a build is mostly one core's work,
+    and the machine has two); results in the order given."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda args: aot(*args), commands))
+
+
 def torchrun(nproc: int, *args, module: str | None = "aot") -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node N -m aot ARGS` (--standalone: a free port).
     With module=None, ARGS start with a script path instead."""

@@ -1,0 +1,74 @@
+"""Train a model file twice, as a built artifact under torchrun and as eager DDP, and compare.
+
+`train_both` builds the model file (extra `aot build` / `aot run` arguments allowed: a topology
+profile, the --allow-topology-mismatch a GPU profile needs on this CPU machine), trains it under
+torchrun, and trains the same model file with plain DDP (tests/helpers/ddp_reference.py) on the
+same data. A reference run depends only on the model file, the data, the number of data-parallel
+ranks and the batch size, so each distinct one runs once per test session and is shared: the
+strategy matrix compares a dozen builds against three references per model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from helpers.commands import REFERENCE, aot, ok, torchrun
+from runner.checkpoint import merge_checkpoint
+
+TOL = 1e-5
+STEPS = 5
+
+
+def tp_degree(strategy: str | None) -> int:
+    degrees = dict(part.split("=") for part in strategy.split(",")) if strategy else {}
+    return int(degrees.get("tp", 1))
+
+
+def train_both(model_file, world, tmp_path, data=None, batch_size=4, strategy=None, build_args=(), run_args=()):
+    """(losses, reference losses, merged weights, reference weights) after STEPS steps of each."""
+    art, ckpt = tmp_path / "art", tmp_path / "ckpt"
+    # --no-onnx: the inference export has its own tests (test_onnx.py); this compares training only
+    ok(aot("build", model_file, "--world-size", world, "--batch-size", batch_size, "-o", art, "--quiet", "--no-onnx",
+           *(["--strategy", strategy] if strategy else []), *build_args))
+    metrics = tmp_path / "metrics.jsonl"
+    args = ["run", art, "--steps", STEPS, "--metrics", metrics, "--save", ckpt, "--quiet", *run_args]
+    if data is not None:
+        args += ["--data", data]
+    ok(torchrun(world, *args))
+    data_file = data if data is not None else art / "data" / "example_batch.safetensors"
+    # Tensor-parallel ranks share a batch: the reference has one process per data-parallel rank.
+    ref = reference(model_file, data_file, world // tp_degree(strategy), batch_size, tmp_path)
+    merge_checkpoint(ckpt, tmp_path / "merged.safetensors")  # what `aot checkpoint merge` runs (tested on its own)
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    return losses, json.loads((ref / "losses.json").read_text()), load_file(tmp_path / "merged.safetensors"), \
+        load_file(ref / "state_dict.safetensors")
+
+
+def reference(model_file, data_file, world: int, batch_size: int, tmp_path: Path) -> Path:
+    """The folder of eager DDP's run (losses.json, state_dict.safetensors) on `world` ranks; run
+    once per session for each model file, data content, world and batch size."""
+    digest = hashlib.sha256(Path(model_file).read_bytes() + Path(data_file).read_bytes()).hexdigest()[:16]
+    # tmp_path's parent is the session's base folder: the cache lives and goes with it
+    ref = tmp_path.parent / "ddp-references" / f"{Path(model_file).stem}-{digest}-w{world}-b{batch_size}-s{STEPS}"
+    if not (ref / "state_dict.safetensors").is_file():
+        staging = ref.with_name(ref.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        ok(torchrun(world, REFERENCE, model_file, data_file, staging, "--steps", STEPS, "--batch-size", batch_size,
+                    module=None))
+        staging.rename(ref)
+    return ref
+
+
+def assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=TOL):
+    assert len(losses) == len(ref_losses) == STEPS
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL, (losses, ref_losses)
+    assert sorted(weights) == sorted(ref_weights)
+    worst = max((weights[k].double() - ref_weights[k].double()).abs().max().item() for k in ref_weights)
+    assert worst <= weight_tol, worst
+    # the run really trained: weights moved away from their initial values and the loss fell
+    assert losses[-1] < losses[0]
