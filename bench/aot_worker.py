@@ -30,9 +30,10 @@ parser = argparse.ArgumentParser()
 parser.add_argument("artifact")
 parser.add_argument("data")
 parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--tier", default="auto", choices=["auto", "compiled", "portable"], help="as `aot run --tier`")
 args = parser.parse_args()
 
-trainer = Trainer(args.artifact, None)
+trainer = Trainer(args.artifact, None, tier=args.tier)
 T_LOADED = time.time()
 trainer.check_steps(args.steps)
 source = trainer.data_source(args.data)
@@ -53,6 +54,7 @@ if trainer.rank == 0 and os.environ.get("BENCH_RESULT"):
     t0 = float(os.environ.get("BENCH_T0", T_TOP))
     result = {
         "variant": "aot",
+        "tier": trainer.tier,
         "world_size": trainer.world_size,
         "launch_to_process_s": T_TOP - t0,          # torchrun + interpreter start
         "import_torch_s": T_TORCH - T_TOP,

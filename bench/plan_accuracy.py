@@ -100,13 +100,21 @@ def torchrun(world: int, *args) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), *args]
 
 
+FAILED_LAUNCHES: list[dict] = []  # launches that crashed or hung (reported at the end, not retried forever)
+
+
 def measure(art: Path, world: int, steps: int, tmp: Path, tag: str, attempts: int, max_load: float) -> dict:
     best = None
     for attempt in range(attempts):
         wait_for_quiet(max_load, QUIET_PATIENCE)
         metrics = tmp / f"metrics.{tag}.{attempt}.jsonl"
-        other, _ = run(torchrun(world, "-m", "aot", "run", str(art), "--steps", str(steps), "--metrics", str(metrics), "--quiet"),
-                       tmp / f"run.{tag}.{attempt}.log")
+        try:
+            other, _ = run(torchrun(world, "-m", "aot", "run", str(art), "--steps", str(steps), "--metrics", str(metrics),
+                                    "--quiet", "--timeout", "120"), tmp / f"run.{tag}.{attempt}.log")
+        except RuntimeError as e:  # a launch that failed counts as a used attempt, and is reported
+            print(f"{tag}: launch {attempt + 1} FAILED: {str(e).splitlines()[0]}", file=sys.stderr)
+            FAILED_LAUNCHES.append({"tag": tag, "attempt": attempt, "error": str(e)[-2000:]})
+            continue
         times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines() if line.strip()]
         result = {"step_s": statistics.median(times[WARMUP_STEPS:]), "other_load_cores": other, "attempts": attempt + 1}
         if best is None or (other or 0) < (best["other_load_cores"] or 0):
@@ -176,9 +184,13 @@ def main() -> None:
                 order = candidates[r % len(candidates):] + candidates[:r % len(candidates)]
                 for c in order:
                     tag = f"{name}.{candidates.index(c)}.{r}"
-                    c["runs"].append(measure(c["artifact"], args.world, args.steps, tmp, tag, args.attempts, args.max_other_load))
+                    run_result = measure(c["artifact"], args.world, args.steps, tmp, tag, args.attempts, args.max_other_load)
+                    if run_result is None:  # every attempt failed: reported with the results
+                        continue
+                    c["runs"].append(run_result)
                     print(f"{name} {c['strategy']} bucket {c['bucket_mb']:g}: {c['runs'][-1]['step_s'] * 1e3:.2f} ms "
                           f"(foreign load {c['runs'][-1]['other_load_cores'] or 0:.2f})", file=sys.stderr)
+            candidates = [c for c in candidates if c["runs"]]  # a candidate whose every launch failed is left out
             for c in candidates:
                 c["measured_step_s"] = statistics.median(x["step_s"] for x in c["runs"])
                 c["other_load_cores"] = statistics.median(x["other_load_cores"] or 0 for x in c["runs"])
@@ -193,7 +205,10 @@ def main() -> None:
                 "auto_build": {"strategy": auto_plan.get("strategy"), "bucket_mb": auto_plan.get("bucket_mb"),
                                "predicted_step_s": (auto_plan.get("predicted") or {}).get("step_s")},
             }
+    results["failed_launches"] = FAILED_LAUNCHES
     print_table(results)
+    for f in FAILED_LAUNCHES:
+        print(f"failed launch: {f['tag']} attempt {f['attempt'] + 1}: {f['error'].splitlines()[0]}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
 

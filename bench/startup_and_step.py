@@ -8,9 +8,12 @@ every variant, interleaved and in a rotating order, `--repeats` times, so the ra
 that saw the same machine load. Variants:
 
     aot               bench/aot_worker.py: runner.trainer.Trainer on an artifact built once by
-                      `aot build` (build time reported apart), stepped exactly as `aot run` does
-    aot run (CLI)     `torchrun -m aot run ... --metrics M` itself; its start-up is when this
-                      script sees the first metrics line (polled every 5 ms)
+                      `aot build` (build time reported apart), stepped exactly as `aot run` does,
+                      the portable tier (the program rebuilt as an FX graph from its JSON)
+    aot, compiled     the same artifact's AOTInductor package (`aot run --tier compiled`); with
+      tier            this variant the one build is `aot build --compile aoti`
+    aot run (CLI)     `torchrun -m aot run ... --tier portable --metrics M` itself; its start-up is
+                      when this script sees the first metrics line (polled every 5 ms)
     eager DDP         bench/ddp_worker.py: DistributedDataParallel, the model file's AdamW,
                       scheduler and clip_grad_norm_
     compiled DDP      bench/ddp_worker.py --compile: torch.compile(DDP(model)), with a fresh
@@ -56,6 +59,7 @@ WARMUP_STEPS = 5  # steady state = steps 6..N
 
 VARIANTS = {
     "aot": "aot (runner.Trainer)",
+    "aot_compiled": "aot, compiled tier",
     "aot_cli": "aot run (CLI)",
     "ddp_eager": "eager DDP",
     "ddp_compile_cold": "compiled DDP, cold cache",
@@ -152,12 +156,13 @@ def run_variant(name: str, ctx: dict, tmp: Path, tag: str) -> dict:
     result_file = tmp / f"{name}.{tag}.json"
     log = tmp / f"{name}.{tag}.log"
     env = child_env({"BENCH_RESULT": str(result_file)})
-    if name == "aot":
-        cmd = torchrun(world) + [str(CODE / "bench" / "aot_worker.py"), ctx["artifact"], ctx["data"], "--steps", str(steps)]
+    if name in ("aot", "aot_compiled"):
+        cmd = torchrun(world) + [str(CODE / "bench" / "aot_worker.py"), ctx["artifact"], ctx["data"], "--steps", str(steps),
+                                 "--tier", "compiled" if name == "aot_compiled" else "portable"]
     elif name == "aot_cli":
         metrics = tmp / f"metrics.{tag}.jsonl"
         cmd = torchrun(world) + ["-m", "aot", "run", ctx["artifact"], "--steps", str(steps), "--data", ctx["data"],
-                                 "--metrics", str(metrics), "--quiet"]
+                                 "--metrics", str(metrics), "--quiet", "--tier", "portable"]
         t0, seen, load = run_child(cmd, env, log, ctx["timeout"], poll_file=metrics)
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         return {
@@ -273,7 +278,7 @@ def summarize(runs: dict, ctx: dict) -> dict:
             "launches": sum(len(r.get("attempts", [])) for r in rs),
             "steady_step_all_s": [steady(r) for r in ok],
         }
-        if name == "aot":
+        if name in ("aot", "aot_compiled"):
             row["load_artifact_s"] = median(r.get("load_artifact_s") for r in ok)
         if name == "aot_cli":
             row["runner_time_since_start_step1_s"] = median(r.get("runner_time_since_start_step1_s") for r in ok)
@@ -440,7 +445,8 @@ def main(argv=None) -> int:
                        cwd=CODE, env=env, check=True, capture_output=True)
         artifact = tmp / "artifact"
         build_cmd = [sys.executable, "-m", "aot", "build", ctx["model"], "--world-size", str(args.world_size),
-                     "--batch-size", str(args.batch_size), "-o", str(artifact), "--json"]
+                     "--batch-size", str(args.batch_size), "-o", str(artifact), "--json",
+                     *(["--compile", "aoti"] if "aot_compiled" in variants else [])]
         t = time.perf_counter()
         built = subprocess.run(build_cmd, cwd=CODE, env=env, capture_output=True, text=True)
         ctx["build_wall_s"] = time.perf_counter() - t
@@ -504,6 +510,10 @@ def main(argv=None) -> int:
         "aot start-up / compiled DDP (cold cache) start-up": pair("aot", "ddp_compile_cold", "startup", 0.1),
         "aot start-up / compiled DDP (warm cache) start-up": pair("aot", "ddp_compile_warm", "startup"),
         "aot start-up / eager DDP start-up": pair("aot", "ddp_eager", "startup"),
+        "aot compiled tier start-up / compiled DDP (cold cache) start-up": pair("aot_compiled", "ddp_compile_cold", "startup", 0.1),
+        "aot compiled tier start-up / compiled DDP (warm cache) start-up": pair("aot_compiled", "ddp_compile_warm", "startup"),
+        "aot compiled tier steady step / compiled DDP (warm cache) steady step": pair("aot_compiled", "ddp_compile_warm", "steady_step"),
+        "aot compiled tier steady step / aot portable steady step": pair("aot_compiled", "aot", "steady_step"),
         "aot steady step / eager DDP steady step": pair("aot", "ddp_eager", "steady_step", 1.0),
         "aot steady step / compiled DDP (cold cache) steady step": pair("aot", "ddp_compile_cold", "steady_step"),
         "aot steady step / compiled DDP (warm cache) steady step": pair("aot", "ddp_compile_warm", "steady_step"),

@@ -134,3 +134,15 @@ def test_wider_fsdp_and_no_dp_are_derived_without_tracing():
     assert (derived.memory.params, derived.memory.optimizer) == (real_step.memory.params, real_step.memory.optimizer)
     assert len(derived.ops) == len(real_step.ops)
     assert sum(op.bytes for op in derived.ops) == pytest.approx(sum(op.bytes for op in real_step.ops), rel=0.02)
+
+
+def test_blocking_collectives_pay_the_calibrated_stall():
+    """CPU ranks (no overlap): each collective costs its isolated time plus the stall calibration
+    measured inside a step; overlapping ranks (GPUs) do not pay it."""
+    stalled = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_s=0.5e-3)
+    step = _step([1e-3] * 4, [_site("X", 1, 3), _site("Y", 2, 3)])
+    times = [1e-3] * 4
+    blocking = simulate(step, stalled, lambda c: ("ring", 1e-3), overlap=False, op_times=times)
+    assert blocking.step_s == pytest.approx(4e-3 + 2 * 1.5e-3) and blocking.comm_s == pytest.approx(3e-3)
+    overlapped = simulate(step, stalled, lambda c: ("ring", 1e-3), overlap=True, op_times=times)
+    assert overlapped.step_s == pytest.approx(4e-3)

@@ -170,7 +170,8 @@ def _reference_step(device, width: int, rows: int):
         logits = F.linear(h, w["head.w"])
         loss = F.cross_entropy(logits.reshape(-1, d), target.reshape(-1))
         grads = torch.autograd.grad(loss, ps)
-        opt = torch.optim.Adam(ps, lr=1e-3, foreach=False)
+        # foreach, as aot.capture steps optimizers that leave foreach unset
+        opt = torch.optim.Adam(ps, lr=1e-3, foreach=True, capturable=True)
         for p, g, ea, eb, s_ in zip(ps, grads, m, v, st):
             p.grad = g
             opt.state[p] = {"step": s_, "exp_avg": ea, "exp_avg_sq": eb}
@@ -254,6 +255,34 @@ def measure_compute(device, reps: int = 7) -> dict:
     return result
 
 
+def measure_collective_stall(device, isolated_s: float, reps: int = 30) -> float:
+    """Seconds a blocking all_reduce of 4 KiB costs inside a step beyond `isolated_s` (its time
+    when the ranks start it together after a barrier): every rank runs a small reference step,
+    then the all_reduce, `reps` times with no barrier in between, as a training step interleaves
+    compute and blocking collectives; the median iteration, less the median step run alone at the
+    same time on every rank, less `isolated_s`. On CPU ranks the ranks drift out of step and gloo's
+    transport threads wait for the cores the ranks compute on; this is what that costs."""
+    _, module, args = _reference_step(device, 4, 1)
+    buffer = torch.ones(1024, dtype=torch.float32, device=device)
+    group_name, world = dist.group.WORLD.group_name, dist.get_world_size()
+    fresh = [a.clone() for a in args]
+    module(*fresh)
+
+    def alone():
+        module(*fresh)
+
+    def with_collective():
+        module(*fresh)
+        _collective("all_reduce", buffer, group_name, world)
+
+    dist.barrier()
+    compute = statistics.median(_timed(alone, device, reps))
+    dist.barrier()
+    _timed(with_collective, device, 3)
+    both = statistics.median(_timed(with_collective, device, reps))
+    return max(0.0, both - compute - isolated_s)
+
+
 def _median_over_ranks(results: list[dict]) -> dict:
     """Each number the median over ranks; bandwidth_by_bytes per size; the reference steps rank 0's."""
     first = results[0]
@@ -308,6 +337,13 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, log=prin
                 alpha, beta = alpha_beta(kind, world, a, b)
                 per_kind[kind] = {"alpha_s": alpha, "beta_s_per_byte": beta, "gamma_s_per_byte": 0.0}
                 measurements[kind] = [[n, t] for n, t in pts]
+            if device.type == "cpu":  # GPU collectives overlap compute on their own stream
+                log("measuring what a blocking collective costs inside a step")
+                a, b = fit_line(points["all_reduce"])
+                stall = measure_collective_stall(device, a + b * 4096)
+                stalls = [None] * world
+                dist.all_gather_object(stalls, stall)
+                compute["collective_stall_s"] = statistics.median(stalls)
     finally:
         if started:
             leave_process_group()

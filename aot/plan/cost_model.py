@@ -498,7 +498,7 @@ def simulate(step: StepGraph, compute: Compute, comm_cost, *, overlap: bool = Tr
              op_times: list[float] | None = None) -> Prediction:
     """Predicted step time. `comm_cost(site) -> (algorithm, seconds)`. With overlap=False every
     collective blocks the compute clock from issue to completion (ranks whose communication
-    competes with compute for the same cores)."""
+    competes with compute for the same cores), and costs `compute.collective_stall_s` more."""
     times = op_times if op_times is not None else op_seconds(step, compute)
     issues: dict[int, list[CommSite]] = {}
     waits: dict[int, list[CommSite]] = {}
@@ -523,6 +523,8 @@ def simulate(step: StepGraph, compute: Compute, comm_cost, *, overlap: bool = Tr
         for op in c.pre_ops:
             run(op, _op_s(op, compute))
         algorithm, seconds = comm_cost(c)
+        if not overlap:  # blocking: what the calibration saw a collective cost inside a step
+            seconds += compute.collective_stall_s
         algos[(c.kind, algorithm)] = algos.get((c.kind, algorithm), 0) + 1
         start = max(t, comm_free)
         comm_free = start + seconds

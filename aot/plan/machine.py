@@ -61,6 +61,9 @@ class Compute:
     view_overhead_s: float | None = None   # dispatching a view (no data moved); None: op_overhead_s
     efficiency: float = 1.0                # measured fraction of the roofline real ops reach (calibration)
     calibrated: bool = False
+    collective_stall_s: float = 0.0        # what a blocking collective costs inside a step beyond its
+                                           # isolated time (ranks out of step, transport threads waiting
+                                           # for cores the ranks compute on); calibrated on CPU ranks
 
     def flops_rate(self, dtype: str) -> float:
         return self.flops_per_s.get(dtype) or self.flops_per_s.get("default") or next(iter(self.flops_per_s.values()))
@@ -159,7 +162,7 @@ class Machine:
                        measured.get("op_overhead_s", base.op_overhead_s), base.async_dispatch,
                        bandwidth_by_bytes=tuple(sorted((float(b), float(r)) for b, r in measured.get("bandwidth_by_bytes") or ())),
                        view_overhead_s=measured.get("view_overhead_s"), efficiency=measured.get("efficiency") or 1.0,
-                       calibrated=True)
+                       calibrated=True, collective_stall_s=measured.get("collective_stall_s") or 0.0)
 
     # -- ranks and links ----------------------------------------------------------------------
     def node_of(self, rank: int) -> int:
