@@ -243,12 +243,13 @@ def _check_structure(m: dict, where: str) -> None:
         expect(len(entry["sha256"]) == 64, f"files[{name!r}].sha256 must have 64 hex digits")
 
 
-def _mesh_coords(axes: list[str], shape: list[int], mesh_rank: int) -> dict[str, int]:
-    """Coordinates of a mesh rank: row-major over the mesh's axes, the last fastest."""
+def mesh_coords(axes, shape, mesh_rank: int) -> dict[str, int]:
+    """Coordinates of a mesh rank, keyed in the mesh's axis order: row-major over the axes, the
+    last fastest (the layout the format defines; aot.plan.mesh.Mesh asks this function)."""
     coords = {}
     for axis, degree in reversed(list(zip(axes, shape))):
         coords[axis], mesh_rank = mesh_rank % degree, mesh_rank // degree
-    return coords
+    return {axis: coords[axis] for axis in axes}
 
 
 def _check_placement(m: dict, where: str, expect) -> None:
@@ -278,7 +279,7 @@ def _check_placement(m: dict, where: str, expect) -> None:
                f"placement.physical_rank_of_mesh_rank is not a permutation of the {world} ranks")
         expect(sorted(placement["axes_outer_to_inner"]) == sorted(axes), "placement.axes_outer_to_inner are not the mesh's axes")
         for mesh_rank, rank in enumerate(physical):
-            expect(coords[rank] == _mesh_coords(axes, shape, mesh_rank),
+            expect(coords[rank] == mesh_coords(axes, shape, mesh_rank),
                    f"ranks: rank {rank}'s coords {coords[rank]} are not those of mesh rank {mesh_rank}, which "
                    f"placement puts on it")
     for name, spec in m["process_groups"].items():

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from aot.errors import AotError
+from runner.artifact import mesh_coords
 
 SUPPORTED_AXES = ("dp", "fsdp", "tp")
 # Axes over which ranks see different data; tensor-parallel ranks see the same batch.
@@ -57,10 +58,7 @@ class Mesh:
         return self.shape[self.axes.index(axis)] if axis in self.axes else 1
 
     def coords(self, rank: int) -> dict[str, int]:
-        coords, rest = {}, rank
-        for axis, degree in reversed(list(zip(self.axes, self.shape))):
-            coords[axis], rest = rest % degree, rest // degree
-        return {axis: coords[axis] for axis in self.axes}
+        return mesh_coords(self.axes, self.shape, rank)  # the artifact format's row-major layout
 
     def rank_of(self, coords: dict[str, int]) -> int:
         rank = 0
