@@ -15,6 +15,7 @@ from aot.emit.artifact import PROGRAM, emit_artifact, export_step
 from aot.emit.onnx_export import ONNX_FILE, build_inference
 from aot.errors import AotError
 from aot.passes import run_passes
+from aot.plan import hierarchy
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.plan.placement import Placement, place
@@ -43,6 +44,7 @@ class BuildOptions:
     onnx: bool | None = None   # export the forward to ONNX: None if it can (else a warning), True or fail, False skip
     compile: str = "portable"  # "aoti": also compile each program with AOTInductor (aot/emit/aoti.py)
     sequence_parallel: bool = False  # with tp: the residual stream split along the sequence
+    hierarchical: str = "auto"  # all_reduces over groups spanning nodes in two levels: auto (where cheaper), always, never
 
 
 def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
@@ -149,9 +151,16 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     layout = StepLayout(groups.get("dp"), groups.get("fsdp"), groups.get("tp"), tuple(sorted(tp_plan.items())), sequence)
     with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
         captured = capture_step(mf, state, rank_inputs, rank_targets, layout)
-    with progress.stage("running graph passes (bucketing, overlap)"):
+    with progress.stage("running graph passes (bucketing, hierarchical all_reduce, overlap)"):
         prefetch = None if options.prefetch_mb is None else int(options.prefetch_mb * 2**20)
-        captured.graph = run_passes(captured.graph, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch)
+        machine = Machine(profile, mesh.world_size)
+        captured.graph = run_passes(captured.graph, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch,
+                                    hierarchical=hierarchy.chooser(machine, placement, options.hierarchical))
+    subgroups = level_groups(captured.graph, machine, placement)
+    if subgroups:
+        split = sum(1 for n in captured.graph.graph.nodes if n.op == "call_function" and n.args and str(n.args[-1]).endswith(".inter"))
+        progress.note(f"hierarchical all_reduce over {', '.join(sorted({g['axis'] for g in subgroups.values()}))}: "
+                      f"{split} all_reduce(s) split into a node level and a network level")
     plan_entry, plan_files = planned.finish(captured.graph, captured.slots) if planned else (None, {})
     if plan_entry is not None:  # the placement over the mesh as built (its axes in the strategy's order)
         plan_entry["placement"] = placement.to_json()
@@ -168,12 +177,13 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     if compile_device is not None:
         from aot.emit.aoti import compile_programs
         with progress.stage(f"compiling the program with AOTInductor for {compile_device.type} (about a minute on 2 cores)"):
-            compiled = compile_programs({PROGRAM: ep}, {Mesh.group_name(a): mesh.size(a) for a in mesh.axes if mesh.size(a) > 1},
-                                        mesh.world_size, compile_device)
+            sizes = {Mesh.group_name(a): mesh.size(a) for a in mesh.axes if mesh.size(a) > 1}
+            sizes.update({name: len(spec["groups"][0]) for name, spec in subgroups.items()})
+            compiled = compile_programs({PROGRAM: ep}, sizes, mesh.world_size, compile_device)
     with progress.stage(f"writing the artifact to {options.output}"):
         manifest = emit_artifact(
             options.output, ep=ep, captured=captured, state=state, layout=layout, mesh=mesh, profile=profile,
-            placement=placement, example=example, batch_size=options.batch_size, sign_key=options.sign_key,
+            placement=placement, subgroups=subgroups, example=example, batch_size=options.batch_size, sign_key=options.sign_key,
             extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files,
                          **(compiled.files if compiled else {})} or None,
             extra_fields={**({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
@@ -183,10 +193,23 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             build={
                 "model_file": mf.path.name, "model_sha256": mf.sha256, "world_size": options.world_size,
                 "strategy": mesh.describe(), "batch_size": options.batch_size, "max_steps": options.max_steps,
-                "bucket_mb": options.bucket_mb, "prefetch_mb": options.prefetch_mb, "seed": options.seed, "topology": profile["name"],
+                "bucket_mb": options.bucket_mb, "prefetch_mb": options.prefetch_mb, "hierarchical": options.hierarchical,
+                "seed": options.seed, "topology": profile["name"],
             },
         )
     return manifest
+
+
+def level_groups(gm, machine: Machine, placement: Placement) -> dict[str, dict]:
+    """The manifest's process_groups entries for the sub-groups the graph's collectives name
+    ("aot.dp.intra": {"axis": "dp", "level": "intra", "groups": [...]}), in physical ranks."""
+    out = {}
+    for node in gm.graph.nodes:
+        name = str(node.args[-1]) if node.op == "call_function" and node.args else ""
+        axis, _, level = name.removeprefix("aot.").partition(".")
+        if name.startswith("aot.") and level in hierarchy.LEVELS and name not in out:
+            out[name] = {"axis": axis, "level": level, "groups": hierarchy.group_ranks(placement, machine, name)}
+    return dict(sorted(out.items()))
 
 
 def describe_placement(placement: Placement) -> str:

@@ -52,6 +52,10 @@ def cli():
 @click.option("--prefetch-mb", type=float, default=None,
               help="FSDP: MiB of full parameters that may be gathered ahead of their use (larger hides more of a slow "
                    "link, for more memory). Default: one parameter ahead, as FSDP does.")
+@click.option("--hierarchical", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
+              help="All_reduces over a group that spans nodes: reduce inside each node, cross the network with 1/g of the "
+                   "bytes, gather inside the node (three collectives over sub-groups). auto: each all_reduce where the "
+                   "topology's cost model says it is cheaper.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Initial weights are those of torch.manual_seed(seed); model().")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Artifact folder to write.")
 @click.option("--sign", "sign_key", type=click.Path(path_type=Path), help="Sign the artifact with this Ed25519 private key (see `aot keygen`).")
@@ -65,7 +69,7 @@ def cli():
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
 @debug_option
-def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, batch_size, max_steps, bucket_mb, prefetch_mb, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
+def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, batch_size, max_steps, bucket_mb, prefetch_mb, hierarchical, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
     """Trace MODEL_FILE's whole training step into per-rank artifacts.
 
     MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),
@@ -82,7 +86,7 @@ def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, 
         world_size = Mesh.parse(strategy, None).world_size if strategy != "auto" else 1
     options = BuildOptions(model_path=model_file, output=output, topology=topology, nodes=nodes, world_size=world_size,
                            strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, prefetch_mb=prefetch_mb, seed=seed,
-                           sign_key=sign_key, onnx=onnx, compile=compile_tier, sequence_parallel=sequence_parallel)
+                           hierarchical=hierarchical, sign_key=sign_key, onnx=onnx, compile=compile_tier, sequence_parallel=sequence_parallel)
     progress = Progress(total=6 + (onnx is not False) + (compile_tier == "aoti"), quiet=quiet or as_json)
     manifest = run_build(options, progress)
     program = manifest["programs"]["train"]

@@ -252,6 +252,21 @@ def mesh_coords(axes, shape, mesh_rank: int) -> dict[str, int]:
     return {axis: coords[axis] for axis in axes}
 
 
+def _check_level(name: str, spec: dict, coords: dict, world: int, expect) -> None:
+    """A level of a hierarchical all_reduce ("intra": a group's ranks on one node, "inter": the
+    ranks holding the same piece across nodes): groups of equal size that partition the world,
+    each inside one group of its axis (differing only in that coordinate), ranks ascending."""
+    axis, level = spec["axis"], spec["level"]
+    expect(level in ("intra", "inter"), f"process_groups[{name!r}]: level {level!r} is neither intra nor inter")
+    groups = spec["groups"]
+    expect(len({len(g) for g in groups}) == 1 and sorted(r for g in groups for r in g) == list(range(world)),
+           f"process_groups[{name!r}]: its groups are not of one size or do not cover each rank once")
+    for group in groups:
+        others = {tuple(sorted((a, c) for a, c in coords[r].items() if a != axis)) for r in group}
+        expect(group == sorted(group) and len(others) == 1,
+               f"process_groups[{name!r}]: group {group} is not ascending inside one {axis} group")
+
+
 def _check_placement(m: dict, where: str, expect) -> None:
     """`ranks` are physical ranks (torchrun's RANK), one entry each, with the coordinates
     `placement` gives them; every group of `process_groups` lists its ranks ascending, each at the
@@ -285,6 +300,9 @@ def _check_placement(m: dict, where: str, expect) -> None:
     for name, spec in m["process_groups"].items():
         axis = spec["axis"]
         expect(axis in axes, f"process_groups[{name!r}]: axis {axis!r} is not a mesh axis")
+        if spec.get("level") is not None:
+            _check_level(name, spec, coords, world, expect)
+            continue
         for group in spec["groups"]:
             expect(all(r in coords for r in group), f"process_groups[{name!r}]: group {group} names a rank outside the world")
             expect(group == sorted(set(group)) and [coords[r][axis] for r in group] == list(range(len(group))),

@@ -69,11 +69,11 @@ def _shard_of(layout: StepLayout, coords: dict[str, int]) -> tuple[int | None, i
 
 def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: CapturedStep, state: TrainingState,
                   layout: StepLayout, mesh: Mesh, profile: dict, example: dict[str, torch.Tensor], batch_size: int,
-                  build: dict, placement: Placement | None = None, sign_key: Path | None = None,
+                  build: dict, placement: Placement | None = None, subgroups: dict | None = None, sign_key: Path | None = None,
                   extra_files: dict[str, bytes] | None = None, extra_fields: dict | None = None) -> dict:
     """Write the artifact folder. `placement` maps mesh ranks to physical ranks (default: the
     identity); `ranks` and `process_groups` are written in physical ranks, so a runner looks up its
-    own RANK and binds the groups as listed. `extra_files` (relative path -> bytes) are written and
+    own RANK and binds the groups as listed, `subgroups` among them. `extra_files` (relative path -> bytes) are written and
     hashed like every other file; `extra_fields` are optional top-level manifest entries that
     describe them (the ONNX inference export, the custom operator libraries)."""
     placement = placement or identity(mesh.axes, mesh.shape)
@@ -111,7 +111,7 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
             "process_groups": {  # physical ranks, each group in coordinate order (ascending)
                 mesh.group_name(axis): {"axis": axis, "groups": placement.groups(axis)}
                 for axis in mesh.axes if mesh.size(axis) > 1
-            },
+            } | (subgroups or {}),  # the levels of hierarchical all_reduces (aot/passes/hierarchical.py)
             "programs": {
                 PROGRAM: {
                     "file": f"programs/{PROGRAM}.json",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from aot.errors import AotError
-from aot.plan import collectives
+from aot.plan import collectives, hierarchy
 from aot.plan.cost_model import Prediction, StepGraph, analyze, op_seconds, rebucket, simulate
 from aot.plan.machine import Machine
 from aot.plan.placement import Placement, place
@@ -79,8 +79,9 @@ class Planner:
     """Prices plans for one machine. `step_graph(axes, shape)` gives the unbucketed step graph of
     one rank for a mesh (raising Unsupported when the build cannot trace it)."""
 
-    def __init__(self, machine: Machine, step_graph: Callable[[tuple, tuple], StepGraph]):
+    def __init__(self, machine: Machine, step_graph: Callable[[tuple, tuple], StepGraph], hierarchical: str = "auto"):
         self.machine = machine
+        self.hierarchical = hierarchical  # all_reduces in two levels: "auto" (where cheaper), "always", "never"
         self._step_graph = step_graph
         self._graphs: dict = {}
         self._op_times: dict = {}
@@ -98,7 +99,7 @@ class Planner:
         return self._op_times[key][1]
 
     # -- collectives ------------------------------------------------------------------------
-    def comm_pricer(self, placement: Placement, step: StepGraph) -> tuple[Callable, str | None]:
+    def comm_pricer(self, placement: Placement, step: StepGraph, hierarchical: str | None = None) -> tuple[Callable, str | None]:
         """(site -> (algorithm, seconds), NCCL_ALGO setting). The groups of one axis run at once,
         so a collective costs what it costs on the slowest of them. NCCL's algorithm is set per
         collective kind for the whole run (NCCL_ALGO), so each kind gets the one algorithm that
@@ -111,10 +112,15 @@ class Planner:
             key = (group, kind)
             if key not in spans:
                 axis = group.split(".", 1)[1] if group.startswith("aot.") else group
-                if axis not in placement.axes:
-                    raise AotError(f"the step's collective names group {group!r}, which is no axis of mesh {placement.axes}")
+                if axis in placement.axes:
+                    groups = placement.distinct_groups(axis, machine.per_node)
+                else:  # a level of a hierarchical all_reduce ("aot.dp.intra")
+                    try:
+                        groups = hierarchy.group_ranks(placement, machine, group)
+                    except ValueError as e:
+                        raise AotError(f"the step's collective names group {group!r}: {e}") from None
                 distinct = {}
-                for g in placement.distinct_groups(axis, machine.per_node):
+                for g in groups:
                     s = machine.span(g, kind)
                     distinct.setdefault((s.p, s.nodes, s.per_node, s.intra, s.inter, s.rails), s)
                 spans[key] = list(distinct.values())
@@ -140,6 +146,8 @@ class Planner:
             nccl = ";".join(f"{names[k]}:{_nccl_name(pinned[k])}" for k in used)
 
         cache: dict = {}
+        levels: dict = {}
+        hierarchical = hierarchical or self.hierarchical
 
         def cost(site):
             kind = site.kind if site.kind in collectives.ALGORITHMS else "all_reduce"
@@ -147,17 +155,29 @@ class Planner:
             if key not in cache:
                 algorithm = pinned.get(kind, "ring")
                 cache[key] = (algorithm, price(site, algorithm))
+                if kind == "all_reduce" and hierarchical != "never":
+                    # a hierarchical all_reduce is three graph collectives over sub-groups
+                    # (aot/passes/hierarchical.py), chosen per collective where it is cheaper
+                    axis = site.group.split(".", 1)[1] if site.group.startswith("aot.") else site.group
+                    if axis not in levels:
+                        levels[axis] = hierarchy.levels(machine, placement, axis) if axis in placement.axes else None
+                    if levels[axis] is not None:
+                        seconds = hierarchy.hierarchical_seconds(machine, levels[axis], site.bytes, algorithm)
+                        if hierarchical == "always" or seconds < cache[key][1]:
+                            cache[key] = ("hierarchical", seconds)
             return cache[key]
         return cost, nccl
 
     # -- one plan ---------------------------------------------------------------------------
     def evaluate(self, axes, shape, bucket_mb: float, *, step: StepGraph | None = None, bucketed: bool = False,
-                 placement: Placement | None = None, trace: bool = False) -> Plan:
+                 placement: Placement | None = None, trace: bool = False, as_built: bool = False) -> Plan:
+        """Price one plan. `as_built`: the graph is the build's, whose all_reduces were already
+        split where hierarchical pays (aot/passes/hierarchical.py): price them as they are."""
         base = step if step is not None else self.step_graph(axes, shape)
         graph = base if bucketed else rebucket(base, int(bucket_mb * MiB))
         if placement is None:
             placement = place(self.machine, tuple(axes), tuple(shape), _traffic(graph))
-        cost, nccl = self.comm_pricer(placement, graph)
+        cost, nccl = self.comm_pricer(placement, graph, "never" if as_built else None)
         times = self._op_times_for(base)
         prediction = simulate(graph, self.machine.compute, cost, overlap=self.overlaps, trace=trace, op_times=times)
         limit = self.machine.memory_bytes
@@ -363,7 +383,7 @@ def manifest_entry(planner: Planner, chosen: Plan, graph, slots, ranked: list[Pl
 
     built = analyze(graph, slots)
     final = planner.evaluate(chosen.axes, chosen.shape, chosen.bucket_mb, step=built, bucketed=True,
-                             placement=chosen.placement, trace=True)
+                             placement=chosen.placement, trace=True, as_built=True)
     machine = planner.machine
     trace = chrome_trace(final.prediction, title=f"{chosen.strategy}, bucket {chosen.bucket_mb:g} MiB on {machine.describe()}")
     entry = {

@@ -1,0 +1,133 @@
+"""Where a hierarchical all_reduce pays: the two levels of a group and the price of each way.
+
+A mesh axis's group that spans several nodes with the same number g > 1 of its ranks on each can
+reduce in two levels (aot/passes/hierarchical.py): its `intra` sub-groups are its ranks on one
+node, its `inter` sub-groups the ranks holding the same piece (the k-th rank of each node's part)
+across nodes. Both the planner and the build decide per collective with `hierarchical_wins`, which
+prices what the graph would actually issue: a reduce-scatter and an all-gather over the intra
+sub-groups and an all_reduce of n/g bytes over the inter sub-groups, each with the algorithms the
+backend runs, against the flat all_reduce over the whole group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from aot.passes.hierarchical import SubGroups
+from aot.plan import collectives
+from aot.plan.machine import Machine
+from aot.plan.mesh import Mesh
+from aot.plan.placement import Placement
+
+LEVELS = ("intra", "inter")
+
+
+@dataclass(frozen=True)
+class Levels:
+    axis: str
+    intra: list[list[int]]   # physical ranks, ascending: each group's ranks on one node
+    inter: list[list[int]]   # physical ranks, ascending: the k-th of each node's part of a group
+
+    @property
+    def subgroups(self) -> SubGroups:
+        return SubGroups(level_name(self.axis, "intra"), len(self.intra[0]),
+                         level_name(self.axis, "inter"), len(self.inter[0]))
+
+
+def level_name(axis: str, level: str) -> str:
+    return f"{Mesh.group_name(axis)}.{level}"
+
+
+def levels(machine: Machine, placement: Placement, axis: str) -> Levels | None:
+    """The two levels of `axis`'s groups, or None where they have none: a group inside one node,
+    one rank per node, or nodes holding different numbers of a group's ranks."""
+    if dict(zip(placement.axes, placement.shape)).get(axis, 1) <= 1:
+        return None
+    intra, inter, width = [], [], None
+    for group in placement.groups(axis):
+        parts: dict[int, list[int]] = {}
+        for rank in group:
+            parts.setdefault(machine.node_of(rank), []).append(rank)
+        sizes = {len(p) for p in parts.values()}
+        if len(parts) < 2 or len(sizes) != 1 or (width is not None and sizes != {width}):
+            return None
+        width = sizes.pop()
+        if width < 2:
+            return None
+        pieces = [sorted(p) for _, p in sorted(parts.items())]
+        intra += pieces
+        inter += [sorted(column) for column in zip(*pieces)]
+    return Levels(axis, intra, inter)
+
+
+def group_ranks(placement: Placement, machine: Machine, name: str) -> list[list[int]]:
+    """Physical rank lists of the groups a graph names: "aot.<axis>" or "aot.<axis>.<level>"."""
+    body = name.split(".", 1)[1] if name.startswith("aot.") else name
+    axis, _, level = body.partition(".")
+    if axis not in placement.axes:
+        raise ValueError(f"group {name!r} names no axis of mesh {placement.axes}")
+    if not level:
+        return placement.groups(axis)
+    found = levels(machine, placement, axis)
+    if level not in LEVELS or found is None:
+        raise ValueError(f"group {name!r}: axis {axis!r} has no {level!r} level on {machine.describe()}")
+    return getattr(found, level)
+
+
+def _seconds(machine: Machine, groups: list[list[int]], kind: str, n: float, algorithms: tuple[str, ...]) -> float:
+    """The cheapest of `algorithms` for `kind` of n bytes, each priced on the slowest distinct group."""
+    spans = {}
+    for g in groups:
+        s = machine.span(g, kind)
+        spans[(s.p, s.nodes, s.per_node, s.intra, s.inter, s.rails)] = s
+    return min(max(collectives.cost(kind, a, s, n) for s in spans.values()) for a in algorithms)
+
+
+def hierarchical_seconds(machine: Machine, found: Levels, n: float, inter_algorithm: str | None = None) -> float:
+    """What the three collectives of a hierarchical all_reduce of n bytes cost, with a CPU rank's
+    per-collective stall for each one beyond the flat all_reduce's."""
+    realizable = collectives.REALIZABLE.get(machine.backend, collectives.REALIZABLE["gloo"])
+    g = len(found.intra[0])
+    piece = -(-n // g)
+    inter = (inter_algorithm,) if inter_algorithm else realizable["all_reduce"]
+    seconds = (_seconds(machine, found.intra, "reduce_scatter", piece * g, realizable["reduce_scatter"])
+               + _seconds(machine, found.inter, "all_reduce", piece, inter)
+               + _seconds(machine, found.intra, "all_gather", piece * g, realizable["all_gather"]))
+    if machine.device_kind != "cuda":  # cost_model.simulate adds the stall per blocking collective
+        seconds += 2 * machine.compute.collective_stall_s
+    return seconds
+
+
+def flat_seconds(machine: Machine, placement: Placement, axis: str, n: float, algorithm: str | None = None) -> float:
+    realizable = collectives.REALIZABLE.get(machine.backend, collectives.REALIZABLE["gloo"])
+    return _seconds(machine, placement.distinct_groups(axis, machine.per_node), "all_reduce", n,
+                    (algorithm,) if algorithm else realizable["all_reduce"])
+
+
+def chooser(machine: Machine, placement: Placement, mode: str = "auto") -> Callable[[str, int], SubGroups | None] | None:
+    """For aot/passes/hierarchical.py: which all_reduces (by group name and bytes) to split.
+    mode "auto": where the hierarchical form is cheaper; "always": wherever the group has levels;
+    "never": none."""
+    if mode not in ("auto", "always", "never"):
+        raise ValueError(f"hierarchical mode {mode!r}")
+    if mode == "never":
+        return None
+    found = {a: levels(machine, placement, a) for a, d in zip(placement.axes, placement.shape) if d > 1}
+    found = {Mesh.group_name(a): lv for a, lv in found.items() if lv is not None}
+    if not found:
+        return None
+
+    def choose(group: str, nbytes: int) -> SubGroups | None:
+        lv = found.get(group)
+        if lv is None:
+            return None
+        if mode == "always" or hierarchical_wins(machine, placement, lv, nbytes):
+            return lv.subgroups
+        return None
+    return choose
+
+
+def hierarchical_wins(machine: Machine, placement: Placement, found: Levels, n: float,
+                      flat_algorithm: str | None = None) -> bool:
+    return hierarchical_seconds(machine, found, n, flat_algorithm) < flat_seconds(machine, placement, found.axis, n, flat_algorithm)
