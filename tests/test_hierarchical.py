@@ -8,6 +8,7 @@ node count check told to allow the mismatch (they all run here).
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -90,10 +91,9 @@ def test_cost_model_prefers_it_for_latency_and_few_rails():
     assert prefers("pcie_4gpu_nvlink_pairs", 2, 8, 400 * 2**20)
 
 
-def test_runner_refuses_a_level_that_does_not_partition_the_world(tmp_path):
+def test_runner_refuses_a_level_that_does_not_partition_the_world(split, tmp_path):
     bad = tmp_path / "bad"
-    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", 4, "--strategy", "dp=4", *TWO_NODES,
-           "--hierarchical", "always", "--no-onnx", "-o", bad, "--quiet"))
+    shutil.copytree(split, bad)
     path = bad / "manifest.json"
     m = json.loads(path.read_text())
     m["process_groups"]["aot.dp.inter"]["groups"] = [[0, 2], [1, 2]]
