@@ -114,3 +114,72 @@ def load_graph_module(program_json: bytes, device: torch.device | None = None) -
         return gm
     except (Unsupported, KeyError, TypeError, ValueError):
         return None
+
+
+# -- gloo: one collective in flight at a time ---------------------------------------------------
+_FUNCOL = "_c10d_functional"
+
+
+def _is_wait(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops._c10d_functional.wait_tensor.default
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    """A functional collective's issue (all_gather_into_tensor, reduce_scatter_tensor, all_reduce,
+    ...): a call into torch.ops._c10d_functional other than wait_tensor."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.namespace == _FUNCOL and not _is_wait(node))
+
+
+def wait_at_issue(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Move every collective's wait_tensor to right after the collective, so at most one collective
+    is in flight at any point of the program; returns `gm`, rewritten in place and recompiled.
+
+    For gloo only. aot's graphs issue collectives early and wait for them late (aot.passes.overlap,
+    aot.passes.prefetch), which on NCCL hides communication behind compute. On gloo it puts many
+    collectives of one process group in flight at once (an FSDP step: dozens of gradient
+    reduce_scatters plus parameter all_gathers), and ProcessGroupGloo then runs them concurrently
+    on its worker threads over one gloo context. With torch 2.13 that corrupts the heap or loses
+    a message, about once per few hundred steps ("malloc(): unaligned tcache chunk detected",
+    segfaults, "Timed out waiting for send operation"); a bare two-rank script of functional
+    collectives shows it with inputs kept alive too, and not with each collective waited at once
+    or with a single gloo worker thread. Waiting at issue costs nothing the plan counted on: the
+    planner prices gloo collectives as not overlapping compute (aot.plan.search, `overlaps`).
+
+    A wait depends on its collective's result alone, so moving it up to the collective (with the
+    getitem that picks a coalesced collective's piece) never breaks an input-before-use order."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if not is_collective(node):
+            continue
+        anchor = node
+        for user in list(node.users):
+            if _is_wait(user):
+                chain = [user]
+            elif user.op == "call_function" and user.target is operator.getitem:  # a coalesced collective's piece
+                chain = [user, *(w for w in user.users if _is_wait(w))]
+            else:
+                continue
+            for moved in chain:
+                if anchor.next is not moved:
+                    anchor.append(moved)
+                anchor = moved
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def most_in_flight(graph: torch.fx.Graph) -> int:
+    """The most collectives issued and not yet waited for at any point of `graph`."""
+    outstanding: set = set()
+    most = 0
+    for node in graph.nodes:
+        if is_collective(node):
+            outstanding.add(node)
+            most = max(most, len(outstanding))
+        elif _is_wait(node):
+            source = node.args[0]
+            if source.op == "call_function" and source.target is operator.getitem:
+                source = source.args[0]
+            outstanding.discard(source)
+    return most

@@ -21,7 +21,7 @@ from runner.custom_ops import import_op_libraries
 from runner.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
 from runner.groups import bind_process_groups
-from runner.graph_loader import load_graph_module
+from runner.graph_loader import load_graph_module, wait_at_issue
 from runner.program import decode_program
 from runner.binding import bind_rank
 from runner.sharding import shard_number, tp_slice_shape, unshard
@@ -114,6 +114,7 @@ class Trainer:
 
         program = artifact.program(entry["program"])
         import_op_libraries(manifest)  # the program's custom operators resolve only once their module is imported
+        self.collectives_waited_at_issue = False
         if self.tier == "compiled":
             self._module = load_compiled(artifact, entry["program"], self.device, len(program["inputs"]))
             self.program_loader = "aoti"
@@ -130,6 +131,12 @@ class Trainer:
                     ep = move_to_device_pass(ep, self.device)
                 self._module = ep.module()
                 self.program_loader = "torch.export"
+            # On gloo, one collective in flight at a time (runner.graph_loader.wait_at_issue says
+            # why); NCCL keeps the program's overlap of communication with compute. The compiled
+            # tier's schedule is fixed inside its package and is left as built.
+            self.collectives_waited_at_issue = self._on_gloo()
+            if self.collectives_waited_at_issue:
+                wait_at_issue(self._module)
 
         self.state_spec = manifest["state"]
         weights = artifact.tensors(entry["weights"])
@@ -182,6 +189,15 @@ class Trainer:
         dist.init_process_group(backend, store=dist.PrefixStore(f"aot/attempt-{attempt}/", store),
                                 rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.timeout_s), **kwargs)
+
+    def _on_gloo(self) -> bool:
+        """Whether this rank's collectives (on tensors of its device) go through gloo."""
+        if not dist.is_initialized():
+            return False
+        try:
+            return isinstance(dist.group.WORLD._get_backend(self.device), dist.ProcessGroupGloo)
+        except RuntimeError:  # no backend registered for this device
+            return False
 
     def _place(self, t: torch.Tensor) -> torch.Tensor:
         # Zero-dim state (Adam's step counter) stays on the CPU as torch.optim keeps it, so
