@@ -53,3 +53,28 @@ def test_fsdp_program_on_gloo_has_one_collective_in_flight(tmp_path):
         assert report["loaded"] == 1, report
         assert all(math.isfinite(loss) for loss in report["losses"])
     assert reports[0]["losses"] == reports[1]["losses"]  # the global loss, all-reduced: the same on both ranks
+
+
+def test_cpu_packages_are_compiled_from_the_waited_program():
+    """AOTInductor compiles a CPU package (gloo at run time) from a copy of the program with each
+    collective waited at issue; the program the portable tier stores keeps its overlap."""
+    import torch
+
+    from aot.emit.aoti import _fake_groups, waited_at_issue
+    from runner.graph_loader import most_in_flight
+
+    funcol = torch.ops._c10d_functional
+
+    class TwoInFlight(torch.nn.Module):
+        def forward(self, a, b):
+            x = funcol.all_reduce(a * 2, "sum", "aot.dp")
+            y = funcol.all_reduce(b + 1, "sum", "aot.dp")
+            return funcol.wait_tensor(x) + funcol.wait_tensor(y)
+
+    with _fake_groups({"aot.dp": 2}, 2):
+        ep = torch.export.export(TwoInFlight(), (torch.ones(4), torch.ones(4)), strict=False)
+        waited = waited_at_issue(ep)
+    assert most_in_flight(ep.graph) == 2 and most_in_flight(waited.graph) == 1
+    a, b = torch.arange(4.0), torch.ones(4)
+    with _fake_groups({"aot.dp": 2}, 2):  # the fake group's all_reduce returns its input
+        assert torch.equal(waited.module()(a, b), ep.module()(a, b))

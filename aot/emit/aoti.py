@@ -16,6 +16,10 @@ Choices that keep the two tiers interchangeable:
   torch 2.13's add+mm -> addmm fusion drops `alpha`, which turned weight decay on a weight whose
   gradient is a bare matmul (`grad.add(param, alpha=wd)`; tensor-parallel layers' gradients come out
   so) into `grad + param`.
+- A CPU package runs its collectives on gloo, so it is compiled from the program with each
+  collective waited for where it is issued (runner.graph_loader.wait_at_issue, which the runner
+  applies to the portable program on gloo): ProcessGroupGloo in torch 2.13 corrupts memory when a
+  group has several collectives in flight. CUDA packages keep the overlap schedule (NCCL).
 - On x86-64, the library is compiled for the instruction-set level inductor vectorizes for
   (x86-64-v3 for AVX2, x86-64-v4 for AVX-512) instead of `-march=native`, so it runs on every CPU
   of that level and the runner can tell from ATen's CPU capability whether a CPU is one.
@@ -184,6 +188,22 @@ def _reproducible(data: bytes) -> bytes:
     return out.getvalue()
 
 
+def waited_at_issue(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A copy of `ep` whose collectives are each waited for where issued (see the module docstring);
+    `ep` itself, which the portable tier stores, keeps its schedule."""
+    import copy
+
+    from runner.graph_loader import most_in_flight, wait_at_issue
+
+    if most_in_flight(ep.graph) <= 1:
+        return ep
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's pytree deprecation chatter on copy
+        ep = copy.deepcopy(ep)
+    wait_at_issue(ep.graph_module)
+    return ep
+
+
 def compile_programs(programs: dict[str, torch.export.ExportedProgram], groups: dict[str, int], world_size: int,
                      device: torch.device) -> CompiledPackages:
     """One AOTInductor package per program (name -> exported program), for `device`.
@@ -197,7 +217,9 @@ def compile_programs(programs: dict[str, torch.export.ExportedProgram], groups: 
             warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's own deprecation chatter during lowering
         for name, ep in programs.items():
-            if device.type != "cpu":
+            if device.type == "cpu":
+                ep = waited_at_issue(ep)
+            else:
                 from torch.export.passes import move_to_device_pass
                 ep = move_to_device_pass(ep, device)
             saved = ep._example_inputs
