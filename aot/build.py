@@ -155,7 +155,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         prefetch = None if options.prefetch_mb is None else int(options.prefetch_mb * 2**20)
         machine = Machine(profile, mesh.world_size)
         captured.graph = run_passes(captured.graph, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch,
-                                    hierarchical=hierarchy.chooser(machine, placement, options.hierarchical))
+                                    hierarchical=hierarchy.chooser(machine, placement, options.hierarchical,
+                                                                   planned.all_reduce_algorithm if planned else None))
     subgroups = level_groups(captured.graph, machine, placement)
     if subgroups:
         split = sum(1 for n in captured.graph.graph.nodes if n.op == "call_function" and n.args and str(n.args[-1]).endswith(".inter"))

@@ -50,13 +50,17 @@ def render_table(rows: list[dict], header: str) -> str:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--axes", default="dp,fsdp,tp", show_default=True,
               help="Parallel axes to search, comma-separated. Each tensor-parallel degree the model takes "
-                   "costs two traces of the step (seconds each); --axes dp,fsdp searches without tp.")
+                   "costs one trace of the step and a shorter one of its optimizer (about a second each); "
+                   "--axes dp,fsdp searches without tp.")
 @click.option("--sequence-parallel", is_flag=True,
               help="Price tensor-parallel meshes with sequence parallelism, as `aot build --sequence-parallel` builds them.")
+@click.option("--hierarchical", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
+              help="Price all_reduces over groups that span nodes in two levels (reduce-scatter inside a node, "
+                   "all_reduce across nodes, all-gather): where cheaper, always, or never; as `aot build --hierarchical`.")
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print every candidate as JSON.")
 @debug_option
-def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, axes, sequence_parallel, top, as_json):
+def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, axes, sequence_parallel, hierarchical, top, as_json):
     """Rank the ways to train MODEL_FILE on a topology, before any GPU is used.
 
     Traces the step a few times, then prices every candidate plan (parallel degrees among the axes the
@@ -86,7 +90,7 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
         raise AotError(f"--axes {axes!r}: expected some of {', '.join(SUPPORTED_AXES)}")
     plans, skipped, planner, steps = plan_model(model_file, profile, world_size, batch_size, seed=seed,
                                                 bucket_mbs=tuple(bucket_mbs) or None, axes=searched,
-                                                sequence_parallel=sequence_parallel)
+                                                sequence_parallel=sequence_parallel, hierarchical=hierarchical)
     machine = planner.machine
     seconds = time.perf_counter() - started
     rows = [p.row() for p in plans]
@@ -111,7 +115,8 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
         if best is not None:
             click.echo(f"\nbest: --strategy {best.strategy} --bucket-mb {best.bucket_mb:g}"
                        + (f" (NCCL_ALGO={best.nccl_algo})" if best.nccl_algo else "")
-                       + f"; aot build {model_file} --topology {topology or 'live'} --world-size {world_size} --strategy auto")
+                       + f"; aot build {model_file} --topology {topology or 'live'} --world-size {world_size} --strategy auto"
+                       + (f" --hierarchical {hierarchical}" if hierarchical != "auto" else ""))
         else:
             click.echo("\nno plan fits the device memory")
     click.echo(f"planned in {seconds:.1f} s", err=True)

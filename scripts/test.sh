@@ -3,8 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
-# Scenarios marked slow (more strategies on the second example model, planning 1024 ranks with
-# tensor parallelism) run in CI (.ci/run sets AOT_TEST_LONG=1) or when you set it; they add about
+# Scenarios marked slow (more strategies on the second example model, a second placed mesh) run
+# in CI (.ci/run sets AOT_TEST_LONG=1) or when you set it; they add about
 # 2 minutes to the suite's 26 on 2 cores.
 if [ "${AOT_TEST_LONG:-0}" = "1" ]; then
   python -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -102,3 +102,30 @@ def test_runner_refuses_a_level_that_does_not_partition_the_world(split, tmp_pat
     r = aot("inspect", bad)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "aot.dp.inter" in r.stderr and "cover each rank once" in r.stderr
+
+
+def test_aot_plan_prices_the_mode_it_is_given():
+    """`aot plan --hierarchical` prices what `aot build --hierarchical` would build: mlp's one
+    small bucket on 2 DGX nodes splits under auto and always, stays flat under never."""
+    def algorithms(mode: str) -> set:
+        r = ok(aot("plan", EXAMPLES / "mlp.py", "--topology", "dgx_a100", "--nodes", 2, "--axes", "dp",
+                   "--hierarchical", mode, "--json"))
+        return {a for p in json.loads(r.stdout)["plans"] for a in p["algorithms"]}
+
+    assert algorithms("auto") == algorithms("always") == {"all_reduce:hierarchical"}
+    assert "all_reduce:hierarchical" not in algorithms("never")
+
+
+def test_build_prices_the_flat_all_reduce_with_the_plans_nccl_algorithm():
+    """The build's per-collective choice compares against the algorithm the plan pinned
+    (NCCL_ALGO), as the planner's pricing did."""
+    from types import SimpleNamespace
+
+    from aot.plan.search import BuildPlan
+
+    def pinned(setting):
+        return BuildPlan(None, SimpleNamespace(nccl_algo=setting), [], 8).all_reduce_algorithm
+
+    assert pinned("allgather:ring;allreduce:tree;reducescatter:ring") == "double_binary_tree"
+    assert pinned("allreduce:ring") == "ring"
+    assert pinned(None) is None and pinned("allgather:ring") is None

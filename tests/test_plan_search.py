@@ -86,8 +86,9 @@ def test_plans_that_do_not_fit_are_kept_but_never_chosen(tmp_path):
 
 
 def test_plan_for_128_dgx_a100_nodes():
-    """dp x fsdp over 1024 ranks: the model traced twice, every factorization priced. How long it
-    takes is a benchmark (bench/plan_scale.py, BENCHMARKS.md), not a timed test."""
+    """dp x fsdp over 1024 ranks: the model traced once (the graph without fsdp derived from it),
+    every factorization priced. How long it takes is a benchmark (bench/plan_scale.py,
+    BENCHMARKS.md), not a timed test."""
     out = _plan(GPT, "--topology", "dgx_a100", "--nodes", "128", "--axes", "dp,fsdp")
     assert out["world_size"] == 1024 and out["nodes"] == 128
     assert {p["strategy"] for p in out["plans"]} >= {"dp=1024", "fsdp=1024", "dp=128,fsdp=8"}
@@ -95,7 +96,6 @@ def test_plan_for_128_dgx_a100_nodes():
     assert best["fits"] and best["nccl_algo"].startswith("allreduce:")
 
 
-@pytest.mark.slow
 def test_plan_for_128_dgx_a100_nodes_prices_tensor_parallel_within_a_node():
     with_tp = _plan(GPT, "--topology", "dgx_a100", "--nodes", "128")
     strategies = {p["strategy"] for p in with_tp["plans"]}

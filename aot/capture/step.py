@@ -6,6 +6,12 @@ the gradient reduction the plan asks for (functional collectives, so they are gr
 clipping as `clip_grad_norm_` does it, and the user's own torch.optim optimizer stepping on the
 traced tensors. make_fx traces it on fake tensors, so no real computation or collective runs and
 any world size can be built on one machine.
+
+The planner, which only prices a graph, traces with `for_pricing=True`: the same fake tensors and
+the same dispatch (a recorder in make_fx's place on the dispatch stack, so every layer below it
+sees a trace in progress), the same graph node for node, without make_fx's bookkeeping for the
+code it generates (about half the time). Anything the recorder does not handle (tensor constants,
+data-dependent ops, higher-order ops) falls back to make_fx.
 """
 
 from __future__ import annotations
@@ -157,14 +163,15 @@ def _slot(kind: str, tensor: torch.Tensor | None = None, **fields) -> dict:
 
 
 def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
-                 layout: StepLayout, check_ranks: bool = True) -> CapturedStep:
+                 layout: StepLayout, check_ranks: bool = True, for_pricing: bool = False) -> CapturedStep:
     """The step's graph for one rank of `layout`. With tensor parallelism one program serves every
     tp rank, so the trace must not depend on the rank: DTensor picks "this rank's" piece by the
     mesh coordinate at trace time wherever a whole tensor becomes a shard. With `check_ranks` (the
     build) the step is traced as tp rank 0 and as the last tp rank and any difference is refused;
-    the planner, which only prices the graph, traces once."""
+    the planner, which only prices the graph, traces once. `for_pricing`: a graph only to read (see
+    the module docstring); its GraphModule generates code only if asked to."""
     if layout.tp is None:
-        return _capture(mf, state, inputs, targets, layout, None)
+        return _capture(mf, state, inputs, targets, layout, None, for_pricing)
     traced = []
     for rank in ((0, layout.tp.size - 1) if check_ranks else (0,)):
         with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence,
@@ -173,7 +180,7 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
             found = {n: d for n, d in tp.dims.items() if n in state.params}
             if found != expected:  # our slicing of the stored state must be torch's
                 raise AotError(f"tensor parallel: torch placed {found}, expected {expected}")
-            captured = _capture(mf, state, inputs, targets, layout, tp)
+            captured = _capture(mf, state, inputs, targets, layout, tp, for_pricing)
             rename_group(captured.graph, tp.mesh.get_group().group_name, layout.tp.name)
         traced.append(captured)
     if check_ranks and traced[0].graph.code != traced[1].graph.code:
@@ -182,8 +189,11 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
     return traced[0]
 
 
-def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
-             layout: StepLayout, tp: TensorParallel | None) -> CapturedStep:
+def _step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: StepLayout, tp: TensorParallel | None):
+    """(step, finish): the training step as a function of its flat inputs (`_step_args`), and its
+    part once the gradients exist (averaging, clipping, the optimizer) as a function of (params,
+    grads, local loss, optimizer state, learning rates). The step ends by calling `finish`; the
+    planner also traces `finish` alone (derive_without_fsdp)."""
     param_names, buffer_names = list(state.params), list(state.buffers)
     local_shapes = layout.local_shapes(state)
     full_shapes = {n: p.shape for n, p in state.params.items()}
@@ -191,12 +201,38 @@ def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], ta
     n_params, n_buffers = len(param_names), len(buffer_names)
     n_state, n_groups = len(state.optimizer_slots), len(state.param_groups)
 
+    def finish(params, grads, local_loss, opt_state, lrs):
+        by_name = dict(zip(param_names, params))
+        global_loss = local_loss
+        if layout.fsdp is not None:  # already summed over the shard group by the reduce-scatter
+            grads = [None if g is None else g / layout.fsdp.size for g in grads]
+            global_loss = _average(global_loss, layout.fsdp)
+        if layout.dp is not None:
+            grads = [None if g is None else _average(g, layout.dp) for g in grads]
+            global_loss = _average(global_loss, layout.dp)
+
+        optimizer = call_user(mf.optimizer, "optimizer(params)", mf.path, params)
+        _foreach_as_on_gpus(optimizer)
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for (name, key), value in zip(state.optimizer_slots, opt_state):
+            optimizer.state[by_name[name]][key] = value
+        for p, g in zip(params, grads):
+            p.grad = g
+        if mf.max_grad_norm is not None and (layout.fsdp is not None or layout.tp is not None):
+            present = [(p.grad, s) for p, s in zip(params, tp_split) if p.grad is not None]
+            _clip_distributed([g for g, _ in present], [s for _, s in present], mf.max_grad_norm, layout)
+        elif mf.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, mf.max_grad_norm)
+        optimizer.step()
+        return local_loss, global_loss
+
     def step(*flat):
         params = list(flat[:n_params])
         buffers = flat[n_params:n_params + n_buffers]
         opt_state = flat[n_params + n_buffers:n_params + n_buffers + n_state]
         lrs = flat[n_params + n_buffers + n_state:n_params + n_buffers + n_state + n_groups]
-        batch_inputs, batch_targets = flat[-1 - len(inputs):-1], flat[-1]
+        batch_inputs, batch_targets = flat[-1 - n_inputs:-1], flat[-1]
         by_name = dict(zip(param_names, params))
 
         if layout.fsdp is not None:
@@ -214,32 +250,16 @@ def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], ta
         # Detached before backward so its reduction can join the first gradient bucket.
         local_loss = loss.detach()
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-        global_loss = local_loss
-        if layout.fsdp is not None:  # already summed over the shard group by the reduce-scatter
-            grads = [None if g is None else g / layout.fsdp.size for g in grads]
-            global_loss = _average(global_loss, layout.fsdp)
-        if layout.dp is not None:
-            grads = [None if g is None else _average(g, layout.dp) for g in grads]
-            global_loss = _average(global_loss, layout.dp)
+        return finish(params, grads, local_loss, opt_state, lrs)
 
-        optimizer = call_user(mf.optimizer, "optimizer(params)", mf.path, params)
-        _foreach_as_on_gpus(optimizer)
-        for group, lr in zip(optimizer.param_groups, lrs):
-            group["lr"] = lr
-        for (name, key), value in zip(state.optimizer_slots, opt_state):
-            optimizer.state[by_name[name]][key] = value
-        for p, g in zip(params, grads):
-            p.grad = g
-        if mf.max_grad_norm is not None and (layout.fsdp is not None or tp is not None):
-            present = [(p.grad, s) for p, s in zip(params, tp_split) if p.grad is not None]
-            _clip_distributed([g for g, _ in present], [s for _, s in present], mf.max_grad_norm, layout)
-        elif mf.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, mf.max_grad_norm)
-        optimizer.step()
-        return local_loss, global_loss
+    return step, finish
 
+
+def _step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tensor],
+               targets: torch.Tensor) -> tuple[list[torch.Tensor], list[dict]]:
+    """The step's flat inputs for one rank of `layout` (traced on shard 0's shapes: every rank's shard
+    has the same shape, so one program serves all) and what each one is (the manifest's "inputs")."""
     lr_args = [torch.tensor(v, dtype=torch.float64) for v in state.lr_schedule[0]]
-    # Traced on shard 0's shapes: every rank's shard has the same shape, so one program serves all.
     local = rank_state(state, layout)
     args = [
         *(p.requires_grad_(True) for p in local.params.values()),
@@ -248,16 +268,23 @@ def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], ta
         *lr_args, *inputs, targets,
     ]
     slots = [
-        *(_slot("param", name=n) for n in param_names),
-        *(_slot("buffer", name=n) for n in buffer_names),
+        *(_slot("param", name=n) for n in state.params),
+        *(_slot("buffer", name=n) for n in state.buffers),
         *(_slot("optim", name=n, key=k) for n, k in state.optimizer_slots),
-        *(_slot("lr", group=i) for i in range(n_groups)),
+        *(_slot("lr", group=i) for i in range(len(state.param_groups))),
         *(_slot("input", t, index=i) for i, t in enumerate(inputs)),
         _slot("target", targets),
     ]
+    return args, slots
+
+
+def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
+             layout: StepLayout, tp: TensorParallel | None, for_pricing: bool = False) -> CapturedStep:
+    step, _ = _step_program(mf, state, len(inputs), layout, tp)
+    args, slots = _step_args(state, layout, inputs, targets)
     try:
         with _optimizer_tracing(), _quiet_fake_tensor_log():
-            graph = make_fx(step, tracing_mode="fake")(*args)
+            graph = _trace_for_pricing(step, args) if for_pricing else make_fx(step, tracing_mode="fake")(*args)
     except AotError:
         raise
     except Exception as e:
@@ -265,6 +292,351 @@ def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], ta
     # Export re-traces the graph with in-place updates on these inputs; they must not require grad.
     example = [a.detach() for a in args]
     return CapturedStep(graph=graph, slots=slots, example_args=example)
+
+
+# -- a graph without fsdp from the graph with it (the planner) ------------------------------------
+
+def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
+                        layout: StepLayout, sharded: torch.fx.GraphModule, fsdp_group: str):
+    """The planner's graph of `layout`, a mesh without fsdp, from `sharded`: the graph (profiler calls
+    dropped, plain collectives) of a mesh with the same tensor-parallel degree and an fsdp axis
+    (group `fsdp_group`). The forward and backward of the sharded step are the unsharded step's ops
+    on the gathered parameters: each parameter is gathered (all_gather, wait, slice, view) before
+    anything else runs, and its gradient is scattered (view, slice_backward, reduce_scatter, wait)
+    after the whole backward (autograd runs those last, newest parameter first). So the unsharded
+    graph is the ops in between, reading the parameters themselves, followed by the step's end
+    (`finish`: averaging, clipping, the optimizer) traced alone on whole parameters, each node
+    created as the trace of the unsharded step creates it (same order, names and values).
+
+    Returns (graph module, slots, storage aliases for cost_model.analyze: the gathered buffers are
+    the parameters, the end's gradient and loss inputs are the backward's), or None where `sharded`
+    is not of this form (every parameter gathered and scattered once, nothing else in between):
+    the unsharded mesh is then traced."""
+    import operator
+
+    from aot.passes.cleanup import drop_profiler_calls, plain_collectives
+
+    funcol, aten = torch.ops._c10d_functional, torch.ops.aten
+    n_params, n_buffers = len(state.params), len(state.buffers)
+    n_state, n_groups = len(state.optimizer_slots), len(state.param_groups)
+    nodes = list(sharded.graph.nodes)
+    holders = [n for n in nodes if n.op == "placeholder"]
+    if len(holders) != n_params + n_buffers + n_state + n_groups + len(inputs) + 1 or not n_params \
+            or any(n.op not in ("placeholder", "call_function", "output") for n in nodes):
+        return None
+    position = {n: i for i, n in enumerate(nodes)}
+
+    def only_user(node, target):
+        users = list(node.users)
+        return users[0] if len(users) == 1 and users[0].target is target else None
+
+    whole, buffers, gathered = [], [], set()
+    for holder in holders[:n_params]:
+        gathers = [u for u in holder.users if u.target is funcol.all_gather_into_tensor.default and u.args[-1] == fsdp_group]
+        if len(gathers) != 1:
+            return None
+        chain = [gathers[0]]
+        for target in (funcol.wait_tensor.default, aten.slice.Tensor, aten.view.default):
+            chain.append(only_user(chain[-1], target))
+            if chain[-1] is None:
+                return None
+        gathered.update(chain)
+        buffers.append(chain[1])
+        whole.append(chain[3])
+    scatters = [n for n in nodes if n.target is funcol.reduce_scatter_tensor.default and n.args[-1] == fsdp_group]
+    if len(scatters) != n_params:
+        return None
+    numels = [s.numel() for s in layout.local_shapes(state).values()]
+    grads, scattered = [None] * n_params, set()
+    for i, scatter in zip(reversed(range(n_params)), scatters):  # newest parameter first
+        pad = scatter.args[0]
+        view = pad.args[0] if isinstance(pad, torch.fx.Node) and pad.args else None
+        wait = only_user(scatter, funcol.wait_tensor.default)
+        size = scatter.args[2] if len(scatter.args) > 2 else None
+        if getattr(pad, "target", None) is not aten.slice_backward.default \
+                or getattr(view, "target", None) is not aten.view.default \
+                or wait is None or not isinstance(size, int) or list(pad.args[1]) != [-(-numels[i] // size) * size] \
+                or tuple(pad.args[2:5]) != (0, 0, numels[i]):
+            return None
+        scattered.update((view, pad, scatter, wait))
+        grads[i] = view.args[0]
+    first, last = min(position[n] for n in scattered), max(position[n] for n in scattered)
+    start = max(position[n] for n in gathered) + 1
+    core = nodes[start:first]
+    if any(n.op != "placeholder" and n not in gathered for n in nodes[:start]) \
+            or any(n not in scattered for n in nodes[first:last + 1]) \
+            or any(n.op != "call_function" or n in gathered or n in scattered for n in core):
+        return None
+    inside = set(core)
+    readable = inside | set(whole) | set(holders[n_params:n_params + n_buffers]) | set(holders[-1 - len(inputs):])
+    output = nodes[-1]
+    local_loss = output.args[0][0] if output.op == "output" and isinstance(output.args[0], (tuple, list)) else None
+    if any(a not in readable for n in core for a in n.all_input_nodes) or local_loss not in inside \
+            or any(g not in inside for g in grads):
+        return None
+
+    # the step's end alone, on this layout's whole parameters and on gradients like the backward's
+    _, finish = _step_program(mf, state, len(inputs), layout, None)
+    args, slots = _step_args(state, layout, inputs, targets)
+
+    def like(node):
+        v = node.meta.get("val")
+        if not isinstance(v, torch.Tensor) or v.storage_offset() != 0:
+            raise _NotRecorded("gradient layout")
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+
+    def end(*flat):
+        params = list(flat[:n_params])
+        return finish(params, tuple(flat[n_params:2 * n_params]), flat[2 * n_params],
+                      flat[2 * n_params + 1:2 * n_params + 1 + n_state], flat[2 * n_params + 1 + n_state:])
+
+    state_at = n_params + n_buffers
+    try:
+        end_args = [*args[:n_params], *(like(g) for g in grads), like(local_loss),
+                    *args[state_at:state_at + n_state + n_groups]]
+        with _optimizer_tracing(), _quiet_fake_tensor_log():
+            tail = plain_collectives(drop_profiler_calls(_trace_for_pricing(end, end_args)))
+    except Exception:  # noqa: BLE001  (the unsharded mesh is traced, and reports any error)
+        return None
+    tail_nodes = list(tail.graph.nodes)
+    tail_holders = [n for n in tail_nodes if n.op == "placeholder"]
+    if any(n.op not in ("placeholder", "call_function", "output") for n in tail_nodes):
+        return None
+
+    graph = torch.fx.Graph()
+    env: dict = {}
+
+    def holder(k: int, source):
+        node = graph.create_node("placeholder", f"arg{k}_1", (), {}, name=f"arg{k}_1")
+        node.meta["val"] = source.meta.get("val")
+        env[source] = node
+        return node
+
+    rest = [*holders[n_params:n_params + n_buffers], *tail_holders[2 * n_params + 1:], *holders[-1 - len(inputs):]]
+    made = [holder(k, source) for k, source in enumerate([*tail_holders[:n_params], *rest])]
+    for i in range(n_params):
+        env[whole[i]] = made[i]
+    mapped = lambda a: torch.fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
+
+    def copy(node) -> None:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            name = graph._target_to_str(target.overloadpacket.__name__)
+        elif target is operator.getitem:
+            name = None
+        else:
+            raise _NotRecorded(str(target))
+        new = graph.create_node("call_function", target, mapped(node.args), mapped(node.kwargs), name=name)
+        new.meta["val"] = node.meta.get("val")
+        env[node] = new
+
+    try:
+        for node in core:
+            copy(node)
+        for i in range(n_params):
+            env[tail_holders[n_params + i]] = env[grads[i]]
+        env[tail_holders[2 * n_params]] = env[local_loss]
+        for node in tail_nodes:
+            if node.op == "call_function":
+                copy(node)
+        graph.create_node("output", "output", (mapped(tail_nodes[-1].args[0]),), {})
+    except (KeyError, _NotRecorded):
+        return None
+
+    from aot.plan.cost_model import _storage_key
+
+    key = lambda node: _storage_key(node.meta["val"])  # noqa: E731
+    aliases = {key(buffers[i]): key(tail_holders[i]) for i in range(n_params)}
+    aliases.update({key(tail_holders[n_params + i]): key(grads[i]) for i in range(n_params)})
+    aliases[key(tail_holders[2 * n_params])] = key(local_loss)
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(torch.nn.Module(), graph, "step"), slots, aliases
+
+
+# -- tracing for the planner ---------------------------------------------------------------------
+
+class _NotRecorded(Exception):
+    """Something the lean recorder does not reproduce as make_fx would: trace with make_fx."""
+
+
+def _trace_for_pricing(step, args: list) -> torch.fx.GraphModule:
+    """make_fx(step, tracing_mode="fake")(*args)'s graph, recorded leanly (see the module docstring);
+    make_fx itself where the recorder cannot follow, without generating the graph's code."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    try:
+        return _lean_make_fx(step, args)
+    except Exception:  # noqa: BLE001  (make_fx reports the step's own errors)
+        pass
+    with _use_lazy_graph_module(True):
+        return make_fx(step, tracing_mode="fake", _disable_torch_fn_metadata_mode=True)(*args)
+
+
+def _lean_make_fx(step, args: list) -> torch.fx.GraphModule:
+    import operator
+
+    import torch._dynamo  # noqa: F401  (make_fx imports it before tracing, for the same reason)
+    import torch._functorch.config as functorch_config
+    import torch.fx._symbolic_trace as symbolic_trace
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_impls import fast_detach
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+    from torch.fx.experimental.proxy_tensor import disable_autocast_cache
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import (TorchDispatchMode, _push_mode, _unset_infra_mode,
+                                              autograd_would_have_decomposed)
+    from torch.utils.weak import WeakTensorKeyDictionary
+
+    aten = torch.ops.aten
+    proxy_key = torch._C._TorchDispatchModeKey.PROXY
+    handled = (torch.Tensor, torch.nn.Parameter, FakeTensor)
+    accessors = (aten.size.default, aten.stride.default, aten.storage_offset.default)
+    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+    def value_of(value):
+        # node.meta["val"], as make_fx stores it: a detached alias (the result itself would hold a
+        # reference that changes what autograd does: it steals a gradient only nobody else holds)
+        if isinstance(value, FakeTensor):
+            return fast_detach(value.fake_mode, value)
+        if isinstance(value, (list, tuple)):
+            return value.__class__([value_of(v) for v in value])
+        if isinstance(value, (torch.Tensor, *symbolic)):
+            raise _NotRecorded(type(value).__name__)
+        return value
+
+    def leaves(value, out: list) -> list:
+        # the tensors (and symbolic values) among an op's arguments; tuples, lists and dicts opened
+        if type(value) in (tuple, list):
+            for v in value:
+                leaves(v, out)
+        elif type(value) is dict:
+            for v in value.values():
+                leaves(v, out)
+        elif isinstance(value, (torch.Tensor, *symbolic)):
+            out.append(value)
+        return out
+
+    decomposes: dict = {}      # (op, device type) -> whether autograd would have decomposed it
+
+    class Recorder(TorchDispatchMode):
+        """make_fx's ProxyTorchDispatchMode, reduced to recording: in the proxy slot of the
+        dispatch stack (collectives, DTensor and fake tensors see a trace), each op it is handed
+        becomes one call_function node named as make_fx names it, each result it returns is that
+        node's meta["val"] (a getitem node per element of a list or tuple), and composite ops are
+        decomposed where autograd would have decomposed them."""
+
+        def __init__(self, graph: torch.fx.Graph):
+            super().__init__()
+            self._mode_key = proxy_key
+            self.graph = graph
+            self.nodes = WeakTensorKeyDictionary()
+            self.objects: dict = {}    # hash of a script object (the profiler's handle) -> node
+            self.enter_stack: list = []
+
+        @classmethod
+        def is_infra_mode(cls) -> bool:
+            return True
+
+        def __enter__(self):
+            self.enter_stack.append(_unset_infra_mode(proxy_key))
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            result = super().__exit__(*exc)
+            previous = self.enter_stack.pop()
+            if previous is not None:
+                _push_mode(previous)
+            return result
+
+        def node_of(self, value):
+            if type(value) in (tuple, list):
+                return value.__class__([self.node_of(v) for v in value])
+            if type(value) is dict:
+                return {k: self.node_of(v) for k, v in value.items()}
+            if isinstance(value, torch.Tensor):
+                node = self.nodes.get(value)
+                if node is None:  # a constant: make_fx interns it as an attribute
+                    raise _NotRecorded("tensor constant")
+                return node
+            if isinstance(value, torch.ScriptObject):
+                return self.objects[hash(value)]
+            if isinstance(value, symbolic):
+                raise _NotRecorded("symbolic value")
+            return value
+
+        def track(self, value, node) -> None:
+            if isinstance(value, torch.Tensor):
+                self.nodes[value] = node
+                node.meta["val"] = value_of(value)
+            elif isinstance(value, (list, tuple)):
+                node.meta["val"] = value_of(value)
+                for i, item in enumerate(value):
+                    self.track(item, self.graph.create_node("call_function", operator.getitem, (node, i), {}))
+            elif isinstance(value, torch.ScriptObject):
+                self.objects[hash(value)] = node
+                node.meta["val"] = value
+            elif value is not None and not isinstance(value, (bool, int, float)):
+                raise _NotRecorded(type(value).__name__)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func == torch.ops.prim.device.default:
+                return func(*args, **kwargs)
+            flat = leaves(kwargs, leaves(args, []))
+            for x in flat:
+                if isinstance(x, torch.Tensor) and type(x) not in handled and x not in self.nodes:
+                    return NotImplemented  # a tensor subclass (DTensor) dispatches first
+            if not isinstance(func, torch._ops.OpOverload):
+                raise _NotRecorded(str(func))
+            if func not in accessors:
+                # it looks at the first tensor's device only
+                key = (func, next((x.device.type for x in flat if isinstance(x, torch.Tensor)), None))
+                if key not in decomposes:
+                    decomposes[key] = autograd_would_have_decomposed(func, flat)
+                if decomposes[key]:
+                    with self:
+                        out = func.decompose(*args, **kwargs)
+                        if out is not NotImplemented:
+                            return out
+            if (func is aten.is_nonzero.default or torch.Tag.data_dependent_output in func.tags
+                    or torch.Tag.dynamic_output_shape in func.tags):
+                raise _NotRecorded(str(func))
+            node_args, node_kwargs = self.node_of(args), self.node_of(kwargs)
+            if func is aten.lift_fresh.default:
+                func = aten.lift_fresh_copy.default
+            node = self.graph.create_node("call_function", func, node_args, node_kwargs,
+                                          name=self.graph._target_to_str(func.overloadpacket.__name__))
+            out = func(*args, **kwargs)
+            self.track(out, node)
+            return out
+
+    with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
+        fake_mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=False,
+                                   shape_env=ShapeEnv(), static_shapes=True)
+    graph = torch.fx.Graph()
+    recorder = Recorder(graph)
+    fake_args = []
+    for i, a in enumerate(args):
+        name = f"arg{i}_1"
+        node = graph.create_node("placeholder", name, (), {}, name=name)
+        if isinstance(a, torch.Tensor):
+            a = fake_mode.from_tensor(a, source=ConstantSource(f"input{len(recorder.nodes)}"))
+            recorder.nodes[a] = node
+            node.meta["val"] = fast_detach(fake_mode, a, include_real=True)
+        fake_args.append(a)
+    previous_flag = symbolic_trace._is_fx_tracing_flag
+    symbolic_trace._is_fx_tracing_flag = True  # as inside make_fx (FX's tracer is running there)
+    try:
+        with fake_mode, recorder, disable_autocast_cache():
+            out = step(*fake_args)
+    finally:
+        symbolic_trace._is_fx_tracing_flag = previous_flag
+    graph.create_node("output", "output", (pytree.tree_map_only(torch.Tensor, recorder.node_of, out),), {})
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(torch.nn.Module(), graph, "step")
 
 
 @dataclass

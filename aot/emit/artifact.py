@@ -107,7 +107,7 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
             "topology": {"name": profile["name"], "sha256": profile_sha256(profile), "profile": profile},
             "world_size": mesh.world_size,
             "mesh": {"axes": list(mesh.axes), "shape": list(mesh.shape)},
-            "placement": placement.manifest_entry(),
+            "placement": placement.to_json(rank_map=True),
             "process_groups": {  # physical ranks, each group in coordinate order (ascending)
                 mesh.group_name(axis): {"axis": axis, "groups": placement.groups(axis)}
                 for axis in mesh.axes if mesh.size(axis) > 1

@@ -176,9 +176,12 @@ def _group_size(node) -> int:
     return 1
 
 
-def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = None) -> StepGraph:
+def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = None,
+            aliases: dict | None = None) -> StepGraph:
     """The cost-relevant facts of a step graph (see the module docstring). `slots` (the captured
-    step's input kinds, in placeholder order) split resident memory into its parts."""
+    step's input kinds, in placeholder order) split resident memory into its parts. `aliases`
+    (storage key -> storage key) makes values of a graph put together from several traces share the
+    storage they would share in one (aot.capture.step.derive_without_fsdp)."""
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     nodes = list(graph.nodes)
     ops: list[Op] = []
@@ -229,7 +232,7 @@ def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None 
         site = CommSite(node.name, kind, str(node.args[-1]), 0, 0, dtype, issue_at, max(wait_at, issue_at),
                         input_numel=numel, group_size=size or 1, readers=tuple(sorted(op_of[r] for r in readers if r in op_of)))
         comms.append(_sized(site, elsize))
-    return StepGraph(ops=ops, comms=comms, memory=_memory(nodes, slots), graph_nodes=len(nodes))
+    return StepGraph(ops=ops, comms=comms, memory=_memory(nodes, slots, aliases or {}), graph_nodes=len(nodes))
 
 
 def _sized(site: CommSite, elsize: int) -> CommSite:
@@ -244,6 +247,10 @@ def _elsize(site: CommSite) -> int:
 
 
 def _storage_key(t: torch.Tensor):
+    return _tensor_storage_key(t)
+
+
+def _tensor_storage_key(t: torch.Tensor):
     if StorageWeakRef is not None:
         try:
             return StorageWeakRef(t.untyped_storage())
@@ -262,7 +269,13 @@ def _storage_bytes(t: torch.Tensor) -> int:
 _PARTS = {"param": "params", "buffer": "buffers", "optim": "optimizer", "lr": "batch", "input": "batch", "target": "batch"}
 
 
-def _memory(nodes: list, slots: list[dict] | None) -> Memory:
+def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) -> Memory:
+    aliases = aliases or {}
+
+    def _storage_key(t: torch.Tensor):
+        key = _tensor_storage_key(t)
+        return aliases.get(key, key)
+
     placeholders = [n for n in nodes if n.op == "placeholder"]
     resident_keys = set()
     resident = []
@@ -370,7 +383,8 @@ def rescale(step: StepGraph, scale: ShardScale, group: str, degree: int) -> Step
     boundary = min((c.wait_at for c in step.comms if c.kind == "reduce_scatter"), default=len(step.ops))
     ops = []
     for i, op in enumerate(step.ops):
-        if op.tensors:  # shards and padded whole parameters are flat; shaped tensors keep their size
+        # shards and padded whole parameters are flat; shaped tensors keep their size (and the op)
+        if any(flat for _, _, flat in op.tensors):
             resize = scale.full_first if i < boundary else scale
             tensors = tuple((resize(n) if flat else n, e, flat) for n, e, flat in op.tensors)
             op = replace(op, tensors=tensors, bytes=float(sum(n * e for n, e, _ in tensors)))
@@ -423,17 +437,20 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
     others = [c for c in step.comms if not (c.kind == "all_reduce" and c.members == 1)]
     order = sorted(range(len(singles)), key=lambda i: (singles[i].issue_at, i))
     open_: dict[tuple, list[list[CommSite]]] = {}
+    filling: dict[tuple, tuple] = {}   # (group, dtype) -> the open bucket's bytes, latest issue, first wait
     for i in order:
         c = singles[i]
         buckets = open_.setdefault((c.group, c.dtype), [[]])
         b = buckets[-1]
-        size = sum(m.input_bytes for m in b)
+        size, issue, wait = filling.get((c.group, c.dtype), (0, c.issue_at, c.wait_at))
         # aot.passes.bucketing: a new bucket once the open one is full, or once the bucket's inputs
         # would not all exist before the first of its results is read
-        if b and (size >= bucket_bytes or max(m.issue_at for m in (*b, c)) > min(m.wait_at for m in (*b, c))):
+        if b and (size >= bucket_bytes or max(issue, c.issue_at) > min(wait, c.wait_at)):
             b = []
             buckets.append(b)
+            size, issue, wait = 0, c.issue_at, c.wait_at
         b.append(c)
+        filling[(c.group, c.dtype)] = (size + c.input_bytes, max(issue, c.issue_at), min(wait, c.wait_at))
     comms = list(others)
     extra_bytes = 0
     for buckets in open_.values():

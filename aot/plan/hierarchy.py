@@ -11,14 +11,14 @@ backend runs, against the flat all_reduce over the whole group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from aot.passes.hierarchical import SubGroups
 from aot.plan import collectives
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
-from aot.plan.placement import Placement
+from aot.plan.placement import Placement, distinct_groups
 
 LEVELS = ("intra", "inter")
 
@@ -28,6 +28,15 @@ class Levels:
     axis: str
     intra: list[list[int]]   # physical ranks, ascending: each group's ranks on one node
     inter: list[list[int]]   # physical ranks, ascending: the k-th of each node's part of a group
+    # (level, kind) -> the distinct spans of that level's groups: a planner prices many all_reduce
+    # sizes on one placement, and finding the spans walks every rank of the mesh
+    _spans: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def spans(self, machine: Machine, level: str, kind: str) -> list:
+        if (level, kind) not in self._spans:
+            groups = distinct_groups(getattr(self, level), machine.per_node)
+            self._spans[(level, kind)] = distinct_spans(machine, groups, kind)
+        return self._spans[(level, kind)]
 
     @property
     def subgroups(self) -> SubGroups:
@@ -63,7 +72,7 @@ def levels(machine: Machine, placement: Placement, axis: str) -> Levels | None:
 
 def group_ranks(placement: Placement, machine: Machine, name: str) -> list[list[int]]:
     """Physical rank lists of the groups a graph names: "aot.<axis>" or "aot.<axis>.<level>"."""
-    body = name.split(".", 1)[1] if name.startswith("aot.") else name
+    body = Mesh.axis_of(name)
     axis, _, level = body.partition(".")
     if axis not in placement.axes:
         raise ValueError(f"group {name!r} names no axis of mesh {placement.axes}")
@@ -75,13 +84,18 @@ def group_ranks(placement: Placement, machine: Machine, name: str) -> list[list[
     return getattr(found, level)
 
 
-def _seconds(machine: Machine, groups: list[list[int]], kind: str, n: float, algorithms: tuple[str, ...]) -> float:
-    """The cheapest of `algorithms` for `kind` of n bytes, each priced on the slowest distinct group."""
+def distinct_spans(machine: Machine, groups: list[list[int]], kind: str) -> list:
+    """The spans (Machine.span) of `groups`, each distinct one once."""
     spans = {}
     for g in groups:
         s = machine.span(g, kind)
         spans[(s.p, s.nodes, s.per_node, s.intra, s.inter, s.rails)] = s
-    return min(max(collectives.cost(kind, a, s, n) for s in spans.values()) for a in algorithms)
+    return list(spans.values())
+
+
+def _seconds(spans: list, kind: str, n: float, algorithms: tuple[str, ...]) -> float:
+    """The cheapest of `algorithms` for `kind` of n bytes, each priced on the slowest of `spans`."""
+    return min(max(collectives.cost(kind, a, s, n) for s in spans) for a in algorithms)
 
 
 def hierarchical_seconds(machine: Machine, found: Levels, n: float, inter_algorithm: str | None = None) -> float:
@@ -91,9 +105,9 @@ def hierarchical_seconds(machine: Machine, found: Levels, n: float, inter_algori
     g = len(found.intra[0])
     piece = -(-n // g)
     inter = (inter_algorithm,) if inter_algorithm else realizable["all_reduce"]
-    seconds = (_seconds(machine, found.intra, "reduce_scatter", piece * g, realizable["reduce_scatter"])
-               + _seconds(machine, found.inter, "all_reduce", piece, inter)
-               + _seconds(machine, found.intra, "all_gather", piece * g, realizable["all_gather"]))
+    seconds = (_seconds(found.spans(machine, "intra", "reduce_scatter"), "reduce_scatter", piece * g, realizable["reduce_scatter"])
+               + _seconds(found.spans(machine, "inter", "all_reduce"), "all_reduce", piece, inter)
+               + _seconds(found.spans(machine, "intra", "all_gather"), "all_gather", piece * g, realizable["all_gather"]))
     if machine.device_kind != "cuda":  # cost_model.simulate adds the stall per blocking collective
         seconds += 2 * machine.compute.collective_stall_s
     return seconds
@@ -101,14 +115,16 @@ def hierarchical_seconds(machine: Machine, found: Levels, n: float, inter_algori
 
 def flat_seconds(machine: Machine, placement: Placement, axis: str, n: float, algorithm: str | None = None) -> float:
     realizable = collectives.REALIZABLE.get(machine.backend, collectives.REALIZABLE["gloo"])
-    return _seconds(machine, placement.distinct_groups(axis, machine.per_node), "all_reduce", n,
+    return _seconds(distinct_spans(machine, placement.distinct_groups(axis, machine.per_node), "all_reduce"), "all_reduce", n,
                     (algorithm,) if algorithm else realizable["all_reduce"])
 
 
-def chooser(machine: Machine, placement: Placement, mode: str = "auto") -> Callable[[str, int], SubGroups | None] | None:
+def chooser(machine: Machine, placement: Placement, mode: str = "auto",
+            flat_algorithm: str | None = None) -> Callable[[str, int], SubGroups | None] | None:
     """For aot/passes/hierarchical.py: which all_reduces (by group name and bytes) to split.
     mode "auto": where the hierarchical form is cheaper; "always": wherever the group has levels;
-    "never": none."""
+    "never": none. `flat_algorithm`: the all_reduce algorithm a plan pinned (NCCL_ALGO), priced
+    as the planner priced it; None: the best the backend runs."""
     if mode not in ("auto", "always", "never"):
         raise ValueError(f"hierarchical mode {mode!r}")
     if mode == "never":
@@ -122,7 +138,7 @@ def chooser(machine: Machine, placement: Placement, mode: str = "auto") -> Calla
         lv = found.get(group)
         if lv is None:
             return None
-        if mode == "always" or hierarchical_wins(machine, placement, lv, nbytes):
+        if mode == "always" or hierarchical_wins(machine, placement, lv, nbytes, flat_algorithm):
             return lv.subgroups
         return None
     return choose

@@ -67,10 +67,7 @@ class Placement:
         has a handful of shapes, not hundreds of groups)."""
         key = ("distinct", axis, per_node)
         if key not in self._groups:
-            groups = np.asarray(self.groups(axis))
-            relative = groups - (groups[:, :1] // per_node) * per_node
-            _, first = np.unique(relative, axis=0, return_index=True)
-            self._groups[key] = [groups[i].tolist() for i in sorted(first)]
+            self._groups[key] = distinct_groups(self.groups(axis), per_node)
         return self._groups[key]
 
     def groups(self, axis: str) -> list[list[int]]:
@@ -111,17 +108,25 @@ class Placement:
         order = tuple(a for a in axes if size.get(a, 1) <= 1) + tuple(a for a in self.order if a in axes and size[a] > 1)
         return Placement(tuple(axes), tuple(shape), order, physical)
 
-    def manifest_entry(self) -> dict:
-        """The manifest's `placement`: the rank map always, the axes outermost first."""
-        return {"axes_outer_to_inner": list(self.order), "identity": self.identity,
-                "physical_rank_of_mesh_rank": list(self.physical)}
-
-    def to_json(self) -> dict:
-        """The placement for the manifest's `plan` entry and `aot plan --json` (the rank map only when it is not the identity)."""
+    def to_json(self, rank_map: bool = False) -> dict:
+        """The placement, axes outermost first, with the rank map where it is not the identity or
+        `rank_map` asks for it always (the manifest's `placement`, which the runner maps ranks
+        with); without it for the manifest's `plan` entry and `aot plan --json`."""
         out = {"axes_outer_to_inner": list(self.order), "identity": self.identity}
-        if not self.identity:
+        if rank_map or not self.identity:
             out["physical_rank_of_mesh_rank"] = list(self.physical)
         return out
+
+
+def distinct_groups(groups: list[list[int]], per_node: int) -> list[list[int]]:
+    """One of each set of equal-sized groups that differ only by whole nodes (the same local
+    devices of other nodes: they cross the same links), in their first order."""
+    if len({len(g) for g in groups}) > 1:
+        return groups
+    array = np.asarray(groups)
+    relative = array - (array[:, :1] // per_node) * per_node
+    _, first = np.unique(relative, axis=0, return_index=True)
+    return [array[i].tolist() for i in sorted(first)]
 
 
 def layout(machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...], order: tuple[str, ...],
@@ -130,18 +135,18 @@ def layout(machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...], orde
     machine's device order, islands contiguous)."""
     devices = machine.device_order() if devices is None else list(devices)
     size = dict(zip(axes, shape))
+    stride, step = {}, 1
+    for axis, degree in reversed(list(zip(axes, shape))):
+        stride[axis], step = step, step * degree
+    # mesh ranks in the order `order` enumerates coordinates (row-major, last fastest); a search
+    # over 1024 ranks lays out a hundred candidates, so no per-coordinate Python work
+    ranks = [0]
+    for axis in order:
+        ranks = [r + i * stride[axis] for r in ranks for i in range(size[axis])]
     physical = [0] * math.prod(shape)
-    for k, coord in enumerate(itertools.product(*(range(size[a]) for a in order))):
-        c = dict(zip(order, coord))
-        physical[_row_major(axes, shape, c)] = devices[k]
+    for k, rank in enumerate(ranks):
+        physical[rank] = devices[k]
     return Placement(tuple(axes), tuple(shape), tuple(order), tuple(physical))
-
-
-def _row_major(axes, shape, coords) -> int:
-    rank = 0
-    for axis, degree in zip(axes, shape):
-        rank = rank * degree + coords.get(axis, 0)
-    return rank
 
 
 def axis_cost(machine: Machine, placement: Placement, axis: str, nbytes: float) -> float:
