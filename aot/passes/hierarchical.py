@@ -29,11 +29,11 @@ REDUCE_SCATTER = funcol.reduce_scatter_tensor.default
 
 @dataclass(frozen=True)
 class SubGroups:
-    """The graph names and sizes of the two levels of one group."""
+    """The graph names of the two levels of one group, and the size of the node level (the
+    network level's size is the manifest's business: the pass only pads to a multiple of g)."""
     intra: str
     intra_size: int   # g: the group's ranks on one node
     inter: str
-    inter_size: int   # N: the nodes the group spans
 
 
 def _with_val(node: torch.fx.Node, val) -> torch.fx.Node:

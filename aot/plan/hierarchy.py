@@ -40,8 +40,7 @@ class Levels:
 
     @property
     def subgroups(self) -> SubGroups:
-        return SubGroups(level_name(self.axis, "intra"), len(self.intra[0]),
-                         level_name(self.axis, "inter"), len(self.inter[0]))
+        return SubGroups(level_name(self.axis, "intra"), len(self.intra[0]), level_name(self.axis, "inter"))
 
 
 def level_name(axis: str, level: str) -> str:
