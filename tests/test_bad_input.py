@@ -178,6 +178,14 @@ def test_data_dependent_control_flow_names_problem_and_line(tmp_path):
     assert "if x.sum() > 0" in line
 
 
+def test_plan_of_an_untraceable_model_prints_one_line_and_nothing_else():
+    """The planner traces in two processes and exports the forward to find a tp plan; torch's
+    own logs and the partial graph it prints stay out of the user's way."""
+    r = aot("plan", MODELS / "bad_data_dependent.py", "--topology", "dgx_a100", "--nodes", "2")
+    assert_user_error(r, "cannot be traced", "data-dependent", "if x.sum() > 0")
+    assert [line for line in r.stderr.splitlines() if line.strip()] == [r.stderr.strip()], show(r)
+
+
 def test_shape_mismatch_in_forward_is_one_line(tmp_path):
     r = aot("build", MODELS / "bad_shape_mismatch.py", "-o", tmp_path / "out", "--quiet")
     assert_user_error(r, "bad_shape_mismatch.py", "cannot be traced", "[8, 4]", "[5, 3]")

@@ -118,16 +118,19 @@ def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm:
 
 
 @contextlib.contextmanager
-def _quiet_fake_tensor_log():
-    """FakeTensor logs a full traceback when an op's shape check fails; the user gets one line
+def quiet_trace_logs():
+    """FakeTensor logs a full traceback when an op's shape check fails, and the shape environment
+    logs the graph so far when control flow depends on a tensor's value; the user gets one line
     from us instead (and the traceback with --debug, which re-raises)."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    previous = logger.level
-    logger.setLevel(logging.CRITICAL)
+    loggers = [logging.getLogger(name) for name in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")]
+    previous = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(previous)
+        for logger, level in zip(loggers, previous):
+            logger.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -283,7 +286,7 @@ def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], ta
     step, _ = _step_program(mf, state, len(inputs), layout, tp)
     args, slots = _step_args(state, layout, inputs, targets)
     try:
-        with _optimizer_tracing(), _quiet_fake_tensor_log():
+        with _optimizer_tracing(), quiet_trace_logs():
             graph = _trace_for_pricing(step, args) if for_pricing else make_fx(step, tracing_mode="fake")(*args)
     except AotError:
         raise
@@ -394,7 +397,7 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
     try:
         end_args = [*args[:n_params], *(like(g) for g in grads), like(local_loss),
                     *args[state_at:state_at + n_state + n_groups]]
-        with _optimizer_tracing(), _quiet_fake_tensor_log():
+        with _optimizer_tracing(), quiet_trace_logs():
             tail = plain_collectives(drop_profiler_calls(_trace_for_pricing(end, end_args)))
     except Exception:  # noqa: BLE001  (the unsharded mesh is traced, and reports any error)
         return None

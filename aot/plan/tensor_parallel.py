@@ -98,8 +98,15 @@ def check_divisible(plan: dict[str, str], model: nn.Module, tp: int, where: str)
 
 def find_plan(model: nn.Module, inputs: list[torch.Tensor]) -> dict[str, str]:
     """The Megatron-style plan read from the forward graph (see the module docstring)."""
+    import contextlib
+    import io
+
+    from aot.capture.step import quiet_trace_logs
+
     try:
-        ep = torch.export.export(model, tuple(inputs), strict=False)
+        # a failed export prints the partial graph to stderr; the user gets one line (below)
+        with quiet_trace_logs(), contextlib.redirect_stderr(io.StringIO()):
+            ep = torch.export.export(model, tuple(inputs), strict=False)
     except Exception as e:
         raise AotError(f"tensor parallel: the forward could not be traced to find the plan "
                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); give a tp_plan in the model file") from e
