@@ -77,11 +77,11 @@ class Placement:
             if axis not in self.axes:
                 groups = [[p] for p in self.physical]
             else:
+                # the rank map as an array over the mesh, `axis` last: each row is one group, the
+                # rows in row-major order of the other coordinates
                 i = self.axes.index(axis)
-                degree, stride = self.shape[i], math.prod(self.shape[i + 1:])
-                # mesh ranks (row-major) whose `axis` coordinate is 0 start the groups, in order
-                starts = [m for m in range(len(self.physical)) if (m // stride) % degree == 0]
-                groups = [[self.physical[m + k * stride] for k in range(degree)] for m in starts]
+                array = np.asarray(self.physical).reshape(self.shape)
+                groups = np.moveaxis(array, i, -1).reshape(-1, self.shape[i]).tolist()
             self._groups[axis] = groups
         return self._groups[axis]
 
@@ -121,12 +121,11 @@ class Placement:
 def distinct_groups(groups: list[list[int]], per_node: int) -> list[list[int]]:
     """One of each set of equal-sized groups that differ only by whole nodes (the same local
     devices of other nodes: they cross the same links), in their first order."""
-    if len({len(g) for g in groups}) > 1:
-        return groups
-    array = np.asarray(groups)
-    relative = array - (array[:, :1] // per_node) * per_node
-    _, first = np.unique(relative, axis=0, return_index=True)
-    return [array[i].tolist() for i in sorted(first)]
+    shapes: dict[tuple, list[int]] = {}
+    for group in groups:
+        base = group[0] // per_node * per_node
+        shapes.setdefault((len(group), *(r - base for r in group)), group)
+    return list(shapes.values())
 
 
 def layout(machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...], order: tuple[str, ...],
