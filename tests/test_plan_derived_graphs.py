@@ -2,7 +2,7 @@
 
 - Traced for pricing (capture_step(for_pricing=True), a lean recorder in make_fx's place): the same
   graph as the build's make_fx trace, node for node, and the same cost-model reading of it.
-- Derived without fsdp from the graph with fsdp=2 (capture.derive_without_fsdp: its forward and
+- Derived without fsdp from the graph with fsdp=2 (aot.capture.pricing.derive_without_fsdp: its forward and
   backward, then the step's end traced alone): the trace of that mesh, node for node.
 - Traced ahead of the search (ModelSteps.prefetch, which derives what it can, with part of the
   graphs traced in a forked helper that sends them back as JSON): the same graphs as the search
@@ -21,12 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import aot.capture.step as capture
+import aot.capture.pricing as pricing
+from aot.capture.step import capture_step
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 from aot.plan.cost_model import analyze
 from aot.plan import trace_helper
 from aot.plan.machine import Machine
-from aot.plan.search import ModelSteps, Planner, Unsupported, factorizations
+from aot.plan.model_steps import ModelSteps, Unsupported, factorizations
+from aot.plan.search import Planner
 from runner.topology import for_nodes, load_profile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,13 +54,13 @@ def _facts(step) -> tuple:
 
 def _lean_calls(monkeypatch) -> list:
     calls = []
-    lean = capture._lean_make_fx
+    lean = pricing._lean_make_fx
 
     def counted(step, args):
         graph = lean(step, args)
         calls.append(1)
         return graph
-    monkeypatch.setattr(capture, "_lean_make_fx", counted)
+    monkeypatch.setattr(pricing, "_lean_make_fx", counted)
     return calls
 
 
@@ -79,7 +81,7 @@ def test_pricing_trace_is_the_build_trace(monkeypatch, model, sequence, meshes):
     lean = _lean_calls(monkeypatch)
     for mesh in meshes:
         layout = steps.layout(*mesh)
-        graphs = [capture.capture_step(steps.mf, steps.state, steps.inputs, steps.targets, layout,
+        graphs = [capture_step(steps.mf, steps.state, steps.inputs, steps.targets, layout,
                                        check_ranks=False, for_pricing=pricing) for pricing in (False, True)]
         built, priced = graphs
         assert _nodes(priced.graph) == _nodes(built.graph), mesh
@@ -104,7 +106,7 @@ class Wrapped(nn.Module):
     steps = ModelSteps(path, 8, world_size=2)
     lean = _lean_calls(monkeypatch)
     layout = steps.layout(2, 1, 1)
-    built, priced = (capture.capture_step(steps.mf, steps.state, steps.inputs, steps.targets, layout,
+    built, priced = (capture_step(steps.mf, steps.state, steps.inputs, steps.targets, layout,
                                           check_ranks=False, for_pricing=p) for p in (False, True))
     assert _nodes(priced.graph) == _nodes(built.graph)
     assert any(n.op == "get_attr" for n in priced.graph.graph.nodes) and not lean
@@ -119,11 +121,11 @@ def test_graph_without_fsdp_derived_is_the_traced_one(model, sequence, pairs):
     steps = ModelSteps(model, 8, world_size=8, sequence_parallel=sequence)
     for sharded, plain in pairs:
         _, sharded_gm = steps._capture(*sharded)
-        derived = capture.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets,
+        derived = pricing.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets,
                                               steps.layout(*plain), sharded_gm, "aot.fsdp")
         assert derived is not None, (sharded, plain)
         gm, slots, aliases = derived
-        traced = capture.capture_step(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(*plain),
+        traced = capture_step(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(*plain),
                                       check_ranks=False)
         traced_gm = plain_collectives(drop_profiler_calls(traced.graph))
         assert _nodes(gm) == _nodes(traced_gm), plain
@@ -146,7 +148,7 @@ class Wrapped(nn.Module):
 ''')
     steps = ModelSteps(path, 8, world_size=4)
     _, sharded_gm = steps._capture(2, 2, 1)
-    assert capture.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(2, 1, 1),
+    assert pricing.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(2, 1, 1),
                                        sharded_gm, "aot.fsdp") is None
     steps._derived = {(True, 2, 1): [((True, 1, 1), (2, 1, 1))]}
     graphs = steps._trace((True, 2, 1), (2, 2, 1))

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from click.testing import CliRunner
 
 from aot.cli import cli
 from aot.plan.machine import Machine
-from aot.plan.search import factorizations
+from aot.plan.model_steps import factorizations
 from runner.artifact import Artifact
 from runner.topology import load_profile
 

@@ -2,7 +2,7 @@
 
 A plan is a mesh (degrees of the axes the build supports, aot.plan.mesh.SUPPORTED_AXES), a
 gradient bucket size, and a placement of the mesh on the machine. The model is traced once per
-tensor-parallel degree, whatever the world size (ModelSteps: dp x fsdp=2, from which every other
+tensor-parallel degree, whatever the world size (aot/plan/model_steps.py: dp x fsdp=2, from which every other
 fsdp degree is derived, and dp alone, whose forward and backward are that trace's with the step's
 end traced alone), on two cores where there are two; bucket sizes are applied analytically
 (cost_model.rebucket) and every candidate is priced by cost_model.simulate, so a search over 1024
@@ -24,6 +24,7 @@ from aot.plan import collectives, hierarchy
 from aot.plan.cost_model import Prediction, StepGraph, analyze, op_seconds, rebucket, simulate
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
+from aot.plan.model_steps import ModelSteps, Unsupported, factorizations
 from aot.plan.placement import Placement, place
 
 BUCKET_MB_CANDIDATES = (1.0, 4.0, 25.0, 100.0)
@@ -31,21 +32,6 @@ DEFAULT_BUCKET_MB = 25.0
 MEMORY_HEADROOM = 0.9      # of device memory: the CUDA context, allocator caching and fragmentation take the rest
 TIMELINE_FILE = "plan/timeline.json"
 MiB = 2**20
-
-
-class Unsupported(Exception):
-    """The build cannot yet trace a graph for this mesh."""
-
-
-def factorizations(world_size: int, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
-    """Every way to give `axes` degrees whose product is world_size (degree 1 allowed)."""
-    if not axes:
-        return [()] if world_size == 1 else []
-    out = []
-    for d in range(1, world_size + 1):
-        if world_size % d == 0:
-            out += [(d, *rest) for rest in factorizations(world_size // d, axes[1:])]
-    return out
 
 
 def strategy_string(axes, shape) -> str:
@@ -251,240 +237,6 @@ def _bucket_candidates(step: StepGraph, given) -> list[float]:
         # small models: also split the gradients into 2, 4 and 8 buckets
         sizes |= {max(0.01, round(grads / k / MiB, 2)) for k in (2, 4, 8)}
     return sorted(sizes)
-
-
-# -- from a model file ------------------------------------------------------------------------------
-
-class ModelSteps:
-    """Step graphs of a model file for any mesh over the axes the build supports (dp, fsdp, tp).
-
-    Graphs: (dp, fsdp=1) and (dp, fsdp=2) per tensor-parallel degree, each once (the
-    data-parallel degree changes only the group's size, never the graph). A wider fsdp axis is the
-    fsdp=2 graph re-read with its shards resized (cost_model.rescale), and fsdp without dp is the
-    dp x fsdp graph without its dp collectives (cost_model.drop_group), so a search over every
-    factorization of 1024 ranks needs two graphs per tp degree. On 2 ranks (no dp x fsdp mesh)
-    fsdp=2 is traced alone. tp is priced only within a node (`max_tp`, the ranks per node) and where
-    the model can take it (heads and split features divide, aot.plan.tensor_parallel).
-
-    Tracing is most of a search's time. Three things make it cheaper, each giving the very graph
-    the build traces for that mesh (tests/test_plan_derived_graphs.py):
-    - each trace is recorded without make_fx's bookkeeping (capture_step(for_pricing=True), about
-      half the time);
-    - the (dp, fsdp=1) graph is derived from the (dp, fsdp=2) one of its tp degree: the same forward
-      and backward, then the step's end (averaging, clipping, the optimizer) traced alone
-      (aot.capture.step.derive_without_fsdp; traced in full where the graph is not of that form);
-    - `prefetch` makes, before the search, the graphs it will ask for, on two cores where there are
-      two (aot.plan.trace_helper)."""
-
-    exit_hook = False         # plan_model has asked for a quick exit of the process (once)
-
-    def __init__(self, model_path: Path, batch_size: int, seed: int = 0, world_size: int | None = None,
-                 max_tp: int | None = None, sequence_parallel: bool = False):
-        from aot.build import _example_batch
-        from aot.capture.model_file import load_model_file
-        from aot.capture.training_state import build_training_state
-        from runner.data import split_batch_tensors
-
-        if batch_size < 1:
-            raise AotError(f"--batch-size must be at least 1, got {batch_size}")
-        self.mf = load_model_file(model_path)
-        self.state = build_training_state(self.mf, seed, 1)
-        inputs, targets = split_batch_tensors(_example_batch(self.mf, batch_size), "batch()")
-        self.inputs, self.targets = inputs, targets
-        self.params = sum(p.numel() for p in self.state.params.values())
-        self.param_numels = [p.numel() for p in self.state.params.values()]
-        self.world_size = world_size
-        self.max_tp = max_tp
-        self.sequence_parallel = sequence_parallel   # price tp meshes with sequence parallelism (--sequence-parallel)
-        self.traced: dict[tuple, StepGraph] = {}
-        self._tp_plan: dict | None = None
-        self._failed: dict[tuple, Exception] = {}    # key -> what tracing it raised (raised again when asked)
-        self._derived: dict[tuple, list] = {}        # traced key -> [(key, mesh)] derived from its graph (`prefetch`)
-        self._helper = None                          # aot.plan.trace_helper.Helper while it traces (`prefetch`)
-
-    def tp_plan(self, tp: int) -> dict[str, str]:
-        """The plan the build would use at this degree; Unsupported where the build would refuse."""
-        from aot.plan.tensor_parallel import check_degree, check_divisible
-
-        if self.max_tp is not None and tp > self.max_tp:
-            raise Unsupported(f"tp={tp} would span nodes ({self.max_tp} ranks per node)")
-        try:
-            check_degree(self.mf, self.state.model, tp)
-            if self._tp_plan is None and self._helper is not None:
-                self._tp_plan = self._helper.plan()   # None where it failed: found here, with its error
-            if self._tp_plan is None:
-                self._tp_plan = self._find_plan()
-            if not self._tp_plan:
-                raise Unsupported("no Linear pair to split")
-            check_divisible(self._tp_plan, self.state.model, tp, "the plan")
-        except AotError as e:
-            raise Unsupported(str(e)) from None
-        return self._tp_plan
-
-    def _find_plan(self) -> dict[str, str]:
-        from aot.plan.tensor_parallel import find_plan, user_plan
-
-        return user_plan(self.mf, self.state.model) or find_plan(self.state.model, self.inputs)
-
-    def layout(self, dp: int, fsdp: int, tp: int):
-        from aot.capture.step import Group, StepLayout
-
-        group = lambda axis, size: Group(Mesh.group_name(axis), size) if size > 1 else None
-        plan = self.tp_plan(tp) if tp > 1 else {}
-        sequence = self.sequence_layout(plan, tp) if tp > 1 and self.sequence_parallel else None
-        return StepLayout(group("dp", dp), group("fsdp", fsdp), group("tp", tp), tuple(sorted(plan.items())), sequence)
-
-    def sequence_layout(self, plan: dict[str, str], tp: int) -> dict:
-        """The build's sequence-parallel layout at this degree; Unsupported where the build would refuse."""
-        from aot.plan.tensor_parallel import check_sequence_length, sequence_parallel_layout
-
-        try:
-            sequence = sequence_parallel_layout(self.state.model, plan, "the plan")
-            check_sequence_length(self.state.model, self.inputs, sequence["blocks"][0], tp)
-        except AotError as e:
-            raise Unsupported(str(e)) from None
-        return sequence
-
-    def capture(self, dp: int, fsdp: int, tp: int = 1) -> StepGraph:
-        """The analyzed graph of one rank for a dp x fsdp x tp mesh, traced as the build traces it."""
-        return self._capture(dp, fsdp, tp)[0]
-
-    def _capture(self, dp: int, fsdp: int, tp: int):
-        from aot.capture.step import capture_step
-        from aot.passes.cleanup import drop_profiler_calls, plain_collectives
-
-        # the build checks that every tp rank traces the same program; pricing needs one trace
-        captured = capture_step(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp),
-                                check_ranks=False, for_pricing=True)
-        gm = plain_collectives(drop_profiler_calls(captured.graph))
-        return analyze(gm, captured.slots), gm
-
-    def _trace(self, key: tuple, source: tuple) -> dict[tuple, StepGraph]:
-        """The graph of `key`, traced on mesh `source`, and the graphs derived from it (`_derived`:
-        meshes without fsdp from the fsdp=2 graph of the same tp degree, each traced where the
-        derivation does not apply). What a derived graph's own trace raises is raised when asked."""
-        from aot.capture.step import derive_without_fsdp
-
-        graph, gm = self._capture(*source)
-        out = {key: graph}
-        for other, (dp, _, tp) in self._derived.get(key, ()):
-            if other in self.traced or other in self._failed:
-                continue
-            try:
-                got = derive_without_fsdp(self.mf, self.state, self.inputs, self.targets, self.layout(dp, 1, tp), gm,
-                                          Mesh.group_name("fsdp"))
-                derived = analyze(*got) if got is not None else None
-            except Exception:  # noqa: BLE001  (traced instead)
-                derived = None
-            try:
-                out[other] = derived if derived is not None else self.capture(dp, 1, tp)
-            except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
-                self._failed[other] = e
-        return out
-
-    def _traced(self, dp: int, fsdp: int, tp: int) -> StepGraph:
-        key = (dp > 1, fsdp, tp)
-        if key in self._failed:
-            raise self._failed[key]
-        if key not in self.traced:
-            graph = self._helper.take(key) if self._helper is not None else None
-            if graph is not None:
-                self.traced[key] = graph
-                for other, _ in self._derived.get(key, ()):  # made with it; traced when asked where not
-                    derived = self._helper.take(other) if self._helper is not None else None
-                    if derived is not None:
-                        self.traced[other] = derived
-            else:
-                self.traced.update(self._trace(key, (dp, fsdp, tp)))
-        if key in self._failed:
-            raise self._failed[key]
-        return self.traced[key]
-
-    def _source(self, dp: int, fsdp: int, tp: int) -> tuple[int, int, int]:
-        """The traced mesh (dp, fsdp, tp) a mesh's graph is read from (see the class docstring)."""
-        if fsdp == 1:
-            return dp, 1, tp
-        if dp > 1 or (self.world_size or 0) >= 4 * tp:
-            return 2, 2, tp
-        return 1, 2, tp
-
-    def __call__(self, axes: tuple, shape: tuple) -> StepGraph:
-        from aot.plan.cost_model import drop_group, rescale, shard_scale
-
-        degrees = dict(zip(axes, shape))
-        other = [a for a, d in degrees.items() if a not in ("dp", "fsdp", "tp") and d > 1]
-        if other:
-            raise Unsupported(f"no graph for axes {', '.join(other)} yet (priced once the build captures them)")
-        dp, fsdp, tp = degrees.get("dp", 1), degrees.get("fsdp", 1), degrees.get("tp", 1)
-        if tp > 1:
-            self.layout(1, 1, tp)  # Unsupported here, before any trace, where the build would refuse tp
-        source = self._source(dp, fsdp, tp)
-        base = self._traced(*source)
-        if fsdp == 1:
-            return base
-        graph = base if dp > 1 or source[0] == 1 else drop_group(base, "aot.dp")
-        if fsdp == 2:
-            return graph
-        numels = [s.numel() for s in self.layout(1, 1, tp).local_shapes(self.state).values()]
-        return rescale(graph, shard_scale(numels, 2, fsdp), "aot.fsdp", fsdp)
-
-    # -- making the graphs ahead of a search --------------------------------------------------------
-
-    def needed(self, axes: tuple) -> list[tuple]:
-        """What a search over `axes` will ask to trace: [(key, (dp, fsdp, tp) traced)] in the order
-        it first asks (a mesh refused before any trace is left out; a degree the plan cannot take
-        is found out when tracing)."""
-        from aot.plan.tensor_parallel import check_degree
-
-        first: dict[tuple, tuple] = {}
-        for shape in factorizations(self.world_size or 1, tuple(axes)):
-            degrees = dict(zip(axes, shape))
-            dp, fsdp, tp = degrees.get("dp", 1), degrees.get("fsdp", 1), degrees.get("tp", 1)
-            if any(a not in ("dp", "fsdp", "tp") and d > 1 for a, d in degrees.items()) \
-                    or (tp > 1 and self.max_tp is not None and tp > self.max_tp):
-                continue
-            try:
-                if tp > 1:
-                    check_degree(self.mf, self.state.model, tp)
-            except AotError:
-                continue
-            source = self._source(dp, fsdp, tp)
-            first.setdefault((source[0] > 1, source[1], source[2]), source)
-        return list(first.items())
-
-    def prefetch(self, axes: tuple) -> None:
-        """Trace, before a search over `axes`, the graphs it will ask for: each graph without fsdp
-        derived from the fsdp=2 graph of its tp degree where the search needs that one too, and,
-        where a second core is free, part of them in a forked copy of this process
-        (aot.plan.trace_helper). What a trace raises is raised again when the search asks for it."""
-        from aot.plan import trace_helper
-
-        if self.world_size is None:
-            return
-        todo = [(key, source) for key, source in self.needed(axes) if key not in self.traced and key not in self._failed]
-        sharded = {key[2]: key for key, _ in todo if key[1] == 2}
-        for key, source in todo:
-            if key[1] == 1 and key[2] in sharded:
-                self._derived.setdefault(sharded[key[2]], []).append((key, source))
-        jobs = [job for job in todo if not (job[0][1] == 1 and job[0][2] in sharded)]
-        mine = sorted(jobs, key=lambda job: job[0][1] != 2)
-        find_plan = self._tp_plan is None and any(key[2] > 1 for key, _ in jobs)
-        if len(jobs) > 1 and trace_helper.workers() > 1:
-            mine, theirs = trace_helper.split(jobs, self._derived, find_plan)
-            try:
-                self._helper = trace_helper.Helper(self, theirs, find_plan)
-            except OSError:  # no fork here: everything in this process
-                mine = jobs
-        try:
-            for key, source in [*mine, *(job for job in jobs if job not in mine)]:
-                try:
-                    self._traced(*source)
-                except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
-                    self._failed[key] = e
-        finally:
-            if self._helper is not None:
-                self._helper.close()
-                self._helper = None
 
 
 def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int, *, seed: int = 0,

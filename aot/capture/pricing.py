@@ -1,0 +1,367 @@
+"""Traces the planner prices, made faster than the build's (aot/capture/step.py) and equal to them.
+
+- `trace_for_pricing`: make_fx's graph of the step, recorded by a lean recorder in make_fx's
+  place: the same fake tensors and the same dispatch (the recorder sits in the proxy slot of the
+  dispatch stack, so every layer below it sees a trace in progress), the same graph node for node,
+  without make_fx's bookkeeping for the code it generates (about half the time). Anything the
+  recorder does not handle (tensor constants, data-dependent ops, higher-order ops) falls back to
+  make_fx.
+- `derive_without_fsdp`: the graph of a mesh without fsdp, read from the graph of the same mesh
+  with fsdp=2 plus a trace of the step's end alone.
+
+tests/test_plan_derived_graphs.py checks both against the build's own traces.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from aot.capture.model_file import ModelFile
+from aot.capture.step import StepLayout, _optimizer_tracing, _step_args, _step_program, quiet_trace_logs
+from aot.capture.training_state import TrainingState
+
+
+# -- a graph without fsdp from the graph with it (the planner) ------------------------------------
+
+def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
+                        layout: StepLayout, sharded: torch.fx.GraphModule, fsdp_group: str):
+    """The planner's graph of `layout`, a mesh without fsdp, from `sharded`: the graph (profiler calls
+    dropped, plain collectives) of a mesh with the same tensor-parallel degree and an fsdp axis
+    (group `fsdp_group`). The forward and backward of the sharded step are the unsharded step's ops
+    on the gathered parameters: each parameter is gathered (all_gather, wait, slice, view) before
+    anything else runs, and its gradient is scattered (view, slice_backward, reduce_scatter, wait)
+    after the whole backward (autograd runs those last, newest parameter first). So the unsharded
+    graph is the ops in between, reading the parameters themselves, followed by the step's end
+    (`finish`: averaging, clipping, the optimizer) traced alone on whole parameters, each node
+    created as the trace of the unsharded step creates it (same order, names and values).
+
+    Returns (graph module, slots, storage aliases for cost_model.analyze: the gathered buffers are
+    the parameters, the end's gradient and loss inputs are the backward's), or None where `sharded`
+    is not of this form (every parameter gathered and scattered once, nothing else in between):
+    the unsharded mesh is then traced."""
+    import operator
+
+    from aot.passes.cleanup import drop_profiler_calls, plain_collectives
+
+    funcol, aten = torch.ops._c10d_functional, torch.ops.aten
+    n_params, n_buffers = len(state.params), len(state.buffers)
+    n_state, n_groups = len(state.optimizer_slots), len(state.param_groups)
+    nodes = list(sharded.graph.nodes)
+    holders = [n for n in nodes if n.op == "placeholder"]
+    if len(holders) != n_params + n_buffers + n_state + n_groups + len(inputs) + 1 or not n_params \
+            or any(n.op not in ("placeholder", "call_function", "output") for n in nodes):
+        return None
+    position = {n: i for i, n in enumerate(nodes)}
+
+    def only_user(node, target):
+        users = list(node.users)
+        return users[0] if len(users) == 1 and users[0].target is target else None
+
+    whole, buffers, gathered = [], [], set()
+    for holder in holders[:n_params]:
+        gathers = [u for u in holder.users if u.target is funcol.all_gather_into_tensor.default and u.args[-1] == fsdp_group]
+        if len(gathers) != 1:
+            return None
+        chain = [gathers[0]]
+        for target in (funcol.wait_tensor.default, aten.slice.Tensor, aten.view.default):
+            chain.append(only_user(chain[-1], target))
+            if chain[-1] is None:
+                return None
+        gathered.update(chain)
+        buffers.append(chain[1])
+        whole.append(chain[3])
+    scatters = [n for n in nodes if n.target is funcol.reduce_scatter_tensor.default and n.args[-1] == fsdp_group]
+    if len(scatters) != n_params:
+        return None
+    numels = [s.numel() for s in layout.local_shapes(state).values()]
+    grads, scattered = [None] * n_params, set()
+    for i, scatter in zip(reversed(range(n_params)), scatters):  # newest parameter first
+        pad = scatter.args[0]
+        view = pad.args[0] if isinstance(pad, torch.fx.Node) and pad.args else None
+        wait = only_user(scatter, funcol.wait_tensor.default)
+        size = scatter.args[2] if len(scatter.args) > 2 else None
+        if getattr(pad, "target", None) is not aten.slice_backward.default \
+                or getattr(view, "target", None) is not aten.view.default \
+                or wait is None or not isinstance(size, int) or list(pad.args[1]) != [-(-numels[i] // size) * size] \
+                or tuple(pad.args[2:5]) != (0, 0, numels[i]):
+            return None
+        scattered.update((view, pad, scatter, wait))
+        grads[i] = view.args[0]
+    first, last = min(position[n] for n in scattered), max(position[n] for n in scattered)
+    start = max(position[n] for n in gathered) + 1
+    core = nodes[start:first]
+    if any(n.op != "placeholder" and n not in gathered for n in nodes[:start]) \
+            or any(n not in scattered for n in nodes[first:last + 1]) \
+            or any(n.op != "call_function" or n in gathered or n in scattered for n in core):
+        return None
+    inside = set(core)
+    readable = inside | set(whole) | set(holders[n_params:n_params + n_buffers]) | set(holders[-1 - len(inputs):])
+    output = nodes[-1]
+    local_loss = output.args[0][0] if output.op == "output" and isinstance(output.args[0], (tuple, list)) else None
+    if any(a not in readable for n in core for a in n.all_input_nodes) or local_loss not in inside \
+            or any(g not in inside for g in grads):
+        return None
+
+    # the step's end alone, on this layout's whole parameters and on gradients like the backward's
+    _, finish = _step_program(mf, state, len(inputs), layout, None)
+    args, slots = _step_args(state, layout, inputs, targets)
+
+    def like(node):
+        v = node.meta.get("val")
+        if not isinstance(v, torch.Tensor) or v.storage_offset() != 0:
+            raise _NotRecorded("gradient layout")
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+
+    def end(*flat):
+        params = list(flat[:n_params])
+        return finish(params, tuple(flat[n_params:2 * n_params]), flat[2 * n_params],
+                      flat[2 * n_params + 1:2 * n_params + 1 + n_state], flat[2 * n_params + 1 + n_state:])
+
+    state_at = n_params + n_buffers
+    try:
+        end_args = [*args[:n_params], *(like(g) for g in grads), like(local_loss),
+                    *args[state_at:state_at + n_state + n_groups]]
+        with _optimizer_tracing(), quiet_trace_logs():
+            tail = plain_collectives(drop_profiler_calls(trace_for_pricing(end, end_args)))
+    except Exception:  # noqa: BLE001  (the unsharded mesh is traced, and reports any error)
+        return None
+    tail_nodes = list(tail.graph.nodes)
+    tail_holders = [n for n in tail_nodes if n.op == "placeholder"]
+    if any(n.op not in ("placeholder", "call_function", "output") for n in tail_nodes):
+        return None
+
+    graph = torch.fx.Graph()
+    env: dict = {}
+
+    def holder(k: int, source):
+        node = graph.create_node("placeholder", f"arg{k}_1", (), {}, name=f"arg{k}_1")
+        node.meta["val"] = source.meta.get("val")
+        env[source] = node
+        return node
+
+    rest = [*holders[n_params:n_params + n_buffers], *tail_holders[2 * n_params + 1:], *holders[-1 - len(inputs):]]
+    made = [holder(k, source) for k, source in enumerate([*tail_holders[:n_params], *rest])]
+    for i in range(n_params):
+        env[whole[i]] = made[i]
+    mapped = lambda a: torch.fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
+
+    def copy(node) -> None:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            name = graph._target_to_str(target.overloadpacket.__name__)
+        elif target is operator.getitem:
+            name = None
+        else:
+            raise _NotRecorded(str(target))
+        new = graph.create_node("call_function", target, mapped(node.args), mapped(node.kwargs), name=name)
+        new.meta["val"] = node.meta.get("val")
+        env[node] = new
+
+    try:
+        for node in core:
+            copy(node)
+        for i in range(n_params):
+            env[tail_holders[n_params + i]] = env[grads[i]]
+        env[tail_holders[2 * n_params]] = env[local_loss]
+        for node in tail_nodes:
+            if node.op == "call_function":
+                copy(node)
+        graph.create_node("output", "output", (mapped(tail_nodes[-1].args[0]),), {})
+    except (KeyError, _NotRecorded):
+        return None
+
+    from aot.plan.cost_model import _storage_key
+
+    key = lambda node: _storage_key(node.meta["val"])  # noqa: E731
+    aliases = {key(buffers[i]): key(tail_holders[i]) for i in range(n_params)}
+    aliases.update({key(tail_holders[n_params + i]): key(grads[i]) for i in range(n_params)})
+    aliases[key(tail_holders[2 * n_params])] = key(local_loss)
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(torch.nn.Module(), graph, "step"), slots, aliases
+
+
+# -- tracing for the planner ---------------------------------------------------------------------
+
+class _NotRecorded(Exception):
+    """Something the lean recorder does not reproduce as make_fx would: trace with make_fx."""
+
+
+def trace_for_pricing(step, args: list) -> torch.fx.GraphModule:
+    """make_fx(step, tracing_mode="fake")(*args)'s graph, recorded leanly (see the module docstring);
+    make_fx itself where the recorder cannot follow, without generating the graph's code."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    try:
+        return _lean_make_fx(step, args)
+    except Exception:  # noqa: BLE001  (make_fx reports the step's own errors)
+        pass
+    with _use_lazy_graph_module(True):
+        return make_fx(step, tracing_mode="fake", _disable_torch_fn_metadata_mode=True)(*args)
+
+
+def _lean_make_fx(step, args: list) -> torch.fx.GraphModule:
+    import operator
+
+    import torch._dynamo  # noqa: F401  (make_fx imports it before tracing, for the same reason)
+    import torch._functorch.config as functorch_config
+    import torch.fx._symbolic_trace as symbolic_trace
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_impls import fast_detach
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+    from torch.fx.experimental.proxy_tensor import disable_autocast_cache
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import (TorchDispatchMode, _push_mode, _unset_infra_mode,
+                                              autograd_would_have_decomposed)
+    from torch.utils.weak import WeakTensorKeyDictionary
+
+    aten = torch.ops.aten
+    proxy_key = torch._C._TorchDispatchModeKey.PROXY
+    handled = (torch.Tensor, torch.nn.Parameter, FakeTensor)
+    accessors = (aten.size.default, aten.stride.default, aten.storage_offset.default)
+    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+    def value_of(value):
+        # node.meta["val"], as make_fx stores it: a detached alias (the result itself would hold a
+        # reference that changes what autograd does: it steals a gradient only nobody else holds)
+        if isinstance(value, FakeTensor):
+            return fast_detach(value.fake_mode, value)
+        if isinstance(value, (list, tuple)):
+            return value.__class__([value_of(v) for v in value])
+        if isinstance(value, (torch.Tensor, *symbolic)):
+            raise _NotRecorded(type(value).__name__)
+        return value
+
+    def leaves(value, out: list) -> list:
+        # the tensors (and symbolic values) among an op's arguments; tuples, lists and dicts opened
+        if type(value) in (tuple, list):
+            for v in value:
+                leaves(v, out)
+        elif type(value) is dict:
+            for v in value.values():
+                leaves(v, out)
+        elif isinstance(value, (torch.Tensor, *symbolic)):
+            out.append(value)
+        return out
+
+    decomposes: dict = {}      # (op, device type) -> whether autograd would have decomposed it
+
+    class Recorder(TorchDispatchMode):
+        """make_fx's ProxyTorchDispatchMode, reduced to recording: in the proxy slot of the
+        dispatch stack (collectives, DTensor and fake tensors see a trace), each op it is handed
+        becomes one call_function node named as make_fx names it, each result it returns is that
+        node's meta["val"] (a getitem node per element of a list or tuple), and composite ops are
+        decomposed where autograd would have decomposed them."""
+
+        def __init__(self, graph: torch.fx.Graph):
+            super().__init__()
+            self._mode_key = proxy_key
+            self.graph = graph
+            self.nodes = WeakTensorKeyDictionary()
+            self.objects: dict = {}    # hash of a script object (the profiler's handle) -> node
+            self.enter_stack: list = []
+
+        @classmethod
+        def is_infra_mode(cls) -> bool:
+            return True
+
+        def __enter__(self):
+            self.enter_stack.append(_unset_infra_mode(proxy_key))
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            result = super().__exit__(*exc)
+            previous = self.enter_stack.pop()
+            if previous is not None:
+                _push_mode(previous)
+            return result
+
+        def node_of(self, value):
+            if type(value) in (tuple, list):
+                return value.__class__([self.node_of(v) for v in value])
+            if type(value) is dict:
+                return {k: self.node_of(v) for k, v in value.items()}
+            if isinstance(value, torch.Tensor):
+                node = self.nodes.get(value)
+                if node is None:  # a constant: make_fx interns it as an attribute
+                    raise _NotRecorded("tensor constant")
+                return node
+            if isinstance(value, torch.ScriptObject):
+                return self.objects[hash(value)]
+            if isinstance(value, symbolic):
+                raise _NotRecorded("symbolic value")
+            return value
+
+        def track(self, value, node) -> None:
+            if isinstance(value, torch.Tensor):
+                self.nodes[value] = node
+                node.meta["val"] = value_of(value)
+            elif isinstance(value, (list, tuple)):
+                node.meta["val"] = value_of(value)
+                for i, item in enumerate(value):
+                    self.track(item, self.graph.create_node("call_function", operator.getitem, (node, i), {}))
+            elif isinstance(value, torch.ScriptObject):
+                self.objects[hash(value)] = node
+                node.meta["val"] = value
+            elif value is not None and not isinstance(value, (bool, int, float)):
+                raise _NotRecorded(type(value).__name__)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func == torch.ops.prim.device.default:
+                return func(*args, **kwargs)
+            flat = leaves(kwargs, leaves(args, []))
+            for x in flat:
+                if isinstance(x, torch.Tensor) and type(x) not in handled and x not in self.nodes:
+                    return NotImplemented  # a tensor subclass (DTensor) dispatches first
+            if not isinstance(func, torch._ops.OpOverload):
+                raise _NotRecorded(str(func))
+            if func not in accessors:
+                # it looks at the first tensor's device only
+                key = (func, next((x.device.type for x in flat if isinstance(x, torch.Tensor)), None))
+                if key not in decomposes:
+                    decomposes[key] = autograd_would_have_decomposed(func, flat)
+                if decomposes[key]:
+                    with self:
+                        out = func.decompose(*args, **kwargs)
+                        if out is not NotImplemented:
+                            return out
+            if (func is aten.is_nonzero.default or torch.Tag.data_dependent_output in func.tags
+                    or torch.Tag.dynamic_output_shape in func.tags):
+                raise _NotRecorded(str(func))
+            node_args, node_kwargs = self.node_of(args), self.node_of(kwargs)
+            if func is aten.lift_fresh.default:
+                func = aten.lift_fresh_copy.default
+            node = self.graph.create_node("call_function", func, node_args, node_kwargs,
+                                          name=self.graph._target_to_str(func.overloadpacket.__name__))
+            out = func(*args, **kwargs)
+            self.track(out, node)
+            return out
+
+    with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
+        fake_mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=False,
+                                   shape_env=ShapeEnv(), static_shapes=True)
+    graph = torch.fx.Graph()
+    recorder = Recorder(graph)
+    fake_args = []
+    for i, a in enumerate(args):
+        name = f"arg{i}_1"
+        node = graph.create_node("placeholder", name, (), {}, name=name)
+        if isinstance(a, torch.Tensor):
+            a = fake_mode.from_tensor(a, source=ConstantSource(f"input{len(recorder.nodes)}"))
+            recorder.nodes[a] = node
+            node.meta["val"] = fast_detach(fake_mode, a, include_real=True)
+        fake_args.append(a)
+    previous_flag = symbolic_trace._is_fx_tracing_flag
+    symbolic_trace._is_fx_tracing_flag = True  # as inside make_fx (FX's tracer is running there)
+    try:
+        with fake_mode, recorder, disable_autocast_cache():
+            out = step(*fake_args)
+    finally:
+        symbolic_trace._is_fx_tracing_flag = previous_flag
+    graph.create_node("output", "output", (pytree.tree_map_only(torch.Tensor, recorder.node_of, out),), {})
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(torch.nn.Module(), graph, "step")
