@@ -24,7 +24,7 @@ import torch
 import aot.capture.pricing as pricing
 from aot.capture.step import capture_step
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
-from aot.plan.cost_model import analyze
+from aot.plan.cost_model import analyze, storage_key
 from aot.plan import trace_helper
 from aot.plan.machine import Machine
 from aot.plan.model_steps import ModelSteps, Unsupported, factorizations
@@ -124,12 +124,13 @@ def test_graph_without_fsdp_derived_is_the_traced_one(model, sequence, pairs):
         derived = pricing.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets,
                                               steps.layout(*plain), sharded_gm, "aot.fsdp")
         assert derived is not None, (sharded, plain)
-        gm, slots, aliases = derived
+        gm, slots, shared = derived
         traced = capture_step(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(*plain),
-                                      check_ranks=False)
+                              check_ranks=False)
         traced_gm = plain_collectives(drop_profiler_calls(traced.graph))
         assert _nodes(gm) == _nodes(traced_gm), plain
         assert slots == traced.slots
+        aliases = {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
         assert _facts(analyze(gm, slots, aliases)) == _facts(analyze(traced_gm, traced.slots)), plain
 
 

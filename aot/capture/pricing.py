@@ -36,8 +36,9 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
     (`finish`: averaging, clipping, the optimizer) traced alone on whole parameters, each node
     created as the trace of the unsharded step creates it (same order, names and values).
 
-    Returns (graph module, slots, storage aliases for cost_model.analyze: the gathered buffers are
-    the parameters, the end's gradient and loss inputs are the backward's), or None where `sharded`
+    Returns (graph module, slots, [(node, node whose storage it shares in one trace)]: the gathered
+    buffers are the parameters, the end's gradient and loss inputs are the backward's; the cost
+    model counts each such pair as one allocation), or None where `sharded`
     is not of this form (every parameter gathered and scattered once, nothing else in between):
     the unsharded mesh is then traced."""
     import operator
@@ -171,15 +172,12 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
     except (KeyError, _NotRecorded):
         return None
 
-    from aot.plan.cost_model import _storage_key
-
-    key = lambda node: _storage_key(node.meta["val"])  # noqa: E731
-    aliases = {key(buffers[i]): key(tail_holders[i]) for i in range(n_params)}
-    aliases.update({key(tail_holders[n_params + i]): key(grads[i]) for i in range(n_params)})
-    aliases[key(tail_holders[2 * n_params])] = key(local_loss)
+    shared = [(buffers[i], tail_holders[i]) for i in range(n_params)]
+    shared += [(tail_holders[n_params + i], grads[i]) for i in range(n_params)]
+    shared.append((tail_holders[2 * n_params], local_loss))
     from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
     with _use_lazy_graph_module(True):
-        return _make_graph_module(torch.nn.Module(), graph, "step"), slots, aliases
+        return _make_graph_module(torch.nn.Module(), graph, "step"), slots, shared
 
 
 # -- tracing for the planner ---------------------------------------------------------------------

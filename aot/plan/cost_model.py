@@ -246,11 +246,8 @@ def _elsize(site: CommSite) -> int:
     return site.input_bytes // site.input_numel if site.input_numel else 4
 
 
-def _storage_key(t: torch.Tensor):
-    return _tensor_storage_key(t)
-
-
-def _tensor_storage_key(t: torch.Tensor):
+def storage_key(t: torch.Tensor):
+    """What identifies the storage a tensor lives in (tensors sharing one are one allocation)."""
     if StorageWeakRef is not None:
         try:
             return StorageWeakRef(t.untyped_storage())
@@ -272,8 +269,8 @@ _PARTS = {"param": "params", "buffer": "buffers", "optim": "optimizer", "lr": "b
 def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) -> Memory:
     aliases = aliases or {}
 
-    def _storage_key(t: torch.Tensor):
-        key = _tensor_storage_key(t)
+    def key_of_storage(t: torch.Tensor):
+        key = storage_key(t)
         return aliases.get(key, key)
 
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -282,7 +279,7 @@ def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) 
     for i, node in enumerate(placeholders):
         kind = slots[i]["kind"] if slots and i < len(slots) else "param"
         for t in _tensors(_val(node)):
-            key = _storage_key(t)
+            key = key_of_storage(t)
             if key in resident_keys:
                 continue
             resident_keys.add(key)
@@ -294,7 +291,7 @@ def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) 
     last: dict = {}          # storage key -> last index that reads it
     for i, node in enumerate(nodes):
         if node.op == "placeholder":
-            key_of[node] = [_storage_key(t) for t in _tensors(_val(node))]
+            key_of[node] = [key_of_storage(t) for t in _tensors(_val(node))]
             continue
         for a in node.all_input_nodes:
             for key in key_of.get(a, ()):
@@ -306,7 +303,7 @@ def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) 
             continue
         keys = []
         for t in _tensors(_val(node)):
-            key = _storage_key(t)
+            key = key_of_storage(t)
             keys.append(key)
             if key not in resident_keys and key not in born:
                 elsize = t.element_size()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aot.errors import AotError
-from aot.plan.cost_model import StepGraph, analyze
+from aot.plan.cost_model import StepGraph, analyze, storage_key
 from aot.plan.mesh import Mesh
 
 
@@ -147,7 +147,11 @@ class ModelSteps:
             try:
                 got = derive_without_fsdp(self.mf, self.state, self.inputs, self.targets, self.layout(dp, 1, tp), gm,
                                           Mesh.group_name("fsdp"))
-                derived = analyze(*got) if got is not None else None
+                derived = None
+                if got is not None:
+                    derived_gm, slots, shared = got
+                    derived = analyze(derived_gm, slots, {storage_key(a.meta["val"]): storage_key(b.meta["val"])
+                                                          for a, b in shared})
             except Exception:  # noqa: BLE001  (traced instead)
                 derived = None
             try:
