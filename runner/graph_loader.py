@@ -131,11 +131,9 @@ def is_collective(node: torch.fx.Node) -> bool:
             and node.target.namespace == _FUNCOL and not _is_wait(node))
 
 
-def one_in_flight(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Move waits earlier so that each collective is waited for before the next one is issued: at
-    most one collective in flight at any point of the program, still overlapping the compute up to
-    the next collective (or its own wait, where that comes first). Returns `gm`, rewritten in place
-    and recompiled.
+def wait_at_issue(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Move every collective's wait_tensor to right after the collective, so at most one collective
+    is in flight at any point of the program; returns `gm`, rewritten in place and recompiled.
 
     For gloo only. aot's graphs issue collectives early and wait for them late (aot.passes.overlap,
     aot.passes.prefetch), which on NCCL hides communication behind compute. On gloo it puts many
@@ -145,30 +143,27 @@ def one_in_flight(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     a message, about once per few hundred steps ("malloc(): unaligned tcache chunk detected",
     segfaults, "Timed out waiting for send operation"); a bare two-rank script of functional
     collectives shows it with inputs kept alive too, and not with each collective waited at once
-    or with a single gloo worker thread (which runs them one after another while the step
-    computes, as this order does).
+    or with a single gloo worker thread. Waiting at issue costs nothing the plan counted on: the
+    planner prices gloo collectives as not overlapping compute (aot.plan.search, `overlaps`).
 
-    A wait depends on its collective's result alone, so moving it anywhere between the collective
-    and where it was (with the getitem that picks a coalesced collective's piece) never breaks an
-    input-before-use order."""
+    A wait depends on its collective's result alone, so moving it up to the collective (with the
+    getitem that picks a coalesced collective's piece) never breaks an input-before-use order."""
     graph = gm.graph
-    nodes = list(graph.nodes)
-    position = {node: i for i, node in enumerate(nodes)}
-    previous = None   # the last collective issued, and its waits (with getitems) in program order
-    for node in nodes:
+    for node in list(graph.nodes):
         if not is_collective(node):
             continue
-        if previous is not None:
-            # moving nodes elsewhere keeps the order of the others: the first positions still compare
-            for late in (n for n in previous if position[n] > position[node]):
-                node.prepend(late)   # each right before the collective: their own order kept
-        chain = []
-        for user in node.users:
+        anchor = node
+        for user in list(node.users):
             if _is_wait(user):
-                chain.append(user)
+                chain = [user]
             elif user.op == "call_function" and user.target is operator.getitem:  # a coalesced collective's piece
-                chain += [user, *(w for w in user.users if _is_wait(w))]
-        previous = sorted(chain, key=position.__getitem__)
+                chain = [user, *(w for w in user.users if _is_wait(w))]
+            else:
+                continue
+            for moved in chain:
+                if anchor.next is not moved:
+                    anchor.append(moved)
+                anchor = moved
     graph.lint()
     gm.recompile()
     return gm

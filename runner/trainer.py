@@ -21,7 +21,7 @@ from runner.custom_ops import import_op_libraries
 from runner.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
 from runner.groups import bind_process_groups
-from runner.graph_loader import load_graph_module, one_in_flight
+from runner.graph_loader import load_graph_module, wait_at_issue
 from runner.program import decode_program
 from runner.binding import bind_rank
 from runner.sharding import shard_number, tp_slice_shape, unshard
@@ -114,7 +114,7 @@ class Trainer:
 
         program = artifact.program(entry["program"])
         import_op_libraries(manifest)  # the program's custom operators resolve only once their module is imported
-        self.one_collective_in_flight = False
+        self.collectives_waited_at_issue = False
         if self.tier == "compiled":
             self._module = load_compiled(artifact, entry["program"], self.device, len(program["inputs"]))
             self.program_loader = "aoti"
@@ -131,12 +131,12 @@ class Trainer:
                     ep = move_to_device_pass(ep, self.device)
                 self._module = ep.module()
                 self.program_loader = "torch.export"
-            # On gloo, one collective in flight at a time (runner.graph_loader.one_in_flight says
-            # why); NCCL keeps every collective the program overlaps. A compiled package's order
-            # is fixed inside it: aot build compiles CPU packages from this order.
-            self.one_collective_in_flight = self._on_gloo()
-            if self.one_collective_in_flight:
-                one_in_flight(self._module)
+            # On gloo, one collective in flight at a time (runner.graph_loader.wait_at_issue says
+            # why); NCCL keeps the program's overlap of communication with compute. The compiled
+            # tier's schedule is fixed inside its package and is left as built.
+            self.collectives_waited_at_issue = self._on_gloo()
+            if self.collectives_waited_at_issue:
+                wait_at_issue(self._module)
 
         self.state_spec = manifest["state"]
         weights = artifact.tensors(entry["weights"])

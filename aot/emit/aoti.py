@@ -17,9 +17,9 @@ Choices that keep the two tiers interchangeable:
   gradient is a bare matmul (`grad.add(param, alpha=wd)`; tensor-parallel layers' gradients come out
   so) into `grad + param`.
 - A CPU package runs its collectives on gloo, so it is compiled from the program with each
-  collective waited for before the next is issued (runner.graph_loader.one_in_flight, which the
-  runner applies to the portable program on gloo): ProcessGroupGloo in torch 2.13 corrupts memory
-  when a group has several collectives in flight. CUDA packages keep the whole overlap (NCCL).
+  collective waited for where it is issued (runner.graph_loader.wait_at_issue, which the runner
+  applies to the portable program on gloo): ProcessGroupGloo in torch 2.13 corrupts memory when a
+  group has several collectives in flight. CUDA packages keep the overlap schedule (NCCL).
 - On x86-64, the library is compiled for the instruction-set level inductor vectorizes for
   (x86-64-v3 for AVX2, x86-64-v4 for AVX-512) instead of `-march=native`, so it runs on every CPU
   of that level and the runner can tell from ATen's CPU capability whether a CPU is one.
@@ -188,19 +188,19 @@ def _reproducible(data: bytes) -> bytes:
     return out.getvalue()
 
 
-def one_in_flight(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """A copy of `ep` with at most one collective in flight (see the module docstring); `ep`
-    itself, which the portable tier stores, keeps its schedule."""
+def waited_at_issue(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A copy of `ep` whose collectives are each waited for where issued (see the module docstring);
+    `ep` itself, which the portable tier stores, keeps its schedule."""
     import copy
 
-    from runner import graph_loader
+    from runner.graph_loader import most_in_flight, wait_at_issue
 
-    if graph_loader.most_in_flight(ep.graph) <= 1:
+    if most_in_flight(ep.graph) <= 1:
         return ep
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's pytree deprecation chatter on copy
         ep = copy.deepcopy(ep)
-    graph_loader.one_in_flight(ep.graph_module)
+    wait_at_issue(ep.graph_module)
     return ep
 
 
@@ -218,7 +218,7 @@ def compile_programs(programs: dict[str, torch.export.ExportedProgram], groups: 
         warnings.simplefilter("ignore")  # torch's own deprecation chatter during lowering
         for name, ep in programs.items():
             if device.type == "cpu":
-                ep = one_in_flight(ep)
+                ep = waited_at_issue(ep)
             else:
                 from torch.export.passes import move_to_device_pass
                 ep = move_to_device_pass(ep, device)
