@@ -50,8 +50,6 @@ class ModelSteps:
     - `prefetch` makes, before the search, the graphs it will ask for, on two cores where there are
       two (aot.plan.trace_helper)."""
 
-    exit_hook = False         # plan_model has asked for a quick exit of the process (once)
-
     def __init__(self, model_path: Path, batch_size: int, seed: int = 0, world_size: int | None = None,
                  max_tp: int | None = None, sequence_parallel: bool = False):
         from aot.build import _example_batch

@@ -250,13 +250,12 @@ def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int
 
     from aot.plan.mesh import SUPPORTED_AXES
 
-    if not ModelSteps.exit_hook:
-        # When the process ends, Python's last garbage collections walk every object torch, its
-        # compiler stack and the traces made, several times over (about a second of `aot plan`'s
-        # run). Frozen at exit (atexit handlers run first), they are skipped: the memory goes with
-        # the process.
-        ModelSteps.exit_hook = True
-        atexit.register(gc.freeze)
+    # When the process ends, Python's last garbage collections walk every object torch, its
+    # compiler stack and the traces made, several times over (about a second of `aot plan`'s run).
+    # Frozen at exit (atexit handlers run first), they are skipped: the memory goes with the
+    # process. Registered once however often a process plans.
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     # Tracing makes millions of short-lived objects: with the default thresholds the cyclic garbage
     # collector runs a thousand times and walks every object of torch several times over (a tenth
     # of the search's time). Collect less often while planning.
