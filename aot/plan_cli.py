@@ -130,9 +130,13 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
 @click.option("--min-bytes", type=click.IntRange(min=4), default=4096, show_default=True, help="Smallest message.")
 @click.option("--max-bytes", type=click.IntRange(min=4), default=None,
               help="Largest message. Default: 16 MiB on cpu ranks, 256 MiB on GPUs.")
-@click.option("--reps", type=click.IntRange(min=1), default=7, show_default=True, help="Timed repetitions per size (median kept).")
+@click.option("--reps", type=click.IntRange(min=1), default=7, show_default=True,
+              help="Least timed repetitions per size.")
+@click.option("--min-seconds", type=click.FloatRange(min=0), default=0.25, show_default=True,
+              help="Keep repeating each size until this long has been timed (at most 400 times): a small "
+                   "CPU collective's time is bimodal, and a few repetitions land in either mode.")
 @debug_option
-def calibrate(base, output, name, min_bytes, max_bytes, reps):
+def calibrate(base, output, name, min_bytes, max_bytes, reps, min_seconds):
     """Measure this machine's collectives and compute and write them into a profile copy.
 
     Run under torchrun with one process per rank the profile describes:
@@ -163,7 +167,7 @@ def calibrate(base, output, name, min_bytes, max_bytes, reps):
     if max_bytes < min_bytes:
         raise AotError(f"--max-bytes {max_bytes} is below --min-bytes {min_bytes}")
     log = (lambda msg: click.echo(msg, err=True)) if rank == 0 else (lambda msg: None)
-    result = run_calibration(profile, min_bytes=min_bytes, max_bytes=max_bytes, reps=reps, log=log)
+    result = run_calibration(profile, min_bytes=min_bytes, max_bytes=max_bytes, reps=reps, min_seconds=min_seconds, log=log)
     if result is None:
         return
     result["name"] = name or f"{profile['name']}-calibrated"
@@ -183,4 +187,9 @@ def calibrate(base, output, name, min_bytes, max_bytes, reps):
     log(f"compute  {', '.join(f'{k} {v / 1e9:.3g} GFLOP/s' for k, v in c['flops_per_s'].items())}, "
         f"memory {c['memory_bytes_per_s'] / 1e9:.3g} GB/s, {c['op_overhead_s'] * 1e6:.2f} us per op, "
         f"{c['efficiency']:.0%} of that roofline on real ops")
+    stall = c.get("collective_stall_quantiles_s")
+    if stall:
+        slow = sum(1 for t in stall if t > 1e-3) / len(stall)
+        log(f"in-step  a blocking collective stalls {c['collective_stall_s'] * 1e3:.2f} ms on average "
+            f"(median {stall[len(stall) // 2] * 1e3:.2f} ms; {slow:.0%} of them over 1 ms)")
     log(f"wrote {result['name']!r} to {output}")

@@ -62,8 +62,6 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
     Every file is checked against the manifest's sha256 before it is read, the live topology is
     checked against the artifact's profile, and no model code or compiler runs.
     """
-    import torch.distributed as dist
-
     from runner.checkpoint import read_index
     from runner.errors import AotError
     from runner.groups import leave_process_group

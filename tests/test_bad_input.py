@@ -13,7 +13,6 @@ correct behaviour and fail today; when one starts passing, remove its marker.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -369,7 +368,7 @@ def test_failed_rebuild_keeps_the_good_artifact(copy1):
     assert (copy1 / "manifest.json").read_bytes() == before
     assert not staging_folders(copy1)
     inspect = aot("inspect", copy1)
-    assert inspect.returncode == 0, _show(inspect)
+    assert inspect.returncode == 0, show(inspect)
     assert "mlp.py" in inspect.stdout
 
 
@@ -382,7 +381,7 @@ def test_failure_while_writing_keeps_the_good_artifact(copy1, tmp_path):
     assert not staging_folders(copy1)
     assert sorted(p.name for p in copy1.iterdir()) == ["data", "inference", "manifest.json", "programs", "state"]
     inspect = aot("inspect", copy1)
-    assert inspect.returncode == 0, _show(inspect)
+    assert inspect.returncode == 0, show(inspect)
 
     fresh = tmp_path / "fresh"
     r = aot("build", MODELS / "bad_aliased_buffer.py", "-o", fresh, "--quiet")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.commands import EXAMPLES, REPO, aot, clean_env, ok, show, torchrun
+from helpers.commands import EXAMPLES, REPO, aot, clean_env, ok, torchrun
 
 STEPS, EVERY = 160, 20
 

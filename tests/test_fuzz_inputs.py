@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import string
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save as save_safetensors
 
-from aot.capture.model_file import load_model_file
 from helpers.commands import EXAMPLES, aot, ok
 from runner.artifact import Artifact, manifest_digest
 from runner.data import DataSource

@@ -16,7 +16,7 @@ from aot.capture.training_state import build_training_state
 from aot.passes import run_passes
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 from aot.plan.cost_model import CommSite, Memory, Op, StepGraph, analyze, drop_group, rebucket, rescale, shard_scale, simulate
-from aot.plan.machine import Compute
+from aot.plan.machine import Compute, median_of_sum
 from runner.data import split_batch_tensors
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -33,6 +33,33 @@ def test_roofline_with_overhead():
     # 1e4 bytes fit the 1e5-byte level (10 GB/s): 1 us of work, at half the roofline 2 us
     assert cached.op_seconds(0.0, 1e4, "float32") == pytest.approx(2e-6)
     assert cached.op_seconds(0.0, 1e6, "float32") == pytest.approx(2e-3)
+
+
+def test_measured_elementwise_rates_and_foreach_kernels():
+    """CPU ops with a measured time per element take at least that (GELU's arithmetic is not in
+    any FLOP count); a foreach op pays its dispatch once and a smaller cost per extra tensor."""
+    cpu = Compute({"default": 1e12}, 1e9, 1e-5, False, element_seconds={"gelu": 4e-9}, foreach_tensor_s=1e-6)
+    # 1e6 elements: bytes 8e6 at 1 GB/s = 8 ms against 4 ms of measured arithmetic: bytes win
+    assert cpu.op_seconds(0.0, 8e6, "float32", target="gelu", elements=10**6) == pytest.approx(8e-3 + 1e-5)
+    # in cache-sized working sets the arithmetic wins: 4 ns x 1e5 = 0.4 ms against 0.8 ms moved... at 10 GB/s
+    fast = Compute({"default": 1e12}, 1e10, 1e-5, False, element_seconds={"gelu": 4e-9})
+    assert fast.op_seconds(0.0, 8e5, "float32", target="gelu", elements=10**5) == pytest.approx(4e-4 + 1e-5)
+    assert fast.op_seconds(0.0, 8e5, "float32", target="relu", elements=10**5) == pytest.approx(8e-5 + 1e-5)
+    # a foreach add over 28 tensors: one dispatch and 27 more tensors at 1 us
+    assert cpu.op_seconds(0.0, 0.0, "float32", launches=28) == pytest.approx(1e-5 + 27e-6)
+    gpu = Compute({"default": 1e12}, 1e9, 1e-5, True, foreach_tensor_s=1e-6)
+    assert gpu.op_seconds(0.0, 0.0, "float32", launches=28) == pytest.approx(1e-5)  # fused: one launch
+
+    def f(xs, ys, x):
+        torch._foreach_add_(xs, ys)
+        return torch.nn.functional.gelu(x)
+
+    gm = make_fx(f, tracing_mode="fake")([torch.randn(3) for _ in range(5)], [torch.randn(3) for _ in range(5)],
+                                         torch.randn(4, 8))
+    ops = {op.target: op for op in analyze(gm).ops if op.kind == "compute"}
+    assert ops["gelu"].elements == 32 and ops["gelu"].launches == 1
+    foreach = next(op for name, op in ops.items() if name.startswith("_foreach_add"))
+    assert foreach.launches == 5
 
 
 def test_graph_reading_counts_flops_bytes_views_and_liveness():
@@ -146,3 +173,22 @@ def test_blocking_collectives_pay_the_calibrated_stall():
     assert blocking.step_s == pytest.approx(4e-3 + 2 * 1.5e-3) and blocking.comm_s == pytest.approx(3e-3)
     overlapped = simulate(step, stalled, lambda c: ("ring", 1e-3), overlap=True, op_times=times)
     assert overlapped.step_s == pytest.approx(4e-3)
+
+
+def test_a_bimodal_stall_is_priced_as_the_median_step_pays_it():
+    """The calibrated stall is a distribution: here 7 of 10 collectives pay nothing and 3 a 3.5 ms
+    scheduler tick. The number of slow ones in a step of k is Binomial(k, 0.3); its median is
+    0 for k=1, 1 for k=2 (P(0) = 0.49), 1 for k=3 (P(0) = 0.343, P(<=1) = 0.784), 3 for k=10
+    (P(<=2) = 0.383, P(<=3) = 0.650) and 30 for k=100."""
+    bimodal = (0.0,) * 7 + (3.5e-3,) * 3
+    for k, slow in ((1, 0), (2, 1), (3, 1), (10, 3), (100, 30)):
+        assert median_of_sum(bimodal, k) == pytest.approx(slow * 3.5e-3)
+    assert median_of_sum(bimodal, 1000) == pytest.approx(1000 * 1.05e-3)  # past the exact range: k x mean
+    assert median_of_sum((-1e-4, 2e-4), 1) == pytest.approx(-1e-4)        # below the fast path counts too
+    cpu = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_s=1.05e-3, collective_stall_quantiles_s=bimodal)
+    times = [1e-3] * 4
+    one = simulate(_step([1e-3] * 4, [_site("X", 1, 3)]), cpu, lambda c: ("ring", 1e-3), overlap=False, op_times=times)
+    assert one.step_s == pytest.approx(4e-3 + 1e-3)  # a single collective usually escapes the tick
+    three = [_site(name, 1, 3) for name in "XYZ"]
+    many = simulate(_step([1e-3] * 4, three), cpu, lambda c: ("ring", 1e-3), overlap=False, op_times=times)
+    assert many.step_s == pytest.approx(4e-3 + 3e-3 + 3.5e-3)

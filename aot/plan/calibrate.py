@@ -3,25 +3,28 @@ the live ranks (under torchrun), and write them into a copy of a profile.
 
 Collectives: for all_reduce, all_gather and reduce_scatter over all ranks, through the same
 functional collectives the compiled step issues, at sizes from `min_bytes` to `max_bytes` (powers
-of two); each size is repeated and each repetition timed as the slowest rank saw it (ranks start
-together after a barrier); the median repetition counts. A straight line t = a + b n is fitted
-per kind, weighting each point by 1/t (relative error, so small and large messages count alike),
-and read through the ring formula of that kind at p ranks (aot.plan.collectives): all_reduce
-t = 2(p-1) alpha + 2((p-1)/p) n beta (the reduction's gamma folded into beta), all_gather and
-reduce_scatter t = (p-1) alpha + ((p-1)/p) n beta. The profile's `calibration` gets the link class
-the ranks span (`loopback` for cpu ranks, `nvlink`/`pcie` inside a node, `network` across nodes)
-with the all_reduce alpha and beta and a `per_kind` table.
+of two); each size is repeated (at least `reps` times and for at least `min_seconds`) and each
+repetition timed as the slowest rank saw it (ranks start together after a barrier); the median
+repetition counts on GPUs, the lower quartile on CPU ranks (the fast path of a bimodal time; the
+slow path is the in-step stall, measured as a distribution: measure_collective_stall). A straight
+line t = a + b n is fitted per kind, weighting each point by 1/t (relative error, so small and
+large messages count alike), and read through the ring formula of that kind at p ranks
+(aot.plan.collectives): all_reduce t = 2(p-1) alpha + 2((p-1)/p) n beta (the reduction's gamma
+folded into beta), all_gather and reduce_scatter t = (p-1) alpha + ((p-1)/p) n beta. The profile's
+`calibration` gets the link class the ranks span (`loopback` for cpu ranks, `nvlink`/`pcie` inside
+a node, `network` across nodes) with the all_reduce alpha and beta and a `per_kind` table.
 
 Compute, on every rank at once (as in training): matrix multiply FLOP/s (float32; bfloat16 too on
 GPUs), memory bandwidth on a copy much larger than the caches and, on CPUs, on copies of 64 KiB to
-16 MiB (what fits in the caches moves faster), and the cost of one op: a small reference training
-step (a one-block transformer with Adam, traced and exported like a build, run as the runner
-runs programs) is timed at two sizes,
-one where dispatch dominates and one where work does: time = ops x per-op cost + roofline work /
-efficiency gives both. Every timing is the
-median of its repetitions, as a training run's step time is: on a shared machine the profile
-describes the machine as the ranks find it, so calibrate right before the runs it should predict.
-The median over ranks goes into the profile's `compute` entry.
+16 MiB (what fits in the caches moves faster); on CPUs also the time per element of
+arithmetic-bound elementwise kernels (GELU, softmax, masked_fill, ...), the dispatch of a view and
+what each tensor of a foreach op adds, each timed on its own; and the cost of one op: a small
+reference training step (a one-block transformer with Adam, traced and exported like a build, run
+as the runner runs programs) is timed at two sizes, one where dispatch dominates and one where work
+does: time = ops x per-op cost + what the separately timed pieces give + roofline work / efficiency
+gives both. Every timing is the median of its repetitions, as a training run's step time is: on a
+shared machine the profile describes the machine as the ranks find it, so calibrate right before
+the runs it should predict. The median over ranks goes into the profile's `compute` entry.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch.distributed as dist
 from runner.groups import leave_process_group
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+STALL_QUANTILES = 40   # values kept of the in-step stall's distribution
 
 
 def _sync(device):
@@ -66,8 +70,17 @@ def _collective(kind: str, t: torch.Tensor, group_name: str, world: int):
     return funcol.wait_tensor(funcol.reduce_scatter_tensor(t, "sum", world, group_name))
 
 
-def measure_collectives(device, sizes: list[int], reps: int, warmup: int = 2) -> dict[str, list[tuple[int, float]]]:
-    """kind -> [(n bytes, median seconds as the slowest rank saw it)]; n as in the cost model."""
+def measure_collectives(device, sizes: list[int], reps: int, warmup: int = 2,
+                        min_seconds: float = 0.0, max_reps: int = 400) -> dict[str, list[tuple[int, float]]]:
+    """kind -> [(n bytes, seconds as the slowest rank saw it)]; n as in the cost model.
+
+    Seconds are the median repetition on GPUs and the lower quartile on CPU ranks: there a small
+    gloo collective's time is bimodal (on this 2-core machine about 60% near 0.5 ms, 30% a
+    scheduler tick of ~4 ms later), a median of a few repetitions lands in either mode and the
+    alpha-beta line fitted through it jumps between runs. The quartile is the fast path; what the
+    slow mode adds inside a step is measured on its own (measure_collective_stall). Each size is
+    repeated at least `reps` times and until `min_seconds` of samples are in, at most `max_reps`
+    times; every rank sees the same samples (each is the max over ranks), so all stop together."""
     world = dist.get_world_size()
     group_name = dist.group.WORLD.group_name
     results: dict[str, list[tuple[int, float]]] = {k: [] for k in KINDS}
@@ -81,7 +94,7 @@ def measure_collectives(device, sizes: list[int], reps: int, warmup: int = 2) ->
             for _ in range(warmup):
                 _collective(kind, t, group_name, world)
             samples = []
-            for _ in range(reps):
+            while len(samples) < reps or (sum(samples) < min_seconds and len(samples) < max_reps):
                 dist.barrier()
                 _sync(device)
                 start = time.perf_counter()
@@ -90,8 +103,19 @@ def measure_collectives(device, sizes: list[int], reps: int, warmup: int = 2) ->
                 clock[0] = time.perf_counter() - start
                 dist.all_reduce(clock, op=dist.ReduceOp.MAX)
                 samples.append(float(clock[0]))
-            results[kind].append((nbytes, statistics.median(samples)))
+            results[kind].append((nbytes, _quantile(samples, 0.5 if device.type == "cuda" else 0.25)))
     return results
+
+
+def _quantile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def quantiles(samples: list[float], count: int) -> list[float]:
+    """`count` equally likely values standing for the samples' distribution (bin midpoints)."""
+    ordered = sorted(samples)
+    return [ordered[min(len(ordered) - 1, int((i + 0.5) * len(ordered) / count))] for i in range(count)]
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -227,60 +251,173 @@ def measure_compute(device, reps: int = 7) -> dict:
     if device.type == "cpu":
         result["bandwidth_by_bytes"] = [[n, bandwidth(n)] for n in (2**16, 2**18, 2**20, 2**22, 2**24)]
 
+    if device.type == "cpu":
+        result["element_seconds"] = measure_element_seconds(device)
+        result["view_overhead_s"] = measure_view_seconds(device)
+        result["foreach_tensor_s"] = measure_foreach_tensor_seconds(device)
+
     # Per-op cost and efficiency: one reference step small enough that dispatch dominates and one
-    # large enough that work does, the same ops in both: T = n_ops * overhead + work / efficiency.
+    # large enough that work does, the same ops in both:
+    #   T = ops * overhead + views * view cost + foreach tensors beyond the first * their cost
+    #       + measured-rate work + roofline work / efficiency.
     partial = Compute(dict(result["flops_per_s"], default=result["flops_per_s"]["float32"]), result["memory_bytes_per_s"],
                       0.0, device.type == "cuda", bandwidth_by_bytes=tuple(tuple(x) for x in result.get("bandwidth_by_bytes", ())))
+    rates = result.get("element_seconds") or {}
+    view_s = result.get("view_overhead_s")
     points = []
     for width, rows in ((4, 1), (128, 8) if device.type == "cpu" else (512, 16)):
         gm, module, args = _reference_step(device, width, rows)
         step = analyze(gm)
-        work = sum(partial.op_seconds(op.flops, op.bytes, op.dtype, overhead=False) for op in step.ops if op.kind == "compute")
-        counted = sum(1 for op in step.ops if op.kind != "free")
+        computes = [op for op in step.ops if op.kind == "compute"]
+        work = sum(partial.op_seconds(op.flops, op.bytes, op.dtype, overhead=False) for op in computes if op.target not in rates)
+        fixed = sum(rates[op.target] * op.elements for op in computes if op.target in rates)
+        views = sum(1 for op in step.ops if op.kind == "view")
+        fixed += sum(op.launches - 1 for op in computes) * result.get("foreach_tensor_s", 0.0)
+        if view_s is not None:
+            fixed += views * view_s
+            kernels = len(computes)
+        else:  # views cost what an op does
+            kernels = len(computes) + views
         module(*[a.clone() for a in args])
         times = []
         for _ in range(reps * 4):
             fresh = [a.clone() for a in args]
             times.append(_timed(lambda: module(*fresh), device, 1)[0])
-        points.append((statistics.median(times), work, counted))
-    (t1, w1, n1), (t2, w2, n2) = points
+        points.append((statistics.median(times), fixed, work, kernels))
+    result["reference_steps"] = [{"seconds": t, "measured_s": f, "roofline_work_s": w, "ops": n}
+                                 for t, f, w, n in points]
+    (t1, w1, n1), (t2, w2, n2) = ((t - f, w, n) for t, f, w, n in points)
     # t = n * overhead + w * slowdown at both sizes (slowdown = 1 / efficiency)
     det = n1 * w2 - n2 * w1
     slowdown = (n1 * t2 - n2 * t1) / det if det > 0 else 1.0
     slowdown = max(slowdown, 1.0)
     result["efficiency"] = 1.0 / slowdown
     result["op_overhead_s"] = max(t1 - w1 * slowdown, 0.0) / n1
-    result["view_overhead_s"] = result["op_overhead_s"]
-    result["reference_steps"] = [{"seconds": t, "roofline_work_s": w, "ops": c} for t, w, c in points]
+    result.setdefault("view_overhead_s", result["op_overhead_s"])
     return result
 
 
-def measure_collective_stall(device, isolated_s: float, reps: int = 30) -> float:
-    """Seconds a blocking all_reduce of 4 KiB costs inside a step beyond `isolated_s` (its time
-    when the ranks start it together after a barrier): every rank runs a small reference step,
-    then the all_reduce, `reps` times with no barrier in between, as a training step interleaves
-    compute and blocking collectives; the median iteration, less the median step run alone at the
-    same time on every rank, less `isolated_s`. On CPU ranks the ranks drift out of step and gloo's
-    transport threads wait for the cores the ranks compute on; this is what that costs."""
-    _, module, args = _reference_step(device, 4, 1)
+STALL_SEGMENTS = (10, 40, 160)   # small ops between two collectives: ~0.05, 0.2 and 0.7 ms here
+
+
+# CPU kernels bound by their arithmetic, not by the bytes they move (FLOP counters give
+# elementwise ops no FLOPs): op name as the cost model names graph ops -> (aten op, its arguments
+# for an activation x of shape (k, 64, 64), a causal mask of shape (64, 64) and a positive y).
+def _elementwise_cases():
+    aten = torch.ops.aten
+    return {
+        "gelu": lambda x, m, y: (aten.gelu.default, (x,)),
+        "gelu_backward": lambda x, m, y: (aten.gelu_backward.default, (x, x)),
+        "_softmax": lambda x, m, y: (aten._softmax.default, (x, -1, False)),
+        "_softmax_backward_data": lambda x, m, y: (aten._softmax_backward_data.default, (x, x, -1, torch.float32)),
+        "_log_softmax": lambda x, m, y: (aten._log_softmax.default, (x, -1, False)),
+        "_log_softmax_backward_data": lambda x, m, y: (aten._log_softmax_backward_data.default, (x, x, -1, torch.float32)),
+        "masked_fill": lambda x, m, y: (aten.masked_fill.Scalar, (x, m, float("-inf"))),
+        "where": lambda x, m, y: (aten.where.self, (m, x, y)),
+        "pow": lambda x, m, y: (aten.pow.Tensor_Scalar, (x, 2)),
+        "exp": lambda x, m, y: (aten.exp.default, (x,)),
+        "log": lambda x, m, y: (aten.log.default, (y,)),
+        "sqrt": lambda x, m, y: (aten.sqrt.default, (y,)),
+        "rsqrt": lambda x, m, y: (aten.rsqrt.default, (y,)),
+        "tanh": lambda x, m, y: (aten.tanh.default, (x,)),
+        "tanh_backward": lambda x, m, y: (aten.tanh_backward.default, (x, x)),
+        "sigmoid": lambda x, m, y: (aten.sigmoid.default, (x,)),
+        "silu": lambda x, m, y: (aten.silu.default, (x,)),
+        "silu_backward": lambda x, m, y: (aten.silu_backward.default, (x, x)),
+        "mul": lambda x, m, y: (aten.mul.Tensor, (x, y)),
+        "add": lambda x, m, y: (aten.add.Tensor, (x, y)),
+        "sub": lambda x, m, y: (aten.sub.Tensor, (x, y)),
+        "div": lambda x, m, y: (aten.div.Tensor, (x, y)),
+    }
+
+
+def measure_element_seconds(device, reps: int = 7) -> dict[str, float]:
+    """Seconds per element written of arithmetic-bound elementwise kernels: each run on 16 and
+    256 activation slices of 64 x 64 (the difference cancels dispatch), median of `reps`. On this
+    machine GELU forward and backward, softmax and a broadcast masked_fill take 2.5-4 ns per
+    element on one core, several times what moving their bytes takes; examples/gpt.py's step
+    spends about 5 of its 35 ms in them (torch.profiler)."""
+    torch.manual_seed(0)
+    mask = torch.tril(torch.ones(64, 64, dtype=torch.bool, device=device))
+    rates = {}
+    for name, case in _elementwise_cases().items():
+        seconds = []
+        for k in (16, 256):
+            x = torch.randn(k, 64, 64, device=device)
+            op, args = case(x, mask, x.abs() + 1.0)
+            op(*args)
+            inner = 4
+            def run():
+                for _ in range(inner):
+                    op(*args)
+            seconds.append((k * 64 * 64, statistics.median(_timed(run, device, reps)) / inner))
+        (n1, t1), (n2, t2) = seconds
+        rates[name] = max(t2 - t1, 0.0) / (n2 - n1)
+    return rates
+
+
+def measure_view_seconds(device, reps: int = 7) -> float:
+    """Seconds to dispatch one view (view, t, transpose, expand, as the runner's generated code
+    calls them): no data moves, so a view costs less than the ops a reference step fits."""
+    aten = torch.ops.aten
+    x = torch.randn(8, 64, 32, device=device)
+    calls = [(aten.view.default, (x, [8, 2048])), (aten.t.default, (x[0],)), (aten.transpose.int, (x, 1, 2)),
+             (aten.expand.default, (x, [2, 8, 64, 32])), (aten.unsqueeze.default, (x, 0))]
+    inner = 200
+    def run():
+        for _ in range(inner):
+            for op, args in calls:
+                op(*args)
+    run()
+    return statistics.median(_timed(run, device, reps)) / (inner * len(calls))
+
+
+def measure_foreach_tensor_seconds(device, reps: int = 7) -> float:
+    """Seconds each tensor of a foreach op's list adds on this device: an in-place foreach add
+    over 33 small tensors against one (on CPUs foreach loops over its tensors, a kernel each)."""
+    def timed(k: int) -> float:
+        xs = [torch.zeros(64, device=device) for _ in range(k)]
+        ys = [torch.ones(64, device=device) for _ in range(k)]
+        inner = 50
+        def run():
+            for _ in range(inner):
+                torch._foreach_add_(xs, ys)
+        run()
+        return statistics.median(_timed(run, device, reps)) / inner
+    return max(timed(33) - timed(1), 0.0) / 32
+
+
+def measure_collective_stall(device, isolated_s: float, reps: int = 100) -> list[float]:
+    """Seconds a blocking all_reduce of 4 KiB costs inside a step beyond `isolated_s` (its fast
+    time when the ranks start it together after a barrier), one sample per collective: every
+    rank runs a run of small ops (as CPU training steps are made of: dispatch-bound, each a few
+    microseconds), then the all_reduce, `reps` times with no barrier in between, for runs of 10,
+    40 and 160 ops; each iteration, less the mean run alone at the same time on every rank, less
+    `isolated_s`. On CPU ranks the ranks drift out of step and gloo's threads wait for a core,
+    often a whole scheduler tick; the planner sums draws from these samples
+    (Compute.blocking_stall). Measured on this 2-core machine: a mean of 1.0-1.6 ms whatever the
+    run's length, close to what each extra collective of a real FSDP or tp step costs; a
+    reference training step between the collectives read 1.9-2.9 ms, twice what real steps pay."""
+    torch.manual_seed(0)
+    pool = [torch.randn(256, device=device) for _ in range(4)]
     buffer = torch.ones(1024, dtype=torch.float32, device=device)
     group_name, world = dist.group.WORLD.group_name, dist.get_world_size()
-    fresh = [a.clone() for a in args]
-    module(*fresh)
 
-    def alone():
-        module(*fresh)
+    def segment(n: int):
+        y = pool[0]
+        for i in range(n):
+            y = torch.add(y, pool[i % len(pool)])
+        return y
 
-    def with_collective():
-        module(*fresh)
-        _collective("all_reduce", buffer, group_name, world)
-
-    dist.barrier()
-    compute = statistics.median(_timed(alone, device, reps))
-    dist.barrier()
-    _timed(with_collective, device, 3)
-    both = statistics.median(_timed(with_collective, device, reps))
-    return max(0.0, both - compute - isolated_s)
+    samples = []
+    for n in STALL_SEGMENTS:
+        dist.barrier()
+        alone = statistics.fmean(_timed(lambda: segment(n), device, reps))
+        dist.barrier()
+        _timed(lambda: (segment(n), _collective("all_reduce", buffer, group_name, world)), device, 3)
+        samples += [t - alone - isolated_s
+                    for t in _timed(lambda: (segment(n), _collective("all_reduce", buffer, group_name, world)), device, reps)]
+    return samples
 
 
 def _median_over_ranks(results: list[dict]) -> dict:
@@ -293,13 +430,16 @@ def _median_over_ranks(results: list[dict]) -> dict:
     if "bandwidth_by_bytes" in first:
         out["bandwidth_by_bytes"] = [[n, statistics.median(r["bandwidth_by_bytes"][i][1] for r in results)]
                                      for i, (n, _) in enumerate(first["bandwidth_by_bytes"])]
+    if "element_seconds" in first:
+        out["element_seconds"] = {k: statistics.median(r["element_seconds"][k] for r in results) for k in first["element_seconds"]}
     out["reference_steps"] = first.get("reference_steps")
     return out
 
 
 # -- the run --------------------------------------------------------------------------------------
 
-def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, log=print) -> dict | None:
+def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seconds: float = 0.0,
+              log=print) -> dict | None:
     """Run on every rank under torchrun; returns the calibrated profile on rank 0 (None elsewhere)."""
     from aot.plan.machine import Machine, NETWORK
 
@@ -331,7 +471,7 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, log=prin
         per_kind, measurements = {}, {}
         if world > 1:
             log(f"measuring {', '.join(KINDS)} at {len(sizes)} sizes from {min_bytes} to {max_bytes} bytes")
-            points = measure_collectives(device, sizes, reps)
+            points = measure_collectives(device, sizes, reps, min_seconds=min_seconds)
             for kind, pts in points.items():
                 a, b = fit_line(pts)
                 alpha, beta = alpha_beta(kind, world, a, b)
@@ -340,10 +480,12 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, log=prin
             if device.type == "cpu":  # GPU collectives overlap compute on their own stream
                 log("measuring what a blocking collective costs inside a step")
                 a, b = fit_line(points["all_reduce"])
-                stall = measure_collective_stall(device, a + b * 4096)
-                stalls = [None] * world
-                dist.all_gather_object(stalls, stall)
-                compute["collective_stall_s"] = statistics.median(stalls)
+                samples = measure_collective_stall(device, a + b * 4096)
+                every = [None] * world
+                dist.all_gather_object(every, samples)
+                samples = [t for rank_samples in every for t in rank_samples]
+                compute["collective_stall_s"] = max(0.0, statistics.fmean(samples))
+                compute["collective_stall_quantiles_s"] = quantiles(samples, STALL_QUANTILES)
     finally:
         if started:
             leave_process_group()

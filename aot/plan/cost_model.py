@@ -52,6 +52,8 @@ class Op:
     dtype: str = "float32"
     kind: str = "compute"  # compute (moves bytes), view (dispatch only), free (no cost)
     tensors: tuple = ()    # (numel, element size, flat) of every tensor read or written: `bytes` is their sum
+    elements: int = 0      # elements the op writes (its outputs' numel)
+    launches: int = 1      # kernels it runs: a foreach op runs one per tensor of its list on CPUs
 
 
 @dataclass
@@ -151,6 +153,13 @@ def _flops(node) -> float:
         return 0.0
 
 
+def _launches(node, name: str) -> int:
+    """A foreach op's tensor count (the length of its first list argument); 1 for other ops."""
+    if not name.startswith("_foreach_") or not node.args or not isinstance(node.args[0], (list, tuple)):
+        return 1
+    return max(1, len(node.args[0]))
+
+
 def _target_name(target) -> str:
     name = getattr(target, "__name__", None) or str(target)
     schema = getattr(target, "_schema", None)
@@ -208,7 +217,8 @@ def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None 
             ins = [t for a in node.all_input_nodes for t in _tensors(_val(a))]
             tensors = tuple((t.numel(), t.element_size(), t.dim() <= 1) for t in (*ins, *outs))
             op = Op(node.name, name, flops=_flops(node), bytes=float(sum(n * e for n, e, _ in tensors)),
-                    dtype=dtype, tensors=tensors)
+                    dtype=dtype, tensors=tensors, elements=sum(t.numel() for t in outs),
+                    launches=_launches(node, name))
         op_of[node] = len(ops)
         ops.append(op)
 
@@ -505,14 +515,15 @@ def _op_s(op: Op, compute: Compute) -> float:
         return 0.0
     if op.kind == "view":
         return compute.view_seconds()
-    return compute.op_seconds(op.flops, op.bytes, op.dtype)
+    return compute.op_seconds(op.flops, op.bytes, op.dtype, target=op.target, elements=op.elements, launches=op.launches)
 
 
 def simulate(step: StepGraph, compute: Compute, comm_cost, *, overlap: bool = True, trace: bool = False,
              op_times: list[float] | None = None) -> Prediction:
     """Predicted step time. `comm_cost(site) -> (algorithm, seconds)`. With overlap=False every
     collective blocks the compute clock from issue to completion (ranks whose communication
-    competes with compute for the same cores), and costs `compute.collective_stall_s` more."""
+    competes with compute for the same cores), and costs `compute.blocking_stall(collectives)`
+    more: the calibrated in-step stall, as the median step of this many collectives pays it."""
     times = op_times if op_times is not None else op_seconds(step, compute)
     issues: dict[int, list[CommSite]] = {}
     waits: dict[int, list[CommSite]] = {}
@@ -525,6 +536,7 @@ def simulate(step: StepGraph, compute: Compute, comm_cost, *, overlap: bool = Tr
     end: dict[str, float] = {}
     algos: dict = {}
     comm_bytes = 0
+    stall = 0.0 if overlap else compute.blocking_stall(len(step.comms))
 
     def run(op: Op, seconds: float):
         nonlocal t
@@ -538,7 +550,7 @@ def simulate(step: StepGraph, compute: Compute, comm_cost, *, overlap: bool = Tr
             run(op, _op_s(op, compute))
         algorithm, seconds = comm_cost(c)
         if not overlap:  # blocking: what the calibration saw a collective cost inside a step
-            seconds += compute.collective_stall_s
+            seconds = max(0.0, seconds + stall)
         algos[(c.kind, algorithm)] = algos.get((c.kind, algorithm), 0) + 1
         start = max(t, comm_free)
         comm_free = start + seconds

@@ -9,7 +9,9 @@ when present, from its measured `calibration` (per link class) and `compute` ent
     "calibration": {"loopback": {"alpha_s": ..., "beta_s_per_byte": ..., "gamma_s_per_byte": ...,
                                  "per_kind": {"all_reduce": {"alpha_s": ..., "beta_s_per_byte": ...}, ...}}}
     "compute": {"flops_per_s": {"float32": ...}, "memory_bytes_per_s": ...,
-                "bandwidth_by_bytes": [[bytes, bytes_per_s], ...], "op_overhead_s": ..., "view_overhead_s": ..., "efficiency": ...}
+                "bandwidth_by_bytes": [[bytes, bytes_per_s], ...], "op_overhead_s": ..., "view_overhead_s": ..., "efficiency": ...,
+                "element_seconds": {"gelu": ..., ...}, "foreach_tensor_s": ..., "collective_stall_s": ...,
+                "collective_stall_quantiles_s": [...]}
 
 Defaults for what a profile does not say (documented with their source):
 - NVLink at 80% of its per-direction rate (NCCL counts 20 of NVLink 3's 25 GB/s per link), PCIe at
@@ -25,7 +27,10 @@ Defaults for what a profile does not say (documented with their source):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from aot.errors import AotError
 from aot.plan.collectives import Link, Span
@@ -63,18 +68,45 @@ class Compute:
     calibrated: bool = False
     collective_stall_s: float = 0.0        # what a blocking collective costs inside a step beyond its
                                            # isolated time (ranks out of step, transport threads waiting
-                                           # for cores the ranks compute on); calibrated on CPU ranks
+                                           # for cores the ranks compute on), on average; calibrated on CPU ranks
+    collective_stall_quantiles_s: tuple = ()  # its distribution: equally likely values (calibrated)
+    element_seconds: dict = field(default_factory=dict)  # op name -> measured seconds per element written
+    foreach_tensor_s: float = 0.0          # CPU: what each tensor of a foreach op's list adds (one kernel each)
+
+    def blocking_stall(self, collectives: int) -> float:
+        """The stall per blocking collective in a step that has `collectives` of them: the median
+        of the sum of that many draws from the calibrated distribution, divided by their number.
+        On CPU ranks the stall is bimodal (most collectives pay nothing, about a third wait a
+        scheduler tick of ~4 ms), so one collective in a step usually costs its fast time while
+        thirty cost their mean: the median step is what a run measures."""
+        if not self.collective_stall_quantiles_s or collectives <= 0:
+            return self.collective_stall_s
+        return median_of_sum(self.collective_stall_quantiles_s, collectives) / collectives
 
     def flops_rate(self, dtype: str) -> float:
         return self.flops_per_s.get(dtype) or self.flops_per_s.get("default") or next(iter(self.flops_per_s.values()))
 
-    def op_seconds(self, flops: float, nbytes: float, dtype: str, overhead: bool = True) -> float:
-        """Roofline time of one op, plus (CPU) or at least (GPU) the per-op dispatch cost."""
-        bw = self.bandwidth(nbytes)
-        work = max(flops / self.flops_rate(dtype) if flops else 0.0, nbytes / bw if nbytes else 0.0) / self.efficiency
+    def op_seconds(self, flops: float, nbytes: float, dtype: str, overhead: bool = True, *,
+                   target: str | None = None, elements: int = 0, launches: int = 1) -> float:
+        """Roofline time of one op, plus (CPU) or at least (GPU) the per-op dispatch cost. An op
+        with a measured time per element written (`element_seconds`: CPU kernels such as GELU or
+        softmax are bound by their arithmetic, which FLOP counters leave out) takes at least that.
+        On CPUs a foreach op runs one kernel per tensor of its list (`launches`), each adding
+        `foreach_tensor_s` to the op's dispatch; GPUs fuse them."""
+        work = self.work_seconds(flops, nbytes, dtype, target=target, elements=elements)
         if not overhead:
             return work
-        return max(work, self.op_overhead_s) if self.async_dispatch else work + self.op_overhead_s
+        if self.async_dispatch:
+            return max(work, self.op_overhead_s)
+        return work + self.op_overhead_s + (launches - 1) * self.foreach_tensor_s
+
+    def work_seconds(self, flops: float, nbytes: float, dtype: str, *, target: str | None = None,
+                     elements: int = 0) -> float:
+        """The op's time beyond dispatch: roofline over the efficiency, or its measured rate."""
+        bw = self.bandwidth(nbytes)
+        work = max(flops / self.flops_rate(dtype) if flops else 0.0, nbytes / bw if nbytes else 0.0) / self.efficiency
+        rate = self.element_seconds.get(target) if target and self.element_seconds else None
+        return max(work, rate * elements) if rate else work
 
     def bandwidth(self, nbytes: float) -> float:
         for size, rate in self.bandwidth_by_bytes:
@@ -84,6 +116,28 @@ class Compute:
 
     def view_seconds(self) -> float:
         return self.op_overhead_s if self.view_overhead_s is None else self.view_overhead_s
+
+
+STALL_GRID_S = 1e-5   # the stall distribution is summed on a 10 us grid
+STALL_EXACT_UP_TO = 256
+
+
+@functools.lru_cache(maxsize=1024)
+def median_of_sum(values: tuple, k: int) -> float:
+    """Median of the sum of k independent draws from `values` (equally likely), exactly on a
+    10 us grid: the k-fold convolution of their distribution, through the FFT. Past 256 draws
+    the sum's median is k times the mean to well within the grid per draw (central limit)."""
+    if k > STALL_EXACT_UP_TO:
+        return k * float(np.mean(values))
+    steps = np.rint(np.asarray(values, dtype=float) / STALL_GRID_S).astype(np.int64)
+    low = int(steps.min())
+    pmf = np.bincount(steps - low).astype(float) / len(steps)
+    size = k * (len(pmf) - 1) + 1
+    n = 1 << max(0, (size - 1).bit_length())
+    summed = np.fft.irfft(np.fft.rfft(pmf, n) ** k, n)[:size]
+    cdf = np.cumsum(np.clip(summed, 0.0, None))
+    index = int(np.searchsorted(cdf, 0.5 * cdf[-1] - 1e-9))
+    return (index + k * low) * STALL_GRID_S
 
 
 def _gpus(profile: dict) -> list[dict]:
@@ -162,7 +216,10 @@ class Machine:
                        measured.get("op_overhead_s", base.op_overhead_s), base.async_dispatch,
                        bandwidth_by_bytes=tuple(sorted((float(b), float(r)) for b, r in measured.get("bandwidth_by_bytes") or ())),
                        view_overhead_s=measured.get("view_overhead_s"), efficiency=measured.get("efficiency") or 1.0,
-                       calibrated=True, collective_stall_s=measured.get("collective_stall_s") or 0.0)
+                       calibrated=True, collective_stall_s=measured.get("collective_stall_s") or 0.0,
+                       collective_stall_quantiles_s=tuple(measured.get("collective_stall_quantiles_s") or ()),
+                       element_seconds=dict(measured.get("element_seconds") or {}),
+                       foreach_tensor_s=measured.get("foreach_tensor_s") or 0.0)
 
     # -- ranks and links ----------------------------------------------------------------------
     def node_of(self, rank: int) -> int:

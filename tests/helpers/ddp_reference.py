@@ -9,7 +9,6 @@ Rank 0 writes OUT/losses.json (global-batch loss per step) and OUT/state_dict.sa
 import argparse
 import importlib.util
 import json
-import os
 import warnings
 from pathlib import Path
 
