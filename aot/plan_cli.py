@@ -187,9 +187,8 @@ def calibrate(base, output, name, min_bytes, max_bytes, reps, min_seconds):
     log(f"compute  {', '.join(f'{k} {v / 1e9:.3g} GFLOP/s' for k, v in c['flops_per_s'].items())}, "
         f"memory {c['memory_bytes_per_s'] / 1e9:.3g} GB/s, {c['op_overhead_s'] * 1e6:.2f} us per op, "
         f"{c['efficiency']:.0%} of that roofline on real ops")
-    stall = c.get("collective_stall_quantiles_s")
-    if stall:
+    for seconds, stall in c.get("collective_stall_by_segment") or ():
         slow = sum(1 for t in stall if t > 1e-3) / len(stall)
-        log(f"in-step  a blocking collective stalls {c['collective_stall_s'] * 1e3:.2f} ms on average "
-            f"(median {stall[len(stall) // 2] * 1e3:.2f} ms; {slow:.0%} of them over 1 ms)")
+        log(f"in-step  after {seconds * 1e3:6.2f} ms of compute a blocking collective stalls {sum(stall) / len(stall) * 1e3:5.2f} ms "
+            f"on average (median {stall[len(stall) // 2] * 1e3:5.2f} ms; {slow:.0%} over 1 ms)")
     log(f"wrote {result['name']!r} to {output}")

@@ -182,13 +182,34 @@ def test_a_bimodal_stall_is_priced_as_the_median_step_pays_it():
     (P(<=2) = 0.383, P(<=3) = 0.650) and 30 for k=100."""
     bimodal = (0.0,) * 7 + (3.5e-3,) * 3
     for k, slow in ((1, 0), (2, 1), (3, 1), (10, 3), (100, 30)):
-        assert median_of_sum(bimodal, k) == pytest.approx(slow * 3.5e-3)
-    assert median_of_sum(bimodal, 1000) == pytest.approx(1000 * 1.05e-3)  # past the exact range: k x mean
-    assert median_of_sum((-1e-4, 2e-4), 1) == pytest.approx(-1e-4)        # below the fast path counts too
-    cpu = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_s=1.05e-3, collective_stall_quantiles_s=bimodal)
+        assert median_of_sum(((bimodal, k),)) == pytest.approx(slow * 3.5e-3)
+    assert median_of_sum(((bimodal, 1000),)) == pytest.approx(1000 * 1.05e-3)  # past the exact range: k x mean
+    assert median_of_sum((((-1e-4, 2e-4), 1),)) == pytest.approx(-1e-4)        # below the fast path counts too
+    # one certain 1 ms draw and one bimodal draw: 1 ms at the median (P(no tick) = 0.7)
+    assert median_of_sum((((1e-3,), 1), (bimodal, 1))) == pytest.approx(1e-3)
+    cpu = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_s=1.05e-3,
+                  collective_stall_by_segment=((1e-3, bimodal),))
     times = [1e-3] * 4
     one = simulate(_step([1e-3] * 4, [_site("X", 1, 3)]), cpu, lambda c: ("ring", 1e-3), overlap=False, op_times=times)
     assert one.step_s == pytest.approx(4e-3 + 1e-3)  # a single collective usually escapes the tick
     three = [_site(name, 1, 3) for name in "XYZ"]
     many = simulate(_step([1e-3] * 4, three), cpu, lambda c: ("ring", 1e-3), overlap=False, op_times=times)
     assert many.step_s == pytest.approx(4e-3 + 3e-3 + 3.5e-3)
+
+
+def test_the_stall_follows_the_compute_before_each_collective():
+    """Where ranks share cores, a collective after a long run of compute stalls more: each draws
+    from the distribution calibrated after the nearest compute length (on a log scale)."""
+    short, long_ = (0.0,) * 10, (2e-3,) * 10
+    cpu = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_by_segment=((1e-4, short), (1e-2, long_)))
+    assert cpu.blocking_stall([5e-5, 2e-4, 8e-3, 0.05]) == pytest.approx(2 * 2e-3)
+    assert cpu.blocking_stall([]) == 0.0
+    # X is issued after 10 ms of compute and pays 2 ms; Y, issued right after it, pays nothing:
+    # the step pays 2 ms, spread over both
+    step = _step([5e-3] * 4, [_site("X", 2, 3), _site("Y", 2, 3)])
+    p = simulate(step, cpu, lambda c: ("ring", 0.0), overlap=False, op_times=[5e-3] * 4)
+    assert p.step_s == pytest.approx(20e-3 + 2e-3)
+    # each issued after 0.5 ms of compute, nearer 0.1 ms than 10 ms on a log scale: no stall
+    step = _step([0.5e-3] * 4, [_site("X", 1, 3), _site("Y", 2, 3)])
+    p = simulate(step, cpu, lambda c: ("ring", 0.0), overlap=False, op_times=[0.5e-3] * 4)
+    assert p.step_s == pytest.approx(2e-3)

@@ -141,11 +141,13 @@ def test_calibrate_under_torchrun_writes_a_profile_the_planner_reads(tmp_path):
     compute = profile["compute"]
     assert compute["flops_per_s"]["float32"] > 0 and compute["op_overhead_s"] >= 0 and 0 < compute["efficiency"] <= 1
     assert compute["collective_stall_s"] >= 0  # measured on these CPU ranks, priced into CPU plans
-    stall = compute["collective_stall_quantiles_s"]  # and its distribution, which plans sum draws from
-    assert len(stall) == 40 and stall == sorted(stall)
+    by_segment = compute["collective_stall_by_segment"]  # its distribution by compute before it, summed by plans
+    assert [len(stall) for _, stall in by_segment] == [40] * 5 and all(stall == sorted(stall) for _, stall in by_segment)
+    assert [seconds for seconds, _ in by_segment] == sorted(seconds for seconds, _ in by_segment)
     machine = Machine(profile, 2)
     assert machine.compute.calibrated and machine.compute.collective_stall_s == compute["collective_stall_s"]
-    assert machine.compute.collective_stall_quantiles_s == tuple(stall)
+    assert machine.compute.collective_stall_by_segment == tuple((s, tuple(v)) for s, v in by_segment)
+    assert machine.compute.element_seconds["gelu"] > 0 and machine.compute.foreach_tensor_s >= 0
     span = machine.span([0, 1], "all_gather")
     assert span.intra.alpha == loopback["per_kind"]["all_gather"]["alpha_s"]
 

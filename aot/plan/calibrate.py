@@ -297,7 +297,7 @@ def measure_compute(device, reps: int = 7) -> dict:
     return result
 
 
-STALL_SEGMENTS = (10, 40, 160)   # small ops between two collectives: ~0.05, 0.2 and 0.7 ms here
+STALL_SEGMENTS = (10, 40, 160, 640, 2560)   # small ops between two collectives: 0.04 to 10 ms on 2 ranks here
 
 
 # CPU kernels bound by their arithmetic, not by the bytes they move (FLOP counters give
@@ -387,17 +387,18 @@ def measure_foreach_tensor_seconds(device, reps: int = 7) -> float:
     return max(timed(33) - timed(1), 0.0) / 32
 
 
-def measure_collective_stall(device, isolated_s: float, reps: int = 100) -> list[float]:
-    """Seconds a blocking all_reduce of 4 KiB costs inside a step beyond `isolated_s` (its fast
-    time when the ranks start it together after a barrier), one sample per collective: every
-    rank runs a run of small ops (as CPU training steps are made of: dispatch-bound, each a few
-    microseconds), then the all_reduce, `reps` times with no barrier in between, for runs of 10,
-    40 and 160 ops; each iteration, less the mean run alone at the same time on every rank, less
-    `isolated_s`. On CPU ranks the ranks drift out of step and gloo's threads wait for a core,
-    often a whole scheduler tick; the planner sums draws from these samples
-    (Compute.blocking_stall). Measured on this 2-core machine: a mean of 1.0-1.6 ms whatever the
-    run's length, close to what each extra collective of a real FSDP or tp step costs; a
-    reference training step between the collectives read 1.9-2.9 ms, twice what real steps pay."""
+def measure_collective_stall(device, isolated_s: float, reps: int = 100) -> list[tuple[float, list[float]]]:
+    """[(seconds of compute before the collective, [stall samples])] for runs of 10 to 2,560 ops:
+    what a blocking all_reduce of 4 KiB costs inside a step beyond `isolated_s` (its fast time
+    when the ranks start it together after a barrier). Every rank runs a run of small ops (as CPU
+    training steps are made of: dispatch-bound, a few microseconds each), then the all_reduce,
+    `reps` times with no barrier in between; each iteration, less the mean run alone at the same
+    time on every rank, less `isolated_s`, is a sample. The ranks drift out of step and gloo's
+    threads wait for a core, often a whole scheduler tick; where ranks share cores (4 on 2 here)
+    a longer run is more often preempted midway, so the stall grows with it. The planner sums
+    draws from the samples of the nearest run length (Compute.blocking_stall). Measured on this
+    2-core machine, 2 ranks: a mean of 1.0-1.6 ms after 0.04-0.7 ms of compute, what each extra
+    collective of a real FSDP or tp step costs there."""
     torch.manual_seed(0)
     pool = [torch.randn(256, device=device) for _ in range(4)]
     buffer = torch.ones(1024, dtype=torch.float32, device=device)
@@ -409,15 +410,18 @@ def measure_collective_stall(device, isolated_s: float, reps: int = 100) -> list
             y = torch.add(y, pool[i % len(pool)])
         return y
 
-    samples = []
+    def then_collective(n: int):
+        segment(n)
+        _collective("all_reduce", buffer, group_name, world)
+
+    out = []
     for n in STALL_SEGMENTS:
         dist.barrier()
         alone = statistics.fmean(_timed(lambda: segment(n), device, reps))
         dist.barrier()
-        _timed(lambda: (segment(n), _collective("all_reduce", buffer, group_name, world)), device, 3)
-        samples += [t - alone - isolated_s
-                    for t in _timed(lambda: (segment(n), _collective("all_reduce", buffer, group_name, world)), device, reps)]
-    return samples
+        _timed(lambda: then_collective(n), device, 3)
+        out.append((alone, [t - alone - isolated_s for t in _timed(lambda: then_collective(n), device, reps)]))
+    return out
 
 
 def _median_over_ranks(results: list[dict]) -> dict:
@@ -480,12 +484,17 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
             if device.type == "cpu":  # GPU collectives overlap compute on their own stream
                 log("measuring what a blocking collective costs inside a step")
                 a, b = fit_line(points["all_reduce"])
-                samples = measure_collective_stall(device, a + b * 4096)
+                mine = measure_collective_stall(device, a + b * 4096)
                 every = [None] * world
-                dist.all_gather_object(every, samples)
-                samples = [t for rank_samples in every for t in rank_samples]
-                compute["collective_stall_s"] = max(0.0, statistics.fmean(samples))
-                compute["collective_stall_quantiles_s"] = quantiles(samples, STALL_QUANTILES)
+                dist.all_gather_object(every, mine)
+                by_segment = []
+                for i in range(len(mine)):  # each run length: its median compute, every rank's samples
+                    samples = [t for rank_runs in every for t in rank_runs[i][1]]
+                    by_segment.append([statistics.median(rank_runs[i][0] for rank_runs in every),
+                                       quantiles(samples, STALL_QUANTILES)])
+                compute["collective_stall_by_segment"] = by_segment
+                compute["collective_stall_s"] = max(0.0, statistics.fmean(
+                    t for rank_runs in every for _, samples in rank_runs for t in samples))
     finally:
         if started:
             leave_process_group()

@@ -518,12 +518,23 @@ def _op_s(op: Op, compute: Compute) -> float:
     return compute.op_seconds(op.flops, op.bytes, op.dtype, target=op.target, elements=op.elements, launches=op.launches)
 
 
+def _segments(step: StepGraph, times: list[float]) -> list[float]:
+    """Seconds of compute before each collective since the previous one was issued (from the
+    step's start for the first): how long the ranks ran apart before meeting in it."""
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+    issued = sorted(c.issue_at for c in step.comms)
+    return [prefix[i] - prefix[j] for j, i in zip([0] + issued[:-1], issued)]
+
+
 def simulate(step: StepGraph, compute: Compute, comm_cost, *, overlap: bool = True, trace: bool = False,
              op_times: list[float] | None = None) -> Prediction:
     """Predicted step time. `comm_cost(site) -> (algorithm, seconds)`. With overlap=False every
     collective blocks the compute clock from issue to completion (ranks whose communication
-    competes with compute for the same cores), and costs `compute.blocking_stall(collectives)`
-    more: the calibrated in-step stall, as the median step of this many collectives pays it."""
+    competes with compute for the same cores), and the step pays `compute.blocking_stall` more
+    (the calibrated in-step stall, as the median step of these collectives pays it), spread
+    evenly over them."""
     times = op_times if op_times is not None else op_seconds(step, compute)
     issues: dict[int, list[CommSite]] = {}
     waits: dict[int, list[CommSite]] = {}
@@ -536,7 +547,7 @@ def simulate(step: StepGraph, compute: Compute, comm_cost, *, overlap: bool = Tr
     end: dict[str, float] = {}
     algos: dict = {}
     comm_bytes = 0
-    stall = 0.0 if overlap else compute.blocking_stall(len(step.comms))
+    stall = 0.0 if overlap or not step.comms else compute.blocking_stall(_segments(step, times)) / len(step.comms)
 
     def run(op: Op, seconds: float):
         nonlocal t

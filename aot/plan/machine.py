@@ -11,7 +11,7 @@ when present, from its measured `calibration` (per link class) and `compute` ent
     "compute": {"flops_per_s": {"float32": ...}, "memory_bytes_per_s": ...,
                 "bandwidth_by_bytes": [[bytes, bytes_per_s], ...], "op_overhead_s": ..., "view_overhead_s": ..., "efficiency": ...,
                 "element_seconds": {"gelu": ..., ...}, "foreach_tensor_s": ..., "collective_stall_s": ...,
-                "collective_stall_quantiles_s": [...]}
+                "collective_stall_by_segment": [[compute_s, [stall_s, ...]], ...]}
 
 Defaults for what a profile does not say (documented with their source):
 - NVLink at 80% of its per-direction rate (NCCL counts 20 of NVLink 3's 25 GB/s per link), PCIe at
@@ -28,6 +28,7 @@ Defaults for what a profile does not say (documented with their source):
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,19 +70,29 @@ class Compute:
     collective_stall_s: float = 0.0        # what a blocking collective costs inside a step beyond its
                                            # isolated time (ranks out of step, transport threads waiting
                                            # for cores the ranks compute on), on average; calibrated on CPU ranks
-    collective_stall_quantiles_s: tuple = ()  # its distribution: equally likely values (calibrated)
+    collective_stall_by_segment: tuple = ()  # ((compute before it, seconds; equally likely stalls), ...)
+                                             # ascending: its distribution by how long the ranks computed
     element_seconds: dict = field(default_factory=dict)  # op name -> measured seconds per element written
     foreach_tensor_s: float = 0.0          # CPU: what each tensor of a foreach op's list adds (one kernel each)
 
-    def blocking_stall(self, collectives: int) -> float:
-        """The stall per blocking collective in a step that has `collectives` of them: the median
-        of the sum of that many draws from the calibrated distribution, divided by their number.
-        On CPU ranks the stall is bimodal (most collectives pay nothing, about a third wait a
-        scheduler tick of ~4 ms), so one collective in a step usually costs its fast time while
-        thirty cost their mean: the median step is what a run measures."""
-        if not self.collective_stall_quantiles_s or collectives <= 0:
-            return self.collective_stall_s
-        return median_of_sum(self.collective_stall_quantiles_s, collectives) / collectives
+    def blocking_stall(self, segments: list[float]) -> float:
+        """The stall a step pays in all for blocking collectives issued after `segments` seconds
+        of compute each (since the previous collective): the median of the sum of one draw per
+        collective from the calibrated distribution measured after the nearest compute length.
+        On CPU ranks the stall is bimodal (most collectives pay little, a third wait a scheduler
+        tick of ~4 ms), so one collective in a step usually costs its fast time while thirty cost
+        their mean: the median step is what a run measures. Where ranks share cores, it grows
+        with the compute before the collective (ranks preempted mid-run arrive late)."""
+        if not segments:
+            return 0.0
+        if not self.collective_stall_by_segment:
+            return len(segments) * self.collective_stall_s
+        counts: dict[int, int] = {}
+        for seconds in segments:
+            nearest = min(range(len(self.collective_stall_by_segment)), key=lambda i: abs(
+                math.log(max(seconds, 1e-6) / max(self.collective_stall_by_segment[i][0], 1e-6))))
+            counts[nearest] = counts.get(nearest, 0) + 1
+        return median_of_sum(tuple((self.collective_stall_by_segment[i][1], k) for i, k in sorted(counts.items())))
 
     def flops_rate(self, dtype: str) -> float:
         return self.flops_per_s.get(dtype) or self.flops_per_s.get("default") or next(iter(self.flops_per_s.values()))
@@ -123,21 +134,28 @@ STALL_EXACT_UP_TO = 256
 
 
 @functools.lru_cache(maxsize=1024)
-def median_of_sum(values: tuple, k: int) -> float:
-    """Median of the sum of k independent draws from `values` (equally likely), exactly on a
-    10 us grid: the k-fold convolution of their distribution, through the FFT. Past 256 draws
-    the sum's median is k times the mean to well within the grid per draw (central limit)."""
-    if k > STALL_EXACT_UP_TO:
-        return k * float(np.mean(values))
-    steps = np.rint(np.asarray(values, dtype=float) / STALL_GRID_S).astype(np.int64)
-    low = int(steps.min())
-    pmf = np.bincount(steps - low).astype(float) / len(steps)
-    size = k * (len(pmf) - 1) + 1
+def median_of_sum(parts: tuple) -> float:
+    """Median of the sum of independent draws: `parts` is ((values, k), ...), k draws from the
+    equally likely `values` of each. Exact on a 10 us grid (the convolution of the
+    distributions, through the FFT); past 256 draws in all the sum's median is its mean to well
+    within the grid per draw (central limit)."""
+    total = sum(k for _, k in parts)
+    if total > STALL_EXACT_UP_TO:
+        return float(sum(k * np.mean(values) for values, k in parts))
+    low, spectra, size = 0, [], 1
+    for values, k in parts:
+        steps = np.rint(np.asarray(values, dtype=float) / STALL_GRID_S).astype(np.int64)
+        low += k * int(steps.min())
+        pmf = np.bincount(steps - steps.min()).astype(float) / len(steps)
+        spectra.append((pmf, k))
+        size += k * (len(pmf) - 1)
     n = 1 << max(0, (size - 1).bit_length())
-    summed = np.fft.irfft(np.fft.rfft(pmf, n) ** k, n)[:size]
-    cdf = np.cumsum(np.clip(summed, 0.0, None))
+    spectrum = np.ones(n // 2 + 1, dtype=complex)
+    for pmf, k in spectra:
+        spectrum *= np.fft.rfft(pmf, n) ** k
+    cdf = np.cumsum(np.clip(np.fft.irfft(spectrum, n)[:size], 0.0, None))
     index = int(np.searchsorted(cdf, 0.5 * cdf[-1] - 1e-9))
-    return (index + k * low) * STALL_GRID_S
+    return (index + low) * STALL_GRID_S
 
 
 def _gpus(profile: dict) -> list[dict]:
@@ -217,7 +235,8 @@ class Machine:
                        bandwidth_by_bytes=tuple(sorted((float(b), float(r)) for b, r in measured.get("bandwidth_by_bytes") or ())),
                        view_overhead_s=measured.get("view_overhead_s"), efficiency=measured.get("efficiency") or 1.0,
                        calibrated=True, collective_stall_s=measured.get("collective_stall_s") or 0.0,
-                       collective_stall_quantiles_s=tuple(measured.get("collective_stall_quantiles_s") or ()),
+                       collective_stall_by_segment=tuple((float(seconds), tuple(values)) for seconds, values
+                                                         in measured.get("collective_stall_by_segment") or ()),
                        element_seconds=dict(measured.get("element_seconds") or {}),
                        foreach_tensor_s=measured.get("foreach_tensor_s") or 0.0)
 
