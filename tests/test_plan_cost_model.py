@@ -15,7 +15,8 @@ from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
 from aot.passes import run_passes
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
-from aot.plan.cost_model import CommSite, Memory, Op, StepGraph, analyze, drop_group, rebucket, rescale, shard_scale, simulate
+from aot.plan.cost_model import CommSite, Memory, Op, StepGraph, analyze, drop_group, rescale, shard_scale, simulate
+from aot.plan.rebucket import rebucket
 from aot.plan.machine import Compute, median_of_sum
 from runner.data import split_batch_tensors
 

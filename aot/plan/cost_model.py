@@ -12,9 +12,8 @@ their group spans, memory from graph liveness, and step time with overlap.
   lives from the op that creates it to the last op that reads any view of it; the peak of the sum
   over graph order is the step's transient peak (activations, gradients, buckets, temporaries).
 
-`rebucket(step, bucket_bytes)` packs the all_reduces of an unbucketed graph as
-aot.passes.bucketing would (same order, same size rule), analytically, so candidate bucket sizes
-are priced without re-tracing. `simulate(...)` walks the ops in graph order on two clocks, one for
+aot.plan.rebucket packs the all_reduces of an unbucketed graph as aot.passes.bucketing would,
+so candidate bucket sizes are priced without re-tracing. `simulate(...)` walks the ops in graph order on two clocks, one for
 compute and one for communication: a collective starts when both its inputs exist and the
 communication clock is free, and the compute clock stalls at a wait until the collective ends.
 The step time is when the last op (or collective) finishes.
@@ -430,56 +429,6 @@ def drop_group(step: StepGraph, group: str) -> StepGraph:
 def _only_reader(step: StepGraph, index: int, site: CommSite) -> bool:
     op = step.ops[index]
     return op.kind == "compute" and op.target in ("div", "mul") and len(site.readers) == 1
-
-
-# -- bucketing, analytically ---------------------------------------------------------------------
-
-def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
-    """`step` with its all_reduces packed as aot.passes.bucketing packs them: in the order their
-    inputs are produced, per (group, dtype), a new bucket once the open one holds `bucket_bytes`
-    or once a member would need another member's result. A bucket is issued when its last member's
-    input exists and waited for before its first member's result is read; packing (a view per
-    member and a cat) and unpacking (a split and a view per member) are ops of their own."""
-    singles = [c for c in step.comms if c.kind == "all_reduce" and c.members == 1]
-    others = [c for c in step.comms if not (c.kind == "all_reduce" and c.members == 1)]
-    order = sorted(range(len(singles)), key=lambda i: (singles[i].issue_at, i))
-    open_: dict[tuple, list[list[CommSite]]] = {}
-    filling: dict[tuple, tuple] = {}   # (group, dtype) -> the open bucket's bytes, latest issue, first wait
-    for i in order:
-        c = singles[i]
-        buckets = open_.setdefault((c.group, c.dtype), [[]])
-        b = buckets[-1]
-        size, issue, wait = filling.get((c.group, c.dtype), (0, c.issue_at, c.wait_at))
-        # aot.passes.bucketing: a new bucket once the open one is full, or once the bucket's inputs
-        # would not all exist before the first of its results is read
-        if b and (size >= bucket_bytes or max(issue, c.issue_at) > min(wait, c.wait_at)):
-            b = []
-            buckets.append(b)
-            size, issue, wait = 0, c.issue_at, c.wait_at
-        b.append(c)
-        filling[(c.group, c.dtype)] = (size + c.input_bytes, max(issue, c.issue_at), min(wait, c.wait_at))
-    comms = list(others)
-    extra_bytes = 0
-    for buckets in open_.values():
-        for b in buckets:
-            if len(b) == 1:
-                comms.append(b[0])
-                continue
-            total = sum(m.input_bytes for m in b)
-            extra_bytes = max(extra_bytes, total)
-            dtype = b[0].dtype
-            pre = [Op(f"view_{m.name}", "view", kind="view", dtype=dtype) for m in b]
-            pre.append(Op(f"cat_{b[0].name}", "cat", bytes=2.0 * total, dtype=dtype))
-            post = [Op(f"split_{b[0].name}", "split_with_sizes", kind="view", dtype=dtype)]
-            post += [Op(f"unpack_{m.name}", "view", kind="view", dtype=dtype) for m in b]
-            comms.append(CommSite(f"bucket_{b[0].name}", "all_reduce", b[0].group, total, total, dtype,
-                                  issue_at=max(m.issue_at for m in b), wait_at=min(m.wait_at for m in b),
-                                  members=len(b), pre_ops=pre, post_ops=post,
-                                  input_numel=sum(m.input_numel for m in b),
-                                  readers=tuple(sorted(r for m in b for r in m.readers))))
-    comms.sort(key=lambda c: (c.issue_at, c.name))
-    memory = replace(step.memory, peak_transient=step.memory.peak_transient + extra_bytes)
-    return StepGraph(ops=step.ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes)
 
 
 # -- step time ---------------------------------------------------------------------------------

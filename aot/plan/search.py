@@ -5,7 +5,7 @@ gradient bucket size, and a placement of the mesh on the machine. The model is t
 tensor-parallel degree, whatever the world size (aot/plan/model_steps.py: dp x fsdp=2, from which every other
 fsdp degree is derived, and dp alone, whose forward and backward are that trace's with the step's
 end traced alone), on two cores where there are two; bucket sizes are applied analytically
-(cost_model.rebucket) and every candidate is priced by cost_model.simulate, so a search over 1024
+(aot.plan.rebucket) and every candidate is priced by cost_model.simulate, so a search over 1024
 GPUs costs a handful of traces.
 
 Plans whose predicted peak memory per rank exceeds MEMORY_HEADROOM of the device's memory are kept
@@ -21,7 +21,8 @@ from typing import Callable
 
 from aot.errors import AotError
 from aot.plan import collectives, hierarchy
-from aot.plan.cost_model import Prediction, StepGraph, analyze, op_seconds, rebucket, simulate
+from aot.plan.cost_model import Prediction, StepGraph, analyze, op_seconds, simulate
+from aot.plan.rebucket import rebucket
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.plan.model_steps import ModelSteps, Unsupported, factorizations
