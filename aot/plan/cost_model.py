@@ -12,11 +12,11 @@ their group spans, memory from graph liveness, and step time with overlap.
   lives from the op that creates it to the last op that reads any view of it; the peak of the sum
   over graph order is the step's transient peak (activations, gradients, buckets, temporaries).
 
-aot.plan.rebucket packs the all_reduces of an unbucketed graph as aot.passes.bucketing would,
-so candidate bucket sizes are priced without re-tracing. `simulate(...)` walks the ops in graph order on two clocks, one for
-compute and one for communication: a collective starts when both its inputs exist and the
-communication clock is free, and the compute clock stalls at a wait until the collective ends.
-The step time is when the last op (or collective) finishes.
+aot.plan.rebucket packs the all_reduces of an unbucketed graph as aot.passes.bucketing would, so
+candidate bucket sizes are priced without re-tracing. `simulate(...)` walks the ops in graph order
+on two clocks, one for compute and one for communication: a collective starts when both its inputs
+exist and the communication clock is free, and the compute clock stalls at a wait until the
+collective ends. The step time is when the last op (or collective) finishes.
 """
 
 from __future__ import annotations
