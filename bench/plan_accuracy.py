@@ -19,7 +19,9 @@
 
 Children run a copy of aot/, runner/ and examples/ taken at the start (--no-snapshot: the working
 tree). The table gives predicted and measured milliseconds, the error (predicted / measured - 1) and the
-foreign load, and says whether the plan predicted best is the one measured best. Children get
+foreign load, and says whether the plan predicted best is the one measured best; where not, how far
+behind it measured and whether the two plans' launches overlap (then these launches cannot order
+them: run more --repeats). Children get
 OMP_NUM_THREADS=1 (torchrun's default). Everything is written in one temporary folder, removed
 at the end.
 """
@@ -202,6 +204,7 @@ def main() -> None:
                 "predicted_best": candidates[0]["strategy"] + f" bucket {candidates[0]['bucket_mb']:g}",
                 "measured_best": measured_best["strategy"] + f" bucket {measured_best['bucket_mb']:g}",
                 "best_agrees": measured_best is candidates[0],
+                **separation(candidates[0], measured_best),
                 "auto_build": {"strategy": auto_plan.get("strategy"), "bucket_mb": auto_plan.get("bucket_mb"),
                                "predicted_step_s": (auto_plan.get("predicted") or {}).get("step_s")},
             }
@@ -213,17 +216,30 @@ def main() -> None:
         args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
+def separation(predicted: dict, measured: dict) -> dict:
+    """How far the plan predicted best measured behind the one measured best (its median over the
+    other's), and whether their launches overlap: the slowest launch of each slower than the
+    fastest of the other, so that these launches cannot tell the two apart."""
+    if predicted is measured:
+        return {"best_margin": 0.0, "best_launches_overlap": False}
+    p, m = [x["step_s"] for x in predicted["runs"]], [x["step_s"] for x in measured["runs"]]
+    return {"best_margin": predicted["measured_step_s"] / measured["measured_step_s"] - 1,
+            "best_launches_overlap": min(p) <= max(m) and min(m) <= max(p)}
+
+
 def print_table(results: dict) -> None:
-    print(f"| model | plan | predicted rank | predicted ms | measured ms | error | foreign load (cores) |")
+    print("| model | plan | predicted rank | predicted ms | measured ms | error | foreign load (cores) |")
     print("|---|---|---|---|---|---|---|")
     for name, m in results["models"].items():
         for c in m["candidates"]:
             print(f"| {name} | {c['strategy']}, bucket {c['bucket_mb']:g} MiB | {c['predicted_rank']} | "
                   f"{c['predicted_step_s'] * 1e3:.2f} | {c['measured_step_s'] * 1e3:.2f} | {c['error']:+.0%} | {c['other_load_cores']:.2f} |")
     for name, m in results["models"].items():
+        verdict = "agree" if m["best_agrees"] else f"DISAGREE: the predicted best measured {m['best_margin']:+.1%} behind"
+        if m.get("best_launches_overlap"):
+            verdict += ", their launches overlapping"
         print(f"{name}: predicted best {m['predicted_best']}, measured best {m['measured_best']} "
-              f"({'agree' if m['best_agrees'] else 'DISAGREE'}); --strategy auto built {m['auto_build']['strategy']} "
-              f"bucket {m['auto_build']['bucket_mb']}")
+              f"({verdict}); --strategy auto built {m['auto_build']['strategy']} bucket {m['auto_build']['bucket_mb']}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from runner.compiled import choose_tier, live_device, load_compiled
 from runner.custom_ops import import_op_libraries
 from runner.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
-from runner.groups import bind_process_groups
+from runner.groups import bind_process_groups, yield_gloo_poll_threads
 from runner.graph_loader import load_graph_module, wait_at_issue
 from runner.program import decode_program
 from runner.binding import bind_rank
@@ -111,6 +111,8 @@ class Trainer:
         self.timeout_s = timeout_s
         self._init_distributed(profile)
         self.groups = bind_process_groups(manifest["process_groups"], self.rank, self.world_size)
+        if self._on_gloo():
+            yield_gloo_poll_threads()
 
         program = artifact.program(entry["program"])
         import_op_libraries(manifest)  # the program's custom operators resolve only once their module is imported

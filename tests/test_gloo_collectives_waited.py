@@ -5,7 +5,8 @@ reduce_scatters waited at the end of backward). Over gloo that put many collecti
 flight together, which ProcessGroupGloo runs concurrently on its worker threads, and about one run
 of 40 FSDP steps in eight died of heap corruption or a lost message (runner.graph_loader.wait_at_issue).
 This trains a real FSDP artifact on two gloo ranks through runner.Trainer and checks the program it
-runs: the stored graph has several collectives in flight, the loaded one never more than one.
+runs: the stored graph has several collectives in flight, the loaded one never more than one, and
+gloo's poll threads run at the lowest priority.
 """
 
 from __future__ import annotations
@@ -17,10 +18,18 @@ import textwrap
 from helpers.commands import EXAMPLES, aot, ok, torchrun
 
 WORKER = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     from runner.graph_loader import load_graph_module, most_in_flight
     from runner.groups import leave_process_group
     from runner.trainer import Trainer
+
+    def poll_threads_nice():
+        nice = []
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "gloo_tcp_loop":
+                    nice.append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        return nice
 
     artifact, out = sys.argv[1], sys.argv[2]
     trainer = Trainer(artifact, timeout_s=120)
@@ -30,7 +39,7 @@ WORKER = textwrap.dedent("""
     losses = [trainer.step(*source.batch(step)) for step in range(3)]
     report = {"loader": trainer.program_loader, "waited": trainer.collectives_waited_at_issue,
               "stored": most_in_flight(stored.graph), "loaded": most_in_flight(trainer._module.graph),
-              "losses": losses}
+              "losses": losses, "poll_threads_nice": poll_threads_nice()}
     with open(f"{out}.{trainer.rank}.json", "w") as f:
         json.dump(report, f)
     leave_process_group()
@@ -52,6 +61,9 @@ def test_fsdp_program_on_gloo_has_one_collective_in_flight(tmp_path):
         assert report["waited"] is True
         assert report["loaded"] == 1, report
         assert all(math.isfinite(loss) for loss in report["losses"])
+        # gloo's poll threads (one per group) yield their core to
+        # the threads that carry the collectives (runner.groups.yield_gloo_poll_threads)
+        assert report["poll_threads_nice"] and set(report["poll_threads_nice"]) == {19}, report
     assert reports[0]["losses"] == reports[1]["losses"]  # the global loss, all-reduced: the same on both ranks
 
 

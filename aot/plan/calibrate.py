@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from runner.groups import leave_process_group
+from runner.groups import leave_process_group, yield_gloo_poll_threads
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 STALL_QUANTILES = 40   # values kept of the in-step stall's distribution
@@ -57,6 +57,16 @@ def _timed(fn, device, reps: int) -> list[float]:
         _sync(device)
         out.append(time.perf_counter() - start)
     return out
+
+
+def _per_call(fn, device, reps: int, inner: int) -> float:
+    """Median seconds of one call of `fn`, timed over `inner` calls in a row (one warm-up first):
+    a single call of a small kernel is shorter than the timer's own noise."""
+    def run():
+        for _ in range(inner):
+            fn()
+    run()
+    return statistics.median(_timed(run, device, reps)) / inner
 
 
 # -- collectives -----------------------------------------------------------------------------------
@@ -226,25 +236,15 @@ def measure_compute(device, reps: int = 7) -> dict:
     for dtype in dtypes:
         a = torch.randn(size, size, device=device, dtype=dtype)
         b = torch.randn(size, size, device=device, dtype=dtype)
-        inner = 20 if device.type == "cuda" else 4
-        for _ in range(2):
-            a @ b
-        def mm():
-            for _ in range(inner):
-                a @ b
-        t = statistics.median(_timed(mm, device, reps)) / inner
+        t = _per_call(lambda: a @ b, device, reps, inner=20 if device.type == "cuda" else 4)
         result["flops_per_s"][str(dtype).replace("torch.", "")] = 2 * size**3 / t
 
     def bandwidth(nbytes: int) -> float:
         """bytes/s of a copy that reads nbytes/2 and writes nbytes/2."""
         x = torch.empty(max(1, nbytes // 8), device=device)
         y = torch.empty_like(x)
-        y.copy_(x)
         inner = max(1, min(200, (64 * 2**20) // max(nbytes, 1)))
-        def copy():
-            for _ in range(inner):
-                y.copy_(x)
-        return 2 * x.numel() * 4 * inner / statistics.median(_timed(copy, device, reps))
+        return 2 * x.numel() * 4 / _per_call(lambda: y.copy_(x), device, reps, inner)
 
     big = 512 * 2**20 if device.type == "cuda" else 128 * 2**20
     result["memory_bytes_per_s"] = bandwidth(big)
@@ -345,12 +345,7 @@ def measure_element_seconds(device, reps: int = 7) -> dict[str, float]:
         for k in (16, 256):
             x = torch.randn(k, 64, 64, device=device)
             op, args = case(x, mask, x.abs() + 1.0)
-            op(*args)
-            inner = 4
-            def run():
-                for _ in range(inner):
-                    op(*args)
-            seconds.append((k * 64 * 64, statistics.median(_timed(run, device, reps)) / inner))
+            seconds.append((k * 64 * 64, _per_call(lambda: op(*args), device, reps, inner=4)))
         (n1, t1), (n2, t2) = seconds
         rates[name] = max(t2 - t1, 0.0) / (n2 - n1)
     return rates
@@ -363,13 +358,10 @@ def measure_view_seconds(device, reps: int = 7) -> float:
     x = torch.randn(8, 64, 32, device=device)
     calls = [(aten.view.default, (x, [8, 2048])), (aten.t.default, (x[0],)), (aten.transpose.int, (x, 1, 2)),
              (aten.expand.default, (x, [2, 8, 64, 32])), (aten.unsqueeze.default, (x, 0))]
-    inner = 200
-    def run():
-        for _ in range(inner):
-            for op, args in calls:
-                op(*args)
-    run()
-    return statistics.median(_timed(run, device, reps)) / (inner * len(calls))
+    def all_views():
+        for op, args in calls:
+            op(*args)
+    return _per_call(all_views, device, reps, inner=200) / len(calls)
 
 
 def measure_foreach_tensor_seconds(device, reps: int = 7) -> float:
@@ -378,12 +370,7 @@ def measure_foreach_tensor_seconds(device, reps: int = 7) -> float:
     def timed(k: int) -> float:
         xs = [torch.zeros(64, device=device) for _ in range(k)]
         ys = [torch.ones(64, device=device) for _ in range(k)]
-        inner = 50
-        def run():
-            for _ in range(inner):
-                torch._foreach_add_(xs, ys)
-        run()
-        return statistics.median(_timed(run, device, reps)) / inner
+        return _per_call(lambda: torch._foreach_add_(xs, ys), device, reps, inner=50)
     return max(timed(33) - timed(1), 0.0) / 32
 
 
@@ -397,8 +384,9 @@ def measure_collective_stall(device, isolated_s: float, reps: int = 100) -> list
     threads wait for a core, often a whole scheduler tick; where ranks share cores (4 on 2 here)
     a longer run is more often preempted midway, so the stall grows with it. The planner sums
     draws from the samples of the nearest run length (Compute.blocking_stall). Measured on this
-    2-core machine, 2 ranks: a mean of 1.0-1.6 ms after 0.04-0.7 ms of compute, what each extra
-    collective of a real FSDP or tp step costs there."""
+    2-core machine, 2 ranks: a mean of 1.0-1.6 ms after 0.04-0.7 ms of compute with gloo's poll
+    threads as gloo starts them, 0.3-0.5 ms with them yielded (as the runner and `calibrate` now
+    do: runner.groups.yield_gloo_poll_threads)."""
     torch.manual_seed(0)
     pool = [torch.randn(256, device=device) for _ in range(4)]
     buffer = torch.ones(1024, dtype=torch.float32, device=device)
@@ -458,6 +446,8 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
         started = True
+    if world > 1 and not cuda:  # as the runner does: the stall measured is the one its steps pay
+        yield_gloo_poll_threads()
     try:
         sizes = []
         n = min_bytes
