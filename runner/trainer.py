@@ -40,6 +40,16 @@ def step_seed(seed: int, step: int, data_rank: int) -> int:
     return ((seed * 1_000_003 + step) * 1_009 + data_rank) % 2**63
 
 
+def seed_step(device: torch.device, seed: int) -> None:
+    """Seed the generators a program's random ops draw from on `device`: the CPU's, and the
+    device's own on CUDA; the same values `torch.manual_seed(seed)` gives them. That call also
+    visits every other backend torch knows (CUDA, MPS, XPU, ...) and costs 0.3 ms here, a fifth of
+    a small model's CPU step; these take microseconds."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()].manual_seed(seed)
+
+
 def nccl_algorithm(manifest: dict, environ, log=lambda msg: None) -> str | None:
     """Apply the planned NCCL algorithms (manifest plan.nccl_algo, an NCCL_ALGO value such as
     "allreduce:tree") before NCCL starts, unless the user already set NCCL_ALGO, which wins.
@@ -267,7 +277,7 @@ class Trainer:
                 args[i] = self._check(next(given, None), slot, f"inputs[{slot['index']}]")
             elif slot["kind"] == "target":
                 args[i] = self._check(targets, slot, "targets")
-        torch.manual_seed(step_seed(self.seed, self.step_index, self.data_rank))
+        seed_step(self.device, step_seed(self.seed, self.step_index, self.data_rank))
         try:
             _, global_loss = self._module(*args)
             loss = float(global_loss)
