@@ -21,7 +21,9 @@ Children run a copy of aot/, runner/ and examples/ taken at the start (--no-snap
 tree). The table gives predicted and measured milliseconds, the error (predicted / measured - 1) and the
 foreign load, and says whether the plan predicted best is the one measured best; where not, how far
 behind it measured and whether the two plans' launches overlap (then these launches cannot order
-them: run more --repeats). Children get
+them: run more --repeats), and the machine's speed before the launches against its speed before
+the calibration (one core's matmul rate: on a VM the host can slow it where /proc/stat shows no
+foreign load). Children get
 OMP_NUM_THREADS=1 (torchrun's default). Everything is written in one temporary folder, removed
 at the end.
 """
@@ -81,6 +83,23 @@ def wait_for_quiet(max_load: float, patience: float) -> float | None:
             return load
 
 
+def machine_gflops() -> float:
+    """This machine's speed now: one core's float32 matmul rate (256 x 256, median of 7 timings of
+    20). Foreign processes are not the only thing that slows it: on this VM the host does too,
+    invisibly to /proc/stat, and a calibration taken at one speed misprices runs at another."""
+    import torch
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    a @ b
+    timings = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(20):
+            a @ b
+        timings.append(time.perf_counter() - start)
+    return 20 * 2 * 256**3 / statistics.median(timings) / 1e9
+
+
 def run(cmd: list[str], log: Path, timeout: float = 900) -> tuple[float | None, float]:
     """Run cmd; return (cores' worth of CPU other processes used meanwhile, wall seconds)."""
     t0, busy0, own0 = time.time(), busy_cpu_s(), own_cpu_s()
@@ -109,6 +128,7 @@ def measure(art: Path, world: int, steps: int, tmp: Path, tag: str, attempts: in
     best = None
     for attempt in range(attempts):
         wait_for_quiet(max_load, QUIET_PATIENCE)
+        speed = machine_gflops()
         metrics = tmp / f"metrics.{tag}.{attempt}.jsonl"
         try:
             other, _ = run(torchrun(world, "-m", "aot", "run", str(art), "--steps", str(steps), "--metrics", str(metrics),
@@ -118,7 +138,8 @@ def measure(art: Path, world: int, steps: int, tmp: Path, tag: str, attempts: in
             FAILED_LAUNCHES.append({"tag": tag, "attempt": attempt, "error": str(e)[-2000:]})
             continue
         times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines() if line.strip()]
-        result = {"step_s": statistics.median(times[WARMUP_STEPS:]), "other_load_cores": other, "attempts": attempt + 1}
+        result = {"step_s": statistics.median(times[WARMUP_STEPS:]), "other_load_cores": other, "attempts": attempt + 1,
+                  "machine_gflops": speed}
         if best is None or (other or 0) < (best["other_load_cores"] or 0):
             best = result
         if other is not None and other <= max_load:
@@ -154,6 +175,7 @@ def main() -> None:
         if profile is None:
             profile = tmp / "cpu-calibrated.json"
             wait_for_quiet(args.max_other_load, QUIET_PATIENCE)
+            results["machine_gflops_at_calibration"] = machine_gflops()
             other, wall = run(torchrun(args.world, "-m", "aot", "topology", "calibrate", "--profile", "cpu", "-o", str(profile)),
                               tmp / "calibrate.log")
             results["calibration"] = {"seconds": wall, "other_load_cores": other,
@@ -196,6 +218,7 @@ def main() -> None:
             for c in candidates:
                 c["measured_step_s"] = statistics.median(x["step_s"] for x in c["runs"])
                 c["other_load_cores"] = statistics.median(x["other_load_cores"] or 0 for x in c["runs"])
+                c["machine_gflops"] = statistics.median(x["machine_gflops"] for x in c["runs"])
                 c["error"] = c["predicted_step_s"] / c["measured_step_s"] - 1
                 c["artifact"] = str(c["artifact"].name)
             measured_best = min(candidates, key=lambda c: c["measured_step_s"])
@@ -228,12 +251,18 @@ def separation(predicted: dict, measured: dict) -> dict:
 
 
 def print_table(results: dict) -> None:
-    print("| model | plan | predicted rank | predicted ms | measured ms | error | foreign load (cores) |")
-    print("|---|---|---|---|---|---|---|")
+    base = results.get("machine_gflops_at_calibration")
+    print("| model | plan | predicted rank | predicted ms | measured ms | error | foreign load (cores) | machine speed |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, m in results["models"].items():
         for c in m["candidates"]:
+            speed = f"{c['machine_gflops'] / base:.2f}x" if base and c.get("machine_gflops") else "-"
             print(f"| {name} | {c['strategy']}, bucket {c['bucket_mb']:g} MiB | {c['predicted_rank']} | "
-                  f"{c['predicted_step_s'] * 1e3:.2f} | {c['measured_step_s'] * 1e3:.2f} | {c['error']:+.0%} | {c['other_load_cores']:.2f} |")
+                  f"{c['predicted_step_s'] * 1e3:.2f} | {c['measured_step_s'] * 1e3:.2f} | {c['error']:+.0%} | "
+                  f"{c['other_load_cores']:.2f} | {speed} |")
+    if base:
+        print(f"machine speed: one core's matmul rate before each launch, median over the launches, against "
+              f"{base:.1f} GFLOP/s before the calibration")
     for name, m in results["models"].items():
         verdict = "agree" if m["best_agrees"] else f"DISAGREE: the predicted best measured {m['best_margin']:+.1%} behind"
         if m.get("best_launches_overlap"):
