@@ -94,7 +94,7 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
         if e.report:
             for line in e.lines:
                 click.echo(f"{tag}topology mismatch: {line}", err=True)
-        raise AotError(e.summary) from None
+        raise e.refusal() from None
     say = (lambda msg: click.echo(msg, err=True)) if (trainer.rank == 0 and not quiet) else (lambda msg: None)
 
     target = None

@@ -39,6 +39,7 @@ def console_main(cli: click.Command, prog_name: str, argv: list[str] | None = No
         if debug:
             raise
         click.echo(f"{prog_name}: error: {_rank_prefix()}{e}", err=True)
+        e.before_exit()
         sys.exit(EXIT_ERROR)
     except KeyboardInterrupt:
         sys.exit(130)

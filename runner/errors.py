@@ -8,3 +8,7 @@ Any other exception is a bug in aot and keeps its traceback behind `--debug`.
 
 class AotError(Exception):
     """A problem with the user's input, reported as one line."""
+
+    def before_exit(self) -> None:
+        """Runs after the line is printed and before the process exits (nothing, unless a subclass
+        has to coordinate its exit with other ranks)."""

@@ -12,10 +12,13 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
+import torch.distributed as dist
 
 from helpers.commands import REPO, TIMEOUT, aot, clean_env, ok, show, torchrun
+from runner.topology_check import TopologyRefusal
 
 AOT_FRAME = re.compile(r'File "[^"]*[/\\](aot|runner)[/\\][^"]*\.py", line \d+')
 MISMATCH = re.compile(r"^\[rank (\d+)\] topology mismatch: (.*)$", re.M)
@@ -47,6 +50,30 @@ def test_dgx_artifact_is_refused_on_this_machine(dgx_artifact):
     for _, line in errors:
         assert "live topology differs from the artifact's profile 'dgx_a100' in 2 ways" in line
         assert "--allow-topology-mismatch" in line
+
+
+def test_a_rank_that_does_not_list_the_mismatches_exits_after_the_one_that_does():
+    """torchrun kills the other ranks when the first one exits: were rank 1 to go first, rank 0's
+    list of mismatches could be cut off. Rank 1 waits on torchrun's agent store (a real TCPStore
+    here) until rank 0 has printed and says so."""
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port),
+           "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
+    follower = subprocess.Popen(
+        [sys.executable, "-c", "from runner.topology_check import TopologyRefusal; "
+                               "TopologyRefusal('refused', report=False).before_exit(); print('exiting')"],
+        cwd=REPO, env={**clean_env(), **env}, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert follower.poll() is None  # still waiting for its node's local rank 0
+        TopologyRefusal("refused", report=True, env=env).before_exit()
+        out, _ = follower.communicate(timeout=30)
+        assert follower.returncode == 0 and out.strip() == "exiting"
+    finally:
+        follower.kill()
+    # another node's rank, or the next torchrun attempt, waits for its own node's report
+    assert agent.check(["aot/attempt-0/topology-reported/node-0"])
+    assert not agent.check(["aot/attempt-1/topology-reported/node-0"])
 
 
 def test_allow_topology_mismatch_runs_with_a_warning(dgx_artifact):
