@@ -63,6 +63,39 @@ def test_measured_elementwise_rates_and_foreach_kernels():
     assert foreach.launches == 5
 
 
+def test_measured_call_costs_per_op():
+    """With a calibrated table of call costs an op pays its own (a foreach op its cost on one tensor
+    and its per-tensor cost for the rest), an op the table lacks the table's median, and every op
+    op_overhead_s on top (what a whole step adds beyond a call timed alone)."""
+    table = {"relu": (4e-6, 0.0), "addmm": (12e-6, 0.0), "gelu": (20e-6, 0.0), "_foreach_add_": (10e-6, 5e-6)}
+    cpu = Compute({"default": 1e12}, 1e12, 3e-6, False, foreach_tensor_s=1e-6, dispatch_s=table)
+    assert cpu.op_seconds(0.0, 0.0, "float32", target="relu") == pytest.approx(4e-6 + 3e-6)
+    assert cpu.op_seconds(0.0, 0.0, "float32", target="_foreach_add_", launches=6) == pytest.approx(10e-6 + 5 * 5e-6 + 3e-6)
+    # not in the table: the median call (12 us of 4, 10, 12, 20 -> 11 us), foreach_tensor_s per further tensor
+    assert cpu.op_seconds(0.0, 0.0, "float32", target="stack") == pytest.approx(11e-6 + 3e-6)
+    assert cpu.op_seconds(0.0, 0.0, "float32", target="_foreach_mul", launches=3) == pytest.approx(11e-6 + 2e-6 + 3e-6)
+    # a GPU launches asynchronously: the table does not apply
+    gpu = Compute({"default": 1e12}, 1e12, 5e-6, True, dispatch_s=table)
+    assert gpu.op_seconds(0.0, 0.0, "float32", target="gelu") == pytest.approx(5e-6)
+
+
+def test_calibrated_call_costs_cover_the_reference_step_and_common_training_ops():
+    from aot.plan.calibrate import _reference_step, measure_dispatch_seconds
+
+    gm, _, args = _reference_step(torch.device("cpu"), 4, 1)
+    before = [a.clone() for a in args]
+    table = measure_dispatch_seconds(torch.device("cpu"), gm, args, reps=3)
+    assert all(torch.equal(a, b) for a, b in zip(args, before))  # timed on copies
+    targets = {op.target for op in analyze(gm).ops if op.kind == "compute"}
+    assert targets <= set(table)
+    assert {"relu", "threshold_backward", "_foreach_mul", "embedding", "linalg_vector_norm"} <= set(table)
+    assert all(one > 0 and per_tensor >= 0 for one, per_tensor in table.values())
+    assert table["_foreach_add_"][1] > 0  # Adam's in-place updates loop over 13 tensors
+    # _foreach_pow(scalar, tensors) runs one kernel per tensor of its second argument
+    pow_op = next(op for op in analyze(gm).ops if op.target == "_foreach_pow")
+    assert pow_op.launches == 13
+
+
 def test_graph_reading_counts_flops_bytes_views_and_liveness():
     def f(x, w):
         y = torch.mm(x, w)       # (4x8) @ (8x16)

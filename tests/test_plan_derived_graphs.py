@@ -120,7 +120,7 @@ class Wrapped(nn.Module):
 def test_graph_without_fsdp_derived_is_the_traced_one(model, sequence, pairs):
     steps = ModelSteps(model, 8, world_size=8, sequence_parallel=sequence)
     for sharded, plain in pairs:
-        _, sharded_gm = steps._capture(*sharded)
+        sharded_gm, _ = steps._capture(*sharded)
         derived = pricing.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets,
                                               steps.layout(*plain), sharded_gm, "aot.fsdp")
         assert derived is not None, (sharded, plain)
@@ -148,7 +148,7 @@ class Wrapped(nn.Module):
         return self.net(x)
 ''')
     steps = ModelSteps(path, 8, world_size=4)
-    _, sharded_gm = steps._capture(2, 2, 1)
+    sharded_gm, _ = steps._capture(2, 2, 1)
     assert pricing.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(2, 1, 1),
                                        sharded_gm, "aot.fsdp") is None
     steps._derived = {(True, 2, 1): [((True, 1, 1), (2, 1, 1))]}

@@ -220,8 +220,13 @@ def _reference_step(device, width: int, rows: int):
     finally:
         torch.compiler._is_compiling_flag = previous
     args = [a.detach().clone() for a in args]
-    # run it as the runner runs programs: exported, then unlifted to a module
-    module = torch.export.export(gm, tuple(a.clone() for a in args), strict=False).module()
+    # run it as the runner runs programs: exported, stored and loaded as FX code (the unlifted
+    # module torch.export gives checks its inputs on every call: 0.8 of this step's 3.9 ms here)
+    from runner.graph_loader import load_graph_module
+    from runner.program import encode_program
+
+    exported = torch.export.export(gm, tuple(a.clone() for a in args), strict=False)
+    module = load_graph_module(encode_program(exported)[0]) or exported.module()
     return gm, module, args
 
 
@@ -258,21 +263,29 @@ def measure_compute(device, reps: int = 7) -> dict:
 
     # Per-op cost and efficiency: one reference step small enough that dispatch dominates and one
     # large enough that work does, the same ops in both:
-    #   T = ops * overhead + views * view cost + foreach tensors beyond the first * their cost
+    #   T = ops * overhead + views * view cost + each op's measured call cost (CPU: dispatch_s)
     #       + measured-rate work + roofline work / efficiency.
+    # On CPUs `overhead` is then what an op costs in a whole step beyond its call timed alone.
+    references = [_reference_step(device, width, rows)
+                  for width, rows in ((4, 1), (128, 8) if device.type == "cpu" else (512, 16))]
+    if device.type == "cpu":
+        gm, _, args = references[0]
+        result["dispatch_s"] = measure_dispatch_seconds(device, gm, args)
     partial = Compute(dict(result["flops_per_s"], default=result["flops_per_s"]["float32"]), result["memory_bytes_per_s"],
-                      0.0, device.type == "cuda", bandwidth_by_bytes=tuple(tuple(x) for x in result.get("bandwidth_by_bytes", ())))
+                      0.0, device.type == "cuda", bandwidth_by_bytes=tuple(tuple(x) for x in result.get("bandwidth_by_bytes", ())),
+                      foreach_tensor_s=result.get("foreach_tensor_s", 0.0),
+                      dispatch_s={k: tuple(v) for k, v in result.get("dispatch_s", {}).items()})
     rates = result.get("element_seconds") or {}
     view_s = result.get("view_overhead_s")
     points = []
-    for width, rows in ((4, 1), (128, 8) if device.type == "cpu" else (512, 16)):
-        gm, module, args = _reference_step(device, width, rows)
+    for gm, module, args in references:
         step = analyze(gm)
         computes = [op for op in step.ops if op.kind == "compute"]
         work = sum(partial.op_seconds(op.flops, op.bytes, op.dtype, overhead=False) for op in computes if op.target not in rates)
         fixed = sum(rates[op.target] * op.elements for op in computes if op.target in rates)
         views = sum(1 for op in step.ops if op.kind == "view")
-        fixed += sum(op.launches - 1 for op in computes) * result.get("foreach_tensor_s", 0.0)
+        if device.type == "cpu":
+            fixed += sum(partial.dispatch_seconds(op.target, op.launches) for op in computes)
         if view_s is not None:
             fixed += views * view_s
             kernels = len(computes)
@@ -280,7 +293,7 @@ def measure_compute(device, reps: int = 7) -> dict:
             kernels = len(computes) + views
         module(*[a.clone() for a in args])
         times = []
-        for _ in range(reps * 4):
+        for _ in range(reps * (16 if len(points) == 0 else 4)):  # the small step: 3 ms, and its noise is the per-op cost's
             fresh = [a.clone() for a in args]
             times.append(_timed(lambda: module(*fresh), device, 1)[0])
         points.append((statistics.median(times), fixed, work, kernels))
@@ -295,6 +308,90 @@ def measure_compute(device, reps: int = 7) -> dict:
     result["op_overhead_s"] = max(t1 - w1 * slowdown, 0.0) / n1
     result.setdefault("view_overhead_s", result["op_overhead_s"])
     return result
+
+
+def measure_dispatch_seconds(device, gm, args, reps: int = 7) -> dict[str, list[float]]:
+    """Op name -> [seconds of one call, seconds each further tensor of a foreach op's list adds]:
+    every compute op of the (small) reference step `gm` called on its own, many times in a row,
+    with the values the step gives it (on copies: in-place ops leave the step's values alone);
+    a foreach op once more on the first tensor of its lists. The median over an op's calls.
+
+    A CPU op's call cost depends on the op far more than on its few bytes: on this machine
+    (2026-12-01) a relu on 64 floats takes 3.5 us, an addmm 12 us, a GELU 21 us, an out-of-place
+    foreach multiply over 6 tensors 48 us. One per-op cost fitted to a step of Adam and
+    attention priced examples/mlp.py's SGD step at 1.30 ms where it runs in 0.89."""
+    from torch.fx.node import map_arg
+    from torch.utils._pytree import tree_map
+
+    from aot.plan.cost_model import _FREE, _collective_kind, _is_view, _is_wait, _launches, _target_name
+
+    def copies(value):
+        return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
+
+    env = {}
+    samples: dict[str, list[tuple[float, float]]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = args[len(env)].clone()
+            continue
+        if node.op != "call_function":
+            continue
+        a, k = map_arg(node.args, env.__getitem__), map_arg(node.kwargs, env.__getitem__)
+        timed = (getattr(node.target, "_schema", None) is not None and node.target not in _FREE
+                 and not _is_view(node.target) and _collective_kind(node) is None and not _is_wait(node))
+        if timed:
+            name = _target_name(node.target)
+            ca, ck = copies(a), copies(k)
+            full = _per_call(lambda: node.target(*ca, **ck), device, reps, inner=20)
+            length = _launches(node, name)
+            one, per_tensor = full, 0.0
+            if length > 1:
+                ta = copies([v[:1] if isinstance(v, (list, tuple)) else v for v in a])
+                one = _per_call(lambda: node.target(*ta, **ck), device, reps, inner=20)
+                per_tensor = max(full - one, 0.0) / (length - 1)
+            samples.setdefault(name, []).append((one, per_tensor))
+        env[node] = node.target(*a, **k)
+    table = {name: [statistics.median(o for o, _ in v), statistics.median(p for _, p in v)]
+             for name, v in samples.items()}
+    # ops of training steps the reference step lacks (ReLU, SGD's out-of-place foreach updates,
+    # embeddings, gradient clipping), each on tiny tensors; a foreach op on lists of 1 and 7
+    for name, (op, make) in _dispatch_cases().items():
+        if name in table:
+            continue
+        one = _per_call(lambda: op(*make(1)), device, reps, inner=20)
+        per_tensor = 0.0
+        if name.startswith("_foreach_"):
+            seven = make(7)
+            per_tensor = max(_per_call(lambda: op(*seven), device, reps, inner=20) - one, 0.0) / 6
+        table[name] = [one, per_tensor]
+    return dict(sorted(table.items()))
+
+
+def _dispatch_cases():
+    """Op name -> (aten op, tensors in a foreach list -> its arguments on tiny tensors)."""
+    aten = torch.ops.aten
+    x, w, idx = torch.randn(8, 8), torch.randn(16, 8), torch.randint(0, 16, (8,))
+
+    def vecs(n):
+        return [torch.randn(64) for _ in range(n)]
+    return {
+        "relu": (aten.relu.default, lambda n: (x,)),
+        "threshold_backward": (aten.threshold_backward.default, lambda n: (x, x, 0)),
+        "neg": (aten.neg.default, lambda n: (x,)),
+        "reciprocal": (aten.reciprocal.default, lambda n: (x,)),
+        "clamp": (aten.clamp.default, lambda n: (x, None, 1.0)),
+        "rsub": (aten.rsub.Scalar, lambda n: (x, 1)),
+        "mul_": (aten.mul_.Tensor, lambda n: (x, torch.ones(()))),
+        "linalg_vector_norm": (aten.linalg_vector_norm.default, lambda n: (x, 2.0)),
+        "stack": (aten.stack.default, lambda n: ([torch.ones(()) for _ in range(8)],)),
+        "arange": (aten.arange.default, lambda n: (64,)),
+        "embedding": (aten.embedding.default, lambda n: (w, idx)),
+        "embedding_dense_backward": (aten.embedding_dense_backward.default, lambda n: (x, idx, 16, -1, False)),
+        "_foreach_add": (aten._foreach_add.List, lambda n: (vecs(n), vecs(n))),
+        "_foreach_mul": (aten._foreach_mul.Tensor, lambda n: (vecs(n), torch.tensor(0.5))),
+        "_foreach_sub": (aten._foreach_sub.List, lambda n: (vecs(n), vecs(n))),
+        "_foreach_div": (aten._foreach_div.Scalar, lambda n: (vecs(n), 2.0)),
+    }
 
 
 STALL_SEGMENTS = (10, 40, 160, 640, 2560)   # small ops between two collectives: 0.04 to 10 ms on 2 ranks here
@@ -424,6 +521,9 @@ def _median_over_ranks(results: list[dict]) -> dict:
                                      for i, (n, _) in enumerate(first["bandwidth_by_bytes"])]
     if "element_seconds" in first:
         out["element_seconds"] = {k: statistics.median(r["element_seconds"][k] for r in results) for k in first["element_seconds"]}
+    if "dispatch_s" in first:
+        out["dispatch_s"] = {k: [statistics.median(r["dispatch_s"][k][i] for r in results) for i in (0, 1)]
+                             for k in first["dispatch_s"]}
     out["reference_steps"] = first.get("reference_steps")
     return out
 

@@ -153,10 +153,11 @@ def _flops(node) -> float:
 
 
 def _launches(node, name: str) -> int:
-    """A foreach op's tensor count (the length of its first list argument); 1 for other ops."""
-    if not name.startswith("_foreach_") or not node.args or not isinstance(node.args[0], (list, tuple)):
+    """A foreach op's tensor count (the length of its first list argument: `_foreach_pow(scalar,
+    tensors)` has it second); 1 for other ops."""
+    if not name.startswith("_foreach_"):
         return 1
-    return max(1, len(node.args[0]))
+    return max(1, next((len(a) for a in node.args if isinstance(a, (list, tuple))), 1))
 
 
 def _target_name(target) -> str:

@@ -10,7 +10,8 @@ when present, from its measured `calibration` (per link class) and `compute` ent
                                  "per_kind": {"all_reduce": {"alpha_s": ..., "beta_s_per_byte": ...}, ...}}}
     "compute": {"flops_per_s": {"float32": ...}, "memory_bytes_per_s": ...,
                 "bandwidth_by_bytes": [[bytes, bytes_per_s], ...], "op_overhead_s": ..., "view_overhead_s": ..., "efficiency": ...,
-                "element_seconds": {"gelu": ..., ...}, "foreach_tensor_s": ..., "collective_stall_s": ...,
+                "element_seconds": {"gelu": ..., ...}, "foreach_tensor_s": ..., "dispatch_s": {"addmm": [one, per_tensor], ...},
+                "collective_stall_s": ...,
                 "collective_stall_by_segment": [[compute_s, [stall_s, ...]], ...]}
 
 Defaults for what a profile does not say (documented with their source):
@@ -74,6 +75,9 @@ class Compute:
                                              # ascending: its distribution by how long the ranks computed
     element_seconds: dict = field(default_factory=dict)  # op name -> measured seconds per element written
     foreach_tensor_s: float = 0.0          # CPU: what each tensor of a foreach op's list adds (one kernel each)
+    dispatch_s: dict = field(default_factory=dict)  # CPU: op name -> (seconds of one call on tiny tensors
+                                           # (one tensor for a foreach op), seconds each further tensor of a
+                                           # foreach list adds); op_overhead_s is then what an op costs beyond it
 
     def blocking_stall(self, segments: list[float]) -> float:
         """The stall a step pays in all for blocking collectives issued after `segments` seconds
@@ -109,7 +113,20 @@ class Compute:
             return work
         if self.async_dispatch:
             return max(work, self.op_overhead_s)
-        return work + self.op_overhead_s + (launches - 1) * self.foreach_tensor_s
+        return work + self.op_overhead_s + self.dispatch_seconds(target, launches)
+
+    def dispatch_seconds(self, target: str | None, launches: int = 1) -> float:
+        """CPU: an op's measured call cost (`dispatch_s`; ops the calibration did not see cost the
+        median of those it did), or, in profiles without the table, only what a foreach op's
+        further tensors add."""
+        if not self.dispatch_s:
+            return (launches - 1) * self.foreach_tensor_s
+        one, per_tensor = self.dispatch_s.get(target) or (self._median_dispatch, self.foreach_tensor_s)
+        return one + (launches - 1) * per_tensor
+
+    @functools.cached_property
+    def _median_dispatch(self) -> float:
+        return float(np.median([one for one, _ in self.dispatch_s.values()]))
 
     def work_seconds(self, flops: float, nbytes: float, dtype: str, *, target: str | None = None,
                      elements: int = 0) -> float:
@@ -238,7 +255,8 @@ class Machine:
                        collective_stall_by_segment=tuple((float(seconds), tuple(values)) for seconds, values
                                                          in measured.get("collective_stall_by_segment") or ()),
                        element_seconds=dict(measured.get("element_seconds") or {}),
-                       foreach_tensor_s=measured.get("foreach_tensor_s") or 0.0)
+                       foreach_tensor_s=measured.get("foreach_tensor_s") or 0.0,
+                       dispatch_s={k: (float(v[0]), float(v[1])) for k, v in (measured.get("dispatch_s") or {}).items()})
 
     # -- ranks and links ----------------------------------------------------------------------
     def node_of(self, rank: int) -> int:

@@ -119,7 +119,7 @@ class ModelSteps:
 
     def capture(self, dp: int, fsdp: int, tp: int = 1) -> StepGraph:
         """The analyzed graph of one rank for a dp x fsdp x tp mesh, traced as the build traces it."""
-        return self._capture(dp, fsdp, tp)[0]
+        return _priced(*self._capture(dp, fsdp, tp))
 
     def _capture(self, dp: int, fsdp: int, tp: int):
         from aot.capture.step import capture_step
@@ -128,8 +128,7 @@ class ModelSteps:
         # the build checks that every tp rank traces the same program; pricing needs one trace
         captured = capture_step(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp),
                                 check_ranks=False, for_pricing=True)
-        gm = plain_collectives(drop_profiler_calls(captured.graph))
-        return analyze(gm, captured.slots), gm
+        return plain_collectives(drop_profiler_calls(captured.graph)), captured.slots
 
     def _trace(self, key: tuple, source: tuple) -> dict[tuple, StepGraph]:
         """The graph of `key`, traced on mesh `source`, and the graphs derived from it (`_derived`:
@@ -137,8 +136,8 @@ class ModelSteps:
         derivation does not apply). What a derived graph's own trace raises is raised when asked."""
         from aot.capture.pricing import derive_without_fsdp
 
-        graph, gm = self._capture(*source)
-        out = {key: graph}
+        gm, slots = self._capture(*source)
+        out = {}
         for other, (dp, _, tp) in self._derived.get(key, ()):
             if other in self.traced or other in self._failed:
                 continue
@@ -156,6 +155,7 @@ class ModelSteps:
                 out[other] = derived if derived is not None else self.capture(dp, 1, tp)
             except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
                 self._failed[other] = e
+        out[key] = _priced(gm, slots)  # after the derivations: it changes `gm`
         return out
 
     def _traced(self, dp: int, fsdp: int, tp: int) -> StepGraph:
@@ -261,3 +261,15 @@ class ModelSteps:
             if self._helper is not None:
                 self._helper.close()
                 self._helper = None
+
+
+def _priced(gm, slots) -> StepGraph:
+    """The analyzed graph of a captured step as the build's passes leave it where that changes
+    the collectives: with fsdp, every parameter gathered again for backward
+    (aot.passes.regather; without it examples/gpt.py's fsdp=2 step was priced with 74 of its 97
+    collectives). Bucketing is priced analytically (aot.plan.rebucket) and the overlap of issue
+    and wait is how analyze reads any graph."""
+    from aot.passes.regather import regather_in_backward
+
+    return analyze(regather_in_backward(gm), slots)
+
