@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -185,8 +186,10 @@ def calibrate(base, output, name, min_bytes, max_bytes, reps, min_seconds):
                 f"({1 / ab['beta_s_per_byte'] / 1e9 if ab['beta_s_per_byte'] else float('inf'):.3g} GB/s)")
     c = result["compute"]
     log(f"compute  {', '.join(f'{k} {v / 1e9:.3g} GFLOP/s' for k, v in c['flops_per_s'].items())}, "
-        f"memory {c['memory_bytes_per_s'] / 1e9:.3g} GB/s, {c['op_overhead_s'] * 1e6:.2f} us per op, "
-        f"{c['efficiency']:.0%} of that roofline on real ops")
+        f"memory {c['memory_bytes_per_s'] / 1e9:.3g} GB/s, {c['op_overhead_s'] * 1e6:.2f} us per op"
+        + (f" beyond its call ({len(c['dispatch_s'])} ops' calls timed, median "
+           f"{statistics.median(one for one, _ in c['dispatch_s'].values()) * 1e6:.1f} us)" if c.get("dispatch_s") else "")
+        + f", {c['efficiency']:.0%} of that roofline on real ops")
     for seconds, stall in c.get("collective_stall_by_segment") or ():
         slow = sum(1 for t in stall if t > 1e-3) / len(stall)
         log(f"in-step  after {seconds * 1e3:6.2f} ms of compute a blocking collective stalls {sum(stall) / len(stall) * 1e3:5.2f} ms "
