@@ -27,6 +27,7 @@ import torch
 
 from runner.errors import AotError
 from runner.integrity import read_verified
+from runner.node_refusal import NodeRefusal
 
 TIERS = ("auto", "compiled", "portable")
 MODEL_NAME = "model"  # the name aoti_compile_and_package gives the one model of a package
@@ -37,10 +38,28 @@ _MARKERS = {"archive_format", "archive_version", "byteorder", "version", "serial
 _SUFFIXES = (".so", ".cpp", ".h", ".json", ".o", ".cubin", ".fatbin", ".ptx")
 # ATen's CPU capability levels, lowest first (torch.backends.cpu.get_cpu_capability()).
 _X86_LEVELS = ("DEFAULT", "AVX2", "AVX512")
-# The instruction set inductor vectorizes for -> (the -march the package is compiled with, the
-# ATen capability a CPU needs to run it). -march is pinned to the level instead of `native`, so
-# the package runs on every CPU of that level, not only on ones like the build machine's.
-X86_ISA = {"avx2": ("x86-64-v3", "AVX2"), "avx512": ("x86-64-v4", "AVX512"), "amx": ("x86-64-v4", "AVX512")}
+# The x86 CPU features inductor may vectorize for (its VecISA names them, as in `str(pick_vec_isa())`:
+# "avx2", "avx512 avx512_vnni", "avx512 avx512_vnni amx_tile"), the most capable first ->
+# (the -march the package is compiled with, the ATen capability a CPU needs to run it). -march is
+# pinned to the level instead of `native`, so the package runs on every CPU of that level, not only
+# on ones like the build machine's; features beyond the level (VNNI, AMX) are checked one by one.
+_X86_LEVEL_OF = (("avx512", ("x86-64-v4", "AVX512")), ("avx2", ("x86-64-v3", "AVX2")))
+
+
+def x86_target(features: list[str]) -> tuple[str, str]:
+    """(-march, least ATen CPU capability) for kernels that use `features`."""
+    for feature, target in _X86_LEVEL_OF:
+        if feature in features:
+            return target
+    return "x86-64", "DEFAULT"
+
+
+def x86_features() -> list[str]:
+    """The vector features of this CPU that inductor can generate kernels for (as its VecISA names them)."""
+    checks = (("avx2", torch.cpu._is_avx2_supported), ("avx512", torch.cpu._is_avx512_supported),
+              ("avx512_vnni", lambda: torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()),
+              ("amx_tile", torch.cpu._is_amx_tile_supported))
+    return [name for name, supported in checks if supported()]
 
 
 def live_device(device: torch.device) -> dict:
@@ -48,7 +67,10 @@ def live_device(device: torch.device) -> dict:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return {"kind": "cuda", "capability": f"{major}.{minor}"}
-    return {"kind": device.type, "arch": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability()}
+    live = {"kind": device.type, "arch": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability()}
+    if live["arch"] in ("x86_64", "AMD64"):
+        live["features"] = x86_features()
+    return live
 
 
 def mismatch(package: dict, live: dict, package_torch: str, live_torch: str | None = None) -> str | None:
@@ -73,6 +95,9 @@ def mismatch(package: dict, live: dict, package_torch: str, live_torch: str | No
         ok = need == have
     if not ok:
         return f"compiled package needs {need} CPUs ({package.get('isa')} kernels), this run's CPU capability is {have}"
+    lacking = [f for f in package.get("features") or () if "features" in live and f not in live["features"]]
+    if lacking:
+        return f"compiled package uses CPU features {', '.join(lacking)} ({package.get('isa')} kernels), which this CPU lacks"
     return None
 
 
@@ -81,7 +106,8 @@ def choose_tier(compiled: dict | None, program: str, live: dict, requested: str 
     """("compiled" or "portable", a one-line notice or None) for a run on `live`.
 
     `requested`: "auto" takes the compiled package when it matches and otherwise the portable
-    program with a notice; "compiled" insists (AotError otherwise); "portable" never compiles."""
+    program with a notice; "compiled" insists (NodeRefusal otherwise: every rank of the node
+    refuses alike, and each prints its line before any exits); "portable" never compiles."""
     if requested not in TIERS:
         raise AotError(f"unknown tier {requested!r}; choose one of {', '.join(TIERS)}")
     if requested == "portable":
@@ -90,14 +116,14 @@ def choose_tier(compiled: dict | None, program: str, live: dict, requested: str 
         _check_entry(compiled, where)
     if not compiled or program not in compiled["programs"]:
         if requested == "compiled":
-            raise AotError(f"{where}: has no compiled package for program {program!r} (built without "
+            raise NodeRefusal(f"{where}: has no compiled package for program {program!r} (built without "
                            f"`--compile aoti`); rebuild with it, or run with --tier auto or portable")
         return "portable", None  # nothing to fall back from: no notice
     why = mismatch(compiled["device"], live, compiled["torch_version"])
     if why is None:
         return "compiled", None
     if requested == "compiled":
-        raise AotError(f"{where}: {why}; rebuild with `aot build --compile aoti` on a machine like this one, "
+        raise NodeRefusal(f"{where}: {why}; rebuild with `aot build --compile aoti` on a machine like this one, "
                        f"or run with --tier auto to use the portable program")
     return "portable", f"notice: {why}; using the portable program"
 

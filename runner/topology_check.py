@@ -7,9 +7,9 @@ prints the same lines. Split from runner.topology, which owns the profile schema
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 from runner.errors import AotError
+from runner.node_refusal import NodeRefusal
 from runner.topology import (
     MAX_LISTED,
     MEMORY_TOLERANCE,
@@ -188,53 +188,11 @@ class TopologyMismatch(AotError):
 
     def refusal(self) -> "TopologyRefusal":
         """The one-line error `aot run` prints after the reporting rank has listed `lines`."""
-        return TopologyRefusal(self.summary, self.report)
+        return TopologyRefusal(self.summary)
 
 
-# How long a rank that does not list the mismatches waits, before it exits, for the one that does.
-REPORT_WAIT_S = 60.0
-
-
-class TopologyRefusal(AotError):
-    """`aot run`'s refusal to start. Under torchrun the first rank to exit gets the others killed,
-    so a rank that does not list the mismatches exits only once its node's local rank 0 has printed
-    them (a key in torchrun's agent store); otherwise the list could be cut off unprinted."""
-
-    def __init__(self, summary: str, report: bool, env=None):
-        super().__init__(summary)
-        self.report, self.env = report, os.environ if env is None else env
-
-    def before_exit(self) -> None:
-        store = _agent_store(self.env)
-        if store is None:
-            return
-        key = _reported_key(self.env)
-        try:
-            if self.report:
-                store.set(key, "1")
-            else:
-                store.wait([key], timedelta(seconds=REPORT_WAIT_S))
-        except Exception:  # noqa: BLE001 - the store gone or the wait timed out: exit anyway
-            pass
-
-
-def _agent_store(env):
-    """A client of torchrun's agent store, which outlives any rank; None outside torchrun."""
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
-        return None
-    import torch.distributed as dist
-
-    try:
-        return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(seconds=REPORT_WAIT_S), wait_for_workers=False)
-    except Exception:  # noqa: BLE001 - no store to coordinate through: exit at once
-        return None
-
-
-def _reported_key(env) -> str:
-    """One key per node and per torchrun attempt (a restarted group must not see the last one's)."""
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-    return f"aot/attempt-{attempt}/topology-reported/node-{env.get('GROUP_RANK', '0') or '0'}"
+class TopologyRefusal(NodeRefusal):
+    """`aot run`'s refusal to start: local rank 0 has listed the mismatches above this line."""
 
 
 def verify_live(profile: dict, *, allow_mismatch: bool = False, warn=None, live: dict | None = None, env=None) -> list[str]:

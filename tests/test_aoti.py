@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from helpers.commands import EXAMPLES, REPO, TIMEOUT, aot, clean_env, ok, show
 from runner.artifact import Artifact, manifest_digest
 from runner.checkpoint import merge_checkpoint
-from runner.compiled import choose_tier, live_device, load_compiled, mismatch, package_problem
+from runner.compiled import choose_tier, live_device, load_compiled, mismatch, package_problem, x86_target
 from runner.errors import AotError
 from runner.integrity import sha256_bytes
 
@@ -140,6 +140,15 @@ def test_tier_choice_follows_device_kind_cpu_level_and_torch():
     assert "needs AVX2 CPUs" in choose_tier(entry, "train", {**here_cpu, "capability": "DEFAULT"})[1]
     assert "is for x86_64 CPUs" in choose_tier(entry, "train", {**here_cpu, "arch": "aarch64"})[1]
     assert "torch 2.99.0+cu999" in mismatch(cpu, here_cpu, "2.99.0+cu999")
+    # kernels that use features beyond their level (VNNI is not part of AVX512 to ATen) need those too
+    vnni = {**cpu, "isa": "avx512 avx512_vnni", "features": ["avx512", "avx512_vnni"], "capability": "AVX512",
+            "march": "x86-64-v4"}
+    skylake = {**here_cpu, "capability": "AVX512", "features": ["avx2", "avx512"]}
+    assert mismatch(vnni, skylake, torch.__version__) == (
+        "compiled package uses CPU features avx512_vnni (avx512 avx512_vnni kernels), which this CPU lacks")
+    assert mismatch(vnni, {**skylake, "features": ["avx2", "avx512", "avx512_vnni"]}, torch.__version__) is None
+    assert x86_target(["avx512", "avx512_vnni", "amx_tile"]) == ("x86-64-v4", "AVX512")
+    assert x86_target(["avx2"]) == ("x86-64-v3", "AVX2") and x86_target([]) == ("x86-64", "DEFAULT")
     # an artifact built without --compile aoti: portable with nothing to say, or one line when insisted on
     assert choose_tier(None, "train", here_cpu) == ("portable", None)
     with pytest.raises(AotError, match="has no compiled package"):
@@ -154,6 +163,10 @@ def test_cpu_below_the_package_level_falls_back_with_one_notice(compiled, tmp_pa
     on a CPU without AVX2): auto runs the portable program after one notice line; --tier compiled
     fails in one line on every rank."""
     art = compiled("dp=2")
+    device = json.loads((art / "manifest.json").read_text())["compiled"]["device"]
+    # the level the package records follows the kernels inductor generated (e.g. "avx512 avx512_vnni")
+    assert device["features"] == device["isa"].split() and device["capability"] == x86_target(device["features"])[1]
+    assert device["capability"] != "DEFAULT"  # this machine has AVX2 at least, and inductor used it
     baseline = {"ATEN_CPU_CAPABILITY": "default"}
     r = ok(torchrun("run", art, "--steps", "1", "--metrics", tmp_path / "m.jsonl", env=baseline))
     notices = [line for line in r.stderr.splitlines() if line.startswith("notice:")]

@@ -58,22 +58,23 @@ def test_a_rank_that_does_not_list_the_mismatches_exits_after_the_one_that_does(
     here) until rank 0 has printed and says so."""
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port),
-           "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
+           "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0", "LOCAL_WORLD_SIZE": "2"}
     follower = subprocess.Popen(
         [sys.executable, "-c", "from runner.topology_check import TopologyRefusal; "
-                               "TopologyRefusal('refused', report=False).before_exit(); print('exiting')"],
-        cwd=REPO, env={**clean_env(), **env}, stdout=subprocess.PIPE, text=True)
+                               "TopologyRefusal('refused').before_exit(); print('exiting')"],
+        cwd=REPO, env={**clean_env(), **env, "LOCAL_RANK": "1"}, stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(3)
         assert follower.poll() is None  # still waiting for its node's local rank 0
-        TopologyRefusal("refused", report=True, env=env).before_exit()
+        TopologyRefusal("refused", env={**env, "LOCAL_RANK": "0"}).before_exit()
         out, _ = follower.communicate(timeout=30)
         assert follower.returncode == 0 and out.strip() == "exiting"
     finally:
         follower.kill()
-    # another node's rank, or the next torchrun attempt, waits for its own node's report
-    assert agent.check(["aot/attempt-0/topology-reported/node-0"])
-    assert not agent.check(["aot/attempt-1/topology-reported/node-0"])
+    # another node's ranks, or the next torchrun attempt, wait for their own
+    assert agent.check(["aot/attempt-0/refused/node-0/local-0", "aot/attempt-0/refused/node-0/local-1"])
+    assert not agent.check(["aot/attempt-1/refused/node-0/local-0"])
+    assert not agent.check(["aot/attempt-0/refused/node-1/local-0"])
 
 
 def test_allow_topology_mismatch_runs_with_a_warning(dgx_artifact):

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from aot.errors import AotError
-from runner.compiled import MODEL_NAME, X86_ISA, package_problem
+from runner.compiled import MODEL_NAME, package_problem, x86_target
 
 COMPILED_DIR = "compiled"
 COMPILERS = ("portable", "aoti")
@@ -88,8 +88,9 @@ def _cpu_target() -> tuple[dict, dict]:
     isa = str(pick_vec_isa() or "") or "none"
     arch = platform.machine()
     if arch in ("x86_64", "AMD64"):
-        march, capability = X86_ISA.get(isa, ("x86-64", "DEFAULT"))
-        return ({"kind": "cpu", "arch": arch, "isa": isa, "capability": capability, "march": march},
+        features = isa.split() if isa != "none" else []
+        march, capability = x86_target(features)
+        return ({"kind": "cpu", "arch": arch, "isa": isa, "features": features, "capability": capability, "march": march},
                 {"cpp.march": march})
     # Elsewhere inductor's own flags stay; the runner then asks for this very CPU capability.
     return ({"kind": "cpu", "arch": arch, "isa": isa, "capability": torch.backends.cpu.get_cpu_capability(),
