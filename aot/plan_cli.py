@@ -136,8 +136,12 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
 @click.option("--min-seconds", type=click.FloatRange(min=0), default=0.25, show_default=True,
               help="Keep repeating each size until this long has been timed (at most 400 times): a small "
                    "CPU collective's time is bimodal, and a few repetitions land in either mode.")
+@click.option("--rounds", type=click.IntRange(min=1), default=None,
+              help="Rounds of compute (and, on CPU ranks, in-step stall) measurements; each figure is the median "
+                   "over rounds. Default: 5 on CPU ranks (a shared machine's speed drifts from one ten seconds "
+                   "to the next), 1 on GPUs.")
 @debug_option
-def calibrate(base, output, name, min_bytes, max_bytes, reps, min_seconds):
+def calibrate(base, output, name, min_bytes, max_bytes, reps, min_seconds, rounds):
     """Measure this machine's collectives and compute and write them into a profile copy.
 
     Run under torchrun with one process per rank the profile describes:
@@ -168,7 +172,7 @@ def calibrate(base, output, name, min_bytes, max_bytes, reps, min_seconds):
     if max_bytes < min_bytes:
         raise AotError(f"--max-bytes {max_bytes} is below --min-bytes {min_bytes}")
     log = (lambda msg: click.echo(msg, err=True)) if rank == 0 else (lambda msg: None)
-    result = run_calibration(profile, min_bytes=min_bytes, max_bytes=max_bytes, reps=reps, min_seconds=min_seconds, log=log)
+    result = run_calibration(profile, min_bytes=min_bytes, max_bytes=max_bytes, reps=reps, min_seconds=min_seconds, rounds=rounds, log=log)
     if result is None:
         return
     result["name"] = name or f"{profile['name']}-calibrated"

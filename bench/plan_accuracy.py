@@ -17,6 +17,10 @@
    Before the calibration and before every launch the script waits (up to 2 minutes) for a
    2-second window in which other processes use at most --max-other-load cores.
 
+5. Calibrate again after the launches (unless --profile) and price the same plans with it
+   ("predicted after"): on a VM whose speed drifts between the calibration and the launches,
+   predictions before and after that bracket a measurement say the machine moved, not the model.
+
 Children run a copy of aot/, runner/ and examples/ taken at the start (--no-snapshot: the working
 tree). The table gives predicted and measured milliseconds, the error (predicted / measured - 1) and the
 foreign load, and says whether the plan predicted best is the one measured best; where not, how far
@@ -176,19 +180,11 @@ def main() -> None:
             profile = tmp / "cpu-calibrated.json"
             wait_for_quiet(args.max_other_load, QUIET_PATIENCE)
             results["machine_gflops_at_calibration"] = machine_gflops()
-            other, wall = run(torchrun(args.world, "-m", "aot", "topology", "calibrate", "--profile", "cpu", "-o", str(profile)),
-                              tmp / "calibrate.log")
-            results["calibration"] = {"seconds": wall, "other_load_cores": other,
-                                      "command": f"torchrun --nproc-per-node {args.world} -m aot topology calibrate --profile cpu -o cal.json"}
-            print(f"calibrated in {wall:.1f} s (foreign load {other:.2f} cores)", file=sys.stderr)
+            results["calibration"] = calibrate(args.world, profile, args.max_other_load, tmp)
         results["profile"] = json.loads(Path(profile).read_text())
         for model in args.models:
             name = Path(model).stem
-            plan_log = tmp / f"plan.{name}.json"
-            with open(plan_log, "w") as out:
-                subprocess.run(aot("plan", model, "--topology", str(profile), "--world-size", str(args.world),
-                                   "--batch-size", str(args.batch_size), "--json"), cwd=CODE, env=env(), stdout=out, check=True)
-            plan = json.loads(plan_log.read_text())
+            plan = plan_model(model, profile, args, tmp / f"plan.{name}.json")
             plans = plan["plans"]
             chosen = plans[:args.max_candidates - 1] + ([plans[-1]] if len(plans) >= args.max_candidates else [])
             candidates = []
@@ -231,12 +227,38 @@ def main() -> None:
                 "auto_build": {"strategy": auto_plan.get("strategy"), "bucket_mb": auto_plan.get("bucket_mb"),
                                "predicted_step_s": (auto_plan.get("predicted") or {}).get("step_s")},
             }
+        if args.profile is None:  # the same calibration after the launches: drift or the model's error?
+            after = tmp / "cpu-calibrated-after.json"
+            results["calibration_after"] = calibrate(args.world, after, args.max_other_load, tmp)
+            for model in args.models:
+                plans = plan_model(model, after, args, tmp / f"plan.{Path(model).stem}.after.json")["plans"]
+                by_plan = {(p["strategy"], p["bucket_mb"]): p["step_s"] for p in plans}
+                for c in results["models"][Path(model).stem]["candidates"]:
+                    c["predicted_after_s"] = by_plan.get((c["strategy"], c["bucket_mb"]))
     results["failed_launches"] = FAILED_LAUNCHES
     print_table(results)
     for f in FAILED_LAUNCHES:
         print(f"failed launch: {f['tag']} attempt {f['attempt'] + 1}: {f['error'].splitlines()[0]}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
+def calibrate(world: int, profile: Path, max_load: float, tmp: Path) -> dict:
+    """`aot topology calibrate` on `world` ranks into `profile`, once the machine is quiet."""
+    wait_for_quiet(max_load, QUIET_PATIENCE)
+    other, wall = run(torchrun(world, "-m", "aot", "topology", "calibrate", "--profile", "cpu", "-o", str(profile)),
+                      tmp / f"{profile.stem}.log")
+    print(f"calibrated in {wall:.1f} s (foreign load {other:.2f} cores)", file=sys.stderr)
+    return {"seconds": wall, "other_load_cores": other,
+            "command": f"torchrun --nproc-per-node {world} -m aot topology calibrate --profile cpu -o cal.json"}
+
+
+def plan_model(model: str, profile: Path, args, out_path: Path) -> dict:
+    """`aot plan --json` of `model` on `profile`."""
+    with open(out_path, "w") as out:
+        subprocess.run(aot("plan", model, "--topology", str(profile), "--world-size", str(args.world),
+                           "--batch-size", str(args.batch_size), "--json"), cwd=CODE, env=env(), stdout=out, check=True)
+    return json.loads(out_path.read_text())
 
 
 def separation(predicted: dict, measured: dict) -> dict:
@@ -252,14 +274,19 @@ def separation(predicted: dict, measured: dict) -> dict:
 
 def print_table(results: dict) -> None:
     base = results.get("machine_gflops_at_calibration")
-    print("| model | plan | predicted rank | predicted ms | measured ms | error | foreign load (cores) | machine speed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | plan | predicted rank | predicted ms | measured ms | error | predicted after | foreign load (cores) | machine speed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, m in results["models"].items():
         for c in m["candidates"]:
             speed = f"{c['machine_gflops'] / base:.2f}x" if base and c.get("machine_gflops") else "-"
+            after = c.get("predicted_after_s")
+            after = f"{after * 1e3:.2f} ({after / c['measured_step_s'] - 1:+.0%})" if after else "-"
             print(f"| {name} | {c['strategy']}, bucket {c['bucket_mb']:g} MiB | {c['predicted_rank']} | "
-                  f"{c['predicted_step_s'] * 1e3:.2f} | {c['measured_step_s'] * 1e3:.2f} | {c['error']:+.0%} | "
+                  f"{c['predicted_step_s'] * 1e3:.2f} | {c['measured_step_s'] * 1e3:.2f} | {c['error']:+.0%} | {after} | "
                   f"{c['other_load_cores']:.2f} | {speed} |")
+    if any(c.get("predicted_after_s") for m in results["models"].values() for c in m["candidates"]):
+        print("predicted after: the same plan priced by a second calibration taken after the launches (its error against "
+              "the measurement): where the two predictions bracket the measurement the machine drifted")
     if base:
         print(f"machine speed: one core's matmul rate before each launch, median over the launches, against "
               f"{base:.1f} GFLOP/s before the calibration")

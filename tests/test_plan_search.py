@@ -133,15 +133,17 @@ def test_calibrate_under_torchrun_writes_a_profile_the_planner_reads(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "aot", "topology", "calibrate", "--profile", "cpu", "-o", str(out),
-                           "--max-bytes", "65536", "--reps", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                           "--max-bytes", "65536", "--reps", "2", "--rounds", "2"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "round 2 of 2" in proc.stderr  # compute and the stall measured twice, a median (and a pool) of the two
     profile = load_profile(str(out))  # validates
     loopback = profile["calibration"]["loopback"]
     assert set(loopback["per_kind"]) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert [n for n, _ in loopback["measured"]["all_reduce"]] == [4096 * 2**i for i in range(5)]
     compute = profile["compute"]
     assert compute["flops_per_s"]["float32"] > 0 and compute["op_overhead_s"] >= 0 and 0 < compute["efficiency"] <= 1
-    assert compute["collective_stall_s"] >= 0  # measured on these CPU ranks, priced into CPU plans
+    assert compute["collective_stall_s"] >= 0 and compute["rounds"] == 2  # measured on these CPU ranks, priced into CPU plans
     by_segment = compute["collective_stall_by_segment"]  # its distribution by compute before it, summed by plans
     assert [len(stall) for _, stall in by_segment] == [40] * 5 and all(stall == sorted(stall) for _, stall in by_segment)
     assert [seconds for seconds, _ in by_segment] == sorted(seconds for seconds, _ in by_segment)

@@ -24,7 +24,8 @@ as the runner runs programs) is timed at two sizes, one where dispatch dominates
 does: time = ops x per-op cost + what the separately timed pieces give + roofline work / efficiency
 gives both. Every timing is the median of its repetitions, as a training run's step time is: on a
 shared machine the profile describes the machine as the ranks find it, so calibrate right before
-the runs it should predict. The median over ranks goes into the profile's `compute` entry.
+the runs it should predict. Compute (and the stall) is measured in rounds, 5 on CPU ranks, after
+the collectives: the median over ranks, then over rounds, goes into the profile's `compute` entry.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from runner.groups import leave_process_group, yield_gloo_poll_threads
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 STALL_QUANTILES = 40   # values kept of the in-step stall's distribution
+DEFAULT_CPU_ROUNDS = 5  # rounds of compute and stall measurements on CPU ranks (about 5 s each)
 
 
 def _sync(device):
@@ -509,8 +511,18 @@ def measure_collective_stall(device, isolated_s: float, reps: int = 100) -> list
     return out
 
 
-def _median_over_ranks(results: list[dict]) -> dict:
-    """Each number the median over ranks; bandwidth_by_bytes per size; the reference steps rank 0's."""
+def _gather(mine, world: int) -> list:
+    """Every rank's `mine`, in rank order."""
+    if world == 1:
+        return [mine]
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def _median_of(results: list[dict]) -> dict:
+    """Each number the median over `results` (the ranks' measurements, or the rounds'); bandwidth_by_bytes
+    per size; the reference steps the first's (rank 0's, the first round's)."""
     first = results[0]
     out = {"flops_per_s": {k: statistics.median(r["flops_per_s"][k] for r in results) for k in first["flops_per_s"]}}
     for key, value in first.items():
@@ -531,8 +543,15 @@ def _median_over_ranks(results: list[dict]) -> dict:
 # -- the run --------------------------------------------------------------------------------------
 
 def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seconds: float = 0.0,
-              log=print) -> dict | None:
-    """Run on every rank under torchrun; returns the calibrated profile on rank 0 (None elsewhere)."""
+              rounds: int | None = None, log=print) -> dict | None:
+    """Run on every rank under torchrun; returns the calibrated profile on rank 0 (None elsewhere).
+
+    Compute (and on CPU ranks the in-step stall) is measured in `rounds` rounds, one after another
+    (default: DEFAULT_CPU_ROUNDS on CPU ranks, 1 on GPUs); each figure is the median over rounds and
+    the stall's distribution pools every round's samples. One round times a few seconds of a shared
+    machine; on this project's VM the host's speed changes from one ten seconds to the next with no
+    load /proc/stat shows, and one round's prediction of a step varied by -20%..+12% between
+    calibrations taken a minute apart (BENCHMARKS.md)."""
     from aot.plan.machine import Machine, NETWORK
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -548,21 +567,15 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
         started = True
     if world > 1 and not cuda:  # as the runner does: the stall measured is the one its steps pay
         yield_gloo_poll_threads()
+    rounds = rounds or (1 if cuda else DEFAULT_CPU_ROUNDS)
     try:
         sizes = []
         n = min_bytes
         while n <= max_bytes:
             sizes.append(n)
             n *= 2
-        log(f"measuring compute on {world} rank(s) ({device.type})")
-        mine = measure_compute(device)
-        gathered = [None] * world
-        if world > 1:
-            dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
-        compute = _median_over_ranks(gathered)
-        per_kind, measurements = {}, {}
+        compute_rounds, stall_rounds = [], []  # per round: the median over ranks; every rank's stall samples
+        per_kind, measurements, isolated_s = {}, {}, None
         if world > 1:
             log(f"measuring {', '.join(KINDS)} at {len(sizes)} sizes from {min_bytes} to {max_bytes} bytes")
             points = measure_collectives(device, sizes, reps, min_seconds=min_seconds)
@@ -571,20 +584,27 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
                 alpha, beta = alpha_beta(kind, world, a, b)
                 per_kind[kind] = {"alpha_s": alpha, "beta_s_per_byte": beta, "gamma_s_per_byte": 0.0}
                 measurements[kind] = [[n, t] for n, t in pts]
-            if device.type == "cpu":  # GPU collectives overlap compute on their own stream
-                log("measuring what a blocking collective costs inside a step")
-                a, b = fit_line(points["all_reduce"])
-                mine = measure_collective_stall(device, a + b * 4096)
-                every = [None] * world
-                dist.all_gather_object(every, mine)
-                by_segment = []
-                for i in range(len(mine)):  # each run length: its median compute, every rank's samples
-                    samples = [t for rank_runs in every for t in rank_runs[i][1]]
-                    by_segment.append([statistics.median(rank_runs[i][0] for rank_runs in every),
-                                       quantiles(samples, STALL_QUANTILES)])
-                compute["collective_stall_by_segment"] = by_segment
-                compute["collective_stall_s"] = max(0.0, statistics.fmean(
-                    t for rank_runs in every for _, samples in rank_runs for t in samples))
+            a, b = fit_line(points["all_reduce"])
+            isolated_s = a + b * 4096
+        for r in range(rounds):
+            stall = world > 1 and device.type == "cpu"  # GPU collectives overlap compute on their own stream
+            log(f"measuring compute{' and what a blocking collective costs inside a step' if stall else ''} "
+                f"on {world} rank(s) ({device.type})" + (f", round {r + 1} of {rounds}" if rounds > 1 else ""))
+            compute_rounds.append(_median_of(_gather(measure_compute(device), world)))
+            if stall:
+                stall_rounds.append(_gather(measure_collective_stall(device, isolated_s), world))
+        compute = _median_of(compute_rounds)
+        if stall_rounds:
+            by_segment = []
+            for i, _ in enumerate(stall_rounds[0][0]):  # each run length: its median compute, every rank's samples
+                runs = [rank_runs[i] for every in stall_rounds for rank_runs in every]
+                by_segment.append([statistics.median(alone for alone, _ in runs),
+                                   quantiles([t for _, samples in runs for t in samples], STALL_QUANTILES)])
+            compute["collective_stall_by_segment"] = by_segment
+            compute["collective_stall_s"] = max(0.0, statistics.fmean(
+                t for every in stall_rounds for rank_runs in every for _, samples in rank_runs for t in samples))
+        if rounds > 1:
+            compute["rounds"] = rounds
     finally:
         if started:
             leave_process_group()
