@@ -26,8 +26,8 @@ tree). The table gives predicted and measured milliseconds, the error (predicted
 foreign load, and says whether the plan predicted best is the one measured best; where not, how far
 behind it measured and whether the two plans' launches overlap (then these launches cannot order
 them: run more --repeats), and the machine's speed before the launches against its speed before
-the calibration (one core's matmul rate: on a VM the host can slow it where /proc/stat shows no
-foreign load). Children get
+the calibration (one core's matmul rate, and its copy rate on 64 MiB: on a VM the host can slow
+either where /proc/stat shows no foreign load). Children get
 OMP_NUM_THREADS=1 (torchrun's default). Everything is written in one temporary folder, removed
 at the end.
 """
@@ -104,6 +104,23 @@ def machine_gflops() -> float:
     return 20 * 2 * 256**3 / statistics.median(timings) / 1e9
 
 
+def machine_copy_gbs() -> float:
+    """This machine's memory speed now: one core copying 64 MiB, far beyond the caches (GB/s moved,
+    median of 7). The matmul rate runs from the core's own caches; a neighbour on the host that
+    takes the memory bus or the shared cache slows a step's copies and elementwise kernels, not it."""
+    import torch
+    torch.set_num_threads(1)
+    x = torch.empty(8 * 2**20)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    timings = []
+    for _ in range(7):
+        start = time.perf_counter()
+        y.copy_(x)
+        timings.append(time.perf_counter() - start)
+    return 2 * x.numel() * 4 / statistics.median(timings) / 1e9
+
+
 def run(cmd: list[str], log: Path, timeout: float = 900) -> tuple[float | None, float]:
     """Run cmd; return (cores' worth of CPU other processes used meanwhile, wall seconds)."""
     t0, busy0, own0 = time.time(), busy_cpu_s(), own_cpu_s()
@@ -132,7 +149,7 @@ def measure(art: Path, world: int, steps: int, tmp: Path, tag: str, attempts: in
     best = None
     for attempt in range(attempts):
         wait_for_quiet(max_load, QUIET_PATIENCE)
-        speed = machine_gflops()
+        speed, memory = machine_gflops(), machine_copy_gbs()
         metrics = tmp / f"metrics.{tag}.{attempt}.jsonl"
         try:
             other, _ = run(torchrun(world, "-m", "aot", "run", str(art), "--steps", str(steps), "--metrics", str(metrics),
@@ -143,7 +160,7 @@ def measure(art: Path, world: int, steps: int, tmp: Path, tag: str, attempts: in
             continue
         times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines() if line.strip()]
         result = {"step_s": statistics.median(times[WARMUP_STEPS:]), "other_load_cores": other, "attempts": attempt + 1,
-                  "machine_gflops": speed}
+                  "machine_gflops": speed, "machine_copy_gbs": memory}
         if best is None or (other or 0) < (best["other_load_cores"] or 0):
             best = result
         if other is not None and other <= max_load:
@@ -180,6 +197,7 @@ def main() -> None:
             profile = tmp / "cpu-calibrated.json"
             wait_for_quiet(args.max_other_load, QUIET_PATIENCE)
             results["machine_gflops_at_calibration"] = machine_gflops()
+            results["machine_copy_gbs_at_calibration"] = machine_copy_gbs()
             results["calibration"] = calibrate(args.world, profile, args.max_other_load, tmp)
         results["profile"] = json.loads(Path(profile).read_text())
         for model in args.models:
@@ -215,6 +233,7 @@ def main() -> None:
                 c["measured_step_s"] = statistics.median(x["step_s"] for x in c["runs"])
                 c["other_load_cores"] = statistics.median(x["other_load_cores"] or 0 for x in c["runs"])
                 c["machine_gflops"] = statistics.median(x["machine_gflops"] for x in c["runs"])
+                c["machine_copy_gbs"] = statistics.median(x["machine_copy_gbs"] for x in c["runs"])
                 c["error"] = c["predicted_step_s"] / c["measured_step_s"] - 1
                 c["artifact"] = str(c["artifact"].name)
             measured_best = min(candidates, key=lambda c: c["measured_step_s"])
@@ -274,22 +293,28 @@ def separation(predicted: dict, measured: dict) -> dict:
 
 def print_table(results: dict) -> None:
     base = results.get("machine_gflops_at_calibration")
-    print("| model | plan | predicted rank | predicted ms | measured ms | error | predicted after | foreign load (cores) | machine speed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    base_copy = results.get("machine_copy_gbs_at_calibration")
+    print("| model | plan | predicted rank | predicted ms | measured ms | error | predicted after | foreign load (cores) "
+          "| machine speed | memory speed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, m in results["models"].items():
         for c in m["candidates"]:
             speed = f"{c['machine_gflops'] / base:.2f}x" if base and c.get("machine_gflops") else "-"
+            memory = f"{c['machine_copy_gbs'] / base_copy:.2f}x" if base_copy and c.get("machine_copy_gbs") else "-"
             after = c.get("predicted_after_s")
             after = f"{after * 1e3:.2f} ({after / c['measured_step_s'] - 1:+.0%})" if after else "-"
             print(f"| {name} | {c['strategy']}, bucket {c['bucket_mb']:g} MiB | {c['predicted_rank']} | "
                   f"{c['predicted_step_s'] * 1e3:.2f} | {c['measured_step_s'] * 1e3:.2f} | {c['error']:+.0%} | {after} | "
-                  f"{c['other_load_cores']:.2f} | {speed} |")
+                  f"{c['other_load_cores']:.2f} | {speed} | {memory} |")
     if any(c.get("predicted_after_s") for m in results["models"].values() for c in m["candidates"]):
         print("predicted after: the same plan priced by a second calibration taken after the launches (its error against "
               "the measurement): where the two predictions bracket the measurement the machine drifted")
     if base:
         print(f"machine speed: one core's matmul rate before each launch, median over the launches, against "
               f"{base:.1f} GFLOP/s before the calibration")
+    if base_copy:
+        print(f"memory speed: one core copying 64 MiB before each launch, median over the launches, against "
+              f"{base_copy:.1f} GB/s before the calibration")
     for name, m in results["models"].items():
         verdict = "agree" if m["best_agrees"] else f"DISAGREE: the predicted best measured {m['best_margin']:+.1%} behind"
         if m.get("best_launches_overlap"):
