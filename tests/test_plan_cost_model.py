@@ -80,7 +80,8 @@ def test_measured_call_costs_per_op():
 
 
 def test_calibrated_call_costs_cover_the_reference_step_and_common_training_ops():
-    from aot.plan.calibrate import _reference_step, measure_dispatch_seconds
+    from aot.plan.calibrate import _reference_step
+    from aot.plan.cpu_op_costs import measure_dispatch_seconds
 
     gm, _, args = _reference_step(torch.device("cpu"), 4, 1)
     before = [a.clone() for a in args]
