@@ -48,6 +48,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from aot.plan.timing import per_call  # noqa: E402  (the calibration's own timer)
+
 CODE = REPO  # the tree the children run: a snapshot of REPO unless --no-snapshot
 WARMUP_STEPS = 5
 QUIET_PATIENCE = 120.0  # seconds to wait for a quiet machine before each calibration and run
@@ -94,14 +97,7 @@ def machine_gflops() -> float:
     import torch
     torch.set_num_threads(1)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    a @ b
-    timings = []
-    for _ in range(7):
-        start = time.perf_counter()
-        for _ in range(20):
-            a @ b
-        timings.append(time.perf_counter() - start)
-    return 20 * 2 * 256**3 / statistics.median(timings) / 1e9
+    return 2 * 256**3 / per_call(lambda: a @ b, torch.device("cpu"), reps=7, inner=20) / 1e9
 
 
 def machine_copy_gbs() -> float:
@@ -112,13 +108,7 @@ def machine_copy_gbs() -> float:
     torch.set_num_threads(1)
     x = torch.empty(8 * 2**20)
     y = torch.empty_like(x)
-    y.copy_(x)
-    timings = []
-    for _ in range(7):
-        start = time.perf_counter()
-        y.copy_(x)
-        timings.append(time.perf_counter() - start)
-    return 2 * x.numel() * 4 / statistics.median(timings) / 1e9
+    return 2 * x.numel() * 4 / per_call(lambda: y.copy_(x), torch.device("cpu"), reps=7, inner=1) / 1e9
 
 
 def run(cmd: list[str], log: Path, timeout: float = 900) -> tuple[float | None, float]:
@@ -195,9 +185,6 @@ def main() -> None:
         profile = args.profile
         if profile is None:
             profile = tmp / "cpu-calibrated.json"
-            wait_for_quiet(args.max_other_load, QUIET_PATIENCE)
-            results["machine_gflops_at_calibration"] = machine_gflops()
-            results["machine_copy_gbs_at_calibration"] = machine_copy_gbs()
             results["calibration"] = calibrate(args.world, profile, args.max_other_load, tmp)
         results["profile"] = json.loads(Path(profile).read_text())
         for model in args.models:
@@ -265,10 +252,11 @@ def main() -> None:
 def calibrate(world: int, profile: Path, max_load: float, tmp: Path) -> dict:
     """`aot topology calibrate` on `world` ranks into `profile`, once the machine is quiet."""
     wait_for_quiet(max_load, QUIET_PATIENCE)
+    speed, memory = machine_gflops(), machine_copy_gbs()
     other, wall = run(torchrun(world, "-m", "aot", "topology", "calibrate", "--profile", "cpu", "-o", str(profile)),
                       tmp / f"{profile.stem}.log")
     print(f"calibrated in {wall:.1f} s (foreign load {other:.2f} cores)", file=sys.stderr)
-    return {"seconds": wall, "other_load_cores": other,
+    return {"seconds": wall, "other_load_cores": other, "machine_gflops": speed, "machine_copy_gbs": memory,
             "command": f"torchrun --nproc-per-node {world} -m aot topology calibrate --profile cpu -o cal.json"}
 
 
@@ -292,8 +280,8 @@ def separation(predicted: dict, measured: dict) -> dict:
 
 
 def print_table(results: dict) -> None:
-    base = results.get("machine_gflops_at_calibration")
-    base_copy = results.get("machine_copy_gbs_at_calibration")
+    base = (results.get("calibration") or {}).get("machine_gflops")
+    base_copy = (results.get("calibration") or {}).get("machine_copy_gbs")
     print("| model | plan | predicted rank | predicted ms | measured ms | error | predicted after | foreign load (cores) "
           "| machine speed | memory speed |")
     print("|---|---|---|---|---|---|---|---|---|---|")
