@@ -61,6 +61,8 @@ def test_measured_elementwise_rates_and_foreach_kernels():
     assert ops["gelu"].elements == 32 and ops["gelu"].launches == 1
     foreach = next(op for name, op in ops.items() if name.startswith("_foreach_add"))
     assert foreach.launches == 5
+    # in place, it returns nothing: it reads xs and ys and writes xs (5 x 3 floats each)
+    assert foreach.bytes == 3 * 15 * 4 and foreach.elements == 15
 
 
 def test_measured_call_costs_per_op():

@@ -152,6 +152,21 @@ def _flops(node) -> float:
         return 0.0
 
 
+def _written_args(node) -> list[torch.Tensor]:
+    """The tensors an op that returns nothing writes in place: its arguments the schema marks
+    mutable (`Tensor(a!)[] self` of `_foreach_mul_`). They are its output: what it writes counts
+    in its bytes (and its elements), as the output of an out-of-place op does."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            written += _tensors(_map_args(value))
+    return written
+
+
 def _launches(node, name: str) -> int:
     """A foreach op's tensor count (the length of its first list argument: `_foreach_pow(scalar,
     tensors)` has it second); 1 for other ops."""
@@ -206,7 +221,7 @@ def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None 
             continue
         if _is_wait(node):
             continue
-        outs = _tensors(_val(node))
+        outs = _tensors(_val(node)) or _written_args(node)
         dtype = str(outs[0].dtype).replace("torch.", "") if outs else "float32"
         name = _target_name(node.target)
         if node.target in _FREE:
