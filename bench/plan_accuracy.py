@@ -31,8 +31,9 @@ tree), with OMP_NUM_THREADS=1 (torchrun's default). The table gives predicted, b
 measured milliseconds with each launch's, the errors (predicted / measured - 1) and the foreign
 load; then, per model, whether the plan predicted best is the one measured best (where not, how far
 behind it measured and whether the two plans' launches overlap: then these launches cannot order
-them) and how many of the calibrations price the measured best first. Everything is written in one
-temporary folder, removed at the end.
+them) and how many of the calibrations price the measured best first. --out writes all of it as
+JSON, every calibration's profile included. Everything else is written in one temporary folder,
+removed at the end.
 """
 
 from __future__ import annotations
@@ -183,7 +184,8 @@ def main() -> None:
             return profile
 
         first = profiles[0] if profiles else calibrate_and_price()
-        results["profile"] = json.loads(Path(first).read_text())
+        if args.profile:
+            results["profile"] = json.loads(Path(first).read_text())
         for model in args.models:
             results["models"][Path(model).stem] = build_candidates(model, first, args, tmp)
         candidates = [(name, c) for name, m in results["models"].items() for c in m["candidates"]]
@@ -268,7 +270,8 @@ def calibrate(world: int, profile: Path, max_load: float, tmp: Path) -> dict:
     other, wall = run(torchrun(world, "-m", "aot", "topology", "calibrate", "--profile", "cpu", "-o", str(profile)),
                       tmp / f"{profile.stem}.log")
     print(f"calibrated in {wall:.1f} s (foreign load {other:.2f} cores)", file=sys.stderr)
-    return {"seconds": wall, "other_load_cores": other,
+    # the whole profile: which of its figures moved between one calibration and the next
+    return {"seconds": wall, "other_load_cores": other, "profile": json.loads(profile.read_text()),
             "command": f"torchrun --nproc-per-node {world} -m aot topology calibrate --profile cpu -o cal.json"}
 
 
