@@ -194,8 +194,9 @@ def calibrate(base, output, name, min_bytes, max_bytes, reps, min_seconds, round
         + (f" beyond its call ({len(c['dispatch_s'])} ops' calls timed, median "
            f"{statistics.median(one for one, _ in c['dispatch_s'].values()) * 1e6:.1f} us)" if c.get("dispatch_s") else "")
         + f", {c['efficiency']:.0%} of that roofline on real ops")
-    for seconds, stall in c.get("collective_stall_by_segment") or ():
-        slow = sum(1 for t in stall if t > 1e-3) / len(stall)
-        log(f"in-step  after {seconds * 1e3:6.2f} ms of compute a blocking collective stalls {sum(stall) / len(stall) * 1e3:5.2f} ms "
-            f"on average (median {stall[len(stall) // 2] * 1e3:5.2f} ms; {slow:.0%} over 1 ms)")
+    for kind, table in (c.get("collective_stall_by_kind") or {"collective": c.get("collective_stall_by_segment") or ()}).items():
+        for seconds, stall in table:
+            slow = sum(1 for t in stall if t > 1e-3) / len(stall)
+            log(f"in-step  after {seconds * 1e3:6.2f} ms of compute a blocking {kind:<14} stalls {sum(stall) / len(stall) * 1e3:5.2f} ms "
+                f"on average (median {stall[len(stall) // 2] * 1e3:5.2f} ms; {slow:.0%} over 1 ms)")
     log(f"wrote {result['name']!r} to {output}")

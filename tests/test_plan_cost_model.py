@@ -122,8 +122,8 @@ def _step(times, comms):
     return StepGraph(ops=[Op(f"op{i}", "x") for i in range(len(times))], comms=comms, memory=Memory(), graph_nodes=len(times))
 
 
-def _site(name, issue_at, wait_at, nbytes=100, group="aot.dp"):
-    return CommSite(name, "all_reduce", group, nbytes, nbytes, "float32", issue_at, wait_at, input_numel=nbytes // 4)
+def _site(name, issue_at, wait_at, nbytes=100, group="aot.dp", kind="all_reduce"):
+    return CommSite(name, kind, group, nbytes, nbytes, "float32", issue_at, wait_at, input_numel=nbytes // 4)
 
 
 @pytest.mark.parametrize("comm_ms,overlap,step_ms,exposed_ms", [
@@ -250,3 +250,31 @@ def test_the_stall_follows_the_compute_before_each_collective():
     step = _step([0.5e-3] * 4, [_site("X", 1, 3), _site("Y", 2, 3)])
     p = simulate(step, cpu, lambda c: ("ring", 0.0), overlap=False, op_times=[0.5e-3] * 4)
     assert p.step_s == pytest.approx(2e-3)
+
+
+def test_each_collective_kind_draws_its_own_stall():
+    """gloo's all_gathers issued back to back (FSDP's) stall less than its all_reduces: a profile
+    with a table per kind prices each collective from its kind's, others from the default one."""
+    zero, tick = (0.0,) * 10, (1e-3,) * 10
+    cpu = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_by_segment=((1e-6, tick), (1e-2, tick)),
+                  collective_stall_by_kind={"all_gather": ((1e-6, zero), (1e-2, tick)), "all_reduce": ((1e-6, tick), (1e-2, tick))})
+    assert cpu.blocking_stall([0.0, 0.0, 0.0], ["all_gather", "all_gather", "all_reduce"]) == pytest.approx(1e-3)
+    assert cpu.blocking_stall([0.0, 0.0], ["all_to_all", "all_to_all"]) == pytest.approx(2e-3)  # no table: the default
+    assert cpu.blocking_stall([0.02, 0.0], ["all_gather", "all_gather"]) == pytest.approx(1e-3)  # after 20 ms: its tick
+    assert cpu.blocking_stall([0.0, 0.0]) == pytest.approx(2e-3)  # kinds unknown: the default table
+    # a step of two all_gathers issued back to back, then an all_reduce: only the all_reduce pays
+    step = _step([1e-3] * 3, [_site("G1", 0, 1, kind="all_gather"), _site("G2", 0, 1, kind="all_gather"), _site("R", 0, 3)])
+    p = simulate(step, cpu, lambda c: ("ring", 0.0), overlap=False, op_times=[1e-3] * 3)
+    assert p.step_s == pytest.approx(3e-3 + 1e-3)
+
+
+def test_the_stall_table_takes_the_median_round_not_a_bursty_one():
+    """A round that hit a burst of contention (its stalls 4 ms) does not set the table: each run
+    length takes the round whose samples' mean is the median of the rounds'."""
+    from aot.plan.calibrate import STALL_QUANTILES, stall_table
+    def round_(stall, seconds=1e-5):  # two ranks, two run lengths, 10 samples each
+        return [[(seconds, [stall] * 10), (2 * seconds, [stall / 2] * 10)] for _ in range(2)]
+    table = stall_table([round_(0.1e-3), round_(4e-3), round_(0.2e-3)])
+    assert [s for s, _ in table] == [1e-5, 2e-5]
+    assert table[0][1] == [0.2e-3] * STALL_QUANTILES and table[1][1] == [0.1e-3] * STALL_QUANTILES
+    assert stall_table([round_(0.1e-3), round_(4e-3)])[0][1] == [0.1e-3] * STALL_QUANTILES  # of two: the lower

@@ -289,26 +289,42 @@ def measure_compute(device, reps: int = 7) -> dict:
     return result
 
 
-STALL_SEGMENTS = (10, 40, 160, 640, 2560)   # small ops between two collectives: 0.04 to 10 ms on 2 ranks here
+# small ops between two collectives: none (issued back to back, as FSDP's all_gathers are), then
+# 0.04 to 10 ms on 2 ranks here
+STALL_SEGMENTS = (0, 10, 40, 160, 640, 2560)
+STALL_BYTES = 4096   # the collectives' size (n as the cost model counts it); what a step pays beyond n beta
 
 
-def measure_collective_stall(device, isolated_s: float, reps: int = 100) -> list[tuple[float, list[float]]]:
-    """[(seconds of compute before the collective, [stall samples])] for runs of 10 to 2,560 ops:
-    what a blocking all_reduce of 4 KiB costs inside a step beyond `isolated_s` (its fast time
-    when the ranks start it together after a barrier). Every rank runs a run of small ops (as CPU
-    training steps are made of: dispatch-bound, a few microseconds each), then the all_reduce,
-    `reps` times with no barrier in between; each iteration, less the mean run alone at the same
-    time on every rank, less `isolated_s`, is a sample. The ranks drift out of step and gloo's
-    threads wait for a core, often a whole scheduler tick; where ranks share cores (4 on 2 here)
-    a longer run is more often preempted midway, so the stall grows with it. The planner sums
-    draws from the samples of the nearest run length (Compute.blocking_stall). Measured on this
-    2-core machine, 2 ranks: a mean of 1.0-1.6 ms after 0.04-0.7 ms of compute with gloo's poll
-    threads as gloo starts them, 0.3-0.5 ms with them yielded (as the runner and `calibrate` now
-    do: runner.groups.yield_gloo_poll_threads)."""
+def measure_collective_stall(device, isolated_s: dict[str, float], reps: int = 100, budget_s: float = 0.5,
+                             min_reps: int = 30) -> dict[str, list[tuple[float, list[float]]]]:
+    """kind -> [(seconds of compute before the collective, [stall samples])] for runs of 0 to 2,560
+    ops: what a blocking collective of STALL_BYTES costs inside a step beyond `isolated_s[kind]` (its fast
+    time when the ranks start it together after a barrier, read off the kind's fitted line). Every
+    rank runs a run of small ops (as CPU training steps are made of: dispatch-bound, a few
+    microseconds each), then the collective, `reps` times with no barrier in between; each
+    iteration, less the mean run alone at the same time on every rank, less its isolated time, is
+    a sample. The ranks drift out of step and gloo's threads wait for a core, often a whole
+    scheduler tick; where ranks share cores (4 on 2 here) a longer run is more often preempted
+    midway, so the stall grows with it. The planner sums draws from the samples of the kind and the
+    nearest run length (Compute.blocking_stall). Each kind and run length is repeated `reps` times,
+    or as often as fits in about `budget_s` (at least `min_reps`): a run of 2,560 ops takes 5 ms
+    at 2 ranks here, 12 ms at 4.
+
+    Each kind is measured on its own: measured side by side in one run on this 2-core machine
+    (2 ranks, five rounds), all_gathers issued back to back ran 0.11-0.17 ms under their fitted
+    line in the median (mean +0.03..+0.21 ms) while all_reduces back to back ran +0.04..+0.25 ms
+    over theirs (mean +0.29..+0.69 ms); priced with the all_reduce's stall, FSDP's all_gathers made
+    examples/mlp.py's fsdp=2 step 22-81% too slow. Collectives issued back to back (no ops
+    between) find the ranks in step from the previous one, so that run length is measured too.
+    Measured on this machine, 2 ranks: a mean of 1.0-1.6 ms after 0.04-0.7 ms of compute with
+    gloo's poll threads as gloo starts them, 0.3-0.5 ms with them yielded (as the runner and
+    `calibrate` now do: runner.groups.yield_gloo_poll_threads)."""
     torch.manual_seed(0)
     pool = [torch.randn(256, device=device) for _ in range(4)]
-    buffer = torch.ones(1024, dtype=torch.float32, device=device)
     group_name, world = dist.group.WORLD.group_name, dist.get_world_size()
+    elems = max(world, STALL_BYTES // 4 // world * world)  # gathered, reduced or scattered, as the cost model counts n
+    buffers = {kind: torch.ones(elems // world if kind == "all_gather" else elems, dtype=torch.float32, device=device)
+               for kind in isolated_s}
 
     def segment(n: int):
         y = pool[0]
@@ -316,18 +332,41 @@ def measure_collective_stall(device, isolated_s: float, reps: int = 100) -> list
             y = torch.add(y, pool[i % len(pool)])
         return y
 
-    def then_collective(n: int):
-        segment(n)
-        _collective("all_reduce", buffer, group_name, world)
-
-    out = []
+    out: dict[str, list] = {kind: [] for kind in isolated_s}
     for n in STALL_SEGMENTS:
         dist.barrier()
         alone = statistics.fmean(timed(lambda: segment(n), device, reps))
-        dist.barrier()
-        timed(lambda: then_collective(n), device, 3)
-        out.append((alone, [t - alone - isolated_s for t in timed(lambda: then_collective(n), device, reps)]))
+        # every rank must repeat as often (or they deadlock): count from the slowest rank's run
+        slowest = torch.tensor([alone + isolated_s["all_reduce"]], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        count = max(min_reps, min(reps, int(budget_s / max(float(slowest[0]), 1e-6))))
+        for kind, isolated in isolated_s.items():
+            def then_collective():
+                segment(n)
+                _collective(kind, buffers[kind], group_name, world)
+            dist.barrier()
+            timed(then_collective, device, 3)
+            out[kind].append((alone, [t - alone - isolated for t in timed(then_collective, device, count)]))
     return out
+
+
+def stall_table(rounds: list[list[list[tuple[float, list[float]]]]]) -> list:
+    """[[compute seconds, [STALL_QUANTILES stalls]], ...] per run length, from one kind's
+    measurements: rounds -> ranks -> run lengths -> (compute seconds, samples). Each run length
+    takes the round whose samples (every rank's) have the median mean, not all rounds pooled: the
+    stall is heavy-tailed and its tail comes and goes with the machine's minute (on this VM one
+    round in five could stall 2-4x the others' mean, and pooled it priced examples/mlp.py's
+    fsdp=2 step 90% over), where the runs a profile predicts see the typical minute, as every
+    other figure of the calibration is the median over rounds."""
+    table = []
+    for i in range(len(rounds[0][0])):
+        per_round = []
+        for every in rounds:  # every rank's runs in one round
+            samples = [t for runs in every for t in runs[i][1]]
+            per_round.append((statistics.fmean(samples), statistics.median(runs[i][0] for runs in every), samples))
+        _, seconds, samples = sorted(per_round, key=lambda r: r[0])[(len(per_round) - 1) // 2]
+        table.append([seconds, quantiles(samples, STALL_QUANTILES)])
+    return table
 
 
 def _gather(mine, world: int) -> list:
@@ -367,7 +406,7 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
 
     Compute (and on CPU ranks the in-step stall) is measured in `rounds` rounds, one after another
     (default: DEFAULT_CPU_ROUNDS on CPU ranks, 1 on GPUs); each figure is the median over rounds and
-    the stall's distribution pools every round's samples. One round times a few seconds of a shared
+    the stall's distribution is the median round's (stall_table). One round times a few seconds of a shared
     machine; on this project's VM the host's speed changes from one ten seconds to the next with no
     load /proc/stat shows, and one round's prediction of a step varied by -20%..+12% between
     calibrations taken a minute apart (BENCHMARKS.md)."""
@@ -394,7 +433,7 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
             sizes.append(n)
             n *= 2
         compute_rounds, stall_rounds = [], []  # per round: the median over ranks; every rank's stall samples
-        per_kind, measurements, isolated_s = {}, {}, None
+        per_kind, measurements, isolated_s = {}, {}, {}
         if world > 1:
             log(f"measuring {', '.join(KINDS)} at {len(sizes)} sizes from {min_bytes} to {max_bytes} bytes")
             points = measure_collectives(device, sizes, reps, min_seconds=min_seconds)
@@ -403,8 +442,7 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
                 alpha, beta = alpha_beta(kind, world, a, b)
                 per_kind[kind] = {"alpha_s": alpha, "beta_s_per_byte": beta, "gamma_s_per_byte": 0.0}
                 measurements[kind] = [[n, t] for n, t in pts]
-            a, b = fit_line(points["all_reduce"])
-            isolated_s = a + b * 4096
+                isolated_s[kind] = a + b * STALL_BYTES
         stall = world > 1 and device.type == "cpu"  # GPU collectives overlap compute on their own stream
         for r in range(rounds):
             log(f"measuring compute{' and what a blocking collective costs inside a step' if stall else ''} "
@@ -414,14 +452,11 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
                 stall_rounds.append(_gather(measure_collective_stall(device, isolated_s), world))
         compute = _median_of(compute_rounds)
         if stall_rounds:
-            by_segment = []
-            for i, _ in enumerate(stall_rounds[0][0]):  # each run length: its median compute, every rank's samples
-                runs = [rank_runs[i] for every in stall_rounds for rank_runs in every]
-                by_segment.append([statistics.median(alone for alone, _ in runs),
-                                   quantiles([t for _, samples in runs for t in samples], STALL_QUANTILES)])
-            compute["collective_stall_by_segment"] = by_segment
-            compute["collective_stall_s"] = max(0.0, statistics.fmean(
-                t for every in stall_rounds for rank_runs in every for _, samples in rank_runs for t in samples))
+            by_kind = {kind: stall_table([[rank_runs[kind] for rank_runs in every] for every in stall_rounds]) for kind in KINDS}
+            compute["collective_stall_by_kind"] = by_kind
+            # the all_reduce's, as profiles before the per-kind table have it (and other kinds fall back to)
+            compute["collective_stall_by_segment"] = by_kind["all_reduce"]
+            compute["collective_stall_s"] = max(0.0, statistics.fmean(t for _, stall in by_kind["all_reduce"] for t in stall))
         if rounds > 1:
             compute["rounds"] = rounds
     finally:

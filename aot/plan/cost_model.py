@@ -483,14 +483,16 @@ def _op_s(op: Op, compute: Compute) -> float:
     return compute.op_seconds(op.flops, op.bytes, op.dtype, target=op.target, elements=op.elements, launches=op.launches)
 
 
-def _segments(step: StepGraph, times: list[float]) -> list[float]:
+def _segments(step: StepGraph, times: list[float]) -> tuple[list[float], list[str]]:
     """Seconds of compute before each collective since the previous one was issued (from the
-    step's start for the first): how long the ranks ran apart before meeting in it."""
+    step's start for the first): how long the ranks ran apart before meeting in it; and the
+    collectives' kinds, in issue order."""
     prefix = [0.0]
     for t in times:
         prefix.append(prefix[-1] + t)
-    issued = sorted(c.issue_at for c in step.comms)
-    return [prefix[i] - prefix[j] for j, i in zip([0] + issued[:-1], issued)]
+    issued = sorted(step.comms, key=lambda c: c.issue_at)
+    at = [c.issue_at for c in issued]
+    return [prefix[i] - prefix[j] for j, i in zip([0] + at[:-1], at)], [c.kind for c in issued]
 
 
 def simulate(step: StepGraph, compute: Compute, comm_cost, *, overlap: bool = True, trace: bool = False,
@@ -512,7 +514,7 @@ def simulate(step: StepGraph, compute: Compute, comm_cost, *, overlap: bool = Tr
     end: dict[str, float] = {}
     algos: dict = {}
     comm_bytes = 0
-    stall = 0.0 if overlap or not step.comms else compute.blocking_stall(_segments(step, times)) / len(step.comms)
+    stall = 0.0 if overlap or not step.comms else compute.blocking_stall(*_segments(step, times)) / len(step.comms)
 
     def run(op: Op, seconds: float):
         nonlocal t

@@ -12,7 +12,8 @@ when present, from its measured `calibration` (per link class) and `compute` ent
                 "bandwidth_by_bytes": [[bytes, bytes_per_s], ...], "op_overhead_s": ..., "view_overhead_s": ..., "efficiency": ...,
                 "element_seconds": {"gelu": ..., ...}, "foreach_tensor_s": ..., "dispatch_s": {"addmm": [one, per_tensor], ...},
                 "collective_stall_s": ...,
-                "collective_stall_by_segment": [[compute_s, [stall_s, ...]], ...]}
+                "collective_stall_by_segment": [[compute_s, [stall_s, ...]], ...],
+                "collective_stall_by_kind": {"all_gather": [[compute_s, [stall_s, ...]], ...], ...}}
 
 Defaults for what a profile does not say (documented with their source):
 - NVLink at 80% of its per-direction rate (NCCL counts 20 of NVLink 3's 25 GB/s per link), PCIe at
@@ -73,30 +74,37 @@ class Compute:
                                            # for cores the ranks compute on), on average; calibrated on CPU ranks
     collective_stall_by_segment: tuple = ()  # ((compute before it, seconds; equally likely stalls), ...)
                                              # ascending: its distribution by how long the ranks computed
+                                             # (an all_reduce's; other kinds' where not in the next)
+    collective_stall_by_kind: dict = field(default_factory=dict)  # kind -> the same table for that kind
     element_seconds: dict = field(default_factory=dict)  # op name -> measured seconds per element written
     foreach_tensor_s: float = 0.0          # CPU: what each tensor of a foreach op's list adds (one kernel each)
     dispatch_s: dict = field(default_factory=dict)  # CPU: op name -> (seconds of one call on tiny tensors
                                            # (one tensor for a foreach op), seconds each further tensor of a
                                            # foreach list adds); op_overhead_s is then what an op costs beyond it
 
-    def blocking_stall(self, segments: list[float]) -> float:
+    def blocking_stall(self, segments: list[float], kinds: list[str] | None = None) -> float:
         """The stall a step pays in all for blocking collectives issued after `segments` seconds
-        of compute each (since the previous collective): the median of the sum of one draw per
-        collective from the calibrated distribution measured after the nearest compute length.
-        On CPU ranks the stall is bimodal (most collectives pay little, a third wait a scheduler
-        tick of ~4 ms), so one collective in a step usually costs its fast time while thirty cost
-        their mean: the median step is what a run measures. Where ranks share cores, it grows
-        with the compute before the collective (ranks preempted mid-run arrive late)."""
+        of compute each (since the previous collective), of `kinds` (all_reduce where not given):
+        the median of the sum of one draw per collective from the distribution calibrated for its
+        kind after the nearest compute length. On CPU ranks the stall is bimodal (most collectives
+        pay little, a third wait a scheduler tick of ~4 ms), so one collective in a step usually
+        costs its fast time while thirty cost their mean: the median step is what a run measures.
+        Where ranks share cores, it grows with the compute before the collective (ranks preempted
+        mid-run arrive late)."""
         if not segments:
             return 0.0
-        if not self.collective_stall_by_segment:
+        if not self.collective_stall_by_segment and not self.collective_stall_by_kind:
             return len(segments) * self.collective_stall_s
-        counts: dict[int, int] = {}
-        for seconds in segments:
-            nearest = min(range(len(self.collective_stall_by_segment)), key=lambda i: abs(
-                math.log(max(seconds, 1e-6) / max(self.collective_stall_by_segment[i][0], 1e-6))))
-            counts[nearest] = counts.get(nearest, 0) + 1
-        return median_of_sum(tuple((self.collective_stall_by_segment[i][1], k) for i, k in sorted(counts.items())))
+        counts: dict[tuple[str, int], int] = {}  # (kind whose table it draws from ("" the default), run length) -> draws
+        for seconds, kind in zip(segments, kinds or [""] * len(segments)):
+            kind = kind if kind in self.collective_stall_by_kind else ""
+            table = self._stall_table(kind)
+            nearest = min(range(len(table)), key=lambda i: abs(math.log(max(seconds, 1e-6) / max(table[i][0], 1e-6))))
+            counts[(kind, nearest)] = counts.get((kind, nearest), 0) + 1
+        return median_of_sum(tuple((self._stall_table(kind)[i][1], k) for (kind, i), k in sorted(counts.items())))
+
+    def _stall_table(self, kind: str) -> tuple:
+        return self.collective_stall_by_kind.get(kind) or self.collective_stall_by_segment or self.collective_stall_by_kind["all_reduce"]
 
     def flops_rate(self, dtype: str) -> float:
         return self.flops_per_s.get(dtype) or self.flops_per_s.get("default") or next(iter(self.flops_per_s.values()))
@@ -173,6 +181,10 @@ def median_of_sum(parts: tuple) -> float:
     cdf = np.cumsum(np.clip(np.fft.irfft(spectrum, n)[:size], 0.0, None))
     index = int(np.searchsorted(cdf, 0.5 * cdf[-1] - 1e-9))
     return (index + low) * STALL_GRID_S
+
+
+def _stall_table(table) -> tuple:
+    return tuple((float(seconds), tuple(values)) for seconds, values in table or ())
 
 
 def _gpus(profile: dict) -> list[dict]:
@@ -252,8 +264,9 @@ class Machine:
                        bandwidth_by_bytes=tuple(sorted((float(b), float(r)) for b, r in measured.get("bandwidth_by_bytes") or ())),
                        view_overhead_s=measured.get("view_overhead_s"), efficiency=measured.get("efficiency") or 1.0,
                        calibrated=True, collective_stall_s=measured.get("collective_stall_s") or 0.0,
-                       collective_stall_by_segment=tuple((float(seconds), tuple(values)) for seconds, values
-                                                         in measured.get("collective_stall_by_segment") or ()),
+                       collective_stall_by_segment=_stall_table(measured.get("collective_stall_by_segment")),
+                       collective_stall_by_kind={kind: _stall_table(table) for kind, table
+                                                 in (measured.get("collective_stall_by_kind") or {}).items()},
                        element_seconds=dict(measured.get("element_seconds") or {}),
                        foreach_tensor_s=measured.get("foreach_tensor_s") or 0.0,
                        dispatch_s={k: (float(v[0]), float(v[1])) for k, v in (measured.get("dispatch_s") or {}).items()})
