@@ -84,7 +84,7 @@ class Compute:
 
     def blocking_stall(self, segments: list[float], kinds: list[str] | None = None) -> float:
         """The stall a step pays in all for blocking collectives issued after `segments` seconds
-        of compute each (since the previous collective), of `kinds` (all_reduce where not given):
+        of compute each (since the previous collective), of `kinds` (unknown: the default table's):
         the median of the sum of one draw per collective from the distribution calibrated for its
         kind after the nearest compute length. On CPU ranks the stall is bimodal (most collectives
         pay little, a third wait a scheduler tick of ~4 ms), so one collective in a step usually
@@ -183,7 +183,7 @@ def median_of_sum(parts: tuple) -> float:
     return (index + low) * STALL_GRID_S
 
 
-def _stall_table(table) -> tuple:
+def _parsed_stall_table(table) -> tuple:
     return tuple((float(seconds), tuple(values)) for seconds, values in table or ())
 
 
@@ -264,8 +264,8 @@ class Machine:
                        bandwidth_by_bytes=tuple(sorted((float(b), float(r)) for b, r in measured.get("bandwidth_by_bytes") or ())),
                        view_overhead_s=measured.get("view_overhead_s"), efficiency=measured.get("efficiency") or 1.0,
                        calibrated=True, collective_stall_s=measured.get("collective_stall_s") or 0.0,
-                       collective_stall_by_segment=_stall_table(measured.get("collective_stall_by_segment")),
-                       collective_stall_by_kind={kind: _stall_table(table) for kind, table
+                       collective_stall_by_segment=_parsed_stall_table(measured.get("collective_stall_by_segment")),
+                       collective_stall_by_kind={kind: _parsed_stall_table(table) for kind, table
                                                  in (measured.get("collective_stall_by_kind") or {}).items()},
                        element_seconds=dict(measured.get("element_seconds") or {}),
                        foreach_tensor_s=measured.get("foreach_tensor_s") or 0.0,
