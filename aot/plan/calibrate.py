@@ -76,10 +76,7 @@ def measure_collectives(device, sizes: list[int], reps: int, warmup: int = 2,
     clock = torch.zeros(1, dtype=torch.float64)
     for kind in KINDS:
         for n in sizes:
-            elems = max(world, n // 4 // world * world)
-            # all_gather takes one rank's share and returns n; the others take n
-            t = torch.ones(elems // world if kind == "all_gather" else elems, dtype=torch.float32, device=device)
-            nbytes = elems * 4
+            t, nbytes = _collective_input(kind, n, world, device)
             for _ in range(warmup):
                 _collective(kind, t, group_name, world)
             samples = []
@@ -94,6 +91,14 @@ def measure_collectives(device, sizes: list[int], reps: int, warmup: int = 2,
                 samples.append(float(clock[0]))
             results[kind].append((nbytes, _quantile(samples, 0.5 if device.type == "cuda" else 0.25)))
     return results
+
+
+def _collective_input(kind: str, nbytes: int, world: int, device) -> tuple[torch.Tensor, int]:
+    """One rank's float32 input for a collective of about `nbytes` as the cost model counts n (the
+    whole tensor gathered, reduced or scattered), and that n exactly: all_gather takes one rank's
+    share and returns n; the others take n."""
+    elems = max(world, nbytes // 4 // world * world)
+    return torch.ones(elems // world if kind == "all_gather" else elems, dtype=torch.float32, device=device), elems * 4
 
 
 def _quantile(samples: list[float], q: float) -> float:
@@ -322,9 +327,7 @@ def measure_collective_stall(device, isolated_s: dict[str, float], reps: int = 1
     torch.manual_seed(0)
     pool = [torch.randn(256, device=device) for _ in range(4)]
     group_name, world = dist.group.WORLD.group_name, dist.get_world_size()
-    elems = max(world, STALL_BYTES // 4 // world * world)  # gathered, reduced or scattered, as the cost model counts n
-    buffers = {kind: torch.ones(elems // world if kind == "all_gather" else elems, dtype=torch.float32, device=device)
-               for kind in isolated_s}
+    buffers = {kind: _collective_input(kind, STALL_BYTES, world, device)[0] for kind in isolated_s}
 
     def segment(n: int):
         y = pool[0]
