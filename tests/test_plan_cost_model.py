@@ -235,21 +235,39 @@ def test_a_bimodal_stall_is_priced_as_the_median_step_pays_it():
 
 
 def test_the_stall_follows_the_compute_before_each_collective():
-    """Where ranks share cores, a collective after a long run of compute stalls more: each draws
-    from the distribution calibrated after the nearest compute length (on a log scale)."""
+    """A collective after a long run of compute stalls more: each draws from the distribution
+    calibrated at its compute length, each quantile interpolated between the two calibrated
+    lengths around it on a log scale (in eighths); outside them, the nearest's."""
     short, long_ = (0.0,) * 10, (2e-3,) * 10
     cpu = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_by_segment=((1e-4, short), (1e-2, long_)))
-    assert cpu.blocking_stall([5e-5, 2e-4, 8e-3, 0.05]) == pytest.approx(2 * 2e-3)
+    assert cpu.blocking_stall([5e-5]) == 0.0 and cpu.blocking_stall([0.05]) == pytest.approx(2e-3)  # outside: the end's
+    assert cpu.blocking_stall([1e-3]) == pytest.approx(1e-3)  # halfway on a log scale: halfway between
+    assert cpu.stall_distribution(1e-3) == pytest.approx((1e-3,) * 10)
+    # 2e-4 s is 0.15 of the way (to the nearest eighth: 1/8), 8e-3 s 0.95 (8/8)
+    assert cpu.blocking_stall([5e-5, 2e-4, 8e-3, 0.05]) == pytest.approx(2e-3 / 8 + 2e-3 + 2e-3)
     assert cpu.blocking_stall([]) == 0.0
     # X is issued after 10 ms of compute and pays 2 ms; Y, issued right after it, pays nothing:
     # the step pays 2 ms, spread over both
     step = _step([5e-3] * 4, [_site("X", 2, 3), _site("Y", 2, 3)])
     p = simulate(step, cpu, lambda c: ("ring", 0.0), overlap=False, op_times=[5e-3] * 4)
     assert p.step_s == pytest.approx(20e-3 + 2e-3)
-    # each issued after 0.5 ms of compute, nearer 0.1 ms than 10 ms on a log scale: no stall
-    step = _step([0.5e-3] * 4, [_site("X", 1, 3), _site("Y", 2, 3)])
+    # each issued after 1 ms of compute: 1 ms each
+    step = _step([0.5e-3] * 4, [_site("X", 2, 3), _site("Y", 4, 3)])
     p = simulate(step, cpu, lambda c: ("ring", 0.0), overlap=False, op_times=[0.5e-3] * 4)
-    assert p.step_s == pytest.approx(2e-3)
+    assert p.step_s == pytest.approx(2e-3 + 2e-3)
+
+
+def test_a_stall_between_calibrated_lengths_is_interpolated_quantile_by_quantile():
+    """A bimodal distribution (most collectives free, some a tick) stays bimodal in between: the
+    i-th smallest stall moves from one length's to the next's, so a median of draws follows."""
+    free_then_tick = (0.0,) * 7 + (4e-3,) * 3
+    ticks = (0.0,) * 3 + (4e-3,) * 7
+    cpu = Compute({"default": 1.0}, 1.0, 0.0, False,
+                  collective_stall_by_kind={"all_reduce": ((1e-3, free_then_tick), (16e-3, ticks))})
+    middle = cpu.stall_distribution(4e-3, "all_reduce")  # half way from 1 to 16 ms on a log scale
+    assert middle == pytest.approx((0.0,) * 3 + (2e-3,) * 4 + (4e-3,) * 3)
+    assert cpu.stall_distribution(4e-3, "reduce_scatter") == middle  # a kind without its own table: the default
+    assert cpu.blocking_stall([4e-3], ["all_reduce"]) == pytest.approx(2e-3)
 
 
 def test_each_collective_kind_draws_its_own_stall():

@@ -145,11 +145,11 @@ def test_calibrate_under_torchrun_writes_a_profile_the_planner_reads(tmp_path):
     assert compute["flops_per_s"]["float32"] > 0 and compute["op_overhead_s"] >= 0 and 0 < compute["efficiency"] <= 1
     assert compute["collective_stall_s"] >= 0 and compute["rounds"] == 2  # measured on these CPU ranks, priced into CPU plans
     by_segment = compute["collective_stall_by_segment"]  # its distribution by compute before it, summed by plans
-    assert [len(stall) for _, stall in by_segment] == [40] * 6 and all(stall == sorted(stall) for _, stall in by_segment)
+    assert [len(stall) for _, stall in by_segment] == [40] * 7 and all(stall == sorted(stall) for _, stall in by_segment)
     assert [seconds for seconds, _ in by_segment] == sorted(seconds for seconds, _ in by_segment)
     by_kind = compute["collective_stall_by_kind"]  # each kind measured on its own; the default table is the all_reduce's
     assert set(by_kind) == {"all_reduce", "all_gather", "reduce_scatter"} and by_kind["all_reduce"] == by_segment
-    assert all([len(stall) for _, stall in table] == [40] * 6 for table in by_kind.values())
+    assert all([len(stall) for _, stall in table] == [40] * 7 for table in by_kind.values())
     machine = Machine(profile, 2)
     assert machine.compute.calibrated and machine.compute.collective_stall_s == compute["collective_stall_s"]
     assert machine.compute.collective_stall_by_segment == tuple((s, tuple(v)) for s, v in by_segment)

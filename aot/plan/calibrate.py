@@ -295,14 +295,16 @@ def measure_compute(device, reps: int = 7) -> dict:
 
 
 # small ops between two collectives: none (issued back to back, as FSDP's all_gathers are), then
-# 0.04 to 10 ms on 2 ranks here
-STALL_SEGMENTS = (0, 10, 40, 160, 640, 2560)
+# 0.02 to 20 ms on 2 ranks here: a data-parallel step's one all_reduce comes after its whole
+# backward (examples/gpt.py: 11 ms at 2 ranks, 25 at 4), and the stall keeps growing past 4 ms of
+# compute (2 ranks here, side by side: a mean of 0.5-1.9 ms after 5 ms, 3.8-6.1 after 17-19 ms)
+STALL_SEGMENTS = (0, 10, 40, 160, 640, 2560, 10240)
 STALL_BYTES = 4096   # the collectives' size (n as the cost model counts it); what a step pays beyond n beta
 
 
 def measure_collective_stall(device, isolated_s: dict[str, float], reps: int = 100, budget_s: float = 0.5,
                              min_reps: int = 30) -> dict[str, list[tuple[float, list[float]]]]:
-    """kind -> [(seconds of compute before the collective, [stall samples])] for runs of 0 to 2,560
+    """kind -> [(seconds of compute before the collective, [stall samples])] for runs of 0 to 10,240
     ops: what a blocking collective of STALL_BYTES costs inside a step beyond `isolated_s[kind]` (its fast
     time when the ranks start it together after a barrier, read off the kind's fitted line). Every
     rank runs a run of small ops (as CPU training steps are made of: dispatch-bound, a few
@@ -312,8 +314,8 @@ def measure_collective_stall(device, isolated_s: dict[str, float], reps: int = 1
     scheduler tick; where ranks share cores (4 on 2 here) a longer run is more often preempted
     midway, so the stall grows with it. The planner sums draws from the samples of the kind and the
     nearest run length (Compute.blocking_stall). Each kind and run length is repeated `reps` times,
-    or as often as fits in about `budget_s` (at least `min_reps`): a run of 2,560 ops takes 5 ms
-    at 2 ranks here, 12 ms at 4.
+    or as often as fits in about `budget_s` (at least `min_reps`): a run of 10,240 ops takes 17-20 ms
+    at 2 ranks here, about 40 at 4.
 
     Each kind is measured on its own: measured side by side in one run on this 2-core machine
     (2 ranks, five rounds), all_gathers issued back to back ran 0.11-0.17 ms under their fitted

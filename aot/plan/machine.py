@@ -86,22 +86,37 @@ class Compute:
         """The stall a step pays in all for blocking collectives issued after `segments` seconds
         of compute each (since the previous collective), of `kinds` (unknown: the default table's):
         the median of the sum of one draw per collective from the distribution calibrated for its
-        kind after the nearest compute length. On CPU ranks the stall is bimodal (most collectives
-        pay little, a third wait a scheduler tick of ~4 ms), so one collective in a step usually
-        costs its fast time while thirty cost their mean: the median step is what a run measures.
-        Where ranks share cores, it grows with the compute before the collective (ranks preempted
-        mid-run arrive late)."""
+        kind at that compute length (stall_distribution). On CPU ranks the stall is bimodal (most
+        collectives pay little, a third wait a scheduler tick of ~4 ms), so one collective in a step
+        usually costs its fast time while thirty cost their mean: the median step is what a run
+        measures. It grows with the compute before the collective (ranks drift apart, and where
+        they share cores are preempted mid-run)."""
         if not segments:
             return 0.0
         if not self.collective_stall_by_segment and not self.collective_stall_by_kind:
             return len(segments) * self.collective_stall_s
-        counts: dict[tuple[str, int], int] = {}  # (kind whose table it draws from ("" the default), run length) -> draws
-        for seconds, kind in zip(segments, kinds or [""] * len(segments)):
+        counts: dict[tuple[str, int, float], int] = {}  # (kind whose table it draws from ("" the default),
+        for seconds, kind in zip(segments, kinds or [""] * len(segments)):  # table row, weight of the next) -> draws
             kind = kind if kind in self.collective_stall_by_kind else ""
-            table = self._stall_table(kind)
-            nearest = min(range(len(table)), key=lambda i: abs(math.log(max(seconds, 1e-6) / max(table[i][0], 1e-6))))
-            counts[(kind, nearest)] = counts.get((kind, nearest), 0) + 1
-        return median_of_sum(tuple((self._stall_table(kind)[i][1], k) for (kind, i), k in sorted(counts.items())))
+            key = (kind, *_between(self._stall_table(kind), seconds))
+            counts[key] = counts.get(key, 0) + 1
+        return median_of_sum(tuple((self._stall_values(*key), k) for key, k in sorted(counts.items())))
+
+    def stall_distribution(self, seconds: float, kind: str = "") -> tuple:
+        """The equally likely stalls of one blocking collective of `kind` after `seconds` of compute:
+        between two calibrated run lengths, each quantile interpolated on a log scale of the compute
+        (a data-parallel step's all_reduce after 11 ms of backward lies between the runs of 4 and
+        17 ms: nearest-only, it took either's stall, 2.3 or 3.8-6.1 ms here); outside them, the
+        nearest's."""
+        kind = kind if kind in self.collective_stall_by_kind else ""
+        return self._stall_values(kind, *_between(self._stall_table(kind), seconds))
+
+    def _stall_values(self, kind: str, row: int, weight: float) -> tuple:
+        table = self._stall_table(kind)
+        if weight == 0.0:
+            return table[row][1]
+        low, high = table[row][1], table[row + 1][1]
+        return tuple((1 - weight) * a + weight * b for a, b in zip(low, high))
 
     def _stall_table(self, kind: str) -> tuple:
         return self.collective_stall_by_kind.get(kind) or self.collective_stall_by_segment or self.collective_stall_by_kind["all_reduce"]
@@ -181,6 +196,26 @@ def median_of_sum(parts: tuple) -> float:
     cdf = np.cumsum(np.clip(np.fft.irfft(spectrum, n)[:size], 0.0, None))
     index = int(np.searchsorted(cdf, 0.5 * cdf[-1] - 1e-9))
     return (index + low) * STALL_GRID_S
+
+
+STALL_WEIGHT_STEPS = 8  # interpolation weights in eighths: steps with many collectives share draws' distributions
+
+
+def _between(table: tuple, seconds: float) -> tuple[int, float]:
+    """(row, weight): `seconds` of compute lies `weight` of the way, on a log scale and in
+    eighths, from the table's `row` to the next. Outside the table: its end row, weight 0. Where
+    the two rows' quantile lists differ in length (hand-written profiles): the nearest row."""
+    logs = [math.log(max(s, 1e-6)) for s, _ in table]
+    at = math.log(max(seconds, 1e-6))
+    if at <= logs[0]:
+        return 0, 0.0
+    if at >= logs[-1]:
+        return len(table) - 1, 0.0
+    row = max(i for i in range(len(table) - 1) if logs[i] <= at)
+    weight = round((at - logs[row]) / (logs[row + 1] - logs[row]) * STALL_WEIGHT_STEPS) / STALL_WEIGHT_STEPS
+    if len(table[row][1]) != len(table[row + 1][1]):
+        weight = 0.0 if weight < 0.5 else 1.0
+    return (row + 1, 0.0) if weight >= 1.0 else (row, weight)
 
 
 def _parsed_stall_table(table) -> tuple:
