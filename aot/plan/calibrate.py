@@ -309,11 +309,13 @@ def measure_collective_stall(device, isolated_s: dict[str, float], reps: int = 1
     time when the ranks start it together after a barrier, read off the kind's fitted line). Every
     rank runs a run of small ops (as CPU training steps are made of: dispatch-bound, a few
     microseconds each), then the collective, `reps` times with no barrier in between; each
-    iteration, less the mean run alone at the same time on every rank, less its isolated time, is
-    a sample. The ranks drift out of step and gloo's threads wait for a core, often a whole
-    scheduler tick; where ranks share cores (4 on 2 here) a longer run is more often preempted
-    midway, so the stall grows with it. The planner sums draws from the samples of the kind and the
-    nearest run length (Compute.blocking_stall). Each kind and run length is repeated `reps` times,
+    iteration, less the median time of the run in those iterations (on that rank), less the
+    collective's isolated time, is a sample: what the step pays beyond its typical compute and the
+    collective's fast time, the other ranks' lateness included. The ranks drift out of step and
+    gloo's threads wait for a core, often a whole scheduler tick; where ranks share cores (4 on 2
+    here) a longer run is more often preempted midway, so the stall grows with it. The planner sums
+    draws from the samples of the kind at each collective's run length, interpolated between the
+    measured ones (Compute.blocking_stall). Each kind and run length is repeated `reps` times,
     or as often as fits in about `budget_s` (at least `min_reps`): a run of 10,240 ops takes 17-20 ms
     at 2 ranks here, about 40 at 4.
 
@@ -337,21 +339,31 @@ def measure_collective_stall(device, isolated_s: dict[str, float], reps: int = 1
             y = torch.add(y, pool[i % len(pool)])
         return y
 
+    def then_collective(n: int, kind: str) -> tuple[float, float]:
+        """(seconds of the run of ops, seconds of the run and the collective)"""
+        start = time.perf_counter()
+        segment(n)
+        ran = time.perf_counter()
+        _collective(kind, buffers[kind], group_name, world)
+        return ran - start, time.perf_counter() - start
+
     out: dict[str, list] = {kind: [] for kind in isolated_s}
     for n in STALL_SEGMENTS:
         dist.barrier()
-        alone = statistics.fmean(timed(lambda: segment(n), device, reps))
+        alone = statistics.fmean(timed(lambda: segment(n), device, 5))
         # every rank must repeat as often (or they deadlock): count from the slowest rank's run
         slowest = torch.tensor([alone + isolated_s["all_reduce"]], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         count = max(min_reps, min(reps, int(budget_s / max(float(slowest[0]), 1e-6))))
         for kind, isolated in isolated_s.items():
-            def then_collective():
-                segment(n)
-                _collective(kind, buffers[kind], group_name, world)
             dist.barrier()
-            timed(then_collective, device, 3)
-            out[kind].append((alone, [t - alone - isolated for t in timed(then_collective, device, count)]))
+            for _ in range(3):
+                then_collective(n, kind)
+            iterations = [then_collective(n, kind) for _ in range(count)]
+            # the run's typical time in these same iterations: a run timed apart, seconds earlier,
+            # differed from them by the machine's drift (+-15% of 18 ms here), more than the stall
+            typical = statistics.median(ran for ran, _ in iterations)
+            out[kind].append((typical, [total - typical - isolated for _, total in iterations]))
     return out
 
 
