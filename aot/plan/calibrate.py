@@ -297,7 +297,7 @@ def measure_compute(device, reps: int = 7) -> dict:
 # small ops between two collectives: none (issued back to back, as FSDP's all_gathers are), then
 # 0.02 to 20 ms on 2 ranks here: a data-parallel step's one all_reduce comes after its whole
 # backward (examples/gpt.py: 11 ms at 2 ranks, 25 at 4), and the stall keeps growing past 4 ms of
-# compute (2 ranks here, side by side: a mean of 0.5-1.9 ms after 5 ms, 3.8-6.1 after 17-19 ms)
+# compute (2 ranks here, side by side: a mean of 0.8-1.9 ms after 5-7 ms, 3.8-6.1 after 17-19 ms)
 STALL_SEGMENTS = (0, 10, 40, 160, 640, 2560, 10240)
 STALL_BYTES = 4096   # the collectives' size (n as the cost model counts it); what a step pays beyond n beta
 

@@ -95,8 +95,9 @@ class Compute:
             return 0.0
         if not self.collective_stall_by_segment and not self.collective_stall_by_kind:
             return len(segments) * self.collective_stall_s
-        counts: dict[tuple[str, int, float], int] = {}  # (kind whose table it draws from ("" the default),
-        for seconds, kind in zip(segments, kinds or [""] * len(segments)):  # table row, weight of the next) -> draws
+        # (kind whose table it draws from ("" the default), table row, weight of the next row) -> draws
+        counts: dict[tuple[str, int, float], int] = {}
+        for seconds, kind in zip(segments, kinds or [""] * len(segments)):
             kind = kind if kind in self.collective_stall_by_kind else ""
             key = (kind, *_between(self._stall_table(kind), seconds))
             counts[key] = counts.get(key, 0) + 1
@@ -212,7 +213,8 @@ def _between(table: tuple, seconds: float) -> tuple[int, float]:
     if at >= logs[-1]:
         return len(table) - 1, 0.0
     row = max(i for i in range(len(table) - 1) if logs[i] <= at)
-    weight = round((at - logs[row]) / (logs[row + 1] - logs[row]) * STALL_WEIGHT_STEPS) / STALL_WEIGHT_STEPS
+    span = logs[row + 1] - logs[row]
+    weight = min(1.0, round((at - logs[row]) / span * STALL_WEIGHT_STEPS) / STALL_WEIGHT_STEPS) if span > 0 else 1.0
     if len(table[row][1]) != len(table[row + 1][1]):
         weight = 0.0 if weight < 0.5 else 1.0
     return (row + 1, 0.0) if weight >= 1.0 else (row, weight)
