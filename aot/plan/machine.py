@@ -95,11 +95,9 @@ class Compute:
             return 0.0
         if not self.collective_stall_by_segment and not self.collective_stall_by_kind:
             return len(segments) * self.collective_stall_s
-        # (kind whose table it draws from ("" the default), table row, weight of the next row) -> draws
-        counts: dict[tuple[str, int, float], int] = {}
+        counts: dict[tuple[str, int, float], int] = {}  # _stall_key -> draws
         for seconds, kind in zip(segments, kinds or [""] * len(segments)):
-            kind = kind if kind in self.collective_stall_by_kind else ""
-            key = (kind, *_between(self._stall_table(kind), seconds))
+            key = self._stall_key(seconds, kind)
             counts[key] = counts.get(key, 0) + 1
         return median_of_sum(tuple((self._stall_values(*key), k) for key, k in sorted(counts.items())))
 
@@ -109,8 +107,12 @@ class Compute:
         (a data-parallel step's all_reduce after 11 ms of backward lies between the runs of 4 and
         17 ms: nearest-only, it took either's stall, 2.3 or 3.8-6.1 ms here); outside them, the
         nearest's."""
+        return self._stall_values(*self._stall_key(seconds, kind))
+
+    def _stall_key(self, seconds: float, kind: str) -> tuple[str, int, float]:
+        """(kind whose table it draws from, "" for the default; table row; weight of the next row)"""
         kind = kind if kind in self.collective_stall_by_kind else ""
-        return self._stall_values(kind, *_between(self._stall_table(kind), seconds))
+        return (kind, *_between(self._stall_table(kind), seconds))
 
     def _stall_values(self, kind: str, row: int, weight: float) -> tuple:
         table = self._stall_table(kind)
