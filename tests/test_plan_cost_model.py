@@ -257,6 +257,25 @@ def test_the_stall_follows_the_compute_before_each_collective():
     assert p.step_s == pytest.approx(2e-3 + 2e-3)
 
 
+def test_the_first_collective_counts_the_compute_since_the_step_before_met():
+    """Steps run back to back with only their collectives joining the ranks: a step's first
+    collective comes after the previous step's tail as well as this step's head. One all_reduce
+    issued after 1 of 4 ms of compute is priced at 4 ms of running apart, not 1; with two, the
+    first counts the 1 ms after the second (of the step before) and the 1 ms before it."""
+    short, long_ = (0.0,) * 10, (2e-3,) * 10
+    cpu = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_by_segment=((1e-3, short), (4e-3, long_)))
+    step = _step([1e-3] * 4, [_site("X", 1, 2)])
+    p = simulate(step, cpu, lambda c: ("ring", 0.0), overlap=False, op_times=[1e-3] * 4)
+    assert p.step_s == pytest.approx(4e-3 + 2e-3)
+    # X after op 0 (and the step before's op 3), Y after ops 1 and 2: 2 ms apart before each,
+    # halfway from 1 to 4 ms on a log scale: 1 ms each
+    step = _step([1e-3] * 4, [_site("X", 1, 2), _site("Y", 3, 3)])
+    p = simulate(step, cpu, lambda c: ("ring", 0.0), overlap=False, op_times=[1e-3] * 4)
+    assert p.step_s == pytest.approx(4e-3 + 2e-3)
+    step = _step([1e-3] * 4, [])
+    assert simulate(step, cpu, lambda c: ("ring", 0.0), overlap=False, op_times=[1e-3] * 4).step_s == pytest.approx(4e-3)
+
+
 def test_a_stall_between_calibrated_lengths_is_interpolated_quantile_by_quantile():
     """A bimodal distribution (most collectives free, some a tick) stays bimodal in between: the
     i-th smallest stall moves from one length's to the next's, so a median of draws follows."""
@@ -280,8 +299,9 @@ def test_each_collective_kind_draws_its_own_stall():
     assert cpu.blocking_stall([0.0, 0.0], ["all_to_all", "all_to_all"]) == pytest.approx(2e-3)  # no table: the default
     assert cpu.blocking_stall([0.02, 0.0], ["all_gather", "all_gather"]) == pytest.approx(1e-3)  # after 20 ms: its tick
     assert cpu.blocking_stall([0.0, 0.0]) == pytest.approx(2e-3)  # kinds unknown: the default table
-    # a step of two all_gathers issued back to back, then an all_reduce: only the all_reduce pays
-    step = _step([1e-3] * 3, [_site("G1", 0, 1, kind="all_gather"), _site("G2", 0, 1, kind="all_gather"), _site("R", 0, 3)])
+    # a step's all_reduce (after the step before's 3 ms), then two all_gathers right behind it:
+    # only the all_reduce pays
+    step = _step([1e-3] * 3, [_site("R", 0, 3), _site("G1", 0, 1, kind="all_gather"), _site("G2", 0, 1, kind="all_gather")])
     p = simulate(step, cpu, lambda c: ("ring", 0.0), overlap=False, op_times=[1e-3] * 3)
     assert p.step_s == pytest.approx(3e-3 + 1e-3)
 
