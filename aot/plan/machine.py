@@ -86,11 +86,11 @@ class Compute:
         """The stall a step pays in all for blocking collectives issued after `segments` seconds
         of compute each (since the ranks last met: aot.plan.cost_model._segments), of `kinds`
         (unknown: the default table's): the median of the sum of one draw per collective from the
-        distribution calibrated for its kind at that compute length (stall_distribution). On CPU ranks the stall is bimodal (most
-        collectives pay little, a third wait a scheduler tick of ~4 ms), so one collective in a step
-        usually costs its fast time while thirty cost their mean: the median step is what a run
-        measures. It grows with the compute before the collective (ranks drift apart, and where
-        they share cores are preempted mid-run)."""
+        distribution calibrated for its kind at that compute length (stall_distribution). On CPU
+        ranks the stall is bimodal (most collectives pay little, a third wait a scheduler tick of
+        ~4 ms), so one collective in a step usually costs its fast time while thirty cost their
+        mean: the median step is what a run measures. It grows with the compute before the
+        collective (ranks drift apart, and where they share cores are preempted mid-run)."""
         if not segments:
             return 0.0
         if not self.collective_stall_by_segment and not self.collective_stall_by_kind:
