@@ -63,6 +63,25 @@ def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# The example batch is stored for runs without --data; past this size (a global batch of long
+# sequences over many data-parallel ranks) only one rank's rows are, and every rank reads those.
+MAX_EXAMPLE_BYTES = 64 * 2**20
+
+
+def _stored_example(mf, batch_size: int, data_ranks: int, progress: Progress) -> dict[str, torch.Tensor]:
+    """The example batch the artifact stores: the global batch (every data rank its own rows),
+    or one rank's rows when the global one would be over MAX_EXAMPLE_BYTES (data files wrap, so
+    every rank then reads those)."""
+    one = _example_batch(mf, batch_size)
+    if data_ranks == 1:
+        return one
+    if sum(t.numel() * t.element_size() for t in one.values()) * data_ranks > MAX_EXAMPLE_BYTES:
+        progress.note(f"example batch: one rank's {batch_size} sample(s) stored, which every data-parallel rank "
+                      f"reads without --data (the global batch would be over {MAX_EXAMPLE_BYTES >> 20} MiB)")
+        return one
+    return _example_batch(mf, batch_size * data_ranks)
+
+
 def _tensor_parallel_plan(mf, model, inputs, tp: int, progress: Progress) -> dict[str, str]:
     """The model file's tp_plan, or the column/row-wise pairs found in its forward (aot.plan.tensor_parallel)."""
     check_degree(mf, model, tp)
@@ -128,11 +147,11 @@ def build(options: BuildOptions, progress: Progress) -> dict:
 
     with progress.stage(f"loading {options.model_path.name}"):
         mf = load_model_file(options.model_path)
-        example = _example_batch(mf, options.batch_size * mesh.data_parallel_size)
+        example = _stored_example(mf, options.batch_size, mesh.data_parallel_size, progress)
         inputs, targets = split_batch_tensors(example, "batch()")
         rank_inputs = [t[: options.batch_size] for t in inputs]
         rank_targets = targets[: options.batch_size]
-    with progress.stage("initializing weights, optimizer state and learning-rate schedule"):
+    with progress.stage("recording how the weights are made (init program), optimizer state and learning-rate schedule"):
         state = build_training_state(mf, options.seed, options.max_steps)
     progress.note(f"{sum(p.numel() for p in state.params.values()):,} parameters, "
                   f"{state.optimizer_class}, mesh {mesh.describe()} on topology {profile['name']!r}")

@@ -1,9 +1,10 @@
 """Reading an artifact folder: the manifest, its version contract and verified file access.
 
 The manifest (manifest.json) is the artifact's table of contents; artifacts/FORMAT.md is its
-specification. A runner accepts exactly one format version and the torch release that built the
-artifact (the serialized programs name torch operators by their schema, which only that release is
-guaranteed to resolve the same way); anything else is refused with both versions named.
+specification. A runner reads its own format version and the one before it (the compatibility
+window), and only the torch release that built the artifact (the serialized programs name torch
+operators by their schema, which only that release is guaranteed to resolve the same way);
+anything else is refused with both versions named.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from runner.errors import AotError
 from runner.integrity import canonical_json, content_problem, read_verified, sha256_bytes
 
 FORMAT_NAME = "aot-artifact"
-FORMAT_VERSION = 2  # 2: tensor parallel (tensor_parallel; sharding.params count tp slices)
+FORMAT_VERSION = 3  # 3: no stored state (init program, optimizer_init); 2: tensor parallel
+READABLE_VERSIONS = (FORMAT_VERSION - 1, FORMAT_VERSION)  # this version and the one before it
 MANIFEST = "manifest.json"
 
 def manifest_digest(manifest: dict) -> str:
@@ -55,10 +57,10 @@ class Artifact:
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise AotError(f"{path}: not an aot artifact manifest (format is not {FORMAT_NAME!r})")
         # Versions first: a manifest of another version may follow other rules for the rest.
-        if data.get("format_version") != FORMAT_VERSION:
+        if data.get("format_version") not in READABLE_VERSIONS:
             raise AotError(
                 f"{path}: artifact format version {data.get('format_version')} but this runner reads "
-                f"version {FORMAT_VERSION}; rebuild with a matching aot"
+                f"versions {READABLE_VERSIONS[0]} and {READABLE_VERSIONS[1]}; rebuild with a matching aot"
             )
         if not isinstance(data.get("torch_version"), str):
             raise AotError(f"{path}: field 'torch_version' is missing or not a str")
@@ -124,7 +126,7 @@ SCHEMA = {
     "process_groups": Map({"axis": str, "groups": [[int]]}),
     "programs": Map({"file": str, "inputs": [{"kind": OneOf("param", "buffer", "optim", "lr", "input", "target")}],
                      "outputs": [str], "collectives": [{"kind": str, "group": str, "bytes": int}]}),
-    "ranks": [{"rank": int, "program": str, "coords": Map(int), "weights": str, "optimizer": str}],
+    "ranks": [{"rank": int, "program": str, "coords": Map(int)}],
     "state": {"params": Map([SHAPE, str]), "buffers": Map([SHAPE, str]), "aliases": Map(str),
               "state_dict_keys": [str], "optimizer": {"class": str}},
     "schedule": {"constant": bool, "lr": [[NUMBER]]},
@@ -135,6 +137,10 @@ SCHEMA = {
 }
 IO = {"name": str, "shape": [(int, str)], "dtype": str}  # str: a symbolic dimension such as "batch"
 INFERENCE_SCHEMA = {"file": str, "batch_dim": str, "inputs": [IO], "outputs": [IO]}
+# Version 2 stores each rank's state in files; version 3 describes how to create it.
+STORED_STATE = {"weights": str, "optimizer": str}
+INIT_SCHEMA = {"init": {"file": str, "outputs": [str]},
+               "state": {"persistent_buffers": [str], "optimizer_init": Map({"shape": (str, list), "dtype": str, "fill": NUMBER})}}
 SLOT_FIELDS = {"param": {"name": str}, "buffer": {"name": str}, "optim": {"name": str, "key": str},
                "lr": {"group": int}, "input": {"index": int, **TENSOR}, "target": TENSOR}
 
@@ -184,6 +190,14 @@ def _check_structure(m: dict, where: str) -> None:
         if not ok:
             raise AotError(f"{where}: {what}")
 
+    try:
+        if m["format_version"] >= 3:
+            _conform(m, INIT_SCHEMA, "")
+        else:
+            for j, entry in enumerate(m["ranks"]):
+                _conform(entry, STORED_STATE, f"ranks[{j}]")
+    except AotError as e:
+        raise AotError(f"{where}: {e}") from None
     expect(isinstance(m["build"].get("seed", 0), int) and not isinstance(m["build"].get("seed", 0), bool),
            "build.seed must be an integer")
     for name, program in m["programs"].items():
@@ -206,7 +220,13 @@ def _check_structure(m: dict, where: str) -> None:
     for entry in m["ranks"]:
         expect(entry["program"] in m["programs"], f"rank {entry['rank']} names program {entry['program']!r}, which is not listed")
         for role in ("weights", "optimizer"):
-            expect(entry[role] in m["files"], f"rank {entry['rank']}'s {role} file is not listed in files")
+            expect(role not in entry or entry[role] in m["files"], f"rank {entry['rank']}'s {role} file is not listed in files")
+    if m.get("init") is not None:
+        init = m["init"]
+        expect(init["file"] in m["files"], "init.file is not listed in files")
+        expect(init.get("constants") is None or init["constants"] in m["files"], "init.constants is not listed in files")
+        expect(sorted(init["outputs"]) == sorted([*m["state"]["params"], *m["state"]["buffers"]]),
+               "init.outputs do not name each of state.params and state.buffers once")
     _check_placement(m, where, expect)
     if m.get("sharding") is not None:
         try:

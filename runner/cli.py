@@ -31,6 +31,11 @@ def _restarted() -> bool:
 @click.option("--save-every", type=click.IntRange(min=1), help="Also checkpoint every N steps. A run that torchrun restarts "
               "(--max-restarts) resumes from the last complete checkpoint in --save and still stops at the same step.")
 @click.option("--resume", type=click.Path(path_type=Path), help="Continue from a checkpoint written by --save.")
+@click.option("--init-from", type=click.Path(path_type=Path),
+              help="Start from these weights instead of the artifact's init program: a safetensors file keyed like "
+                   "model.state_dict() (what `aot checkpoint merge` writes) or a Hugging Face model folder "
+                   "(model.safetensors, or shards listed by model.safetensors.index.json). Each rank reads only its own "
+                   "slices; names, shapes and dtypes are checked before any process group starts.")
 @click.option("--rank", type=int, help="This process's rank (default: $RANK from torchrun).")
 @click.option("--allow-topology-mismatch", is_flag=True,
               help="Run even if the live machine differs from the artifact's topology profile (with a warning).")
@@ -50,7 +55,7 @@ def _restarted() -> bool:
                    "(Chrome trace) and DIR/profile.json. `aot inspect ARTIFACT --profile DIR` compares them with the plan.")
 @click.option("--quiet", is_flag=True, help="Print only errors.")
 @debug_option
-def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_topology_mismatch, trusted_keys,
+def run(artifact, steps, data, metrics, save, save_every, resume, init_from, rank, allow_topology_mismatch, trusted_keys,
         timeout_s, no_bind, tier, log_every, profile_dir, quiet):
     """Train from ARTIFACT (a folder made by `aot build`) on this rank.
 
@@ -74,6 +79,8 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
     # Everything that can be checked before the work is checked before it.
     if save_every is not None and save is None:
         raise AotError("--save-every needs --save DIR")
+    if init_from is not None and resume is not None:
+        raise AotError("--init-from starts a run from given weights and --resume continues one from a checkpoint: give one")
     if save is not None:
         check_writable_target(save, "folder")
     if metrics is not None:
@@ -89,7 +96,8 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
         trainer = Trainer(artifact, rank, allow_topology_mismatch=allow_topology_mismatch, trusted_keys=keys,
                           timeout_s=timeout_s, warn=lambda msg: click.echo(f"warning: {msg}", err=True),
                           bind=not no_bind, log=(lambda msg: None) if quiet else (lambda msg: click.echo(f"{tag}{msg}", err=True)),
-                          tier=tier, notice=(lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True)))
+                          tier=tier, notice=(lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True)),
+                          init_from=init_from)
     except TopologyMismatch as e:  # one line per mismatch class (from local rank 0 of each node), then the error
         if e.report:
             for line in e.lines:
@@ -109,7 +117,8 @@ def run(artifact, steps, data, metrics, save, save_every, resume, rank, allow_to
     trainer.check_steps(target - trainer.step_index)
     source = trainer.data_source(data)
     say(f"rank 0 of {trainer.world_size} ready in {time.perf_counter() - _STARTED:.2f} s "
-        f"({trainer.device}, {trainer.tier} tier, {source.rows} samples from {data or 'the example batch'})")
+        f"({trainer.device}, {trainer.tier} tier, {source.rows} samples from {data or 'the example batch'}, "
+        f"weights from {trainer.weights_source if trainer.step_index == 0 else 'the checkpoint'})")
 
     try:
         if metrics is not None and trainer.rank == 0:

@@ -20,6 +20,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype `dtype_name` wrote as `name` ("float32" -> torch.float32)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise AotError(f"unknown dtype {name!r}")
+    return dtype
+
+
 def describe(shape, dtype: str) -> str:
     return f"[{', '.join(str(d) for d in shape)}] {dtype}"
 

@@ -6,13 +6,25 @@ import math
 from collections import Counter
 
 from runner.artifact import Artifact
-from runner.sharding import shard_numel, tp_slice_shape
+from runner.sharding import shard_number, shard_numel, tp_slice_shape
 
 
 def _bytes(shape_dtype: list) -> int:
     import torch
     shape, dtype = shape_dtype
     return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _optimizer_bytes(m: dict, rank: dict, held: dict[str, int]) -> int:
+    """The optimizer state one rank holds: as `state.optimizer_init` describes it (format 3;
+    "param"-shaped state is as big as the rank's piece of its parameter), or its stored file (2)."""
+    if "optimizer_init" not in m["state"]:
+        return m["files"][rank["optimizer"]]["size"]
+    total = 0
+    for key, spec in m["state"]["optimizer_init"].items():
+        numel = held[key.rpartition(":")[0]] if spec["shape"] == "param" else math.prod(spec["shape"])
+        total += _bytes([[numel], spec["dtype"]])
+    return total
 
 
 def human(n: float) -> str:
@@ -49,9 +61,9 @@ def summarize(artifact: Artifact) -> dict:
     ranks = [{
         "rank": r["rank"], "program": r["program"], "coords": r["coords"],
         "parameters": param_count, "parameter_bytes": param_bytes,
-        # parameters + their gradients + the optimizer state this rank holds (its stored file)
-        "training_state_bytes": 2 * param_bytes + m["files"][r["optimizer"]]["size"],
-        "weights_file": r["weights"], "optimizer_file": r["optimizer"],
+        # parameters + their gradients + the optimizer state this rank holds
+        "training_state_bytes": 2 * param_bytes + _optimizer_bytes(m, r, held),
+        "state_shard": shard_number(r["coords"], m.get("sharding"), m.get("tensor_parallel")),
     } for r in m["ranks"]]
     return {
         "path": str(artifact.root),
@@ -160,7 +172,7 @@ def render(summary: dict) -> str:
     lines.append("ranks")
     seen, shown = set(), 0
     for r in summary["ranks"]:
-        key = (r["program"], r["parameters"], r["weights_file"])
+        key = (r["program"], r["parameters"], r["state_shard"])
         if key in seen and len(summary["ranks"]) > 4:
             continue  # large worlds: one line per distinct (program, state) is enough
         seen.add(key)

@@ -22,6 +22,8 @@ from runner.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
 from runner.groups import bind_process_groups, yield_gloo_poll_threads
 from runner.graph_loader import load_graph_module, wait_at_issue
+from runner.init_from import check_init_from, rank_weights
+from runner.init_program import initial_state
 from runner.program import decode_program
 from runner.binding import bind_rank
 from runner.sharding import shard_number, tp_slice_shape, unshard
@@ -84,7 +86,8 @@ class Trainer:
     def __init__(self, path: str | Path, rank: int | None = None, *, world_size: int | None = None,
                  device: str | torch.device | None = None, allow_topology_mismatch: bool = False,
                  trusted_keys: list[str] | None = None, timeout_s: float = 600, bind: bool = True,
-                 warn=lambda msg: None, log=lambda msg: None, tier: str = "auto", notice=lambda msg: None):
+                 warn=lambda msg: None, log=lambda msg: None, tier: str = "auto", notice=lambda msg: None,
+                 init_from: str | Path | None = None):
         self.artifact = artifact = Artifact(path, trusted_keys)
         manifest = artifact.manifest
         self.rank = rank if rank is not None else (_env_int("RANK") or 0)
@@ -119,6 +122,17 @@ class Trainer:
                                                   tier, str(artifact.root))
         if self.tier_notice and self.rank == 0:
             notice(self.tier_notice)
+        # The user's weights (`init_from`) are checked against the manifest from their headers
+        # alone, before any process group starts, so a wrong file fails at once on every rank.
+        self.init_from = None
+        if init_from is not None:
+            if "init" not in manifest:
+                raise AotError(f"{artifact.root}: format {manifest['format_version']} artifacts store their weights; "
+                               f"--init-from needs an artifact built by this aot (format 3)")
+            self.init_from = check_init_from(init_from, manifest)
+            if self.rank == 0:
+                for line in self.init_from.notes:
+                    notice(line)
         self.timeout_s = timeout_s
         self._init_distributed(profile)
         self.groups = bind_process_groups(manifest["process_groups"], self.rank, self.world_size)
@@ -152,8 +166,7 @@ class Trainer:
                 wait_at_issue(self._module)
 
         self.state_spec = manifest["state"]
-        weights = artifact.tensors(entry["weights"])
-        optimizer = artifact.tensors(entry["optimizer"])
+        weights, optimizer = self._initial_state(entry)
         self._weights = {k: self._place(v) for k, v in weights.items()}
         self._optimizer = {k: self._place(v) for k, v in optimizer.items()}
 
@@ -182,6 +195,18 @@ class Trainer:
         if profile["device_kind"] == "cuda" and torch.cuda.is_available():
             return torch.device("cuda", _env_int("LOCAL_RANK") or 0)
         return torch.device("cpu")
+
+    def _initial_state(self, entry: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """This rank's weights and optimizer state before the first step: its state files (format 2),
+        or its pieces of the user's weights (`init_from`) or of the init program's, and the
+        optimizer state the manifest describes (format 3)."""
+        artifact, manifest = self.artifact, self.artifact.manifest
+        if "init" not in manifest:
+            self.weights_source = "the artifact's stored weights"
+            return artifact.tensors(entry["weights"]), artifact.tensors(entry["optimizer"])
+        self.weights_source = str(self.init_from.path) if self.init_from else \
+            f"the init program (seed {manifest['build'].get('seed', 0)})"
+        return initial_state(artifact, entry["coords"], self.init_from)
 
     def _init_distributed(self, profile: dict) -> None:
         if dist.is_initialized():

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 import runner
-from helpers.commands import EXAMPLES, aot, aot_each, ok, torchrun
+from helpers.commands import EXAMPLES, FIXTURES, aot, aot_each, ok, torchrun
 from runner.artifact import Artifact
+from runner.init_program import initial_state
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +66,25 @@ def test_program_files_are_shared_across_ranks(gpt2):
     assert manifest["build"]["world_size"] == 2
 
 
-def test_python_api_matches_eager_single_process(mlp1):
-    """runner.load(...).step() against a plain eager loop in this process."""
+def _user_module(path):
     import importlib.util
-    spec = importlib.util.spec_from_file_location("mlp_example", EXAMPLES / "mlp.py")
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
     user = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(user)
+    return user
+
+
+@pytest.mark.parametrize("which", ["format 3", "format 2"])
+def test_python_api_matches_eager_single_process(mlp1, which):
+    """runner.load(...).step() against a plain eager loop in this process; a format-2 artifact
+    (stored weights, tests/fixtures/artifact_v2_mlp, built by the aot before format 3) still runs."""
+    artifact = mlp1 if which == "format 3" else FIXTURES / "artifact_v2_mlp"
+    user = _user_module(EXAMPLES / "mlp.py")
     torch.manual_seed(0)
     model = user.model()
     opt = user.optimizer(model.parameters())
-    trainer = runner.load(mlp1, rank=0, world_size=1)
+    trainer = runner.load(artifact, rank=0, world_size=1)
+    assert trainer.artifact.manifest["format_version"] == (3 if which == "format 3" else 2)
     source = trainer.data_source()
     for step in range(3):
         inputs, targets = source.batch(step)
@@ -88,6 +98,25 @@ def test_python_api_matches_eager_single_process(mlp1):
     assert list(state) == list(model.state_dict())
     for k, v in model.state_dict().items():
         assert torch.allclose(state[k], v, atol=1e-6)
+
+
+@pytest.mark.parametrize("model", ["mlp.py", "gpt.py"])
+def test_init_program_replays_eager_construction_bit_for_bit(model, mlp1, gpt2):
+    """No weights are stored: the runner replays the recorded construction after the build's seed,
+    and gets exactly `torch.manual_seed(seed); model()`, tied weights and buffers included."""
+    artifact = mlp1 if model == "mlp.py" else gpt2
+    assert not any(p.startswith("state/") for p in json.loads((artifact / "manifest.json").read_text())["files"])
+    torch.manual_seed(0)
+    eager = _user_module(EXAMPLES / model).model()
+    torch.manual_seed(1234)  # the replay uses the build's seed and leaves the caller's RNG alone
+    before = torch.get_rng_state()
+    weights, optimizer = initial_state(Artifact(artifact), {"dp": 0})
+    assert torch.equal(torch.get_rng_state(), before)
+    named = {**dict(eager.named_parameters()), **dict(eager.named_buffers())}
+    assert sorted(weights) == sorted(named)
+    for name, tensor in named.items():
+        assert torch.equal(weights[name], tensor) and weights[name].dtype == tensor.dtype, name
+    assert optimizer and all(not t.any() for t in optimizer.values())  # zero moments, step counters at 0
 
 
 def test_resume_is_bit_identical_to_an_uninterrupted_run(gpt2, tmp_path):
@@ -160,7 +189,8 @@ def test_builds_for_many_ranks_on_one_machine(tmp_path):
     summary = json.loads(ok(aot("build", EXAMPLES / "mlp.py", "--world-size", "1024", "-o", out, "--json")).stdout)
     assert summary["world_size"] == 1024 and summary["programs"] == 1
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["ranks"]) == 1024 and len(manifest["files"]) == 5  # 4 + the ONNX inference export
+    # the step and init programs, the example batch and the ONNX inference export: nothing per rank, no weights
+    assert len(manifest["ranks"]) == 1024 and len(manifest["files"]) == 4
 
 
 def test_fsdp_shards_parameters_and_optimizer_state(tmp_path):
@@ -179,8 +209,8 @@ def test_fsdp_shards_parameters_and_optimizer_state(tmp_path):
         manifest = json.loads((out / "manifest.json").read_text())
         per_rank = []
         for rank in range(4):
-            entry = manifest["ranks"][rank]
-            state = Artifact(out).tensors(entry["weights"]) | Artifact(out).tensors(entry["optimizer"])
+            weights, optimizer = initial_state(Artifact(out), manifest["ranks"][rank]["coords"])
+            state = weights | optimizer
             params = set(manifest["state"]["params"])
             per_rank.append(sum(t.numel() * t.element_size() for k, t in state.items()
                                 if k in params or k.split(":")[0] in params))
@@ -203,18 +233,17 @@ def test_fsdp_shards_parameters_and_optimizer_state(tmp_path):
 @pytest.mark.parametrize("strategy", ["dp=2,fsdp=2,tp=2", "fsdp=2,tp=4"])
 def test_tensor_parallel_meshes_build_for_8_ranks(strategy, tmp_path):
     """Built on this 2-core machine for 8 ranks: one state shard per (tp, fsdp) position, each
-    rank holding its slice of the split layers and its fsdp shard of everything."""
+    rank creating its slice of the split layers and its fsdp shard of everything."""
     out = tmp_path / "art"
     ok(aot("build", EXAMPLES / "gpt.py", "--world-size", 8, "--strategy", strategy, "--no-onnx", "-o", out, "--quiet"))
     manifest = json.loads((out / "manifest.json").read_text())
     degrees = dict(zip(manifest["mesh"]["axes"], manifest["mesh"]["shape"]))
     tp, fsdp = degrees["tp"], degrees["fsdp"]
-    assert len({r["weights"] for r in manifest["ranks"]}) == tp * fsdp
+    assert len({(r["coords"]["tp"], r["coords"]["fsdp"]) for r in manifest["ranks"]}) == tp * fsdp
     assert manifest["tensor_parallel"]["params"]["blocks.0.attn.q.weight"] == 0
     assert manifest["tensor_parallel"]["params"]["blocks.0.mlp.proj.weight"] == 1
     assert {c["group"] for c in manifest["programs"]["train"]["collectives"]} >= {"aot.tp", "aot.fsdp"}
-    entry = manifest["ranks"][5]
-    weights = Artifact(out).tensors(entry["weights"])
+    weights, _ = initial_state(Artifact(out), manifest["ranks"][5]["coords"])
     q = manifest["state"]["params"]["blocks.0.attn.q.weight"][0]
     assert weights["blocks.0.attn.q.weight"].numel() == q[0] * q[1] // tp // fsdp
     summary = json.loads(ok(aot("inspect", out, "--json")).stdout)

@@ -254,10 +254,10 @@ def test_world_size_2_artifact_without_torchrun(artifact2):
 
 # -- 5. missing and altered artifact files --------------------------------------------------
 
-def test_altered_weights_file(copy1):
-    flip_byte(copy1 / "state" / "weights.safetensors")
+def test_altered_init_program(copy1):
+    flip_byte(copy1 / "programs" / "init.json")
     r = aot("run", copy1, "--steps", "1", "--quiet")
-    assert_user_error(r, "state/weights.safetensors", "sha256")
+    assert_user_error(r, "programs/init.json", "sha256")
 
 
 def test_altered_program_file(copy1):
@@ -285,11 +285,11 @@ def test_artifact_folder_that_does_not_exist(tmp_path):
 
 def test_manifest_file_entry_without_sha256(copy1):
     manifest = json.loads((copy1 / "manifest.json").read_text())
-    del manifest["files"]["state/weights.safetensors"]["sha256"]
+    del manifest["files"]["programs/init.json"]["sha256"]
     manifest["digest"] = manifest_digest(manifest)
     (copy1 / "manifest.json").write_text(json.dumps(manifest))
     r = aot("run", copy1, "--steps", "1", "--quiet")
-    assert_user_error(r, "state/weights.safetensors")
+    assert_user_error(r, "programs/init.json")
 
 
 # -- 6. artifacts from another torch or format version --------------------------------------
@@ -397,6 +397,20 @@ def test_buffer_sharing_memory_with_a_parameter(tmp_path):
     assert_user_error(r, "first_row")
 
 
+def test_constructor_that_reads_tensor_values(tmp_path):
+    out = tmp_path / "out"
+    r = aot("build", MODELS / "bad_constructor_reads_values.py", "-o", out, "--quiet")
+    assert_user_error(r, "bad_constructor_reads_values.py:11", "must not read tensor values")
+    assert not out.exists()
+
+
+def test_constructor_that_loads_weights_from_outside_torch(tmp_path):
+    out = tmp_path / "out"
+    r = aot("build", MODELS / "bad_constructor_loads_weights.py", "-o", out, "--quiet")
+    assert_user_error(r, "parameter 'embedding'", "2.0 MiB", "--init-from")
+    assert not out.exists()
+
+
 def test_build_output_below_a_file(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder\n")
@@ -416,7 +430,7 @@ def test_debug_shows_traceback(tmp_path, where):
 
 
 def test_debug_env_shows_traceback_for_run(copy1):
-    flip_byte(copy1 / "state" / "weights.safetensors")
+    flip_byte(copy1 / "programs" / "init.json")
     r = subprocess.run([sys.executable, "-m", "aot", "run", str(copy1), "--steps", "1", "--quiet"],
                        cwd=REPO, env={**clean_env(), "AOT_DEBUG": "1"}, capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode != 0, show(r)

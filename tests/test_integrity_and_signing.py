@@ -78,7 +78,7 @@ def test_untrusted_artifacts_are_refused(built, art, case):
     assert expected[case] in r.stderr
 
 
-@pytest.mark.parametrize("relpath", ["state/weights.safetensors", "programs/train.json", "data/example_batch.safetensors"])
+@pytest.mark.parametrize("relpath", ["programs/init.json", "programs/train.json", "data/example_batch.safetensors"])
 def test_a_flipped_byte_in_any_file_is_refused_naming_it(art, relpath):
     data = bytearray((art / relpath).read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -96,7 +96,7 @@ def test_a_hand_edited_manifest_fails_its_digest(art):
     assert r.returncode == 1 and "digest does not match" in r.stderr
 
 
-@pytest.mark.parametrize("relpath", ["state/weights.safetensors", "programs/train.json", "state/optimizer.safetensors"])
+@pytest.mark.parametrize("relpath", ["programs/init.json", "programs/train.json", "data/example_batch.safetensors"])
 def test_planted_pickle_with_rewritten_hashes_never_executes(art, relpath, tmp_path):
     marker = tmp_path / PAYLOAD_MARK
     buffer = io.BytesIO()

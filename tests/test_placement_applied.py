@@ -44,10 +44,9 @@ def test_build_puts_each_tp_group_on_an_nvlink_pair(placed):
     assert manifest["process_groups"]["aot.dp"]["groups"] == [[0, 1], [2, 3]]
     assert manifest["placement"] == {"axes_outer_to_inner": ["dp", "tp"], "identity": False,
                                      "physical_rank_of_mesh_rank": [0, 2, 1, 3]}
-    # `ranks` is per physical rank: coordinates and state shard of the mesh rank placed on it
+    # `ranks` is per physical rank: the coordinates (so the state shard) of the mesh rank placed on it
     coords = {r["rank"]: r["coords"] for r in manifest["ranks"]}
     assert coords == {0: {"dp": 0, "tp": 0}, 1: {"dp": 1, "tp": 0}, 2: {"dp": 0, "tp": 1}, 3: {"dp": 1, "tp": 1}}
-    assert [r["weights"] for r in manifest["ranks"]] == [f"state/weights.tp-{coords[r]['tp']}.safetensors" for r in range(4)]
     # torch orders a group's members by rank: each member sits at the index of its coordinate
     for name, spec in manifest["process_groups"].items():
         for group in spec["groups"]:

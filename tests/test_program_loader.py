@@ -9,6 +9,7 @@ import torch
 
 from helpers.commands import EXAMPLES, aot, ok
 from runner.artifact import Artifact
+from runner.init_program import initial_state
 from runner.graph_loader import load_graph_module
 from runner.program import decode_program
 
@@ -24,8 +25,7 @@ def test_fast_loader_matches_torch_export_deserializer(model, tmp_path):
     assert fast is not None, "the fast path should cover aot's own programs"
     reference = decode_program(data, None).module()
 
-    weights = artifact.tensors(artifact.rank(0)["weights"])
-    optimizer = artifact.tensors(artifact.rank(0)["optimizer"])
+    weights, optimizer = initial_state(artifact, artifact.rank(0)["coords"])
     example = artifact.tensors(artifact.manifest["data"]["example"])
     lr = torch.tensor(artifact.manifest["schedule"]["lr"][0][0], dtype=torch.float64)
 

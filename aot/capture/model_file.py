@@ -62,7 +62,8 @@ def call_user(fn: Callable, what: str, path: Path, *args):
     except AotError:
         raise
     except Exception as e:
-        raise AotError(f"{path.name}: {what} raised {type(e).__name__}: {e}{_user_frame(e, path)}") from e
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""  # one line: torch's can run to ten
+        raise AotError(f"{path.name}: {what} raised {type(e).__name__}: {message}{_user_frame(e, path)}") from e
 
 
 def load_model_file(path: str | Path) -> ModelFile:

@@ -18,7 +18,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile
-from aot.capture.step import StepLayout, _optimizer_tracing, _step_args, _step_program, quiet_trace_logs
+from aot.capture.step import StepLayout, _optimizer_tracing, _step_args, _step_program
+from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 
 

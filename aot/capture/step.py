@@ -14,7 +14,6 @@ the same graph, recorded in about half the time).
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile, call_user
 from aot.capture.tensor_parallel import TensorParallel, rename_group, tensor_parallel
+from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
 from runner.checkpoint import optimizer_key
@@ -112,22 +112,6 @@ def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm:
         total = _funcol.wait_tensor(_funcol.all_reduce(total, "sum", layout.fsdp.name))
     coef = torch.clamp(max_norm / (torch.sqrt(total) + 1e-6), max=1.0)
     torch._foreach_mul_(grads, coef)
-
-
-@contextlib.contextmanager
-def quiet_trace_logs():
-    """FakeTensor logs a full traceback when an op's shape check fails, and the shape environment
-    logs the graph so far when control flow depends on a tensor's value; the user gets one line
-    from us instead (and the traceback with --debug, which re-raises)."""
-    loggers = [logging.getLogger(name) for name in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")]
-    previous = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, previous):
-            logger.setLevel(level)
 
 
 @contextlib.contextmanager

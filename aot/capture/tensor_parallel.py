@@ -119,7 +119,9 @@ def tensor_parallel(model: nn.Module, plan: dict[str, str], size: int, group: st
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
     try:
         mesh = DeviceMesh("cpu", list(range(size)))
-        parallel = copy.deepcopy(model)
+        # A copy of the modules that shares their (fake) tensors: parallelize_module swaps the copy's
+        # parameters for DTensors and leaves the model's own; fake tensors cannot be deep-copied.
+        parallel = copy.deepcopy(model, memo={id(t): t for t in [*model.parameters(), *model.buffers()]})
         parallelize_module(parallel, mesh, _styles(plan, sequence))
         if sequence is not None:
             _stream_hooks(parallel, sequence, size, mesh.get_group().group_name)

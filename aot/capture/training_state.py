@@ -1,8 +1,17 @@
-"""The eager starting point of training: weights, optimizer state and learning-rate schedule.
+"""The starting point of training, recorded rather than computed: weights, optimizer state, schedule.
 
-Initial weights are exactly those of `torch.manual_seed(seed); model()`. torch.optim creates
-optimizer state lazily inside `step()`, which a traced step would redo every time, so the state is
-created here once, before tracing, and passed to the program as inputs.
+The build never materializes the model. `model()` runs once under make_fx on fake tensors: that
+both gives the fake-tensor model the step is traced on and records, as the *init program*, the
+factory and in-place init ops (`empty`, `normal_`, `uniform_`, `fill_`, ...) that create each
+parameter and buffer. The runner replays that program after `torch.manual_seed(seed)` and gets
+exactly the tensors of `torch.manual_seed(seed); model()` (runner/init_program.py), so build time,
+build memory and artifact size follow the graph, not the parameter count.
+
+torch.optim creates optimizer state lazily inside `step()`, which a traced step would redo every
+time, so the state is created here once, before tracing, and passed to the program as inputs. Its
+initial values are constants per tensor (zeros, step counters, Adagrad's initial accumulator):
+they are read from the same optimizer run on tiny real tensors and recorded as fills, from which
+the runner creates the state; the state itself is never shipped.
 """
 
 from __future__ import annotations
@@ -12,19 +21,28 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile, call_user
+from aot.capture.trace_logs import quiet_trace_logs
 from aot.errors import AotError
 from runner.checkpoint import optimizer_key
 
 
+# Constants a constructor may bake into a parameter or buffer (a small lookup table, say); a
+# bigger one was read from somewhere (a file, numpy) and would put weights back into the artifact.
+MAX_INIT_CONSTANT_BYTES = 1 << 20
+
+
 @dataclass
 class TrainingState:
-    model: nn.Module
-    params: dict[str, torch.Tensor]            # named_parameters(): a tied weight once
-    buffers: dict[str, torch.Tensor]           # every buffer, persistent or not
+    model: nn.Module                           # on fake tensors: no parameter memory
+    params: dict[str, torch.Tensor]            # named_parameters(): a tied weight once (fake)
+    buffers: dict[str, torch.Tensor]           # every buffer, persistent or not (fake)
+    init_graph: torch.fx.GraphModule           # the init program: creates params then buffers, in that order
     optimizer_slots: list[tuple[str, str]]     # (parameter name, state key), in trace order
-    optimizer_state: dict[str, torch.Tensor]   # keyed by runner.checkpoint.optimizer_key
+    optimizer_state: dict[str, torch.Tensor]   # keyed by runner.checkpoint.optimizer_key (fake)
+    optimizer_fills: dict[str, float]          # the initial value of every element of each state tensor
     param_groups: list[list[str]]              # parameter names of each optimizer group
     optimizer_class: str
     hyperparameters: list[dict]                # JSON-able settings of each group
@@ -52,7 +70,7 @@ def _check_no_shared_storage(params: dict, buffers: dict, where: str) -> None:
     for name, t in [*params.items(), *buffers.items()]:
         if t.numel() == 0:
             continue
-        key = t.untyped_storage().data_ptr()
+        key = t.untyped_storage()._cdata  # the storage's identity (fake tensors have no data pointer)
         if key in owners and owners[key] != name:
             raise AotError(f"{where}: {name!r} shares memory with {owners[key]!r}; give each buffer its own storage (e.g. .clone())")
         owners[key] = name
@@ -130,38 +148,107 @@ def _evaluate_schedule(mf: ModelFile, opt: torch.optim.Optimizer, max_steps: int
     return schedule, False
 
 
+def _record_init(mf: ModelFile) -> tuple[nn.Module, torch.fx.GraphModule, int, int]:
+    """(the model on fake tensors, the init program's graph, #params, #buffers): `model()` traced
+    by make_fx, its parameters then its buffers as the graph's outputs."""
+    made = {}
+
+    def construct():
+        model = call_user(mf.model, "model()", mf.path)
+        if not isinstance(model, nn.Module):
+            raise AotError(f"{mf.path.name}: model() must return a torch.nn.Module, got {type(model).__name__}")
+        made["model"] = model
+        return [*dict(model.named_parameters()).values(), *dict(model.named_buffers()).values()]
+
+    try:
+        with torch.no_grad(), quiet_trace_logs():
+            graph = make_fx(construct, tracing_mode="fake")()
+    except AotError as e:
+        if "DataDependent" in str(e):  # say why a constructor that runs eagerly fails here
+            raise AotError(f"{e}; the build records model() without running it on real tensors, so the "
+                           f"constructor must not read tensor values (branch on them, .item(), .tolist())") from e
+        raise
+    model = made["model"]
+    return model, graph, len(dict(model.named_parameters())), len(dict(model.named_buffers()))
+
+
+def _check_recordable(mf: ModelFile, graph: torch.fx.GraphModule, names: list[str], n_params: int) -> None:
+    """Refuse a parameter or buffer made from a big tensor the constructor got outside torch's
+    factory ops (a file, numpy): the init program would carry the values instead of the recipe."""
+    outputs = torch.utils._pytree.tree_leaves(next(n for n in graph.graph.nodes if n.op == "output").args)
+    for index, (name, node) in enumerate(zip(names, outputs)):
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n in seen or not isinstance(n, torch.fx.Node):
+                continue
+            seen.add(n)
+            if n.op == "get_attr":
+                value = getattr(graph, n.target)
+                size = value.numel() * value.element_size()
+                if size > MAX_INIT_CONSTANT_BYTES:
+                    kind = "parameter" if index < n_params else "buffer"
+                    raise AotError(
+                        f"{mf.path.name}: model() makes {kind} {name!r} from a {size / 2**20:.1f} MiB tensor it got outside "
+                        f"torch's factory functions (a file, numpy); an artifact records how weights are created, not "
+                        f"their values: create it with torch ops, or start training from your weights with `aot run --init-from`")
+            stack.extend(n.all_input_nodes)
+
+
+def _optimizer_fills(mf: ModelFile, params: dict[str, torch.Tensor], slots: list[tuple[str, str]]) -> dict[str, float]:
+    """The initial value of each optimizer state tensor, read from the user's optimizer created
+    over one-element stand-ins of the parameters (same dtype and number of dimensions, so
+    optimizers that group parameters by `dim()` group them alike) and initialized the same way."""
+    probes = [torch.zeros([1] * p.dim(), dtype=p.dtype) for p in params.values()]
+    opt = call_user(mf.optimizer, "optimizer(params)", mf.path, probes)
+    _init_optimizer_state(opt)
+    by_name = dict(zip(params, probes))
+    fills = {}
+    for name, key in slots:
+        value = opt.state[by_name[name]].get(key)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise AotError(f"{type(opt).__name__}: the initial state {key!r} of {name!r} is not one value per element; "
+                           f"only optimizers whose initial state is a constant can be recorded")
+        fills[optimizer_key(name, key)] = float(value.item())
+    return fills
+
+
 def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingState:
-    torch.manual_seed(seed)
-    model = call_user(mf.model, "model()", mf.path)
-    if not isinstance(model, nn.Module):
-        raise AotError(f"{mf.path.name}: model() must return a torch.nn.Module, got {type(model).__name__}")
+    """The model on fake tensors and its init program, the optimizer's state layout and initial
+    values, and the learning rate of every step. `seed` is the runner's to apply (the init
+    program is replayed after torch.manual_seed(seed)); it does not change what is recorded."""
+    model, graph, n_params, n_buffers = _record_init(mf)
     model.train()
     params = dict(model.named_parameters())
     if not params:
         raise AotError(f"{mf.path.name}: the model has no parameters to train")
     buffers = dict(model.named_buffers())
     _check_no_shared_storage(params, buffers, mf.path.name)
+    _check_recordable(mf, graph, [*params, *buffers], n_params)
+    fake_mode = torch._guards.detect_fake_mode(list(params.values()))
     names = {id(p): n for n, p in params.items()}
-    opt = call_user(mf.optimizer, "optimizer(params)", mf.path, list(params.values()))
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise AotError(f"{mf.path.name}: optimizer(params) must return a torch.optim.Optimizer, got {type(opt).__name__}")
-    _check_supported(opt)
-    groups = [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
-    if sorted(n for g in groups for n in g) != sorted(params):
-        raise AotError(f"{mf.path.name}: optimizer(params) must optimize every parameter of the model exactly once")
-    _init_optimizer_state(opt)
+    with fake_mode:
+        opt = call_user(mf.optimizer, "optimizer(params)", mf.path, list(params.values()))
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise AotError(f"{mf.path.name}: optimizer(params) must return a torch.optim.Optimizer, got {type(opt).__name__}")
+        _check_supported(opt)
+        groups = [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
+        if sorted(n for g in groups for n in g) != sorted(params):
+            raise AotError(f"{mf.path.name}: optimizer(params) must optimize every parameter of the model exactly once")
+        _init_optimizer_state(opt)
     slots, state = [], {}
     for group in groups:
         for name in group:
             for key, value in sorted(opt.state[params[name]].items()):
                 slots.append((name, key))
                 state[optimizer_key(name, key)] = value.detach()
+    fills = _optimizer_fills(mf, params, slots)
     schedule, constant = _evaluate_schedule(mf, opt, max_steps)
     aliases, keys = _canonical_names(model)
     hyper = [{k: _json_value(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return TrainingState(
-        model=model, params=params, buffers=buffers, optimizer_slots=slots,
-        optimizer_state=state, param_groups=groups, optimizer_class=type(opt).__name__,
+        model=model, params=params, buffers=buffers, init_graph=graph, optimizer_slots=slots,
+        optimizer_state=state, optimizer_fills=fills, param_groups=groups, optimizer_class=type(opt).__name__,
         hyperparameters=hyper, lr_schedule=schedule, lr_constant=constant,
         aliases=aliases, state_dict_keys=keys,
     )

@@ -1,10 +1,11 @@
 """Emit: the traced, optimized step becomes a versioned artifact folder.
 
 The graph is exported with torch.export (non-strict, on the same fake shapes), serialized without
-pickles through runner.program, and written with weights, optimizer state, the example batch and
-the manifest through runner.integrity.StagedDir, so every file is hashed and a failed build leaves
-nothing half-written. The artifact grows with distinct programs, not with ranks: ranks that run
-the same program and hold the same (replicated) state share files.
+pickles through runner.program, and written with the init program (how each rank creates its
+weights), the optimizer state's description, the example batch and the manifest through
+runner.integrity.StagedDir, so every file is hashed and a failed build leaves nothing half-written.
+No weights or optimizer state are stored: the artifact grows with distinct programs, not with
+ranks or parameters.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 import runner
-from aot.capture.step import CapturedStep, StepLayout, rank_state
+from aot.capture.step import CapturedStep, StepLayout
 from aot.capture.training_state import TrainingState
+from aot.emit.exported import exported_program
 from aot.errors import AotError
 from aot.passes.graph_utils import COLLECTIVES, is_call, tensor_bytes
 from aot.plan.mesh import Mesh
 from aot.plan.placement import Placement, identity
 from runner.artifact import FORMAT_NAME, FORMAT_VERSION, MANIFEST, manifest_digest
+from runner.checkpoint import optimizer_key
 from runner.data import dtype_name
 from runner.integrity import StagedDir, canonical_json
 from runner.signing import SIGNATURE, sign_manifest
@@ -29,13 +32,16 @@ from runner.program import encode_program
 from runner.topology import profile_sha256
 
 PROGRAM = "train"
+INIT_PROGRAM = "init"
 
 
 def export_step(captured: CapturedStep) -> torch.export.ExportedProgram:
-    try:
-        return torch.export.export(captured.graph, tuple(captured.example_args), strict=False)
-    except Exception as e:
-        raise AotError(f"the captured step could not be exported: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    return exported_program(captured.graph, captured.example_args, "the captured step")
+
+
+def export_init(state: TrainingState) -> torch.export.ExportedProgram:
+    """The init program (how every parameter and buffer is made) as an ExportedProgram."""
+    return exported_program(state.init_graph, [], "model()'s construction")
 
 
 def collectives_of(graph: torch.fx.Graph) -> list[dict]:
@@ -57,14 +63,26 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
 
 
-def _state_files(tp_index: int | None, fsdp_index: int | None) -> tuple[str, str]:
-    suffix = ("" if tp_index is None else f".tp-{tp_index}") + ("" if fsdp_index is None else f".fsdp-{fsdp_index}")
-    return f"state/weights{suffix}.safetensors", f"state/optimizer{suffix}.safetensors"
+def _optimizer_init(state: TrainingState) -> dict[str, dict]:
+    """How the runner creates each optimizer state tensor: `fill` everywhere, shaped like its
+    parameter's piece on the rank (`"param"`) or as given (0-dim step counters: `[]`)."""
+    out = {}
+    for name, key in state.optimizer_slots:
+        value = state.optimizer_state[optimizer_key(name, key)]
+        shape = "param" if value.dim() and value.shape == state.params[name].shape else list(value.shape)
+        out[optimizer_key(name, key)] = {"shape": shape, "dtype": dtype_name(value.dtype),
+                                         "fill": state.optimizer_fills[optimizer_key(name, key)]}
+    return out
 
 
-def _shard_of(layout: StepLayout, coords: dict[str, int]) -> tuple[int | None, int | None]:
-    """(tp index, fsdp index) of the state a rank holds; None along an axis that does not split it."""
-    return (coords["tp"] if layout.tp else None), (coords["fsdp"] if layout.fsdp else None)
+def _check_shardable(state: TrainingState, layout: StepLayout) -> None:
+    """Optimizer state unlike its parameter cannot follow a split or sharded parameter."""
+    split = set(layout.tp_dims(state)) if layout.tp else set()
+    for name, key in state.optimizer_slots:
+        value = state.optimizer_state[optimizer_key(name, key)]
+        if value.dim() and value.shape != state.params[name].shape and (layout.fsdp is not None or name in split):
+            raise AotError(f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, unlike its parameter; "
+                           f"it cannot be sharded")
 
 
 def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: CapturedStep, state: TrainingState,
@@ -81,20 +99,17 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
         raise AotError(f"placement of mesh {placement.axes}={placement.shape} for mesh {mesh.describe()}")
     if not placement.ascending:  # torch orders group members by rank: coordinates must agree
         raise AotError(f"placement {list(placement.physical)} orders some group's ranks against its coordinates")
+    _check_shardable(state, layout)
     program_json, constants = encode_program(ep)
+    init_program = export_init(state)
+    init_json, init_constants = encode_program(init_program)
     data_slots = [s for s in captured.slots if s["kind"] in ("input", "target")]
-    # One pair of state files per distinct shard: replicas (data parallel) share theirs.
-    shards = sorted({_shard_of(layout, mesh.coords(r)) for r in range(mesh.world_size)}, key=lambda s: (s[0] or 0, s[1] or 0))
     tp_dims = layout.tp_dims(state)
     with StagedDir(out, MANIFEST) as files:
-        files.write(f"programs/{PROGRAM}.json", program_json)
-        if constants is not None:
-            files.write(f"programs/{PROGRAM}.constants.safetensors", constants)
-        for tp_index, fsdp_index in shards:
-            local = rank_state(state, layout, fsdp_index or 0, tp_index or 0)
-            weights_file, optimizer_file = _state_files(tp_index, fsdp_index)
-            files.write(weights_file, save_safetensors(_contiguous({**local.params, **state.buffers})))
-            files.write(optimizer_file, save_safetensors(_contiguous(local.optimizer_state)))
+        for name, (code, consts) in ((PROGRAM, (program_json, constants)), (INIT_PROGRAM, (init_json, init_constants))):
+            files.write(f"programs/{name}.json", code)
+            if consts is not None:
+                files.write(f"programs/{name}.constants.safetensors", consts)
         files.write("data/example_batch.safetensors", save_safetensors(_contiguous(example)))
         for relpath, data in (extra_files or {}).items():
             files.write(relpath, data)
@@ -123,10 +138,14 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
                 }
             },
             "ranks": [  # per physical rank: the mesh coordinates the placement gives it
-                {"rank": r, "program": PROGRAM, "coords": placement.coords(r),
-                 **dict(zip(("weights", "optimizer"), _state_files(*_shard_of(layout, placement.coords(r)))))}
-                for r in range(mesh.world_size)
+                {"rank": r, "program": PROGRAM, "coords": placement.coords(r)} for r in range(mesh.world_size)
             ],
+            "init": {  # the recipe of the initial parameters and buffers (runner/init_program.py)
+                "file": f"programs/{INIT_PROGRAM}.json",
+                "constants": f"programs/{INIT_PROGRAM}.constants.safetensors" if init_constants is not None else None,
+                "outputs": [*state.params, *state.buffers],
+                "graph_nodes": len(init_program.graph.nodes),
+            },
             "sharding": None if layout.fsdp is None else {
                 "axis": "fsdp", "group": layout.fsdp.name, "size": layout.fsdp.size, "layout": "flat-padded",
                 "params": {n: s.numel() for n, s in layout.local_shapes(state).items()},
@@ -138,6 +157,8 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
             "state": {
                 "params": {n: [list(t.shape), dtype_name(t.dtype)] for n, t in state.params.items()},
                 "buffers": {n: [list(t.shape), dtype_name(t.dtype)] for n, t in state.buffers.items()},
+                "persistent_buffers": [n for n in state.buffers if n in {state.aliases.get(k, k) for k in state.state_dict_keys}],
+                "optimizer_init": _optimizer_init(state),
                 "optimizer": {"class": state.optimizer_class, "param_groups": [
                     {"params": names, **hyper} for names, hyper in zip(state.param_groups, state.hyperparameters)]},
                 "aliases": state.aliases,

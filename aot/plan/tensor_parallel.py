@@ -101,7 +101,7 @@ def find_plan(model: nn.Module, inputs: list[torch.Tensor]) -> dict[str, str]:
     import contextlib
     import io
 
-    from aot.capture.step import quiet_trace_logs
+    from aot.capture.trace_logs import quiet_trace_logs
 
     try:
         # a failed export prints the partial graph to stderr; the user gets one line (below)

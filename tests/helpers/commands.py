@@ -10,6 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 MODELS = REPO / "tests" / "models"
+FIXTURES = REPO / "tests" / "fixtures"
 REFERENCE = REPO / "tests" / "helpers" / "ddp_reference.py"
 TIMEOUT = 300
 

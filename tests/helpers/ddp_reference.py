@@ -25,6 +25,7 @@ parser.add_argument("out")
 parser.add_argument("--steps", type=int, required=True)
 parser.add_argument("--batch-size", type=int, required=True)
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--init-from", help="a safetensors file of model.state_dict() to start from")
 args = parser.parse_args()
 
 spec = importlib.util.spec_from_file_location("reference_model", args.model_file)
@@ -35,6 +36,8 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(args.seed)
 model = user.model()
+if args.init_from:
+    model.load_state_dict(load_file(args.init_from))
 ddp = DDP(model) if world > 1 else model
 params = list(model.parameters())
 opt = user.optimizer(params) if hasattr(user, "optimizer") else torch.optim.AdamW(params, lr=1e-3)
