@@ -1,11 +1,14 @@
 """Benchmark: start-up to the end of step 1, and steady-state step time, aot vs eager vs compiled DDP.
 
     python bench/startup_and_step.py [--steps 30] [--repeats 3] [--out results.json]
+    python bench/startup_and_step.py --model bench/models/gpt2_124m.py --batch-size 1 --no-onnx \
+        --variants aot_cli,aot_cli_init_from,ddp_eager --steps 3      # cold start of GPT-2 124M
 
 On this machine's CPUs, 2 ranks with gloo (torchrun --standalone --nproc-per-node 2), the GPT of
-examples/gpt.py, 8 samples per rank, the data of examples/prepare_data.py. One invocation runs
-every variant, interleaved and in a rotating order, `--repeats` times, so the ratios compare runs
-that saw the same machine load. Variants:
+examples/gpt.py (or --model), 8 samples per rank, the data of examples/prepare_data.py (for another
+model file: `--data-rows` rows of its own batch(), so the shapes match what it was built for). One
+invocation runs every variant, interleaved and in a rotating order, `--repeats` times, so the ratios
+compare runs that saw the same machine load. Variants:
 
     aot               bench/aot_worker.py: runner.trainer.Trainer on an artifact built once by
                       `aot build` (build time reported apart), stepped exactly as `aot run` does,
@@ -14,6 +17,10 @@ that saw the same machine load. Variants:
       tier            this variant the one build is `aot build --compile aoti`
     aot run (CLI)     `torchrun -m aot run ... --tier portable --metrics M` itself; its start-up is
                       when this script sees the first metrics line (polled every 5 ms)
+    aot run           the same with `--init-from W`: W is a safetensors file of
+      --init-from     `torch.manual_seed(0); model().state_dict()` (tied weights stored under both
+                      names), written once before the runs, so the run starts from exactly the
+                      weights the init program makes
     eager DDP         bench/ddp_worker.py: DistributedDataParallel, the model file's AdamW,
                       scheduler and clip_grad_norm_
     compiled DDP      bench/ddp_worker.py --compile: torch.compile(DDP(model)), with a fresh
@@ -23,7 +30,9 @@ that saw the same machine load. Variants:
 
 Start-up is wall time from BENCH_T0 (time.time() just before the torchrun subprocess is started)
 to the end of step 1 on rank 0, so torchrun's and the interpreter's start are counted alike for
-every variant. Steady-state step time is the median of steps 6..N (rank 0). Every child gets
+every variant; for aot it includes making the weights (replaying the artifact's init program, or
+reading --init-from). Steady-state step time is the median of steps 6..N (rank 0); with --steps 5
+or fewer only start-up is measured. Every child gets
 OMP_NUM_THREADS=1. All files live in one temporary folder that is removed at the end. The code
 under test (aot/, runner/, examples/ and the two bench workers) is copied there at the start and
 every child runs that copy, so edits made to the working tree during a run cannot mix versions.
@@ -54,13 +63,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CODE = REPO  # where children import aot/runner from: a snapshot of REPO unless --no-snapshot
-SNAPSHOT = ("aot", "runner", "examples", "bench/aot_worker.py", "bench/ddp_worker.py")
+SNAPSHOT = ("aot", "runner", "examples", "bench/models", "bench/aot_worker.py", "bench/ddp_worker.py")
 WARMUP_STEPS = 5  # steady state = steps 6..N
 
 VARIANTS = {
     "aot": "aot (runner.Trainer)",
     "aot_compiled": "aot, compiled tier",
     "aot_cli": "aot run (CLI)",
+    "aot_cli_init_from": "aot run --init-from",
     "ddp_eager": "eager DDP",
     "ddp_compile_cold": "compiled DDP, cold cache",
     "ddp_compile_warm": "compiled DDP, warm cache",
@@ -159,10 +169,11 @@ def run_variant(name: str, ctx: dict, tmp: Path, tag: str) -> dict:
     if name in ("aot", "aot_compiled"):
         cmd = torchrun(world) + [str(CODE / "bench" / "aot_worker.py"), ctx["artifact"], ctx["data"], "--steps", str(steps),
                                  "--tier", "compiled" if name == "aot_compiled" else "portable"]
-    elif name == "aot_cli":
-        metrics = tmp / f"metrics.{tag}.jsonl"
+    elif name in ("aot_cli", "aot_cli_init_from"):
+        metrics = tmp / f"metrics.{name}.{tag}.jsonl"  # a fresh file: `aot run --metrics` appends
         cmd = torchrun(world) + ["-m", "aot", "run", ctx["artifact"], "--steps", str(steps), "--data", ctx["data"],
-                                 "--metrics", str(metrics), "--quiet", "--tier", "portable"]
+                                 "--metrics", str(metrics), "--quiet", "--tier", "portable",
+                                 *(["--init-from", ctx["init_from"]] if name == "aot_cli_init_from" else [])]
         t0, seen, load = run_child(cmd, env, log, ctx["timeout"], poll_file=metrics)
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         return {
@@ -206,6 +217,37 @@ def minimum(values):
 def steady(run: dict):
     tail = run.get("step_times_s", [])[WARMUP_STEPS:]
     return statistics.median(tail) if tail else None
+
+
+WRITE_MODEL_FILES = """
+import importlib.util, sys
+import torch
+from safetensors.torch import save_file
+path, what, out, arg = sys.argv[1:5]
+spec = importlib.util.spec_from_file_location("bench_user_model", path)
+user = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(user)
+if what == "data":  # the model file's batch(): inputs (or inputs.0, ...) and targets, one sample per row
+    inputs, targets = user.batch(int(arg))
+    named = {"inputs": inputs} if isinstance(inputs, torch.Tensor) else {f"inputs.{i}": t for i, t in enumerate(inputs)}
+    named["targets"] = targets
+else:  # weights: torch.manual_seed(seed); model().state_dict(), tied tensors cloned so save_file takes them
+    torch.manual_seed(int(arg))
+    named = user.model().state_dict()
+named = {k: v.detach().clone().contiguous() for k, v in named.items()}
+save_file(named, out)
+"""
+
+
+def write_model_files(model: str, env: dict, data: Path | None = None, rows: int = 0,
+                      weights: Path | None = None, seed: int = 0) -> None:
+    """Write a data file from the model file's batch(rows), or its seeded initial weights, in a child
+    process (this one stays free of the model's memory)."""
+    what, out, arg = ("data", data, rows) if data is not None else ("weights", weights, seed)
+    done = subprocess.run([sys.executable, "-c", WRITE_MODEL_FILES, model, what, str(out), str(arg)],
+                          cwd=CODE, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"writing the {what} file from {model} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
 def snapshot(dest: Path) -> Path:
@@ -280,7 +322,7 @@ def summarize(runs: dict, ctx: dict) -> dict:
         }
         if name in ("aot", "aot_compiled"):
             row["load_artifact_s"] = median(r.get("load_artifact_s") for r in ok)
-        if name == "aot_cli":
+        if name in ("aot_cli", "aot_cli_init_from"):
             row["runner_time_since_start_step1_s"] = median(r.get("runner_time_since_start_step1_s") for r in ok)
         row["samples_per_s"] = G / row["steady_step_s"] if row["steady_step_s"] else None
         if name.startswith("aot"):
@@ -336,7 +378,7 @@ def quiet(runs: dict, limit: float) -> dict:
 def render(rows: dict, ctx: dict, ratios: dict, losses: dict, calm: dict | None = None) -> str:
     lines = [
         f"{ctx['world']} ranks (gloo, CPU), {Path(ctx['model']).name}, batch {ctx['batch']} per rank, "
-        f"{ctx['steps']} steps, {ctx['repeats']} interleaved repeat(s), medians; "
+        f"{ctx['steps']} steps, {ctx['repeats']} interleaved repeat(s), medians; data: {ctx.get('data_source')}; "
         f"aot build (once, not in start-up): {ctx['build_wall_s']:.1f} s wall "
         f"({ctx['build_reported_s']:.1f} s reported by `aot build`)",
         "",
@@ -359,12 +401,16 @@ def render(rows: dict, ctx: dict, ratios: dict, losses: dict, calm: dict | None 
                  f"{ctx['max_other_load']} cores, and the least disturbed launch is kept): " +
                  ", ".join(f"{VARIANTS[n]} {r['launches']} for {r['runs']} runs (kept: ≤ {fmt(r['other_load_max_cores'])} cores)"
                            for n, r in rows.items()))
+    if ctx.get("init_from_bytes"):
+        lines.append(f"--init-from file: {ctx['init_from_bytes'] / 2**20:.0f} MiB safetensors of torch.manual_seed(0); "
+                     f"model().state_dict(), written once before the runs (so it is in the page cache)")
     if "aot" in rows and rows["aot"].get("load_artifact_s") is not None:
         lines.append(f"aot set-up: {rows['aot']['load_artifact_s']:.2f} s of it in runner import + Trainer() "
                      f"(verify, deserialize program, process group)")
-    if rows.get("aot_cli", {}).get("runner_time_since_start_step1_s") is not None:
-        lines.append(f"aot run (CLI): its own metrics say step 1 ended "
-                     f"{rows['aot_cli']['runner_time_since_start_step1_s']:.2f} s after `import runner.cli`")
+    for name in ("aot_cli", "aot_cli_init_from"):
+        if rows.get(name, {}).get("runner_time_since_start_step1_s") is not None:
+            lines.append(f"{VARIANTS[name]}: its own metrics say step 1 ended "
+                         f"{rows[name]['runner_time_since_start_step1_s']:.2f} s after `import runner.cli` (median)")
     lines.append("")
     lines.append("| ratio | of medians | of bests | per repeat (paired) | goal | met? |")
     lines.append("|---|---:|---:|---|---:|---|")
@@ -384,7 +430,10 @@ def render(rows: dict, ctx: dict, ratios: dict, losses: dict, calm: dict | None 
         for name, q in calm.items():
             lines.append(f"| {VARIANTS[name]} | {q['launches']} | {fmt(q['startup_s'])} | {fmt(q['steady_step_s'], 1e3, 1)} |")
         for label, a, b, key, goal in (("aot start-up / compiled DDP (cold cache) start-up", "aot", "ddp_compile_cold", "startup_s", 0.1),
-                                       ("aot steady step / eager DDP steady step", "aot", "ddp_eager", "steady_step_s", 1.0)):
+                                       ("aot steady step / eager DDP steady step", "aot", "ddp_eager", "steady_step_s", 1.0),
+                                       ("aot run (CLI) start-up / eager DDP start-up", "aot_cli", "ddp_eager", "startup_s", 1.0),
+                                       ("aot run --init-from start-up / eager DDP start-up", "aot_cli_init_from", "ddp_eager",
+                                        "startup_s", 1.0)):
             value = ratio(calm, a, b, key)
             if value is not None:
                 lines.append(f"- undisturbed launches only: {label} = {value:.3f} (goal ≤ {goal}: {'met' if value <= goal else 'not met'})")
@@ -413,13 +462,21 @@ def main(argv=None) -> int:
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="run aot/runner from the working tree instead of a copy taken at start")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per run (default: %(default)s)")
+    p.add_argument("--data-rows", type=int, default=None,
+                   help="rows of the data file made from the model file's batch() when --model is not examples/gpt.py "
+                        "(default: batch size x world size x steps, one fresh row per sample)")
+    p.add_argument("--no-onnx", action="store_true",
+                   help="build with `aot build --no-onnx` (training never reads the export; it only lengthens the build)")
     args = p.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
     if args.steps <= WARMUP_STEPS:
-        p.error(f"--steps must be more than {WARMUP_STEPS} (steady state is steps {WARMUP_STEPS + 1}..N)")
+        print(f"note: --steps {args.steps} <= {WARMUP_STEPS}: start-up only, no steady-state step time "
+              f"(steady state is steps {WARMUP_STEPS + 1}..N)", file=sys.stderr)
 
     ctx = {"world": args.world_size, "steps": args.steps, "batch": args.batch_size, "repeats": args.repeats,
            "model": str(args.model.resolve()), "timeout": args.timeout,
@@ -441,23 +498,45 @@ def main(argv=None) -> int:
               f"{'snapshot' if args.snapshot else 'working tree'} sha256 {m['code_sha256']}", file=sys.stderr)
         env = child_env()
         data = tmp / "data.safetensors"
-        subprocess.run([sys.executable, str(CODE / "examples" / "prepare_data.py"), "-o", str(data)],
-                       cwd=CODE, env=env, check=True, capture_output=True)
+        if Path(ctx["model"]).resolve() == (CODE / "examples" / "gpt.py").resolve():
+            subprocess.run([sys.executable, str(CODE / "examples" / "prepare_data.py"), "-o", str(data)],
+                           cwd=CODE, env=env, check=True, capture_output=True)
+            ctx["data_source"] = "examples/prepare_data.py (512 windows)"
+        else:  # the model file's own batch(), so the data matches the shapes it is built for
+            rows = args.data_rows or args.batch_size * args.world_size * args.steps
+            write_model_files(ctx["model"], env, data=data, rows=rows)
+            ctx["data_source"] = f"{Path(ctx['model']).name}'s batch({rows})"
+        if "aot_cli_init_from" in variants:
+            weights = tmp / "init_from.safetensors"
+            t = time.perf_counter()
+            write_model_files(ctx["model"], env, weights=weights, seed=0)
+            ctx.update(init_from=str(weights), init_from_bytes=weights.stat().st_size,
+                       init_from_write_s=time.perf_counter() - t)
+            print(f"--init-from weights: {weights.stat().st_size / 2**20:.0f} MiB "
+                  f"(torch.manual_seed(0); model().state_dict()), written in {ctx['init_from_write_s']:.1f} s", file=sys.stderr)
         artifact = tmp / "artifact"
         build_cmd = [sys.executable, "-m", "aot", "build", ctx["model"], "--world-size", str(args.world_size),
                      "--batch-size", str(args.batch_size), "-o", str(artifact), "--json",
-                     *(["--compile", "aoti"] if "aot_compiled" in variants else [])]
+                     *(["--compile", "aoti"] if "aot_compiled" in variants else []),
+                     *(["--no-onnx"] if args.no_onnx else [])]
         t = time.perf_counter()
         built = subprocess.run(build_cmd, cwd=CODE, env=env, capture_output=True, text=True)
         ctx["build_wall_s"] = time.perf_counter() - t
         if built.returncode != 0:
             print(f"aot build failed (exit {built.returncode}): {shlex.join(build_cmd)}\n{built.stderr[-3000:]}", file=sys.stderr)
             return 1
-        ctx["build_reported_s"] = json.loads(built.stdout)["seconds"]
+        summary = json.loads(built.stdout)
+        ctx["build_reported_s"] = summary["seconds"]
         ctx["build_command"] = shlex.join(build_cmd)
-        inspected = subprocess.run([sys.executable, "-m", "aot", "inspect", str(artifact), "--json"],
-                                   cwd=CODE, env=env, capture_output=True, text=True, check=True)
-        ctx["aot_collectives_per_step"] = json.loads(inspected.stdout)["programs"]["train"]["collectives_per_step"]
+        ctx["aot_collectives_per_step"] = summary.get("collectives_per_step")
+        if ctx["aot_collectives_per_step"] is None:  # older `aot build --json`: ask `aot inspect`
+            inspected = subprocess.run([sys.executable, "-m", "aot", "inspect", str(artifact), "--json"],
+                                       cwd=CODE, env=env, capture_output=True, text=True)
+            if inspected.returncode == 0:
+                ctx["aot_collectives_per_step"] = json.loads(inspected.stdout)["programs"]["train"]["collectives_per_step"]
+            else:
+                print(f"warning: aot inspect failed, collectives per step unknown: {inspected.stderr.strip()[-300:]}",
+                      file=sys.stderr)
         ctx.update(artifact=str(artifact), data=str(data))
         print(f"aot build: {ctx['build_wall_s']:.1f} s wall, {ctx['aot_collectives_per_step']} collective(s) per step",
               file=sys.stderr)
@@ -499,6 +578,7 @@ def main(argv=None) -> int:
                 kept.update(repeat=rep, attempts=tried)
                 runs[name].append(kept)
         del ctx["artifact"], ctx["data"]  # gone with the temporary folder
+        ctx.pop("init_from", None)
 
     rows = summarize(runs, ctx)
     startup = lambda r: r.get("launch_to_step1_end_s")  # noqa: E731
@@ -517,6 +597,8 @@ def main(argv=None) -> int:
         "aot steady step / eager DDP steady step": pair("aot", "ddp_eager", "steady_step", 1.0),
         "aot steady step / compiled DDP (cold cache) steady step": pair("aot", "ddp_compile_cold", "steady_step"),
         "aot steady step / compiled DDP (warm cache) steady step": pair("aot", "ddp_compile_warm", "steady_step"),
+        "aot run (CLI) start-up (init program) / eager DDP start-up": pair("aot_cli", "ddp_eager", "startup", 1.0),
+        "aot run --init-from start-up / eager DDP start-up": pair("aot_cli_init_from", "ddp_eager", "startup", 1.0),
         "aot run (CLI) steady step / eager DDP steady step": pair("aot_cli", "ddp_eager", "steady_step"),
         "aot CPU per step / eager DDP CPU per step (rank 0; less load-sensitive)": pair("aot", "ddp_eager", "steady_cpu"),
     }
