@@ -65,7 +65,7 @@ def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
 
 # The example batch is stored for runs without --data; past this size (a global batch of long
 # sequences over many data-parallel ranks) only one rank's rows are, and every rank reads those.
-MAX_EXAMPLE_BYTES = 64 * 2**20
+MAX_EXAMPLE_BYTES = 4 * 2**20
 
 
 def _stored_example(mf, batch_size: int, data_ranks: int, progress: Progress) -> dict[str, torch.Tensor]:
