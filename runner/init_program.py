@@ -130,10 +130,11 @@ def _needed(graph: torch.fx.Graph, plan: _Plan, wanted: set) -> set | None:
 
 def replay(gm: torch.fx.GraphModule, names: list[str], seed: int,
            keep: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t,
-           only: set[str] | None = None) -> dict[str, torch.Tensor]:
+           only: set[str] | None = None, peak: list | None = None) -> dict[str, torch.Tensor]:
     """Run the init program after `torch.manual_seed(seed)` (the caller's RNG state is left as it
     was) and return `keep(name, tensor)` for each output, named by `names` in output order;
-    `only`: just those outputs (a random op among what they need replays everything)."""
+    `only`: just those outputs (a random op among what they need replays everything). `peak`, if
+    given, gets the most bytes of tensor storage held at once (what the tests check)."""
     graph = gm.graph
     plan = _plan(graph)
     if len(plan.outputs) != len(names):
@@ -179,7 +180,14 @@ def replay(gm: torch.fx.GraphModule, names: list[str], seed: int,
                 elif (r, plan.next_touch[(r, i)]) in plan.overwritten_at and r in env:
                     parked[r] = storage(r).nbytes()
                     storage(r).resize_(0)
+            if peak is not None:
+                peak.append(max(peak.pop() if peak else 0, _held_bytes([*env.values(), *result.values()])))
     return result
+
+
+def _held_bytes(values) -> int:
+    storages = {v.untyped_storage()._cdata: v.untyped_storage().nbytes() for v in values if isinstance(v, torch.Tensor)}
+    return sum(storages.values())
 
 
 def piece_keeper(manifest: dict, coords: dict[str, int]) -> Callable[[str, torch.Tensor], torch.Tensor]:

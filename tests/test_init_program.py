@@ -1,0 +1,48 @@
+"""The init program (runner/init_program.py) replays a model's construction exactly, and a rank
+that keeps only its piece of each parameter holds about that piece plus one whole parameter."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from aot.capture.model_file import load_model_file
+from aot.capture.training_state import build_training_state
+from aot.emit.artifact import export_init
+from helpers.commands import MODELS
+from runner.init_program import load_init_graph, replay
+from runner.program import encode_program
+
+
+def _init_graph(model_file):
+    mf = load_model_file(model_file)
+    state = build_training_state(mf, 0, 1)
+    code, constants = encode_program(export_init(state))
+    return mf, load_init_graph(code, constants), [*state.params, *state.buffers]
+
+
+def test_reinitialized_weights_are_released_between_their_draws():
+    """nanoGPT-style construction: every Linear is built (kaiming uniform_) and later drawn again
+    (normal_) by `_init_weights`. Keeping an eighth of each parameter, the replay never holds
+    more than the kept pieces plus the largest parameter (and a bias), though the eager
+    constructor holds every weight at once; and the pieces are eager's, bit for bit."""
+    mf, graph, names = _init_graph(MODELS / "reinit_weights.py")
+    peak = []
+    eighth = replay(graph, names, 3, keep=lambda name, t: t.reshape(-1)[: t.numel() // 8].clone(), peak=peak)
+    torch.manual_seed(3)
+    eager = dict(mf.model().named_parameters())
+    whole = sum(p.numel() * p.element_size() for p in eager.values())
+    kept = sum(t.numel() * t.element_size() for t in eighth.values())
+    largest = max(p.numel() * p.element_size() for p in eager.values())
+    assert peak[0] <= kept + largest + 64 * 1024 and peak[0] < whole / 2, (peak[0], kept, largest, whole)
+    for name, p in eager.items():
+        assert torch.equal(eighth[name], p.detach().reshape(-1)[: p.numel() // 8]), name
+
+
+def test_only_the_constant_buffers_replay_without_the_random_draws():
+    """--init-from needs just the buffers no state_dict holds (a mask): only their ops run."""
+    mf, graph, names = _init_graph(MODELS / "reinit_weights.py")
+    torch.manual_seed(0)
+    eager = mf.model()
+    got = replay(graph, names, 0, only={"mask"})
+    assert list(got) == ["mask"] and torch.equal(got["mask"], eager.mask)
