@@ -52,6 +52,7 @@ def test_merged_weights_file_trains_like_ddp_under_fsdp(weights_file, tmp_path):
     assert_same_training(losses, ref_losses, weights, ref_weights)
 
 
+@pytest.mark.slow  # the same reading code as the merged file, per shard; CI runs it
 def test_hf_sharded_folder_trains_like_ddp_under_tp(weights_file, tmp_path):
     folder = _hf_folder(tmp_path / "hf", _user_weights(7))
     losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / "gpt.py", 2, tmp_path, strategy="tp=2",
