@@ -19,7 +19,23 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, InputS
 from aot.errors import AotError
 
 
+def _fill_missing_values(gm: torch.fx.GraphModule) -> None:
+    """Nodes a pass added without a fake value (a bucket's split) get one, computed on the fake
+    values of their inputs: the verifier and the serializer need every node's."""
+    missing = [n for n in gm.graph.nodes if n.op == "call_function" and "val" not in n.meta]
+    if not missing:
+        return
+    mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    if mode is None:
+        raise SpecViolationError("no fake values to compute missing ones from")
+    with mode:
+        for node in missing:
+            args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
+            node.meta["val"] = node.target(*args, **kwargs)
+
+
 def _wrapped(gm: torch.fx.GraphModule, example_args: list) -> ExportedProgram:
+    _fill_missing_values(gm)
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     outputs = pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args)
     if not all(isinstance(o, torch.fx.Node) for o in outputs):
