@@ -32,7 +32,9 @@ def infer(artifact, input_file, output, provider, warmup, iters, trusted_keys, a
     """Run ARTIFACT's exported forward on a batch with ONNX Runtime and time it.
 
     ARTIFACT is a folder made by `aot build` (its ONNX file is checked against the manifest's
-    sha256 first) or an .onnx file made by `aot export`. Graph optimizations run at the extended
+    sha256 first; it holds no weights: the initial weights are made by replaying the artifact's
+    init program and handed to ONNX Runtime in memory) or an .onnx file made by `aot export`
+    (with its OUTPUT.data beside it if it has one). Graph optimizations run at the extended
     level; --warmup runs come before the --iters timed ones; latency (p50, p90) and throughput
     are printed.
 
@@ -90,8 +92,10 @@ def export(artifact, model_file, checkpoint, output, as_json):
     """Export a checkpoint's trained weights to ONNX, as `aot build` exports the initial ones.
 
     MODEL_FILE must be the model file ARTIFACT was built from (its sha256 is checked against the
-    manifest): the export traces the model's forward, which lives in the model file, not the
-    artifact. The export is checked with ONNX Runtime against eager PyTorch on the example batch.
+    manifest): the export traces the model's forward (on fake tensors: the model is not built for
+    real), which lives in the model file, not the artifact. Weights over ONNX's 2 GiB limit are
+    written as ONNX external data beside the file (OUTPUT.data). When the weights are at most
+    1 GiB, the written file is checked with ONNX Runtime against eager PyTorch on the example batch.
 
     \b
         aot export artifacts/gpt examples/gpt.py --checkpoint ckpt/ -o gpt.onnx
@@ -101,9 +105,13 @@ def export(artifact, model_file, checkpoint, output, as_json):
     from runner.inspect import human
 
     output = output if output is not None else Path(str(Path(checkpoint)).rstrip("/\\") + ".onnx")
-    result = export_checkpoint(artifact, model_file, checkpoint, output)
+    result = export_checkpoint(artifact, model_file, checkpoint, output, warn=lambda msg: click.echo(msg, err=True))
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:
-        click.echo(f"wrote {output} ({human(result['bytes'])}, weights of step {result['step']}, opset {result['opset']}; "
-                   f"max |ONNX Runtime - eager| = {result['max_abs_diff']:.3g})", err=True)
+        where = (f"in {result['weights_file']} ({human(result['weights_bytes'])})" if result["weights_file"]
+                 else "inside")
+        check = ("not checked" if result["max_abs_diff"] is None
+                 else f"max |ONNX Runtime - eager| = {result['max_abs_diff']:.3g}")
+        click.echo(f"wrote {output} ({human(result['bytes'])}, the weights of step {result['step']} {where}, "
+                   f"opset {result['opset']}; {check})", err=True)

@@ -2,8 +2,9 @@
 
     python bench/onnx_latency.py [--model examples/gpt.py] [--batch-sizes 1,32] [--rounds 5] [--out results.json]
 
-Builds the model file once with `aot build` (whose ONNX stage exports the forward on the initial
-weights), then, for each batch size, times the artifact's export through `runner.infer` (ONNX
+Builds the model file once with `aot build` (whose ONNX stage exports the forward without its
+weights; `runner.infer` attaches the initial ones, replayed from the artifact's init program),
+then, for each batch size, times the artifact's export through `runner.infer` (ONNX
 Runtime, CPUExecutionProvider, graph optimizations at the extended level, as `aot infer` runs it)
 and the same model in eager PyTorch (`torch.no_grad()`, eval mode), side by side in one process
 with the same number of threads. Both warm up first; then `--rounds` rounds alternate the two

@@ -3,6 +3,13 @@
 `load(path)` takes an artifact folder whose manifest has an `inference` entry (written by
 `aot build`), or a bare `.onnx` file (written by `aot export --checkpoint`). An artifact's ONNX
 file is read through `Artifact.read`, so its sha256 is checked before ONNX Runtime sees a byte.
+It holds no weights (format 3): its initializers are external-data references to a file that
+does not exist, and the initial weights are made here by replaying the artifact's init program
+(runner/init_program.py, as `aot run` makes them) and handed to ONNX Runtime in memory
+(`SessionOptions.add_external_initializers`), under the ONNX names the manifest's
+`inference.initializers` maps to parameters and buffers. Nothing is written to disk. A bare file
+holds its weights, or names its external-data file beside it (`<file>.data`, whose sha256 the
+model's metadata records and which is checked before ONNX Runtime reads it).
 The session uses the best execution provider that works here (TensorRT, then CUDA, then CPU) with
 graph optimizations at the extended level; `provider=` insists on one and fails if it cannot.
 
@@ -24,6 +31,17 @@ from runner.errors import AotError
 
 PROVIDERS = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
 ORDER = ("tensorrt", "cuda", "cpu")
+
+# torch dtype -> ONNX TensorProto element type (onnx's enum, spelled out: the runner does not need onnx)
+ONNX_TYPES = {
+    torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.uint16: 4, torch.int16: 5, torch.int32: 6,
+    torch.int64: 7, torch.bool: 9, torch.float16: 10, torch.float64: 11, torch.uint32: 12, torch.uint64: 13,
+    torch.bfloat16: 16, torch.float8_e4m3fn: 17, torch.float8_e4m3fnuz: 18, torch.float8_e5m2: 19,
+    torch.float8_e5m2fnuz: 20,
+}
+# dtypes numpy lacks, viewed as an integer of the same width to cross into ONNX Runtime
+_NUMPY_STAND_IN = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e4m3fnuz: torch.uint8,
+                   torch.float8_e5m2: torch.uint8, torch.float8_e5m2fnuz: torch.uint8}
 
 # ONNX Runtime's element type names -> torch dtype names (runner.data.dtype_name)
 _ORT_TYPES = {
@@ -66,34 +84,56 @@ def _unusable(ort, key: str) -> str | None:
     return None
 
 
-def _session(ort, model: bytes, key: str, threads: int | None):
+def ort_values(ort, tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], list, list]:
+    """(names, OrtValues, what must outlive them): CPU tensors handed to ONNX Runtime without a copy."""
+    names, values, keep = [], [], []
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        if t.dtype not in ONNX_TYPES:
+            raise AotError(f"weight {name!r} is {dtype_name(t.dtype)}, which ONNX has no type for")
+        array = t.view(_NUMPY_STAND_IN.get(t.dtype, t.dtype)).numpy()
+        names.append(name)
+        values.append(ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, ONNX_TYPES[t.dtype]))
+        keep += [t, array]
+    return names, values, keep
+
+
+def _session(ort, model: bytes | str, key: str, threads: int | None, initializers):
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.log_severity_level = 3  # errors only; a provider that fails is reported by us, in one line
     if threads:
         options.intra_op_num_threads = threads
+    if initializers is not None:  # replace the model's external-data initializers, before any optimization
+        options.add_external_initializers(initializers[0], initializers[1])
     # TensorRT hands the nodes it cannot compile to CUDA, CUDA to the CPU, as ONNX Runtime documents.
     providers = [PROVIDERS[k] for k in {"tensorrt": ORDER, "cuda": ("cuda", "cpu"), "cpu": ("cpu",)}[key]]
     # enable_fallback=0: no silent retry on other providers (which prints to stdout); we decide.
     session = ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
     if session.get_providers()[0] != PROVIDERS[key]:
         raise RuntimeError(f"ONNX Runtime fell back to {session.get_providers()[0]}")
+    session.aot_initializers = initializers  # the OrtValues (and the memory under them) live as long as the session
     return session
 
 
-def create_session(model: bytes, provider: str | None = None, *, warn: Callable[[str], None] = lambda msg: None,
-                   threads: int | None = None, where: str = "the model"):
-    """(ONNX Runtime session, provider key) for ONNX bytes: `provider` if given (or an error), else
-    the first of TensorRT, CUDA, CPU that works, with a one-line notice through `warn` when a
-    faster one was passed over."""
+def create_session(model: bytes | str, provider: str | None = None, *, warn: Callable[[str], None] = lambda msg: None,
+                   threads: int | None = None, where: str = "the model",
+                   initializers: Mapping[str, torch.Tensor] | None = None):
+    """(ONNX Runtime session, provider key) for ONNX bytes (or a file path, whose external data
+    ONNX Runtime reads beside it): `provider` if given (or an error), else the first of TensorRT,
+    CUDA, CPU that works, with a one-line notice through `warn` when a faster one was passed over.
+    `initializers`: ONNX initializer name -> tensor, the values of the model's external-data
+    initializers, given to ONNX Runtime in memory."""
     ort = _import_ort()
+    if initializers is not None:
+        initializers = ort_values(ort, initializers)
     if provider is not None:
         if provider not in PROVIDERS:
             raise AotError(f"unknown provider {provider!r}; choose one of {', '.join(ORDER)}")
         reason = _unusable(ort, provider)
         if reason is None:
             try:
-                return _session(ort, model, provider, threads), provider
+                return _session(ort, model, provider, threads, initializers), provider
             except Exception as e:
                 if provider == "cpu":
                     raise AotError(f"{where}: ONNX Runtime cannot load it: {_first_line(e)}") from None
@@ -105,7 +145,7 @@ def create_session(model: bytes, provider: str | None = None, *, warn: Callable[
         reason = _unusable(ort, key)
         if reason is None:
             try:
-                session = _session(ort, model, key, threads)
+                session = _session(ort, model, key, threads, initializers)
             except Exception as e:
                 if key == "cpu":
                     raise AotError(f"{where}: ONNX Runtime cannot load it: {_first_line(e)}") from None
@@ -143,6 +183,7 @@ class InferenceSession:
     tensors in order, and returns a dict of output name -> CPU torch tensor. Input names, dtypes and
     every dimension but the batch dimension must match the export. `trusted_keys` (public keys, as
     runner.signing.read_public_key returns them) refuses artifacts not signed by one of them.
+    `weights` says where the weights came from (the init program, the file, its data file).
     """
 
     def __init__(self, path: str | Path, provider: str | None = None, *,
@@ -158,16 +199,24 @@ class InferenceSession:
                                f"or the model could not be exported; `aot build --onnx` says why)")
             model = artifact.read(spec["file"])  # sha256 checked before ONNX Runtime parses it
             self.where = f"{path}/{spec['file']}"
+            initializers, self.weights = None, "inside the ONNX file"
+            if spec.get("initializers") is not None:  # format 3: the weights are made here
+                initializers, self.weights = initial_weights(artifact, spec["initializers"], self.where)
         elif path.is_file():
             if trusted_keys:  # only an artifact's manifest is signed: a bare file cannot prove its builder
                 raise AotError(f"{path}: a bare .onnx file carries no signature; --trusted-key needs an artifact "
                                f"folder signed with `aot build --sign`")
-            model, spec = path.read_bytes(), {}
+            model, spec, initializers = path.read_bytes(), {}, None
             self.where = str(path)
+            self.weights = "inside the ONNX file"
+            data_file = _external_data(path, model)
+            if data_file is not None:
+                model, self.weights = str(path), str(data_file)  # ONNX Runtime reads the data file beside it
         else:
             raise AotError(f"{path}: no such artifact folder or ONNX file")
         self.spec = spec
-        self.session, self.provider = create_session(model, provider, warn=warn, threads=threads, where=self.where)
+        self.session, self.provider = create_session(model, provider, warn=warn, threads=threads, where=self.where,
+                                                     initializers=initializers)
         inputs, outputs, batch_dim = _spec_of_session(self.session, spec.get("batch_dim"))
         if spec:
             declared = [i.get("name") for i in spec["inputs"]], [o.get("name") for o in spec["outputs"]]
@@ -250,6 +299,54 @@ class InferenceSession:
         }
         results = {n: torch.from_numpy(np.ascontiguousarray(r)) for n, r in zip(self.output_names, outputs)}
         return results, timing
+
+
+def initial_weights(artifact, mapping: Mapping[str, str], where: str) -> tuple[dict[str, torch.Tensor], str]:
+    """(ONNX initializer name -> initial tensor, a description of the source): the artifact's init
+    program replayed after its seed, whole tensors (no rank's piece), just those the graph reads."""
+    from runner.init_program import load_init_graph, replay
+
+    manifest = artifact.manifest
+    init = manifest.get("init")
+    if init is None:
+        raise AotError(f"{where}: holds no weights, and the artifact has no init program to make them")
+    unknown = sorted(set(mapping.values()) - set(init["outputs"]))
+    if unknown:
+        raise AotError(f"{where}: reads {unknown[0]!r}, which the artifact's init program does not make")
+    graph = load_init_graph(artifact.read(init["file"]), artifact.read(init["constants"]) if init.get("constants") else None)
+    seed = int(manifest["build"].get("seed", 0))
+    weights = replay(graph, init["outputs"], seed, only=set(mapping.values()))
+    return {name: weights[state] for name, state in mapping.items()}, f"the init program (seed {seed})"
+
+
+def _external_data(path: Path, model: bytes) -> Path | None:
+    """The external-data file a bare .onnx file's weights are in (checked against the sha256 its
+    metadata records), or None when they are inside it."""
+    import onnx
+
+    try:
+        proto = onnx.load_from_string(model)  # external data is not read
+    except Exception:
+        return None  # not ONNX: ONNX Runtime says so, in one line
+    locations = {e.value for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+                 for e in t.external_data if e.key == "location"}
+    meta = {p.key: p.value for p in proto.metadata_props}
+    del proto
+    if not locations:
+        return None
+    if len(locations) > 1 or any(Path(loc).name != loc for loc in locations):
+        raise AotError(f"{path}: its weights are in {', '.join(sorted(locations))}; only one file beside the model is read")
+    data_file = path.parent / locations.pop()
+    if not data_file.is_file():
+        hint = (" (an artifact's inference/model.onnx holds no weights: run the artifact folder, or write a "
+                "standalone file with `aot export`)") if data_file.name == "model.onnx.data" else ""
+        raise AotError(f"{path}: its weights are ONNX external data in {data_file.name}, which is not beside it{hint}")
+    if "aot.weights_sha256" in meta:
+        from runner.integrity import sha256_file
+        if sha256_file(data_file) != meta["aot.weights_sha256"]:
+            raise AotError(f"{data_file}: sha256 differs from the one {path.name} records; it holds other weights "
+                           f"(written by another `aot export`?)")
+    return data_file
 
 
 def load(path: str | Path, provider: str | None = None, **kwargs) -> InferenceSession:

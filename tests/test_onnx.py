@@ -1,14 +1,18 @@
 """Exported inference: `aot build` exports the forward to ONNX; `aot infer` runs it with ONNX Runtime.
 
 The reference is always eager PyTorch on the same model file and weights, loaded here with
-importlib (not through aot). ONNX Runtime must agree within 1e-4 at the example batch size and at
-other batch sizes (the batch dimension is dynamic), for the initial weights of a build and for a
-checkpoint's trained weights exported by `aot export`. Bad input is one `aot: error:` line.
+importlib (not through aot): `torch.manual_seed(seed); model()`. ONNX Runtime must agree within
+1e-4 at the example batch size and at other batch sizes (the batch dimension is dynamic), for the
+initial weights of a build (which the artifact's ONNX file does not hold: the runner replays the
+init program) and for a checkpoint's trained weights exported by `aot export` (inside the file,
+or beside it as external data over the size limit). Bad input is one `aot: error:` line.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import subprocess
 import sys
 
@@ -53,13 +57,32 @@ def test_build_exports_onnx_that_matches_eager_at_any_batch_size(gpt_artifact, g
     assert 0 <= inference["max_abs_diff"] <= TOL
     assert manifest["format_version"] == runner.artifact.FORMAT_VERSION
 
-    # protobuf that onnx accepts, with the weights inside: no pickle, no zip, no external data
+    # protobuf (no pickle, no zip) that holds no weights: each parameter and buffer the graph reads
+    # is an initializer without data, an external-data reference to a file the artifact lacks
     import onnx
     data = (gpt_artifact / inference["file"]).read_bytes()
     assert data[:1] != b"\x80" and data[:2] != b"PK"
     proto = onnx.load_from_string(data)
-    onnx.checker.check_model(proto)
-    assert not any(init.data_location == onnx.TensorProto.EXTERNAL for init in proto.graph.initializer)
+    state = {**manifest["state"]["params"], **manifest["state"]["buffers"]}
+    weights_bytes = sum(math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+                        for shape, dtype in state.values())
+    assert inference["weights_bytes"] == weights_bytes > 400_000
+    mapping = inference["initializers"]
+    assert sorted(mapping.values()) == sorted(state)  # gpt's forward reads every parameter and buffer
+    aliases = manifest["state"]["aliases"]
+    assert all(aliases.get(name, name) == target for name, target in mapping.items())  # lm_head.weight -> tok_emb.weight
+    weights = [init for init in proto.graph.initializer if init.name in mapping]
+    assert len(weights) == len(mapping)
+    for init in weights:
+        assert init.data_location == onnx.TensorProto.EXTERNAL and not init.HasField("raw_data"), init.name
+        assert not (init.float_data or init.int32_data or init.int64_data or init.double_data), init.name
+        assert {e.key: e.value for e in init.external_data}["location"] == "model.onnx.data"
+        assert list(init.dims) == state[mapping[init.name]][0]
+    constants = [init for init in proto.graph.initializer if init.name not in mapping]
+    assert sum(len(init.raw_data) for init in constants) <= 1024  # what the graph computes with: arange(64), scalars
+    assert len(data) < weights_bytes / 10
+    assert not any(name.endswith(".data") for name in manifest["files"])
+    assert not (gpt_artifact / "inference" / "model.onnx.data").exists()
 
     session = runner.infer.load(gpt_artifact, "cpu")
     assert session.provider == "cpu" and session.input_names == ["inputs"]
@@ -93,25 +116,92 @@ def test_aot_infer_end_to_end(gpt_artifact, gpt, tmp_path):
     assert "p50" in r.stderr and "p90" in r.stderr and "samples/s" in r.stderr and "notice" not in r.stderr, show(r)
 
 
-def test_export_from_checkpoint_matches_eager_with_trained_weights(gpt_artifact, gpt, tmp_path):
-    ckpt, onnx_file, merged = tmp_path / "ckpt", tmp_path / "trained.onnx", tmp_path / "merged.safetensors"
-    trainer = runner.load(gpt_artifact, rank=0, world_size=1)  # two steps of training, as `aot run --save`
+@pytest.fixture(scope="module")
+def checkpoint(gpt_artifact, tmp_path_factory):
+    """(checkpoint folder after two steps of training, as `aot run --save`; its merged state_dict)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    ckpt, merged = root / "ckpt", root / "merged.safetensors"
+    trainer = runner.load(gpt_artifact, rank=0, world_size=1)
     source = trainer.data_source()
     for step in range(2):
         trainer.step(*source.batch(step))
     trainer.save(ckpt)
+    ok(aot("checkpoint", "merge", ckpt, "-o", merged))
+    return ckpt, load_file(merged)
+
+
+def test_export_from_checkpoint_matches_eager_with_trained_weights(gpt_artifact, gpt, checkpoint, tmp_path):
+    ckpt, merged = checkpoint
+    onnx_file = tmp_path / "trained.onnx"
     r = ok(aot("export", gpt_artifact, GPT, "--checkpoint", ckpt, "-o", onnx_file, "--json"))
     result = json.loads(r.stdout)
     assert result["step"] == 2 and result["max_abs_diff"] <= TOL and onnx_file.is_file()
-    ok(aot("checkpoint", "merge", ckpt, "-o", merged))
+    assert result["checked_batch_sizes"] == [4, 1]
+    # small weights go inside: one self-contained file, every initializer with its data
+    import onnx
+    assert result["weights_file"] is None and not (tmp_path / "trained.onnx.data").exists()
+    proto = onnx.load(onnx_file)
+    assert not any(init.data_location == onnx.TensorProto.EXTERNAL for init in proto.graph.initializer)
+    assert result["bytes"] == onnx_file.stat().st_size > result["weights_bytes"]
 
-    trained = eager_model(gpt, load_file(merged))
+    trained = eager_model(gpt, merged)
     inputs, _ = gpt.batch(5)
     with torch.no_grad():
         expected, initial = trained(inputs), eager_model(gpt)(inputs)
     got = runner.infer.load(onnx_file, "cpu").run(inputs)["outputs"]
     assert max_diff(got, expected) <= TOL
     assert max_diff(got, initial) > 10 * TOL  # the export holds the trained weights, not the initial ones
+
+
+def test_export_over_the_size_limit_writes_external_data(gpt_artifact, gpt, checkpoint, tmp_path, monkeypatch):
+    """Weights over protobuf's 2 GiB limit go to OUTPUT.data beside the file (the limit lowered
+    here so that gpt's 440 KiB are over it); the runner checks that file's sha256 first."""
+    import onnx
+
+    import aot.emit.onnx_export as onnx_export
+
+    ckpt, merged = checkpoint
+    monkeypatch.setattr(onnx_export, "EMBED_LIMIT_BYTES", 1000)
+    onnx_file = tmp_path / "out" / "trained.onnx"
+    data_file = tmp_path / "out" / "trained.onnx.data"
+    result = onnx_export.export_checkpoint(gpt_artifact, GPT, ckpt, onnx_file)
+    assert result["weights_file"] == str(data_file) and result["max_abs_diff"] <= TOL
+    assert sorted(p.name for p in onnx_file.parent.iterdir()) == ["trained.onnx", "trained.onnx.data"]  # no temporaries
+    assert result["weights_bytes"] <= data_file.stat().st_size and onnx_file.stat().st_size < result["weights_bytes"] / 10
+    proto = onnx.load(onnx_file, load_external_data=False)
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert meta["aot.weights"] == "checkpoint at step 2" and meta["aot.weights_file"] == "trained.onnx.data"
+    assert meta["aot.weights_sha256"] == result["weights_sha256"] == hashlib.sha256(data_file.read_bytes()).hexdigest()
+    for init in proto.graph.initializer:
+        if init.name in result["initializers"]:
+            entries = {e.key: e.value for e in init.external_data}
+            assert init.data_location == onnx.TensorProto.EXTERNAL and entries["location"] == "trained.onnx.data"
+            assert int(entries["offset"]) % 64 == 0
+    onnx.checker.check_model(str(onnx_file), full_check=True)  # onnx itself reads the data file
+
+    inputs, _ = gpt.batch(3)
+    with torch.no_grad():
+        expected = eager_model(gpt, merged)(inputs)
+    session = runner.infer.load(onnx_file, "cpu")
+    assert session.weights == str(data_file)
+    assert max_diff(session.run(inputs)["outputs"], expected) <= TOL
+
+    moved = tmp_path / "elsewhere.onnx"
+    moved.write_bytes(onnx_file.read_bytes())
+    with pytest.raises(AotError, match="weights are ONNX external data in trained.onnx.data, which is not beside it"):
+        runner.infer.load(moved, "cpu")
+    blob = bytearray(data_file.read_bytes())
+    blob[100] ^= 1
+    data_file.write_bytes(bytes(blob))
+    with pytest.raises(AotError, match="sha256 differs from the one trained.onnx records"):
+        runner.infer.load(onnx_file, "cpu")
+
+
+def test_bare_copy_of_the_artifacts_onnx_file_is_refused(gpt_artifact, tmp_path):
+    bare = tmp_path / "model.onnx"
+    bare.write_bytes((gpt_artifact / "inference" / "model.onnx").read_bytes())
+    with pytest.raises(AotError, match="inference/model.onnx holds no weights: run the artifact folder"):
+        runner.infer.load(bare, "cpu")
 
 
 # -- bad input --------------------------------------------------------------------------------
@@ -147,8 +237,10 @@ def test_aot_infer_bad_input_is_one_line(gpt_artifact, tmp_path):
 def test_several_inputs_and_outputs_and_a_batch_of_one(tmp_path):
     """Inputs and outputs are named as in data files; an example batch of one still exports with a
     dynamic batch dimension (the export traces batch(2) instead)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     from aot.capture.model_file import load_model_file
-    from aot.emit.onnx_export import export_onnx
+    from aot.emit.onnx_export import _fake_model, export_onnx, save_onnx, state_tensors
 
     model_file = tmp_path / "two_heads.py"
     model_file.write_text(
@@ -172,8 +264,15 @@ def test_several_inputs_and_outputs_and_a_batch_of_one(tmp_path):
     assert [i["name"] for i in result.spec["inputs"]] == ["inputs.0", "inputs.1"]
     assert result.spec["inputs"][1] == {"name": "inputs.1", "shape": ["batch", 5], "dtype": "int64"}
     assert [(o["name"], o["dtype"]) for o in result.spec["outputs"]] == [("outputs.0", "float32"), ("outputs.1", "int64")]
+    assert 0 <= result.spec["max_abs_diff"] <= TOL and result.spec["checked_batch_sizes"] == [2, 1]
+    assert result.spec["initializers"] == {n: n for n in ("a.weight", "a.bias", "e.weight")}
+    # the same export from the model on fake tensors (as `aot build` has it), checked on given weights
+    fake = _fake_model(mf)
+    assert isinstance(fake.a.weight, FakeTensor)
+    from_fake = export_onnx(mf, fake, [x, ids], weights=state_tensors(model))
+    assert from_fake.data == result.data and from_fake.spec == result.spec | {"max_abs_diff": from_fake.spec["max_abs_diff"]}
     onnx_file = tmp_path / "two_heads.onnx"
-    onnx_file.write_bytes(result.data)
+    save_onnx(result.data, result.weights_for(state_tensors(model)), onnx_file)
     session = runner.infer.load(onnx_file, "cpu")  # a bare file: names and shapes come from the graph
     assert session.batch_dim == "batch" and session.input_names == ["inputs.0", "inputs.1"]
     (x, ids), _ = mf.batch(6)
@@ -183,6 +282,75 @@ def test_several_inputs_and_outputs_and_a_batch_of_one(tmp_path):
     assert max_diff(got["outputs.0"], h) <= TOL and torch.equal(got["outputs.1"], label)
     with pytest.raises(AotError, match="inputs.1 has 2 samples but inputs.0 has 6"):
         session.run([x, ids[:2]])
+
+
+def _user_model(tmp_path, body: str):
+    from aot.capture.model_file import load_model_file
+
+    path = tmp_path / "user.py"
+    path.write_text("import torch\n" + body + "\n"
+                    "def batch(n):\n    return torch.randn(n, 4, generator=torch.Generator().manual_seed(0)), torch.zeros(n)\n")
+    return load_model_file(path)
+
+
+def test_build_inference_on_the_builds_fake_model_checks_with_the_init_programs_weights():
+    """What `aot build` has: the model on fake tensors and the init program; the check makes the
+    weights by replaying that program (as the runner does), bit-identical to eager construction."""
+    from aot.capture.model_file import load_model_file
+    from aot.capture.training_state import build_training_state
+    from aot.emit.artifact import export_init
+    from aot.emit.onnx_export import build_inference, init_program_weights
+
+    mf = load_model_file(GPT)
+    state = build_training_state(mf, 3, 10)
+    names = [*state.params, *state.buffers]
+    made = init_program_weights(state.init_graph, names, 3)
+    from_program = init_program_weights(export_init(state), names, 3)()  # as the artifact stores it
+    torch.manual_seed(3)
+    eager = mf.model()
+    weights = made()
+    assert sorted(weights) == sorted(names)
+    assert all(torch.equal(weights[n], t) and torch.equal(from_program[n], t)
+               for n, t in [*eager.named_parameters(), *eager.named_buffers()])
+    calls, warnings = [], []
+    result = build_inference(mf, state.model, [mf.batch(4)[0]], required=True, warn=warnings.append,
+                             weights=lambda: calls.append(1) or made())
+    assert calls == [1] and not warnings
+    assert 0 <= result.spec["max_abs_diff"] <= TOL and result.spec["checked_batch_sizes"] == [4, 1]
+
+
+def test_check_is_skipped_over_its_budget_with_one_warning(tmp_path, monkeypatch):
+    import aot.emit.onnx_export as onnx_export
+
+    mf = _user_model(tmp_path, "def model(): return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))")
+    inputs = [mf.batch(3)[0]]
+    made = []
+    monkeypatch.setattr(onnx_export, "CHECK_BUDGET_BYTES", 100)  # the model's weights are 232 bytes
+    warnings = []
+    result = onnx_export.build_inference(mf, onnx_export._fake_model(mf), inputs, required=True, warn=warnings.append,
+                                         weights=lambda: made.append(1))
+    assert not made  # the weights are never made
+    assert result.spec["max_abs_diff"] is None and result.spec["checked_batch_sizes"] == []
+    assert result.spec["unchecked"].startswith("the weights (0.0 GiB) exceed the numeric check's budget")
+    assert len(warnings) == 1 and "not checked against eager PyTorch" in warnings[0] and "\n" not in warnings[0]
+    runner.artifact._conform({"file": "inference/model.onnx", **result.spec}, runner.artifact.INFERENCE_SCHEMA, "inference")
+
+    monkeypatch.setattr(onnx_export, "CHECK_BUDGET_BYTES", 2**30)  # within it: weights recorded and replayed here
+    warnings.clear()
+    result = onnx_export.build_inference(mf, onnx_export._fake_model(mf), inputs, required=True, warn=warnings.append)
+    assert 0 <= result.spec["max_abs_diff"] <= TOL and "unchecked" not in result.spec and not warnings
+
+
+def test_tensor_attribute_that_is_no_buffer_is_refused(tmp_path):
+    from aot.emit.onnx_export import OnnxUnsupported, _fake_model, build_inference
+
+    mf = _user_model(tmp_path, "class M(torch.nn.Module):\n"
+                               "    def __init__(self):\n"
+                               "        super().__init__(); self.a = torch.nn.Linear(4, 3); self.scale = torch.ones(3) * 2\n"
+                               "    def forward(self, x): return self.a(x) * self.scale\n"
+                               "def model(): return M()")
+    with pytest.raises(OnnxUnsupported, match="reads tensor attribute 'scale', which is neither a parameter nor a buffer"):
+        build_inference(mf, _fake_model(mf), [mf.batch(2)[0]], required=True, warn=print)
 
 
 def test_training_never_imports_onnxruntime():
