@@ -12,7 +12,7 @@ from aot.capture.model_file import call_user, load_model_file
 from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
 from aot.emit.artifact import PROGRAM, emit_artifact, export_step
-from aot.emit.onnx_export import ONNX_FILE, build_inference
+from aot.emit.onnx_export import CHECK_BUDGET_BYTES, ONNX_FILE, build_inference, init_program_weights
 from aot.errors import AotError
 from aot.passes import run_passes
 from aot.plan import hierarchy
@@ -188,9 +188,16 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         ep = export_step(captured)
         custom_ops = custom_op_spec(mf, ep.graph)
     inference, warnings = None, []
-    if options.onnx is not False:
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*state.params.values(), *state.buffers.values()])
+    if options.onnx is None and weight_bytes > CHECK_BUDGET_BYTES:
+        # minutes of onnxscript rewriting for a model this size, and no numeric check possible here
+        progress.note(f"ONNX export skipped: {weight_bytes / 2**30:.1f} GiB of weights is over the {CHECK_BUDGET_BYTES >> 30} GiB "
+                      f"the build checks exports for (--onnx exports it unchecked; it takes minutes)")
+    elif options.onnx is not False:
         with progress.stage("exporting the forward to ONNX and checking it with ONNX Runtime"):
-            inference = build_inference(mf, state.model, rank_inputs, required=options.onnx is True, warn=warnings.append)
+            inference = build_inference(
+                mf, state.model, rank_inputs, required=options.onnx is True, warn=warnings.append,
+                weights=init_program_weights(state.init_graph, [*state.params, *state.buffers], options.seed))
     for message in warnings:
         progress.warn(message)
     compiled = None
