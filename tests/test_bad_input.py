@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from runner.artifact import FORMAT_VERSION, manifest_digest
-from helpers.commands import MODELS, REPO, TIMEOUT, aot, aot_each, clean_env, show, torchrun
+from helpers.commands import EXAMPLES, MODELS, REPO, TIMEOUT, aot, aot_each, clean_env, show, torchrun
 
 MLP = REPO / "examples" / "mlp.py"
 
@@ -373,18 +373,21 @@ def test_failed_rebuild_keeps_the_good_artifact(copy1):
 
 
 def test_failure_while_writing_keeps_the_good_artifact(copy1, tmp_path):
-    """bad_aliased_buffer.py traces fine and fails in the staged write stage itself."""
+    """A signing key that is no key fails inside the staged write itself (signing is its last
+    step): the artifact already there stays as it was, and nothing half-written is left."""
+    bad_key = tmp_path / "not_a.key"
+    bad_key.write_text("not a PEM key\n")
     before = (copy1 / "manifest.json").read_bytes()
-    r = aot("build", MODELS / "bad_aliased_buffer.py", "-o", copy1, "--quiet")
-    assert r.returncode != 0, show(r)
+    r = aot("build", EXAMPLES / "mlp.py", "--no-onnx", "--sign", bad_key, "-o", copy1, "--quiet")
+    assert_user_error(r, "not_a.key", "PEM")
     assert (copy1 / "manifest.json").read_bytes() == before
     assert not staging_folders(copy1)
-    assert sorted(p.name for p in copy1.iterdir()) == ["data", "inference", "manifest.json", "programs", "state"]
+    assert sorted(p.name for p in copy1.iterdir()) == ["data", "inference", "manifest.json", "programs"]
     inspect = aot("inspect", copy1)
     assert inspect.returncode == 0, show(inspect)
 
     fresh = tmp_path / "fresh"
-    r = aot("build", MODELS / "bad_aliased_buffer.py", "-o", fresh, "--quiet")
+    r = aot("build", EXAMPLES / "mlp.py", "--no-onnx", "--sign", bad_key, "-o", fresh, "--quiet")
     assert r.returncode != 0, show(r)
     assert not (fresh / "manifest.json").exists()
     assert not staging_folders(fresh)

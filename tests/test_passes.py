@@ -22,6 +22,7 @@ from aot.capture.training_state import build_training_state
 from aot.passes import bucket_all_reduces, drop_profiler_calls, issue_early_wait_late, run_passes
 from aot.passes.graph_utils import ALL_GATHER, ALL_REDUCE, WAIT, funcol, is_call
 from helpers.commands import EXAMPLES
+from runner.init_program import replay
 
 GROUP = "aot.test"
 
@@ -47,7 +48,25 @@ def capture(model="mlp.py", axis="dp"):
     state = build_training_state(mf, seed=0, max_steps=10)
     inputs, targets = mf.batch(4)
     # size 1: the average over the (single-rank) group is the identity, so results are checkable
-    return capture_step(mf, state, [inputs], targets, StepLayout(**{axis: Group(GROUP, 1)}))
+    step = capture_step(mf, state, [inputs], targets, StepLayout(**{axis: Group(GROUP, 1)}))
+    step.example_args = _real_arguments(state, step)
+    return step
+
+
+def _real_arguments(state, step):
+    """The step's inputs with real values: the build traces on fake tensors and stores no state,
+    so the weights come from the init program (as the runner makes them) and the optimizer
+    state from its recorded initial values."""
+    made = replay(state.init_graph, [*state.params, *state.buffers], 0)
+    args = []
+    for slot, arg in zip(step.slots, step.example_args):
+        if slot["kind"] in ("param", "buffer"):
+            args.append(made[slot["name"]].reshape(arg.shape))
+        elif slot["kind"] == "optim":
+            args.append(torch.full(arg.shape, state.optimizer_fills[f"{slot['name']}:{slot['key']}"], dtype=arg.dtype))
+        else:
+            args.append(arg)
+    return args
 
 
 def run_graph(gm, args):
