@@ -227,6 +227,11 @@ def _check_structure(m: dict, where: str) -> None:
         expect(init.get("constants") is None or init["constants"] in m["files"], "init.constants is not listed in files")
         expect(sorted(init["outputs"]) == sorted([*m["state"]["params"], *m["state"]["buffers"]]),
                "init.outputs do not name each of state.params and state.buffers once")
+        for key, spec in m["state"]["optimizer_init"].items():
+            shape = spec["shape"]
+            expect(key.rpartition(":")[0] in m["state"]["params"], f"state.optimizer_init[{key!r}] names no parameter")
+            expect(shape == "param" or (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)),
+                   f"state.optimizer_init[{key!r}].shape must be \"param\" or a list of sizes")
     _check_placement(m, where, expect)
     if m.get("sharding") is not None:
         try:

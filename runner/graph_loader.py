@@ -116,6 +116,21 @@ def load_graph_module(program_json: bytes, device: torch.device | None = None) -
         return None
 
 
+def input_shapes(program_json: bytes) -> list[list[int] | None] | None:
+    """The shape each input of a program was traced for (None where it is symbolic or not a
+    tensor), or None if the program does not say."""
+    try:
+        graph = json.loads(program_json)["graph_module"]["graph"]
+        values = graph["tensor_values"]
+        shapes = []
+        for inp in graph["inputs"]:
+            sizes = values[inp["as_tensor"]["name"]]["sizes"] if "as_tensor" in inp else None
+            shapes.append([d["as_int"] for d in sizes] if sizes is not None and all("as_int" in d for d in sizes) else None)
+        return shapes
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 # -- gloo: one collective in flight at a time ---------------------------------------------------
 _FUNCOL = "_c10d_functional"
 

@@ -21,7 +21,7 @@ from runner.custom_ops import import_op_libraries
 from runner.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
 from runner.groups import bind_process_groups, yield_gloo_poll_threads
-from runner.graph_loader import load_graph_module, wait_at_issue
+from runner.graph_loader import input_shapes, load_graph_module, wait_at_issue
 from runner.init_from import check_init_from, rank_weights
 from runner.init_program import initial_state
 from runner.program import decode_program
@@ -142,12 +142,13 @@ class Trainer:
         program = artifact.program(entry["program"])
         import_op_libraries(manifest)  # the program's custom operators resolve only once their module is imported
         self.collectives_waited_at_issue = False
+        program_json = artifact.read(program["file"])
+        self._input_shapes = input_shapes(program_json)  # what the program was traced for, to check bindings
         if self.tier == "compiled":
             self._module = load_compiled(artifact, entry["program"], self.device, len(program["inputs"]))
             self.program_loader = "aoti"
         else:
             constants = artifact.read(program["constants"]) if program.get("constants") else None
-            program_json = artifact.read(program["file"])
             self._module = None if constants else load_graph_module(
                 program_json, self.device if self.device.type != "cpu" else None)
             self.program_loader = "fx"
@@ -187,6 +188,7 @@ class Trainer:
         self._lrs = [torch.zeros((), dtype=torch.float64) for _ in range(len(self.schedule["lr"][0]))]
         self._check_bindings()
         self._args = [self._bind(slot) for slot in self._slots]
+        self._check_shapes()
         self.step_index = 0
 
     # -- set-up ---------------------------------------------------------------------------
@@ -266,6 +268,18 @@ class Trainer:
                 raise AotError(f"{where}: state_dict key {key!r} names no stored tensor")
         if [s["kind"] for s in self._slots].count("target") != 1:
             raise AotError(f"{where}: the program must take exactly one targets input")
+
+    def _check_shapes(self) -> None:
+        """Each tensor bound to the program has the shape the program was traced for: a damaged
+        manifest (or a wrong state description) fails here, in one line, not inside a step."""
+        for index, (slot, tensor) in enumerate(zip(self._slots, self._args)):
+            if tensor is None or self._input_shapes is None or slot["kind"] not in ("param", "buffer", "optim"):
+                continue
+            want = self._input_shapes[index]
+            if want is not None and list(tensor.shape) != want:
+                what = f"{slot['name']}:{slot['key']}" if slot["kind"] == "optim" else slot["name"]
+                raise AotError(f"{self.artifact.root}: the program takes {slot['kind']} {what} of shape {want}, "
+                               f"{self.weights_source} gives {list(tensor.shape)}")
 
     def _bind(self, slot: dict):
         kind = slot["kind"]

@@ -95,6 +95,8 @@ def _bad(tmp_path, case):
     ("absent", ["nothing.safetensors", "no such"]),
 ])
 def test_bad_init_from_is_one_line_and_leaves_nothing(gpt1, tmp_path, case, needles):
+    """Each kind of bad weights names itself: a pickle, missing keys, unexpected keys, a shape, a
+    dtype, a path with no such file; before any process group starts, and no checkpoint is made."""
     path = _bad(tmp_path, case)
     ckpt = tmp_path / "ckpt"
     r = aot("run", gpt1, "--steps", "1", "--init-from", path, "--save", ckpt, "--quiet")
