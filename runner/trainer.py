@@ -22,7 +22,7 @@ from runner.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
 from runner.groups import bind_process_groups, yield_gloo_poll_threads
 from runner.graph_loader import input_shapes, load_graph_module, wait_at_issue
-from runner.init_from import check_init_from, rank_weights
+from runner.init_from import check_init_from
 from runner.init_program import initial_state
 from runner.program import decode_program
 from runner.binding import bind_rank
