@@ -84,6 +84,7 @@ def summarize(artifact: Artifact) -> dict:
         "compiled": m.get("compiled"),
         "plan": m.get("plan"),
         "tensor_parallel": m.get("tensor_parallel"),
+        "init": m.get("init"),
         "total_bytes": sum(f["size"] for f in m["files"].values()),
     }
 
@@ -118,7 +119,12 @@ def render(summary: dict) -> str:
         shown = ",".join(map(str, physical[:16])) + (",..." if len(physical) > 16 else "")
         lines.append(f"placement  mesh rank -> rank {shown}  (axes outermost first: "
                      f"{', '.join(placement.get('axes_outer_to_inner', []))}; ranks below are torchrun's)")
-    lines += [f"optimizer  {summary['optimizer']}", "programs"]
+    lines.append(f"optimizer  {summary['optimizer']}")
+    init = summary.get("init")
+    lines.append(f"weights    none stored: each rank makes its own piece with the init program ({init['file']}, "
+                 f"{init['graph_nodes']} ops, seed {b.get('seed')}) or reads it with --init-from" if init
+                 else "weights    stored per state shard (format 2)")
+    lines.append("programs")
     for name, p in summary["programs"].items():
         lines.append(f"  {name:<10} {p['graph_nodes']} graph nodes, ranks {_ranges(p['ranks'])}, "
                      f"{p['collectives_per_step']} collectives per step ({human(p['collective_bytes_per_step'])})")
