@@ -101,7 +101,7 @@ def export(artifact, model_file, checkpoint, output, as_json):
         aot export artifacts/gpt examples/gpt.py --checkpoint ckpt/ -o gpt.onnx
         aot infer gpt.onnx --input batch.safetensors
     """
-    from aot.emit.onnx_export import export_checkpoint
+    from aot.emit.onnx_checkpoint import export_checkpoint
     from runner.inspect import human
 
     output = output if output is not None else Path(str(Path(checkpoint)).rstrip("/\\") + ".onnx")

@@ -158,13 +158,13 @@ def test_export_over_the_size_limit_writes_external_data(gpt_artifact, gpt, chec
     here so that gpt's 440 KiB are over it); the runner checks that file's sha256 first."""
     import onnx
 
-    import aot.emit.onnx_export as onnx_export
+    import aot.emit.onnx_checkpoint as onnx_checkpoint
 
     ckpt, merged = checkpoint
-    monkeypatch.setattr(onnx_export, "EMBED_LIMIT_BYTES", 1000)
+    monkeypatch.setattr(onnx_checkpoint, "EMBED_LIMIT_BYTES", 1000)
     onnx_file = tmp_path / "out" / "trained.onnx"
     data_file = tmp_path / "out" / "trained.onnx.data"
-    result = onnx_export.export_checkpoint(gpt_artifact, GPT, ckpt, onnx_file)
+    result = onnx_checkpoint.export_checkpoint(gpt_artifact, GPT, ckpt, onnx_file)
     assert result["weights_file"] == str(data_file) and result["max_abs_diff"] <= TOL
     assert sorted(p.name for p in onnx_file.parent.iterdir()) == ["trained.onnx", "trained.onnx.data"]  # no temporaries
     assert result["weights_bytes"] <= data_file.stat().st_size and onnx_file.stat().st_size < result["weights_bytes"] / 10
@@ -240,7 +240,8 @@ def test_several_inputs_and_outputs_and_a_batch_of_one(tmp_path):
     from torch._subclasses.fake_tensor import FakeTensor
 
     from aot.capture.model_file import load_model_file
-    from aot.emit.onnx_export import _fake_model, export_onnx, save_onnx, state_tensors
+    from aot.emit.onnx_checkpoint import save_onnx
+    from aot.emit.onnx_export import _fake_model, export_onnx, state_tensors
 
     model_file = tmp_path / "two_heads.py"
     model_file.write_text(
