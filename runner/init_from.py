@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from runner.checkpoint import INDEX as CHECKPOINT_INDEX
-from runner.data import dtype_name
+from runner.data import dtype_name, dtype_of
 from runner.errors import AotError
 from runner.sharding import shard_numel
 
@@ -68,7 +68,7 @@ def check_init_from(path: str | Path, manifest: dict) -> InitFrom:
     state = manifest["state"]
     specs = {**state["buffers"], **state["params"]}
     sources, notes = _match(path, headers, state, specs)
-    return InitFrom(path=path, sources=sources, dtypes={n: _torch_dtype(specs[n][1]) for n in sources},
+    return InitFrom(path=path, sources=sources, dtypes={n: dtype_of(specs[n][1]) for n in sources},
                     sharding=manifest.get("sharding"), tensor_parallel=manifest.get("tensor_parallel"),
                     notes=notes)
 
@@ -191,7 +191,7 @@ def _kind_mismatches(headers, aliases, specs, keys) -> list[str]:
     out = []
     for key in (k for k in keys if k in headers):
         want, got = specs[aliases.get(key, key)][1], headers[key].dtype
-        model = _torch_dtype(want)
+        model = dtype_of(want)
         if got != model and not (_is_float(got) and _is_float(model)):
             out.append(f"{key} is {_dtype(got)} (model: {want})")
     return out
@@ -201,7 +201,7 @@ def _cast_notes(path: Path, sources: dict[str, Source], specs: dict) -> list[str
     """One notice line per (file dtype, model dtype) pair that will be cast."""
     casts: dict[tuple[str, str], list[str]] = {}
     for name, src in sources.items():
-        if src.dtype != _torch_dtype(specs[name][1]):
+        if src.dtype != dtype_of(specs[name][1]):
             casts.setdefault((_dtype(src.dtype), specs[name][1]), []).append(name)
     return [f"notice: {path}: {len(names)} tensor(s) stored as {a}, cast to {b} ({_names(names)})"
             for (a, b), names in casts.items()]
@@ -287,13 +287,6 @@ def _copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # -- small helpers -------------------------------------------------------------------------------
-
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise AotError(f"manifest.json: unknown dtype {name!r} in state")
-    return dtype
-
 
 def _is_float(dtype) -> bool:
     return isinstance(dtype, torch.dtype) and dtype.is_floating_point
