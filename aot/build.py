@@ -9,6 +9,7 @@ import torch
 
 from aot.capture.custom_ops import custom_op_spec
 from aot.capture.model_file import call_user, load_model_file
+from aot.capture.precision import resolve_precision
 from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
 from aot.emit.artifact import PROGRAM, emit_artifact, export_step
@@ -45,6 +46,8 @@ class BuildOptions:
     compile: str = "portable"  # "aoti": also compile each program with AOTInductor (aot/emit/aoti.py)
     sequence_parallel: bool = False  # with tp: the residual stream split along the sequence
     hierarchical: str = "auto"  # all_reduces over groups spanning nodes in two levels: auto (where cheaper), always, never
+    precision: str | None = None     # fp32 | bf16 | fp16 (None: the model file's `precision`, else fp32)
+    reduce_dtype: str | None = None  # gradients reduced in fp32 or the compute dtype (None: the model file's, else fp32)
 
 
 def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
@@ -147,6 +150,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
 
     with progress.stage(f"loading {options.model_path.name}"):
         mf = load_model_file(options.model_path)
+        precision = resolve_precision(options.precision, options.reduce_dtype, mf.globals, mf.path.name, profile)
         example = _stored_example(mf, options.batch_size, mesh.data_parallel_size, progress)
         inputs, targets = split_batch_tensors(example, "batch()")
         rank_inputs = [t[: options.batch_size] for t in inputs]
@@ -167,7 +171,12 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         check_sequence_length(state.model, rank_inputs, sequence["blocks"][0], mesh.size("tp"))
         progress.note(f"sequence parallel over blocks {sequence['blocks'][0]}..{sequence['blocks'][-1]}, "
                       f"norms {', '.join(sequence['norms']) or 'none'}")
-    layout = StepLayout(groups.get("dp"), groups.get("fsdp"), groups.get("tp"), tuple(sorted(tp_plan.items())), sequence)
+    layout = StepLayout(groups.get("dp"), groups.get("fsdp"), groups.get("tp"), tuple(sorted(tp_plan.items())), sequence,
+                        precision)
+    if precision.mixed:
+        progress.note(f"precision {precision.compute}: autocast with {precision.rules}'s rules, fp32 master weights and "
+                      f"optimizer state, gradients reduced in {precision.reduce}"
+                      + (", dynamic loss scaling" if precision.scaler else ""))
     with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
         captured = capture_step(mf, state, rank_inputs, rank_targets, layout)
     with progress.stage("running graph passes (bucketing, hierarchical all_reduce, overlap)"):
@@ -213,7 +222,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             placement=placement, subgroups=subgroups, example=example, batch_size=options.batch_size, sign_key=options.sign_key,
             extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files,
                          **(compiled.files if compiled else {})} or None,
-            extra_fields={**({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
+            extra_fields={"precision": precision.to_json(),
+                          **({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
                           **({"compiled": compiled.entry} if compiled else {}),
                           **({"custom_ops": custom_ops} if custom_ops else {}),
                           **({"plan": plan_entry} if plan_entry else {})},

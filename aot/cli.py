@@ -56,6 +56,14 @@ def cli():
               help="All_reduces over a group that spans nodes: reduce inside each node, cross the network with 1/g of the "
                    "bytes, gather inside the node (three collectives over sub-groups). auto: each all_reduce where the "
                    "topology's cost model says it is cheaper.")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Compute dtype: forward and loss run under torch.autocast with the target's device rules (a CUDA "
+                   "profile traces CUDA's policy even on a CPU-only machine), master weights and optimizer state stay "
+                   "fp32; fsdp all-gathers parameters in it. fp16 adds GradScaler's dynamic loss scaling inside the "
+                   "graph (overflowing steps are skipped). Default: the model file's `precision`, else fp32.")
+@click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Dtype gradients are reduced in (dp all_reduce, fsdp reduce-scatter): fp32, or the --precision dtype "
+                   "for half the bytes. Default: the model file's `reduce_dtype`, else fp32.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Initial weights are those of torch.manual_seed(seed); model().")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Artifact folder to write.")
 @click.option("--sign", "sign_key", type=click.Path(path_type=Path), help="Sign the artifact with this Ed25519 private key (see `aot keygen`).")
@@ -69,11 +77,11 @@ def cli():
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
 @debug_option
-def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, batch_size, max_steps, bucket_mb, prefetch_mb, hierarchical, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
+def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, batch_size, max_steps, bucket_mb, prefetch_mb, hierarchical, precision, reduce_dtype, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
     """Trace MODEL_FILE's whole training step into per-rank artifacts.
 
     MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),
-    optimizer(params), scheduler(optimizer) and max_grad_norm (see README). Forward, loss,
+    optimizer(params), scheduler(optimizer), max_grad_norm and precision (see README). Forward, loss,
     backward, gradient collectives and optimizer update become one static graph, traced on fake
     tensors: any world size builds on this machine, and no collective runs.
     """
@@ -86,7 +94,8 @@ def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, 
         world_size = Mesh.parse(strategy, None).world_size if strategy != "auto" else 1
     options = BuildOptions(model_path=model_file, output=output, topology=topology, nodes=nodes, world_size=world_size,
                            strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, prefetch_mb=prefetch_mb, seed=seed,
-                           hierarchical=hierarchical, sign_key=sign_key, onnx=onnx, compile=compile_tier, sequence_parallel=sequence_parallel)
+                           hierarchical=hierarchical, sign_key=sign_key, onnx=onnx, compile=compile_tier, sequence_parallel=sequence_parallel,
+                           precision=precision, reduce_dtype=reduce_dtype)
     progress = Progress(total=6 + (onnx is not False) + (compile_tier == "aoti"), quiet=quiet or as_json)
     manifest = run_build(options, progress)
     program = manifest["programs"]["train"]

@@ -19,7 +19,7 @@ from runner.errors import AotError
 from runner.integrity import canonical_json, content_problem, read_verified, sha256_bytes
 
 FORMAT_NAME = "aot-artifact"
-FORMAT_VERSION = 3  # 3: no stored state (init program, optimizer_init); 2: tensor parallel
+FORMAT_VERSION = 4  # 4: mixed precision (precision, "scaler" inputs); 3: no stored state (init program)
 READABLE_VERSIONS = (FORMAT_VERSION - 1, FORMAT_VERSION)  # this version and the one before it
 MANIFEST = "manifest.json"
 
@@ -124,7 +124,7 @@ SCHEMA = {
     "world_size": int,
     "mesh": {"axes": [str], "shape": [int]},
     "process_groups": Map({"axis": str, "groups": [[int]]}),
-    "programs": Map({"file": str, "inputs": [{"kind": OneOf("param", "buffer", "optim", "lr", "input", "target")}],
+    "programs": Map({"file": str, "inputs": [{"kind": OneOf("param", "buffer", "optim", "lr", "scaler", "input", "target")}],
                      "outputs": [str], "collectives": [{"kind": str, "group": str, "bytes": int}]}),
     "ranks": [{"rank": int, "program": str, "coords": Map(int)}],
     "state": {"params": Map([SHAPE, str]), "buffers": Map([SHAPE, str]), "aliases": Map(str),
@@ -137,12 +137,14 @@ SCHEMA = {
 }
 IO = {"name": str, "shape": [(int, str)], "dtype": str}  # str: a symbolic dimension such as "batch"
 INFERENCE_SCHEMA = {"file": str, "batch_dim": str, "inputs": [IO], "outputs": [IO]}
-# Version 2 stores each rank's state in files; version 3 describes how to create it.
-STORED_STATE = {"weights": str, "optimizer": str}
 INIT_SCHEMA = {"init": {"file": str, "outputs": [str]},
                "state": {"persistent_buffers": [str], "optimizer_init": Map({"shape": (str, list), "dtype": str, "fill": NUMBER})}}
+# Version 4: how the step computes (artifacts/FORMAT.md, "Precision"); version 3 is fp32 throughout.
+LOW = OneOf("fp32", "bf16", "fp16")
+PRECISION_SCHEMA = {"precision": {"compute": LOW, "param_dtype": LOW, "reduce_dtype": LOW}}
+SCALER_SCHEMA = {"init_scale": NUMBER, "growth_factor": NUMBER, "backoff_factor": NUMBER, "growth_interval": int}
 SLOT_FIELDS = {"param": {"name": str}, "buffer": {"name": str}, "optim": {"name": str, "key": str},
-               "lr": {"group": int}, "input": {"index": int, **TENSOR}, "target": TENSOR}
+               "lr": {"group": int}, "scaler": {"key": OneOf("scale", "growth_tracker", "skipped_steps")}, "input": {"index": int, **TENSOR}, "target": TENSOR}
 
 
 def _conform(value, schema, path: str) -> None:
@@ -191,11 +193,9 @@ def _check_structure(m: dict, where: str) -> None:
             raise AotError(f"{where}: {what}")
 
     try:
-        if m["format_version"] >= 3:
-            _conform(m, INIT_SCHEMA, "")
-        else:
-            for j, entry in enumerate(m["ranks"]):
-                _conform(entry, STORED_STATE, f"ranks[{j}]")
+        _conform(m, INIT_SCHEMA, "")
+        if m["format_version"] >= 4 or m.get("precision") is not None:
+            _conform(m, PRECISION_SCHEMA, "")
     except AotError as e:
         raise AotError(f"{where}: {e}") from None
     expect(isinstance(m["build"].get("seed", 0), int) and not isinstance(m["build"].get("seed", 0), bool),
@@ -206,10 +206,21 @@ def _check_structure(m: dict, where: str) -> None:
         expect(constants is None or (isinstance(constants, str) and constants in m["files"]),
                f"programs[{name!r}].constants is not listed in files")
         for j, slot in enumerate(program["inputs"]):
+            expect(slot.get("kind") in SLOT_FIELDS, f"programs[{name!r}].inputs[{j}].kind {slot.get('kind')!r} is not "
+                                                    f"one of {', '.join(SLOT_FIELDS)}")
             try:
                 _conform(slot, SLOT_FIELDS[slot["kind"]], f"programs[{name!r}].inputs[{j}]")
             except AotError as e:
                 raise AotError(f"{where}: {e}") from None
+        if any(slot["kind"] == "scaler" for slot in program["inputs"]):
+            expect((m.get("precision") or {}).get("grad_scaler") is not None,
+                   f"programs[{name!r}] takes loss-scaling state but precision.grad_scaler is missing")
+    scaler = (m.get("precision") or {}).get("grad_scaler")
+    if scaler is not None:
+        try:
+            _conform(scaler, SCALER_SCHEMA, "precision.grad_scaler")
+        except AotError as e:
+            raise AotError(f"{where}: {e}") from None
     mesh = m["mesh"]
     expect(len(mesh["axes"]) == len(mesh["shape"]), "mesh needs axes (names) and shape (degrees) of equal length")
     size = 1
@@ -219,8 +230,6 @@ def _check_structure(m: dict, where: str) -> None:
     expect(len(m["ranks"]) == m["world_size"], f"ranks lists {len(m['ranks'])} entries for world size {m['world_size']}")
     for entry in m["ranks"]:
         expect(entry["program"] in m["programs"], f"rank {entry['rank']} names program {entry['program']!r}, which is not listed")
-        for role in ("weights", "optimizer"):
-            expect(role not in entry or entry[role] in m["files"], f"rank {entry['rank']}'s {role} file is not listed in files")
     if m.get("init") is not None:
         init = m["init"]
         expect(init["file"] in m["files"], "init.file is not listed in files")

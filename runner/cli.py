@@ -143,6 +143,11 @@ def run(artifact, steps, data, metrics, save, save_every, resume, init_from, ran
                 record = {"step": step + 1, "loss": loss, "step_time_s": seconds, "tier": trainer.tier,
                           "samples_per_s": source.global_batch / seconds,
                           "time_since_start_s": time.perf_counter() - _STARTED, "unix_time": time.time()}
+                scale = trainer.loss_scale()
+                if scale is not None:  # fp16: the loss scale after this step, and whether its update was skipped
+                    record.update(loss_scale=scale, skipped=trainer.last_step_skipped)
+                    if trainer.last_step_skipped:
+                        say(f"step {step + 1}: gradients overflowed in fp16; update skipped, loss scale now {scale:g}")
                 if log:
                     log.write(json.dumps(record) + "\n")
                     log.flush()

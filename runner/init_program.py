@@ -219,6 +219,20 @@ def initial_optimizer_state(optimizer_init: dict[str, dict], weights: dict[str, 
     return out
 
 
+# Loss-scaling state (fp16; artifacts/FORMAT.md, "Precision"), in the order programs take it, kept
+# with the optimizer state under "grad_scaler:<key>" so checkpoints carry it.
+SCALER_KEYS = ("scale", "growth_tracker", "skipped_steps")
+SCALER_PREFIX = "grad_scaler:"
+
+
+def initial_scaler_state(grad_scaler: dict) -> dict[str, torch.Tensor]:
+    """torch.amp.GradScaler's state before the first step (the scale and growth tracker as
+    1-element tensors, as it keeps them), plus the count of steps skipped on overflow."""
+    return {"scale": torch.full((1,), float(grad_scaler["init_scale"]), dtype=torch.float32),
+            "growth_tracker": torch.zeros(1, dtype=torch.int32),
+            "skipped_steps": torch.zeros(1, dtype=torch.int64)}
+
+
 def initial_state(artifact, coords: dict[str, int], init_from=None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(weights, optimizer state) of the rank with `coords` before its first step, on the CPU:
     its pieces of the init program's tensors, or of the user's weights (`init_from`, a checked
@@ -237,4 +251,8 @@ def initial_state(artifact, coords: dict[str, int], init_from=None) -> tuple[dic
         weights = rank_weights(init_from, coords)
         constants = set(spec["buffers"]) - set(spec["persistent_buffers"])
         weights.update(replay(graph, init["outputs"], seed, keep, only=constants) if constants else {})
-    return weights, initial_optimizer_state(spec["optimizer_init"], weights)
+    optimizer = initial_optimizer_state(spec["optimizer_init"], weights)
+    scaler = (artifact.manifest.get("precision") or {}).get("grad_scaler")
+    if scaler is not None:
+        optimizer.update({SCALER_PREFIX + k: v for k, v in initial_scaler_state(scaler).items()})
+    return weights, optimizer

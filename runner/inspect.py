@@ -16,15 +16,24 @@ def _bytes(shape_dtype: list) -> int:
 
 
 def _optimizer_bytes(m: dict, rank: dict, held: dict[str, int]) -> int:
-    """The optimizer state one rank holds: as `state.optimizer_init` describes it (format 3;
-    "param"-shaped state is as big as the rank's piece of its parameter), or its stored file (2)."""
-    if "optimizer_init" not in m["state"]:
-        return m["files"][rank["optimizer"]]["size"]
+    """The optimizer state one rank holds, as `state.optimizer_init` describes it ("param"-shaped
+    state is as big as the rank's piece of its parameter)."""
     total = 0
     for key, spec in m["state"]["optimizer_init"].items():
         numel = held[key.rpartition(":")[0]] if spec["shape"] == "param" else math.prod(spec["shape"])
         total += _bytes([[numel], spec["dtype"]])
     return total
+
+
+def describe_precision(p: dict) -> str:
+    """One line: the compute dtype, whose autocast rules, and the dtypes of the collectives."""
+    if p["compute"] == "fp32":
+        return "fp32 throughout"
+    scaler = p.get("grad_scaler")
+    return (f"{p['compute']} autocast ({p.get('autocast_rules')}'s rules), fp32 master weights and optimizer state, "
+            f"fsdp gathers in {p['param_dtype']}, gradients reduced in {p['reduce_dtype']}"
+            + (f"; dynamic loss scaling from {scaler['init_scale']:g} (x{scaler['growth_factor']:g} every "
+               f"{scaler['growth_interval']} clean steps, x{scaler['backoff_factor']:g} on overflow)" if scaler else ""))
 
 
 def human(n: float) -> str:
@@ -76,6 +85,7 @@ def summarize(artifact: Artifact) -> dict:
         "mesh": m["mesh"],
         "placement": m.get("placement"),
         "optimizer": state["optimizer"]["class"],
+        "precision": m.get("precision") or {"compute": "fp32", "param_dtype": "fp32", "reduce_dtype": "fp32"},
         "programs": programs,
         "ranks": ranks,
         "files": m["files"],
@@ -120,10 +130,10 @@ def render(summary: dict) -> str:
         lines.append(f"placement  mesh rank -> rank {shown}  (axes outermost first: "
                      f"{', '.join(placement.get('axes_outer_to_inner', []))}; ranks below are torchrun's)")
     lines.append(f"optimizer  {summary['optimizer']}")
+    lines.append(f"precision  {describe_precision(summary['precision'])}")
     init = summary.get("init")
     lines.append(f"weights    none stored: each rank makes its own piece with the init program ({init['file']}, "
-                 f"{init['graph_nodes']} ops, seed {b.get('seed')}) or reads it with --init-from" if init
-                 else "weights    stored per state shard (format 2)")
+                 f"{init['graph_nodes']} ops, seed {b.get('seed')}) or reads it with --init-from")
     lines.append("programs")
     for name, p in summary["programs"].items():
         lines.append(f"  {name:<10} {p['graph_nodes']} graph nodes, ranks {_ranges(p['ranks'])}, "

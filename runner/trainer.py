@@ -23,7 +23,7 @@ from runner.errors import AotError
 from runner.groups import bind_process_groups, yield_gloo_poll_threads
 from runner.graph_loader import input_shapes, load_graph_module, wait_at_issue
 from runner.init_from import check_init_from
-from runner.init_program import initial_state
+from runner.init_program import SCALER_PREFIX, initial_state
 from runner.program import decode_program
 from runner.binding import bind_rank
 from runner.sharding import shard_number, tp_slice_shape, unshard
@@ -126,9 +126,6 @@ class Trainer:
         # alone, before any process group starts, so a wrong file fails at once on every rank.
         self.init_from = None
         if init_from is not None:
-            if "init" not in manifest:
-                raise AotError(f"{artifact.root}: format {manifest['format_version']} artifacts store their weights; "
-                               f"--init-from needs an artifact built by this aot (format 3)")
             self.init_from = check_init_from(init_from, manifest)
             if self.rank == 0:
                 for line in self.init_from.notes:
@@ -190,6 +187,7 @@ class Trainer:
         self._args = [self._bind(slot) for slot in self._slots]
         self._check_shapes()
         self.step_index = 0
+        self.last_step_skipped = False
 
     # -- set-up ---------------------------------------------------------------------------
     @staticmethod
@@ -199,13 +197,10 @@ class Trainer:
         return torch.device("cpu")
 
     def _initial_state(self, entry: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """This rank's weights and optimizer state before the first step: its state files (format 2),
-        or its pieces of the user's weights (`init_from`) or of the init program's, and the
-        optimizer state the manifest describes (format 3)."""
+        """This rank's weights and optimizer state before the first step: its pieces of the user's
+        weights (`init_from`) or of the init program's, and the optimizer state (with fp16's loss
+        scaling state) the manifest describes."""
         artifact, manifest = self.artifact, self.artifact.manifest
-        if "init" not in manifest:
-            self.weights_source = "the artifact's stored weights"
-            return artifact.tensors(entry["weights"]), artifact.tensors(entry["optimizer"])
         self.weights_source = str(self.init_from.path) if self.init_from else \
             f"the init program (seed {manifest['build'].get('seed', 0)})"
         return initial_state(artifact, entry["coords"], self.init_from)
@@ -256,6 +251,8 @@ class Trainer:
                 raise AotError(f"{where}: the program takes {kind} {slot['name']!r}, which the weights file lacks")
             if kind == "optim" and optimizer_key(slot["name"], slot["key"]) not in self._optimizer:
                 raise AotError(f"{where}: the program takes optimizer state {slot['name']}:{slot['key']}, which the optimizer file lacks")
+            if kind == "scaler" and SCALER_PREFIX + slot["key"] not in self._optimizer:
+                raise AotError(f"{where}: the program takes loss-scaling state {slot['key']!r}, which the optimizer state lacks")
             if kind == "lr" and not 0 <= slot["group"] < n_groups:
                 raise AotError(f"{where}: the program takes a learning rate for group {slot['group']}, the schedule has {n_groups}")
             if kind == "input" and not 0 <= slot["index"] < inputs:
@@ -289,6 +286,8 @@ class Trainer:
             return self._optimizer[optimizer_key(slot["name"], slot["key"])]
         if kind == "lr":
             return self._lrs[slot["group"]]
+        if kind == "scaler":
+            return self._optimizer[SCALER_PREFIX + slot["key"]]
         return None  # inputs and targets arrive with each step
 
     # -- training -------------------------------------------------------------------------
@@ -304,11 +303,24 @@ class Trainer:
     def check_steps(self, steps: int) -> None:
         """Refuse up front a run that would go past the stored learning-rate schedule."""
         if steps > 0:
-            self.learning_rates(self.step_index + steps - 1)
+            self.learning_rates(self.optimizer_steps + steps - 1)
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Steps whose update was applied: the schedule's position. fp16 loss scaling skips the
+        update on overflow, and the schedule waits, as a loop calling scheduler.step() only after
+        an optimizer step that ran does."""
+        skipped = self._optimizer.get(SCALER_PREFIX + "skipped_steps")
+        return self.step_index - (int(skipped.item()) if skipped is not None else 0)
+
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale (None without loss scaling)."""
+        scale = self._optimizer.get(SCALER_PREFIX + "scale")
+        return float(scale.item()) if scale is not None else None
 
     def step(self, inputs, targets) -> float:
         inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-        for lr, value in zip(self._lrs, self.learning_rates(self.step_index)):
+        for lr, value in zip(self._lrs, self.learning_rates(self.optimizer_steps)):
             lr.fill_(value)
         given = iter(inputs)
         args = list(self._args)
@@ -319,8 +331,10 @@ class Trainer:
                 args[i] = self._check(targets, slot, "targets")
         seed_step(self.device, step_seed(self.seed, self.step_index, self.data_rank))
         try:
-            _, global_loss = self._module(*args)
-            loss = float(global_loss)
+            outputs = self._module(*args)
+            loss = float(outputs[1])
+            # fp16: the program's third output is found_inf; where set, the update was skipped
+            self.last_step_skipped = len(outputs) > 2 and bool(outputs[2].item() > 0)
         except RuntimeError as e:
             if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
                 raise

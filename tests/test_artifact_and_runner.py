@@ -74,17 +74,17 @@ def _user_module(path):
     return user
 
 
-@pytest.mark.parametrize("which", ["format 3", "format 2"])
+@pytest.mark.parametrize("which", ["format 4", "format 3"])
 def test_python_api_matches_eager_single_process(mlp1, which):
-    """runner.load(...).step() against a plain eager loop in this process; a format-2 artifact
-    (stored weights, tests/fixtures/artifact_v2_mlp, built by the aot before format 3) still runs."""
-    artifact = mlp1 if which == "format 3" else FIXTURES / "artifact_v2_mlp"
+    """runner.load(...).step() against a plain eager loop in this process; a format-3 artifact
+    (tests/fixtures/artifact_v3_mlp, built by the aot before format 4) still runs."""
+    artifact = mlp1 if which == "format 4" else FIXTURES / "artifact_v3_mlp"
     user = _user_module(EXAMPLES / "mlp.py")
     torch.manual_seed(0)
     model = user.model()
     opt = user.optimizer(model.parameters())
     trainer = runner.load(artifact, rank=0, world_size=1)
-    assert trainer.artifact.manifest["format_version"] == (3 if which == "format 3" else 2)
+    assert trainer.artifact.manifest["format_version"] == (4 if which == "format 4" else 3)
     source = trainer.data_source()
     for step in range(3):
         inputs, targets = source.batch(step)

@@ -14,12 +14,15 @@ the same graph, recorded in about half the time).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from aot.capture.loss_scaling import SCALER_KEYS, LossScaling, initial_scaler_state
 from aot.capture.model_file import ModelFile, call_user
+from aot.capture.precision import Precision
+from aot.capture.target_autocast import trace_under_rules
 from aot.capture.tensor_parallel import TensorParallel, rename_group, tensor_parallel
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
@@ -50,6 +53,9 @@ class StepLayout:
     tp: Group | None = None
     tp_plan: tuple[tuple[str, str], ...] = ()
     sequence: dict | None = None   # sequence parallelism (aot.plan.tensor_parallel.sequence_parallel_layout)
+    # The dtypes the step computes and reduces in (aot/capture/precision.py): part of the layout
+    # because it changes what each collective carries, which the planner prices.
+    precision: Precision = Precision()
 
     def tp_dims(self, state: TrainingState) -> dict[str, int]:
         """Parameter name -> the dimension tensor parallelism splits it along (torch's
@@ -82,15 +88,40 @@ class CapturedStep:
     example_args: list[torch.Tensor]
 
 
-def _average(t: torch.Tensor, group: Group) -> torch.Tensor:
-    summed = _funcol.wait_tensor(_funcol.all_reduce(t, "sum", group.name))
+def _average(t: torch.Tensor, group: Group, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The mean of `t` over `group`, summed in `dtype` (the precision's reduce dtype) when given:
+    DDP's bf16 compression hook, which casts back to the gradient's own dtype after."""
+    sent = t if dtype is None or t.dtype == dtype else t.to(dtype)
+    summed = _funcol.wait_tensor(_funcol.all_reduce(sent, "sum", group.name)).to(t.dtype)
     return summed / group.size
 
 
-def _gather(piece: torch.Tensor, shape: torch.Size, group: Group) -> torch.Tensor:
+class _GatherInDtype(torch.autograd.Function):
+    """FSDP2's MixedPrecisionPolicy for one parameter: all-gather the fp32 shard cast to
+    `param_dtype`; backward reduce-scatters the (param_dtype) gradient cast to `reduce_dtype`
+    and returns it in the shard's dtype. Traced through by make_fx like any autograd code."""
+
+    @staticmethod
+    def forward(ctx, piece, group_size: int, group_name: str, param_dtype, reduce_dtype):
+        ctx.group = (group_size, group_name)
+        ctx.dtypes = (reduce_dtype, piece.dtype)
+        return _funcol.wait_tensor(_funcol.all_gather_into_tensor(piece.to(param_dtype), group_size, group_name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (size, name), (reduce_dtype, dtype) = ctx.group, ctx.dtypes
+        scattered = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(grad.to(reduce_dtype), "sum", size, name))
+        return scattered.to(dtype), None, None, None, None
+
+
+def _gather(piece: torch.Tensor, shape: torch.Size, group: Group, precision: Precision) -> torch.Tensor:
     """The whole parameter (of `shape`) from this rank's shard. The autograd variant of all_gather
-    makes backward reduce-scatter the gradient, so it arrives summed over the group and sharded."""
-    gathered = _funcol.wait_tensor(torch.ops._c10d_functional_autograd.all_gather_into_tensor(piece, group.size, group.name))
+    makes backward reduce-scatter the gradient, so it arrives summed over the group and sharded.
+    With mixed precision the gather carries the compute dtype and the scatter the reduce dtype."""
+    if precision.mixed:
+        gathered = _GatherInDtype.apply(piece, group.size, group.name, precision.compute_dtype, precision.reduce_dtype)
+    else:
+        gathered = _funcol.wait_tensor(torch.ops._c10d_functional_autograd.all_gather_into_tensor(piece, group.size, group.name))
     return gathered[: shape.numel()].view(shape)
 
 
@@ -173,26 +204,31 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
     return traced[0]
 
 
-def _step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: StepLayout, tp: TensorParallel | None):
+def _step_program(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
+                  layout: StepLayout, tp: TensorParallel | None):
     """(step, finish): the training step as a function of its flat inputs (`_step_args`), and its
     part once the gradients exist (averaging, clipping, the optimizer) as a function of (params,
-    grads, local loss, optimizer state, learning rates). The step ends by calling `finish`; the
-    planner also traces `finish` alone (derive_without_fsdp)."""
+    grads, local loss, optimizer state, learning rates[, loss scaling]). The step ends by calling
+    `finish`; the planner also traces `finish` alone (derive_without_fsdp)."""
     param_names, buffer_names = list(state.params), list(state.buffers)
     local_shapes = layout.local_shapes(state)
     full_shapes = {n: p.shape for n, p in state.params.items()}
     tp_split = [n in layout.tp_dims(state) for n in param_names]
     n_params, n_buffers = len(param_names), len(buffer_names)
     n_state, n_groups = len(state.optimizer_slots), len(state.param_groups)
+    n_inputs = len(inputs)
+    precision = layout.precision
+    n_scaler = len(SCALER_KEYS) if precision.scaler else 0
+    reduce_dtype = precision.reduce_dtype if precision.mixed else None
 
-    def finish(params, grads, local_loss, opt_state, lrs):
+    def finish(params, grads, local_loss, opt_state, lrs, scaling: LossScaling | None = None):
         by_name = dict(zip(param_names, params))
         global_loss = local_loss
         if layout.fsdp is not None:  # already summed over the shard group by the reduce-scatter
             grads = [None if g is None else g / layout.fsdp.size for g in grads]
             global_loss = _average(global_loss, layout.fsdp)
         if layout.dp is not None:
-            grads = [None if g is None else _average(g, layout.dp) for g in grads]
+            grads = [None if g is None else _average(g, layout.dp, reduce_dtype) for g in grads]
             global_loss = _average(global_loss, layout.dp)
 
         optimizer = call_user(mf.optimizer, "optimizer(params)", mf.path, params)
@@ -203,59 +239,113 @@ def _step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: St
             optimizer.state[by_name[name]][key] = value
         for p, g in zip(params, grads):
             p.grad = g
+        found_inf = None
+        if scaling is not None:
+            found_inf = scaling.unscale([p.grad for p in params if p.grad is not None])
+            found_inf = _any_rank(found_inf, layout)
         if mf.max_grad_norm is not None and (layout.fsdp is not None or layout.tp is not None):
             present = [(p.grad, s) for p, s in zip(params, tp_split) if p.grad is not None]
             _clip_distributed([g for g, _ in present], [s for _, s in present], mf.max_grad_norm, layout)
         elif mf.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, mf.max_grad_norm)
-        optimizer.step()
-        return local_loss, global_loss
+        if scaling is None:
+            optimizer.step()
+            return local_loss, global_loss
+        scaling.step_unless(found_inf, [*params, *opt_state], optimizer.step)
+        scaling.update(found_inf)
+        return local_loss, global_loss, found_inf
+
+    model = state.model if tp is None else tp.model
+
+    def model_and_loss(tensors, batch_inputs, batch_targets):
+        outputs = torch.func.functional_call(model, tensors, tuple(batch_inputs))
+        return call_user(mf.loss, "loss(outputs, targets)", mf.path, outputs, batch_targets)
+
+    forward_under_rules = None
+    if precision.mixed and precision.rules != "cpu":
+        if tp is not None:
+            raise AotError(f"--precision {precision.compute} for a {precision.rules} target under tensor parallelism: "
+                           f"tracing {precision.rules}'s autocast rules through tp's collectives is not supported yet; "
+                           f"use fsdp or dp, or fp32")
+        names = [*param_names, *buffer_names]
+        gathered = precision.compute_dtype if layout.fsdp is not None else None  # FSDP's param_dtype
+        examples = [torch.empty(full_shapes[n], dtype=gathered or p.dtype, device="meta") for n, p in state.params.items()]
+        examples += [torch.empty_like(b, device="meta") for b in state.buffers.values()]
+
+        def flat_model_and_loss(*flat):
+            return model_and_loss(dict(zip(names, flat)), flat[len(names):-1], flat[-1])
+
+        try:
+            forward_under_rules = trace_under_rules(flat_model_and_loss, [*examples, *inputs, targets],
+                                                    precision.rules, precision.autocast)
+        except AotError:
+            raise
+        except Exception as e:
+            raise AotError(f"{mf.path.name}: forward and loss cannot be traced under {precision.rules}'s autocast rules: "
+                           f"{_describe_trace_error(e, mf)}") from e
 
     def step(*flat):
         params = list(flat[:n_params])
         buffers = flat[n_params:n_params + n_buffers]
         opt_state = flat[n_params + n_buffers:n_params + n_buffers + n_state]
-        lrs = flat[n_params + n_buffers + n_state:n_params + n_buffers + n_state + n_groups]
+        at = n_params + n_buffers + n_state
+        lrs = flat[at:at + n_groups]
+        scaling = LossScaling(precision.scaler, *flat[at + n_groups:at + n_groups + n_scaler]) if n_scaler else None
         batch_inputs, batch_targets = flat[-1 - n_inputs:-1], flat[-1]
         by_name = dict(zip(param_names, params))
 
         if layout.fsdp is not None:
-            used = {n: _gather(p, local_shapes[n], layout.fsdp) for n, p in by_name.items()}
+            used = {n: _gather(p, local_shapes[n], layout.fsdp, precision) for n, p in by_name.items()}
         else:
             used = by_name
         if tp is not None:
             used = tp.wrap(used, full_shapes)
         tensors = {**used, **dict(zip(buffer_names, buffers))}
-        model = state.model if tp is None else tp.model
-        outputs = torch.func.functional_call(model, tensors, tuple(batch_inputs))
-        loss = call_user(mf.loss, "loss(outputs, targets)", mf.path, outputs, batch_targets)
+        if forward_under_rules is not None:
+            loss = forward_under_rules(*tensors.values(), *batch_inputs, batch_targets)
+        else:
+            with precision.autocast():  # forward and loss, as torch.autocast would run them
+                loss = model_and_loss(tensors, batch_inputs, batch_targets)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise AotError(f"{mf.path.name}: loss(outputs, targets) must return a scalar tensor")
         # Detached before backward so its reduction can join the first gradient bucket.
         local_loss = loss.detach()
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        return finish(params, grads, local_loss, opt_state, lrs)
+        grads = torch.autograd.grad(scaling.scaled(loss) if scaling else loss, params, allow_unused=True)
+        return finish(params, grads, local_loss, opt_state, lrs, scaling)
 
     return step, finish
+
+
+def _any_rank(found_inf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+    """found_inf summed over the groups whose ranks hold different gradients (fsdp shards, tp
+    slices), so every rank skips the same steps, as FSDP's ShardedGradScaler does. Data-parallel
+    replicas hold the same averaged gradients already, so their checks agree without one."""
+    for group in (layout.fsdp, layout.tp):
+        if group is not None:
+            found_inf = _funcol.wait_tensor(_funcol.all_reduce(found_inf, "sum", group.name))
+    return found_inf
 
 
 def _step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tensor],
                targets: torch.Tensor) -> tuple[list[torch.Tensor], list[dict]]:
     """The step's flat inputs for one rank of `layout` (traced on shard 0's shapes: every rank's shard
     has the same shape, so one program serves all) and what each one is (the manifest's "inputs")."""
+    precision = layout.precision
     lr_args = [torch.tensor(v, dtype=torch.float64) for v in state.lr_schedule[0]]
     local = rank_state(state, layout)
+    scaler = initial_scaler_state(asdict(precision.scaler)) if precision.scaler else {}
     args = [
         *(p.requires_grad_(True) for p in local.params.values()),
         *(b.detach().clone() for b in state.buffers.values()),
         *(local.optimizer_state[f"{n}:{k}"].clone() for n, k in state.optimizer_slots),
-        *lr_args, *inputs, targets,
+        *lr_args, *scaler.values(), *inputs, targets,
     ]
     slots = [
         *(_slot("param", name=n) for n in state.params),
         *(_slot("buffer", name=n) for n in state.buffers),
         *(_slot("optim", name=n, key=k) for n, k in state.optimizer_slots),
         *(_slot("lr", group=i) for i in range(len(state.param_groups))),
+        *(_slot("scaler", key=k) for k in scaler),
         *(_slot("input", t, index=i) for i, t in enumerate(inputs)),
         _slot("target", targets),
     ]
@@ -264,7 +354,7 @@ def _step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tens
 
 def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
              layout: StepLayout, tp: TensorParallel | None, for_pricing: bool = False) -> CapturedStep:
-    step, _ = _step_program(mf, state, len(inputs), layout, tp)
+    step, _ = _step_program(mf, state, inputs, targets, layout, tp)
     args, slots = _step_args(state, layout, inputs, targets)
     try:
         with _optimizer_tracing(), quiet_trace_logs():
