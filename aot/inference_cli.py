@@ -36,7 +36,8 @@ def infer(artifact, input_file, output, provider, warmup, iters, trusted_keys, a
     init program and handed to ONNX Runtime in memory) or an .onnx file made by `aot export`
     (with its OUTPUT.data beside it if it has one). Graph optimizations run at the extended
     level; --warmup runs come before the --iters timed ones; latency (p50, p90) and throughput
-    are printed.
+    are printed. A file exported with --precision bf16 needs a GPU provider: ONNX Runtime's CPU
+    provider has no bf16 kernels, so it is refused there (fp16 runs on CPU).
 
     \b
         aot infer artifacts/gpt --input artifacts/gpt/data/example_batch.safetensors -o out.safetensors
@@ -86,9 +87,15 @@ def infer(artifact, input_file, output, provider, warmup, iters, trusted_keys, a
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint folder written by `aot run --save`.")
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="ONNX file to write. Default: the checkpoint folder's name with .onnx, beside it.")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="The dtype the exported model computes in: the weights are stored in it and the forward runs in "
+                   "it (as eager model.to(dtype)). Inputs and outputs stay float32 (cast on entry and exit), so the "
+                   "same --input files and clients work. fp16 runs on the CPU provider too (fp32 kernels between "
+                   "fp16 values); bf16 needs a GPU provider (CUDA, TensorRT): ONNX Runtime's CPU provider has no "
+                   "bf16 kernels, and `aot infer` refuses it there.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 @debug_option
-def export(artifact, model_file, checkpoint, output, as_json):
+def export(artifact, model_file, checkpoint, output, precision, as_json):
     """Export a checkpoint's trained weights to ONNX, as `aot build` exports the initial ones.
 
     MODEL_FILE must be the model file ARTIFACT was built from (its sha256 is checked against the
@@ -96,22 +103,29 @@ def export(artifact, model_file, checkpoint, output, as_json):
     real), which lives in the model file, not the artifact. Weights over ONNX's 2 GiB limit are
     written as ONNX external data beside the file (OUTPUT.data). When the weights are at most
     1 GiB, the written file is checked with ONNX Runtime against eager PyTorch on the example batch.
+    With --precision bf16 or fp16 the reference is eager PyTorch in that dtype on the same rounded
+    weights, within 4 times its own distance from eager fp32 on that batch; bf16 is checked with
+    onnx's reference evaluator instead (ONNX Runtime cannot run bf16 on CPU), up to 128 MiB of weights.
 
     \b
         aot export artifacts/gpt examples/gpt.py --checkpoint ckpt/ -o gpt.onnx
+        aot export artifacts/gpt examples/gpt.py --checkpoint ckpt/ -o gpt16.onnx --precision fp16
         aot infer gpt.onnx --input batch.safetensors
     """
     from aot.emit.onnx_checkpoint import export_checkpoint
     from runner.inspect import human
 
     output = output if output is not None else Path(str(Path(checkpoint)).rstrip("/\\") + ".onnx")
-    result = export_checkpoint(artifact, model_file, checkpoint, output, warn=lambda msg: click.echo(msg, err=True))
+    result = export_checkpoint(artifact, model_file, checkpoint, output, precision=precision,
+                               warn=lambda msg: click.echo(msg, err=True))
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:
         where = (f"in {result['weights_file']} ({human(result['weights_bytes'])})" if result["weights_file"]
                  else "inside")
         check = ("not checked" if result["max_abs_diff"] is None
-                 else f"max |ONNX Runtime - eager| = {result['max_abs_diff']:.3g}")
-        click.echo(f"wrote {output} ({human(result['bytes'])}, the weights of step {result['step']} {where}, "
-                   f"opset {result['opset']}; {check})", err=True)
+                 else f"max |{result['checked_with']} - eager| = {result['max_abs_diff']:.3g}"
+                 + (f" (tolerance {result['tolerance']:.3g})" if precision != "fp32" else ""))
+        click.echo(f"wrote {output} ({human(result['bytes'])}, the weights of step {result['step']} {where}"
+                   + (f", computing in {precision}" if precision != "fp32" else "")
+                   + f", opset {result['opset']}; {check})", err=True)

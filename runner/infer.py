@@ -12,6 +12,8 @@ holds its weights, or names its external-data file beside it (`<file>.data`, who
 model's metadata records and which is checked before ONNX Runtime reads it).
 The session uses the best execution provider that works here (TensorRT, then CUDA, then CPU) with
 graph optimizations at the extended level; `provider=` insists on one and fails if it cannot.
+A file written by `aot export --precision bf16` (metadata `aot.precision`) is refused on the CPU
+provider, which has no bf16 kernels (`_BF16_ON_CPU`); fp16 files run there.
 
 onnxruntime is imported here and only here, when a session is made: training never loads it.
 """
@@ -42,6 +44,15 @@ ONNX_TYPES = {
 # dtypes numpy lacks, viewed as an integer of the same width to cross into ONNX Runtime
 _NUMPY_STAND_IN = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e4m3fnuz: torch.uint8,
                    torch.float8_e5m2: torch.uint8, torch.float8_e5m2fnuz: torch.uint8}
+
+# ONNX Runtime's CPU provider (onnxruntime 1.31, tried op by op) has no bfloat16 kernels for Add, Mul,
+# MatMul, Softmax, Gelu and most others (LayerNormalization and Transpose it has), and unlike fp16,
+# whose missing kernels it wraps in casts to fp32, it does not work around them: a session fails
+# on the first such node. So a file that says it computes in bf16 is refused on the CPU up front,
+# in words that say what to do instead.
+_BF16_ON_CPU = ("computes in bf16 (aot export --precision bf16), and ONNX Runtime's CPU provider has no bf16 "
+                "kernels (MatMul, Add, Softmax, Gelu); run it with a GPU provider (cuda, tensorrt), or export "
+                "with --precision fp16 or fp32 to run on CPU")
 
 # ONNX Runtime's element type names -> torch dtype names (runner.data.dtype_name)
 _ORT_TYPES = {
@@ -118,18 +129,21 @@ def _session(ort, model: bytes | str, key: str, threads: int | None, initializer
 
 def create_session(model: bytes | str, provider: str | None = None, *, warn: Callable[[str], None] = lambda msg: None,
                    threads: int | None = None, where: str = "the model",
-                   initializers: Mapping[str, torch.Tensor] | None = None):
+                   initializers: Mapping[str, torch.Tensor] | None = None, cpu_refusal: str | None = None):
     """(ONNX Runtime session, provider key) for ONNX bytes (or a file path, whose external data
     ONNX Runtime reads beside it): `provider` if given (or an error), else the first of TensorRT,
     CUDA, CPU that works, with a one-line notice through `warn` when a faster one was passed over.
     `initializers`: ONNX initializer name -> tensor, the values of the model's external-data
-    initializers, given to ONNX Runtime in memory."""
+    initializers, given to ONNX Runtime in memory. `cpu_refusal`: why the CPU provider cannot run
+    this model (the error, where it would be used)."""
     ort = _import_ort()
     if initializers is not None:
         initializers = ort_values(ort, initializers)
     if provider is not None:
         if provider not in PROVIDERS:
             raise AotError(f"unknown provider {provider!r}; choose one of {', '.join(ORDER)}")
+        if provider == "cpu" and cpu_refusal:
+            raise AotError(f"{where}: {cpu_refusal}")
         reason = _unusable(ort, provider)
         if reason is None:
             try:
@@ -142,6 +156,8 @@ def create_session(model: bytes | str, provider: str | None = None, *, warn: Cal
                        f"leave --provider unset to use the best available one")
     passed_over = []
     for key in ORDER:
+        if key == "cpu" and cpu_refusal:
+            raise AotError(f"{where}: {cpu_refusal}" + (f" (passed over: {'; '.join(passed_over)})" if passed_over else ""))
         reason = _unusable(ort, key)
         if reason is None:
             try:
@@ -190,6 +206,7 @@ class InferenceSession:
                  warn: Callable[[str], None] = lambda msg: None, threads: int | None = None,
                  trusted_keys: list[str] | None = None):
         path = Path(path)
+        cpu_refusal = None
         if path.is_dir():
             from runner.artifact import Artifact
             artifact = Artifact(path, trusted_keys)  # the signature is checked before anything is parsed
@@ -209,14 +226,16 @@ class InferenceSession:
             model, spec, initializers = path.read_bytes(), {}, None
             self.where = str(path)
             self.weights = "inside the ONNX file"
-            data_file = _external_data(path, model)
+            data_file, meta = _bare_file(path, model)
+            if meta.get("aot.precision") == "bf16":
+                cpu_refusal = _BF16_ON_CPU
             if data_file is not None:
                 model, self.weights = str(path), str(data_file)  # ONNX Runtime reads the data file beside it
         else:
             raise AotError(f"{path}: no such artifact folder or ONNX file")
         self.spec = spec
         self.session, self.provider = create_session(model, provider, warn=warn, threads=threads, where=self.where,
-                                                     initializers=initializers)
+                                                     initializers=initializers, cpu_refusal=cpu_refusal)
         inputs, outputs, batch_dim = _spec_of_session(self.session, spec.get("batch_dim"))
         if spec:
             declared = [i.get("name") for i in spec["inputs"]], [o.get("name") for o in spec["outputs"]]
@@ -319,21 +338,21 @@ def initial_weights(artifact, mapping: Mapping[str, str], where: str) -> tuple[d
     return {name: weights[state] for name, state in mapping.items()}, f"the init program (seed {seed})"
 
 
-def _external_data(path: Path, model: bytes) -> Path | None:
-    """The external-data file a bare .onnx file's weights are in (checked against the sha256 its
-    metadata records), or None when they are inside it."""
+def _bare_file(path: Path, model: bytes) -> tuple[Path | None, dict[str, str]]:
+    """(the external-data file a bare .onnx file's weights are in (checked against the sha256 its
+    metadata records), or None when they are inside it; the model's metadata)."""
     import onnx
 
     try:
         proto = onnx.load_from_string(model)  # external data is not read
     except Exception:
-        return None  # not ONNX: ONNX Runtime says so, in one line
+        return None, {}  # not ONNX: ONNX Runtime says so, in one line
     locations = {e.value for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
                  for e in t.external_data if e.key == "location"}
     meta = {p.key: p.value for p in proto.metadata_props}
     del proto
     if not locations:
-        return None
+        return None, meta
     if len(locations) > 1 or any(Path(loc).name != loc for loc in locations):
         raise AotError(f"{path}: its weights are in {', '.join(sorted(locations))}; only one file beside the model is read")
     data_file = path.parent / locations.pop()
@@ -346,7 +365,7 @@ def _external_data(path: Path, model: bytes) -> Path | None:
         if sha256_file(data_file) != meta["aot.weights_sha256"]:
             raise AotError(f"{data_file}: sha256 differs from the one {path.name} records; it holds other weights "
                            f"(written by another `aot export`?)")
-    return data_file
+    return data_file, meta
 
 
 def load(path: str | Path, provider: str | None = None, **kwargs) -> InferenceSession:

@@ -137,11 +137,16 @@ def test_export_from_checkpoint_matches_eager_with_trained_weights(gpt_artifact,
     result = json.loads(r.stdout)
     assert result["step"] == 2 and result["max_abs_diff"] <= TOL and onnx_file.is_file()
     assert result["checked_batch_sizes"] == [4, 1]
+    # the default precision is fp32, checked as ever: ONNX Runtime, absolute tolerance 1e-4
+    assert result["precision"] == "fp32" and result["tolerance"] == TOL and result["checked_with"] == "ONNX Runtime"
     # small weights go inside: one self-contained file, every initializer with its data
     import onnx
     assert result["weights_file"] is None and not (tmp_path / "trained.onnx.data").exists()
     proto = onnx.load(onnx_file)
     assert not any(init.data_location == onnx.TensorProto.EXTERNAL for init in proto.graph.initializer)
+    assert "aot.precision" not in {p.key for p in proto.metadata_props}
+    types = {init.data_type for init in proto.graph.initializer if init.name in result["initializers"]}
+    assert types == {onnx.TensorProto.FLOAT, onnx.TensorProto.BOOL}  # the weights, the causal mask
     assert result["bytes"] == onnx_file.stat().st_size > result["weights_bytes"]
 
     trained = eager_model(gpt, merged)
@@ -195,6 +200,113 @@ def test_export_over_the_size_limit_writes_external_data(gpt_artifact, gpt, chec
     data_file.write_bytes(bytes(blob))
     with pytest.raises(AotError, match="sha256 differs from the one trained.onnx records"):
         runner.infer.load(onnx_file, "cpu")
+
+
+# -- reduced precision (aot export --precision) ---------------------------------------------------
+# The reference is eager PyTorch on the same merged weights, `.to(dtype)`. Tolerances are in the
+# dtype's epsilon times the outputs' scale (max(1, max |eager|)), measured on these gpt weights at
+# batch 5: |export - eager| = 0.4 eps x scale for fp16 (ONNX Runtime CPU computes fp16 ops in fp32
+# between fp16 tensors; torch's fp16 CPU kernels round elsewhere), 1.2 for bf16 (onnx's reference
+# evaluator, which rounds more intermediate values to bf16 than torch does).
+FP16_TOL_EPS = 2.0
+BF16_TOL_EPS = 4.0
+
+
+def _within_eps(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, eps_units: float) -> float:
+    """|got - expected| in units of eps(dtype) x max(1, max |expected|); asserts it is at most eps_units."""
+    scale = max(1.0, expected.abs().max().item())
+    measured = max_diff(got, expected) / (torch.finfo(dtype).eps * scale)
+    assert measured <= eps_units, (dtype, measured)
+    return measured
+
+
+def _weights_in(proto, result: dict, merged: dict, dtype: torch.dtype) -> None:
+    """Every trained weight of the file is the checkpoint's tensor rounded to `dtype`, bit for bit;
+    the causal mask (bool, from the init program) stays bool."""
+    import onnx
+
+    from runner.infer import ONNX_TYPES
+    weights = {init.name: init for init in proto.graph.initializer if init.name in result["initializers"]}
+    trained = {name: init for name, init in weights.items() if result["initializers"][name] in merged}
+    assert len(trained) == len(weights) - 2  # the two blocks' masks
+    assert all(init.data_type == onnx.TensorProto.BOOL for name, init in weights.items() if name not in trained)
+    for name, init in trained.items():
+        assert init.data_type == ONNX_TYPES[dtype] and init.data_location != onnx.TensorProto.EXTERNAL, name
+        stored = torch.frombuffer(bytearray(init.raw_data), dtype=dtype).reshape(list(init.dims))
+        assert torch.equal(stored, merged[result["initializers"][name]].to(dtype)), name
+
+
+def test_export_in_fp16_runs_on_cpu_and_matches_eager_fp16(gpt_artifact, gpt, checkpoint, tmp_path):
+    import onnx
+
+    ckpt, merged = checkpoint
+    onnx_file = tmp_path / "trained16.onnx"
+    r = ok(aot("export", gpt_artifact, GPT, "--checkpoint", ckpt, "-o", onnx_file, "--precision", "fp16", "--json"))
+    result = json.loads(r.stdout)
+    assert result["precision"] == "fp16" and result["checked_with"] == "ONNX Runtime"
+    assert 0 < result["max_abs_diff"] <= result["tolerance"] and result["checked_batch_sizes"] == [4, 1]
+    fp32_bytes = sum(t.numel() * 4 for n, t in merged.items()) + 64 * 64  # + the causal mask (bool)
+    assert result["weights_bytes"] < fp32_bytes * 0.51  # half the bytes
+    proto = onnx.load(onnx_file)
+    assert {p.key: p.value for p in proto.metadata_props}["aot.precision"] == "fp16"
+    _weights_in(proto, result, merged, torch.float16)
+    # the interface is the fp32 export's: int64 tokens in, float32 logits out
+    assert [i.type.tensor_type.elem_type for i in proto.graph.input] == [onnx.TensorProto.INT64]
+    assert [o.type.tensor_type.elem_type for o in proto.graph.output] == [onnx.TensorProto.FLOAT]
+
+    inputs, _ = gpt.batch(5)
+    session = runner.infer.load(onnx_file, "cpu")  # as `aot infer` runs it (its CLI: test_aot_infer_end_to_end)
+    got = session.run({"inputs": inputs})["outputs"]
+    assert session.provider == "cpu" and got.dtype == torch.float32
+    trained = eager_model(gpt, merged)
+    with torch.no_grad():
+        expected16, expected32 = trained.to(torch.float16)(inputs).float(), eager_model(gpt, merged)(inputs)
+    _within_eps(got, expected16, torch.float16, FP16_TOL_EPS)
+    assert max_diff(got, expected32) > TOL  # it does compute in fp16: not the fp32 export's numbers
+
+
+def test_export_in_bf16_is_checked_by_the_reference_evaluator_and_refused_on_cpu(gpt_artifact, gpt, checkpoint, tmp_path):
+    """ONNX Runtime's CPU provider has no bf16 kernels (MatMul, Add, Softmax, Gelu): the export is
+    checked with onnx's reference evaluator instead, and `aot infer` refuses it on CPU in one line."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    from aot.emit.onnx_checkpoint import export_checkpoint
+
+    ckpt, merged = checkpoint
+    onnx_file = tmp_path / "trained_bf16.onnx"
+    result = export_checkpoint(gpt_artifact, GPT, ckpt, onnx_file, precision="bf16")
+    assert result["precision"] == "bf16" and result["checked_with"] == "onnx's reference evaluator"
+    assert 0 < result["max_abs_diff"] <= result["tolerance"] and result["checked_batch_sizes"] == [4, 1]
+    onnx.checker.check_model(str(onnx_file), full_check=True)
+    proto = onnx.load(onnx_file)
+    assert {p.key: p.value for p in proto.metadata_props}["aot.precision"] == "bf16"
+    _weights_in(proto, result, merged, torch.bfloat16)
+    assert [o.type.tensor_type.elem_type for o in proto.graph.output] == [onnx.TensorProto.FLOAT]
+
+    inputs, targets = gpt.batch(5)
+    got = torch.from_numpy(ReferenceEvaluator(proto).run(["outputs"], {"inputs": inputs.numpy()})[0])
+    with torch.no_grad():
+        expected = eager_model(gpt, merged).to(torch.bfloat16)(inputs).float()
+    _within_eps(got, expected, torch.bfloat16, BF16_TOL_EPS)
+
+    batch = tmp_path / "batch.safetensors"
+    save_file({"inputs": inputs, "targets": targets}, batch)
+    assert_user_error(aot("infer", onnx_file, "--input", batch), str(onnx_file), "computes in bf16", "no bf16 kernels",
+                      "GPU provider (cuda, tensorrt)", "--precision fp16", "passed over: TensorrtExecutionProvider")
+    with pytest.raises(AotError, match="computes in bf16") as e:
+        runner.infer.load(onnx_file, "cpu")
+    assert "\n" not in str(e.value) and "passed over" not in str(e.value)
+
+
+def test_export_precision_bad_input(tmp_path):
+    # click refuses the value before anything is read
+    r = aot("export", tmp_path / "art", GPT, "--checkpoint", tmp_path / "ckpt", "-o", tmp_path / "x.onnx", "--precision", "fp8")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, show(r)
+    assert "Invalid value for '--precision': 'fp8' is not one of 'fp32', 'bf16', 'fp16'" in r.stderr, show(r)
+    assert not (tmp_path / "x.onnx").exists()
+    r = ok(aot("export", "--help"))
+    assert "--precision [fp32|bf16|fp16]" in r.stdout and "bf16 needs a GPU provider" in " ".join(r.stdout.split())
 
 
 def test_bare_copy_of_the_artifacts_onnx_file_is_refused(gpt_artifact, tmp_path):

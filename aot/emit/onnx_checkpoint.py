@@ -5,6 +5,19 @@ with weights: inside the file up to `EMBED_LIMIT_BYTES` (protobuf's 2 GiB limit,
 the graph), else as ONNX external data in `<file>.data` beside it, each tensor at a 64-byte
 aligned offset, whose sha256 the model's metadata records. Buffers a checkpoint does not hold
 (masks) come from the artifact's init program.
+
+`precision` (`aot export --precision`) picks the dtype the export computes in. fp32 is the
+trained (fp32 master) weights as they are, the export unchanged. bf16 and fp16 mean eager
+`model.to(dtype)`: floating parameters and buffers rounded to the dtype (stored in it: half the
+bytes) and the forward traced in it. The file's interface stays the fp32 export's: floating
+inputs are taken in float32 and cast to the dtype first, floating outputs cast back to float32
+last (values the dtype can hold), so data files and clients written for the fp32 export feed it
+unchanged and no caller needs a bfloat16 array type, which numpy lacks. The model's metadata
+records `aot.precision`. The check compares with eager PyTorch in the dtype on the same rounded
+weights (tolerance: see NOISE_FACTOR): fp16 with ONNX Runtime (CPU), which runs fp16 graphs by
+wrapping the fp16 kernels it lacks in casts to fp32; bf16 with onnx's reference evaluator (numpy,
+up to REFERENCE_BUDGET_BYTES of weights), since ONNX Runtime's CPU provider has no bf16 kernels
+for MatMul, Add, Softmax or Gelu at all (runner/infer.py refuses such a file on the CPU provider).
 """
 
 from __future__ import annotations
@@ -16,12 +29,25 @@ from typing import Callable, Mapping
 
 import torch
 
-from aot.emit.onnx_export import (CHECK_BUDGET_BYTES, TOLERANCE, _aligned, _budget_reason, _fake_model, _numeric_check,
-                                   _unchecked, export_inputs, export_onnx)
+from aot.capture.precision import DTYPES
+from aot.emit.onnx_export import (CHECK_BUDGET_BYTES, OnnxUnsupported, _aligned, _budget_reason, _fake_model,
+                                   _numeric_check, _unchecked, export_inputs, export_onnx)
 from runner.data import dtype_name
 from aot.errors import AotError
 
 EMBED_LIMIT_BYTES = 2**31 - 2**26    # protobuf's 2 GiB limit, less room for the graph itself
+# A reduced-precision export is held to NOISE_FACTOR times the dtype's own noise on the batch:
+# how far eager PyTorch in the dtype is from eager fp32 (at least FLOOR_EPS of the dtype's epsilon
+# times the outputs' scale). Two valid low-precision runs of one model differ by about as much as
+# either differs from fp32, and that grows with depth and values, which a fixed bound would not
+# follow. Measured (examples/gpt.py, llama.py, mlp.py; 30 and 150 training steps; batches 1-16):
+# |export - eager| / noise at most 1.5 (fp16, ONNX Runtime CPU) and 3.3 (bf16, reference evaluator;
+# 1.9 where the floor does not apply), / (eps x scale) at most 2.1 (fp16) and 5.0 (bf16).
+NOISE_FACTOR = 4.0
+FLOOR_EPS = 4.0
+# onnx's reference evaluator runs bf16 in numpy, op by op, about 20x slower than ONNX Runtime
+# (48 MiB of gpt-like weights: 0.9 s for 4 x 64 tokens): a smaller budget than CHECK_BUDGET_BYTES
+REFERENCE_BUDGET_BYTES = 2**27
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -47,7 +73,7 @@ def save_onnx(data: bytes, weights: Mapping[str, torch.Tensor], output: Path, *,
     names = [t.name for t in external]
     if sorted(names) != sorted(weights):
         extra, missing = sorted(set(weights) - set(names)), sorted(set(names) - set(weights))
-        raise AotError(f"the ONNX graph's weights and the tensors given differ: "
+        raise AotError("the ONNX graph's weights and the tensors given differ: "
                        + (f"no tensor for {missing[0]!r}" if missing else f"{extra[0]!r} is no weight of the graph"))
     tensors = {}
     for t in external:
@@ -115,19 +141,65 @@ def save_onnx(data: bytes, weights: Mapping[str, torch.Tensor], output: Path, *,
 
 
 
+def in_precision(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` (changed in place) computing in `dtype` behind a float32 interface: its floating
+    parameters and buffers cast (a tied tensor stays one tensor, under all its names), hooks that
+    cast floating inputs to `dtype` and floating outputs to float32. Not `model.to(dtype)`: that
+    cannot swap the fake tensors `aot export` traces with. torch.export traces the hooks."""
+    def cast(t, to):
+        return t.to(to) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                if id(t) not in done:
+                    done[id(t)] = (torch.nn.Parameter(t.detach().to(dtype), requires_grad=t.requires_grad)
+                                   if isinstance(t, torch.nn.Parameter) else t.to(dtype))
+                store[name] = done[id(t)]
+    tree_map = torch.utils._pytree.tree_map
+    model.register_forward_pre_hook(lambda m, args: tree_map(lambda t: cast(t, dtype), args))
+    model.register_forward_hook(lambda m, args, out: tree_map(lambda t: cast(t, torch.float32), out))
+    return model
+
+
+def _dtype_noise(mf, dtype: torch.dtype, weights: Mapping[str, torch.Tensor]) -> Callable:
+    """`_numeric_check`'s tolerance_for in `dtype`: NOISE_FACTOR x |eager in dtype - eager fp32|
+    on the batch, eager fp32 being a fresh (fake) model called with the fp32 `weights`."""
+    reference = _fake_model(mf).eval()
+    eps = torch.finfo(dtype).eps
+
+    def tolerance_for(eager: list[torch.Tensor], feeds: list[torch.Tensor]) -> float:
+        with torch.no_grad():
+            fp32 = torch.utils._pytree.tree_leaves(torch.func.functional_call(reference, dict(weights), tuple(feeds)))
+        pairs = [(e, f) for e, f in zip(eager, fp32) if e.is_floating_point() and e.numel()]
+        if any(not e.isfinite().all() and f.isfinite().all() for e, f in pairs):  # inf - inf would read as NaN
+            raise OnnxUnsupported(f"the forward in {dtype_name(dtype)} gives inf or NaN on the example batch where "
+                                  f"fp32 does not (out of the dtype's range); export it in another precision")
+        noise = max([(e.double() - f.double()).abs().max().item() for e, f in pairs], default=0.0)
+        scale = max([1.0] + [f.abs().max().item() for _, f in pairs])
+        return max(NOISE_FACTOR * noise, FLOOR_EPS * eps * scale)
+    return tolerance_for
+
+
 def export_checkpoint(artifact_dir: Path, model_file: Path, checkpoint: Path, output: Path, *,
-                      warn: Callable[[str], None] = lambda msg: None) -> dict:
+                      precision: str = "fp32", warn: Callable[[str], None] = lambda msg: None) -> dict:
     """`aot export`: the forward exported as `aot build` exports it (from the model on fake tensors),
     a checkpoint's trained weights attached, written as a standalone ONNX file (`save_onnx`: weights
     over protobuf's limit go to `<output>.data`), then checked with ONNX Runtime reading that file
-    against eager PyTorch on the same weights when they fit CHECK_BUDGET_BYTES."""
+    against eager PyTorch on the same weights when they fit CHECK_BUDGET_BYTES. `precision`
+    (fp32, bf16, fp16): the dtype it computes in (see the module's docstring)."""
     from aot.capture.model_file import load_model_file
     from runner.artifact import Artifact
     from runner.checkpoint import full_weights
     from runner.data import split_batch_tensors
-    from runner.infer import create_session
     from runner.integrity import check_writable_target, sha256_file
 
+    if precision not in DTYPES:
+        raise AotError(f"unknown precision {precision!r}; choose one of {', '.join(DTYPES)}")
+    dtype = DTYPES[precision]
     artifact = Artifact(artifact_dir)
     output = Path(output)
     check_writable_target(output, "file")
@@ -156,27 +228,49 @@ def export_checkpoint(artifact_dir: Path, model_file: Path, checkpoint: Path, ou
         weights.update(_replay_init(artifact, set(rest)))
     mf = load_model_file(model_file)
     model = _fake_model(mf)
+    metadata = {"aot.weights": f"checkpoint at step {index['step']}"}
+    tolerance_for = None
+    if dtype != torch.float32:  # fp32: the weights as trained, the export as before
+        model = in_precision(model, dtype)
+        tolerance_for = _dtype_noise(mf, dtype, weights)
+        weights = {n: t.to(dtype) if t.is_floating_point() else t for n, t in weights.items()}
+        metadata["aot.precision"] = precision
     example = artifact.tensors(manifest["data"]["example"])
     inputs, _ = split_batch_tensors(example, manifest["data"]["example"])
     inputs = export_inputs(mf, [t[: manifest["data"]["batch_size"]] for t in inputs])
-    step = f"checkpoint at step {index['step']}"
-    result = export_onnx(mf, model, inputs, metadata={"aot.weights": step}, check=False)
+    result = export_onnx(mf, model, inputs, metadata=metadata, check=False)
     spec = result.spec
     named = result.weights_for(weights)
     size = spec["weights_bytes"]
 
-    def verify(path: Path) -> None:
-        if size > CHECK_BUDGET_BYTES:
-            _unchecked(spec, _budget_reason(size))
-            return
-        session, _ = create_session(str(path), "cpu", where=str(output))
-        spec.update({"max_abs_diff": _numeric_check(mf, model, inputs, spec, session, weights), "tolerance": TOLERANCE,
-                     "checked_batch_sizes": [int(inputs[0].shape[0]), 1]})
+    budget = REFERENCE_BUDGET_BYTES if dtype == torch.bfloat16 else CHECK_BUDGET_BYTES
 
-    written = save_onnx(result.data, named, output, metadata={"aot.weights": step}, verify=verify)
+    def verify(path: Path) -> None:
+        if size > budget:
+            _unchecked(spec, _budget_reason(size) if budget == CHECK_BUDGET_BYTES else
+                       f"the bf16 weights ({size / 2**20:.0f} MiB) exceed the {budget >> 20} MiB that onnx's reference "
+                       f"evaluator checks (ONNX Runtime's CPU provider cannot run bf16)")
+            return
+        session, runtime = _checker(path, dtype, str(output))
+        worst, tolerance = _numeric_check(mf, model, inputs, spec, session, weights, runtime=runtime,
+                                          tolerance_for=tolerance_for)
+        spec.update({"max_abs_diff": worst, "tolerance": tolerance, "checked_batch_sizes": [int(inputs[0].shape[0]), 1],
+                     "checked_with": runtime})
+
+    written = save_onnx(result.data, named, output, metadata=metadata, verify=verify)
     if spec.get("unchecked"):
         warn(f"{output}: not checked against eager PyTorch: {spec['unchecked']}")
-    return {"output": str(output), "step": index["step"], **written, **spec}
+    return {"output": str(output), "step": index["step"], "precision": precision, **written, **spec}
+
+
+def _checker(path: Path, dtype: torch.dtype, where: str):
+    """(something with ONNX Runtime's `run(output_names, feeds)` over the written file, its name)."""
+    if dtype == torch.bfloat16:  # ONNX Runtime's CPU provider has no bf16 kernels
+        import onnx
+        from onnx.reference import ReferenceEvaluator
+        return ReferenceEvaluator(onnx.load(str(path))), "onnx's reference evaluator"
+    from runner.infer import create_session
+    return create_session(str(path), "cpu", where=where)[0], "ONNX Runtime"
 
 
 def _replay_init(artifact, only: set[str]) -> dict[str, torch.Tensor]:
