@@ -58,10 +58,16 @@ def render_table(rows: list[dict], header: str) -> str:
 @click.option("--hierarchical", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
               help="Price all_reduces over groups that span nodes in two levels (reduce-scatter inside a node, "
                    "all_reduce across nodes, all-gather): where cheaper, always, or never; as `aot build --hierarchical`.")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Price the step as `aot build --precision` builds it (smaller activations and collectives, "
+                   "matmuls at the profile's bf16/fp16 rate). Default: the model file's `precision`, else fp32.")
+@click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Dtype gradients are reduced in, as `aot build --reduce-dtype`.")
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print every candidate as JSON.")
 @debug_option
-def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, axes, sequence_parallel, hierarchical, top, as_json):
+def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, axes, sequence_parallel, hierarchical,
+         precision, reduce_dtype, top, as_json):
     """Rank the ways to train MODEL_FILE on a topology, before any GPU is used.
 
     Traces the step a few times, then prices every candidate plan (parallel degrees among the axes the
@@ -91,7 +97,8 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
         raise AotError(f"--axes {axes!r}: expected some of {', '.join(SUPPORTED_AXES)}")
     plans, skipped, planner, steps = plan_model(model_file, profile, world_size, batch_size, seed=seed,
                                                 bucket_mbs=tuple(bucket_mbs) or None, axes=searched,
-                                                sequence_parallel=sequence_parallel, hierarchical=hierarchical)
+                                                sequence_parallel=sequence_parallel, hierarchical=hierarchical,
+                                                precision=precision, reduce_dtype=reduce_dtype)
     machine = planner.machine
     seconds = time.perf_counter() - started
     rows = [p.row() for p in plans]
@@ -99,12 +106,14 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
         click.echo(json.dumps({
             "model_file": str(model_file), "topology": machine.name, "nodes": machine.nodes,
             "world_size": world_size, "batch_size": batch_size, "parameters": steps.params,
+            "precision": steps.precision.to_json(),
             "calibrated": bool(machine.calibration) or machine.compute.calibrated,
             "overlap": planner.overlaps, "seconds": round(seconds, 3), "skipped": skipped, "plans": rows,
         }, indent=1))
         return
     calibrated = "calibrated" if (machine.calibration or machine.compute.calibrated) else "uncalibrated: absolute times are estimates"
-    header = (f"{Path(model_file).name}: {steps.params:,} parameters, batch {batch_size} per data-parallel rank, "
+    header = (f"{Path(model_file).name}: {steps.params:,} parameters, {steps.precision.compute}, "
+              f"batch {batch_size} per data-parallel rank, "
               f"{world_size} rank(s) on {machine.describe()} ({calibrated})")
     click.echo(render_table(rows[:top], header))
     if len(rows) > top:
@@ -117,7 +126,9 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
             click.echo(f"\nbest: --strategy {best.strategy} --bucket-mb {best.bucket_mb:g}"
                        + (f" (NCCL_ALGO={best.nccl_algo})" if best.nccl_algo else "")
                        + f"; aot build {model_file} --topology {topology or 'live'} --world-size {world_size} --strategy auto"
-                       + (f" --hierarchical {hierarchical}" if hierarchical != "auto" else ""))
+                       + (f" --hierarchical {hierarchical}" if hierarchical != "auto" else "")
+                       + (f" --precision {precision}" if precision else "")
+                       + (f" --reduce-dtype {reduce_dtype}" if reduce_dtype else ""))
         else:
             click.echo("\nno plan fits the device memory")
     click.echo(f"planned in {seconds:.1f} s", err=True)

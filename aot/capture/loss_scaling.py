@@ -38,17 +38,22 @@ class LossScaling:
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
-    def unscale(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """GradScaler.unscale_: every gradient times 1/scale (the reciprocal taken in float64, as
-        GradScaler does), and found_inf (1 element, 1.0 where any gradient is inf or NaN)."""
+    def unscale(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """GradScaler.unscale_: (every gradient times 1/scale, the reciprocal taken in float64 as
+        GradScaler does; found_inf, 1 element, 1.0 where any gradient is inf or NaN). The op's
+        functional form: found_inf is then a value the graph's edges lead to, so no pass can
+        move its all_reduce ahead of the check (the in-place form writes it without an edge)."""
         inv_scale = self.scale.double().reciprocal().float()
         found_inf = torch.zeros(1, dtype=torch.float32, device=self.scale.device)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for group in by_dtype.values():  # the op takes one dtype per call, as GradScaler groups them
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
-        return found_inf
+        out: dict[int, torch.Tensor] = {}
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads):
+            by_dtype.setdefault(g.dtype, []).append(i)
+        for members in by_dtype.values():  # one dtype per call, as GradScaler groups them
+            unscaled, found_inf = torch.ops.aten._amp_foreach_non_finite_check_and_unscale.default(
+                [grads[i] for i in members], found_inf, inv_scale)
+            out.update(zip(members, unscaled))
+        return [out[i] for i in range(len(grads))], found_inf
 
     def step_unless(self, found_inf: torch.Tensor, written: list[torch.Tensor], step) -> None:
         """Run `step` (the optimizer's update of `written`), then keep the values from before it

@@ -241,7 +241,10 @@ def _step_program(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor
             p.grad = g
         found_inf = None
         if scaling is not None:
-            found_inf = scaling.unscale([p.grad for p in params if p.grad is not None])
+            held = [p for p in params if p.grad is not None]
+            unscaled, found_inf = scaling.unscale([p.grad for p in held])
+            for p, g in zip(held, unscaled):
+                p.grad = g
             found_inf = _any_rank(found_inf, layout)
         if mf.max_grad_norm is not None and (layout.fsdp is not None or layout.tp is not None):
             present = [(p.grad, s) for p, s in zip(params, tp_split) if p.grad is not None]

@@ -20,6 +20,23 @@ def is_call(node: torch.fx.Node, targets) -> bool:
     return node.op == "call_function" and node.target in targets
 
 
+def shard_gathers(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """FSDP's parameter gathers: all_gathers of a graph input (a parameter's shard) or of its cast
+    to the compute dtype (mixed precision, FSDP's param_dtype), each with the cast it needs, if
+    any ([] or [cast]), which moves and is recomputed with it."""
+    found = {}
+    for node in graph.nodes:
+        if not is_call(node, {ALL_GATHER}):
+            continue
+        source = node.args[0]
+        if source.op == "placeholder":
+            found[node] = []
+        elif is_call(source, {torch.ops.aten._to_copy.default}) and source.args[0].op == "placeholder" \
+                and len(source.users) == 1:
+            found[node] = [source]
+    return found
+
+
 def tensor_bytes(node: torch.fx.Node) -> int:
     val = node.meta.get("val")
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from aot.passes.graph_utils import ALL_GATHER, is_call, tensor_bytes
+from aot.passes.graph_utils import shard_gathers, tensor_bytes
 
 
 def prefetch_parameter_gathers(gm: torch.fx.GraphModule, budget_bytes: int | None = None) -> torch.fx.GraphModule:
-    gathers = [n for n in gm.graph.nodes if is_call(n, {ALL_GATHER}) and n.args[0].op == "placeholder"]
+    casts = shard_gathers(gm.graph)
+    gathers = list(casts)
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     # In the order their results are needed; each gather has exactly one wait as its user.
     gathers.sort(key=lambda g: position[next(iter(g.users))])
@@ -34,7 +35,8 @@ def prefetch_parameter_gathers(gm: torch.fx.GraphModule, budget_bytes: int | Non
         while j > 0 and ahead + sizes[j] <= budget:
             ahead += sizes[j]
             j -= 1
-        waits[j].prepend(gathers[k])  # later gathers land after earlier ones before the same wait
+        for node in [*casts[gathers[k]], gathers[k]]:  # a shard's cast to the gather dtype goes with it
+            waits[j].prepend(node)  # later gathers land after earlier ones before the same wait
     gm.graph.lint()
     gm.recompile()
     return gm

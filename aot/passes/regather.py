@@ -7,7 +7,7 @@ frees each full parameter after forward and gathers it again when backward reach
 this pass does the same in the graph. Backward uses of a gathered parameter (and of views of it:
 slices, reshapes, transposes) are redirected to a fresh gather of the same shard placed at that
 point, so the forward copy dies after its last forward use. The gather is recomputed from the
-unchanged shard, so results are bit-identical; run before `prefetch_parameter_gathers`, which then
+unchanged shard (and, under mixed precision, cast from it again), so results are bit-identical; run before `prefetch_parameter_gathers`, which then
 puts each backward gather one parameter ahead of its use too.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from aot.passes.graph_utils import ALL_GATHER, WAIT, is_call
+from aot.passes.graph_utils import WAIT, is_call, shard_gathers
 
 _aten = torch.ops.aten
 # Ops that only view their input: a chain of them from a gather still is "the parameter".
@@ -33,7 +33,7 @@ def regather_in_backward(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return gm
     position = {n: i for i, n in enumerate(graph.nodes)}
     turn = position[boundary]
-    for gather in [n for n in graph.nodes if is_call(n, {ALL_GATHER}) and n.args[0].op == "placeholder"]:
+    for gather, cast in shard_gathers(graph).items():
         waits = [u for u in gather.users if is_call(u, {WAIT})]
         if len(waits) != 1:
             continue
@@ -44,7 +44,9 @@ def regather_in_backward(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         first = min(late, key=position.__getitem__)
         copies: dict[torch.fx.Node, torch.fx.Node] = {}
         with graph.inserting_before(first):
-            copies[gather] = graph.node_copy(gather)
+            for node in cast:  # mixed precision: the shard's cast to the gather dtype, recomputed too
+                copies[node] = graph.node_copy(node)
+            copies[gather] = graph.node_copy(gather, lambda n: copies.get(n, n))
             for node in chain:  # in graph order, so every input is copied before its users
                 copies[node] = graph.node_copy(node, lambda n: copies.get(n, n))
         for copy in copies.values():

@@ -51,15 +51,21 @@ class ModelSteps:
       two (aot.plan.trace_helper)."""
 
     def __init__(self, model_path: Path, batch_size: int, seed: int = 0, world_size: int | None = None,
-                 max_tp: int | None = None, sequence_parallel: bool = False):
+                 max_tp: int | None = None, sequence_parallel: bool = False, precision: str | None = None,
+                 reduce_dtype: str | None = None, profile: dict | None = None):
         from aot.build import _example_batch
         from aot.capture.model_file import load_model_file
+        from aot.capture.precision import resolve_precision
         from aot.capture.training_state import build_training_state
         from runner.data import split_batch_tensors
 
         if batch_size < 1:
             raise AotError(f"--batch-size must be at least 1, got {batch_size}")
         self.mf = load_model_file(model_path)
+        # --precision as the build resolves it: bf16 graphs carry half the activation and
+        # collective bytes, and their matmuls are priced at the profile's bf16 rate
+        self.precision = resolve_precision(precision, reduce_dtype, self.mf.globals, self.mf.path.name,
+                                           profile or {"device_kind": "cpu"})
         self.state = build_training_state(self.mf, seed, 1)
         inputs, targets = split_batch_tensors(_example_batch(self.mf, batch_size), "batch()")
         self.inputs, self.targets = inputs, targets
@@ -104,7 +110,8 @@ class ModelSteps:
         group = lambda axis, size: Group(Mesh.group_name(axis), size) if size > 1 else None
         plan = self.tp_plan(tp) if tp > 1 else {}
         sequence = self.sequence_layout(plan, tp) if tp > 1 and self.sequence_parallel else None
-        return StepLayout(group("dp", dp), group("fsdp", fsdp), group("tp", tp), tuple(sorted(plan.items())), sequence)
+        return StepLayout(group("dp", dp), group("fsdp", fsdp), group("tp", tp), tuple(sorted(plan.items())), sequence,
+                          self.precision)
 
     def sequence_layout(self, plan: dict[str, str], tp: int) -> dict:
         """The build's sequence-parallel layout at this degree; Unsupported where the build would refuse."""
@@ -238,7 +245,9 @@ class ModelSteps:
         if self.world_size is None:
             return
         todo = [(key, source) for key, source in self.needed(axes) if key not in self.traced and key not in self._failed]
-        sharded = {key[2]: key for key, _ in todo if key[1] == 2}
+        # mixed precision: the fsdp graph gathers parameters in the compute dtype, which the graph
+        # without fsdp does not, so its forward is not the one to derive from: each is traced
+        sharded = {} if self.precision.mixed else {key[2]: key for key, _ in todo if key[1] == 2}
         for key, source in todo:
             if key[1] == 1 and key[2] in sharded:
                 self._derived.setdefault(sharded[key[2]], []).append((key, source))

@@ -242,7 +242,8 @@ def _bucket_candidates(step: StepGraph, given) -> list[float]:
 
 def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int, *, seed: int = 0,
                bucket_mbs: tuple[float, ...] | None = None, axes: tuple[str, ...] | None = None,
-               sequence_parallel: bool = False, hierarchical: str = "auto"):
+               sequence_parallel: bool = False, hierarchical: str = "auto", precision: str | None = None,
+               reduce_dtype: str | None = None):
     """(ranked plans, skipped meshes, planner, model steps) for a model file on a profile.
     `hierarchical`: all_reduces over groups spanning nodes in two levels where cheaper ("auto"),
     wherever they can ("always") or never, as `aot build --hierarchical` builds them."""
@@ -265,7 +266,8 @@ def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int
     try:
         machine = Machine(profile, world_size)
         steps = ModelSteps(model_path, batch_size, seed, world_size, max_tp=machine.per_node,
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel, precision=precision, reduce_dtype=reduce_dtype,
+                           profile=profile)
         planner = Planner(machine, steps, hierarchical)
         searched = tuple(axes or SUPPORTED_AXES)
         steps.prefetch(searched)
@@ -347,7 +349,8 @@ def plan_for_build(options, profile: dict, progress) -> BuildPlan:
     with progress.stage(f"planning: pricing strategies and bucket sizes on topology {profile['name']!r}"):
         plans, skipped, planner, _ = plan_model(options.model_path, profile, options.world_size, options.batch_size,
                                                 seed=options.seed, sequence_parallel=options.sequence_parallel,
-                                                hierarchical=options.hierarchical)
+                                                hierarchical=options.hierarchical, precision=options.precision,
+                                                reduce_dtype=options.reduce_dtype)
         chosen = best_plan(plans)
     p = chosen.prediction
     progress.note(f"plan: --strategy {chosen.strategy} --bucket-mb {chosen.bucket_mb:g}, predicted {p.step_s * 1e3:.3g} ms "

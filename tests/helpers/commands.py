@@ -25,9 +25,9 @@ def clean_env() -> dict:
     return env
 
 
-def aot(*args) -> subprocess.CompletedProcess:
-    """`python -m aot ARGS` from the repository root."""
-    return subprocess.run([sys.executable, "-m", "aot", *map(str, args)], cwd=REPO, env=clean_env(),
+def aot(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m aot ARGS` from the repository root (`env`: variables to add, AOT_SIZE=1b say)."""
+    return subprocess.run([sys.executable, "-m", "aot", *map(str, args)], cwd=REPO, env={**clean_env(), **(env or {})},
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 

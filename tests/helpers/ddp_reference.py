@@ -4,9 +4,17 @@ Run under torchrun: `torchrun --nproc-per-node N tests/helpers/ddp_reference.py 
 --steps K --batch-size B [--seed S]`. Written independently of aot: it imports nothing from
 aot or runner, so the tests compare the artifact against plain torch.
 Rank 0 writes OUT/losses.json (global-batch loss per step) and OUT/state_dict.safetensors.
+
+Mixed precision, as its eager users write it: `--precision bf16|fp16` runs forward and loss under
+torch.autocast("cpu"); `--param-dtype` casts each parameter before use (FSDP2's
+MixedPrecisionPolicy.param_dtype: what its all-gather hands the forward); `--reduce-dtype bf16`
+all-reduces gradients in bf16 (what DDP's bf16_compress_hook does, which itself needs NCCL); fp16 scales the loss with
+torch.amp.GradScaler (the model file's `grad_scaler` arguments), steps the scheduler only after
+an update that ran, and writes OUT/scaler.json (the scale after each step, skipped steps).
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import warnings
@@ -26,7 +34,11 @@ parser.add_argument("--steps", type=int, required=True)
 parser.add_argument("--batch-size", type=int, required=True)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--init-from", help="a safetensors file of model.state_dict() to start from")
+parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+parser.add_argument("--param-dtype", choices=["bf16", "fp16"])
+parser.add_argument("--reduce-dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
 args = parser.parse_args()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 spec = importlib.util.spec_from_file_location("reference_model", args.model_file)
 user = importlib.util.module_from_spec(spec)
@@ -38,7 +50,34 @@ torch.manual_seed(args.seed)
 model = user.model()
 if args.init_from:
     model.load_state_dict(load_file(args.init_from))
-ddp = DDP(model) if world > 1 else model
+if args.param_dtype:
+    # FSDP2 with MixedPrecisionPolicy(param_dtype, reduce_dtype): the forward sees every parameter
+    # cast (what its all-gather hands it), and gradients, cast to reduce_dtype, are summed over the
+    # ranks and averaged (its reduce-scatter, here as an all_reduce of whole gradients).
+    cast = {n: p for n, p in model.named_parameters()}
+    ddp = lambda *x: torch.func.functional_call(model, {n: p.to(DTYPES[args.param_dtype]) for n, p in cast.items()}, x)
+elif args.reduce_dtype != "fp32":
+    ddp = model  # DDP's bf16/fp16 compression hooks need NCCL: their arithmetic, below, on gloo
+else:
+    ddp = DDP(model) if world > 1 else model
+MANUAL_REDUCE = bool(args.param_dtype) or args.reduce_dtype != "fp32"
+
+
+def average_gradients():
+    """Gradients averaged over the ranks in --reduce-dtype, where DDP does not do it."""
+    if not MANUAL_REDUCE or world == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            sent = p.grad.to(DTYPES[args.reduce_dtype])
+            dist.all_reduce(sent)
+            p.grad.copy_(sent.to(p.grad.dtype) / world)
+
+
+scaler = torch.amp.GradScaler("cpu", **getattr(user, "grad_scaler", {})) if args.precision == "fp16" else None
+autocast = (lambda: torch.autocast("cpu", dtype=DTYPES[args.precision])) if args.precision != "fp32" else \
+    (lambda: contextlib.nullcontext())
+scales, skipped = [], []
 params = list(model.parameters())
 opt = user.optimizer(params) if hasattr(user, "optimizer") else torch.optim.AdamW(params, lr=1e-3)
 sched = user.scheduler(opt) if hasattr(user, "scheduler") else None
@@ -57,12 +96,26 @@ for step in range(args.steps):
     opt.zero_grad()
     # The runner's per-step seed (artifacts/FORMAT.md, "Randomness"): dropout masks line up.
     torch.manual_seed(((args.seed * 1_000_003 + step) * 1_009 + rank) % 2**63)
-    loss = loss_fn(ddp(*x), y)
-    loss.backward()
+    with autocast():
+        loss = loss_fn(ddp(*x), y)
+    (scaler.scale(loss) if scaler else loss).backward()
+    average_gradients()
+    if scaler:
+        scaler.unscale_(opt)
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(params, clip)
-    opt.step()
-    if sched is not None:
+    ran = True
+    if scaler:
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        # an update that overflowed lowers the scale: the optimizer did not step
+        ran = scaler.get_scale() >= before
+        scales.append(scaler.get_scale())
+        skipped.append(not ran)
+    else:
+        opt.step()
+    if sched is not None and ran:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             sched.step()
@@ -74,6 +127,8 @@ if rank == 0:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "losses.json").write_text(json.dumps(losses))
+    if scaler:
+        (out / "scaler.json").write_text(json.dumps({"scales": scales, "skipped": skipped}))
     save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(out / "state_dict.safetensors"))
 # Tear down together: a gloo rank destroying its group while a peer is still busy can abort.
 dist.barrier()

@@ -30,10 +30,11 @@ def tp_degree(strategy: str | None) -> int:
 
 
 def train_both(model_file, world, tmp_path, data=None, batch_size=4, strategy=None, build_args=(), run_args=(),
-               init_from=None, reference_init=None):
+               init_from=None, reference_init=None, reference_args=()):
     """(losses, reference losses, merged weights, reference weights) after STEPS steps of each.
     `init_from`: the artifact starts from these weights (`aot run --init-from`), and the
-    reference from `reference_init` (a safetensors state_dict; default: the same path)."""
+    reference from `reference_init` (a safetensors state_dict; default: the same path).
+    `reference_args`: more ddp_reference.py options (its mixed precision: --precision, ...)."""
     art, ckpt = tmp_path / "art", tmp_path / "ckpt"
     # --no-onnx: the inference export has its own tests (test_onnx.py); this compares training only
     ok(aot("build", model_file, "--world-size", world, "--batch-size", batch_size, "-o", art, "--quiet", "--no-onnx",
@@ -47,25 +48,27 @@ def train_both(model_file, world, tmp_path, data=None, batch_size=4, strategy=No
     data_file = data if data is not None else art / "data" / "example_batch.safetensors"
     # Tensor-parallel ranks share a batch: the reference has one process per data-parallel rank.
     ref = reference(model_file, data_file, world // tp_degree(strategy), batch_size, tmp_path,
-                    reference_init or init_from)
+                    reference_init or init_from, reference_args)
     merge_checkpoint(ckpt, tmp_path / "merged.safetensors")  # what `aot checkpoint merge` runs (tested on its own)
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     return losses, json.loads((ref / "losses.json").read_text()), load_file(tmp_path / "merged.safetensors"), \
         load_file(ref / "state_dict.safetensors")
 
 
-def reference(model_file, data_file, world: int, batch_size: int, tmp_path: Path, init_from=None) -> Path:
+def reference(model_file, data_file, world: int, batch_size: int, tmp_path: Path, init_from=None,
+              extra_args=(), steps: int = STEPS) -> Path:
     """The folder of eager DDP's run (losses.json, state_dict.safetensors) on `world` ranks; run
     once per session for each model file, data content, initial weights, world and batch size."""
     start = Path(init_from).read_bytes() if init_from is not None else b""
-    digest = hashlib.sha256(Path(model_file).read_bytes() + Path(data_file).read_bytes() + start).hexdigest()[:16]
+    digest = hashlib.sha256(Path(model_file).read_bytes() + Path(data_file).read_bytes() + start
+                            + " ".join(map(str, extra_args)).encode()).hexdigest()[:16]
     # tmp_path's parent is the session's base folder: the cache lives and goes with it
-    ref = tmp_path.parent / "ddp-references" / f"{Path(model_file).stem}-{digest}-w{world}-b{batch_size}-s{STEPS}"
+    ref = tmp_path.parent / "ddp-references" / f"{Path(model_file).stem}-{digest}-w{world}-b{batch_size}-s{steps}"
     if not (ref / "state_dict.safetensors").is_file():
         staging = ref.with_name(ref.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
-        ok(torchrun(world, REFERENCE, model_file, data_file, staging, "--steps", STEPS, "--batch-size", batch_size,
-                    *(["--init-from", init_from] if init_from is not None else []), module=None))
+        ok(torchrun(world, REFERENCE, model_file, data_file, staging, "--steps", steps, "--batch-size", batch_size,
+                    *(["--init-from", init_from] if init_from is not None else []), *extra_args, module=None))
         staging.rename(ref)
     return ref
 
