@@ -9,7 +9,7 @@ import torch
 
 from aot.capture.custom_ops import custom_op_spec
 from aot.capture.model_file import call_user, load_model_file
-from aot.capture.precision import resolve_precision
+from aot.capture.precision import check_training_state, resolve_precision
 from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
 from aot.emit.artifact import PROGRAM, emit_artifact, export_step
@@ -157,6 +157,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         rank_targets = targets[: options.batch_size]
     with progress.stage("recording how the weights are made (init program), optimizer state and learning-rate schedule"):
         state = build_training_state(mf, options.seed, options.max_steps)
+        check_training_state(precision, state.params, mf.path.name)
     progress.note(f"{sum(p.numel() for p in state.params.values()):,} parameters, "
                   f"{state.optimizer_class}, mesh {mesh.describe()} on topology {profile['name']!r}")
     if not placement.identity:

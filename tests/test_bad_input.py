@@ -483,3 +483,58 @@ def test_merge_into_an_existing_folder(checkpoint, tmp_path):
 def test_metrics_path_that_is_a_folder(artifact1, tmp_path):
     r = aot("run", artifact1, "--steps", "1", "--metrics", tmp_path, "--quiet")
     assert_user_error(r, str(tmp_path))
+
+
+# -- 8. mixed precision the target or the model cannot take -----------------------------------
+
+def _with(tmp_path, source: Path, **names) -> Path:
+    """A copy of `source` with module-level names set (precision = "fp8", ...)."""
+    path = tmp_path / source.name
+    path.write_text(source.read_text() + "".join(f"\n{k} = {v!r}\n" for k, v in names.items()))
+    return path
+
+
+def test_unknown_precision(tmp_path):
+    r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--precision", "fp8")
+    assert r.returncode == 2 and "fp8" in r.stderr and "Traceback" not in r.stderr, show(r)
+    assert_user_error(aot("build", _with(tmp_path, MLP, precision="fp8"), "-o", tmp_path / "out", "--quiet"),
+                      "mlp.py: precision", "fp32, bf16, fp16", "'fp8'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bf16_on_gpus_without_bf16(tmp_path):
+    """A V100 profile (compute capability 7.0) cannot compute in bf16; fp16 it can."""
+    profile = json.loads((REPO / "runner" / "profiles" / "dgx_a100.json").read_text())
+    for gpu in profile["node"]["gpus"].values():
+        gpu.update(name="Tesla V100-SXM2-32GB", compute_capability=[7, 0])
+    path = tmp_path / "v100.json"
+    path.write_text(json.dumps(profile))
+    r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--topology", path, "--world-size", 1, "--precision", "bf16")
+    assert_user_error(r, "Tesla V100-SXM2-32GB", "cannot compute in bf16", "use fp16")
+    assert not (tmp_path / "out").exists()
+
+
+def test_reduce_dtype_other_than_the_compute_dtype(tmp_path):
+    r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--precision", "bf16", "--reduce-dtype", "fp16")
+    assert_user_error(r, "--reduce-dtype", "fp32, bf16", "'fp16'")
+
+
+def test_bad_grad_scaler(tmp_path):
+    model = _with(tmp_path, MLP, precision="fp16", grad_scaler={"init_scale": 0})
+    assert_user_error(aot("build", model, "-o", tmp_path / "out", "--quiet"), "grad_scaler", "init_scale > 0")
+
+
+def test_mixed_precision_of_fp16_parameters(tmp_path):
+    model = tmp_path / "half.py"
+    model.write_text(MLP.read_text().replace("nn.Linear(n_in, n_hidden)", "nn.Linear(n_in, n_hidden, dtype=torch.float16)"))
+    r = aot("build", model, "-o", tmp_path / "out", "--quiet", "--precision", "bf16")
+    assert_user_error(r, "fp32 master weights", "float16")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_optimizer_stepping_with_a_closure(tmp_path, precision):
+    """LBFGS re-evaluates the loss inside step(): no static step can hold it (nor GradScaler, fp16)."""
+    model = tmp_path / "lbfgs.py"
+    model.write_text(MLP.read_text() + "\n\ndef optimizer(params):\n    return torch.optim.LBFGS(params)\n")
+    r = aot("build", model, "-o", tmp_path / "out", "--quiet", "--precision", precision)
+    assert_user_error(r, "LBFGS", "closure")

@@ -144,3 +144,18 @@ def resolve_precision(precision: str | None, reduce_dtype: str | None, model_glo
     scaler = _grad_scaler(model_globals.get("grad_scaler"), model_name) if compute == "fp16" else None
     return Precision(compute=compute, rules=device, reduce=reduce, scaler=scaler)
 
+
+
+def check_training_state(precision: Precision, params: dict[str, torch.Tensor], model_name: str) -> None:
+    """What mixed precision cannot take, refused in one line: parameters that are not fp32
+    (autocast keeps fp32 master weights, and the optimizer updates them; GradScaler refuses to
+    unscale fp16 gradients)."""
+    if not precision.mixed:
+        return
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in params.values()
+                  if p.is_floating_point() and p.dtype != torch.float32})
+    if low:
+        count = sum(1 for p in params.values() if p.is_floating_point() and p.dtype != torch.float32)
+        raise AotError(f"{model_name}: --precision {precision.compute} keeps fp32 master weights, but model() makes "
+                       f"{count} parameter(s) in {', '.join(low)}; build the model in fp32 (no .half()/.to(dtype)) and "
+                       f"let autocast compute in {precision.compute}")

@@ -85,6 +85,12 @@ def _json_value(v):
 
 
 def _check_supported(opt: torch.optim.Optimizer) -> None:
+    import inspect
+    closure = inspect.signature(type(opt).step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        # LBFGS re-evaluates the loss inside step(); a step graph calls the model once
+        raise AotError(f"{type(opt).__name__} steps with a closure (it re-evaluates the loss inside step()), which "
+                       f"one traced training step cannot express; use an optimizer whose step() takes no closure")
     if isinstance(opt, torch.optim.SGD):
         for group in opt.param_groups:
             if group.get("momentum", 0) and group.get("dampening", 0):
