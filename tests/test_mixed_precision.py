@@ -162,17 +162,20 @@ def _softmax_dtypes(artifact) -> set[torch.dtype]:
 
 def test_cuda_profile_traces_cudas_autocast_rules(tmp_path):
     """On this CPU-only machine, a bf16 build for an A100 profile carries CUDA's policy (attention's
-    softmax upcast to fp32) where the CPU profile's carries CPU's (softmax in bf16), and runs."""
-    cuda, cpu = tmp_path / "cuda", tmp_path / "cpu"
-    for art, topology in ((cuda, "dgx_a100"), (cpu, "cpu")):
-        ok(aot("build", EXAMPLES / "gpt.py", "--topology", topology, "--world-size", 1, "--precision", "bf16",
-               "--batch-size", 2, "-o", art, "--quiet", "--no-onnx"))
+    softmax upcast to fp32) where the CPU profile's carries CPU's (softmax in bf16), under tensor
+    parallelism too, and it runs: every device its program names follows the runner's."""
+    cuda, cpu, cuda_tp = tmp_path / "cuda", tmp_path / "cpu", tmp_path / "cuda_tp"
+    for art, topology, world, strategy in ((cuda, "dgx_a100", 1, "dp=1"), (cpu, "cpu", 1, "dp=1"),
+                                           (cuda_tp, "dgx_a100", 2, "tp=2")):
+        ok(aot("build", EXAMPLES / "gpt.py", "--topology", topology, "--world-size", world, "--strategy", strategy,
+               "--precision", "bf16", "--batch-size", 2, "-o", art, "--quiet", "--no-onnx"))
     assert _softmax_dtypes(cuda) == {torch.float32}
+    assert _softmax_dtypes(cuda_tp) == {torch.float32}
     assert _softmax_dtypes(cpu) == {torch.bfloat16}
     manifest = json.loads((cuda / "manifest.json").read_text())
     assert manifest["precision"]["autocast_rules"] == "cuda" and manifest["format_version"] == 4
-    # the CUDA-rules program runs on CPU ranks too (every device it names follows the runner's)
     ok(aot("run", cuda, "--steps", 2, "--allow-topology-mismatch", "--quiet"))
+    ok(torchrun(2, "run", cuda_tp, "--steps", 2, "--allow-topology-mismatch", "--quiet"))
 
 
 def _plans(*args, env=None) -> dict[str, dict]:

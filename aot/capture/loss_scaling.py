@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from aot.capture.precision import GradScalerConfig
-from runner.init_program import SCALER_KEYS, initial_scaler_state  # noqa: F401  (the runner makes the state)
 
 
 @dataclass

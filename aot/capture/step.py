@@ -19,16 +19,17 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from aot.capture.loss_scaling import SCALER_KEYS, LossScaling, initial_scaler_state
+from aot.capture.loss_scaling import LossScaling
 from aot.capture.model_file import ModelFile, call_user
 from aot.capture.precision import Precision
-from aot.capture.target_autocast import trace_under_rules
+from aot.capture.target_autocast import TargetAutocast
 from aot.capture.tensor_parallel import TensorParallel, rename_group, tensor_parallel
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
 from runner.checkpoint import optimizer_key
 from runner.data import dtype_name
+from runner.init_program import SCALER_KEYS, initial_scaler_state
 from runner.sharding import shard, tp_slice, tp_slice_shape
 
 _funcol = torch.ops._c10d_functional
@@ -264,29 +265,6 @@ def _step_program(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor
         outputs = torch.func.functional_call(model, tensors, tuple(batch_inputs))
         return call_user(mf.loss, "loss(outputs, targets)", mf.path, outputs, batch_targets)
 
-    forward_under_rules = None
-    if precision.mixed and precision.rules != "cpu":
-        if tp is not None:
-            raise AotError(f"--precision {precision.compute} for a {precision.rules} target under tensor parallelism: "
-                           f"tracing {precision.rules}'s autocast rules through tp's collectives is not supported yet; "
-                           f"use fsdp or dp, or fp32")
-        names = [*param_names, *buffer_names]
-        gathered = precision.compute_dtype if layout.fsdp is not None else None  # FSDP's param_dtype
-        examples = [torch.empty(full_shapes[n], dtype=gathered or p.dtype, device="meta") for n, p in state.params.items()]
-        examples += [torch.empty_like(b, device="meta") for b in state.buffers.values()]
-
-        def flat_model_and_loss(*flat):
-            return model_and_loss(dict(zip(names, flat)), flat[len(names):-1], flat[-1])
-
-        try:
-            forward_under_rules = trace_under_rules(flat_model_and_loss, [*examples, *inputs, targets],
-                                                    precision.rules, precision.autocast)
-        except AotError:
-            raise
-        except Exception as e:
-            raise AotError(f"{mf.path.name}: forward and loss cannot be traced under {precision.rules}'s autocast rules: "
-                           f"{_describe_trace_error(e, mf)}") from e
-
     def step(*flat):
         params = list(flat[:n_params])
         buffers = flat[n_params:n_params + n_buffers]
@@ -304,11 +282,8 @@ def _step_program(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor
         if tp is not None:
             used = tp.wrap(used, full_shapes)
         tensors = {**used, **dict(zip(buffer_names, buffers))}
-        if forward_under_rules is not None:
-            loss = forward_under_rules(*tensors.values(), *batch_inputs, batch_targets)
-        else:
-            with precision.autocast():  # forward and loss, as torch.autocast would run them
-                loss = model_and_loss(tensors, batch_inputs, batch_targets)
+        with _autocast_region(precision):  # forward and loss, as torch.autocast would run them
+            loss = model_and_loss(tensors, batch_inputs, batch_targets)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise AotError(f"{mf.path.name}: loss(outputs, targets) must return a scalar tensor")
         # Detached before backward so its reduction can join the first gradient bucket.
@@ -317,6 +292,15 @@ def _step_program(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor
         return finish(params, grads, local_loss, opt_state, lrs, scaling)
 
     return step, finish
+
+
+def _autocast_region(precision: Precision):
+    """torch.autocast with the target's rules: CPU's directly; another device's (CUDA) applied call
+    by call on the step's CPU tensors (aot/capture/target_autocast.py), since autograd cannot run on
+    fake CUDA tensors where torch has no CUDA."""
+    if precision.mixed and precision.rules != "cpu":
+        return TargetAutocast(precision.rules, precision.compute_dtype, precision.autocast)
+    return precision.autocast()
 
 
 def _any_rank(found_inf: torch.Tensor, layout: StepLayout) -> torch.Tensor:

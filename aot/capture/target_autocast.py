@@ -1,21 +1,23 @@
-"""Forward and loss under another device's autocast rules, traced on a machine without that device.
+"""Autocast with another device's rules, traced on a machine without that device.
 
 CUDA's autocast policy (which ops run in bf16/fp16, which are kept in or upcast to fp32) applies
 only to tensors on CUDA. Fake tensors can say `device="cuda"` on a CPU-only torch, and forward
 ops on them trace with CUDA's casts (torch-notes: "CUDA's autocast rules on a CPU-only build"),
 but autograd on them aborts the process: its engine asks torch for CUDA's device guard, which a
-CPU-only build lacks. So forward and loss are traced alone, without autograd, on fake CUDA
-tensors under CUDA's autocast: the graph holds CUDA's casts as explicit `_to_copy` nodes. Its
-devices are then rewritten to the CPU and the whole step runs it in place of the model:
-backward differentiates the explicit casts like any op. The step's graph is therefore the same
-on any build machine, GPU or not.
+CPU-only build lacks. So the step keeps its CPU tensors (and DTensors over them, under tensor
+parallelism) and `TargetAutocast` applies CUDA's rules call by call: each torch call of forward
+and loss that computes on floating tensors is traced alone, without autograd, on fake CUDA
+tensors like its arguments under CUDA's autocast, and what it recorded (CUDA's explicit casts
+and the ops) runs on the real arguments in its place. Autograd differentiates the casts like any
+op, DTensor shards them like any op, and the step's graph is the same on any build machine.
 
-A few of torch's Python entry points cannot run on such tensors: their bindings take CUDA's
+A few of torch's Python entry points cannot run on fake CUDA tensors: their bindings take CUDA's
 device guard before dispatch (indexing `x[:, :T]` and assignment to it, `~mask`, `.contiguous()`;
 found by trying the common ones). `_DeviceFree` gives each the aten ops torch's own binding
 dispatches (select, slice, unsqueeze, index, copy_, index_put_, bitwise_not, clone), through the
 dispatcher, which needs no guard. Creating a tensor from Python data on the device
-(`torch.tensor([...], device=x.device)`) still fails and is reported at the model's line.
+(`torch.tensor([...], device=x.device)`) inside a traced call still fails and is reported at the
+model's line.
 
 Two differences from tracing on a GPU, both without effect on the numbers: autocast's cache of
 cast weights applies to leaves that require grad, so a weight used twice (tied embeddings) is
@@ -25,37 +27,10 @@ kernel torch can choose without a GPU.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
-from aot.capture.trace_logs import quiet_trace_logs
-
-
-def trace_under_rules(fn: Callable, examples: list[torch.Tensor], device: str, autocast) -> torch.fx.GraphModule:
-    """`fn(*tensors)` (forward and loss) traced on fake tensors like `examples` but on `device`,
-    under `autocast` (a context manager giving that device's rules); returned as a graph that runs
-    on the CPU: every device it names is the CPU's."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with mode:
-        fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in examples]
-
-    def under_rules(*tensors):
-        with autocast():
-            return fn(*tensors)
-
-    with torch.no_grad(), quiet_trace_logs():
-        gm = make_fx(lambda *t: _indexed(under_rules, *t), tracing_mode="fake")(*fakes)
-    cpu = torch.device("cpu")
-    for node in gm.graph.nodes:
-        node.args = _on_cpu(node.args, cpu)
-        node.kwargs = _on_cpu(node.kwargs, cpu)
-    gm.recompile()
-    return gm
 
 
 def _on_cpu(value, cpu: torch.device):
@@ -66,11 +41,6 @@ def _on_cpu(value, cpu: torch.device):
     if isinstance(value, dict):
         return {k: _on_cpu(v, cpu) for k, v in value.items()}
     return value
-
-
-def _indexed(fn, *args):
-    with _DeviceFree():
-        return fn(*args)
 
 
 aten = torch.ops.aten
@@ -146,3 +116,83 @@ def _setitem(t: torch.Tensor, index, value) -> None:
         aten.index_put_.default(t, list(index), value)
         return
     aten.copy_.default(_getitem(t, index), value)
+
+
+# Calls autocast never changes (shapes, views, creation from sizes, ...): run as they are, unprobed.
+_UNCHANGED = {
+    "__get__", "size", "dim", "stride", "numel", "__len__", "__iter__", "__repr__", "__format__", "__bool__",
+    "item", "tolist", "element_size", "is_floating_point", "is_contiguous", "data_ptr", "storage_offset",
+    "view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "flatten", "unflatten", "expand",
+    "split", "chunk", "narrow", "view_as", "expand_as", "reshape_as", "detach", "requires_grad_", "__getitem__",
+    "__setitem__", "contiguous", "tensor", "arange", "zeros", "ones", "full", "empty", "zeros_like", "ones_like",
+    "empty_like", "full_like", "__invert__", "masked_fill", "masked_fill_", "tril", "triu",
+}
+_COMPUTE_MODULES = {"torch", "torch.functional", "torch.nn.functional", "torch._C._nn", "torch._C._linalg",
+                    "torch._C._special", "torch.special", "torch.linalg"}
+
+
+class TargetAutocast(TorchFunctionMode):
+    """Autocast with `device`'s rules over tensors of another device (the CPU's, or DTensors on
+    it), call by call: each torch call that computes on floating tensors is traced alone on fake
+    tensors of `device` (same shapes, strides and dtypes) under that device's autocast, without
+    autograd; what it recorded (the device's casts, then the ops) is run on the real arguments in
+    its place, so autograd, DTensor's sharding and the step's trace see explicit casts. Calls are
+    traced once per signature."""
+
+    def __init__(self, device: str, dtype: torch.dtype, autocast):
+        super().__init__()
+        self.device, self.dtype, self.autocast = device, dtype, autocast
+        self._graphs: dict = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _computes(func):
+            return func(*args, **kwargs)
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        where = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        if not any(flat[i].is_floating_point() for i in where):
+            return func(*args, **kwargs)
+        key = (func, str(spec), tuple((str(a.dtype), tuple(a.shape), tuple(a.stride())) if isinstance(a, torch.Tensor)
+                                      else repr(a) for a in flat))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._trace(func, flat, spec, where)
+        return graph(*[flat[i] for i in where])
+
+    def _trace(self, func, flat, spec, where) -> torch.fx.GraphModule:
+        from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+        def call(*tensors):
+            leaves = list(flat)
+            for i, t in zip(where, tensors):
+                leaves[i] = t
+            call_args, call_kwargs = torch.utils._pytree.tree_unflatten(leaves, spec)
+            with self.autocast(), _DeviceFree():
+                return func(*call_args, **call_kwargs)
+
+        with disable_proxy_modes_tracing(), unset_fake_temporarily():
+            mode = FakeTensorMode()
+            with mode:
+                fakes = [torch.empty_strided(tuple(flat[i].shape), tuple(flat[i].stride()), dtype=flat[i].dtype,
+                                             device=self.device) for i in where]
+            with torch.no_grad():
+                gm = make_fx(call, tracing_mode="fake")(*fakes)
+        cpu = torch.device("cpu")
+        for node in gm.graph.nodes:
+            node.args = _on_cpu(node.args, cpu)
+            node.kwargs = _on_cpu(node.kwargs, cpu)
+        gm.recompile()
+        return gm
+
+
+def _computes(func) -> bool:
+    """Whether `func` is one of torch's computing calls (a function of torch's namespaces or a
+    Tensor method) that autocast may change."""
+    if type(func).__name__ in ("OpOverload", "OpOverloadPacket"):  # torch's internals (DTensor, collectives)
+        return False
+    name = getattr(func, "__name__", "")
+    if name in _UNCHANGED:
+        return False
+    qualname = getattr(func, "__qualname__", "") or ""
+    return getattr(func, "__module__", None) in _COMPUTE_MODULES or qualname.startswith(("TensorBase.", "Tensor."))

@@ -86,9 +86,6 @@ class ModelSteps:
 
         if self.max_tp is not None and tp > self.max_tp:
             raise Unsupported(f"tp={tp} would span nodes ({self.max_tp} ranks per node)")
-        if self.precision.mixed and self.precision.rules != "cpu":  # the build refuses it (aot/capture/step.py)
-            raise Unsupported(f"tp with {self.precision.compute} under {self.precision.rules}'s autocast rules "
-                              f"is not supported yet")
         try:
             check_degree(self.mf, self.state.model, tp)
             if self._tp_plan is None and self._helper is not None:
