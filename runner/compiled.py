@@ -185,19 +185,24 @@ class CompiledProgram:
     """A loaded package, called like the portable program: `(*inputs) -> (loss, global_loss)`,
     updating parameters, buffers and optimizer state in place.
 
-    On CUDA, the runner keeps 0-dim state (step counters, learning rates) on the CPU, as torch.optim
-    does; the package was compiled with every input on the GPU, so those travel to the GPU before
-    the call and back after it (a few scalars: the loss read that follows synchronizes anyway)."""
+    The package reads each input with the strides it was compiled for, contiguous ones
+    (aot.emit.aoti._contiguous_inputs), whatever strides the tensor it is given has: a non-contiguous
+    input (a batch sliced from a longer window, say) goes in as a contiguous copy. On CUDA, the
+    runner keeps 0-dim state (step counters, learning rates) on the CPU, as torch.optim does; the
+    package was compiled with every input on the GPU, so those travel to the GPU. Either way a
+    staged copy is written back after the call (a few scalars, or a batch; the loss read that
+    follows synchronizes anyway)."""
 
     def __init__(self, loader, device: torch.device):
         self._loader, self.device = loader, device
 
     def __call__(self, *args):
-        if self.device.type == "cpu":
+        staged = {i: a.to(self.device, memory_format=torch.contiguous_format) for i, a in enumerate(args)
+                  if a.device != self.device or not a.is_contiguous()}
+        if not staged:
             return tuple(self._loader.run(list(args)))
-        moved = {i: a.to(self.device) for i, a in enumerate(args) if a.device != self.device}
-        outputs = self._loader.run([moved.get(i, a) for i, a in enumerate(args)])
-        for i, a in moved.items():
+        outputs = self._loader.run([staged.get(i, a) for i, a in enumerate(args)])
+        for i, a in staged.items():
             args[i].copy_(a)
         return tuple(outputs)
 

@@ -23,6 +23,16 @@ Choices that keep the two tiers interchangeable:
 - On x86-64, the library is compiled for the instruction-set level inductor vectorizes for
   (x86-64-v3 for AVX2, x86-64-v4 for AVX-512) instead of `-march=native`, so it runs on every CPU
   of that level and the runner can tell from ATen's CPU capability whether a CPU is one.
+- With GCC, the x86-64 library is compiled with `-fno-dse` (GCC_FLAGS), which turns off GCC's RTL
+  dead-store elimination. GCC 12.2 at -O3 with -march=x86-64-v4 (generic tuning) miscompiles
+  ATen's bf16 32x32 tile transpose (`transpose_mxn<BFloat16>`, which inductor's kernels call for a
+  bf16 transposed copy): it turns the tile's stores into a copy from a stack array, expands that
+  copy as `rep movsq`, and then deletes 31 of the 32 AVX-512 stores that fill the array as dead, so
+  the tile is read from uninitialized stack. A bf16 attention's `k.transpose(-2, -1)` came out as
+  garbage and the package's loss was NaN from step 1. `-march=native` hid it on the build machine
+  (its tuning copies without `rep movsq`); -fno-tree-loop-distribute-patterns or -O2 avoid it too.
+- Inputs are compiled as contiguous tensors (_contiguous_inputs), which is how the runner passes
+  them, whatever strides the traced example batch had.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import contextlib
 import hashlib
 import io
 import platform
+import subprocess
 import tempfile
 import warnings
 import zipfile
@@ -81,8 +92,22 @@ def check_compiler(device: torch.device) -> None:
                            "set CUDA_HOME, or build without --compile aoti")
 
 
+# Extra flags for GCC when it compiles an x86-64 package (see the module docstring).
+GCC_FLAGS = ("-fno-dse",)
+
+
+def _is_gcc(cxx: str) -> bool:
+    """Whether the compiler inductor uses is GCC (whatever it is named: c++, g++-12, ...)."""
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "Free Software Foundation" in version and "clang" not in version.lower()
+
+
 def _cpu_target() -> tuple[dict, dict]:
     """(the manifest's device entry, inductor config) for a CPU package built here."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     isa = str(pick_vec_isa() or "") or "none"
@@ -90,8 +115,11 @@ def _cpu_target() -> tuple[dict, dict]:
     if arch in ("x86_64", "AMD64"):
         features = isa.split() if isa != "none" else []
         march, capability = x86_target(features)
+        # Inductor has no setting for extra compiler flags; `cpp.march` goes into the command line
+        # as `-march=VALUE`, which inductor splits like a shell (shlex), so flags can follow it.
+        flags = " ".join(GCC_FLAGS) if _is_gcc(get_cpp_compiler()) else ""
         return ({"kind": "cpu", "arch": arch, "isa": isa, "features": features, "capability": capability, "march": march},
-                {"cpp.march": march})
+                {"cpp.march": f"{march} {flags}".strip()})
     # Elsewhere inductor's own flags stay; the runner then asks for this very CPU capability.
     return ({"kind": "cpu", "arch": arch, "isa": isa, "capability": torch.backends.cpu.get_cpu_capability(),
              "march": "default"}, {})
@@ -158,10 +186,33 @@ def _fake_groups(groups: dict[str, int], world_size: int):
 
 
 def _example_inputs(ep: torch.export.ExportedProgram, device: torch.device) -> tuple:
-    """Real zero tensors shaped like the program's inputs: AOTInductor reads their shapes, dtypes,
-    strides and devices (it never runs them)."""
+    """Real zero tensors shaped like the program's inputs, contiguous (see _contiguous_inputs):
+    AOTInductor reads their dtypes and devices (it never runs them)."""
     values = [node.meta["val"] for node in ep.graph.nodes if node.op == "placeholder"]
-    return tuple(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device).zero_() for v in values)
+    return tuple(torch.zeros(v.shape, dtype=v.dtype, device=device) for v in values)
+
+
+@contextlib.contextmanager
+def _contiguous_inputs(ep: torch.export.ExportedProgram):
+    """`ep`'s inputs described as contiguous while it compiles. Inductor compiles an exported
+    program for the strides its placeholders recorded, and the package reads each input with those
+    strides whatever the tensor it is given has (it checks none). A placeholder keeps the strides
+    of the example batch the build traced (a model's batch() that slices inputs and targets out of
+    one longer window gives (T + 1, 1)), while the runner's data is contiguous: such a package read
+    past its inputs' rows. Compiled for contiguous inputs, it is given contiguous ones
+    (runner.compiled.CompiledProgram copies any other); the program itself is left as it was."""
+    saved = {}
+    for node in ep.graph.nodes:
+        value = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(value, torch.Tensor) and not value.is_contiguous():
+            saved[node] = value
+            with value.fake_mode:
+                node.meta["val"] = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    try:
+        yield
+    finally:
+        for node, value in saved.items():
+            node.meta["val"] = value
 
 
 def _reproducible(data: bytes) -> bytes:
@@ -226,8 +277,9 @@ def compile_programs(programs: dict[str, torch.export.ExportedProgram], groups: 
             saved = ep._example_inputs
             ep._example_inputs = (_example_inputs(ep, device), {})
             try:
-                path = torch._inductor.aoti_compile_and_package(
-                    ep, package_path=str(Path(tmp) / f"{name}.pt2"), inductor_configs=configs)
+                with _contiguous_inputs(ep):
+                    path = torch._inductor.aoti_compile_and_package(
+                        ep, package_path=str(Path(tmp) / f"{name}.pt2"), inductor_configs=configs)
             except AotError:
                 raise
             except Exception as e:
