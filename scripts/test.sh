@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 source scripts/setup.sh
 # Scenarios marked slow (more strategies on the second example model, a second placed mesh) run
 # in CI (.ci/run sets AOT_TEST_LONG=1) or when you set it; they add about
-# 2 minutes to the suite's 17 on 2 cores (CI's whole run: 18.6-20.8 minutes on 2026-12-02).
+# 3 minutes to the suite's 25 on 2 cores (CI's whole run: 28 minutes of tests on 2026-12-03).
 if [ "${AOT_TEST_LONG:-0}" = "1" ]; then
   python -m pytest -q -p no:cacheprovider --durations=15 "$@"
 else
