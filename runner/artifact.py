@@ -139,12 +139,14 @@ IO = {"name": str, "shape": [(int, str)], "dtype": str}  # str: a symbolic dimen
 INFERENCE_SCHEMA = {"file": str, "batch_dim": str, "inputs": [IO], "outputs": [IO]}
 INIT_SCHEMA = {"init": {"file": str, "outputs": [str]},
                "state": {"persistent_buffers": [str], "optimizer_init": Map({"shape": (str, list), "dtype": str, "fill": NUMBER})}}
+# Loss-scaling state (fp16; FORMAT.md, "Precision"), in the order programs take it.
+SCALER_KEYS = ("scale", "growth_tracker", "skipped_steps")
 # Version 4: how the step computes (artifacts/FORMAT.md, "Precision"); version 3 is fp32 throughout.
 LOW = OneOf("fp32", "bf16", "fp16")
 PRECISION_SCHEMA = {"precision": {"compute": LOW, "param_dtype": LOW, "reduce_dtype": LOW}}
 SCALER_SCHEMA = {"init_scale": NUMBER, "growth_factor": NUMBER, "backoff_factor": NUMBER, "growth_interval": int}
 SLOT_FIELDS = {"param": {"name": str}, "buffer": {"name": str}, "optim": {"name": str, "key": str},
-               "lr": {"group": int}, "scaler": {"key": OneOf("scale", "growth_tracker", "skipped_steps")}, "input": {"index": int, **TENSOR}, "target": TENSOR}
+               "lr": {"group": int}, "scaler": {"key": OneOf(*SCALER_KEYS)}, "input": {"index": int, **TENSOR}, "target": TENSOR}
 
 
 def _conform(value, schema, path: str) -> None:

@@ -219,9 +219,8 @@ def initial_optimizer_state(optimizer_init: dict[str, dict], weights: dict[str, 
     return out
 
 
-# Loss-scaling state (fp16; artifacts/FORMAT.md, "Precision"), in the order programs take it, kept
-# with the optimizer state under "grad_scaler:<key>" so checkpoints carry it.
-SCALER_KEYS = ("scale", "growth_tracker", "skipped_steps")
+# Loss-scaling state is kept with the optimizer state under "grad_scaler:<key>" (runner.artifact.
+# SCALER_KEYS), so checkpoints carry it.
 SCALER_PREFIX = "grad_scaler:"
 
 

@@ -26,8 +26,6 @@ comparison can fail.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -36,14 +34,6 @@ from safetensors.torch import load_file
 from helpers.commands import EXAMPLES, MODELS, aot, ok, torchrun
 from helpers.training import STEPS, reference, train_both
 from runner.checkpoint import merge_checkpoint
-
-
-@pytest.fixture(scope="session")
-def gpt_data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "gpt.safetensors"
-    ok(subprocess.run([sys.executable, str(EXAMPLES / "prepare_data.py"), "--samples", "96", "-o", str(path)],
-                      capture_output=True, text=True))
-    return path
 
 
 def _worst(weights, ref_weights) -> float:
@@ -154,7 +144,6 @@ def test_fp16_resume_across_a_skipped_step_is_exact(tmp_path):
 
 def _softmax_dtypes(artifact) -> set[torch.dtype]:
     from runner.graph_loader import load_graph_module
-    from torch.fx.passes.shape_prop import ShapeProp  # noqa: F401  (dtype read from the stored values)
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     program = json.loads((artifact / manifest["programs"]["train"]["file"]).read_text())

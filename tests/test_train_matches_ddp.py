@@ -12,22 +12,12 @@ alone is theirs.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers.commands import EXAMPLES, MODELS, ok
+from helpers.commands import EXAMPLES, MODELS
 from helpers.training import STEPS, TOL, assert_same_training, tp_degree, train_both
-
-
-@pytest.fixture(scope="session")
-def gpt_data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "gpt.safetensors"
-    ok(subprocess.run([sys.executable, str(EXAMPLES / "prepare_data.py"), "--samples", "96", "-o", str(path)],
-                      capture_output=True, text=True))
-    return path
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -3,9 +3,10 @@
 `bf16` and `fp16` mean exactly `torch.autocast(device_type=<the target's device kind>, dtype=...)`
 around forward and loss, with fp32 master weights and fp32 optimizer state. The autocast policy
 (which ops run in the low dtype, which are kept in or upcast to fp32) is the *target's*, not the
-build machine's: a build for a CUDA profile traces CUDA's rules on fake CUDA tensors even on a
-CPU-only machine. `torch.autocast("cuda")` disables itself where no GPU is present, so for CUDA
-the autocast state is set directly (`torch.set_autocast_enabled`), as torch.autocast would set it.
+build machine's: a build for a CUDA profile traces CUDA's rules even on a CPU-only machine
+(call by call, aot/capture/target_autocast.py). `torch.autocast("cuda")` disables itself where no
+GPU is present, so for CUDA the autocast state is set directly (`torch.set_autocast_enabled`), as
+torch.autocast would set it.
 
 Under fsdp the parameters are all-gathered in the compute dtype and gradients reduce-scattered in
 `reduce` (FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype)); data-parallel all_reduces
@@ -145,17 +146,15 @@ def resolve_precision(precision: str | None, reduce_dtype: str | None, model_glo
     return Precision(compute=compute, rules=device, reduce=reduce, scaler=scaler)
 
 
-
 def check_training_state(precision: Precision, params: dict[str, torch.Tensor], model_name: str) -> None:
     """What mixed precision cannot take, refused in one line: parameters that are not fp32
     (autocast keeps fp32 master weights, and the optimizer updates them; GradScaler refuses to
     unscale fp16 gradients)."""
     if not precision.mixed:
         return
-    low = sorted({str(p.dtype).removeprefix("torch.") for p in params.values()
-                  if p.is_floating_point() and p.dtype != torch.float32})
+    low = [str(p.dtype).removeprefix("torch.") for p in params.values()
+           if p.is_floating_point() and p.dtype != torch.float32]
     if low:
-        count = sum(1 for p in params.values() if p.is_floating_point() and p.dtype != torch.float32)
         raise AotError(f"{model_name}: --precision {precision.compute} keeps fp32 master weights, but model() makes "
-                       f"{count} parameter(s) in {', '.join(low)}; build the model in fp32 (no .half()/.to(dtype)) and "
+                       f"{len(low)} parameter(s) in {', '.join(sorted(set(low)))}; build the model in fp32 (no .half()/.to(dtype)) and "
                        f"let autocast compute in {precision.compute}")

@@ -106,7 +106,7 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
         return None
 
     # the step's end alone, on this layout's whole parameters and on gradients like the backward's
-    _, finish = _step_program(mf, state, inputs, targets, layout, None)
+    _, finish = _step_program(mf, state, len(inputs), layout, None)
     args, slots = _step_args(state, layout, inputs, targets)
 
     def like(node):

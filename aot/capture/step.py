@@ -29,7 +29,8 @@ from aot.capture.training_state import TrainingState
 from aot.errors import AotError
 from runner.checkpoint import optimizer_key
 from runner.data import dtype_name
-from runner.init_program import SCALER_KEYS, initial_scaler_state
+from runner.artifact import SCALER_KEYS
+from runner.init_program import initial_scaler_state
 from runner.sharding import shard, tp_slice, tp_slice_shape
 
 _funcol = torch.ops._c10d_functional
@@ -205,8 +206,7 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
     return traced[0]
 
 
-def _step_program(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
-                  layout: StepLayout, tp: TensorParallel | None):
+def _step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: StepLayout, tp: TensorParallel | None):
     """(step, finish): the training step as a function of its flat inputs (`_step_args`), and its
     part once the gradients exist (averaging, clipping, the optimizer) as a function of (params,
     grads, local loss, optimizer state, learning rates[, loss scaling]). The step ends by calling
@@ -217,7 +217,6 @@ def _step_program(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor
     tp_split = [n in layout.tp_dims(state) for n in param_names]
     n_params, n_buffers = len(param_names), len(buffer_names)
     n_state, n_groups = len(state.optimizer_slots), len(state.param_groups)
-    n_inputs = len(inputs)
     precision = layout.precision
     n_scaler = len(SCALER_KEYS) if precision.scaler else 0
     reduce_dtype = precision.reduce_dtype if precision.mixed else None
@@ -341,7 +340,7 @@ def _step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tens
 
 def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
              layout: StepLayout, tp: TensorParallel | None, for_pricing: bool = False) -> CapturedStep:
-    step, _ = _step_program(mf, state, inputs, targets, layout, tp)
+    step, _ = _step_program(mf, state, len(inputs), layout, tp)
     args, slots = _step_args(state, layout, inputs, targets)
     try:
         with _optimizer_tracing(), quiet_trace_logs():

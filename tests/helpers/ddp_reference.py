@@ -54,8 +54,8 @@ if args.param_dtype:
     # FSDP2 with MixedPrecisionPolicy(param_dtype, reduce_dtype): the forward sees every parameter
     # cast (what its all-gather hands it), and gradients, cast to reduce_dtype, are summed over the
     # ranks and averaged (its reduce-scatter, here as an all_reduce of whole gradients).
-    cast = {n: p for n, p in model.named_parameters()}
-    ddp = lambda *x: torch.func.functional_call(model, {n: p.to(DTYPES[args.param_dtype]) for n, p in cast.items()}, x)
+    named = dict(model.named_parameters())
+    ddp = lambda *x: torch.func.functional_call(model, {n: p.to(DTYPES[args.param_dtype]) for n, p in named.items()}, x)
 elif args.reduce_dtype != "fp32":
     ddp = model  # DDP's bf16/fp16 compression hooks need NCCL: their arithmetic, below, on gloo
 else:
