@@ -17,13 +17,17 @@ from aot.emit.onnx_export import CHECK_BUDGET_BYTES, ONNX_FILE, build_inference,
 from aot.errors import AotError
 from aot.passes import run_passes
 from aot.plan import hierarchy
+from aot.plan.cost_model import analyze
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.plan.placement import Placement, place
+from aot.plan.recompute import apply_request, resolve_request
+from aot.plan.search import MEMORY_HEADROOM
 from aot.plan.tensor_parallel import (check_degree, check_divisible, check_sequence_length, find_plan,
                                      sequence_parallel_layout, user_plan)
 from aot.progress import Progress
 from runner.data import split_batch_tensors
+from runner.inspect import human
 from runner.integrity import check_writable_target
 from runner.topology import for_nodes, live_profile, load_profile
 
@@ -48,6 +52,8 @@ class BuildOptions:
     hierarchical: str = "auto"  # all_reduces over groups spanning nodes in two levels: auto (where cheaper), always, never
     precision: str | None = None     # fp32 | bf16 | fp16 (None: the model file's `precision`, else fp32)
     reduce_dtype: str | None = None  # gradients reduced in fp32 or the compute dtype (None: the model file's, else fp32)
+    memory_budget: str | None = None  # peak per rank to fit by recomputing activations ("70GiB"; None: device memory)
+    activation_budget: float | None = None  # or: the fraction of saved activation bytes kept
 
 
 def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
@@ -151,6 +157,9 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     with progress.stage(f"loading {options.model_path.name}"):
         mf = load_model_file(options.model_path)
         precision = resolve_precision(options.precision, options.reduce_dtype, mf.globals, mf.path.name, profile)
+        machine = Machine(profile, mesh.world_size)
+        recompute_request = resolve_request(options.memory_budget, options.activation_budget, mf.globals, mf.path.name,
+                                            machine.memory_bytes, MEMORY_HEADROOM)
         example = _stored_example(mf, options.batch_size, mesh.data_parallel_size, progress)
         inputs, targets = split_batch_tensors(example, "batch()")
         rank_inputs = [t[: options.batch_size] for t in inputs]
@@ -180,12 +189,14 @@ def build(options: BuildOptions, progress: Progress) -> dict:
                       + (", dynamic loss scaling" if precision.scaler else ""))
     with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
         captured = capture_step(mf, state, rank_inputs, rank_targets, layout)
-    with progress.stage("running graph passes (bucketing, hierarchical all_reduce, overlap)"):
+    with progress.stage("running graph passes (recomputation, bucketing, hierarchical all_reduce, overlap)"):
         prefetch = None if options.prefetch_mb is None else int(options.prefetch_mb * 2**20)
-        machine = Machine(profile, mesh.world_size)
-        captured.graph = run_passes(captured.graph, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch,
-                                    hierarchical=hierarchy.chooser(machine, placement, options.hierarchical,
-                                                                   planned.all_reduce_algorithm if planned else None))
+        chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
+        finish = lambda gm: run_passes(gm, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch,
+                                       hierarchical=chooser)
+        captured.graph, recompute = apply_request(captured.graph, captured.slots, recompute_request, machine.compute, finish)
+        memory = analyze(captured.graph, captured.slots).memory
+    progress.note(describe_memory(memory, recompute))
     subgroups = level_groups(captured.graph, machine, placement)
     if subgroups:
         split = sum(1 for n in captured.graph.graph.nodes if n.op == "call_function" and n.args and str(n.args[-1]).endswith(".inter"))
@@ -224,6 +235,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files,
                          **(compiled.files if compiled else {})} or None,
             extra_fields={"precision": precision.to_json(),
+                          "memory": {"predicted": memory.itemized(), "recompute": recompute},
                           **({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
                           **({"compiled": compiled.entry} if compiled else {}),
                           **({"custom_ops": custom_ops} if custom_ops else {}),
@@ -248,6 +260,19 @@ def level_groups(gm, machine: Machine, placement: Placement) -> dict[str, dict]:
         if name.startswith("aot.") and level in hierarchy.LEVELS and name not in out:
             out[name] = {"axis": axis, "level": level, "groups": hierarchy.group_ranks(placement, machine, name)}
     return dict(sorted(out.items()))
+
+
+def describe_memory(memory, recompute: dict) -> str:
+    """One line: the predicted peak per rank, itemized, and what was recomputed."""
+    parts = memory.itemized()
+    line = (f"predicted peak {human(parts['peak'])} per rank: parameters {human(parts['resident']['params'])}, "
+            f"optimizer state {human(parts['resident']['optimizer'])}, at the peak "
+            + ", ".join(f"{name.replace('_', ' ')} {human(n)}" for name, n in parts["at_peak"].items() if n))
+    if recompute.get("policy", "none") != "none":
+        line += (f"; recomputing {recompute['recomputed_values']} saved value(s) in backward "
+                 f"({recompute['recomputed_ops']} ops): saved activations {human(recompute['saved_activation_bytes'])} -> "
+                 f"{human(recompute['kept_activation_bytes'])}")
+    return line
 
 
 def describe_placement(placement: Placement) -> str:

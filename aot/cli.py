@@ -64,6 +64,15 @@ def cli():
 @click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
               help="Dtype gradients are reduced in (dp all_reduce, fsdp reduce-scatter): fp32, or the --precision dtype "
                    "for half the bytes. Default: the model file's `reduce_dtype`, else fp32.")
+@click.option("--memory-budget", metavar="SIZE",
+              help="Peak memory per rank the step must fit (70, 70GiB, 512MiB; a bare number is GiB): forward values "
+                   "backward reads are recomputed in backward, as few and as cheap as the cost model finds, until the "
+                   "predicted peak is under it. A budget no recomputation reaches is refused with the smallest there is. "
+                   "Default: the profile's device memory (less 10% headroom), so a step that fits recomputes nothing.")
+@click.option("--activation-budget", type=float, metavar="FRACTION",
+              help="Instead: the fraction of saved activation bytes kept (1.0: nothing recomputed, 0.5: half; cheapest "
+                   "per byte first, then whole layers). The model file's `recompute` (module patterns, e.g. "
+                   "[\"blocks.*\"]) is used when neither flag is given.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Initial weights are those of torch.manual_seed(seed); model().")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Artifact folder to write.")
 @click.option("--sign", "sign_key", type=click.Path(path_type=Path), help="Sign the artifact with this Ed25519 private key (see `aot keygen`).")
@@ -77,7 +86,7 @@ def cli():
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
 @debug_option
-def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, batch_size, max_steps, bucket_mb, prefetch_mb, hierarchical, precision, reduce_dtype, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
+def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, batch_size, max_steps, bucket_mb, prefetch_mb, hierarchical, precision, reduce_dtype, memory_budget, activation_budget, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
     """Trace MODEL_FILE's whole training step into per-rank artifacts.
 
     MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),
@@ -95,7 +104,8 @@ def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, 
     options = BuildOptions(model_path=model_file, output=output, topology=topology, nodes=nodes, world_size=world_size,
                            strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, prefetch_mb=prefetch_mb, seed=seed,
                            hierarchical=hierarchical, sign_key=sign_key, onnx=onnx, compile=compile_tier, sequence_parallel=sequence_parallel,
-                           precision=precision, reduce_dtype=reduce_dtype)
+                           precision=precision, reduce_dtype=reduce_dtype, memory_budget=memory_budget,
+                           activation_budget=activation_budget)
     progress = Progress(total=6 + (onnx is not False) + (compile_tier == "aoti"), quiet=quiet or as_json)
     manifest = run_build(options, progress)
     program = manifest["programs"]["train"]
@@ -107,6 +117,7 @@ def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, 
         "seconds": round(progress.elapsed(), 3),
         "inference": manifest.get("inference", {}).get("file"),
         "compiled": {name: p["file"] for name, p in manifest["compiled"]["programs"].items()} if manifest.get("compiled") else None,
+        "memory": manifest["memory"],
     }
     if as_json:
         click.echo(json.dumps(summary, indent=1))

@@ -2,7 +2,8 @@
 
 Follows the `aot` model-file contract (see examples/mlp.py): model(), batch(),
 loss(), optimizer(), scheduler() and max_grad_norm are module-level names.
-There is no dropout, so a training step is a deterministic function of its inputs.
+`dropout` is 0 here, so a training step is a deterministic function of its inputs; set it and
+dropout follows attention's softmax and each residual branch, as in nanoGPT.
 """
 import math
 from functools import lru_cache
@@ -22,6 +23,7 @@ max_grad_norm = 1.0
 warmup_steps = 5
 decay_steps = 200      # cosine decay from step 0 of training to `decay_steps`
 min_lr_frac = 0.1
+dropout = 0.0          # 0: no dropout modules at all (the graph has no random ops)
 
 text_path = Path(__file__).parent / "data" / "tinytext.txt"
 
@@ -39,6 +41,10 @@ def decode(ids):
 
 
 # -- model --------------------------------------------------------------------
+def _dropout():
+    return nn.Dropout(dropout) if dropout else nn.Identity()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self):
         super().__init__()
@@ -52,6 +58,7 @@ class CausalSelfAttention(nn.Module):
         # Non-persistent: the mask is a constant, not state to checkpoint.
         mask = torch.tril(torch.ones(block_size, block_size, dtype=torch.bool))
         self.register_buffer("mask", mask.view(1, 1, block_size, block_size), persistent=False)
+        self.attn_drop, self.resid_drop = _dropout(), _dropout()
 
     def forward(self, x):
         B, T, _ = x.shape
@@ -62,9 +69,9 @@ class CausalSelfAttention(nn.Module):
         # backend-specific kernels, and a graph traced on CPU must also run on CUDA.
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(head_size))
         att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
-        att = F.softmax(att, dim=-1)
+        att = self.attn_drop(F.softmax(att, dim=-1))
         y = (att @ v).transpose(1, 2).reshape(B, T, -1)
-        return self.proj(y)
+        return self.resid_drop(self.proj(y))
 
 
 class MLP(nn.Module):
@@ -72,9 +79,10 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(n_embd, 4 * n_embd)
         self.proj = nn.Linear(4 * n_embd, n_embd)
+        self.drop = _dropout()
 
     def forward(self, x):
-        return self.proj(F.gelu(self.fc(x)))
+        return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
 class Block(nn.Module):

@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.loss_scaling import LossScaling
 from aot.capture.model_file import ModelFile, call_user
+from aot.capture.module_calls import annotate_module_calls
 from aot.capture.precision import Precision
 from aot.capture.target_autocast import TargetAutocast
 from aot.capture.tensor_parallel import TensorParallel, rename_group, tensor_parallel
@@ -348,7 +349,8 @@ def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], ta
                 from aot.capture.pricing import trace_for_pricing
                 graph = trace_for_pricing(step, args)
             else:
-                graph = make_fx(step, tracing_mode="fake")(*args)
+                with annotate_module_calls(state.model if tp is None else tp.model):
+                    graph = make_fx(step, tracing_mode="fake")(*args)
     except AotError:
         raise
     except Exception as e:

@@ -37,6 +37,33 @@ def shard_gathers(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.No
     return found
 
 
+def loss_node(graph: torch.fx.Graph) -> torch.fx.Node | None:
+    """The step's loss: the program's first output is its detached value. Every node after the
+    loss belongs to backward or to the optimizer update; the loss and every node before it, to
+    forward."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    first = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else None
+    if not isinstance(first, torch.fx.Node):
+        return None
+    return first.args[0] if first.target == torch.ops.aten.detach.default else first
+
+
+def fresh_value(node: torch.fx.Node) -> None:
+    """node_copy shares the original's fake value, hence its storage: recompute it from the copy's
+    own inputs so later analyses (memory liveness) see a new buffer and views of it."""
+    val = node.meta.get("val")
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        for t in (val if isinstance(val, (tuple, list)) else ()):
+            mode = getattr(t, "fake_mode", None) or mode
+    if mode is None:
+        return
+    as_value = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a
+    with mode:
+        node.meta["val"] = node.target(*torch.fx.node.map_aggregate(node.args, as_value),
+                                       **torch.fx.node.map_aggregate(node.kwargs, as_value))
+
+
 def tensor_bytes(node: torch.fx.Node) -> int:
     val = node.meta.get("val")
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from aot.passes.graph_utils import WAIT, is_call, shard_gathers
+from aot.passes.graph_utils import WAIT, fresh_value, is_call, loss_node, shard_gathers
 
 _aten = torch.ops.aten
 # Ops that only view their input: a chain of them from a gather still is "the parameter".
@@ -28,7 +28,7 @@ _VIEWS = {
 
 def regather_in_backward(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = gm.graph
-    boundary = _loss_node(graph)
+    boundary = loss_node(graph)
     if boundary is None:
         return gm
     position = {n: i for i, n in enumerate(graph.nodes)}
@@ -50,7 +50,7 @@ def regather_in_backward(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             for node in chain:  # in graph order, so every input is copied before its users
                 copies[node] = graph.node_copy(node, lambda n: copies.get(n, n))
         for copy in copies.values():
-            _fresh_value(copy)
+            fresh_value(copy)
         for node in chain:
             for user in [u for u in node.users if u not in chain and u not in copies.values() and position.get(u, -1) > turn]:
                 user.replace_input_with(node, copies[node])
@@ -60,29 +60,6 @@ def regather_in_backward(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
-
-
-def _fresh_value(node: torch.fx.Node) -> None:
-    """node_copy shares the original's fake value, hence its storage: recompute it from the copy's
-    own inputs so later analyses (memory liveness) see a new buffer and views of it."""
-    val = node.meta.get("val")
-    mode = getattr(val, "fake_mode", None)
-    if mode is None:
-        return
-    as_value = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a
-    with mode:
-        node.meta["val"] = node.target(*[as_value(a) for a in node.args],
-                                       **{k: as_value(v) for k, v in node.kwargs.items()})
-
-
-def _loss_node(graph: torch.fx.Graph) -> torch.fx.Node | None:
-    """The step's loss: the program's first output is its detached value. Every node after the
-    loss belongs to backward or to the optimizer update."""
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    first = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else None
-    if not isinstance(first, torch.fx.Node):
-        return None
-    return first.args[0] if first.target == _aten.detach.default else first
 
 
 def _view_chain(wait: torch.fx.Node) -> list[torch.fx.Node]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from aot.passes.graph_utils import loss_node
 from aot.plan.machine import Compute
 
 try:
@@ -76,6 +77,13 @@ class CommSite:
     readers: tuple = ()   # indices of the ops that read the result
 
 
+# What a transient storage is, by where the graph makes it: forward (up to the loss) makes
+# activations; collectives and the buckets packed for them are collective buffers; the step's
+# outputs made after the loss are the updated parameters and optimizer state; everything else
+# backward makes is gradients (and backward's temporaries).
+TRANSIENT_PARTS = ("activations", "gradients", "collective_buffers", "updated_state")
+
+
 @dataclass
 class Memory:
     params: int = 0
@@ -83,8 +91,10 @@ class Memory:
     optimizer: int = 0
     batch: int = 0
     peak_transient: int = 0   # activations, gradients, buckets and temporaries at their peak
+    at_peak: dict = field(default_factory=dict)  # peak_transient by TRANSIENT_PARTS
+    activations_peak: int = 0  # the most bytes of forward-made storages live at any point
     resident_tensors: tuple = ()   # (part, numel, element size) of every resident storage
-    intervals: tuple = ()          # (first op, last op, numel, element size) of every transient storage
+    intervals: tuple = ()          # (first op, last op, numel, element size, part) of every transient storage
 
     @property
     def resident(self) -> int:
@@ -94,9 +104,18 @@ class Memory:
     def peak(self) -> int:
         return self.resident + self.peak_transient
 
+    def itemized(self) -> dict:
+        """The manifest's `memory.predicted` (artifacts/FORMAT.md)."""
+        return {"peak": self.peak, "peak_transient": self.peak_transient,
+                "resident": {"params": self.params, "buffers": self.buffers, "optimizer": self.optimizer, "batch": self.batch},
+                "at_peak": {part: self.at_peak.get(part, 0) for part in TRANSIENT_PARTS},
+                "activations_peak": self.activations_peak}
+
     def to_json(self) -> dict:
         return {"params": self.params, "buffers": self.buffers, "optimizer": self.optimizer, "batch": self.batch,
-                "peak_transient": self.peak_transient, "peak": self.peak}
+                "peak_transient": self.peak_transient, "peak": self.peak,
+                "at_peak": {part: self.at_peak.get(part, 0) for part in TRANSIENT_PARTS},
+                "activations_peak": self.activations_peak}
 
 
 @dataclass
@@ -200,6 +219,26 @@ def _group_size(node) -> int:
     return 1
 
 
+def node_op(node: torch.fx.Node) -> Op:
+    """The cost-relevant facts of one compute node (not a collective or a wait)."""
+    outs = _tensors(_val(node)) or _written_args(node)
+    dtype = str(outs[0].dtype).replace("torch.", "") if outs else "float32"
+    name = _target_name(node.target)
+    if node.target in _FREE:
+        return Op(node.name, name, kind="free", dtype=dtype)
+    if _is_view(node.target):
+        return Op(node.name, name, kind="view", dtype=dtype)
+    ins = [t for a in node.all_input_nodes for t in _tensors(_val(a))]
+    tensors = tuple((t.numel(), t.element_size(), t.dim() <= 1) for t in (*ins, *outs))
+    return Op(node.name, name, flops=_flops(node), bytes=float(sum(n * e for n, e, _ in tensors)),
+              dtype=dtype, tensors=tensors, elements=sum(t.numel() for t in outs), launches=_launches(node, name))
+
+
+def node_seconds(node: torch.fx.Node, compute: Compute) -> float:
+    """Predicted time of one compute node on `compute` (what recomputing it costs)."""
+    return _op_s(node_op(node), compute)
+
+
 def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = None,
             aliases: dict | None = None) -> StepGraph:
     """The cost-relevant facts of a step graph (see the module docstring). `slots` (the captured
@@ -221,21 +260,8 @@ def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None 
             continue
         if _is_wait(node):
             continue
-        outs = _tensors(_val(node)) or _written_args(node)
-        dtype = str(outs[0].dtype).replace("torch.", "") if outs else "float32"
-        name = _target_name(node.target)
-        if node.target in _FREE:
-            op = Op(node.name, name, kind="free", dtype=dtype)
-        elif _is_view(node.target):
-            op = Op(node.name, name, kind="view", dtype=dtype)
-        else:
-            ins = [t for a in node.all_input_nodes for t in _tensors(_val(a))]
-            tensors = tuple((t.numel(), t.element_size(), t.dim() <= 1) for t in (*ins, *outs))
-            op = Op(node.name, name, flops=_flops(node), bytes=float(sum(n * e for n, e, _ in tensors)),
-                    dtype=dtype, tensors=tensors, elements=sum(t.numel() for t in outs),
-                    launches=_launches(node, name))
         op_of[node] = len(ops)
-        ops.append(op)
+        ops.append(node_op(node))
 
     position = {n: i for i, n in enumerate(nodes)}
     comms = []
@@ -311,8 +337,10 @@ def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) 
             # the tensor, not its storage: an input may be traced as a slice of a larger batch
             resident.append((_PARTS.get(kind, "params"), t.numel(), t.element_size()))
 
+    loss = loss_node(nodes[0].graph) if nodes else None
+    turn = nodes.index(loss) if loss is not None else len(nodes)
     key_of: dict = {}        # node -> storage keys its value lives in
-    born: dict = {}          # storage key -> (index, numel, element size)
+    born: dict = {}          # storage key -> (index, numel, element size, part)
     last: dict = {}          # storage key -> last index that reads it
     for i, node in enumerate(nodes):
         if node.op == "placeholder":
@@ -322,6 +350,10 @@ def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) 
             for key in key_of.get(a, ()):
                 last[key] = i
         if node.op == "output":
+            for a in node.all_input_nodes:  # what the step returns after the loss: its new state
+                for key in key_of.get(a, ()):
+                    if key in born and born[key][0] > turn and born[key][3] == "gradients":
+                        born[key] = (*born[key][:3], "updated_state")
             continue
         if _is_wait(node):  # the wait returns the collective's own buffer
             key_of[node] = key_of.get(node.args[0], [])
@@ -332,11 +364,18 @@ def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) 
             keys.append(key)
             if key not in resident_keys and key not in born:
                 elsize = t.element_size()
-                born[key] = (i, _storage_bytes(t) // elsize, elsize)
+                born[key] = (i, _storage_bytes(t) // elsize, elsize, _transient_part(node, i, turn))
                 last.setdefault(key, i)
         key_of[node] = keys
-    intervals = tuple((start, last.get(key, start), numel, elsize) for key, (start, numel, elsize) in born.items())
+    intervals = tuple((start, last.get(key, start), numel, elsize, part)
+                      for key, (start, numel, elsize, part) in born.items())
     return _memory_of(tuple(resident), intervals, len(nodes))
+
+
+def _transient_part(node, index: int, turn: int) -> str:
+    if _collective_kind(node) is not None or (node.users and all(_collective_kind(u) for u in node.users)):
+        return "collective_buffers"  # a collective's result, or a bucket packed for one
+    return "activations" if index <= turn else "gradients"
 
 
 def _memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Memory:
@@ -344,16 +383,21 @@ def _memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Me
     mem = Memory(resident_tensors=resident, intervals=intervals)
     for part, numel, elsize in resident:
         setattr(mem, part, getattr(mem, part) + numel * elsize)
-    delta = [0] * (length + 2)
-    for start, end, numel, elsize in intervals:
+    delta = {part: [0] * (length + 2) for part in TRANSIENT_PARTS}
+    for start, end, numel, elsize, part in intervals:
         size = scale(numel) * elsize
-        delta[start] += size
-        delta[min(end, length) + 1] -= size
-    live = peak = 0
-    for d in delta:
-        live += d
-        peak = max(peak, live)
-    mem.peak_transient = peak
+        delta[part][start] += size
+        delta[part][min(end, length) + 1] -= size
+    live = dict.fromkeys(TRANSIENT_PARTS, 0)
+    peak = activations = 0
+    for i in range(length + 2):
+        for part in TRANSIENT_PARTS:
+            live[part] += delta[part][i]
+        total = sum(live.values())
+        activations = max(activations, live["activations"])
+        if total > peak:
+            peak, mem.at_peak = total, dict(live)
+    mem.peak_transient, mem.activations_peak = peak, activations
     return mem
 
 
@@ -421,7 +465,7 @@ def rescale(step: StepGraph, scale: ShardScale, group: str, degree: int) -> Step
     resident = tuple((part, scale.shard(n) if part in ("params", "optimizer") else n, e)
                      for part, n, e in step.memory.resident_tensors)
     memory = _memory_of(resident, step.memory.intervals,
-                        max((e for _, e, _, _ in step.memory.intervals), default=0) + 1, scale)
+                        max((iv[1] for iv in step.memory.intervals), default=0) + 1, scale)
     return StepGraph(ops=ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes)
 
 

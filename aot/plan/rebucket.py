@@ -52,5 +52,6 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
                                   input_numel=sum(m.input_numel for m in b),
                                   readers=tuple(sorted(r for m in b for r in m.readers))))
     comms.sort(key=lambda c: (c.issue_at, c.name))
-    memory = replace(step.memory, peak_transient=step.memory.peak_transient + extra_bytes)
+    at_peak = {**step.memory.at_peak, "collective_buffers": step.memory.at_peak.get("collective_buffers", 0) + extra_bytes}
+    memory = replace(step.memory, peak_transient=step.memory.peak_transient + extra_bytes, at_peak=at_peak)
     return StepGraph(ops=step.ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes)

@@ -1,0 +1,159 @@
+"""What a build recomputes: the user's request (a memory budget, an activation budget or a
+model-file policy) turned into a choice for aot.passes.recompute, priced by the cost model.
+
+A memory budget is met by the least recomputation whose predicted peak (graph liveness, after
+every other pass) is under it: activation budgets from 1.0 down to the smallest feasible one are
+tried in steps of 1/GRID. A budget no recomputation reaches is refused
+with the smallest peak there is; so is an activation budget below the smallest feasible one.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from aot.errors import AotError
+from aot.passes.recompute import Choice, by_budget, by_modules, recompute_activations
+from aot.plan.cost_model import analyze, node_seconds
+from runner.inspect import human
+
+GRID = 20   # a memory budget tries activation budgets 0.95, 0.90, ... down to the smallest feasible
+
+
+@dataclass(frozen=True)
+class Request:
+    """`memory_bytes` (per rank), `fraction` (of saved activation bytes kept) or module
+    `patterns` (checkpoint each call; `save_matmuls`: selective); `source` says who asked."""
+    memory_bytes: int | None = None
+    fraction: float | None = None
+    patterns: tuple = ()
+    save_matmuls: bool = False
+    source: str = "none"
+
+    @property
+    def none(self) -> bool:
+        return self.memory_bytes is None and self.fraction is None and not self.patterns
+
+
+_UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_memory(text: str) -> int:
+    """`80`, `80GiB`, `512MiB`, `1.5GB` -> bytes (a bare number is GiB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise AotError(f"--memory-budget must be a positive size such as 70, 70GiB or 512MiB (a bare number is GiB), "
+                       f"got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def resolve_request(memory_budget: str | None, activation_budget: float | None, model_globals: dict, name: str,
+                    device_memory: int | None, headroom: float) -> Request:
+    """The flags win over the model file's `recompute`; with neither, the profile's device memory
+    (less the planner's headroom) is the budget, so a step that fits recomputes nothing."""
+    if memory_budget is not None and activation_budget is not None:
+        raise AotError("--memory-budget and --activation-budget both say how much to recompute: give one")
+    if activation_budget is not None:
+        if not 0.0 <= activation_budget <= 1.0:
+            raise AotError(f"--activation-budget is the fraction of saved activations kept, from 0 to 1; got {activation_budget}")
+        return Request(fraction=activation_budget, source="--activation-budget")
+    if memory_budget is not None:
+        return Request(memory_bytes=parse_memory(memory_budget), source="--memory-budget")
+    policy = (model_globals or {}).get("recompute")
+    if policy is not None:
+        return _model_file_policy(policy, name)
+    if device_memory:
+        return Request(memory_bytes=int(headroom * device_memory), source="device memory")
+    return Request()
+
+
+def _model_file_policy(policy, name: str) -> Request:
+    where = f"{name}: recompute"
+    if isinstance(policy, str):
+        policy = [policy]
+    if isinstance(policy, (list, tuple)):
+        policy = {"modules": list(policy)}
+    if not isinstance(policy, dict) or set(policy) - {"modules", "save"}:
+        raise AotError(f'{where} must be a list of module name patterns (["blocks.*"]) or '
+                       f'{{"modules": [...], "save": "matmuls"}}; got {policy!r}')
+    modules = policy.get("modules")
+    if not modules or not isinstance(modules, (list, tuple)) or not all(isinstance(p, str) and p for p in modules):
+        raise AotError(f'{where}: "modules" must be a non-empty list of module name patterns such as "blocks.*"')
+    save = policy.get("save", "nothing")
+    if save not in ("nothing", "matmuls"):
+        raise AotError(f'{where}: "save" must be "matmuls" (selective: matmul outputs kept) or "nothing"; got {save!r}')
+    return Request(patterns=tuple(modules), save_matmuls=save == "matmuls", source="model file")
+
+
+def apply_request(gm: torch.fx.GraphModule, slots: list, request: Request, compute,
+                  finish: Callable[[torch.fx.GraphModule], torch.fx.GraphModule]) -> tuple[torch.fx.GraphModule, dict]:
+    """The step with `request`'s recomputation and the other passes (`finish`) applied, and what
+    was chosen (the manifest's `memory.recompute`)."""
+    cost = lambda n: node_seconds(n, compute)
+    if request.none:
+        return finish(gm), _summary(request, None)
+    if request.patterns:
+        choice = by_modules(gm.graph, request.patterns, request.save_matmuls, cost)
+        if not choice.values:
+            raise AotError(f"recompute {list(request.patterns)}: no module call matching these patterns keeps a value "
+                           f"backward reads (module names are dotted paths from the model, e.g. blocks.*)")
+        return finish(recompute_activations(gm, choice)), _summary(request, choice)
+    if request.fraction is not None:
+        choice = by_budget(gm.graph, request.fraction, cost)
+        if choice.kept_bytes > request.fraction * choice.saved_bytes:
+            raise AotError(f"--activation-budget {request.fraction:g} is below what recomputation can reach here: the smallest "
+                           f"feasible is {_ceil(choice.fraction)} (the step's inputs, layer boundaries and random draws stay saved)")
+        return finish(recompute_activations(gm, choice)), _summary(request, choice)
+    return _fit(gm, slots, request, cost, finish)
+
+
+def _fit(gm, slots, request: Request, cost, finish):
+    def attempt(fraction: float | None):
+        trial = copy.deepcopy(gm)
+        choice = by_budget(trial.graph, fraction, cost) if fraction is not None else None
+        trial = finish(recompute_activations(trial, choice) if choice else trial)
+        return trial, choice, analyze(trial, slots).memory.peak
+
+    budget = request.memory_bytes
+    trial, _, peak = attempt(None)
+    if peak <= budget:
+        return trial, {**_summary(request, None), "peak_without_recompute": peak}
+    # The peak is not monotone in the activation budget (a whole checkpointed layer is rebuilt at
+    # once in backward), so budgets are tried on a grid, from the least recomputation down.
+    least = by_budget(gm.graph, 0.0, cost).fraction
+    smallest = peak
+    for fraction in [f / GRID for f in range(GRID - 1, 0, -1) if f / GRID > least] + [least]:
+        trial, choice, candidate = attempt(fraction)
+        if candidate <= budget:
+            return trial, {**_summary(request, choice), "peak_without_recompute": peak}
+        smallest = min(smallest, candidate)
+    if request.source == "device memory":
+        raise AotError(f"the step needs {human(smallest)} per rank even recomputing activations (without: {human(peak)}), "
+                       f"more than the device's {human(budget)} (after headroom): use more ranks, fsdp, or a smaller batch")
+    raise AotError(f"--memory-budget {human(budget)} is below the smallest peak recomputation reaches for this step, "
+                   f"{human(smallest)} per rank (without recomputation: {human(peak)})")
+
+
+def _summary(request: Request, choice: Choice | None) -> dict:
+    summary = {"policy": "none" if choice is None else "modules" if request.patterns else "budget",
+               "source": request.source}
+    if request.memory_bytes is not None:
+        summary["memory_budget_bytes"] = request.memory_bytes
+    if request.fraction is not None:
+        summary["activation_budget"] = request.fraction
+    if request.patterns:
+        summary["modules"] = list(request.patterns)
+        summary["save"] = "matmuls" if request.save_matmuls else "nothing"
+    if choice is not None:
+        summary.update(saved_activation_bytes=choice.saved_bytes, kept_activation_bytes=choice.kept_bytes,
+                       recomputed_values=choice.values, recomputed_ops=len(choice.nodes),
+                       predicted_recompute_s=choice.cost_s)
+    return summary
+
+
+def _ceil(fraction: float) -> str:
+    return f"{(int(fraction * 1000) + 1) / 1000:.3f}" if fraction * 1000 % 1 else f"{fraction:.3f}"
