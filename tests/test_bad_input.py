@@ -538,3 +538,36 @@ def test_optimizer_stepping_with_a_closure(tmp_path, precision):
     model.write_text(MLP.read_text() + "\n\ndef optimizer(params):\n    return torch.optim.LBFGS(params)\n")
     r = aot("build", model, "-o", tmp_path / "out", "--quiet", "--precision", precision)
     assert_user_error(r, "LBFGS", "closure")
+
+
+# -- 9. recomputation budgets that cannot be met, policies that say nothing ---------------------------
+
+def test_memory_budget_that_is_not_a_size(tmp_path):
+    r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--memory-budget", "lots")
+    assert_user_error(r, "--memory-budget must be a positive size", "'lots'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_memory_budget_below_the_smallest_peak(tmp_path):
+    r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--no-onnx", "--memory-budget", "1KiB")
+    assert_user_error(r, "below the smallest peak recomputation reaches", "without recomputation")
+    assert not (tmp_path / "out").exists()
+
+
+def test_activation_budget_out_of_range_or_below_the_feasible(tmp_path):
+    assert_user_error(aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--activation-budget", "1.5"),
+                      "fraction of saved activations kept, from 0 to 1")
+    r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--no-onnx", "--activation-budget", "0")
+    assert_user_error(r, "below what recomputation can reach", "smallest feasible is")
+    assert_user_error(aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--activation-budget", "0.5",
+                          "--memory-budget", "1"), "give one")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("policy,words", [(5, "must be a list of module name patterns"),
+                                          ({"modules": ["0"], "save": "everything"}, '"save" must be "matmuls"'),
+                                          (["decoder.*"], "no module call matching")])
+def test_bad_recompute_policy(tmp_path, policy, words):
+    r = aot("build", _with(tmp_path, MLP, recompute=policy), "-o", tmp_path / "out", "--quiet", "--no-onnx")
+    assert_user_error(r, "recompute", words)
+    assert not (tmp_path / "out").exists()

@@ -99,8 +99,8 @@ class Forward:
                 self.saved[owner] = _storage_bytes(owner)
 
     def recomputable(self, node) -> bool:
-        if node.op != "call_function" or node not in self.owner:
-            return False
+        if node.op != "call_function" or node not in self.owner or node is self.turn:
+            return False  # the loss stays: it marks where forward ends for every later pass
         if node.target is operator.getitem:
             return self.recomputable(node.args[0])
         target = node.target
