@@ -52,7 +52,10 @@ def _restarted() -> bool:
                    "notice. compiled: the package or fail. portable: the portable program.")
 @click.option("--profile", "profile_dir", type=click.Path(path_type=Path),
               help="Profile up to 5 steps after the first with torch.profiler; rank 0 writes DIR/measured_timeline.json "
-                   "(Chrome trace) and DIR/profile.json. `aot inspect ARTIFACT --profile DIR` compares them with the plan.")
+                   "(Chrome trace) and DIR/profile.json. The first step (slower, untimed) also measures every rank's peak "
+                   "memory into profile.json (CPU: live tensor bytes, seen op by op, or by the allocator for the compiled "
+                   "tier; CUDA: torch.cuda.max_memory_allocated). `aot inspect ARTIFACT --profile DIR` compares them with "
+                   "the prediction.")
 @click.option("--quiet", is_flag=True, help="Print only errors.")
 @debug_option
 def run(artifact, steps, data, metrics, save, save_every, resume, init_from, rank, allow_topology_mismatch, trusted_keys,
@@ -133,9 +136,12 @@ def run(artifact, steps, data, metrics, save, save_every, resume, init_from, ran
             while trainer.step_index < target:
                 step = trainer.step_index
                 inputs, targets = source.batch(step)
+                measure = profiler.measuring_memory  # the warm-up step: slower, and never a timed one
                 start = time.perf_counter()
-                loss = trainer.step(inputs, targets)
+                loss = trainer.step(inputs, targets, measure_memory=measure)
                 seconds = time.perf_counter() - start
+                if measure:
+                    profiler.record_memory(trainer.measured_peak_bytes, trainer.memory_method, step + 1)
                 if not math.isfinite(loss):
                     say(f"warning: loss is {loss} at step {step + 1}")
                 first = loss if first is None else first

@@ -93,6 +93,7 @@ def summarize(artifact: Artifact) -> dict:
         "custom_ops": m.get("custom_ops"),
         "compiled": m.get("compiled"),
         "plan": m.get("plan"),
+        "memory": m.get("memory"),
         "tensor_parallel": m.get("tensor_parallel"),
         "init": m.get("init"),
         "total_bytes": sum(f["size"] for f in m["files"].values()),
@@ -107,11 +108,77 @@ def compare_profile(summary: dict, measured: dict) -> dict:
         m, p = measured.get(key), predicted.get(key)
         rows[key] = {"measured": m, "predicted": p, "ratio": (m / p) if (m is not None and p) else None}
     return {"steps_profiled": measured.get("steps_profiled"), "tier": measured.get("tier"),
-            "trace": measured.get("trace"), "times": rows}
+            "trace": measured.get("trace"), "times": rows, "memory": compare_memory(summary, measured.get("memory"))}
+
+
+def predicted_memory(summary: dict) -> tuple[dict | None, str | None]:
+    """The build's memory prediction for one rank ({"peak", "resident", "at_peak"}, bytes) and where
+    it came from: the manifest's `memory.predicted` (every build), else a `--strategy auto`
+    plan's `predicted.memory_bytes` (artifacts built before the first existed)."""
+    memory = summary.get("memory")
+    predicted = memory.get("predicted") if isinstance(memory, dict) else None
+    if isinstance(predicted, dict) and isinstance(predicted.get("peak"), (int, float)):
+        return predicted, "memory.predicted"
+    plan = (summary.get("plan") or {}).get("predicted") or {}
+    mem = plan.get("memory_bytes")
+    if isinstance(mem, dict) and isinstance(mem.get("peak"), (int, float)):
+        resident = {k: mem[k] for k in ("params", "buffers", "optimizer", "batch") if k in mem}
+        return {"peak": mem["peak"], "resident": resident, "at_peak": mem.get("at_peak") or {}}, "plan.predicted.memory_bytes"
+    return None, None
+
+
+def compare_memory(summary: dict, measured: dict | None) -> dict | None:
+    """Each rank's measured peak (profile.json's "memory") next to the predicted peak per rank;
+    None for profiles written before memory was measured."""
+    if not isinstance(measured, dict):
+        return None
+    peaks = measured.get("measured_peak_bytes")
+    peaks = peaks if isinstance(peaks, list) and peaks and all(isinstance(p, int) for p in peaks) else None
+    predicted, source = predicted_memory(summary)
+    peak = predicted["peak"] if predicted else None
+    return {
+        "method": measured.get("method"), "step": measured.get("step"),
+        "measured_peak_bytes": peaks, "measured_max_bytes": max(peaks) if peaks else None,
+        "predicted_peak_bytes": peak, "predicted": predicted, "predicted_from": source,
+        "ratio": max(peaks) / peak if (peaks and peak) else None,
+        "ratio_per_rank": [p / peak for p in peaks] if (peaks and peak) else None,
+    }
 
 
 def _ranges(ranks: list[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) else ",".join(map(str, ranks))
+
+
+# the prediction's parts in the order they are listed (others follow, by name)
+_MEMORY_PARTS = ("params", "buffers", "optimizer", "batch", "activations", "gradients", "collective_buffers", "updated_state")
+
+
+def _memory_lines(memory: dict | None) -> list[str]:
+    if not memory:
+        return []
+    peaks = memory["measured_peak_bytes"]
+    if peaks is None:
+        lines = [f"  {'peak memory':<22} {memory['method']}"]
+    else:
+        per_rank = "" if len(set(peaks)) == 1 else \
+            " (max over ranks; " + ", ".join(f"rank {r} {human(p)}" for r, p in enumerate(peaks)) + ")"
+        lines = [f"  {'peak memory':<22} measured {human(max(peaks))} per rank{per_rank} in step {memory['step']}, "
+                 f"{memory['method']}"]
+    predicted = memory.get("predicted")
+    if not predicted:
+        lines.append(f"  {'':<22} no prediction in this artifact (built before aot predicted memory)")
+        return lines
+    ratio = f", measured/predicted {memory['ratio']:.3f}" if memory.get("ratio") is not None else ""
+    parts = []
+    for name, label in (("resident", "resident:"), ("at_peak", "at the peak:")):
+        part = predicted.get(name) if isinstance(predicted.get(name), dict) else {}
+        known = [k for k in _MEMORY_PARTS if k in part] + sorted(k for k in part if k not in _MEMORY_PARTS)
+        shown = [f"{k} {human(part[k])}" for k in known if isinstance(part[k], (int, float)) and part[k]]
+        if shown:
+            parts.append(f"{label} {', '.join(shown)}")
+    parts = "; ".join(parts)
+    lines.append(f"  {'':<22} predicted {human(memory['predicted_peak_bytes'])}{ratio}" + (f" ({parts})" if parts else ""))
+    return lines
 
 
 def render(summary: dict) -> str:
@@ -185,6 +252,7 @@ def render(summary: dict) -> str:
             predicted = f"predicted {row['predicted'] * 1e3:.3g} ms, measured/predicted {row['ratio']:.2f}" \
                 if row["predicted"] else "no prediction (build with --strategy auto)"
             lines.append(f"  {labels[key]:<22} measured {row['measured'] * 1e3:.3g} ms; {predicted}")
+        lines.extend(_memory_lines(measured.get("memory")))
     lines.append("ranks")
     seen, shown = set(), 0
     for r in summary["ranks"]:

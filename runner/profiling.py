@@ -6,6 +6,10 @@ plan/timeline.json) and DIR/profile.json: per step, the measured wall time, the 
 sat waiting for collectives (`_c10d_functional::wait_tensor`, the communication compute did not
 hide) and the rest (compute). `aot inspect ARTIFACT --profile DIR` puts them next to the plan's
 prediction.
+
+The first step of the run (the warm-up step, whose time no summary uses) also measures each rank's
+peak memory (runner/memory_tracking.py); the peaks are gathered to rank 0 and written under
+"memory" in DIR/profile.json.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ import statistics
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from runner.memory_tracking import ALLOCATOR
+from runner.memory_tracking import method as memory_method
 
 SUMMARY = "profile.json"
 TRACE = "measured_timeline.json"
@@ -34,6 +42,13 @@ class StepProfiler:
         self.after: list[float] = []     # steps after the profiled window: no profiler overhead
         self._seen = 0
         self._prof = None
+        self.memory: dict | None = None  # "memory" of profile.json, once measured
+        self._device = device
+        # The compiled tier's memory step runs its own profiler (allocator events), which cannot
+        # run inside this one: this one then starts right after that step, as it would have left
+        # its warm-up (so the same steps are profiled).
+        self._deferred = False
+        self._entered = False
         if folder is not None and self.active:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
@@ -41,16 +56,37 @@ class StepProfiler:
             self._prof = torch.profiler.profile(
                 activities=activities,
                 schedule=torch.profiler.schedule(wait=0, warmup=WARMUP_STEPS, active=self.active, repeat=1))
+            self._deferred = memory_method(device, tier) == ALLOCATOR
+
+    @property
+    def measuring_memory(self) -> bool:
+        """Whether the next step should measure its peak memory: the warm-up step of a profiled run.
+        Every rank gives the same answer, so every rank joins `record_memory`'s gather."""
+        return self._prof is not None and self._seen == 0
+
+    def record_memory(self, peak: int | None, method: str, step: int) -> None:
+        """Every rank's `peak` (bytes, None if not measured; `method` says how) of step `step`,
+        gathered to rank 0. A collective: call it on every rank, right after the measured step."""
+        peaks = gather_peaks(peak, self._device)
+        self.memory = {
+            "measured_peak_bytes": peaks if all(p is not None for p in peaks) else None,
+            "method": method,
+            "step": step,
+        }
 
     def __enter__(self):
-        if self._prof is not None:
+        if self._prof is not None and not self._deferred:
             self._prof.__enter__()
+            self._entered = True
         return self
 
     def step(self, seconds: float) -> None:
         if self._prof is None:
             return
         self._seen += 1
+        if self._deferred and self._seen == WARMUP_STEPS:
+            self._prof.__enter__()  # prepares the trace (its warm-up); the step() below starts it
+            self._entered = True
         if WARMUP_STEPS < self._seen <= WARMUP_STEPS + self.active:
             self.seconds.append(seconds)
         elif self._seen > WARMUP_STEPS + self.active:
@@ -58,7 +94,7 @@ class StepProfiler:
         self._prof.step()
 
     def __exit__(self, *exc) -> None:
-        if self._prof is None:
+        if not self._entered:
             return
         self._prof.__exit__(*exc)
         if exc[0] is not None or self.rank != 0 or not self.seconds:
@@ -81,7 +117,21 @@ class StepProfiler:
             "compute_s": max(0.0, step_s - waited),
             "trace": TRACE,
         }
+        if self.memory is not None:
+            summary["memory"] = self.memory
         (self.folder / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def gather_peaks(peak: int | None, device: torch.device) -> list[int | None]:
+    """Each rank's `peak`, in rank order, on every rank (-1 travels for None). An all_gather of
+    int64 tensors over the default group: nothing is pickled, unlike all_gather_object."""
+    if not dist.is_initialized():
+        return [peak]
+    # NCCL moves only device tensors; gloo (CPU ranks) host ones.
+    mine = torch.tensor([-1 if peak is None else peak], dtype=torch.int64, device=device)
+    every = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine)
+    return [None if p < 0 else p for p in every.tolist()]
 
 
 def read_summary(folder: Path) -> dict:

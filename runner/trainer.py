@@ -24,6 +24,7 @@ from runner.groups import bind_process_groups, yield_gloo_poll_threads
 from runner.graph_loader import input_shapes, load_graph_module, wait_at_issue
 from runner.init_from import check_init_from
 from runner.init_program import SCALER_PREFIX, initial_state
+from runner.memory_tracking import measure_step
 from runner.program import decode_program
 from runner.binding import bind_rank
 from runner.sharding import shard_number, tp_slice_shape, unshard
@@ -188,6 +189,8 @@ class Trainer:
         self._check_shapes()
         self.step_index = 0
         self.last_step_skipped = False
+        self.measured_peak_bytes: int | None = None  # of the last step run with measure_memory
+        self.memory_method: str | None = None         # how it was measured
 
     # -- set-up ---------------------------------------------------------------------------
     @staticmethod
@@ -318,7 +321,10 @@ class Trainer:
         scale = self._optimizer.get(SCALER_PREFIX + "scale")
         return float(scale.item()) if scale is not None else None
 
-    def step(self, inputs, targets) -> float:
+    def step(self, inputs, targets, measure_memory: bool = False) -> float:
+        """`measure_memory`: also measure this step's peak memory (runner/memory_tracking.py; slower,
+        so never a timed step) into `measured_peak_bytes` (None where it cannot be measured) and
+        how into `memory_method`."""
         inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
         for lr, value in zip(self._lrs, self.learning_rates(self.optimizer_steps)):
             lr.fill_(value)
@@ -331,7 +337,10 @@ class Trainer:
                 args[i] = self._check(targets, slot, "targets")
         seed_step(self.device, step_seed(self.seed, self.step_index, self.data_rank))
         try:
-            outputs = self._module(*args)
+            if measure_memory:
+                outputs, (self.measured_peak_bytes, self.memory_method) = measure_step(self._module, args, self.device, self.tier)
+            else:
+                outputs = self._module(*args)
             loss = float(outputs[1])
             # fp16: the program's third output is found_inf; where set, the update was skipped
             self.last_step_skipped = len(outputs) > 2 and bool(outputs[2].item() > 0)
