@@ -140,7 +140,8 @@ topology_group.add_command(calibrate_command)
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--profile", "profile_dir", type=click.Path(path_type=Path),
               help="A folder written by `aot run --profile DIR`: show measured step, compute and exposed "
-                   "communication times next to the plan's prediction.")
+                   "communication times next to the plan's prediction, and each rank's measured peak memory next to "
+                   "the build's predicted peak.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @debug_option
 def inspect(artifact, profile_dir, as_json):

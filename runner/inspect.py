@@ -153,6 +153,30 @@ def _ranges(ranks: list[int]) -> str:
 _MEMORY_PARTS = ("params", "buffers", "optimizer", "batch", "activations", "gradients", "collective_buffers", "updated_state")
 
 
+def describe_memory(memory: dict | None) -> list[str]:
+    """The manifest's `memory`: the predicted peak per rank, itemized, and what the build recomputes."""
+    if not memory:
+        return ["memory     no prediction (built before aot predicted memory)"]
+    p, rc = memory["predicted"], memory.get("recompute") or {}
+    resident, at_peak = p["resident"], p["at_peak"]
+    lines = [f"memory     predicted peak {human(p['peak'])} per rank: parameters {human(resident.get('params', 0))}, "
+             f"buffers {human(resident.get('buffers', 0))}, optimizer state {human(resident.get('optimizer', 0))}, "
+             f"batch {human(resident.get('batch', 0))}; at the peak "
+             + ", ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in at_peak.items())]
+    policy = rc.get("policy", "none")
+    if policy == "none":
+        lines.append(f"  recompute  nothing ({'the step fits ' + human(rc['memory_budget_bytes']) if 'memory_budget_bytes' in rc else 'no budget given'})")
+        return lines
+    asked = {"modules": lambda: f"model file: checkpoint {', '.join(rc.get('modules', []))}"
+                                + (", matmul outputs kept" if rc.get("save") == "matmuls" else ""),
+             "budget": lambda: f"{rc.get('source')} " + (human(rc["memory_budget_bytes"]) if "memory_budget_bytes" in rc
+                                                         else f"{rc.get('activation_budget')}")}[policy]()
+    lines.append(f"  recompute  {rc.get('recomputed_values')} saved value(s) rebuilt in backward ({rc.get('recomputed_ops')} ops, "
+                 f"predicted {rc.get('predicted_recompute_s', 0) * 1e3:.3g} ms per step): saved activations "
+                 f"{human(rc.get('saved_activation_bytes', 0))} -> {human(rc.get('kept_activation_bytes', 0))}; asked by {asked}")
+    return lines
+
+
 def _memory_lines(memory: dict | None) -> list[str]:
     if not memory:
         return []
@@ -232,6 +256,7 @@ def render(summary: dict) -> str:
         lines.append("compiled   none (portable program only; `aot build --compile aoti` adds a compiled package)")
     if summary.get("custom_ops"):
         lines.append(f"custom ops {', '.join(summary['custom_ops']['ops'])}  (runner imports {', '.join(summary['custom_ops']['modules'])})")
+    lines.extend(describe_memory(summary.get("memory")))
     plan = summary.get("plan")
     if plan:  # written by `aot build --strategy auto`: the planner's predictions for this artifact
         p = plan.get("predicted", {})

@@ -9,7 +9,6 @@ with the smallest peak there is; so is an activation budget below the smallest f
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -21,7 +20,7 @@ from aot.passes.recompute import Choice, by_budget, by_modules, recompute_activa
 from aot.plan.cost_model import analyze, node_seconds
 from runner.inspect import human
 
-GRID = 20   # a memory budget tries activation budgets 0.95, 0.90, ... down to the smallest feasible
+GRID = 10   # a memory budget tries activation budgets 0.9, 0.8, ... down to the smallest feasible
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,7 @@ def apply_request(gm: torch.fx.GraphModule, slots: list, request: Request, compu
 
 def _fit(gm, slots, request: Request, cost, finish):
     def attempt(fraction: float | None):
-        trial = copy.deepcopy(gm)
+        trial = _copy(gm)
         choice = by_budget(trial.graph, fraction, cost) if fraction is not None else None
         trial = finish(recompute_activations(trial, choice) if choice else trial)
         return trial, choice, analyze(trial, slots).memory.peak
@@ -136,6 +135,15 @@ def _fit(gm, slots, request: Request, cost, finish):
                        f"more than the device's {human(budget)} (after headroom): use more ranks, fsdp, or a smaller batch")
     raise AotError(f"--memory-budget {human(budget)} is below the smallest peak recomputation reaches for this step, "
                    f"{human(smallest)} per rank (without recomputation: {human(peak)})")
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of the graph whose nodes share their fake values with the original's (the passes
+    give new nodes new values and never change an existing one's): a deepcopy of a large step's
+    fake tensors would cost more than all the passes."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
 
 
 def _summary(request: Request, choice: Choice | None) -> dict:
