@@ -3,8 +3,9 @@ model-file policy) turned into a choice for aot.passes.recompute, priced by the 
 
 A memory budget is met by the least recomputation whose predicted peak (graph liveness, after
 every other pass) is under it: activation budgets from 1.0 down to the smallest feasible one are
-tried in steps of 1/GRID. A budget no recomputation reaches is refused
-with the smallest peak there is; so is an activation budget below the smallest feasible one.
+tried in steps of 1/GRID. A budget no recomputation reaches is refused with the smallest peak
+there is, and so is an activation budget below the smallest feasible one. The default budget (the
+device's memory) is not the user's demand: there the build takes the smallest peak and warns.
 """
 
 from __future__ import annotations
@@ -124,15 +125,19 @@ def _fit(gm, slots, request: Request, cost, finish):
     # The peak is not monotone in the activation budget (a whole checkpointed layer is rebuilt at
     # once in backward), so budgets are tried on a grid, from the least recomputation down.
     least = by_budget(gm.graph, 0.0, cost).fraction
-    smallest = peak
+    smallest, tried = peak, []
     for fraction in [f / GRID for f in range(GRID - 1, 0, -1) if f / GRID > least] + [least]:
         trial, choice, candidate = attempt(fraction)
         if candidate <= budget:
             return trial, {**_summary(request, choice), "peak_without_recompute": peak}
         smallest = min(smallest, candidate)
-    if request.source == "device memory":
-        raise AotError(f"the step needs {human(smallest)} per rank even recomputing activations (without: {human(peak)}), "
-                       f"more than the device's {human(budget)} (after headroom): use more ranks, fsdp, or a smaller batch")
+        tried.append((trial, choice, candidate))
+    if request.source == "device memory":  # not the user's demand: build the smallest peak there is, and say so
+        trial, choice, candidate = min(tried, key=lambda t: t[2])
+        return trial, {**_summary(request, choice), "peak_without_recompute": peak, "fits": False,
+                       "warning": f"the step needs {human(candidate)} per rank even recomputing activations (without: "
+                                  f"{human(peak)}), more than the device's {human(budget)} after headroom: it may run out "
+                                  f"of memory; use more ranks, fsdp, or a smaller batch"}
     raise AotError(f"--memory-budget {human(budget)} is below the smallest peak recomputation reaches for this step, "
                    f"{human(smallest)} per rank (without recomputation: {human(peak)})")
 
