@@ -144,6 +144,17 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         if options.sequence_parallel and "tp=" not in planned.strategy:
             progress.note("the plan has no tp axis: --sequence-parallel does not apply")
             options = replace(options, sequence_parallel=False)
+        if planned.activation_budget is not None:  # the plan fits by recomputing activations
+            given = ("--memory-budget" if options.memory_budget is not None else
+                     "--activation-budget" if options.activation_budget is not None else
+                     "the model file's recompute" if planned.model_recompute else None)
+            if given is None:
+                options = replace(options, activation_budget=planned.activation_budget)
+                progress.note(f"recomputing activations as planned: --activation-budget {planned.activation_budget:g} "
+                              f"(the plan does not fit device memory without)")
+            else:
+                progress.note(f"the plan recomputes activations at --activation-budget {planned.activation_budget:g}; "
+                              f"{given} is applied instead")
     mesh = Mesh.parse(options.strategy, options.world_size)
     placement = place_mesh(mesh, profile, planned)
     compile_device = None

@@ -21,22 +21,42 @@ def _ms(s: float) -> str:
 def render_table(rows: list[dict], header: str) -> str:
     from runner.inspect import human
 
-    cols = ["#", "strategy", "bucket MiB", "step ms", "compute ms", "exposed comm ms", "memory/rank",
+    cols = ["#", "strategy", "bucket MiB", "recompute", "step ms", "compute ms", "exposed comm ms", "memory/rank",
             "collectives", "bytes/step", "algorithms", "fits"]
+    left = (cols.index("strategy"), cols.index("algorithms"))
     table = [cols]
     for i, r in enumerate(rows, 1):
         algos = ", ".join(f"{n} {k}" for k, n in r["algorithms"].items()) or "-"
-        table.append([str(i), r["strategy"], f"{r['bucket_mb']:g}", _ms(r["step_s"]), _ms(r["compute_s"]),
+        recompute = "-" if r.get("recompute") is None else f"{r['recompute']:g}"
+        table.append([str(i), r["strategy"], f"{r['bucket_mb']:g}", recompute, _ms(r["step_s"]), _ms(r["compute_s"]),
                       _ms(r["exposed_comm_s"]), human(r["memory_bytes"]["peak"]), str(r["collectives_per_step"]),
                       human(r["collective_bytes_per_step"]), algos, "yes" if r["fits"] else "NO"])
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     lines = [header, ""]
     for k, row in enumerate(table):
-        lines.append("  ".join(cell.rjust(widths[i]) if i not in (1, 9) else cell.ljust(widths[i])
+        lines.append("  ".join(cell.rjust(widths[i]) if i not in left else cell.ljust(widths[i])
                                for i, cell in enumerate(row)).rstrip())
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def describe_memory(row: dict) -> str:
+    """One line: a plan's predicted memory per rank, itemized (what stays for the whole step, then
+    what is live at the peak)."""
+    from runner.inspect import human
+
+    m = row["memory_bytes"]
+    resident = [("parameters", m["params"]), ("optimizer state", m["optimizer"]), ("buffers", m["buffers"]),
+                ("batch", m["batch"])]
+    at_peak = [(part.replace("_", " "), n) for part, n in m["at_peak"].items()]
+    line = (f"peak {human(m['peak'])} per rank: "
+            + ", ".join(f"{name} {human(n)}" for name, n in resident if n or name in ("parameters", "optimizer state"))
+            + "; at the peak " + ", ".join(f"{name} {human(n)}" for name, n in at_peak
+                                           if n or name in ("activations", "gradients", "collective buffers")))
+    if m["activations_peak"] > m["at_peak"]["activations"]:
+        line += f" (activations at their own peak {human(m['activations_peak'])})"
+    return line
 
 
 @click.command("plan")
@@ -74,13 +94,17 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     build supports, gradient bucket sizes, placement of the mesh on the machine) with the cost
     model: compute per graph node as a roofline of the profile's peak FLOP/s and memory bandwidth,
     collectives with alpha-beta models of ring and tree algorithms over the links each group spans,
-    overlap of communication with backward, and peak memory per rank from graph liveness. Plans
-    that do not fit device memory are marked and never chosen. `aot build --strategy auto` builds
-    the first row. Calibrate the profile first (`aot topology calibrate`) for absolute times.
+    overlap of communication with backward, and peak memory per rank from graph liveness (itemized:
+    parameters, optimizer state, and activations, gradients and collective buffers at the peak;
+    every part in --json). Plans that do not fit device memory are marked and never chosen; each is
+    also priced recomputing activations (the `recompute` column: the activation budget, as
+    `aot build --activation-budget`), which ranks with the rest. `aot build --strategy auto` builds
+    the first row that fits. Calibrate the profile first (`aot topology calibrate`) for absolute times.
     """
     from aot.errors import AotError
     from aot.plan.mesh import SUPPORTED_AXES
-    from aot.plan.search import plan_model
+    from aot.plan.search import MEMORY_HEADROOM, plan_model
+    from runner.inspect import human
     from runner.topology import for_nodes, gpus_in_order, live_profile, load_profile
 
     started = time.perf_counter()
@@ -108,7 +132,8 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
             "world_size": world_size, "batch_size": batch_size, "parameters": steps.params,
             "precision": steps.precision.to_json(),
             "calibrated": bool(machine.calibration) or machine.compute.calibrated,
-            "overlap": planner.overlaps, "seconds": round(seconds, 3), "skipped": skipped, "plans": rows,
+            "overlap": planner.overlaps, "device_memory_bytes": machine.memory_bytes, "memory_headroom": MEMORY_HEADROOM,
+            "seconds": round(seconds, 3), "skipped": skipped, "plans": rows,
         }, indent=1))
         return
     calibrated = "calibrated" if (machine.calibration or machine.compute.calibrated) else "uncalibrated: absolute times are estimates"
@@ -124,13 +149,23 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
         best = next((p for p in plans if p.fits), None)
         if best is not None:
             click.echo(f"\nbest: --strategy {best.strategy} --bucket-mb {best.bucket_mb:g}"
+                       + (f" --activation-budget {best.recompute:g}" if best.recompute is not None else "")
                        + (f" (NCCL_ALGO={best.nccl_algo})" if best.nccl_algo else "")
                        + f"; aot build {model_file} --topology {topology or 'live'} --world-size {world_size} --strategy auto"
                        + (f" --hierarchical {hierarchical}" if hierarchical != "auto" else "")
                        + (f" --precision {precision}" if precision else "")
                        + (f" --reduce-dtype {reduce_dtype}" if reduce_dtype else ""))
+            click.echo(f"memory of #{plans.index(best) + 1}: {describe_memory(best.row())}")
+            if best.recompute is not None:
+                without = next((p for p in plans if p.recompute is None and p.strategy == best.strategy
+                                and p.bucket_mb == best.bucket_mb), None)
+                click.echo(f"recomputing activations (keeping at most {best.recompute:g} of the saved activation bytes)"
+                           + (f"; without: peak {human(without.prediction.memory.peak)}, over the "
+                              f"{human(int(MEMORY_HEADROOM * machine.memory_bytes))} usable" if without and machine.memory_bytes else ""))
         else:
             click.echo("\nno plan fits the device memory")
+            smallest = min(range(len(plans)), key=lambda i: plans[i].prediction.memory.peak)
+            click.echo(f"memory of #{smallest + 1} (the smallest peak): {describe_memory(rows[smallest])}")
     click.echo(f"planned in {seconds:.1f} s", err=True)
 
 

@@ -8,8 +8,13 @@
   make_fx.
 - `derive_without_fsdp`: the graph of a mesh without fsdp, read from the graph of the same mesh
   with fsdp=2 plus a trace of the step's end alone.
+- `capture_for_pricing`: capture_step's trace for pricing with module calls annotated as the
+  build's trace annotates them (aot.capture.module_calls), which recomputation reads to choose
+  whole layers (the planner prices recomputing variants of plans that do not fit).
 
-tests/test_plan_derived_graphs.py checks both against the build's own traces.
+tests/test_plan_derived_graphs.py checks the first two against the build's own traces, and
+tests/test_plan_recompute.py that recomputation chooses on the planner's graphs what it chooses on
+the build's.
 """
 
 from __future__ import annotations
@@ -18,9 +23,30 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile
-from aot.capture.step import StepLayout, _optimizer_tracing, _step_args, _step_program
+from aot.capture.module_calls import annotate_module_calls
+from aot.capture.step import CapturedStep, StepLayout, _capture, _optimizer_tracing, _step_args, _step_program
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
+
+
+# -- the planner's trace of a mesh ---------------------------------------------------------------
+
+def capture_for_pricing(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
+                        layout: StepLayout) -> CapturedStep:
+    """capture_step(..., check_ranks=False, for_pricing=True), each node annotated with the module
+    calls it comes from as the build's trace is (hooks on the module that runs, registered after
+    tensor parallelism's own, as aot.capture.step._capture registers them)."""
+    from aot.capture.tensor_parallel import rename_group, tensor_parallel
+
+    if layout.tp is None:
+        with annotate_module_calls(state.model):
+            return _capture(mf, state, inputs, targets, layout, None, True)
+    with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence,
+                         rank=0) as tp:
+        with annotate_module_calls(tp.model):
+            captured = _capture(mf, state, inputs, targets, layout, tp, True)
+        rename_group(captured.graph, tp.mesh.get_group().group_name, layout.tp.name)
+    return captured
 
 
 # -- a graph without fsdp from the graph with it (the planner) ------------------------------------
@@ -146,6 +172,10 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
     made = [holder(k, source) for k, source in enumerate([*tail_holders[:n_params], *rest])]
     for i in range(n_params):
         env[whole[i]] = made[i]
+        # the value forward reads (the gathered parameter: its storage is the tail's parameter's,
+        # `shared` below), so that forward's values are of one trace (one fake mode), as a pass
+        # that computes new values from them (recomputation) needs
+        made[i].meta["val"] = whole[i].meta.get("val")
     mapped = lambda a: torch.fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
 
     def copy(node) -> None:
@@ -158,6 +188,8 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
             raise _NotRecorded(str(target))
         new = graph.create_node("call_function", target, mapped(node.args), mapped(node.kwargs), name=name)
         new.meta["val"] = node.meta.get("val")
+        if "custom" in node.meta:  # the module calls it comes from (aot.capture.module_calls)
+            new.meta["custom"] = node.meta["custom"]
         env[node] = new
 
     try:
@@ -201,11 +233,13 @@ def trace_for_pricing(step, args: list) -> torch.fx.GraphModule:
 
 
 def _lean_make_fx(step, args: list) -> torch.fx.GraphModule:
+    import copy
     import operator
 
     import torch._dynamo  # noqa: F401  (make_fx imports it before tracing, for the same reason)
     import torch._functorch.config as functorch_config
     import torch.fx._symbolic_trace as symbolic_trace
+    import torch.fx.traceback as fx_traceback
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_impls import fast_detach
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -294,6 +328,14 @@ def _lean_make_fx(step, args: list) -> torch.fx.GraphModule:
                 raise _NotRecorded("symbolic value")
             return value
 
+        def create(self, target, args, kwargs, name=None) -> torch.fx.Node:
+            node = self.graph.create_node("call_function", target, args, kwargs, name=name)
+            if fx_traceback.has_preserved_node_meta():  # the annotations make_fx's tracer copies that aot reads
+                custom = fx_traceback.get_current_meta().get("custom")
+                if custom is not None:
+                    node.meta["custom"] = copy.copy(custom)
+            return node
+
         def track(self, value, node) -> None:
             if isinstance(value, torch.Tensor):
                 self.nodes[value] = node
@@ -301,7 +343,7 @@ def _lean_make_fx(step, args: list) -> torch.fx.GraphModule:
             elif isinstance(value, (list, tuple)):
                 node.meta["val"] = value_of(value)
                 for i, item in enumerate(value):
-                    self.track(item, self.graph.create_node("call_function", operator.getitem, (node, i), {}))
+                    self.track(item, self.create(operator.getitem, (node, i), {}))
             elif isinstance(value, torch.ScriptObject):
                 self.objects[hash(value)] = node
                 node.meta["val"] = value
@@ -334,8 +376,7 @@ def _lean_make_fx(step, args: list) -> torch.fx.GraphModule:
             node_args, node_kwargs = self.node_of(args), self.node_of(kwargs)
             if func is aten.lift_fresh.default:
                 func = aten.lift_fresh_copy.default
-            node = self.graph.create_node("call_function", func, node_args, node_kwargs,
-                                          name=self.graph._target_to_str(func.overloadpacket.__name__))
+            node = self.create(func, node_args, node_kwargs, name=self.graph._target_to_str(func.overloadpacket.__name__))
             out = func(*args, **kwargs)
             self.track(out, node)
             return out

@@ -7,6 +7,8 @@ cannot trace yet (Unsupported).
 
 from __future__ import annotations
 
+import copy
+import math
 from pathlib import Path
 
 from aot.errors import AotError
@@ -48,11 +50,19 @@ class ModelSteps:
       and backward, then the step's end (averaging, clipping, the optimizer) traced alone
       (aot.capture.pricing.derive_without_fsdp; traced in full where the graph is not of that form);
     - `prefetch` makes, before the search, the graphs it will ask for, on two cores where there are
-      two (aot.plan.trace_helper)."""
+      two (aot.plan.trace_helper).
+
+    Recomputation (`recomputing`): a graph (traced or derived) from which a plan may not fit device
+    memory (`memory_limit`) is also rewritten as the build would recompute it
+    (aot.passes.recompute.by_budget on the graph before the other passes, as
+    aot.plan.recompute.apply_request does) and analyzed, at activation budget RECOMPUTE_FRACTION
+    and, where that may still not fit, at the smallest feasible one; its derived meshes get the same
+    derivation. A graph that fits costs nothing more."""
 
     def __init__(self, model_path: Path, batch_size: int, seed: int = 0, world_size: int | None = None,
                  max_tp: int | None = None, sequence_parallel: bool = False, precision: str | None = None,
-                 reduce_dtype: str | None = None, profile: dict | None = None):
+                 reduce_dtype: str | None = None, profile: dict | None = None, memory_limit=None,
+                 compute=None):
         from aot.build import _example_batch
         from aot.capture.model_file import load_model_file
         from aot.capture.precision import resolve_precision
@@ -79,6 +89,13 @@ class ModelSteps:
         self._failed: dict[tuple, Exception] = {}    # key -> what tracing it raised (raised again when asked)
         self._derived: dict[tuple, list] = {}        # traced key -> [(key, mesh)] derived from its graph (`prefetch`)
         self._helper = None                          # aot.plan.trace_helper.Helper while it traces (`prefetch`)
+        # graphs from which a plan may not fit device memory (`memory_limit`: the planner's
+        # aot.plan.search.MemoryLimit) also get recomputing variants, their choices priced on
+        # `compute` (aot.plan.machine.Compute: the build's, for the same profile)
+        self.memory_limit = memory_limit if compute is not None else None
+        self.compute = compute
+        self.recomputed: dict[tuple, list[tuple[float, StepGraph]]] = {}   # key -> [(activation budget, graph)]
+        self.recompute_failed: dict[tuple, str] = {}  # key -> why its variants could not be made
 
     def tp_plan(self, tp: int) -> dict[str, str]:
         """The plan the build would use at this degree; Unsupported where the build would refuse."""
@@ -129,12 +146,11 @@ class ModelSteps:
         return _priced(*self._capture(dp, fsdp, tp))
 
     def _capture(self, dp: int, fsdp: int, tp: int):
-        from aot.capture.step import capture_step
+        from aot.capture.pricing import capture_for_pricing
         from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 
         # the build checks that every tp rank traces the same program; pricing needs one trace
-        captured = capture_step(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp),
-                                check_ranks=False, for_pricing=True)
+        captured = capture_for_pricing(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp))
         return plain_collectives(drop_profiler_calls(captured.graph)), captured.slots
 
     def _trace(self, key: tuple, source: tuple) -> dict[tuple, StepGraph]:
@@ -153,17 +169,67 @@ class ModelSteps:
                                           Mesh.group_name("fsdp"))
                 derived = None
                 if got is not None:
-                    derived_gm, slots, shared = got
-                    derived = analyze(derived_gm, slots, {storage_key(a.meta["val"]): storage_key(b.meta["val"])
-                                                          for a, b in shared})
+                    derived_gm, derived_slots, shared = got
+                    aliases = {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
+                    derived = analyze(derived_gm, derived_slots, aliases)
+                    self._recompute(other, derived_gm, derived_slots, derived, aliases)
             except Exception:  # noqa: BLE001  (traced instead)
                 derived = None
             try:
-                out[other] = derived if derived is not None else self.capture(dp, 1, tp)
+                out[other] = derived if derived is not None else self._captured(dp, 1, tp, other)
             except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
                 self._failed[other] = e
-        out[key] = _priced(gm, slots)  # after the derivations: it changes `gm`
+        out[key] = self._priced(key, gm, slots)  # after the derivations: it changes `gm`
         return out
+
+    def _captured(self, dp: int, fsdp: int, tp: int, key: tuple) -> StepGraph:
+        return self._priced(key, *self._capture(dp, fsdp, tp))
+
+    def _priced(self, key: tuple, gm, slots) -> StepGraph:
+        """_priced(gm, slots), and the recomputing variants of `key` where it does not fit."""
+        from aot.passes.graph_utils import shard_gathers
+
+        # regathering (in _priced) changes `gm`; a graph with fsdp gathers is kept as traced for
+        # recomputation, which the build applies before it (a graph without them is unchanged)
+        kept = copy.deepcopy(gm) if self.memory_limit is not None and shard_gathers(gm.graph) else gm
+        graph = _priced(gm, slots)
+        self._recompute(key, kept, slots, graph)
+        return graph
+
+    def _recompute(self, key: tuple, gm, slots, graph: StepGraph, aliases: dict | None = None) -> None:
+        """Where plans read from `graph` (the analyzed `gm`) may not fit, its variants recomputing
+        activations into `self.recomputed[key]`: at activation budget RECOMPUTE_FRACTION, and where
+        that does not fit but recomputing more might (or is below what can be reached), at the
+        smallest feasible budget."""
+        limit = self.memory_limit
+        if limit is None or not limit.over(graph) or (key[1] == 1 and limit.beyond_recompute(graph)):
+            return  # (a graph with fsdp: a wider axis holds less of what stays)
+        from aot.passes.recompute import by_budget, recompute_activations
+        from aot.passes.regather import regather_in_backward
+        from aot.plan.cost_model import node_seconds
+
+        cost = lambda n: node_seconds(n, self.compute)  # noqa: E731
+
+        def variant(fraction: float):
+            trial = copy.deepcopy(gm)
+            choice = by_budget(trial.graph, fraction, cost)
+            if not choice.nodes or choice.kept_bytes > fraction * choice.saved_bytes:
+                return None  # nothing to recompute, or the budget is below the smallest feasible
+            return fraction, analyze(regather_in_backward(recompute_activations(trial, choice)), slots, aliases)
+
+        variants = []
+        try:
+            first = variant(RECOMPUTE_FRACTION)
+            if first is not None:
+                variants.append(first)
+            if first is None or limit.more_may_help(first[1]):
+                least = smallest_fraction(by_budget(gm.graph, 0.0, cost).fraction)
+                if least < RECOMPUTE_FRACTION or first is None:
+                    variants += [v for v in [variant(least)] if v is not None]
+        except Exception as e:  # noqa: BLE001  (the plans without recomputation stand; the search says why)
+            self.recompute_failed[key] = f"{type(e).__name__}: {e}"
+            return
+        self.recomputed[key] = sorted(variants, key=lambda v: v[0])
 
     def _traced(self, dp: int, fsdp: int, tp: int) -> StepGraph:
         key = (dp > 1, fsdp, tp)
@@ -192,8 +258,22 @@ class ModelSteps:
         return 1, 2, tp
 
     def __call__(self, axes: tuple, shape: tuple) -> StepGraph:
-        from aot.plan.cost_model import drop_group, rescale, shard_scale
+        dp, fsdp, tp = self._degrees(axes, shape)
+        source = self._source(dp, fsdp, tp)
+        return self._derive(self._traced(*source), source, dp, fsdp, tp)
 
+    def recomputing(self, axes: tuple, shape: tuple) -> list[tuple[float, StepGraph]]:
+        """[(activation budget, the mesh's graph recomputing activations at it)]: empty where the
+        graph the mesh is read from fits device memory (call after the mesh's own graph)."""
+        dp, fsdp, tp = self._degrees(axes, shape)
+        source = self._source(dp, fsdp, tp)
+        key = (source[0] > 1, source[1], source[2])
+        if key in self.recompute_failed:
+            raise Unsupported(f"recomputing activations: {self.recompute_failed[key]}")
+        variants = self.recomputed.get(key, ())
+        return [(fraction, self._derive(graph, source, dp, fsdp, tp)) for fraction, graph in variants]
+
+    def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int]:
         degrees = dict(zip(axes, shape))
         other = [a for a, d in degrees.items() if a not in ("dp", "fsdp", "tp") and d > 1]
         if other:
@@ -201,8 +281,12 @@ class ModelSteps:
         dp, fsdp, tp = degrees.get("dp", 1), degrees.get("fsdp", 1), degrees.get("tp", 1)
         if tp > 1:
             self.layout(1, 1, tp)  # Unsupported here, before any trace, where the build would refuse tp
-        source = self._source(dp, fsdp, tp)
-        base = self._traced(*source)
+        return dp, fsdp, tp
+
+    def _derive(self, base: StepGraph, source: tuple, dp: int, fsdp: int, tp: int) -> StepGraph:
+        """The graph of mesh (dp, fsdp, tp) from `base`, the graph of its traced mesh `source`."""
+        from aot.plan.cost_model import drop_group, rescale, shard_scale
+
         if fsdp == 1:
             return base
         graph = base if dp > 1 or source[0] == 1 else drop_group(base, "aot.dp")
@@ -270,6 +354,15 @@ class ModelSteps:
             if self._helper is not None:
                 self._helper.close()
                 self._helper = None
+
+
+RECOMPUTE_FRACTION = 0.5   # the activation budget a graph that does not fit is priced at first
+
+
+def smallest_fraction(least: float) -> float:
+    """The smallest feasible activation budget (by_budget(graph, 0).fraction) rounded up to a
+    thousandth: a budget `aot build --activation-budget` reaches, as the plan records it."""
+    return math.ceil(round(least * 1000, 6)) / 1000
 
 
 def _priced(gm, slots) -> StepGraph:

@@ -9,8 +9,12 @@ end traced alone), on two cores where there are two; bucket sizes are applied an
 GPUs costs a handful of traces.
 
 Plans whose predicted peak memory per rank exceeds MEMORY_HEADROOM of the device's memory are kept
-in the table but marked as not fitting and never chosen. Ranking: predicted step time, then
-memory, then the fewest collectives.
+in the table but marked as not fitting and never chosen. Each such plan is also priced recomputing
+activations (`Plan.recompute`: the activation budget, aot.passes.recompute.by_budget, that
+`aot build --activation-budget` applies): its graph with the recomputation in it, so its step time
+includes the extra ops and its peak the activations no longer kept; the variant that fits and is
+fastest (else the one with the lowest peak) is a candidate of its own. Ranking: plans that fit
+first, then predicted step time, then memory, then the fewest collectives.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Plan:
     fits: bool
     nccl_algo: str | None = None
     notes: list[str] = field(default_factory=list)
+    recompute: float | None = None   # the activation budget recomputation was priced at (None: none)
 
     @property
     def strategy(self) -> str:
@@ -60,7 +65,7 @@ class Plan:
 
     def row(self) -> dict:
         p = self.prediction
-        return {"strategy": self.strategy, "bucket_mb": self.bucket_mb, "fits": self.fits,
+        return {"strategy": self.strategy, "bucket_mb": self.bucket_mb, "recompute": self.recompute, "fits": self.fits,
                 **p.to_json(), "placement": self.placement.to_json(), "nccl_algo": self.nccl_algo}
 
 
@@ -68,10 +73,13 @@ class Planner:
     """Prices plans for one machine. `step_graph(axes, shape)` gives the unbucketed step graph of
     one rank for a mesh (raising Unsupported when the build cannot trace it)."""
 
-    def __init__(self, machine: Machine, step_graph: Callable[[tuple, tuple], StepGraph], hierarchical: str = "auto"):
+    def __init__(self, machine: Machine, step_graph: Callable[[tuple, tuple], StepGraph], hierarchical: str = "auto",
+                 recomputing: Callable[[tuple, tuple], list[tuple[float, StepGraph]]] | None = None):
         self.machine = machine
         self.hierarchical = hierarchical  # all_reduces in two levels: "auto" (where cheaper), "always", "never"
         self._step_graph = step_graph
+        # (axes, shape) -> [(activation budget, the mesh's graph recomputing at it)] (ModelSteps.recomputing)
+        self._recomputing = recomputing
         self._graphs: dict = {}
         self._op_times: dict = {}
         # a search prices every bucket size of a mesh on the same placement: the spans of its
@@ -205,8 +213,57 @@ class Planner:
                 plan = self.evaluate(axes, shape, mb, step=graph, bucketed=True, placement=placement)
                 seen[signature] = plan
                 plans.append(plan)
+            over = [p for p in seen.values() if not p.fits]
+            if over and self._recomputing is not None:
+                try:
+                    plans += self.recomputing(axes, shape, over)
+                except Unsupported as e:
+                    skipped.append(f"{strategy_string(axes, shape)}: {e}")
         plans.sort(key=rank_key)
         return plans, skipped
+
+    def recomputing(self, axes, shape, over: list[Plan]) -> list[Plan]:
+        """For each plan of one mesh that does not fit, the plan recomputing activations: of the
+        activation budgets priced, the fastest that fits, else the one with the lowest peak."""
+        variants = self._recomputing(tuple(axes), tuple(shape))
+        out = []
+        for plan in over:
+            priced = [self.evaluate(axes, shape, plan.bucket_mb, step=rebucket(graph, int(plan.bucket_mb * MiB)),
+                                    bucketed=True, placement=plan.placement) for _, graph in variants]
+            for variant, (fraction, _) in zip(priced, variants):
+                variant.recompute = fraction
+            if priced:
+                out.append(min(priced, key=lambda p: (not p.fits, p.prediction.step_s if p.fits else p.prediction.memory.peak)))
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """What a rank may hold (MEMORY_HEADROOM of the device's memory), as ModelSteps asks it of a
+    step graph before pricing it recomputing activations."""
+    bytes: float
+    bucket_mbs: tuple | None = None   # the bucket sizes the search was given (None: its own)
+
+    def over(self, step: StepGraph) -> bool:
+        """Whether a plan read from `step` may not fit: at any bucket size the search tries, or with
+        one bucket as large as the graph allows. The graphs derived from it hold less."""
+        if step.memory.peak > self.bytes:
+            return True
+        sizes = [*_bucket_candidates(step, self.bucket_mbs), 2**40]
+        return any(rebucket(step, int(mb * MiB)).memory.peak > self.bytes for mb in sizes)
+
+    def beyond_recompute(self, step: StepGraph) -> bool:
+        """Whether recomputing activations cannot make a plan of `step` fit: what is live at its
+        peak besides activations (parameters, optimizer state, gradients, buffers) is over the
+        limit already (recomputation leaves those as they are)."""
+        m = step.memory
+        return m.peak - m.at_peak.get("activations", 0) > self.bytes
+
+    def more_may_help(self, step: StepGraph) -> bool:
+        """Whether a graph recomputing activations does not fit (with the default bucket size) but
+        recomputing more might: activations are part of what is live at its peak, enough to matter."""
+        m = rebucket(step, int(DEFAULT_BUCKET_MB * MiB)).memory
+        return m.peak > self.bytes and not m.peak - m.at_peak.get("activations", 0) > self.bytes
 
 
 def rank_key(plan: Plan):
@@ -267,8 +324,10 @@ def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int
         machine = Machine(profile, world_size)
         steps = ModelSteps(model_path, batch_size, seed, world_size, max_tp=machine.per_node,
                            sequence_parallel=sequence_parallel, precision=precision, reduce_dtype=reduce_dtype,
-                           profile=profile)
-        planner = Planner(machine, steps, hierarchical)
+                           profile=profile, compute=machine.compute,
+                           memory_limit=MemoryLimit(MEMORY_HEADROOM * machine.memory_bytes, bucket_mbs)
+                           if machine.memory_bytes else None)
+        planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing)
         searched = tuple(axes or SUPPORTED_AXES)
         steps.prefetch(searched)
         plans, skipped = planner.search(searched, bucket_mbs)
@@ -305,9 +364,12 @@ def manifest_entry(planner: Planner, chosen: Plan, graph, slots, ranked: list[Pl
                       "device_memory_bytes": machine.memory_bytes},
         "candidates": [{"strategy": p.strategy, "bucket_mb": p.bucket_mb, "step_s": p.prediction.step_s,
                         "peak_memory_bytes": p.prediction.memory.peak, "collectives_per_step": p.prediction.collectives,
-                        "fits": p.fits} for p in ranked[:16]],
+                        "fits": p.fits, **({"recompute": p.recompute} if p.recompute is not None else {})}
+                       for p in ranked[:16]],
         "timeline": TIMELINE_FILE,
     }
+    if chosen.recompute is not None:  # the activation budget the plan was priced at, which the build applied
+        entry["recompute"] = chosen.recompute
     data = (json.dumps(trace, separators=(",", ":")) + "\n").encode()
     return entry, {TIMELINE_FILE: data}
 
@@ -319,10 +381,16 @@ class BuildPlan:
     chosen: Plan
     ranked: list[Plan]
     batch_size: int
+    model_recompute: bool = False   # the model file names its own `recompute` policy
 
     @property
     def strategy(self) -> str:
         return self.chosen.strategy
+
+    @property
+    def activation_budget(self) -> float | None:
+        """The activation budget the chosen plan recomputes at (None: it recomputes nothing)."""
+        return self.chosen.recompute
 
     @property
     def bucket_mb(self) -> float:
@@ -347,15 +415,17 @@ def plan_for_build(options, profile: dict, progress) -> BuildPlan:
     placement it was priced with (`chosen.placement`), which the build applies."""
     progress.total += 1
     with progress.stage(f"planning: pricing strategies and bucket sizes on topology {profile['name']!r}"):
-        plans, skipped, planner, _ = plan_model(options.model_path, profile, options.world_size, options.batch_size,
-                                                seed=options.seed, sequence_parallel=options.sequence_parallel,
-                                                hierarchical=options.hierarchical, precision=options.precision,
-                                                reduce_dtype=options.reduce_dtype)
+        plans, skipped, planner, steps = plan_model(options.model_path, profile, options.world_size, options.batch_size,
+                                                    seed=options.seed, sequence_parallel=options.sequence_parallel,
+                                                    hierarchical=options.hierarchical, precision=options.precision,
+                                                    reduce_dtype=options.reduce_dtype)
         chosen = best_plan(plans)
     p = chosen.prediction
-    progress.note(f"plan: --strategy {chosen.strategy} --bucket-mb {chosen.bucket_mb:g}, predicted {p.step_s * 1e3:.3g} ms "
-                  f"per step, {p.memory.peak / 2**20:.1f} MiB per rank (best of {len(plans)} candidates)")
-    return BuildPlan(planner, chosen, plans, options.batch_size)
+    recompute = f" --activation-budget {chosen.recompute:g}" if chosen.recompute is not None else ""
+    progress.note(f"plan: --strategy {chosen.strategy} --bucket-mb {chosen.bucket_mb:g}{recompute}, predicted "
+                  f"{p.step_s * 1e3:.3g} ms per step, {p.memory.peak / 2**20:.1f} MiB per rank (best of {len(plans)} candidates)")
+    return BuildPlan(planner, chosen, plans, options.batch_size,
+                     model_recompute=steps.mf.globals.get("recompute") is not None)
 
 
 def best_plan(plans: list[Plan]) -> Plan:
@@ -363,7 +433,8 @@ def best_plan(plans: list[Plan]) -> Plan:
     if not fitting:
         smallest = min(plans, key=lambda p: p.prediction.memory.peak) if plans else None
         from runner.inspect import human
-        need = f" (the smallest needs {human(smallest.prediction.memory.peak)} per rank)" if smallest else ""
+        need = (f" (the smallest needs {human(smallest.prediction.memory.peak)} per rank"
+                + (", recomputing activations" if smallest.recompute is not None else "") + ")") if smallest else ""
         raise AotError(f"no plan fits the device memory{need}")
     return fitting[0]
 

@@ -3,7 +3,8 @@
 Tracing is most of `aot plan`'s time and runs on one core (Python). A fork of the planning process
 starts with torch, the model and its state already in memory, so a second core costs nothing to set
 up. The copy finds the tensor-parallel plan (if the search needs one) and traces its share of the
-graphs; each graph comes back as a JSON file in a private folder, announced by one line on a pipe
+graphs; each graph comes back as a JSON file in a private folder (with its variants recomputing
+activations, where it does not fit: ModelSteps.recomputed), announced by one line on a pipe
 (nothing this project writes or reads is a pickle). A graph the copy fails to make, or does not
 announce within HELPER_SILENCE_S, is traced by the planning process itself, so the helper can make
 a search faster but never different (tests/test_plan_derived_graphs.py).
@@ -95,6 +96,7 @@ class Helper:
     from each); `find_plan`: find the tensor-parallel plan first."""
 
     def __init__(self, steps, jobs: list[tuple], find_plan: bool):
+        self.steps = steps
         self.folder = tempfile.mkdtemp(prefix="aot-plan-")
         self.jobs = {key for key, _ in jobs} | {other for key, _ in jobs for other, _ in steps._derived.get(key, ())}
         self.find_plan = find_plan
@@ -148,8 +150,11 @@ class Helper:
                 path = None
                 if graphs.get(k) is not None:
                     path = os.path.join(self.folder, f"{'-'.join(str(int(v)) for v in k)}.json")
+                    made = {"graph": graph_to_json(graphs[k]),
+                            "recompute": [[f, graph_to_json(g)] for f, g in steps.recomputed.get(k, ())],
+                            "recompute_failed": steps.recompute_failed.get(k)}
                     with open(path + ".part", "w") as f:
-                        json.dump(graph_to_json(graphs[k]), f)
+                        json.dump(made, f)
                     os.replace(path + ".part", path)
                 announce(json.dumps(list(k)), path=path)
         os.close(fd)
@@ -180,7 +185,9 @@ class Helper:
         return None if message is None else message["plan"]
 
     def take(self, key: tuple) -> StepGraph | None:
-        """The copy's graph for `key`; None where it was not the copy's or the copy did not make it."""
+        """The copy's graph for `key`; None where it was not the copy's or the copy did not make it.
+        Its recomputing variants (or why there are none) go into the ModelSteps' `recomputed`
+        (`recompute_failed`)."""
         if key not in self.jobs:
             return None
         self.jobs.discard(key)
@@ -188,7 +195,12 @@ class Helper:
         graph = None
         if message is not None and message["path"] is not None:
             with open(message["path"]) as f:
-                graph = graph_from_json(json.load(f))
+                made = json.load(f)
+            graph = graph_from_json(made["graph"])
+            if made["recompute"]:
+                self.steps.recomputed[key] = [(f, graph_from_json(g)) for f, g in made["recompute"]]
+            if made["recompute_failed"] is not None:
+                self.steps.recompute_failed[key] = made["recompute_failed"]
         if not self.jobs and not self.find_plan:
             self.close()
         return graph

@@ -1,0 +1,162 @@
+"""The planner and recomputation: memory per rank itemized in `aot plan`, and a plan that does not fit
+device memory priced again recomputing activations, ranked with the rest and built by
+`aot build --strategy auto` with that recomputation.
+
+The device memory of the test profile is computed from the predictions (one byte under what the
+leanest plan without recomputation needs), never guessed: every plan without recomputation then
+does not fit, and recomputation takes the leanest well under it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from aot.cli import cli
+from aot.plan.search import MEMORY_HEADROOM
+from runner.artifact import Artifact
+from runner.topology import load_profile
+
+REPO = Path(__file__).resolve().parents[1]
+GPT = str(REPO / "examples" / "gpt.py")
+WORLD = ["--world-size", "2"]
+
+
+def _plan(*args, as_json: bool = True):
+    result = CliRunner().invoke(cli, ["plan", *args, *(["--json"] if as_json else [])], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output) if as_json else result.output
+
+
+@pytest.fixture(scope="module")
+def roomy() -> dict:
+    """gpt.py on 2 ranks of a dgx_a100 (80 GB: everything fits)."""
+    return _plan(GPT, "--topology", "dgx_a100", *WORLD)
+
+
+@pytest.fixture(scope="module")
+def tight(roomy, tmp_path_factory) -> tuple[Path, dict]:
+    """A dgx_a100 whose GPUs hold one byte less (after headroom) than the leanest plan without
+    recomputation needs, and `aot plan --json` on it."""
+    leanest = min(p["memory_bytes"]["peak"] for p in roomy["plans"])
+    profile = copy.deepcopy(load_profile("dgx_a100"))
+    profile["name"] = "dgx_a100_tight"
+    for gpu in profile["node"]["gpus"].values():
+        gpu["memory_bytes"] = int((leanest - 1) / MEMORY_HEADROOM)
+    path = tmp_path_factory.mktemp("profile") / "tight.json"
+    path.write_text(json.dumps(profile))
+    return path, _plan(GPT, "--topology", str(path), *WORLD)
+
+
+def test_plan_itemizes_memory_per_rank(roomy):
+    assert roomy["device_memory_bytes"] == 85899345920 and roomy["memory_headroom"] == MEMORY_HEADROOM
+    for plan in roomy["plans"]:
+        m = plan["memory_bytes"]
+        assert plan["recompute"] is None and plan["fits"]  # all fit: nothing recomputed, nothing priced recomputing
+        assert m["peak"] == m["params"] + m["buffers"] + m["optimizer"] + m["batch"] + m["peak_transient"]
+        assert set(m["at_peak"]) == {"activations", "gradients", "collective_buffers", "updated_state"}
+        assert sum(m["at_peak"].values()) == m["peak_transient"]
+        assert 0 < m["at_peak"]["activations"] <= m["activations_peak"]
+        assert m["params"] > 0 and m["optimizer"] > 0
+    by_strategy = {p["strategy"]: p["memory_bytes"] for p in roomy["plans"] if p["bucket_mb"] == 25.0}
+    # AdamW: two moments per parameter (and a step counter each); fsdp and tp hold less of each
+    assert by_strategy["fsdp=2"]["params"] < by_strategy["dp=2"]["params"]
+    assert by_strategy["tp=2"]["optimizer"] < by_strategy["dp=2"]["optimizer"]
+    assert by_strategy["dp=2"]["optimizer"] >= 2 * by_strategy["dp=2"]["params"]
+
+
+def test_plan_table_shows_recompute_and_the_best_plans_memory(roomy):
+    text = _plan(GPT, "--topology", "dgx_a100", *WORLD, "--axes", "dp", as_json=False)
+    header = text.splitlines()[2]
+    assert "recompute" in header and "memory/rank" in header
+    line = next(s for s in text.splitlines() if s.startswith("memory of #1: "))
+    for part in ("parameters", "optimizer state", "at the peak activations", "gradients", "collective buffers"):
+        assert part in line, line
+
+
+def test_a_plan_that_does_not_fit_is_priced_recomputing_and_ranked_first(tight):
+    _, out = tight
+    plans = out["plans"]
+    assert not any("recomputing" in s for s in out["skipped"]), out["skipped"]
+    assert all(not p["fits"] for p in plans if p["recompute"] is None)
+    best = plans[0]
+    assert best["fits"] and best["recompute"] is not None and 0 < best["recompute"] < 1
+    assert best["memory_bytes"]["peak"] <= MEMORY_HEADROOM * out["device_memory_bytes"]
+    without = next(p for p in plans if p["recompute"] is None and p["strategy"] == best["strategy"]
+                   and p["bucket_mb"] == best["bucket_mb"])
+    # recomputation frees saved activations and pays for their ops again
+    assert best["memory_bytes"]["peak"] < without["memory_bytes"]["peak"]
+    assert best["memory_bytes"]["activations_peak"] < without["memory_bytes"]["activations_peak"]
+    assert best["step_s"] > without["step_s"] and best["compute_s"] > without["compute_s"]
+    assert best["collectives_per_step"] == without["collectives_per_step"]
+    # fitting plans first, then by step time
+    fits = [p["fits"] for p in plans]
+    assert fits == sorted(fits, reverse=True)
+    fitting = [p["step_s"] for p in plans if p["fits"]]
+    assert fitting == sorted(fitting)
+
+
+def test_build_strategy_auto_recomputes_as_planned(tight, tmp_path):
+    path, out = tight
+    best = out["plans"][0]
+    art = tmp_path / "art"
+    result = CliRunner().invoke(cli, ["build", GPT, "--topology", str(path), *WORLD, "--strategy", "auto", "--no-onnx",
+                                      "-o", str(art)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert f"recomputing activations as planned: --activation-budget {best['recompute']:g}" in result.output
+    manifest = Artifact(art).manifest
+    assert manifest["build"]["strategy"] == best["strategy"] and manifest["build"]["bucket_mb"] == best["bucket_mb"]
+    recompute = manifest["memory"]["recompute"]
+    assert recompute["policy"] == "budget" and recompute["activation_budget"] == best["recompute"]
+    assert recompute["kept_activation_bytes"] <= best["recompute"] * recompute["saved_activation_bytes"]
+    plan = manifest["plan"]
+    assert plan["recompute"] == best["recompute"] and plan["candidates"][0]["recompute"] == best["recompute"]
+    assert plan["predicted"]["fits"]
+
+
+def test_the_recomputing_graphs_priced_are_the_builds(monkeypatch):
+    """Every recomputing variant the planner prices (traced, derived without fsdp, with tp; made in
+    this process and in the forked helper, which share the graphs) is the build's graph of that mesh
+    with aot.passes.recompute.by_budget applied at that activation budget before the other passes."""
+    from aot.capture.step import capture_step
+    from aot.passes.cleanup import drop_profiler_calls, plain_collectives
+    from aot.passes.recompute import by_budget, recompute_activations
+    from aot.passes.regather import regather_in_backward
+    from aot.plan.cost_model import analyze, node_seconds
+    from aot.plan.machine import Machine
+    from aot.plan.model_steps import ModelSteps
+    from runner.topology import for_nodes
+    from test_plan_derived_graphs import _facts
+
+    monkeypatch.setenv("AOT_PLAN_WORKERS", "2")
+    profile = for_nodes(load_profile("dgx_a100"), None, 2)
+    machine = Machine(profile, 2)
+    class NothingFits:  # every graph gets its variants, at 0.5 and at the smallest feasible budget
+        def over(self, graph):
+            return True
+
+        def beyond_recompute(self, graph):
+            return False
+
+        def more_may_help(self, graph):
+            return True
+
+    steps = ModelSteps(GPT, 8, world_size=2, max_tp=8, profile=profile, memory_limit=NothingFits(), compute=machine.compute)
+    steps.prefetch(("dp", "fsdp", "tp"))
+    assert sorted(steps.recomputed) == [(False, 1, 2), (False, 2, 1), (True, 1, 1)] and not steps.recompute_failed
+    assert (True, 1, 1) in steps._derived[(False, 2, 1)][0]  # dp=2's graph derived from fsdp=2's
+    cost = lambda n: node_seconds(n, machine.compute)  # noqa: E731
+    for key, variants in steps.recomputed.items():
+        assert len(variants) == 2 and variants[0][0] < variants[1][0] == 0.5
+        captured = capture_step(steps.mf, steps.state, steps.inputs, steps.targets,
+                                steps.layout(2 if key[0] else 1, key[1], key[2]), check_ranks=False)
+        gm = plain_collectives(drop_profiler_calls(captured.graph))
+        for fraction, graph in variants:
+            trial = copy.deepcopy(gm)
+            choice = by_budget(trial.graph, fraction, cost)
+            built = analyze(regather_in_backward(recompute_activations(trial, choice)), captured.slots)
+            assert _facts(graph) == _facts(built), (key, fraction)
