@@ -164,7 +164,7 @@ def describe_memory(memory: dict | None) -> list[str]:
              f"batch {human(resident.get('batch', 0))}; at the peak "
              + ", ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in at_peak.items())]
     policy = rc.get("policy", "none")
-    if policy == "none":
+    if policy == "none" or not rc.get("recomputed_values"):
         lines.append(f"  recompute  nothing ({'the step fits ' + human(rc['memory_budget_bytes']) if 'memory_budget_bytes' in rc else 'no budget given'})")
         return lines
     asked = {"modules": lambda: f"model file: checkpoint {', '.join(rc.get('modules', []))}"

@@ -16,8 +16,12 @@ import torch
 from aot.passes.graph_utils import COLLECTIVES, WAIT, first_user, is_call, latest_input, place_after
 
 aten = torch.ops.aten
-# Ops that only reshape or pack a tensor for a collective: free to move with it.
-_PACKING = {aten.view.default, aten.cat.default, aten._unsafe_view.default, aten.reshape.default}
+# Ops that only reshape, pack, pad or cast a tensor for a collective: free to move with it. The
+# padding (slice_backward: a gradient into FSDP's flat-padded layout) and the cast to the reduce
+# dtype matter most: autograd runs FSDP's gradient reduce-scatters last (their gathers were made
+# first), so without moving these every layer's full gradient lived until the end of backward.
+_PACKING = {aten.view.default, aten.cat.default, aten._unsafe_view.default, aten.reshape.default,
+            aten.slice_backward.default, aten.constant_pad_nd.default, aten._to_copy.default}
 # Ops that only unpack a collective's result: they move down with its wait.
 _UNPACKING = {aten.view.default, aten.split_with_sizes.default, aten._unsafe_view.default, operator.getitem,
               aten.slice.Tensor}

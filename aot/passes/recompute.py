@@ -160,7 +160,6 @@ def by_budget(graph: torch.fx.Graph, fraction: float, cost: Callable) -> Choice:
 def _layers_and_values(fwd: Forward, layers: set, fraction: float, cost: Callable) -> Choice:
     region = {n: _region_of(n, lambda call: call in layers) for n in fwd.nodes}
     choice = _checkpoint(fwd, region, lambda n: False)
-    choice.cost_s = sum(cost(n) for n in choice.nodes)
     chosen = {o for o in fwd.saved if o in choice.nodes}
     pinned = set(choice.pinned)
     candidates = []
@@ -171,10 +170,10 @@ def _layers_and_values(fwd: Forward, layers: set, fraction: float, cost: Callabl
         seconds = sum(cost(n) for n in nodes)
         gain = size - sum(_storage_bytes(e) for e in extra)
         if gain > 0:
-            candidates.append((seconds / gain, owner, nodes, stops, extra, seconds))
+            candidates.append((seconds / gain, owner, nodes, stops, extra))
     candidates.sort(key=lambda c: (c[0], c[1].name))
     kept_extra = set(choice.kept) - set(fwd.saved)
-    for _, owner, nodes, stops, extra, seconds in candidates:
+    for _, owner, nodes, stops, extra in candidates:
         if choice.kept_bytes <= fraction * choice.saved_bytes:
             break
         if owner in pinned or stops & chosen:
@@ -187,9 +186,9 @@ def _layers_and_values(fwd: Forward, layers: set, fraction: float, cost: Callabl
         kept_extra |= extra
         choice.nodes |= nodes
         choice.kept_bytes -= gain
-        choice.cost_s += seconds
     choice.nodes |= fwd.views_of(chosen)
     choice.values = len(chosen)
+    choice.cost_s = sum(cost(n) for n in choice.nodes)  # each copied once, however many values share it
     return choice
 
 
