@@ -208,6 +208,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         captured.graph, recompute = apply_request(captured.graph, captured.slots, recompute_request, machine.compute, finish)
         memory = analyze(captured.graph, captured.slots).memory
     progress.note(describe_memory(memory, recompute))
+    if recompute.get("warning"):
+        progress.warn(recompute["warning"])
     subgroups = level_groups(captured.graph, machine, placement)
     if subgroups:
         split = sum(1 for n in captured.graph.graph.nodes if n.op == "call_function" and n.args and str(n.args[-1]).endswith(".inter"))
@@ -279,7 +281,7 @@ def describe_memory(memory, recompute: dict) -> str:
     line = (f"predicted peak {human(parts['peak'])} per rank: parameters {human(parts['resident']['params'])}, "
             f"optimizer state {human(parts['resident']['optimizer'])}, at the peak "
             + ", ".join(f"{name.replace('_', ' ')} {human(n)}" for name, n in parts["at_peak"].items() if n))
-    if recompute.get("policy", "none") != "none":
+    if recompute.get("recomputed_values"):
         line += (f"; recomputing {recompute['recomputed_values']} saved value(s) in backward "
                  f"({recompute['recomputed_ops']} ops): saved activations {human(recompute['saved_activation_bytes'])} -> "
                  f"{human(recompute['kept_activation_bytes'])}")
