@@ -8,11 +8,8 @@
   make_fx.
 - `derive_without_fsdp`: the graph of a mesh without fsdp, read from the graph of the same mesh
   with fsdp=2 plus a trace of the step's end alone.
-- `capture_for_pricing`: capture_step's trace for pricing with module calls annotated as the
-  build's trace annotates them (aot.capture.module_calls), which recomputation reads to choose
-  whole layers (the planner prices recomputing variants of plans that do not fit).
 
-tests/test_plan_derived_graphs.py checks the first two against the build's own traces, and
+tests/test_plan_derived_graphs.py checks both against the build's own traces, and
 tests/test_plan_recompute.py that recomputation chooses on the planner's graphs what it chooses on
 the build's.
 """
@@ -23,30 +20,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile
-from aot.capture.module_calls import annotate_module_calls
-from aot.capture.step import CapturedStep, StepLayout, _capture, _optimizer_tracing, _step_args, _step_program
+from aot.capture.step import StepLayout, _optimizer_tracing, _step_args, _step_program
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
-
-
-# -- the planner's trace of a mesh ---------------------------------------------------------------
-
-def capture_for_pricing(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
-                        layout: StepLayout) -> CapturedStep:
-    """capture_step(..., check_ranks=False, for_pricing=True), each node annotated with the module
-    calls it comes from as the build's trace is (hooks on the module that runs, registered after
-    tensor parallelism's own, as aot.capture.step._capture registers them)."""
-    from aot.capture.tensor_parallel import rename_group, tensor_parallel
-
-    if layout.tp is None:
-        with annotate_module_calls(state.model):
-            return _capture(mf, state, inputs, targets, layout, None, True)
-    with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence,
-                         rank=0) as tp:
-        with annotate_module_calls(tp.model):
-            captured = _capture(mf, state, inputs, targets, layout, tp, True)
-        rename_group(captured.graph, tp.mesh.get_group().group_name, layout.tp.name)
-    return captured
 
 
 # -- a graph without fsdp from the graph with it (the planner) ------------------------------------

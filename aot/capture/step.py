@@ -344,13 +344,14 @@ def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], ta
     step, _ = _step_program(mf, state, len(inputs), layout, tp)
     args, slots = _step_args(state, layout, inputs, targets)
     try:
-        with _optimizer_tracing(), quiet_trace_logs():
+        # every node knows its module call (recomputation checkpoints layers by them), in the
+        # planner's traces as in the build's
+        with _optimizer_tracing(), quiet_trace_logs(), annotate_module_calls(state.model if tp is None else tp.model):
             if for_pricing:
                 from aot.capture.pricing import trace_for_pricing
                 graph = trace_for_pricing(step, args)
             else:
-                with annotate_module_calls(state.model if tp is None else tp.model):
-                    graph = make_fx(step, tracing_mode="fake")(*args)
+                graph = make_fx(step, tracing_mode="fake")(*args)
     except AotError:
         raise
     except Exception as e:

@@ -146,11 +146,12 @@ class ModelSteps:
         return _priced(*self._capture(dp, fsdp, tp))
 
     def _capture(self, dp: int, fsdp: int, tp: int):
-        from aot.capture.pricing import capture_for_pricing
+        from aot.capture.step import capture_step
         from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 
         # the build checks that every tp rank traces the same program; pricing needs one trace
-        captured = capture_for_pricing(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp))
+        captured = capture_step(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp),
+                                check_ranks=False, for_pricing=True)
         return plain_collectives(drop_profiler_calls(captured.graph)), captured.slots
 
     def _trace(self, key: tuple, source: tuple) -> dict[tuple, StepGraph]:
