@@ -54,6 +54,7 @@ class BuildOptions:
     reduce_dtype: str | None = None  # gradients reduced in fp32 or the compute dtype (None: the model file's, else fp32)
     memory_budget: str | None = None  # peak per rank to fit by recomputing activations ("70GiB"; None: device memory)
     activation_budget: float | None = None  # or: the fraction of saved activation bytes kept
+    activation_budget_source: str = "--activation-budget"  # or "plan": --strategy auto chose it
 
 
 def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
@@ -149,7 +150,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
                      "--activation-budget" if options.activation_budget is not None else
                      "the model file's recompute" if planned.model_recompute else None)
             if given is None:
-                options = replace(options, activation_budget=planned.activation_budget)
+                options = replace(options, activation_budget=planned.activation_budget, activation_budget_source="plan")
                 progress.note(f"recomputing activations as planned: --activation-budget {planned.activation_budget:g} "
                               f"(the plan does not fit device memory without)")
             else:
@@ -170,7 +171,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         precision = resolve_precision(options.precision, options.reduce_dtype, mf.globals, mf.path.name, profile)
         machine = Machine(profile, mesh.world_size)
         recompute_request = resolve_request(options.memory_budget, options.activation_budget, mf.globals, mf.path.name,
-                                            machine.memory_bytes, MEMORY_HEADROOM)
+                                            machine.memory_bytes, MEMORY_HEADROOM, options.activation_budget_source)
         example = _stored_example(mf, options.batch_size, mesh.data_parallel_size, progress)
         inputs, targets = split_batch_tensors(example, "batch()")
         rank_inputs = [t[: options.batch_size] for t in inputs]

@@ -261,7 +261,8 @@ def render(summary: dict) -> str:
     if plan:  # written by `aot build --strategy auto`: the planner's predictions for this artifact
         p = plan.get("predicted", {})
         mem = p.get("memory_bytes", {})
-        lines.append(f"plan       {plan.get('strategy')}, bucket {plan.get('bucket_mb')} MiB, chosen by {plan.get('source')} on "
+        recompute = f", recomputing at activation budget {plan['recompute']:g}" if plan.get("recompute") is not None else ""
+        lines.append(f"plan       {plan.get('strategy')}, bucket {plan.get('bucket_mb')} MiB{recompute}, chosen by {plan.get('source')} on "
                      f"{plan.get('topology')} ({'calibrated' if plan.get('calibrated') else 'uncalibrated'})")
         lines.append(f"  predicted {p.get('step_s', 0) * 1e3:.3g} ms per step (compute {p.get('compute_s', 0) * 1e3:.3g} ms, "
                      f"communication {p.get('comm_s', 0) * 1e3:.3g} ms of which {p.get('exposed_comm_s', 0) * 1e3:.3g} ms exposed), "

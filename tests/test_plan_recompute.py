@@ -112,6 +112,7 @@ def test_build_strategy_auto_recomputes_as_planned(tight, tmp_path):
     assert manifest["build"]["strategy"] == best["strategy"] and manifest["build"]["bucket_mb"] == best["bucket_mb"]
     recompute = manifest["memory"]["recompute"]
     assert recompute["policy"] == "budget" and recompute["activation_budget"] == best["recompute"]
+    assert recompute["source"] == "plan"
     assert recompute["kept_activation_bytes"] <= best["recompute"] * recompute["saved_activation_bytes"]
     plan = manifest["plan"]
     assert plan["recompute"] == best["recompute"] and plan["candidates"][0]["recompute"] == best["recompute"]

@@ -52,7 +52,7 @@ def parse_memory(text: str) -> int:
 
 
 def resolve_request(memory_budget: str | None, activation_budget: float | None, model_globals: dict, name: str,
-                    device_memory: int | None, headroom: float) -> Request:
+                    device_memory: int | None, headroom: float, fraction_source: str = "--activation-budget") -> Request:
     """The flags win over the model file's `recompute`; with neither, the profile's device memory
     (less the planner's headroom) is the budget, so a step that fits recomputes nothing."""
     if memory_budget is not None and activation_budget is not None:
@@ -60,7 +60,7 @@ def resolve_request(memory_budget: str | None, activation_budget: float | None, 
     if activation_budget is not None:
         if not 0.0 <= activation_budget <= 1.0:
             raise AotError(f"--activation-budget is the fraction of saved activations kept, from 0 to 1; got {activation_budget}")
-        return Request(fraction=activation_budget, source="--activation-budget")
+        return Request(fraction=activation_budget, source=fraction_source)
     if memory_budget is not None:
         return Request(memory_bytes=parse_memory(memory_budget), source="--memory-budget")
     policy = (model_globals or {}).get("recompute")
