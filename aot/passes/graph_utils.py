@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 funcol = torch.ops._c10d_functional
 ALL_REDUCE = funcol.all_reduce.default
@@ -62,6 +63,30 @@ def fresh_value(node: torch.fx.Node) -> None:
     with mode:
         node.meta["val"] = node.target(*torch.fx.node.map_aggregate(node.args, as_value),
                                        **torch.fx.node.map_aggregate(node.kwargs, as_value))
+
+
+def tensors(value) -> list[torch.Tensor]:
+    """The tensors in a value (a tensor, or nested lists and tuples of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for v in value for t in tensors(v)] if isinstance(value, (list, tuple)) else []
+
+
+def storage_key(t: torch.Tensor):
+    """What identifies the storage a tensor lives in (tensors sharing one are one allocation)."""
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except Exception:
+        return id(t)
+
+
+def written_values(node: torch.fx.Node) -> list:
+    """The arguments an op writes in place (its schema marks them mutable: `Tensor(a!) self`)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    return [node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            for i, arg in enumerate(schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
 
 
 def tensor_bytes(node: torch.fx.Node) -> int:

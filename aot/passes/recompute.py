@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from aot.capture.module_calls import MODULE_CALLS
-from aot.passes.graph_utils import COLLECTIVES, WAIT, fresh_value, loss_node
+from aot.passes.graph_utils import COLLECTIVES, WAIT, fresh_value, loss_node, storage_key, tensors, written_values
 
 aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the expensive ones (names, as some exist only in some builds)
@@ -79,8 +78,8 @@ class Forward:
         first: dict = {}
         for node in nodes:
             if node.op == "placeholder":
-                for t in _tensors(node.meta.get("val")):
-                    first.setdefault(_storage_key(t), None)
+                for t in tensors(node.meta.get("val")):
+                    first.setdefault(storage_key(t), None)
         self.owner: dict = {}   # forward node -> the node whose storage it lives in (None: a graph input's)
         for node in self.nodes:
             if node.op == "placeholder":
@@ -90,8 +89,8 @@ class Forward:
             if not isinstance(val, torch.Tensor):
                 self.owner[node] = node  # a tuple's node: its getitems own the storages
                 continue
-            self.owner[node] = first.setdefault(_storage_key(val), node)
-        self.mutated = {self.owner.get(a) for node in nodes for a in _written_inputs(node)} - {None}
+            self.owner[node] = first.setdefault(storage_key(val), node)
+        self.mutated = {self.owner.get(a) for node in nodes for a in _written_nodes(node)} - {None}
         self.saved: dict = {}   # owner -> bytes, for every storage backward reads
         for node in self.nodes:
             if self.owner[node] is not None and any(u not in forward for u in node.users):
@@ -261,7 +260,7 @@ def recompute_activations(gm: torch.fx.GraphModule, choice: Choice) -> torch.fx.
             copies[node] = copy
         return copies[node]
 
-    key = lambda n: _storage_key(n.meta["val"]) if isinstance(n.meta.get("val"), torch.Tensor) else None
+    key = lambda n: storage_key(n.meta["val"]) if isinstance(n.meta.get("val"), torch.Tensor) else None
     # backward nodes that view an input (detach, transpose): their values must follow the copy's storage
     aliasing = {n for n in backward if key(n) is not None and key(n) in {key(a) for a in n.all_input_nodes} - {None}}
     changed = set()   # nodes whose value now lives in a recomputed storage
@@ -281,29 +280,9 @@ def recompute_activations(gm: torch.fx.GraphModule, choice: Choice) -> torch.fx.
     return gm
 
 
-def _written_inputs(node) -> list:
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None:
-        return []
-    written = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            written += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.fx.Node)]
-    return written
-
-
-def _tensors(value) -> list:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [t for v in value for t in _tensors(v)] if isinstance(value, (list, tuple)) else []
-
-
-def _storage_key(t: torch.Tensor):
-    try:
-        return StorageWeakRef(t.untyped_storage())
-    except Exception:
-        return id(t)
+def _written_nodes(node) -> list:
+    return [v for value in written_values(node) for v in (value if isinstance(value, (list, tuple)) else [value])
+            if isinstance(v, torch.fx.Node)]
 
 
 def _storage_bytes(node) -> int:

@@ -27,13 +27,10 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from aot.passes.graph_utils import loss_node
+from aot.passes.graph_utils import loss_node, storage_key, written_values
+from aot.passes.graph_utils import tensors as _tensors
 from aot.plan.machine import Compute
 
-try:
-    from torch.multiprocessing.reductions import StorageWeakRef
-except ImportError:  # pragma: no cover
-    StorageWeakRef = None
 
 _FUNCOL = "_c10d_functional"
 _WAIT = "wait_tensor"
@@ -132,14 +129,6 @@ class StepGraph:
 
 # -- reading a graph ----------------------------------------------------------------------------
 
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -175,15 +164,7 @@ def _written_args(node) -> list[torch.Tensor]:
     """The tensors an op that returns nothing writes in place: its arguments the schema marks
     mutable (`Tensor(a!)[] self` of `_foreach_mul_`). They are its output: what it writes counts
     in its bytes (and its elements), as the output of an out-of-place op does."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    written = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            written += _tensors(_map_args(value))
-    return written
+    return [t for value in written_values(node) for t in _tensors(_map_args(value))]
 
 
 def _launches(node, name: str) -> int:
@@ -295,16 +276,6 @@ def _sized(site: CommSite, elsize: int) -> CommSite:
 
 def _elsize(site: CommSite) -> int:
     return site.input_bytes // site.input_numel if site.input_numel else 4
-
-
-def storage_key(t: torch.Tensor):
-    """What identifies the storage a tensor lives in (tensors sharing one are one allocation)."""
-    if StorageWeakRef is not None:
-        try:
-            return StorageWeakRef(t.untyped_storage())
-        except Exception:
-            pass
-    return id(t)
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
