@@ -65,6 +65,16 @@ def fresh_value(node: torch.fx.Node) -> None:
                                        **torch.fx.node.map_aggregate(node.kwargs, as_value))
 
 
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of the graph whose nodes share their fake values with the original's (the passes
+    give new nodes new values and never change an existing one's), so storage identities, and
+    the aliases keyed by them, hold in both: a deepcopy of a large step's fake tensors would also
+    cost more than all the passes."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
 def tensors(value) -> list[torch.Tensor]:
     """The tensors in a value (a tensor, or nested lists and tuples of them)."""
     if isinstance(value, torch.Tensor):

@@ -7,8 +7,6 @@ cannot trace yet (Unsupported).
 
 from __future__ import annotations
 
-import copy
-import math
 from pathlib import Path
 
 from aot.errors import AotError
@@ -188,11 +186,11 @@ class ModelSteps:
 
     def _priced(self, key: tuple, gm, slots) -> StepGraph:
         """_priced(gm, slots), and the recomputing variants of `key` where it does not fit."""
-        from aot.passes.graph_utils import shard_gathers
+        from aot.passes.graph_utils import copy_graph, shard_gathers
 
         # regathering (in _priced) changes `gm`; a graph with fsdp gathers is kept as traced for
         # recomputation, which the build applies before it (a graph without them is unchanged)
-        kept = copy.deepcopy(gm) if self.memory_limit is not None and shard_gathers(gm.graph) else gm
+        kept = copy_graph(gm) if self.memory_limit is not None and shard_gathers(gm.graph) else gm
         graph = _priced(gm, slots)
         self._recompute(key, kept, slots, graph)
         return graph
@@ -205,14 +203,16 @@ class ModelSteps:
         limit = self.memory_limit
         if limit is None or not limit.over(graph) or (key[1] == 1 and limit.beyond_recompute(graph)):
             return  # (a graph with fsdp: a wider axis holds less of what stays)
+        from aot.passes.graph_utils import copy_graph
         from aot.passes.recompute import by_budget, recompute_activations
+        from aot.plan.recompute import smallest_fraction
         from aot.passes.regather import regather_in_backward
         from aot.plan.cost_model import node_seconds
 
         cost = lambda n: node_seconds(n, self.compute)  # noqa: E731
 
         def variant(fraction: float):
-            trial = copy.deepcopy(gm)
+            trial = copy_graph(gm)
             choice = by_budget(trial.graph, fraction, cost)
             if not choice.nodes or choice.kept_bytes > fraction * choice.saved_bytes:
                 return None  # nothing to recompute, or the budget is below the smallest feasible
@@ -358,12 +358,6 @@ class ModelSteps:
 
 
 RECOMPUTE_FRACTION = 0.5   # the activation budget a graph that does not fit is priced at first
-
-
-def smallest_fraction(least: float) -> float:
-    """The smallest feasible activation budget (by_budget(graph, 0).fraction) rounded up to a
-    thousandth: a budget `aot build --activation-budget` reaches, as the plan records it."""
-    return math.ceil(round(least * 1000, 6)) / 1000
 
 
 def _priced(gm, slots) -> StepGraph:

@@ -10,6 +10,7 @@ device's memory) is not the user's demand: there the build takes the smallest pe
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 
 from aot.errors import AotError
+from aot.passes.graph_utils import copy_graph
 from aot.passes.recompute import Choice, by_budget, by_modules, recompute_activations
 from aot.plan.cost_model import analyze, node_seconds
 from runner.inspect import human
@@ -106,14 +108,14 @@ def apply_request(gm: torch.fx.GraphModule, slots: list, request: Request, compu
         choice = by_budget(gm.graph, request.fraction, cost)
         if choice.kept_bytes > request.fraction * choice.saved_bytes:
             raise AotError(f"--activation-budget {request.fraction:g} is below what recomputation can reach here: the smallest "
-                           f"feasible is {_ceil(choice.fraction)} (the step's inputs, layer boundaries and random draws stay saved)")
+                           f"feasible is {smallest_fraction(choice.fraction):.3f} (the step's inputs, layer boundaries and random draws stay saved)")
         return finish(recompute_activations(gm, choice)), _summary(request, choice)
     return _fit(gm, slots, request, cost, finish)
 
 
 def _fit(gm, slots, request: Request, cost, finish):
     def attempt(fraction: float | None):
-        trial = _copy(gm)
+        trial = copy_graph(gm)
         choice = by_budget(trial.graph, fraction, cost) if fraction is not None else None
         trial = finish(recompute_activations(trial, choice) if choice else trial)
         return trial, choice, analyze(trial, slots).memory.peak
@@ -142,15 +144,6 @@ def _fit(gm, slots, request: Request, cost, finish):
                    f"{human(smallest)} per rank (without recomputation: {human(peak)})")
 
 
-def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of the graph whose nodes share their fake values with the original's (the passes
-    give new nodes new values and never change an existing one's): a deepcopy of a large step's
-    fake tensors would cost more than all the passes."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return torch.fx.GraphModule(gm, graph)
-
-
 def _summary(request: Request, choice: Choice | None) -> dict:
     summary = {"policy": "none" if choice is None else "modules" if request.patterns else "budget",
                "source": request.source}
@@ -168,5 +161,7 @@ def _summary(request: Request, choice: Choice | None) -> dict:
     return summary
 
 
-def _ceil(fraction: float) -> str:
-    return f"{(int(fraction * 1000) + 1) / 1000:.3f}" if fraction * 1000 % 1 else f"{fraction:.3f}"
+def smallest_fraction(least: float) -> float:
+    """The smallest feasible activation budget (by_budget(graph, 0).fraction) rounded up to a
+    thousandth: a budget `aot build --activation-budget` reaches, as messages and plans state it."""
+    return math.ceil(round(least * 1000, 6)) / 1000
