@@ -22,12 +22,12 @@ from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.plan.placement import Placement, place
 from aot.plan.recompute import apply_request, resolve_request
-from aot.plan.search import MEMORY_HEADROOM
+from aot.plan.search import MEMORY_HEADROOM, time_entry
 from aot.plan.tensor_parallel import (check_degree, check_divisible, check_sequence_length, find_plan,
                                      sequence_parallel_layout, user_plan)
 from aot.progress import Progress
 from runner.data import split_batch_tensors
-from runner.inspect import human
+from runner.inspect import describe_time, human
 from runner.integrity import check_writable_target
 from runner.topology import for_nodes, live_profile, load_profile
 
@@ -207,8 +207,11 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         finish = lambda gm: run_passes(gm, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch,
                                        hierarchical=chooser)
         captured.graph, recompute = apply_request(captured.graph, captured.slots, recompute_request, machine.compute, finish)
-        memory = analyze(captured.graph, captured.slots).memory
+        built = analyze(captured.graph, captured.slots)
+        memory = built.memory
+        time = time_entry(machine, mesh, placement, built, options.bucket_mb, recompute.get("predicted_recompute_s", 0.0))
     progress.note(describe_memory(memory, recompute))
+    progress.note(describe_time(time).removeprefix("time").strip())
     if recompute.get("warning"):
         progress.warn(recompute["warning"])
     subgroups = level_groups(captured.graph, machine, placement)
@@ -250,6 +253,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
                          **(compiled.files if compiled else {})} or None,
             extra_fields={"precision": precision.to_json(),
                           "memory": {"predicted": memory.itemized(), "recompute": recompute},
+                          "time": time,
                           **({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
                           **({"compiled": compiled.entry} if compiled else {}),
                           **({"custom_ops": custom_ops} if custom_ops else {}),

@@ -19,7 +19,8 @@ transient (the measured peak less the step's inputs, which are resident) bounds 
 
 Part 2, predicted for GPUs. Llama presets of examples/llama.py (AOT_SIZE, sequence 2048, batch 1)
 built with `--topology dgx_a100 --world-size 8 --strategy fsdp=8` at the same budgets: the
-predicted peak per rank, itemized, and the predicted seconds of recomputation per step.
+predicted peak per rank, itemized, the predicted seconds of recomputation per step and the
+predicted step time (the manifest's `time`, priced on the program as built).
 
 Children run with OMP_NUM_THREADS=1 from this working tree. --out writes every number as JSON;
 stdout gets the tables.
@@ -69,7 +70,7 @@ def build(model: str, build_args: list, budget: str, out: Path, env=None) -> dic
     if r.returncode:
         raise SystemExit(f"build failed: {r.stderr}")
     manifest = json.loads((out / "manifest.json").read_text())
-    return {"memory": manifest["memory"], "build_s": time.perf_counter() - started}
+    return {"memory": manifest["memory"], "time": manifest["time"], "build_s": time.perf_counter() - started}
 
 
 def train(art: Path, steps: int, folder: Path) -> dict:
@@ -105,6 +106,7 @@ def measured(strategies: list[str], rounds: int, steps: int, folder: Path) -> li
             peaks = runs[b][0]["measured_peak_bytes"]
             results.append({
                 "strategy": strategy, "budget": float(b), "predicted": predicted, "recompute": builds[b]["memory"]["recompute"],
+                "predicted_step_s": builds[b]["time"]["predicted"]["step_s"],
                 "measured_peak_bytes": peaks, "memory_method": runs[b][0]["memory_method"],
                 "peak_ratio": max(peaks) / predicted["peak"],
                 "step_s": statistics.median(r["step_s"] for r in runs[b]),
@@ -137,25 +139,30 @@ def _m(n: int) -> str:
 def report(cpu: list[dict], gpu: list[dict]) -> str:
     lines = ["### Measured: examples/gpt.py, 2 CPU ranks, batch 8 per data rank", "",
              "| strategy | activation budget | predicted peak, MiB | measured peak (rank 0, 1), MiB | measured / predicted | "
-             "activations kept, MiB | activations peak, MiB | step, ms | step vs 1.0 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "activations kept, MiB | activations peak, MiB | step, ms | step vs 1.0 | predicted step, ms | predicted vs 1.0 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {r["strategy"]: r["predicted_step_s"] for r in cpu if r["budget"] == 1.0}
     for r in cpu:
         p, rc = r["predicted"], r["recompute"]
         kept = rc.get("kept_activation_bytes", rc.get("saved_activation_bytes"))
         lines.append(f"| {r['strategy']} | {r['budget']:.3g} | {_m(p['peak'])} | "
                      f"{', '.join(_m(x) for x in r['measured_peak_bytes'])} | {r['peak_ratio']:.3f} | "
                      f"{_m(kept) if kept is not None else '-'} | {_m(p['activations_peak'])} | {r['step_s'] * 1e3:.2f} | "
-                     f"{r['step_ratio']:.3f} |")
+                     f"{r['step_ratio']:.3f} | {r['predicted_step_s'] * 1e3:.2f} | {r['predicted_step_s'] / base[r['strategy']]:.3f} |")
     if gpu:
         lines += ["", "### Predicted: Llama presets, dgx_a100, fsdp=8, sequence 2048, batch 1", "",
                   "| model | activation budget | peak, GiB | activations at peak, GiB | gradients at peak, GiB | "
-                  "activations peak, GiB | recomputed values | predicted recompute, ms/step | build, s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "activations peak, GiB | recomputed values | predicted recompute, ms/step | predicted step, ms | "
+                  "step vs 1.0 | build, s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        base = {r["model"]: r["time"]["predicted"]["step_s"] for r in gpu if r["budget"] == 1.0}
         for r in gpu:
+            step = r["time"]["predicted"]["step_s"]
             p, rc = r["memory"]["predicted"], r["memory"]["recompute"]
             lines.append(f"| {r['model']} | {r['budget']:.3g} | {_g(p['peak'])} | {_g(p['at_peak']['activations'])} | "
                          f"{_g(p['at_peak']['gradients'])} | {_g(p['activations_peak'])} | {rc.get('recomputed_values', 0)} | "
-                         f"{rc.get('predicted_recompute_s', 0) * 1e3:.1f} | {r['build_s']:.0f} |")
+                         f"{rc.get('predicted_recompute_s', 0) * 1e3:.1f} | {step * 1e3:.1f} | {step / base[r['model']]:.3f} | "
+                         f"{r['build_s']:.0f} |")
     return "\n".join(lines)
 
 

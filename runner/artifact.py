@@ -147,6 +147,9 @@ PRECISION_SCHEMA = {"precision": {"compute": LOW, "param_dtype": LOW, "reduce_dt
 SCALER_SCHEMA = {"init_scale": NUMBER, "growth_factor": NUMBER, "backoff_factor": NUMBER, "growth_interval": int}
 # What the build predicts one rank's step holds, and what it recomputes (FORMAT.md, "Memory"); optional
 MEMORY_SCHEMA = {"predicted": {"peak": int, "resident": Map(int), "at_peak": Map(int)}, "recompute": {"policy": str}}
+# The build's predicted step time (FORMAT.md, "Time"); optional
+TIME_SCHEMA = {"predicted": {"step_s": NUMBER, "compute_s": NUMBER, "comm_s": NUMBER, "exposed_comm_s": NUMBER},
+               "topology": str, "calibrated": bool}
 SLOT_FIELDS = {"param": {"name": str}, "buffer": {"name": str}, "optim": {"name": str, "key": str},
                "lr": {"group": int}, "scaler": {"key": OneOf(*SCALER_KEYS)}, "input": {"index": int, **TENSOR}, "target": TENSOR}
 
@@ -268,7 +271,7 @@ def _check_structure(m: dict, where: str) -> None:
             expect(0 <= dim < len(shape) and shape[dim] % tp["size"] == 0,
                    f"tensor_parallel.params: {name!r} cannot be split {tp['size']} ways along dimension {dim}")
     for key, schema in (("inference", INFERENCE_SCHEMA), ("custom_ops", {"modules": [str], "ops": [str]}),
-                        ("memory", MEMORY_SCHEMA)):
+                        ("memory", MEMORY_SCHEMA), ("time", TIME_SCHEMA)):
         if m.get(key) is not None:  # optional entries: the ONNX export, custom operator libraries
             try:
                 _conform(m[key], schema, key)

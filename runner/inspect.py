@@ -94,15 +94,22 @@ def summarize(artifact: Artifact) -> dict:
         "compiled": m.get("compiled"),
         "plan": m.get("plan"),
         "memory": m.get("memory"),
+        "time": m.get("time"),
         "tensor_parallel": m.get("tensor_parallel"),
         "init": m.get("init"),
         "total_bytes": sum(f["size"] for f in m["files"].values()),
     }
 
 
+def predicted_time(summary: dict) -> dict:
+    """The build's predicted step (`time.predicted`, every build since it existed; else a
+    `--strategy auto` plan's `predicted`)."""
+    return ((summary.get("time") or {}).get("predicted") or (summary.get("plan") or {}).get("predicted") or {})
+
+
 def compare_profile(summary: dict, measured: dict) -> dict:
-    """Measured times (runner.profiling) next to the plan's prediction, where the build has one."""
-    predicted = (summary.get("plan") or {}).get("predicted") or {}
+    """Measured times (runner.profiling) next to the build's prediction, where it has one."""
+    predicted = predicted_time(summary)
     rows = {}
     for key in ("step_s", "compute_s", "exposed_comm_s"):
         m, p = measured.get(key), predicted.get(key)
@@ -175,6 +182,17 @@ def describe_memory(memory: dict | None) -> list[str]:
                  f"predicted {rc.get('predicted_recompute_s', 0) * 1e3:.3g} ms per step): saved activations "
                  f"{human(rc.get('saved_activation_bytes', 0))} -> {human(rc.get('kept_activation_bytes', 0))}; asked by {asked}")
     return lines
+
+
+def describe_time(time: dict | None) -> str:
+    """The manifest's `time`: the predicted step of one rank on the profile it was built for."""
+    if not time:
+        return "time       no prediction (built before aot predicted every build's step)"
+    p = time["predicted"]
+    recompute = f" (recomputation {p['recompute_s'] * 1e3:.3g} ms of it)" if p.get("recompute_s") else ""
+    return (f"time       predicted {p['step_s'] * 1e3:.3g} ms per step on {time.get('topology')} "
+            f"({'calibrated' if time.get('calibrated') else 'uncalibrated'}): compute {p['compute_s'] * 1e3:.3g} ms{recompute}, "
+            f"communication {p['comm_s'] * 1e3:.3g} ms of which {p['exposed_comm_s'] * 1e3:.3g} ms exposed")
 
 
 def _memory_lines(memory: dict | None) -> list[str]:
@@ -257,6 +275,7 @@ def render(summary: dict) -> str:
     if summary.get("custom_ops"):
         lines.append(f"custom ops {', '.join(summary['custom_ops']['ops'])}  (runner imports {', '.join(summary['custom_ops']['modules'])})")
     lines.extend(describe_memory(summary.get("memory")))
+    lines.append(describe_time(summary.get("time")))
     plan = summary.get("plan")
     if plan:  # written by `aot build --strategy auto`: the planner's predictions for this artifact
         p = plan.get("predicted", {})
@@ -276,7 +295,7 @@ def render(summary: dict) -> str:
         labels = {"step_s": "step", "compute_s": "compute", "exposed_comm_s": "exposed communication"}
         for key, row in measured["times"].items():
             predicted = f"predicted {row['predicted'] * 1e3:.3g} ms, measured/predicted {row['ratio']:.2f}" \
-                if row["predicted"] else "no prediction (build with --strategy auto)"
+                if row["predicted"] else "no prediction (built before aot predicted every build's step)"
             lines.append(f"  {labels[key]:<22} measured {row['measured'] * 1e3:.3g} ms; {predicted}")
         lines.extend(_memory_lines(measured.get("memory")))
     lines.append("ranks")

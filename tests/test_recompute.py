@@ -153,8 +153,9 @@ def _smallest_feasible(model, tmp_path, strategy) -> str:
 
 CASES = [(GPT_DROPOUT, "dp=2", "0.5"), (GPT_DROPOUT, "fsdp=2", "smallest"), (str(EXAMPLES / "mlp.py"), "tp=2", "smallest")]
 # (gpt_dropout is not compared under tp: its attention dropout draws masks for a rank's heads alone,
-# where eager draws one for all heads, with or without recomputation)
-SLOW_CASES = [(str(MODELS / "mlp_dropout.py"), "tp=2", "smallest"), (str(EXAMPLES / "mlp.py"), "fsdp=2", "smallest")]
+# where eager draws one for all heads, with or without recomputation; gpt.py, without dropout, is)
+SLOW_CASES = [(str(MODELS / "mlp_dropout.py"), "tp=2", "smallest"), (str(EXAMPLES / "mlp.py"), "fsdp=2", "smallest"),
+              (str(EXAMPLES / "gpt.py"), "tp=2", "smallest")]
 
 
 @pytest.mark.parametrize("model,strategy,budget", CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CASES])

@@ -338,6 +338,20 @@ def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int
 
 # -- into the artifact ----------------------------------------------------------------------------
 
+def time_entry(machine: Machine, mesh: Mesh, placement: Placement, built: StepGraph, bucket_mb: float,
+               recompute_s: float = 0.0) -> dict:
+    """The manifest's `time` entry of every build: the cost model's step time for the program
+    exactly as built (its buckets, overlap and recomputation) on the profile it was built for,
+    which `aot inspect --profile` sets beside a measurement."""
+    planner = Planner(machine, step_graph=None)
+    plan = planner.evaluate(mesh.axes, mesh.shape, bucket_mb, step=built, bucketed=True, placement=placement, as_built=True)
+    p = plan.prediction
+    return {"predicted": {"step_s": p.step_s, "compute_s": p.compute_s, "comm_s": p.comm_s,
+                          "exposed_comm_s": p.exposed_comm_s, "recompute_s": recompute_s},
+            "topology": machine.name, "calibrated": bool(machine.calibration) or machine.compute.calibrated,
+            "overlap": planner.overlaps}
+
+
 def manifest_entry(planner: Planner, chosen: Plan, graph, slots, ranked: list[Plan], batch_size: int) -> tuple[dict, dict[str, bytes]]:
     """The manifest's `plan` entry and the files it names (the predicted timeline), priced on the
     graph exactly as built (after bucketing and overlap)."""
