@@ -55,6 +55,9 @@ class BuildOptions:
     memory_budget: str | None = None  # peak per rank to fit by recomputing activations ("70GiB"; None: device memory)
     activation_budget: float | None = None  # or: the fraction of saved activation bytes kept
     activation_budget_source: str = "--activation-budget"  # or "plan": --strategy auto chose it
+    microbatches: int | None = None  # pp: microbatches per step (None: as many as pipeline ranks)
+    pp_schedule: str = "1f1b"        # pp: gpipe | 1f1b | interleaved-1f1b (aot/plan/pipeline.py)
+    stages_per_rank: int | None = None  # pp with interleaved-1f1b: model chunks per rank (None: 2)
 
 
 def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
@@ -157,6 +160,15 @@ def build(options: BuildOptions, progress: Progress) -> dict:
                 progress.note(f"the plan recomputes activations at --activation-budget {planned.activation_budget:g}; "
                               f"{given} is applied instead")
     mesh = Mesh.parse(options.strategy, options.world_size)
+    if mesh.size("pp") > 1:  # refused before any tracing
+        from aot.plan.pipeline import check_microbatches, chunks_of
+        if mesh.axes[0] != "pp":
+            raise AotError(f"--strategy {options.strategy}: pp must be the first (outermost) axis, e.g. pp=2,dp=2")
+        chunks_of(options.pp_schedule, options.stages_per_rank)
+        check_microbatches(options.pp_schedule, mesh.size("pp"), options.microbatches or mesh.size("pp"), options.batch_size)
+        progress.total += mesh.size("pp") - 1  # a capture per pipeline rank
+    elif options.microbatches is not None or options.stages_per_rank is not None:
+        raise AotError("--microbatches and --stages-per-rank split a pipeline: they need --strategy with pp=N, N > 1")
     placement = place_mesh(mesh, profile, planned)
     compile_device = None
     if options.compile == "aoti":  # a missing C++ compiler fails here, before the work
@@ -199,32 +211,44 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         progress.note(f"precision {precision.compute}: autocast with {precision.rules}'s rules, fp32 master weights and "
                       f"optimizer state, gradients reduced in {precision.reduce}"
                       + (", dynamic loss scaling" if precision.scaler else ""))
-    with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
-        captured = capture_step(mf, state, rank_inputs, rank_targets, layout)
-    with progress.stage("running graph passes (recomputation, bucketing, hierarchical all_reduce, overlap)"):
-        prefetch = None if options.prefetch_mb is None else int(options.prefetch_mb * 2**20)
-        chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
-        finish = lambda gm: run_passes(gm, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch,
-                                       hierarchical=chooser)
-        captured.graph, recompute = apply_request(captured.graph, captured.slots, recompute_request, machine.compute, finish)
-        built = analyze(captured.graph, captured.slots)
-        memory = built.memory
-        time = time_entry(machine, mesh, placement, built, options.bucket_mb, recompute.get("predicted_recompute_s", 0.0))
+    prefetch = None if options.prefetch_mb is None else int(options.prefetch_mb * 2**20)
+    chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
+    finish = lambda gm: run_passes(gm, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch,
+                                   hierarchical=chooser)
+    pipeline_entry, program_of = None, (lambda coords: PROGRAM)
+    if "pp" in groups:
+        from aot.pipeline_build import pipeline_programs
+        built = pipeline_programs(options, mf, state, layout, mesh, placement, machine, groups["pp"], rank_inputs,
+                                  rank_targets, recompute_request, finish, progress)
+        captures, memory, time, recompute = built.captures, built.memory, built.time, built.recompute
+        pipeline_entry, program_of = built.entry, built.program_of
+    else:
+        with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
+            captured = capture_step(mf, state, rank_inputs, rank_targets, layout)
+        with progress.stage("running graph passes (recomputation, bucketing, hierarchical all_reduce, overlap)"):
+            captured.graph, recompute = apply_request(captured.graph, captured.slots, recompute_request, machine.compute, finish)
+            analysis = analyze(captured.graph, captured.slots)
+            memory = analysis.memory
+            time = time_entry(machine, mesh, placement, analysis, options.bucket_mb, recompute.get("predicted_recompute_s", 0.0))
+        captures = {PROGRAM: captured}
     progress.note(describe_memory(memory, recompute))
     progress.note(describe_time(time).removeprefix("time").strip())
     if recompute.get("warning"):
         progress.warn(recompute["warning"])
-    subgroups = level_groups(captured.graph, machine, placement)
+    subgroups = {}
+    for captured in captures.values():
+        subgroups.update(level_groups(captured.graph, machine, placement))
     if subgroups:
-        split = sum(1 for n in captured.graph.graph.nodes if n.op == "call_function" and n.args and str(n.args[-1]).endswith(".inter"))
+        split = sum(1 for c in captures.values() for n in c.graph.graph.nodes
+                    if n.op == "call_function" and n.args and str(n.args[-1]).endswith(".inter"))
         progress.note(f"hierarchical all_reduce over {', '.join(sorted({g['axis'] for g in subgroups.values()}))}: "
                       f"{split} all_reduce(s) split into a node level and a network level")
     plan_entry, plan_files = planned.finish(captured.graph, captured.slots) if planned else (None, {})
     if plan_entry is not None:  # the placement over the mesh as built (its axes in the strategy's order)
         plan_entry["placement"] = placement.to_json()
-    with progress.stage("exporting the program"):
-        ep = export_step(captured)
-        custom_ops = custom_op_spec(mf, ep.graph)
+    with progress.stage("exporting the program" + ("s" if len(captures) > 1 else "")):
+        eps = {name: export_step(c) for name, c in captures.items()}
+        custom_ops = custom_op_spec(mf, [ep.graph for ep in eps.values()])
     inference, warnings = None, []
     weight_bytes = sum(t.numel() * t.element_size() for t in [*state.params.values(), *state.buffers.values()])
     if options.onnx is None and weight_bytes > CHECK_BUDGET_BYTES:
@@ -244,15 +268,16 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         with progress.stage(f"compiling the program with AOTInductor for {compile_device.type} (about a minute on 2 cores)"):
             sizes = {Mesh.group_name(a): mesh.size(a) for a in mesh.axes if mesh.size(a) > 1}
             sizes.update({name: len(spec["groups"][0]) for name, spec in subgroups.items()})
-            compiled = compile_programs({PROGRAM: ep}, sizes, mesh.world_size, compile_device)
+            compiled = compile_programs(eps, sizes, mesh.world_size, compile_device)
     with progress.stage(f"writing the artifact to {options.output}"):
         manifest = emit_artifact(
-            options.output, ep=ep, captured=captured, state=state, layout=layout, mesh=mesh, profile=profile,
+            options.output, programs={name: (eps[name], captures[name]) for name in captures}, program_of=program_of, state=state, layout=layout, mesh=mesh, profile=profile,
             placement=placement, subgroups=subgroups, example=example, batch_size=options.batch_size, sign_key=options.sign_key,
             extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files,
                          **(compiled.files if compiled else {})} or None,
             extra_fields={"precision": precision.to_json(),
                           "memory": {"predicted": memory.itemized(), "recompute": recompute},
+                          **({"pipeline": pipeline_entry} if pipeline_entry else {}),
                           "time": time,
                           **({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
                           **({"compiled": compiled.entry} if compiled else {}),

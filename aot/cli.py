@@ -42,7 +42,16 @@ def cli():
               help="Nodes the job spans (one rank per GPU, ranks split evenly). Default: the profile's node count.")
 @click.option("--world-size", type=int, default=None, help="Number of ranks to build for. Default: the product of --strategy's degrees, else 1.")
 @click.option("--strategy", metavar="AXIS=N[,...]", help="Mesh as axis=degree pairs: dp=4 (data parallel), fsdp=4 (sharded, ZeRO-3), tp=2 (tensor parallel), "
-                   "combined as dp=2,tp=2 or fsdp=2,tp=2; or auto: the best plan of `aot plan`. Default: data parallel over all ranks.")
+                   "pp=2 (pipeline stages, first), combined as dp=2,tp=2, fsdp=2,tp=2 or pp=2,dp=2; or auto: the best plan of "
+                   "`aot plan`. Default: data parallel over all ranks.")
+@click.option("--microbatches", type=int, default=None,
+              help="With pp: microbatches each rank's --batch-size is split into (equal sizes). Default: pp.")
+@click.option("--pp-schedule", type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b"]), default="1f1b", show_default=True,
+              help="With pp: the order of microbatch forwards and backwards, as torch.distributed.pipelining's schedules "
+                   "of the same names (1f1b holds at most pp microbatches' activations; interleaved-1f1b runs "
+                   "--stages-per-rank model chunks per rank for a smaller bubble).")
+@click.option("--stages-per-rank", type=int, default=None,
+              help="With --pp-schedule interleaved-1f1b: model chunks per pipeline rank (default 2).")
 @click.option("--sequence-parallel", is_flag=True,
               help="With tp: split the residual stream between blocks along the sequence, so norms and dropouts run "
                    "on 1/tp of the tokens and row-wise outputs are reduce-scattered instead of all-reduced.")
@@ -86,7 +95,7 @@ def cli():
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
 @debug_option
-def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, batch_size, max_steps, bucket_mb, prefetch_mb, hierarchical, precision, reduce_dtype, memory_budget, activation_budget, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
+def build(model_file, topology, nodes, world_size, strategy, microbatches, pp_schedule, stages_per_rank, sequence_parallel, batch_size, max_steps, bucket_mb, prefetch_mb, hierarchical, precision, reduce_dtype, memory_budget, activation_budget, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
     """Trace MODEL_FILE's whole training step into per-rank artifacts.
 
     MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),
@@ -105,10 +114,12 @@ def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, 
                            strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, prefetch_mb=prefetch_mb, seed=seed,
                            hierarchical=hierarchical, sign_key=sign_key, onnx=onnx, compile=compile_tier, sequence_parallel=sequence_parallel,
                            precision=precision, reduce_dtype=reduce_dtype, memory_budget=memory_budget,
-                           activation_budget=activation_budget)
+                           activation_budget=activation_budget, microbatches=microbatches, pp_schedule=pp_schedule,
+                           stages_per_rank=stages_per_rank)
     progress = Progress(total=6 + (onnx is not False) + (compile_tier == "aoti"), quiet=quiet or as_json)
     manifest = run_build(options, progress)
-    program = manifest["programs"]["train"]
+    # the busiest program's collectives (pipeline ranks run different programs)
+    program = max(manifest["programs"].values(), key=lambda p: sum(c["bytes"] for c in p["collectives"]))
     summary = {
         "output": str(output), "world_size": manifest["world_size"], "programs": len(manifest["programs"]),
         "collectives_per_step": len(program["collectives"]),
@@ -122,7 +133,7 @@ def build(model_file, topology, nodes, world_size, strategy, sequence_parallel, 
     if as_json:
         click.echo(json.dumps(summary, indent=1))
     elif not quiet:
-        click.echo(f"built {summary['world_size']} rank(s), {summary['programs']} program, "
+        click.echo(f"built {summary['world_size']} rank(s), {summary['programs']} program{'s' if summary['programs'] > 1 else ''}, "
                    f"{summary['collectives_per_step']} collective(s) per step ({human(summary['collective_bytes_per_step'])}), "
                    f"{human(summary['total_bytes'])} in {output}/ in {summary['seconds']:.1f} s", err=True)
         click.echo(f"next: torchrun --nproc-per-node {summary['world_size']} -m aot run {output} --steps 10", err=True)

@@ -66,12 +66,13 @@ def write_shard(folder: str | Path, step: int, index: int, sharded: bool, weight
 
 
 def commit_checkpoint(folder: str | Path, step: int, spec: dict, sharding: dict | None,
-                      target_step: int | None = None, tensor_parallel: dict | None = None) -> None:
+                      target_step: int | None = None, tensor_parallel: dict | None = None,
+                      pipeline: dict | None = None) -> None:
     """Make the shards written for `step` the folder's checkpoint (one atomic index replace),
     then remove files no index refers to. `spec` is the manifest's `state` entry; `target_step`
     is where the run means to stop, so a run restarted by torchrun knows how far to go."""
     folder = Path(folder)
-    count = shard_count(sharding, tensor_parallel)
+    count = shard_count(sharding, tensor_parallel, pipeline)
     shards = [shard_files(step, i, count > 1) for i in range(count)]
     files = {}
     for names in shards:
@@ -87,6 +88,7 @@ def commit_checkpoint(folder: str | Path, step: int, spec: dict, sharding: dict 
         "shards": shards,
         "sharding": sharding,
         "tensor_parallel": tensor_parallel,
+        "pipeline": pipeline,
         "shapes": {name: shape for name, (shape, _) in spec["params"].items()},
         "layout": {"model": layout_of(first[0]), "optimizer": layout_of(first[1])},
         "state_dict_keys": spec["state_dict_keys"],
@@ -150,12 +152,12 @@ def load_checkpoint(folder: str | Path, shard: int = 0) -> tuple[dict, dict, dic
 def full_weights(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(index, every parameter and buffer at full size), reassembling fsdp and tp shards."""
     index, weights, _ = load_checkpoint(folder, 0)
-    sharding, tensor_parallel = index.get("sharding"), index.get("tensor_parallel")
-    if len(index["shards"]) != shard_count(sharding, tensor_parallel):
+    sharding, tensor_parallel, pipeline = index.get("sharding"), index.get("tensor_parallel"), index.get("pipeline")
+    if len(index["shards"]) != shard_count(sharding, tensor_parallel, pipeline):
         raise AotError(f"{folder / INDEX}: lists {len(index['shards'])} shard(s) for its sharding")
-    if sharding or tensor_parallel:
+    if sharding or tensor_parallel or pipeline:
         pieces = [weights] + [load_checkpoint(folder, i)[1] for i in range(1, len(index["shards"]))]
-        weights = assemble(pieces, index["shapes"], sharding, tensor_parallel)
+        weights = assemble(pieces, index["shapes"], sharding, tensor_parallel, pipeline)
     return index, weights
 
 

@@ -16,6 +16,8 @@ import operator
 
 import torch
 
+from runner.p2p import is_point_to_point
+
 # ScalarType, MemoryFormat and Layout numbers of torch._export.serde.schema (the stored format)
 _DTYPES = {
     1: torch.uint8, 2: torch.int8, 3: torch.int16, 4: torch.int32, 5: torch.int64, 6: torch.float16,
@@ -141,9 +143,12 @@ def _is_wait(node: torch.fx.Node) -> bool:
 
 def is_collective(node: torch.fx.Node) -> bool:
     """A functional collective's issue (all_gather_into_tensor, reduce_scatter_tensor, all_reduce,
-    ...): a call into torch.ops._c10d_functional other than wait_tensor."""
+    ...): a call into torch.ops._c10d_functional other than wait_tensor and the point-to-point
+    transfers of pipeline stages (runner/p2p.py), whose waits must stay where the build put them:
+    waiting for a send at its issue would block until the peer receives, and the peer may be
+    waiting for this rank."""
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and node.target.namespace == _FUNCOL and not _is_wait(node))
+            and node.target.namespace == _FUNCOL and not _is_wait(node) and not is_point_to_point(node))
 
 
 def wait_at_issue(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

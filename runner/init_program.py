@@ -207,6 +207,16 @@ def piece_keeper(manifest: dict, coords: dict[str, int]) -> Callable[[str, torch
     return keep
 
 
+def stage_tensors(manifest: dict, coords: dict[str, int]) -> set[str] | None:
+    """The parameters and buffers a pipeline rank's stages hold (manifest `pipeline.stages`), or
+    None without a pipeline (every rank holds every one, or its piece)."""
+    pipeline = manifest.get("pipeline")
+    if not pipeline:
+        return None
+    rank = coords.get(pipeline["axis"], 0)
+    return {n for s in pipeline["stages"] if s["rank"] == rank for n in (*s["params"], *s["buffers"])}
+
+
 def initial_optimizer_state(optimizer_init: dict[str, dict], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The optimizer's initial state from the manifest's description (`state.optimizer_init`):
     each tensor filled with one value, shaped like its parameter's piece on this rank or as given."""
@@ -250,7 +260,11 @@ def initial_state(artifact, coords: dict[str, int], init_from=None) -> tuple[dic
         weights = rank_weights(init_from, coords)
         constants = set(spec["buffers"]) - set(spec["persistent_buffers"])
         weights.update(replay(graph, init["outputs"], seed, keep, only=constants) if constants else {})
-    optimizer = initial_optimizer_state(spec["optimizer_init"], weights)
+    held = stage_tensors(manifest, coords)
+    if held is not None:  # a pipeline rank holds its stages' parameters and buffers only
+        weights = {k: v for k, v in weights.items() if k in held}
+    optimizer = initial_optimizer_state({k: v for k, v in spec["optimizer_init"].items() if k.rpartition(":")[0] in weights},
+                                        weights)
     scaler = (artifact.manifest.get("precision") or {}).get("grad_scaler")
     if scaler is not None:
         optimizer.update({SCALER_PREFIX + k: v for k, v in initial_scaler_state(scaler).items()})

@@ -31,19 +31,22 @@ def unshard(pieces: list[torch.Tensor], shape: list[int] | torch.Size) -> torch.
     return torch.cat([p.reshape(-1) for p in pieces])[:numel].reshape(shape).clone()
 
 
-# -- state shards over the tp and fsdp axes ----------------------------------------------------
-# A rank's training state is one of tp x fsdp shards: the tensor-parallel slice (tp index) of
-# every split parameter, flat-padded over fsdp (fsdp index). Shards are numbered tp-major:
-# shard = tp_index * fsdp_size + fsdp_index, in artifacts and checkpoints alike.
+# -- state shards over the pp, tp and fsdp axes ------------------------------------------------
+# A rank's training state is one of pp x tp x fsdp shards: its pipeline stage's parameters (pp
+# index), the tensor-parallel slice (tp index) of every split parameter, flat-padded over fsdp
+# (fsdp index). Shards are numbered pp-major, then tp-major:
+# shard = (pp_index * tp_size + tp_index) * fsdp_size + fsdp_index, in artifacts and checkpoints alike.
 
-def shard_count(sharding: dict | None, tensor_parallel: dict | None) -> int:
-    return (sharding or {}).get("size", 1) * (tensor_parallel or {}).get("size", 1)
+def shard_count(sharding: dict | None, tensor_parallel: dict | None, pipeline: dict | None = None) -> int:
+    return (sharding or {}).get("size", 1) * (tensor_parallel or {}).get("size", 1) * (pipeline or {}).get("size", 1)
 
 
-def shard_number(coords: dict[str, int], sharding: dict | None, tensor_parallel: dict | None) -> int:
+def shard_number(coords: dict[str, int], sharding: dict | None, tensor_parallel: dict | None,
+                 pipeline: dict | None = None) -> int:
     tp_index = coords.get(tensor_parallel["axis"], 0) if tensor_parallel else 0
     fsdp_index = coords.get(sharding["axis"], 0) if sharding else 0
-    return tp_index * (sharding or {}).get("size", 1) + fsdp_index
+    pp_index = coords.get(pipeline["axis"], 0) if pipeline else 0
+    return pp_index * shard_count(sharding, tensor_parallel) + tp_index * (sharding or {}).get("size", 1) + fsdp_index
 
 
 def tp_slice_shape(shape: list[int], dim: int | None, parts: int) -> list[int]:
@@ -63,15 +66,24 @@ def tp_slice(t: torch.Tensor, dim: int | None, parts: int, index: int) -> torch.
 
 
 def assemble(pieces: list[dict[str, torch.Tensor]], shapes: dict[str, list[int]], sharding: dict | None,
-             tensor_parallel: dict | None) -> dict[str, torch.Tensor]:
+             tensor_parallel: dict | None, pipeline: dict | None = None) -> dict[str, torch.Tensor]:
     """Full tensors from every shard's tensors (in shard order): fsdp pieces unflattened into
     their tensor-parallel slice, slices concatenated along their split dimension. Tensors that
-    neither axis splits are taken from shard 0."""
+    neither axis splits are taken from shard 0 of their stage; a pipeline's stages hold disjoint
+    tensors but tied ones, which each holder keeps equal (the first stage's is taken)."""
+    if pipeline:
+        per_stage = shard_count(sharding, tensor_parallel)
+        full = {}
+        for k in reversed(range(pipeline["size"])):
+            full.update(assemble(pieces[k * per_stage:(k + 1) * per_stage], shapes, sharding, tensor_parallel))
+        return full
     full = dict(pieces[0])
     fsdp = (sharding or {}).get("size", 1)
     tp = (tensor_parallel or {}).get("size", 1)
     dims = (tensor_parallel or {}).get("params", {})
     for name in set((sharding or {}).get("params", {})) | set(dims):
+        if name not in pieces[0]:  # another pipeline stage's
+            continue
         dim = dims.get(name)
         slice_shape = tp_slice_shape(shapes[name], dim, tp)
         slices = []

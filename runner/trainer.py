@@ -23,8 +23,9 @@ from runner.errors import AotError
 from runner.groups import bind_process_groups, yield_gloo_poll_threads
 from runner.graph_loader import input_shapes, load_graph_module, wait_at_issue
 from runner.init_from import check_init_from
-from runner.init_program import SCALER_PREFIX, initial_state
+from runner.init_program import SCALER_PREFIX, initial_state, stage_tensors
 from runner.memory_tracking import measure_step
+from runner.p2p import install_send_kernel
 from runner.program import decode_program
 from runner.binding import bind_rank
 from runner.sharding import shard_number, tp_slice_shape, unshard
@@ -163,6 +164,8 @@ class Trainer:
             self.collectives_waited_at_issue = self._on_gloo()
             if self.collectives_waited_at_issue:
                 wait_at_issue(self._module)
+        if manifest.get("pipeline"):  # the program sends to and receives from other stages
+            install_send_kernel()
 
         self.state_spec = manifest["state"]
         weights, optimizer = self._initial_state(entry)
@@ -179,7 +182,10 @@ class Trainer:
                 self.data_size *= degree
         self.sharding = manifest.get("sharding")
         self.tensor_parallel = manifest.get("tensor_parallel")
-        self.shard_index = shard_number(self.coords, self.sharding, self.tensor_parallel)
+        pipeline = manifest.get("pipeline")
+        # the checkpoint's view of the pipeline: each stage's ranks write their own shards
+        self.pipeline = {"axis": pipeline["axis"], "size": pipeline["size"]} if pipeline else None
+        self.shard_index = shard_number(self.coords, self.sharding, self.tensor_parallel, self.pipeline)
         self.schedule = manifest["schedule"]
         self.seed = int(manifest["build"].get("seed", 0))
         self._slots = program["inputs"]
@@ -263,8 +269,9 @@ class Trainer:
         if any(len(step) != n_groups for step in self.schedule["lr"]):
             raise AotError(f"{where}: schedule.lr steps do not all give {n_groups} learning rate(s)")
         aliases = self.state_spec["aliases"]
+        held = stage_tensors(self.artifact.manifest, self.coords)  # a pipeline rank: its stages' tensors
         for key in self.state_spec["state_dict_keys"]:
-            if aliases.get(key, key) not in self._weights:
+            if aliases.get(key, key) not in self._weights and (held is None or aliases.get(key, key) in held):
                 raise AotError(f"{where}: state_dict key {key!r} names no stored tensor")
         if [s["kind"] for s in self._slots].count("target") != 1:
             raise AotError(f"{where}: the program must take exactly one targets input")
@@ -410,21 +417,23 @@ class Trainer:
     def save(self, folder: str | Path, target_step: int | None = None) -> None:
         """Checkpoint: one replica of each shard writes its files, then rank 0 commits the index.
         Every rank must call it."""
-        split_by = {spec["axis"] for spec in (self.sharding, self.tensor_parallel) if spec}
+        split_by = {spec["axis"] for spec in (self.sharding, self.tensor_parallel, self.pipeline) if spec}
         writes = all(v == 0 for axis, v in self.coords.items() if axis not in split_by)
         if writes:
             write_shard(folder, self.step_index, self.shard_index, bool(split_by), self._weights, self._optimizer)
         if dist.is_initialized():
             dist.barrier()
         if self.rank == 0:
-            commit_checkpoint(folder, self.step_index, self.state_spec, self.sharding, target_step, self.tensor_parallel)
+            commit_checkpoint(folder, self.step_index, self.state_spec, self.sharding, target_step, self.tensor_parallel,
+                              self.pipeline)
         if dist.is_initialized():
             dist.barrier()
 
     def resume(self, folder: str | Path) -> None:
         index, weights, optimizer = load_checkpoint(folder, self.shard_index)
         if (index.get("sharding") or None) != (self.sharding or None) or \
-                (index.get("tensor_parallel") or None) != (self.tensor_parallel or None):
+                (index.get("tensor_parallel") or None) != (self.tensor_parallel or None) or \
+                (index.get("pipeline") or None) != (self.pipeline or None):
             raise AotError(f"{folder}: checkpoint was written with another sharding than this artifact's")
         for name, saved, live in (("weights", weights, self._weights), ("optimizer state", optimizer, self._optimizer)):
             if layout_of(saved) != layout_of(live):

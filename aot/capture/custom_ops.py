@@ -47,10 +47,11 @@ def defining_module(qualname: str) -> str | None:
     return getattr(fn, "__module__", None)
 
 
-def custom_op_spec(mf: ModelFile, graph: torch.fx.Graph) -> dict | None:
-    """The manifest's `custom_ops` entry (`ops`, `modules`) for a captured graph, or None when the
-    graph calls no custom operator and the model file names no op library."""
-    ops = custom_ops_in(graph)
+def custom_op_spec(mf: ModelFile, graphs) -> dict | None:
+    """The manifest's `custom_ops` entry (`ops`, `modules`) for the captured graph(s), or None
+    when no graph calls a custom operator and the model file names no op library."""
+    graphs = [graphs] if isinstance(graphs, torch.fx.Graph) else list(graphs)
+    ops = sorted({op for graph in graphs for op in custom_ops_in(graph)})
     modules = list(mf.custom_op_modules)
     for name in modules:
         try:

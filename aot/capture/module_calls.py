@@ -48,3 +48,12 @@ def annotate_module_calls(model: torch.nn.Module):
             handle.remove()
         while contexts:  # a forward that raised: close what its hooks opened
             contexts.pop().__exit__(None, None, None)
+
+
+def layer_of(node) -> str | None:
+    """The layer a node belongs to: its outermost call of a numbered child (`blocks.3`, `0`: a
+    ModuleList's or Sequential's), by name; None outside every layer."""
+    for name, _ in node.meta.get("custom", {}).get(MODULE_CALLS, ()):
+        if name.rsplit(".", 1)[-1].isdigit():
+            return name
+    return None

@@ -59,6 +59,11 @@ class StepLayout:
     # The dtypes the step computes and reduces in (aot/capture/precision.py): part of the layout
     # because it changes what each collective carries, which the planner prices.
     precision: Precision = Precision()
+    # Pipeline parallelism (aot/capture/pipeline.py): the group of the rank's pipeline, and the
+    # parameters whose gradients this rank leaves out of the global norm (a tied weight's copy,
+    # counted on the first rank holding it)
+    pp: Group | None = None
+    pp_uncounted: tuple[str, ...] = ()
 
     def tp_dims(self, state: TrainingState) -> dict[str, int]:
         """Parameter name -> the dimension tensor parallelism splits it along (torch's
@@ -133,17 +138,22 @@ def _squares(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(grads)).pow(2).sum()
 
 
-def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm: float, layout: StepLayout) -> None:
+def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm: float, layout: StepLayout,
+                      counted: list[bool] | None = None) -> None:
     """clip_grad_norm_ for gradients split across ranks: the same global norm (the square root of
     the sum of squares of every element). Tensor-parallel slices add up over the tp group (the
-    replicated gradients are equal on every tp rank and count once); fsdp shards over the fsdp group."""
-    split = [g for g, s in zip(grads, tp_split) if s]
-    whole = [g for g, s in zip(grads, tp_split) if not s]
+    replicated gradients are equal on every tp rank and count once); fsdp shards over the fsdp
+    group; pipeline stages over the pp group (`counted` False: a tied copy another stage counts)."""
+    counted = counted or [True] * len(grads)
+    split = [g for g, s, c in zip(grads, tp_split, counted) if s and c]
+    whole = [g for g, s, c in zip(grads, tp_split, counted) if not s and c]
     total = _squares(whole) if whole else grads[0].new_zeros(())
     if split:
         total = total + _funcol.wait_tensor(_funcol.all_reduce(_squares(split), "sum", layout.tp.name))
     if layout.fsdp is not None:
         total = _funcol.wait_tensor(_funcol.all_reduce(total, "sum", layout.fsdp.name))
+    if layout.pp is not None:
+        total = _funcol.wait_tensor(_funcol.all_reduce(total, "sum", layout.pp.name))
     coef = torch.clamp(max_norm / (torch.sqrt(total) + 1e-6), max=1.0)
     torch._foreach_mul_(grads, coef)
 
@@ -247,9 +257,11 @@ def _step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: St
             for p, g in zip(held, unscaled):
                 p.grad = g
             found_inf = _any_rank(found_inf, layout)
-        if mf.max_grad_norm is not None and (layout.fsdp is not None or layout.tp is not None):
-            present = [(p.grad, s) for p, s in zip(params, tp_split) if p.grad is not None]
-            _clip_distributed([g for g, _ in present], [s for _, s in present], mf.max_grad_norm, layout)
+        if mf.max_grad_norm is not None and (layout.fsdp is not None or layout.tp is not None or layout.pp is not None):
+            present = [(p.grad, s, n not in layout.pp_uncounted) for p, s, n in zip(params, tp_split, param_names)
+                       if p.grad is not None]
+            _clip_distributed([g for g, _, _ in present], [s for _, s, _ in present], mf.max_grad_norm, layout,
+                              [c for _, _, c in present])
         elif mf.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, mf.max_grad_norm)
         if scaling is None:

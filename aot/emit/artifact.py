@@ -85,11 +85,14 @@ def _check_shardable(state: TrainingState, layout: StepLayout) -> None:
                            f"it cannot be sharded")
 
 
-def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: CapturedStep, state: TrainingState,
+def emit_artifact(out: Path, *, programs: dict[str, tuple[torch.export.ExportedProgram, CapturedStep]], state: TrainingState,
                   layout: StepLayout, mesh: Mesh, profile: dict, example: dict[str, torch.Tensor], batch_size: int,
                   build: dict, placement: Placement | None = None, subgroups: dict | None = None, sign_key: Path | None = None,
-                  extra_files: dict[str, bytes] | None = None, extra_fields: dict | None = None) -> dict:
-    """Write the artifact folder. `placement` maps mesh ranks to physical ranks (default: the
+                  extra_files: dict[str, bytes] | None = None, extra_fields: dict | None = None,
+                  program_of=lambda coords: PROGRAM) -> dict:
+    """Write the artifact folder. `programs`: name -> (exported program, its capture); one
+    (PROGRAM) serves every rank unless the ranks differ (pipeline stages), when `program_of(coords)`
+    names a rank's. `placement` maps mesh ranks to physical ranks (default: the
     identity); `ranks` and `process_groups` are written in physical ranks, so a runner looks up its
     own RANK and binds the groups as listed, `subgroups` among them. `extra_files` (relative path -> bytes) are written and
     hashed like every other file; `extra_fields` are optional top-level manifest entries that
@@ -100,13 +103,13 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
     if not placement.ascending:  # torch orders group members by rank: coordinates must agree
         raise AotError(f"placement {list(placement.physical)} orders some group's ranks against its coordinates")
     _check_shardable(state, layout)
-    program_json, constants = encode_program(ep)
+    encoded = {name: encode_program(ep) for name, (ep, _) in programs.items()}
     init_program = export_init(state)
     init_json, init_constants = encode_program(init_program)
-    data_slots = [s for s in captured.slots if s["kind"] in ("input", "target")]
+    data_slots = [s for s in next(iter(programs.values()))[1].slots if s["kind"] in ("input", "target")]
     tp_dims = layout.tp_dims(state)
     with StagedDir(out, MANIFEST) as files:
-        for name, (code, consts) in ((PROGRAM, (program_json, constants)), (INIT_PROGRAM, (init_json, init_constants))):
+        for name, (code, consts) in (*encoded.items(), (INIT_PROGRAM, (init_json, init_constants))):
             files.write(f"programs/{name}.json", code)
             if consts is not None:
                 files.write(f"programs/{name}.constants.safetensors", consts)
@@ -128,17 +131,18 @@ def emit_artifact(out: Path, *, ep: torch.export.ExportedProgram, captured: Capt
                 for axis in mesh.axes if mesh.size(axis) > 1
             } | (subgroups or {}),  # the levels of hierarchical all_reduces (aot/passes/hierarchical.py)
             "programs": {
-                PROGRAM: {
-                    "file": f"programs/{PROGRAM}.json",
-                    "constants": f"programs/{PROGRAM}.constants.safetensors" if constants is not None else None,
+                name: {
+                    "file": f"programs/{name}.json",
+                    "constants": f"programs/{name}.constants.safetensors" if encoded[name][1] is not None else None,
                     "inputs": captured.slots,
                     "outputs": ["loss", "global_loss"],
                     "collectives": collectives_of(ep.graph),
                     "graph_nodes": len(ep.graph.nodes),
-                }
+                } for name, (ep, captured) in programs.items()
             },
-            "ranks": [  # per physical rank: the mesh coordinates the placement gives it
-                {"rank": r, "program": PROGRAM, "coords": placement.coords(r)} for r in range(mesh.world_size)
+            "ranks": [  # per physical rank: the mesh coordinates the placement gives it, and its program
+                {"rank": r, "program": program_of(placement.coords(r)), "coords": placement.coords(r)}
+                for r in range(mesh.world_size)
             ],
             "init": {  # the recipe of the initial parameters and buffers (runner/init_program.py)
                 "file": f"programs/{INIT_PROGRAM}.json",

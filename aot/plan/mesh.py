@@ -16,6 +16,8 @@ from aot.errors import AotError
 from runner.artifact import mesh_coords
 
 SUPPORTED_AXES = ("dp", "fsdp", "tp")
+# Axes a build takes; the planner searches SUPPORTED_AXES (pp is not priced yet)
+BUILD_AXES = (*SUPPORTED_AXES, "pp")
 # Axes over which ranks see different data; tensor-parallel ranks see the same batch.
 DATA_AXES = ("dp", "fsdp")
 
@@ -40,8 +42,8 @@ class Mesh:
             if not sep or not degree.strip().isdigit() or int(degree) < 1:
                 raise AotError(f"--strategy {strategy!r}: expected axis=degree pairs such as dp={world_size}")
             name = name.strip()
-            if name not in SUPPORTED_AXES:
-                raise AotError(f"--strategy {strategy!r}: axis {name!r} is not supported yet (supported: {', '.join(SUPPORTED_AXES)})")
+            if name not in BUILD_AXES:
+                raise AotError(f"--strategy {strategy!r}: axis {name!r} is not supported yet (supported: {', '.join(BUILD_AXES)})")
             if name in axes:
                 raise AotError(f"--strategy {strategy!r}: axis {name!r} is given twice")
             axes.append(name)
