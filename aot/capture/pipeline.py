@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
 from aot.capture.model_file import ModelFile, call_user
-from aot.capture.module_calls import MODULE_CALLS, annotate_module_calls, layer_of
+from aot.capture.module_calls import annotate_module_calls, layer_of
 from aot.capture.step import (CapturedStep, Group, StepLayout, _autocast_region, _describe_trace_error, _gather,
                               _optimizer_tracing, _step_args, _step_program, rank_state)
 from aot.capture.trace_logs import quiet_trace_logs
@@ -380,13 +380,20 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
             reduced = torch.autograd.grad([gathered[n] for n in present], [by_name[n] for n in present],
                                           [sums[n] for n in present])
             sums = dict(zip(present, reduced))
-        for name, like in tied.items():  # a weight two ranks hold (tied embedding): gradients summed, as Megatron does
+        # One all_reduce over the pipeline group (the same on every rank, whatever a pass could
+        # reorder): the last stage's loss for every rank, and the gradients of weights two ranks
+        # hold (a tied embedding and output layer) summed, as Megatron does.
+        pieces = [(loss_sum / m).reshape(1)]
+        for name, like in tied.items():
             mine = sums.get(name)
-            total = _funcol.wait_tensor(_funcol.all_reduce(mine if mine is not None else torch.zeros_like(like), "sum", group))
+            pieces.append((mine if mine is not None else torch.zeros_like(like)).reshape(-1).float())
+        total = _funcol.wait_tensor(_funcol.all_reduce(torch.cat(pieces), "sum", group))
+        local_loss = total[0]
+        at = 1
+        for name, like in tied.items():
             if name in by_name:
-                sums[name] = total
-        local_loss = loss_sum / m
-        local_loss = _funcol.wait_tensor(_funcol.all_reduce(local_loss, "sum", group))  # the last stage's, on every rank
+                sums[name] = total[at:at + like.numel()].reshape(like.shape).to(like.dtype)
+            at += like.numel()
         grads = [sums.get(n) for n in param_names]
         return finish(params, grads, local_loss, opt_state, lrs, scaling)
 

@@ -13,14 +13,15 @@ import operator
 
 import torch
 
-from aot.passes.graph_utils import ALL_REDUCE, WAIT, funcol, is_call, stable_topological_sort, tensor_bytes
+from aot.passes.graph_utils import ALL_REDUCE, PER_PROGRAM_GROUPS, WAIT, funcol, is_call, stable_topological_sort, tensor_bytes
 
 aten = torch.ops.aten
 
 
 def _reducible(node: torch.fx.Node) -> bool:
     users = list(node.users)
-    return is_call(node, {ALL_REDUCE}) and len(users) == 1 and is_call(users[0], {WAIT})
+    return (is_call(node, {ALL_REDUCE}) and len(users) == 1 and is_call(users[0], {WAIT})
+            and node.args[2] not in PER_PROGRAM_GROUPS)
 
 
 def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node], order: dict) -> None:

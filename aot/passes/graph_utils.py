@@ -9,6 +9,9 @@ funcol = torch.ops._c10d_functional
 ALL_REDUCE = funcol.all_reduce.default
 ALL_GATHER = funcol.all_gather_into_tensor.default
 WAIT = funcol.wait_tensor.default
+# Groups whose members run different programs (pipeline stages): a pass sees one program only,
+# so it must not regroup their collectives, which every member has to issue alike.
+PER_PROGRAM_GROUPS = ("aot.pp",)
 COLLECTIVES = {
     ALL_REDUCE,
     ALL_GATHER,
