@@ -20,9 +20,26 @@ def _optimizer_bytes(m: dict, rank: dict, held: dict[str, int]) -> int:
     state is as big as the rank's piece of its parameter)."""
     total = 0
     for key, spec in m["state"]["optimizer_init"].items():
+        if key.rpartition(":")[0] not in held:  # another pipeline stage's
+            continue
         numel = held[key.rpartition(":")[0]] if spec["shape"] == "param" else math.prod(spec["shape"])
         total += _bytes([[numel], spec["dtype"]])
     return total
+
+
+def describe_pipeline(p: dict | None) -> list[str]:
+    """The manifest's `pipeline`: the schedule, and each stage's rank, layers and parameters."""
+    if not p:
+        return []
+    lines = [f"pipeline   pp={p['size']} {p['schedule']}, {p['microbatches']} microbatches of {p['microbatch_size']}"
+             + (f", {p['stages_per_rank']} stages per rank" if p["stages_per_rank"] > 1 else "")
+             + f" over {p['group']}; predicted bubble {p['predicted_bubble']:.0%} of the step"]
+    for s in p["stages"]:
+        layers = s["layers"][0] if len(s["layers"]) == 1 else f"{s['layers'][0]} .. {s['layers'][-1]} ({len(s['layers'])} layers)"
+        lines.append(f"  stage {s['stage']}  pipeline rank {s['rank']} ({s['program']}): {layers}, {len(s['params'])} parameter tensors")
+    if p.get("tied"):
+        lines.append(f"  tied across stages, gradients summed over {p['group']}: {', '.join(p['tied'])}")
+    return lines
 
 
 def describe_precision(p: dict) -> str:
@@ -55,8 +72,14 @@ def summarize(artifact: Artifact) -> dict:
     for n, (s, _) in state["params"].items():
         numel = math.prod(tp_slice_shape(s, tp.get("params", {}).get(n), tp.get("size", 1)))
         held[n] = shard_numel(numel, parts) if n in sharding.get("params", {}) else numel
-    param_count = sum(held.values())
-    param_bytes = sum(_bytes([[held[n]], dtype]) for n, (_, dtype) in state["params"].items())
+    dtypes = {n: dtype for n, (_, dtype) in state["params"].items()}
+    pipeline = m.get("pipeline")
+
+    def rank_held(coords: dict) -> dict[str, int]:  # a pipeline rank holds its stages' parameters
+        if not pipeline:
+            return held
+        mine = {n for s in pipeline["stages"] if s["rank"] == coords.get(pipeline["axis"], 0) for n in s["params"]}
+        return {n: k for n, k in held.items() if n in mine}
     programs = {}
     for name, program in m["programs"].items():
         collectives = program["collectives"]
@@ -67,13 +90,18 @@ def summarize(artifact: Artifact) -> dict:
             "collective_bytes_per_step": sum(c["bytes"] for c in collectives),
             "collectives": collectives,
         }
-    ranks = [{
-        "rank": r["rank"], "program": r["program"], "coords": r["coords"],
-        "parameters": param_count, "parameter_bytes": param_bytes,
-        # parameters + their gradients + the optimizer state this rank holds
-        "training_state_bytes": 2 * param_bytes + _optimizer_bytes(m, r, held),
-        "state_shard": shard_number(r["coords"], m.get("sharding"), m.get("tensor_parallel")),
-    } for r in m["ranks"]]
+    ranks = []
+    for r in m["ranks"]:
+        mine = rank_held(r["coords"])
+        param_bytes = sum(_bytes([[k], dtypes[n]]) for n, k in mine.items())
+        ranks.append({
+            "rank": r["rank"], "program": r["program"], "coords": r["coords"],
+            "parameters": sum(mine.values()), "parameter_bytes": param_bytes,
+            # parameters + their gradients + the optimizer state this rank holds
+            "training_state_bytes": 2 * param_bytes + _optimizer_bytes(m, r, mine),
+            "state_shard": shard_number(r["coords"], m.get("sharding"), m.get("tensor_parallel"),
+                                        {"axis": pipeline["axis"], "size": pipeline["size"]} if pipeline else None),
+        })
     return {
         "path": str(artifact.root),
         "format_version": m["format_version"],
@@ -96,6 +124,7 @@ def summarize(artifact: Artifact) -> dict:
         "memory": m.get("memory"),
         "time": m.get("time"),
         "tensor_parallel": m.get("tensor_parallel"),
+        "pipeline": pipeline,
         "init": m.get("init"),
         "total_bytes": sum(f["size"] for f in m["files"].values()),
     }
@@ -257,6 +286,7 @@ def render(summary: dict) -> str:
         rows = sorted(n for n, style in tp["plan"].items() if style == "rowwise")
         lines.append(f"tensor parallel over {tp['size']} ranks ({tp['group']}): column-wise {', '.join(cols)}; "
                      f"row-wise {', '.join(rows)}")
+    lines.extend(describe_pipeline(summary.get("pipeline")))
     inference = summary.get("inference")
     if inference:
         io = ", ".join(f"{i['name']} [{', '.join(map(str, i['shape']))}] {i['dtype']}" for i in inference["inputs"])

@@ -571,3 +571,30 @@ def test_bad_recompute_policy(tmp_path):
         r = aot("build", _with(tmp_path, MLP, recompute=policy), "-o", tmp_path / "out", "--quiet", "--no-onnx")
         assert_user_error(r, "recompute", words)
         assert not (tmp_path / "out").exists()
+
+
+# -- 11. pipelines the model or the batch cannot take: refused before tracing ----------------------
+
+def test_microbatches_the_batch_or_schedule_cannot_take(tmp_path):
+    build = lambda *args: aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--no-onnx", "--batch-size", 4, *args)
+    assert_user_error(build("--strategy", "pp=2", "--microbatches", 3), "does not split into --microbatches 3")
+    assert_user_error(build("--strategy", "pp=2", "--microbatches", 1), "at least as many microbatches as pipeline ranks")
+    assert_user_error(build("--strategy", "pp=2", "--pp-schedule", "interleaved-1f1b", "--microbatches", 4,
+                            "--world-size", 2, "--batch-size", 6), "does not split into")
+    assert_user_error(build("--strategy", "pp=2", "--stages-per-rank", 2), "needs --pp-schedule interleaved-1f1b")
+    assert_user_error(build("--microbatches", 2), "need --strategy with pp=N")
+    assert_user_error(build("--strategy", "dp=1,pp=2"), "pp must be the first (outermost) axis")
+    assert not (tmp_path / "out").exists()
+
+
+def test_pipeline_stages_the_model_cannot_take(tmp_path):
+    r = aot("build", _with(tmp_path, MLP, pp_split=["decoder.3"]), "-o", tmp_path / "out", "--quiet", "--no-onnx",
+            "--strategy", "pp=2", "--batch-size", 4)
+    assert_user_error(r, "pp_split names 'decoder.3', which is not a module of the model")
+    r = aot("build", _with(tmp_path, MLP, pp_split=["2", "4"]), "-o", tmp_path / "out", "--quiet", "--no-onnx",
+            "--strategy", "pp=2", "--batch-size", 4)
+    assert_user_error(r, "pp_split names 2 module(s) for 2 stages")
+    r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--no-onnx", "--strategy", "pp=8", "--batch-size", 8,
+            "--microbatches", 8)
+    assert_user_error(r, "8 stages need at least 8 layers; the model has 5")
+    assert not (tmp_path / "out").exists()

@@ -25,8 +25,12 @@ STEPS = 5
 
 
 def tp_degree(strategy: str | None) -> int:
+    return degree(strategy, "tp")
+
+
+def degree(strategy: str | None, axis: str) -> int:
     degrees = dict(part.split("=") for part in strategy.split(",")) if strategy else {}
-    return int(degrees.get("tp", 1))
+    return int(degrees.get(axis, 1))
 
 
 def train_both(model_file, world, tmp_path, data=None, batch_size=4, strategy=None, build_args=(), run_args=(),
@@ -46,8 +50,9 @@ def train_both(model_file, world, tmp_path, data=None, batch_size=4, strategy=No
         args += ["--data", data]
     ok(torchrun(world, *args))
     data_file = data if data is not None else art / "data" / "example_batch.safetensors"
-    # Tensor-parallel ranks share a batch: the reference has one process per data-parallel rank.
-    ref = reference(model_file, data_file, world // tp_degree(strategy), batch_size, tmp_path,
+    # Tensor-parallel ranks and pipeline stages share a batch: the reference has one process per
+    # data-parallel rank.
+    ref = reference(model_file, data_file, world // tp_degree(strategy) // degree(strategy, "pp"), batch_size, tmp_path,
                     reference_init or init_from, reference_args)
     merge_checkpoint(ckpt, tmp_path / "merged.safetensors")  # what `aot checkpoint merge` runs (tested on its own)
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]

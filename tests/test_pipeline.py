@@ -1,0 +1,112 @@
+"""Pipeline parallelism (aot/plan/pipeline.py, aot/capture/pipeline.py, aot/pipeline_build.py).
+
+Schedules in process: every rank runs each microbatch's forward and backward once, a forward
+before its backward, and replaying them as the ranks would never deadlocks. Built programs: every
+send has its receive on the peer's program (same tag, shape and dtype), and on each rank a
+microbatch's forward transfer precedes its backward one. Under torchrun: training equals eager DDP
+over the same global batch (gpt.py's tied embedding included), checkpoints merge across stages.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from aot.errors import AotError
+from aot.plan.pipeline import SCHEDULES, balance, bubble_fraction, check, schedule_actions
+from helpers.commands import EXAMPLES, aot, ok
+from helpers.training import assert_same_training, train_both
+from runner.program import decode_program
+
+P2P = {"isend", "irecv"}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp,microbatches", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 6)])
+def test_schedules_run_every_microbatch_once_forward_first_without_deadlock(schedule, pp, microbatches):
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    actions = schedule_actions(schedule, pp, microbatches, virtual)
+    check(actions, microbatches, virtual)
+    for rank in actions:
+        position = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(rank)}
+        assert all(position[("F", mb, c)] < position[("B", mb, c)] for mb in range(microbatches) for c in range(virtual))
+    if schedule == "1f1b":  # at most pp - r microbatches in flight on rank r: what bounds its activations
+        for r, rank in enumerate(actions):
+            in_flight = peak = 0
+            for a in rank:
+                in_flight += 1 if a.kind == "F" else -1
+                peak = max(peak, in_flight)
+            assert peak == min(pp - r, microbatches)
+
+
+def test_a_schedule_that_deadlocks_or_misses_an_action_is_refused():
+    gpipe = schedule_actions("gpipe", 2, 2)
+    swapped = [gpipe[0], [gpipe[1][2], gpipe[1][3], gpipe[1][0], gpipe[1][1]]]  # rank 1: backwards first
+    with pytest.raises(AotError, match="deadlocks"):
+        check(swapped, 2)
+    with pytest.raises(AotError, match="each microbatch's forward and backward once"):
+        check([gpipe[0], gpipe[1][:-1]], 2)
+
+
+def test_bubble_and_balance():
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("interleaved-1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    assert balance([1, 1, 1, 1], 2) == [2]
+    assert balance([5, 1, 1, 1, 1, 1], 2) == [1]   # the costly first layer alone
+    with pytest.raises(AotError, match="cannot cut 2 layer"):
+        balance([1, 1], 3)
+
+
+def _transfers(program_file: Path) -> list[tuple]:
+    """(op, peer, tag, shape, dtype) of every p2p node of a built program, in program order."""
+    ep = decode_program(program_file.read_bytes(), None)
+    found = []
+    for node in ep.graph.nodes:
+        name = getattr(node.target, "_schema", None) and node.target._schema.name.split("::")[-1]
+        if node.op == "call_function" and name in P2P:
+            val = node.args[0].meta["val"]
+            found.append((name, node.args[1], node.args[2], tuple(val.shape), val.dtype))
+    return found
+
+
+@pytest.mark.parametrize("model,schedule", [("mlp.py", "interleaved-1f1b"), ("gpt.py", "1f1b")])
+def test_built_programs_pair_every_send_with_a_receive(tmp_path, model, schedule):
+    art = tmp_path / "art"
+    ok(aot("build", EXAMPLES / model, "--strategy", "pp=2", "--pp-schedule", schedule, "--microbatches", 4,
+           "--batch-size", 8, "--no-onnx", "-o", art, "--quiet"))
+    manifest = json.loads((art / "manifest.json").read_text())
+    pipeline = manifest["pipeline"]
+    assert pipeline["schedule"] == schedule and pipeline["microbatches"] == 4 and pipeline["microbatch_size"] == 2
+    assert [r["program"] for r in manifest["ranks"]] == ["train.pp0", "train.pp1"]
+    stages = pipeline["stages"]
+    assert len(stages) == (4 if schedule == "interleaved-1f1b" else 2)
+    held = [set(p for s in stages if s["rank"] == r for p in s["params"]) for r in (0, 1)]
+    assert held[0] | held[1] == set(manifest["state"]["params"])
+    assert held[0] & held[1] == set(pipeline["tied"]) == ({"tok_emb.weight"} if model == "gpt.py" else set())
+    transfers = {r: _transfers(art / manifest["programs"][f"train.pp{r}"]["file"]) for r in (0, 1)}
+    for r, peer in ((0, 1), (1, 0)):
+        sends = sorted((tag, shape, dtype) for op, p, tag, shape, dtype in transfers[r] if op == "isend" and p == peer)
+        receives = sorted((tag, shape, dtype) for op, p, tag, shape, dtype in transfers[peer] if op == "irecv" and p == r)
+        assert sends and sends == receives
+    for r in (0, 1):  # a microbatch's activation leaves or arrives before its gradient does
+        order = [tag for _, _, tag, _, _ in transfers[r]]
+        for tag in order:
+            if tag % 2 == 0 and tag + 1 in order:
+                assert order.index(tag) < order.index(tag + 1)
+    text = ok(aot("inspect", art)).stdout
+    assert f"pipeline   pp=2 {schedule}, 4 microbatches of 2" in text
+
+
+CASES = [("mlp.py", "pp=2", ()), ("gpt.py", "pp=2", ()), ("mlp.py", "pp=2", ("--pp-schedule", "interleaved-1f1b"))]
+SLOW_CASES = [("mlp.py", "pp=2,dp=2", ()), ("gpt.py", "pp=2,fsdp=2", ()),
+              ("gpt.py", "pp=2", ("--pp-schedule", "gpipe", "--microbatches", 4))]
+
+
+@pytest.mark.parametrize("model,strategy,args", CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CASES])
+def test_pipeline_training_matches_eager_ddp(tmp_path, model, strategy, args):
+    world = 4 if "," in strategy else 2
+    losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / model, world, tmp_path, strategy=strategy,
+                                                          build_args=args)
+    assert_same_training(losses, ref_losses, weights, ref_weights)
