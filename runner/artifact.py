@@ -19,7 +19,7 @@ from runner.errors import AotError
 from runner.integrity import canonical_json, content_problem, read_verified, sha256_bytes
 
 FORMAT_NAME = "aot-artifact"
-FORMAT_VERSION = 4  # 4: mixed precision (precision, "scaler" inputs); 3: no stored state (init program)
+FORMAT_VERSION = 5  # 5: pipeline stages (pipeline, a program per stage, p2p transfers); 4: mixed precision
 READABLE_VERSIONS = (FORMAT_VERSION - 1, FORMAT_VERSION)  # this version and the one before it
 MANIFEST = "manifest.json"
 
@@ -147,6 +147,10 @@ PRECISION_SCHEMA = {"precision": {"compute": LOW, "param_dtype": LOW, "reduce_dt
 SCALER_SCHEMA = {"init_scale": NUMBER, "growth_factor": NUMBER, "backoff_factor": NUMBER, "growth_interval": int}
 # What the build predicts one rank's step holds, and what it recomputes (FORMAT.md, "Memory"); optional
 MEMORY_SCHEMA = {"predicted": {"peak": int, "resident": Map(int), "at_peak": Map(int)}, "recompute": {"policy": str}}
+# Pipeline stages (FORMAT.md, "Pipeline"); present with a pp axis
+PIPELINE_SCHEMA = {"axis": str, "group": str, "size": int, "schedule": OneOf("gpipe", "1f1b", "interleaved-1f1b"),
+                   "microbatches": int, "microbatch_size": int, "stages_per_rank": int, "tied": [str],
+                   "stages": [{"stage": int, "rank": int, "program": str, "layers": [str], "params": [str], "buffers": [str]}]}
 # The build's predicted step time (FORMAT.md, "Time"); optional
 TIME_SCHEMA = {"predicted": {"step_s": NUMBER, "compute_s": NUMBER, "comm_s": NUMBER, "exposed_comm_s": NUMBER},
                "topology": str, "calibrated": bool}
@@ -271,12 +275,28 @@ def _check_structure(m: dict, where: str) -> None:
             expect(0 <= dim < len(shape) and shape[dim] % tp["size"] == 0,
                    f"tensor_parallel.params: {name!r} cannot be split {tp['size']} ways along dimension {dim}")
     for key, schema in (("inference", INFERENCE_SCHEMA), ("custom_ops", {"modules": [str], "ops": [str]}),
-                        ("memory", MEMORY_SCHEMA), ("time", TIME_SCHEMA)):
+                        ("memory", MEMORY_SCHEMA), ("time", TIME_SCHEMA), ("pipeline", PIPELINE_SCHEMA)):
         if m.get(key) is not None:  # optional entries: the ONNX export, custom operator libraries
             try:
                 _conform(m[key], schema, key)
             except AotError as e:
                 raise AotError(f"{where}: {e}") from None
+    if m.get("pipeline") is not None:
+        p = m["pipeline"]
+        expect(p["group"] in m["process_groups"], "pipeline.group names no process group")
+        expect(p["size"] == dict(zip(m["mesh"]["axes"], m["mesh"]["shape"])).get(p["axis"]),
+               "pipeline.size is not the mesh's pp degree")
+        expect([s["stage"] for s in p["stages"]] == list(range(p["size"] * p["stages_per_rank"])),
+               "pipeline.stages must number the stages 0, 1, ... in order")
+        for stage in p["stages"]:
+            expect(stage["program"] in m["programs"], f"pipeline stage {stage['stage']} names unknown program {stage['program']!r}")
+            expect(all(n in m["state"]["params"] for n in stage["params"]),
+                   f"pipeline stage {stage['stage']} names a parameter the state lacks")
+        for r in m["ranks"]:
+            stages = {s["program"] for s in p["stages"] if s["rank"] == r["coords"].get(p["axis"])}
+            expect(stages == {r["program"]}, f"rank {r['rank']} runs {r['program']!r}, not its pipeline stage's program")
+    else:
+        expect(len({r["program"] for r in m["ranks"]}) == 1, "ranks run different programs without a pipeline entry")
     if m.get("inference") is not None:
         expect(m["inference"]["file"] in m["files"], "inference.file is not listed in files")
     expect(bool(m["schedule"]["lr"]), "schedule.lr is empty")

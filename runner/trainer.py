@@ -385,10 +385,12 @@ class Trainer:
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict as the user's model would return it (tied weights under every
-        name). With sharded parameters this all-gathers them: every rank must call it."""
+        name); a pipeline rank's holds its stages' tensors only. With sharded parameters this
+        all-gathers them: every rank must call it."""
         aliases = self.state_spec["aliases"]
         weights = self._full_weights()
-        return {key: weights[aliases.get(key, key)] for key in self.state_spec["state_dict_keys"]}
+        return {key: weights[aliases.get(key, key)] for key in self.state_spec["state_dict_keys"]
+                if aliases.get(key, key) in weights}
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
         full = dict(self._weights)
@@ -397,6 +399,8 @@ class Trainer:
         if self.sharding:  # fsdp pieces -> this rank's tensor-parallel slice (or the whole tensor)
             _, group = self.groups[self.sharding["group"]]
             for name in self.sharding["params"]:
+                if name not in self._weights:  # another pipeline stage's
+                    continue
                 piece = self._weights[name]
                 gathered = torch.empty(piece.numel() * self.sharding["size"], dtype=piece.dtype, device=piece.device)
                 dist.all_gather_into_tensor(gathered, piece.contiguous(), group=group)
@@ -405,6 +409,8 @@ class Trainer:
         if tp:  # tensor-parallel slices -> whole tensors
             _, group = self.groups[tp["group"]]
             for name, dim in dims.items():
+                if name not in full:
+                    continue
                 slices = [torch.empty_like(full[name]) for _ in range(tp["size"])]
                 dist.all_gather(slices, full[name].contiguous(), group=group)
                 full[name] = torch.cat(slices, dim)

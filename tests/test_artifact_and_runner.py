@@ -74,17 +74,17 @@ def _user_module(path):
     return user
 
 
-@pytest.mark.parametrize("which", ["format 4", "format 3"])
+@pytest.mark.parametrize("which", ["format 5", "format 4"])
 def test_python_api_matches_eager_single_process(mlp1, which):
     """runner.load(...).step() against a plain eager loop in this process; a format-3 artifact
-    (tests/fixtures/artifact_v3_mlp, built by the aot before format 4) still runs."""
-    artifact = mlp1 if which == "format 4" else FIXTURES / "artifact_v3_mlp"
+    (tests/fixtures/artifact_v4_mlp, built by the aot before format 5) still runs."""
+    artifact = mlp1 if which == "format 5" else FIXTURES / "artifact_v4_mlp"
     user = _user_module(EXAMPLES / "mlp.py")
     torch.manual_seed(0)
     model = user.model()
     opt = user.optimizer(model.parameters())
     trainer = runner.load(artifact, rank=0, world_size=1)
-    assert trainer.artifact.manifest["format_version"] == (4 if which == "format 4" else 3)
+    assert trainer.artifact.manifest["format_version"] == (5 if which == "format 5" else 4)
     source = trainer.data_source()
     for step in range(3):
         inputs, targets = source.batch(step)

@@ -167,7 +167,7 @@ def test_cuda_profile_traces_cudas_autocast_rules(tmp_path):
     assert _softmax_dtypes(cuda_tp) == {torch.float32}
     assert _softmax_dtypes(cpu) == {torch.bfloat16}
     manifest = json.loads((cuda / "manifest.json").read_text())
-    assert manifest["precision"]["autocast_rules"] == "cuda" and manifest["format_version"] == 4
+    assert manifest["precision"]["autocast_rules"] == "cuda" and manifest["format_version"] == 5
     ok(aot("run", cuda, "--steps", 2, "--allow-topology-mismatch", "--quiet"))
     ok(torchrun(2, "run", cuda_tp, "--steps", 2, "--allow-topology-mismatch", "--quiet"))
 
