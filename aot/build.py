@@ -215,13 +215,13 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
     finish = lambda gm: run_passes(gm, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch,
                                    hierarchical=chooser)
-    pipeline_entry, program_of = None, (lambda coords: PROGRAM)
+    pipeline_entry, program_of, pipeline_files = None, (lambda coords: PROGRAM), {}
     if "pp" in groups:
         from aot.pipeline_build import pipeline_programs
         built = pipeline_programs(options, mf, state, layout, mesh, placement, machine, groups["pp"], rank_inputs,
                                   rank_targets, recompute_request, finish, progress)
         captures, memory, time, recompute = built.captures, built.memory, built.time, built.recompute
-        pipeline_entry, program_of = built.entry, built.program_of
+        pipeline_entry, program_of, pipeline_files = built.entry, built.program_of, built.files
     else:
         with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
             captured = capture_step(mf, state, rank_inputs, rank_targets, layout)
@@ -273,7 +273,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         manifest = emit_artifact(
             options.output, programs={name: (eps[name], captures[name]) for name in captures}, program_of=program_of, state=state, layout=layout, mesh=mesh, profile=profile,
             placement=placement, subgroups=subgroups, example=example, batch_size=options.batch_size, sign_key=options.sign_key,
-            extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files,
+            extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files, **pipeline_files,
                          **(compiled.files if compiled else {})} or None,
             extra_fields={"precision": precision.to_json(),
                           "memory": {"predicted": memory.itemized(), "recompute": recompute},

@@ -10,6 +10,7 @@ layers and parameters, and the schedule.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,9 +20,11 @@ from aot.capture.step import CapturedStep, Group, StepLayout
 from aot.errors import AotError
 from aot.plan.cost_model import analyze, node_seconds
 from aot.plan.pipeline import bubble_fraction, check, chunks_of, schedule_actions, split
-from aot.plan.search import time_entry
+from aot.plan.pipeline_timeline import simulate_pipeline
+from aot.plan.search import Planner, time_entry
 
 PROGRAM_PREFIX = "train.pp"
+TIMELINE_FILE = "pipeline/timeline.json"
 
 
 @dataclass
@@ -32,6 +35,7 @@ class PipelineBuild:
     recompute: dict
     entry: dict                         # the manifest's `pipeline`
     program_of: Callable[[dict], str]   # a rank's coordinates -> its program's name
+    files: dict[str, bytes]             # the predicted timeline of every pipeline rank
 
 
 def check_options(options, pp: int, model_globals: dict, model, name: str) -> tuple[int, int]:
@@ -57,6 +61,8 @@ def pipeline_programs(options, mf, state, layout: StepLayout, mesh, placement, m
                       request, finish, progress) -> PipelineBuild:
     pp = group.size
     if layout.tp is not None:
+        # A stage replays the cut forward graph under autograd; tp's backward collectives live in
+        # DTensor's autograd functions, which that graph no longer has (see the note)
         raise AotError("--strategy: pp with tp is not supported yet (pp composes with dp and fsdp)")
     if layout.precision.scaler is not None:
         raise AotError("--precision fp16 (dynamic loss scaling) is not supported with pp yet; use bf16")
@@ -89,12 +95,14 @@ def pipeline_programs(options, mf, state, layout: StepLayout, mesh, placement, m
     analyses = {name: analyze(c.graph, c.slots) for name, c in captures.items()}
     peak = max(analyses, key=lambda n: analyses[n].memory.peak)
     times = {name: time_entry(machine, mesh, placement, a, options.bucket_mb) for name, a in analyses.items()}
-    slowest = max(times, key=lambda n: times[n]["predicted"]["step_s"])
+    # the programs side by side: where each waits for another is the bubble
+    timeline = simulate_pipeline([captures[f"{PROGRAM_PREFIX}{r}"].graph for r in range(pp)], Planner(machine, None),
+                                 placement, group.name)
+    busiest = max(range(pp), key=lambda r: timeline.busy_s[r])
+    time = times[f"{PROGRAM_PREFIX}{busiest}"]
+    time["predicted"] = {**time["predicted"], "step_s": timeline.step_s,
+                         "bubble_s": timeline.step_s - timeline.busy_s[busiest]}
     bubble = bubble_fraction(options.pp_schedule, pp, microbatches, virtual)
-    time = times[slowest]
-    busy = time["predicted"]["step_s"]
-    # every rank idles for the bubble: the busiest rank's work is (1 - bubble) of the step
-    time["predicted"] = {**time["predicted"], "step_s": busy / (1 - bubble), "bubble_s": busy / (1 - bubble) - busy}
     entry = {
         "axis": "pp", "group": group.name, "size": pp, "schedule": options.pp_schedule, "microbatches": microbatches,
         "microbatch_size": size, "stages_per_rank": virtual, "predicted_bubble": bubble,
@@ -102,12 +110,15 @@ def pipeline_programs(options, mf, state, layout: StepLayout, mesh, placement, m
                     "layers": s.layers, "params": s.params, "buffers": s.buffers} for s in stages],
         "tied": tied,
         "actions": {f"{PROGRAM_PREFIX}{r}": [str(a) for a in acts] for r, acts in enumerate(actions)},
-        "programs": {name: {"peak_bytes": a.memory.peak, "step_s": times[name]["predicted"]["step_s"]}
-                     for name, a in analyses.items()},
+        "programs": {f"{PROGRAM_PREFIX}{r}": {"peak_bytes": analyses[f"{PROGRAM_PREFIX}{r}"].memory.peak,
+                                              "busy_s": timeline.busy_s[r], "waiting_s": timeline.waiting_s[r]}
+                     for r in range(pp)},
+        "timeline": TIMELINE_FILE,
     }
     recompute = {"policy": "none", "source": request.source if not request.none else "none"}
+    files = {TIMELINE_FILE: (json.dumps(timeline.trace, separators=(",", ":")) + "\n").encode()}
     return PipelineBuild(captures, analyses[peak].memory, time, recompute, entry,
-                         lambda coords: f"{PROGRAM_PREFIX}{coords.get('pp', 0)}")
+                         lambda coords: f"{PROGRAM_PREFIX}{coords.get('pp', 0)}", files)
 
 
 def _span(layers: list[str]) -> str:

@@ -97,6 +97,15 @@ def test_built_programs_pair_every_send_with_a_receive(tmp_path, model, schedule
                 assert order.index(tag) < order.index(tag + 1)
     text = ok(aot("inspect", art)).stdout
     assert f"pipeline   pp=2 {schedule}, 4 microbatches of 2" in text
+    # the predicted step: both programs simulated side by side, one trace thread per pipeline rank
+    predicted, programs = manifest["time"]["predicted"], pipeline["programs"]
+    busy = [programs[f"train.pp{r}"]["busy_s"] for r in (0, 1)]
+    assert predicted["step_s"] == pytest.approx(max(busy) + predicted["bubble_s"])
+    assert all(b + programs[f"train.pp{r}"]["waiting_s"] == pytest.approx(predicted["step_s"]) for r, b in enumerate(busy))
+    assert 0.3 * pipeline["predicted_bubble"] < predicted["bubble_s"] / predicted["step_s"] < 3 * pipeline["predicted_bubble"]
+    trace = json.loads((art / pipeline["timeline"]).read_text())
+    assert pipeline["timeline"] in manifest["files"]
+    assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
 
 
 CASES = [("mlp.py", "pp=2", ()), ("gpt.py", "pp=2", ()), ("mlp.py", "pp=2", ("--pp-schedule", "interleaved-1f1b"))]
