@@ -64,8 +64,6 @@ def pipeline_programs(options, mf, state, layout: StepLayout, mesh, placement, m
         # A stage replays the cut forward graph under autograd; tp's backward collectives live in
         # DTensor's autograd functions, which that graph no longer has (see the note)
         raise AotError("--strategy: pp with tp is not supported yet (pp composes with dp and fsdp)")
-    if layout.precision.scaler is not None:
-        raise AotError("--precision fp16 (dynamic loss scaling) is not supported with pp yet; use bf16")
     if not request.none and request.source not in ("device memory",):
         raise AotError(f"{request.source}: recomputing activations is not supported with pp yet")
     virtual, microbatches = check_options(options, pp, mf.globals, state.model, mf.path.name)

@@ -147,3 +147,34 @@ def test_pipeline_resume_is_exact_and_verify_passes(tmp_path):
     assert stage_keys[0] & stage_keys[1] == {"tok_emb.weight"}   # the tied weight, on both ends
     r = ok(aot("verify", art, EXAMPLES / "gpt.py", "--steps", 2))
     assert ": OK" in r.stdout + r.stderr
+
+
+def test_fp16_loss_scaling_through_the_pipeline_matches_grad_scaler(tmp_path):
+    """fp16_overflow.py at pp=2: found_inf is summed over the stages, so both skip the same steps,
+    and the scale sequence is eager GradScaler's over the whole batch. Losses and weights within
+    the mixed-precision bounds (tests/test_mixed_precision.py), losses a little wider: the
+    gradients are summed over 2 microbatches in fp16 where eager sums the batch in one matmul."""
+    from safetensors.torch import load_file
+
+    from helpers.commands import MODELS, torchrun
+    from helpers.training import reference
+    from runner.checkpoint import merge_checkpoint
+
+    art, ckpt, metrics = tmp_path / "art", tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    ok(aot("build", MODELS / "fp16_overflow.py", "--strategy", "pp=2", "--batch-size", 4, "-o", art, "--quiet",
+           "--no-onnx", "--topology", "cpu"))
+    ok(torchrun(2, "run", art, "--steps", 8, "--metrics", metrics, "--save", ckpt, "--quiet"))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    ref = reference(MODELS / "fp16_overflow.py", art / "data" / "example_batch.safetensors", 1, 4, tmp_path,
+                    extra_args=["--precision", "fp16", "--param-dtype", "fp16"], steps=8)
+    eager = json.loads((ref / "scaler.json").read_text())
+    assert [r["loss_scale"] for r in records] == eager["scales"]
+    assert [r["skipped"] for r in records] == eager["skipped"] and any(eager["skipped"])
+    losses, ref_losses = [r["loss"] for r in records], json.loads((ref / "losses.json").read_text())
+    assert abs(losses[0] - ref_losses[0]) <= 1e-6
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-3, (losses, ref_losses)
+    merge_checkpoint(ckpt, tmp_path / "merged.safetensors")
+    weights, ref_weights = load_file(tmp_path / "merged.safetensors"), load_file(ref / "state_dict.safetensors")
+    diffs = {k: (weights[k].double() - ref_weights[k].double()).abs() for k in ref_weights}
+    assert max(d.max().item() for d in diffs.values()) <= 1e-2
+    assert sum(d.sum().item() for d in diffs.values()) / sum(d.numel() for d in diffs.values()) <= 1e-5

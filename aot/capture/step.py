@@ -317,9 +317,10 @@ def _autocast_region(precision: Precision):
 
 def _any_rank(found_inf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
     """found_inf summed over the groups whose ranks hold different gradients (fsdp shards, tp
-    slices), so every rank skips the same steps, as FSDP's ShardedGradScaler does. Data-parallel
-    replicas hold the same averaged gradients already, so their checks agree without one."""
-    for group in (layout.fsdp, layout.tp):
+    slices, pipeline stages), so every rank skips the same steps, as FSDP's ShardedGradScaler
+    does. Data-parallel replicas hold the same averaged gradients already, so their checks agree
+    without one."""
+    for group in (layout.fsdp, layout.tp, layout.pp):
         if group is not None:
             found_inf = _funcol.wait_tensor(_funcol.all_reduce(found_inf, "sum", group.name))
     return found_inf
