@@ -217,8 +217,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
                                    hierarchical=chooser)
     pipeline_entry, program_of, pipeline_files = None, (lambda coords: PROGRAM), {}
     if "pp" in groups:
-        from aot.pipeline_build import pipeline_programs
-        built = pipeline_programs(options, mf, state, layout, mesh, placement, machine, groups["pp"], rank_inputs,
+        from aot.pipeline_build import build_programs
+        built = build_programs(options, mf, state, layout, mesh, placement, machine, groups["pp"], rank_inputs,
                                   rank_targets, recompute_request, finish, progress)
         captures, memory, time, recompute = built.captures, built.memory, built.time, built.recompute
         pipeline_entry, program_of, pipeline_files = built.entry, built.program_of, built.files

@@ -14,12 +14,12 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from aot.capture.module_calls import layer_of
-from aot.capture.pipeline import Pipeline, capture_pipeline, cut, tied_params, trace_forward
+from aot.capture.pipeline import tied_params
 from aot.capture.step import CapturedStep, Group, StepLayout
 from aot.errors import AotError
-from aot.plan.cost_model import analyze, node_seconds
-from aot.plan.pipeline import bubble_fraction, check, chunks_of, schedule_actions, split
+from aot.plan.cost_model import analyze
+from aot.plan.pipeline import bubble_fraction, chunks_of
+from aot.plan.pipeline_programs import pipeline_programs
 from aot.plan.pipeline_timeline import simulate_pipeline
 from aot.plan.search import Planner, time_entry
 
@@ -57,7 +57,7 @@ def check_options(options, pp: int, model_globals: dict, model, name: str) -> tu
     return virtual, microbatches
 
 
-def pipeline_programs(options, mf, state, layout: StepLayout, mesh, placement, machine, group: Group, inputs, targets,
+def build_programs(options, mf, state, layout: StepLayout, mesh, placement, machine, group: Group, inputs, targets,
                       request, finish, progress) -> PipelineBuild:
     pp = group.size
     if layout.tp is not None:
@@ -67,29 +67,15 @@ def pipeline_programs(options, mf, state, layout: StepLayout, mesh, placement, m
     if not request.none and request.source not in ("device memory",):
         raise AotError(f"{request.source}: recomputing activations is not supported with pp yet")
     virtual, microbatches = check_options(options, pp, mf.globals, state.model, mf.path.name)
-    stages_count = pp * virtual
     size = options.batch_size // microbatches
-    with progress.stage(f"tracing one microbatch's forward and cutting it into {stages_count} stages"):
-        forward, sources = trace_forward(mf, state, layout, [t[:size] for t in inputs], targets[:size])
-        stage_of_layer = split(forward, stages_count, lambda n: node_seconds(n, machine.compute), layer_of,
-                               mf.globals.get("pp_split"), where=f"{mf.path.name}: pp_split")
-        stages = cut(forward, sources, stage_of_layer, stages_count)
-    for s in stages:
-        progress.note(f"stage {s.index} on pipeline rank {s.index % pp}: {_span(s.layers)}, "
-                      f"{sum(state.params[n].numel() for n in s.params):,} parameters")
+    made = pipeline_programs(mf, state, layout, group, inputs, targets, microbatches=microbatches,
+                             schedule=options.pp_schedule, virtual=virtual, compute=machine.compute, finish=finish,
+                             stage=progress.stage, note=progress.note)
+    stages, actions = made.stages, made.actions
     tied = tied_params(stages, pp)
     if tied:
         progress.note(f"tied across stages (gradients summed over the pipeline group): {', '.join(tied)}")
-    actions = schedule_actions(options.pp_schedule, pp, microbatches, virtual)
-    check(actions, microbatches, virtual)
-    captures = {}
-    for r in range(pp):
-        with progress.stage(f"capturing pipeline rank {r}'s step ({len(actions[r])} forward and backward actions) "
-                            f"and running graph passes"):
-            captured = capture_pipeline(mf, state, Pipeline(group, r, tuple(stages), microbatches, tuple(actions[r])),
-                                        layout, inputs, targets)
-            captured.graph = finish(captured.graph)
-        captures[f"{PROGRAM_PREFIX}{r}"] = captured
+    captures = {f"{PROGRAM_PREFIX}{r}": c for r, c in enumerate(made.captures)}
     analyses = {name: analyze(c.graph, c.slots) for name, c in captures.items()}
     peak = max(analyses, key=lambda n: analyses[n].memory.peak)
     times = {name: time_entry(machine, mesh, placement, a, options.bucket_mb) for name, a in analyses.items()}
@@ -118,6 +104,3 @@ def pipeline_programs(options, mf, state, layout: StepLayout, mesh, placement, m
     return PipelineBuild(captures, analyses[peak].memory, time, recompute, entry,
                          lambda coords: f"{PROGRAM_PREFIX}{coords.get('pp', 0)}", files)
 
-
-def _span(layers: list[str]) -> str:
-    return layers[0] if len(layers) == 1 else f"{len(layers)} layers {layers[0]} .. {layers[-1]}"

@@ -1,0 +1,54 @@
+"""The programs of a pipeline mesh, as the build makes them and the planner prices them: one
+microbatch's forward traced and cut into stages where aot.plan.pipeline.split says, the schedule
+checked, and every pipeline rank's step captured (aot/capture/pipeline.py) and finished by the
+graph passes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aot.capture.module_calls import layer_of
+from aot.capture.pipeline import Pipeline, Stage, capture_pipeline, cut, trace_forward
+from aot.capture.step import CapturedStep, Group, StepLayout
+from aot.plan.cost_model import node_seconds
+from aot.plan.pipeline import check, schedule_actions, split
+
+
+@dataclass
+class PipelinePrograms:
+    stages: list[Stage]
+    actions: list[list]                  # per pipeline rank (aot.plan.pipeline.Action)
+    captures: list[CapturedStep]         # per pipeline rank, passes applied
+
+
+def pipeline_programs(mf, state, layout: StepLayout, group: Group, inputs, targets, *, microbatches: int, schedule: str,
+                      virtual: int, compute, finish, stage=None, note=lambda line: None) -> PipelinePrograms:
+    """`finish(gm)`: the graph passes; `stage(title)`: a progress context per part (None: none)."""
+    from contextlib import nullcontext
+
+    stage = stage or (lambda title: nullcontext())
+    pp, count = group.size, group.size * virtual
+    size = targets.shape[0] // microbatches
+    with stage(f"tracing one microbatch's forward and cutting it into {count} stages"):
+        forward, sources = trace_forward(mf, state, layout, [t[:size] for t in inputs], targets[:size])
+        stage_of_layer = split(forward, count, lambda n: node_seconds(n, compute), layer_of, mf.globals.get("pp_split"),
+                               where=f"{mf.path.name}: pp_split")
+        stages = cut(forward, sources, stage_of_layer, count)
+    for s in stages:
+        note(f"stage {s.index} on pipeline rank {s.index % pp}: {_span(s.layers)}, "
+             f"{sum(state.params[n].numel() for n in s.params):,} parameters")
+    actions = schedule_actions(schedule, pp, microbatches, virtual)
+    check(actions, microbatches, virtual)
+    captures = []
+    for r in range(pp):
+        with stage(f"capturing pipeline rank {r}'s step ({len(actions[r])} forward and backward actions) "
+                   f"and running graph passes"):
+            captured = capture_pipeline(mf, state, Pipeline(group, r, tuple(stages), microbatches, tuple(actions[r])),
+                                        layout, inputs, targets)
+            captured.graph = finish(captured.graph)
+        captures.append(captured)
+    return PipelinePrograms(stages, actions, captures)
+
+
+def _span(layers: list[str]) -> str:
+    return layers[0] if len(layers) == 1 else f"{len(layers)} layers {layers[0]} .. {layers[-1]}"
