@@ -28,7 +28,9 @@ def render_table(rows: list[dict], header: str) -> str:
     for i, r in enumerate(rows, 1):
         algos = ", ".join(f"{n} {k}" for k, n in r["algorithms"].items()) or "-"
         recompute = "-" if r.get("recompute") is None else f"{r['recompute']:g}"
-        table.append([str(i), r["strategy"], f"{r['bucket_mb']:g}", recompute, _ms(r["step_s"]), _ms(r["compute_s"]),
+        strategy = r["strategy"] + (f" ({r['pipeline']['schedule']}, {r['pipeline']['microbatches']} microbatches)"
+                                    if r.get("pipeline") else "")
+        table.append([str(i), strategy, f"{r['bucket_mb']:g}", recompute, _ms(r["step_s"]), _ms(r["compute_s"]),
                       _ms(r["exposed_comm_s"]), human(r["memory_bytes"]["peak"]), str(r["collectives_per_step"]),
                       human(r["collective_bytes_per_step"]), algos, "yes" if r["fits"] else "NO"])
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
@@ -72,7 +74,9 @@ def describe_memory(row: dict) -> str:
 @click.option("--axes", default="dp,fsdp,tp", show_default=True,
               help="Parallel axes to search, comma-separated. Each tensor-parallel degree the model takes "
                    "costs one trace of the step and a shorter one of its optimizer (about a second each); "
-                   "--axes dp,fsdp searches without tp.")
+                   "--axes dp,fsdp searches without tp. Add pp to price pipeline meshes too (pp outermost, 1f1b at "
+                   "1, 2 and 4 microbatches per pipeline rank; every pipeline rank's program is traced, so it "
+                   "takes longer).")
 @click.option("--sequence-parallel", is_flag=True,
               help="Price tensor-parallel meshes with sequence parallelism, as `aot build --sequence-parallel` builds them.")
 @click.option("--hierarchical", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
@@ -102,7 +106,7 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     the first row that fits. Calibrate the profile first (`aot topology calibrate`) for absolute times.
     """
     from aot.errors import AotError
-    from aot.plan.mesh import SUPPORTED_AXES
+    from aot.plan.mesh import BUILD_AXES
     from aot.plan.search import MEMORY_HEADROOM, plan_model
     from runner.inspect import human
     from runner.topology import for_nodes, gpus_in_order, live_profile, load_profile
@@ -116,9 +120,9 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
         raise AotError(f"--world-size must be at least 1, got {world_size}")
     profile = for_nodes(profile, None, world_size)
     searched = tuple(a.strip() for a in axes.split(",") if a.strip())
-    unknown = [a for a in searched if a not in SUPPORTED_AXES]
+    unknown = [a for a in searched if a not in BUILD_AXES]
     if unknown or not searched:
-        raise AotError(f"--axes {axes!r}: expected some of {', '.join(SUPPORTED_AXES)}")
+        raise AotError(f"--axes {axes!r}: expected some of {', '.join(BUILD_AXES)}")
     plans, skipped, planner, steps = plan_model(model_file, profile, world_size, batch_size, seed=seed,
                                                 bucket_mbs=tuple(bucket_mbs) or None, axes=searched,
                                                 sequence_parallel=sequence_parallel, hierarchical=hierarchical,
@@ -150,6 +154,8 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
         if best is not None:
             click.echo(f"\nbest: --strategy {best.strategy} --bucket-mb {best.bucket_mb:g}"
                        + (f" --activation-budget {best.recompute:g}" if best.recompute is not None else "")
+                       + (f" --microbatches {best.pipeline['microbatches']} --pp-schedule {best.pipeline['schedule']}"
+                          if best.pipeline else "")
                        + (f" (NCCL_ALGO={best.nccl_algo})" if best.nccl_algo else "")
                        + f"; aot build {model_file} --topology {topology or 'live'} --world-size {world_size} --strategy auto"
                        + (f" --hierarchical {hierarchical}" if hierarchical != "auto" else "")

@@ -178,3 +178,20 @@ def test_fp16_loss_scaling_through_the_pipeline_matches_grad_scaler(tmp_path):
     diffs = {k: (weights[k].double() - ref_weights[k].double()).abs() for k in ref_weights}
     assert max(d.max().item() for d in diffs.values()) <= 1e-2
     assert sum(d.sum().item() for d in diffs.values()) / sum(d.numel() for d in diffs.values()) <= 1e-5
+
+
+def test_plan_prices_pipeline_meshes_as_the_build_predicts_them(tmp_path):
+    """`aot plan --axes dp,pp`: a pipeline plan's step and memory are the build's prediction for the
+    same mesh and microbatches (the same programs, simulated side by side)."""
+    r = ok(aot("plan", EXAMPLES / "mlp.py", "--topology", "cpu", "--world-size", 2, "--batch-size", 8,
+               "--axes", "dp,pp", "--json"))
+    plans = json.loads(r.stdout)["plans"]
+    pipeline = next(p for p in plans if p["strategy"] == "pp=2")
+    assert pipeline["pipeline"]["schedule"] == "1f1b" and pipeline["pipeline"]["microbatches"] in (2, 4, 8)
+    assert any(p["strategy"] == "dp=2" for p in plans)
+    art = tmp_path / "art"
+    ok(aot("build", EXAMPLES / "mlp.py", "--topology", "cpu", "--strategy", "pp=2", "--batch-size", 8, "--no-onnx",
+           "--microbatches", pipeline["pipeline"]["microbatches"], "-o", art, "--quiet"))
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["time"]["predicted"]["step_s"] == pytest.approx(pipeline["step_s"])
+    assert manifest["memory"]["predicted"]["peak"] == pipeline["memory_bytes"]["peak"]

@@ -274,6 +274,31 @@ class ModelSteps:
         variants = self.recomputed.get(key, ())
         return [(fraction, self._derive(graph, source, dp, fsdp, tp)) for fraction, graph in variants]
 
+    def pipeline(self, axes: tuple, shape: tuple, microbatches: int, schedule: str = "1f1b") -> tuple[list, list[StepGraph]]:
+        """The programs of a pipeline mesh, one per pipeline rank, as the build makes them (default
+        bucket size), and their analyses; Unsupported where the build would refuse the mesh."""
+        from aot.capture.step import Group
+        from aot.passes import run_passes
+        from aot.plan.pipeline import check_microbatches
+        from aot.plan.pipeline_programs import pipeline_programs
+
+        degrees = dict(zip(axes, shape))
+        pp, dp, fsdp = degrees["pp"], degrees.get("dp", 1), degrees.get("fsdp", 1)
+        if degrees.get("tp", 1) > 1:
+            raise Unsupported("pp with tp is not supported yet")
+        key = ("pp", pp, dp > 1, fsdp, microbatches, schedule)
+        if key not in self.traced:
+            try:
+                check_microbatches(schedule, pp, microbatches, self.targets.shape[0])
+                compute = self.compute
+                made = pipeline_programs(self.mf, self.state, self.layout(dp, fsdp, 1), Group(Mesh.group_name("pp"), pp),
+                                         self.inputs, self.targets, microbatches=microbatches, schedule=schedule, virtual=1,
+                                         compute=compute, finish=lambda gm: run_passes(gm, bucket_bytes=25 * 2**20))
+            except AotError as e:
+                raise Unsupported(str(e)) from None
+            self.traced[key] = ([c.graph for c in made.captures], [analyze(c.graph, c.slots) for c in made.captures])
+        return self.traced[key]
+
     def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int]:
         degrees = dict(zip(axes, shape))
         other = [a for a, d in degrees.items() if a not in ("dp", "fsdp", "tp") and d > 1]

@@ -19,7 +19,7 @@ first, then predicted step time, then memory, then the fewest collectives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,7 +30,7 @@ from aot.plan.rebucket import rebucket
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.plan.model_steps import ModelSteps, Unsupported, factorizations
-from aot.plan.placement import Placement, place
+from aot.plan.placement import Placement, identity, place
 
 BUCKET_MB_CANDIDATES = (1.0, 4.0, 25.0, 100.0)
 DEFAULT_BUCKET_MB = 25.0
@@ -54,6 +54,7 @@ class Plan:
     nccl_algo: str | None = None
     notes: list[str] = field(default_factory=list)
     recompute: float | None = None   # the activation budget recomputation was priced at (None: none)
+    pipeline: dict | None = None     # pp plans: microbatches, schedule, bubble_s
 
     @property
     def strategy(self) -> str:
@@ -66,7 +67,8 @@ class Plan:
     def row(self) -> dict:
         p = self.prediction
         return {"strategy": self.strategy, "bucket_mb": self.bucket_mb, "recompute": self.recompute, "fits": self.fits,
-                **p.to_json(), "placement": self.placement.to_json(), "nccl_algo": self.nccl_algo}
+                **p.to_json(), "placement": self.placement.to_json(), "nccl_algo": self.nccl_algo,
+                **({"pipeline": self.pipeline} if self.pipeline else {})}
 
 
 class Planner:
@@ -74,8 +76,11 @@ class Planner:
     one rank for a mesh (raising Unsupported when the build cannot trace it)."""
 
     def __init__(self, machine: Machine, step_graph: Callable[[tuple, tuple], StepGraph], hierarchical: str = "auto",
-                 recomputing: Callable[[tuple, tuple], list[tuple[float, StepGraph]]] | None = None):
+                 recomputing: Callable[[tuple, tuple], list[tuple[float, StepGraph]]] | None = None,
+                 pipeline: Callable | None = None):
         self.machine = machine
+        # (axes, shape, microbatches) -> (programs, their analyses), one per pipeline rank (ModelSteps.pipeline)
+        self._pipeline = pipeline
         self.hierarchical = hierarchical  # all_reduces in two levels: "auto" (where cheaper), "always", "never"
         self._step_graph = step_graph
         # (axes, shape) -> [(activation budget, the mesh's graph recomputing at it)] (ModelSteps.recomputing)
@@ -194,6 +199,12 @@ class Planner:
         """Every mesh over `axes` for the machine's world size x every distinct bucketing, ranked."""
         plans, skipped = [], []
         for shape in factorizations(self.machine.world_size, axes):
+            if dict(zip(axes, shape)).get("pp", 1) > 1:
+                try:
+                    plans.append(self.pipeline_plan(axes, shape))
+                except Unsupported as e:
+                    skipped.append(f"{strategy_string(axes, shape)}: {e}")
+                continue
             try:
                 step = self.step_graph(axes, shape)
             except Unsupported as e:
@@ -221,6 +232,43 @@ class Planner:
                     skipped.append(f"{strategy_string(axes, shape)}: {e}")
         plans.sort(key=rank_key)
         return plans, skipped
+
+    def pipeline_plan(self, axes, shape) -> Plan:
+        """A pipeline mesh, priced by simulating its pipeline ranks' programs side by side
+        (aot.plan.pipeline_timeline) at 1, 2 and 4 microbatches per pipeline rank (1f1b): the
+        fastest. pp is the outermost axis (across nodes); the other axes are placed inside it."""
+        from aot.plan.pipeline_timeline import simulate_pipeline
+
+        if self._pipeline is None:
+            raise Unsupported("no pipeline graphs for this planner")
+        size = dict(zip(axes, shape))
+        order = ("pp", *[a for a in axes if a != "pp"])
+        ordered = tuple(size[a] for a in order)
+        placement = place(self.machine, order, ordered)
+        if placement.order[0] != "pp" and size["pp"] < self.machine.world_size:
+            placement = identity(order, ordered)
+        best, last = None, None
+        for microbatches in (size["pp"], 2 * size["pp"], 4 * size["pp"]):
+            try:
+                programs, analyses = self._pipeline(order, ordered, microbatches)
+            except Unsupported as e:
+                last = e
+                continue
+            timeline = simulate_pipeline(programs, self, placement, Mesh.group_name("pp"))
+            busiest = max(range(len(programs)), key=lambda r: timeline.busy_s[r])
+            plan = self.evaluate(order, ordered, DEFAULT_BUCKET_MB, step=analyses[busiest], bucketed=True,
+                                 placement=placement, as_built=True)
+            memory = max((a.memory for a in analyses), key=lambda m: m.peak)
+            plan.prediction = replace(plan.prediction, step_s=timeline.step_s, memory=memory)
+            limit = self.machine.memory_bytes
+            plan.fits = limit is None or memory.peak <= MEMORY_HEADROOM * limit
+            plan.pipeline = {"microbatches": microbatches, "schedule": "1f1b",
+                             "bubble_s": timeline.step_s - timeline.busy_s[busiest]}
+            if best is None or rank_key(plan) < rank_key(best):
+                best = plan
+        if best is None:
+            raise last or Unsupported("no microbatch count fits the batch")
+        return best
 
     def recomputing(self, axes, shape, over: list[Plan]) -> list[Plan]:
         """For each plan of one mesh that does not fit, the plan recomputing activations: of the
@@ -327,7 +375,7 @@ def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int
                            profile=profile, compute=machine.compute,
                            memory_limit=MemoryLimit(MEMORY_HEADROOM * machine.memory_bytes, bucket_mbs)
                            if machine.memory_bytes else None)
-        planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing)
+        planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing, pipeline=steps.pipeline)
         searched = tuple(axes or SUPPORTED_AXES)
         steps.prefetch(searched)
         plans, skipped = planner.search(searched, bucket_mbs)
