@@ -60,10 +60,6 @@ def check_options(options, pp: int, model_globals: dict, model, name: str) -> tu
 def build_programs(options, mf, state, layout: StepLayout, mesh, placement, machine, group: Group, inputs, targets,
                       request, finish, progress) -> PipelineBuild:
     pp = group.size
-    if layout.tp is not None:
-        # A stage replays the cut forward graph under autograd; tp's backward collectives live in
-        # DTensor's autograd functions, which that graph no longer has (see the note)
-        raise AotError("--strategy: pp with tp is not supported yet (pp composes with dp and fsdp)")
     if not request.none and request.source not in ("device memory",):
         raise AotError(f"{request.source}: recomputing activations is not supported with pp yet")
     virtual, microbatches = check_options(options, pp, mf.globals, state.model, mf.path.name)

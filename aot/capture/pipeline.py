@@ -30,6 +30,7 @@ from aot.capture.model_file import ModelFile, call_user
 from aot.capture.module_calls import annotate_module_calls, layer_of
 from aot.capture.step import (CapturedStep, Group, StepLayout, _autocast_region, _describe_trace_error, _gather,
                               _optimizer_tracing, _step_args, _step_program, rank_state)
+from aot.capture.tensor_parallel import rename_group, tensor_parallel
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
@@ -65,13 +66,43 @@ def trace_forward(mf: ModelFile, state: TrainingState, layout: StepLayout, input
                   targets: torch.Tensor) -> tuple[torch.fx.GraphModule, list[Source]]:
     """Forward and loss of one microbatch as a graph of the parameters as a rank uses them (whole,
     or its tensor-parallel slice), the buffers, the inputs and the targets; and what each of its
-    inputs is."""
+    inputs is. Under tensor parallelism the split layers run as DTensors, traced as the first and
+    the last tp rank (which must agree, as aot.capture.step.capture_step checks), and the graph's
+    tp collectives are made differentiable the way Megatron's are (`_tensor_parallel_autograd`)."""
+    if layout.tp is None:
+        return _trace_forward(mf, state, layout, inputs, targets, None)
+    if layout.sequence is not None:
+        raise AotError("--sequence-parallel is not supported with pp yet")
+    traced = []
+    for rank in (0, layout.tp.size - 1):
+        with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence,
+                             rank=rank) as tp:
+            graph, sources = _trace_forward(mf, state, layout, inputs, targets, tp)
+            rename_group(graph, tp.mesh.get_group().group_name, layout.tp.name)
+        traced.append((graph, sources))
+    if traced[0][0].code != traced[1][0].code:
+        raise AotError("tensor parallel: the traced forward differs between tp ranks (a whole tensor is split by rank "
+                       "inside the model); this plan cannot run as one program, change tp_plan")
+    graph, sources = traced[0]
+    named = {p: source for p, source in zip((n for n in graph.graph.nodes if n.op == "placeholder"), sources)
+             if source.kind == "param"}
+    split = layout.tp_dims(state)
+    _tensor_parallel_autograd(graph, dict(layout.tp_plan), layout.tp.name, set(named),
+                              {p for p, source in named.items() if source.name in split})
+    return graph, sources
+
+
+def _trace_forward(mf, state, layout, inputs, targets, tp):
     param_names, buffer_names = list(state.params), list(state.buffers)
     n_params, n_buffers = len(param_names), len(buffer_names)
-    model = state.model
+    model = state.model if tp is None else tp.model
+    full_shapes = {n: p.shape for n, p in state.params.items()}
 
     def forward(*flat):
-        tensors = {**dict(zip(param_names, flat[:n_params])), **dict(zip(buffer_names, flat[n_params:n_params + n_buffers]))}
+        used = dict(zip(param_names, flat[:n_params]))
+        if tp is not None:
+            used = tp.wrap(used, full_shapes)
+        tensors = {**used, **dict(zip(buffer_names, flat[n_params:n_params + n_buffers]))}
         with _autocast_region(layout.precision):
             outputs = torch.func.functional_call(model, tensors, tuple(flat[n_params + n_buffers:-1]))
             loss = call_user(mf.loss, "loss(outputs, targets)", mf.path, outputs, flat[-1])
@@ -93,6 +124,90 @@ def trace_forward(mf: ModelFile, state: TrainingState, layout: StepLayout, input
     return graph, sources
 
 
+# -- tensor parallelism in a replayed forward ------------------------------------------------------
+# A stage replays the cut forward graph under autograd. DTensor's backward collectives live in its
+# autograd functions, which a graph of aten ops no longer has: a column-wise layer's input needs
+# its gradient all-reduced over tp (the slices of the input gradient are partial sums), and the
+# all_reduce after a row-wise layer passes its gradient through unchanged. These are Megatron's
+# "copy to" and "reduce from" the tensor-parallel region; the graph gets them back as calls of
+# the two functions below (the stage's trace records their collectives as graph nodes).
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _funcol.wait_tensor(_funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _funcol.wait_tensor(_funcol.all_reduce(x, "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _CopyToTensorParallel.apply(x, group)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _ReduceFromTensorParallel.apply(x, group)
+
+
+def _tensor_parallel_autograd(graph: torch.fx.GraphModule, plan: dict[str, str], group: str, params: set,
+                              split: set) -> None:
+    """`params`: the placeholders of parameters, `split` those tp splits. A value made from split
+    parameters alone (a weight slice's view or transpose) is the rank's own: no all_reduce. One
+    made from whole parameters only and read inside a row-wise layer (its bias, which DTensor
+    divides by the tp degree so the layer's all_reduce adds it once) gets a partial gradient on
+    each rank: summed, as DTensor's Replicate -> Partial redistribution sums it."""
+    g = graph.graph
+    copies: dict = {}
+    derived = {p: {p} for p in params}   # parameter-only values -> the parameter placeholders they come from
+    for node in g.nodes:
+        if node.op == "call_function" and node.all_input_nodes and all(a in derived for a in node.all_input_nodes):
+            derived[node] = set().union(*(derived[a] for a in node.all_input_nodes))
+    for node in list(g.nodes):
+        calls = {name for name, _ in node.meta.get("custom", {}).get("aot_module_calls", ())}
+        styles = {plan[c] for c in calls if c in plan}
+        if node.op != "call_function" or not styles:
+            continue
+        for a in node.all_input_nodes:
+            inside = {name for name, _ in a.meta.get("custom", {}).get("aot_module_calls", ())}
+            val = a.meta.get("val")
+            if calls & inside & set(plan) or not isinstance(val, torch.Tensor) or not val.is_floating_point():
+                continue
+            if a in derived:  # a weight: only a whole one read by a row-wise layer needs the sum
+                if "rowwise" not in styles or derived[a] & split:
+                    continue
+            elif a.op == "placeholder" or "colwise" not in styles:
+                continue
+            if a not in copies:
+                with g.inserting_after(a):
+                    copies[a] = g.call_function(copy_to_tensor_parallel, (a, group))
+                copies[a].meta.update(val=val, custom=dict(a.meta.get("custom", {})))
+            node.replace_input_with(a, copies[a])
+    for node in list(g.nodes):
+        if node.op == "call_function" and node.target is _funcol.all_reduce.default and node.args[2] == group:
+            waits = [u for u in node.users if u.target is _funcol.wait_tensor.default]
+            with g.inserting_before(node):
+                reduced = g.call_function(reduce_from_tensor_parallel, (node.args[0], group))
+            reduced.meta.update(node.meta)
+            for w in waits:
+                w.replace_all_uses_with(reduced)
+                g.erase_node(w)
+            g.erase_node(node)
+    g.lint()
+    graph.recompile()
+
+
 def layers(graph: torch.fx.GraphModule) -> list[str]:
     """The model's layers (calls of numbered children: `blocks.3`, `0`) in the order forward runs them."""
     found = []
@@ -105,6 +220,8 @@ def layers(graph: torch.fx.GraphModule) -> list[str]:
 
 def cut(graph: torch.fx.GraphModule, sources: list[Source], stage_of_layer: dict[str, int], stages: int) -> list[Stage]:
     """Each stage's forward, from the layer -> stage assignment (aot.plan.pipeline.split)."""
+    graph.graph.eliminate_dead_code()  # values nothing reads (DTensor's empty placeholders) belong to no stage
+    graph.recompile()
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     source_of = dict(zip(placeholders, sources))
     computed = [n for n in graph.graph.nodes if n.op == "call_function"]
@@ -131,7 +248,9 @@ def cut(graph: torch.fx.GraphModule, sources: list[Source], stage_of_layer: dict
     if used != list(range(stages)):
         missing = sorted(set(range(stages)) - set(used))
         raise AotError(f"pipeline: stage(s) {missing} would compute nothing; use fewer stages")
-    split = split_module(graph, None, lambda n: stage[n], keep_original_order=True)
+    # partitions in dependency order (a stage's nodes need not come before the next stage's in the
+    # graph: a tensor-parallel weight slice's view is made at the top, where DTensor unwraps it)
+    split = split_module(graph, None, lambda n: stage[n])
     return _stages(split, source_of, stages)
 
 
@@ -150,7 +269,7 @@ def _carries_gradient(module: torch.fx.GraphModule, inputs: list[bool]) -> list[
 
 def _stages(split: torch.fx.GraphModule, source_of: dict, count: int) -> list[Stage]:
     produced: dict = {}   # top-level node (a submodule's output) -> (stage, output index)
-    result: list[Stage] = []
+    result: dict[int, Stage] = {}
     for node in split.graph.nodes:
         if node.op != "call_module":
             continue
@@ -182,14 +301,15 @@ def _stages(split: torch.fx.GraphModule, source_of: dict, count: int) -> list[St
                 produced[user] = (index, user.args[1])
         if len(values) == 1:
             produced[node] = (index, 0)
-        result.append(stage)
-    for stage in result:
+        result[index] = stage
+    if sorted(result) != list(range(count)):
+        raise AotError(f"pipeline: the cut made stages {sorted(result)}, expected 0 .. {count - 1}")
+    stages = [result[i] for i in range(count)]
+    for stage in stages:
         for source in stage.sources:
             if source.kind == "stage":
-                result[source.stage].readers[source.index].append(stage.index)
-    if len(result) != count:
-        raise AotError(f"pipeline: the cut made {len(result)} stages, expected {count}")
-    return result
+                stages[source.stage].readers[source.index].append(stage.index)
+    return stages
 
 
 # -- one pipeline rank's step ---------------------------------------------------------------------
