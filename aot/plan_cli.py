@@ -74,9 +74,9 @@ def describe_memory(row: dict) -> str:
 @click.option("--axes", default="dp,fsdp,tp", show_default=True,
               help="Parallel axes to search, comma-separated. Each tensor-parallel degree the model takes "
                    "costs one trace of the step and a shorter one of its optimizer (about a second each); "
-                   "--axes dp,fsdp searches without tp. Add pp to price pipeline meshes too (pp outermost, 1f1b at "
-                   "1, 2 and 4 microbatches per pipeline rank; every pipeline rank's program is traced, so it "
-                   "takes longer).")
+                   "--axes dp,fsdp searches without tp. Add pp to price pipeline meshes too (pp outermost; 1f1b and "
+                   "interleaved-1f1b at 1, 2 and 4 microbatches per pipeline rank; every pipeline rank's program "
+                   "is traced, so it takes longer).")
 @click.option("--sequence-parallel", is_flag=True,
               help="Price tensor-parallel meshes with sequence parallelism, as `aot build --sequence-parallel` builds them.")
 @click.option("--hierarchical", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
@@ -155,6 +155,7 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
             click.echo(f"\nbest: --strategy {best.strategy} --bucket-mb {best.bucket_mb:g}"
                        + (f" --activation-budget {best.recompute:g}" if best.recompute is not None else "")
                        + (f" --microbatches {best.pipeline['microbatches']} --pp-schedule {best.pipeline['schedule']}"
+                          + (f" --stages-per-rank {best.pipeline['stages_per_rank']}" if best.pipeline["stages_per_rank"] > 1 else "")
                           if best.pipeline else "")
                        + (f" (NCCL_ALGO={best.nccl_algo})" if best.nccl_algo else "")
                        + f"; aot build {model_file} --topology {topology or 'live'} --world-size {world_size} --strategy auto"

@@ -597,4 +597,6 @@ def test_pipeline_stages_the_model_cannot_take(tmp_path):
     r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--no-onnx", "--strategy", "pp=8", "--batch-size", 8,
             "--microbatches", 8)
     assert_user_error(r, "8 stages need at least 8 layers; the model has 5")
+    r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--no-onnx", "--strategy", "pp=4", "--batch-size", 8)
+    assert_user_error(r, "would hold no parameters")   # 3 Linears and 2 ReLUs cannot give 4 ranks weights
     assert not (tmp_path / "out").exists()

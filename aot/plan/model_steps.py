@@ -274,7 +274,8 @@ class ModelSteps:
         variants = self.recomputed.get(key, ())
         return [(fraction, self._derive(graph, source, dp, fsdp, tp)) for fraction, graph in variants]
 
-    def pipeline(self, axes: tuple, shape: tuple, microbatches: int, schedule: str = "1f1b") -> tuple[list, list[StepGraph]]:
+    def pipeline(self, axes: tuple, shape: tuple, microbatches: int, schedule: str = "1f1b",
+                 virtual: int = 1) -> tuple[list, list[StepGraph]]:
         """The programs of a pipeline mesh, one per pipeline rank, as the build makes them (default
         bucket size), and their analyses; Unsupported where the build would refuse the mesh."""
         from aot.capture.step import Group
@@ -284,15 +285,15 @@ class ModelSteps:
 
         degrees = dict(zip(axes, shape))
         pp, dp, fsdp = degrees["pp"], degrees.get("dp", 1), degrees.get("fsdp", 1)
-        if degrees.get("tp", 1) > 1:
-            raise Unsupported("pp with tp is not supported yet")
-        key = ("pp", pp, dp > 1, fsdp, microbatches, schedule)
+        key = ("pp", pp, dp > 1, fsdp, degrees.get("tp", 1), microbatches, schedule, virtual)
         if key not in self.traced:
             try:
                 check_microbatches(schedule, pp, microbatches, self.targets.shape[0])
                 compute = self.compute
-                made = pipeline_programs(self.mf, self.state, self.layout(dp, fsdp, 1), Group(Mesh.group_name("pp"), pp),
-                                         self.inputs, self.targets, microbatches=microbatches, schedule=schedule, virtual=1,
+                made = pipeline_programs(self.mf, self.state, self.layout(dp, fsdp, degrees.get("tp", 1)),
+                                         Group(Mesh.group_name("pp"), pp),
+                                         self.inputs, self.targets, microbatches=microbatches, schedule=schedule,
+                                         virtual=virtual,
                                          compute=compute, finish=lambda gm: run_passes(gm, bucket_bytes=25 * 2**20))
             except AotError as e:
                 raise Unsupported(str(e)) from None

@@ -172,11 +172,13 @@ def balance(costs: list[float], parts: int) -> list[int]:
     return sorted(starts)[1:]
 
 
-def split(graph, stages: int, seconds, layer_of, pp_split: list[str] | None = None, where: str = "pp_split") -> dict[str, int]:
+def split(graph, stages: int, seconds, layer_of, pp_split: list[str] | None = None, where: str = "pp_split",
+          weighted: set | None = None) -> dict[str, int]:
     """Each layer's stage: where the model file's `pp_split` (module names that begin stages 1, 2,
     ...) says, else contiguous runs of layers balanced by the cost model's forward seconds
     (`seconds(node)`; what comes before the first layer counts with it, what follows the last with
-    the last)."""
+    the last). `weighted`: the layers with parameters; a layer without (an activation of a
+    Sequential) stays with the layer before it, so no stage is left without weights."""
     order, cost = [], {}
     pending = 0.0
     for node in graph.graph.nodes:
@@ -212,6 +214,12 @@ def split(graph, stages: int, seconds, layer_of, pp_split: list[str] | None = No
         if starts != sorted(set(starts)) or starts[0] == 0:
             raise AotError(f"{where} must name layers in forward order, after the first layer ({order[0]})")
     else:
-        starts = balance([cost[layer] for layer in order], stages)
+        # runs of layers that start at a weighted layer (the first run also takes what precedes it)
+        heads = [i for i, layer in enumerate(order) if weighted is None or layer in weighted or i == 0]
+        if len(heads) < stages:  # too few: cut between any layers (a rank must still hold some weights)
+            heads = list(range(len(order)))
+        groups = [order[a:b] for a, b in zip(heads, [*heads[1:], len(order)])]
+        cuts = balance([sum(cost[layer] for layer in g) for g in groups], stages)
+        starts = [heads[c] for c in cuts]
     bounds = [0, *starts, len(order)]
     return {layer: k for k in range(stages) for layer in order[bounds[k]:bounds[k + 1]]}

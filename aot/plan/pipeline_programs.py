@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from aot.capture.module_calls import layer_of
 from aot.capture.pipeline import Pipeline, Stage, capture_pipeline, cut, trace_forward
 from aot.capture.step import CapturedStep, Group, StepLayout
+from aot.errors import AotError
 from aot.plan.cost_model import node_seconds
 from aot.plan.pipeline import check, schedule_actions, split
 
@@ -32,8 +33,13 @@ def pipeline_programs(mf, state, layout: StepLayout, group: Group, inputs, targe
     with stage(f"tracing one microbatch's forward and cutting it into {count} stages"):
         forward, sources = trace_forward(mf, state, layout, [t[:size] for t in inputs], targets[:size])
         stage_of_layer = split(forward, count, lambda n: node_seconds(n, compute), layer_of, mf.globals.get("pp_split"),
-                               where=f"{mf.path.name}: pp_split")
+                               where=f"{mf.path.name}: pp_split", weighted=_weighted_layers(forward, sources))
         stages = cut(forward, sources, stage_of_layer, count)
+    for r in range(pp):
+        if not any(s.params for s in stages if s.index % pp == r):
+            held = [layer for s in stages if s.index % pp == r for layer in s.layers]
+            raise AotError(f"pipeline rank {r} would hold no parameters (layers {', '.join(held)}): use fewer stages, "
+                           f"or a pp_split that gives every rank a layer with weights")
     for s in stages:
         note(f"stage {s.index} on pipeline rank {s.index % pp}: {_span(s.layers)}, "
              f"{sum(state.params[n].numel() for n in s.params):,} parameters")
@@ -52,3 +58,17 @@ def pipeline_programs(mf, state, layout: StepLayout, group: Group, inputs, targe
 
 def _span(layers: list[str]) -> str:
     return layers[0] if len(layers) == 1 else f"{len(layers)} layers {layers[0]} .. {layers[-1]}"
+
+
+def _weighted_layers(forward, sources) -> set[str]:
+    """The layers whose ops read a parameter (directly, or through a view of it made elsewhere)."""
+    params = {p for p, src in zip((n for n in forward.graph.nodes if n.op == "placeholder"), sources) if src.kind == "param"}
+    found = set()
+    for node in forward.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.all_input_nodes and all(a in params for a in node.all_input_nodes) and layer_of(node) is None:
+            params.add(node)   # a weight's view outside any layer (DTensor unwraps slices at the top)
+        elif layer_of(node) is not None and any(a in params for a in node.all_input_nodes):
+            found.add(layer_of(node))
+    return found

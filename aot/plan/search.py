@@ -235,8 +235,9 @@ class Planner:
 
     def pipeline_plan(self, axes, shape) -> Plan:
         """A pipeline mesh, priced by simulating its pipeline ranks' programs side by side
-        (aot.plan.pipeline_timeline) at 1, 2 and 4 microbatches per pipeline rank (1f1b): the
-        fastest. pp is the outermost axis (across nodes); the other axes are placed inside it."""
+        (aot.plan.pipeline_timeline) at 1, 2 and 4 microbatches per pipeline rank, with 1f1b and
+        interleaved-1f1b (2 stages per rank, where the model has the layers): the fastest that
+        fits. pp is the outermost axis (across nodes); the other axes are placed inside it."""
         from aot.plan.pipeline_timeline import simulate_pipeline
 
         if self._pipeline is None:
@@ -248,11 +249,12 @@ class Planner:
         if placement.order[0] != "pp" and size["pp"] < self.machine.world_size:
             placement = identity(order, ordered)
         best, last = None, None
-        for microbatches in (size["pp"], 2 * size["pp"], 4 * size["pp"]):
+        for microbatches, schedule, virtual in [(k * size["pp"], schedule, virtual) for k in (1, 2, 4)
+                                                for schedule, virtual in (("1f1b", 1), ("interleaved-1f1b", 2))]:
             try:
-                programs, analyses = self._pipeline(order, ordered, microbatches)
+                programs, analyses = self._pipeline(order, ordered, microbatches, schedule, virtual)
             except Unsupported as e:
-                last = e
+                last = last or e   # the first reason: the fewest microbatches, 1f1b
                 continue
             timeline = simulate_pipeline(programs, self, placement, Mesh.group_name("pp"))
             busiest = max(range(len(programs)), key=lambda r: timeline.busy_s[r])
@@ -262,7 +264,7 @@ class Planner:
             plan.prediction = replace(plan.prediction, step_s=timeline.step_s, memory=memory)
             limit = self.machine.memory_bytes
             plan.fits = limit is None or memory.peak <= MEMORY_HEADROOM * limit
-            plan.pipeline = {"microbatches": microbatches, "schedule": "1f1b",
+            plan.pipeline = {"microbatches": microbatches, "schedule": schedule, "stages_per_rank": virtual,
                              "bubble_s": timeline.step_s - timeline.busy_s[busiest]}
             if best is None or rank_key(plan) < rank_key(best):
                 best = plan
