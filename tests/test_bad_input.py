@@ -599,4 +599,7 @@ def test_pipeline_stages_the_model_cannot_take(tmp_path):
     assert_user_error(r, "8 stages need at least 8 layers; the model has 5")
     r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--no-onnx", "--strategy", "pp=4", "--batch-size", 8)
     assert_user_error(r, "would hold no parameters")   # 3 Linears and 2 ReLUs cannot give 4 ranks weights
+    r = aot("build", REPO / "tests" / "models" / "bn_adam.py", "-o", tmp_path / "out", "--quiet", "--no-onnx",
+            "--strategy", "pp=2", "--batch-size", 4)
+    assert_user_error(r, "updates buffer", "in place", "not supported with pp yet")
     assert not (tmp_path / "out").exists()

@@ -224,6 +224,13 @@ def cut(graph: torch.fx.GraphModule, sources: list[Source], stage_of_layer: dict
     graph.recompile()
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     source_of = dict(zip(placeholders, sources))
+    for node in graph.graph.nodes:  # a buffer updated in place would be updated once per microbatch
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        for i, arg in enumerate(schema.arguments if schema is not None else ()):
+            written = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if arg.alias_info is not None and arg.alias_info.is_write and source_of.get(written, Source("")).kind == "buffer":
+                raise AotError(f"pipeline: the forward updates buffer {source_of[written].name!r} in place (BatchNorm's "
+                               f"running statistics?), which microbatches would update once each; not supported with pp yet")
     computed = [n for n in graph.graph.nodes if n.op == "call_function"]
     stage: dict = {}
     for node in computed:  # a layer's stage, else the latest of its inputs'
