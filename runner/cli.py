@@ -130,7 +130,8 @@ def run(artifact, steps, data, metrics, save, save_every, resume, init_from, ran
     except OSError as e:
         raise AotError(f"{metrics}: cannot write metrics ({e.strerror})") from None
     first = last = None
-    profiler = StepProfiler(profile_dir, target - trainer.step_index, trainer.rank, trainer.device, trainer.tier)
+    profiler = StepProfiler(profile_dir, target - trainer.step_index, trainer.rank, trainer.device, trainer.tier,
+                            pipeline=trainer.pipeline is not None)
     try:
         with profiler:
             while trainer.step_index < target:
