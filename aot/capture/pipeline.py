@@ -1,18 +1,12 @@
-"""Pipeline parallelism at capture: one microbatch's forward cut into stages, and each pipeline
-rank's whole step with its schedule unrolled into one graph.
+"""Pipeline parallelism at capture: each pipeline rank's whole step, its schedule unrolled into
+one graph, from the stages aot/capture/stages.py cut.
 
-1. `trace_forward`: forward and loss of one microbatch as one graph of aten ops (make_fx, fake),
-   every node knowing its module call (aot/capture/module_calls.py).
-2. `cut`: every node gets a stage (its layer's, else the latest of its inputs'; a node computed
-   from graph inputs alone goes where it is first needed, so a weight's transpose or a target's
-   reshape is not sent), and torch.fx's split_module makes each stage's forward a GraphModule. A
-   value one stage makes and a later one reads crosses as a point-to-point transfer.
-3. `capture_pipeline`: the step of one pipeline rank (the stages it holds) traced with make_fx:
-   the schedule's actions in order, each a stage forward of one microbatch (its inputs received
-   with `irecv`, its outputs sent with `isend`: graph nodes, _c10d_functional) or its backward
-   (`torch.autograd.grad` from the received output gradients, the input gradients sent back).
-   Then the gradients summed over microbatches are reduced and the optimizer steps, as in the
-   single-stage step (aot/capture/step.py's `finish`).
+`capture_pipeline` traces the step of one pipeline rank (the stages it holds) with make_fx: the
+schedule's actions in order, each a stage forward of one microbatch (its inputs received with
+`irecv`, its outputs sent with `isend`: graph nodes, _c10d_functional) or its backward
+(`torch.autograd.grad` from the received output gradients, the input gradients sent back). Then
+the gradients summed over microbatches are reduced and the optimizer steps, as in the
+single-stage step (aot/capture/step.py's `finish`).
 
 The loss is the mean over microbatches (each microbatch's loss is divided by their number, as
 torch.distributed.pipelining scales it), so a step equals one eager step over the whole batch.
@@ -20,303 +14,20 @@ torch.distributed.pipelining scales it), so a step equals one eager step over th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.passes.split_module import split_module
 
-from aot.capture.model_file import ModelFile, call_user
-from aot.capture.module_calls import annotate_module_calls, layer_of
-from aot.capture.step import (CapturedStep, Group, StepLayout, _autocast_region, _describe_trace_error, _gather,
-                              _optimizer_tracing, _step_args, _step_program, rank_state)
-from aot.capture.tensor_parallel import rename_group, tensor_parallel
+from aot.capture.model_file import ModelFile
+from aot.capture.stages import Stage
+from aot.capture.step import (CapturedStep, Group, StepLayout, _describe_trace_error, _gather, _optimizer_tracing,
+                              _step_args, _step_program, rank_state)
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
 
 _funcol = torch.ops._c10d_functional
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where one input of a stage's forward comes from: a parameter or buffer (`name`), the
-    microbatch's input `index` or its targets, or output `index` of stage `stage`."""
-    kind: str            # "param" | "buffer" | "input" | "target" | "stage"
-    name: str = ""
-    index: int = 0
-    stage: int = -1
-
-
-@dataclass
-class Stage:
-    """One stage's forward of one microbatch: `module(*inputs from sources)` -> outputs, of which
-    output j is read by the stages `readers[j]` (the last stage's only output is the loss)."""
-    index: int
-    module: torch.fx.GraphModule
-    sources: list[Source]
-    readers: list[list[int]]
-    outputs: list[tuple[list[int], torch.dtype, bool]]   # shape, dtype, carries a gradient
-    layers: list[str] = field(default_factory=list)
-    params: list[str] = field(default_factory=list)
-    buffers: list[str] = field(default_factory=list)
-
-
-def trace_forward(mf: ModelFile, state: TrainingState, layout: StepLayout, inputs: list[torch.Tensor],
-                  targets: torch.Tensor) -> tuple[torch.fx.GraphModule, list[Source]]:
-    """Forward and loss of one microbatch as a graph of the parameters as a rank uses them (whole,
-    or its tensor-parallel slice), the buffers, the inputs and the targets; and what each of its
-    inputs is. Under tensor parallelism the split layers run as DTensors, traced as the first and
-    the last tp rank (which must agree, as aot.capture.step.capture_step checks), and the graph's
-    tp collectives are made differentiable the way Megatron's are (`_tensor_parallel_autograd`)."""
-    if layout.tp is None:
-        return _trace_forward(mf, state, layout, inputs, targets, None)
-    if layout.sequence is not None:
-        raise AotError("--sequence-parallel is not supported with pp yet")
-    traced = []
-    for rank in (0, layout.tp.size - 1):
-        with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence,
-                             rank=rank) as tp:
-            graph, sources = _trace_forward(mf, state, layout, inputs, targets, tp)
-            rename_group(graph, tp.mesh.get_group().group_name, layout.tp.name)
-        traced.append((graph, sources))
-    if traced[0][0].code != traced[1][0].code:
-        raise AotError("tensor parallel: the traced forward differs between tp ranks (a whole tensor is split by rank "
-                       "inside the model); this plan cannot run as one program, change tp_plan")
-    graph, sources = traced[0]
-    named = {p: source for p, source in zip((n for n in graph.graph.nodes if n.op == "placeholder"), sources)
-             if source.kind == "param"}
-    split = layout.tp_dims(state)
-    _tensor_parallel_autograd(graph, dict(layout.tp_plan), layout.tp.name, set(named),
-                              {p for p, source in named.items() if source.name in split})
-    return graph, sources
-
-
-def _trace_forward(mf, state, layout, inputs, targets, tp):
-    param_names, buffer_names = list(state.params), list(state.buffers)
-    n_params, n_buffers = len(param_names), len(buffer_names)
-    model = state.model if tp is None else tp.model
-    full_shapes = {n: p.shape for n, p in state.params.items()}
-
-    def forward(*flat):
-        used = dict(zip(param_names, flat[:n_params]))
-        if tp is not None:
-            used = tp.wrap(used, full_shapes)
-        tensors = {**used, **dict(zip(buffer_names, flat[n_params:n_params + n_buffers]))}
-        with _autocast_region(layout.precision):
-            outputs = torch.func.functional_call(model, tensors, tuple(flat[n_params + n_buffers:-1]))
-            loss = call_user(mf.loss, "loss(outputs, targets)", mf.path, outputs, flat[-1])
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise AotError(f"{mf.path.name}: loss(outputs, targets) must return a scalar tensor")
-        return loss
-
-    local = rank_state(state, replace(layout, fsdp=None))
-    args = [*local.params.values(), *state.buffers.values(), *inputs, targets]
-    sources = [*(Source("param", n) for n in param_names), *(Source("buffer", n) for n in buffer_names),
-               *(Source("input", index=i) for i in range(len(inputs))), Source("target")]
-    try:
-        with quiet_trace_logs(), annotate_module_calls(model):
-            graph = make_fx(forward, tracing_mode="fake")(*args)
-    except AotError:
-        raise
-    except Exception as e:
-        raise AotError(f"{mf.path.name}: the forward cannot be traced: {_describe_trace_error(e, mf)}") from e
-    return graph, sources
-
-
-# -- tensor parallelism in a replayed forward ------------------------------------------------------
-# A stage replays the cut forward graph under autograd. DTensor's backward collectives live in its
-# autograd functions, which a graph of aten ops no longer has: a column-wise layer's input needs
-# its gradient all-reduced over tp (the slices of the input gradient are partial sums), and the
-# all_reduce after a row-wise layer passes its gradient through unchanged. These are Megatron's
-# "copy to" and "reduce from" the tensor-parallel region; the graph gets them back as calls of
-# the two functions below (the stage's trace records their collectives as graph nodes).
-
-class _CopyToTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _funcol.wait_tensor(_funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
-
-
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _funcol.wait_tensor(_funcol.all_reduce(x, "sum", group))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def copy_to_tensor_parallel(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _CopyToTensorParallel.apply(x, group)
-
-
-def reduce_from_tensor_parallel(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _ReduceFromTensorParallel.apply(x, group)
-
-
-def _tensor_parallel_autograd(graph: torch.fx.GraphModule, plan: dict[str, str], group: str, params: set,
-                              split: set) -> None:
-    """`params`: the placeholders of parameters, `split` those tp splits. A value made from split
-    parameters alone (a weight slice's view or transpose) is the rank's own: no all_reduce. One
-    made from whole parameters only and read inside a row-wise layer (its bias, which DTensor
-    divides by the tp degree so the layer's all_reduce adds it once) gets a partial gradient on
-    each rank: summed, as DTensor's Replicate -> Partial redistribution sums it."""
-    g = graph.graph
-    copies: dict = {}
-    derived = {p: {p} for p in params}   # parameter-only values -> the parameter placeholders they come from
-    for node in g.nodes:
-        if node.op == "call_function" and node.all_input_nodes and all(a in derived for a in node.all_input_nodes):
-            derived[node] = set().union(*(derived[a] for a in node.all_input_nodes))
-    for node in list(g.nodes):
-        calls = {name for name, _ in node.meta.get("custom", {}).get("aot_module_calls", ())}
-        styles = {plan[c] for c in calls if c in plan}
-        if node.op != "call_function" or not styles:
-            continue
-        for a in node.all_input_nodes:
-            inside = {name for name, _ in a.meta.get("custom", {}).get("aot_module_calls", ())}
-            val = a.meta.get("val")
-            if calls & inside & set(plan) or not isinstance(val, torch.Tensor) or not val.is_floating_point():
-                continue
-            if a in derived:  # a weight: only a whole one read by a row-wise layer needs the sum
-                if "rowwise" not in styles or derived[a] & split:
-                    continue
-            elif a.op == "placeholder" or "colwise" not in styles:
-                continue
-            if a not in copies:
-                with g.inserting_after(a):
-                    copies[a] = g.call_function(copy_to_tensor_parallel, (a, group))
-                copies[a].meta.update(val=val, custom=dict(a.meta.get("custom", {})))
-            node.replace_input_with(a, copies[a])
-    for node in list(g.nodes):
-        if node.op == "call_function" and node.target is _funcol.all_reduce.default and node.args[2] == group:
-            waits = [u for u in node.users if u.target is _funcol.wait_tensor.default]
-            with g.inserting_before(node):
-                reduced = g.call_function(reduce_from_tensor_parallel, (node.args[0], group))
-            reduced.meta.update(node.meta)
-            for w in waits:
-                w.replace_all_uses_with(reduced)
-                g.erase_node(w)
-            g.erase_node(node)
-    g.lint()
-    graph.recompile()
-
-
-def layers(graph: torch.fx.GraphModule) -> list[str]:
-    """The model's layers (calls of numbered children: `blocks.3`, `0`) in the order forward runs them."""
-    found = []
-    for node in graph.graph.nodes:
-        layer = layer_of(node)
-        if layer is not None and layer not in found:
-            found.append(layer)
-    return found
-
-
-def cut(graph: torch.fx.GraphModule, sources: list[Source], stage_of_layer: dict[str, int], stages: int) -> list[Stage]:
-    """Each stage's forward, from the layer -> stage assignment (aot.plan.pipeline.split)."""
-    graph.graph.eliminate_dead_code()  # values nothing reads (DTensor's empty placeholders) belong to no stage
-    graph.recompile()
-    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
-    source_of = dict(zip(placeholders, sources))
-    for node in graph.graph.nodes:  # a buffer updated in place would be updated once per microbatch
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        for i, arg in enumerate(schema.arguments if schema is not None else ()):
-            written = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if arg.alias_info is not None and arg.alias_info.is_write and source_of.get(written, Source("")).kind == "buffer":
-                raise AotError(f"pipeline: the forward updates buffer {source_of[written].name!r} in place (BatchNorm's "
-                               f"running statistics?), which microbatches would update once each; not supported with pp yet")
-    computed = [n for n in graph.graph.nodes if n.op == "call_function"]
-    stage: dict = {}
-    for node in computed:  # a layer's stage, else the latest of its inputs'
-        layer = layer_of(node)
-        found = [stage[a] for a in node.all_input_nodes if a in stage and stage[a] is not None]
-        own = stage_of_layer[layer] if layer is not None else None
-        stage[node] = own if own is not None else max(found, default=None)
-        if own is not None and found and max(found) > own:
-            raise AotError(f"pipeline: layer {layer} reads a value of a later stage (stage {max(found)}); "
-                           f"the model's forward must run its layers in order")
-    output = graph.graph.output_node()
-    for node in reversed(computed):  # computed from graph inputs alone: where it is first needed
-        if stage[node] is None:
-            users = [stage[u] for u in node.users if u is not output and stage.get(u) is not None]
-            stage[node] = min(users, default=stages - 1)
-    loss = output.args[0]
-    loss = loss[0] if isinstance(loss, (list, tuple)) else loss
-    if stage.get(loss) != stages - 1:
-        raise AotError(f"pipeline: the loss is computed in stage {stage.get(loss)}, not the last ({stages - 1}): "
-                       f"there are fewer layers after the cut than stages")
-    used = sorted(set(stage.values()))
-    if used != list(range(stages)):
-        missing = sorted(set(range(stages)) - set(used))
-        raise AotError(f"pipeline: stage(s) {missing} would compute nothing; use fewer stages")
-    # partitions in dependency order (a stage's nodes need not come before the next stage's in the
-    # graph: a tensor-parallel weight slice's view is made at the top, where DTensor unwraps it)
-    split = split_module(graph, None, lambda n: stage[n])
-    return _stages(split, source_of, stages)
-
-
-def _carries_gradient(module: torch.fx.GraphModule, inputs: list[bool]) -> list[bool]:
-    """Which outputs of a stage's forward depend, through floating-point values, on an input that
-    carries a gradient (a parameter, or a received value that does): their gradients flow back."""
-    found = {p for p, flag in zip((n for n in module.graph.nodes if n.op == "placeholder"), inputs) if flag}
-    for node in module.graph.nodes:
-        if node.op == "call_function" and any(a in found for a in node.all_input_nodes):
-            val = node.meta.get("val")
-            if not isinstance(val, torch.Tensor) or val.is_floating_point():
-                found.add(node)
-    values = module.graph.output_node().args[0]
-    return [v in found for v in values]
-
-
-def _stages(split: torch.fx.GraphModule, source_of: dict, count: int) -> list[Stage]:
-    produced: dict = {}   # top-level node (a submodule's output) -> (stage, output index)
-    result: dict[int, Stage] = {}
-    for node in split.graph.nodes:
-        if node.op != "call_module":
-            continue
-        index = int(node.target.removeprefix("submod_"))
-        module = getattr(split, node.target)
-        sources = []
-        for a in node.args:
-            if a.op == "placeholder":
-                sources.append(source_of[next(p for p in source_of if p.name == a.name)])
-            else:
-                stage, out = produced[a]
-                sources.append(Source("stage", index=out, stage=stage))
-        out_node = module.graph.output_node()
-        values = out_node.args[0]
-        values = list(values) if isinstance(values, (list, tuple)) else [values]
-        if not isinstance(out_node.args[0], (list, tuple)):  # one output: return it as a tuple of one, like the others
-            out_node.args = ((out_node.args[0],),)
-            module.recompile()
-        flags = _carries_gradient(module, [s.kind == "param" or (s.kind == "stage" and result[s.stage].outputs[s.index][2])
-                                           for s in sources])
-        outputs = [(list(v.meta["val"].shape), v.meta["val"].dtype, flag) for v, flag in zip(values, flags)]
-        stage = Stage(index, module, sources, [[] for _ in values], outputs,
-                      params=[s.name for s in sources if s.kind == "param"],
-                      buffers=[s.name for s in sources if s.kind == "buffer"])
-        stage.layers = sorted({layer_of(n) for n in module.graph.nodes if n.op == "call_function" and layer_of(n) is not None},
-                              key=lambda name: [int(p) if p.isdigit() else p for p in name.split(".")])
-        for user in node.users:
-            if user.op == "call_function" and user.args[0] is node:  # getitem of a tuple of outputs
-                produced[user] = (index, user.args[1])
-        if len(values) == 1:
-            produced[node] = (index, 0)
-        result[index] = stage
-    if sorted(result) != list(range(count)):
-        raise AotError(f"pipeline: the cut made stages {sorted(result)}, expected 0 .. {count - 1}")
-    stages = [result[i] for i in range(count)]
-    for stage in stages:
-        for source in stage.sources:
-            if source.kind == "stage":
-                stages[source.stage].readers[source.index].append(stage.index)
-    return stages
 
 
 # -- one pipeline rank's step ---------------------------------------------------------------------

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aot.capture.module_calls import layer_of
-from aot.capture.pipeline import Pipeline, Stage, capture_pipeline, cut, trace_forward
+from aot.capture.pipeline import Pipeline, capture_pipeline
+from aot.capture.stages import Stage, cut, trace_forward
 from aot.capture.step import CapturedStep, Group, StepLayout
 from aot.errors import AotError
 from aot.plan.cost_model import node_seconds
