@@ -310,7 +310,7 @@ def test_artifact_of_another_format_version(copy1):
 # -- 7. bad command-line options ------------------------------------------------------------
 
 @pytest.mark.parametrize("options, needles", [
-    (["--strategy", "pp=2"], ["'pp'", "not supported"]),
+    (["--strategy", "ep=2"], ["'ep'", "not supported"]),
     (["--strategy", "dp=3", "--world-size", "2"], ["dp=3", "3", "world size 2"]),
     (["--batch-size", "0"], ["--batch-size", "0"]),
     (["--topology", "nonexistent_profile"], ["nonexistent_profile", "built-in: cpu"]),
