@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file
 from helpers.commands import EXAMPLES, aot, ok, show, torchrun
 from helpers.inference import eager_model, load_user, max_diff
 from runner.checkpoint import merge_checkpoint
+from test_mixed_precision import _mean, _worst  # the weight differences the CPU precision tests bound
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="no CUDA device: run scripts/gpu_check.sh on a GPU machine")]
@@ -145,16 +146,6 @@ def _both(*runs):
     """The runs (argument tuples of _train) at once: a CPU run and a GPU run do not compete."""
     with ThreadPoolExecutor(len(runs)) as pool:
         return list(pool.map(lambda args: _train(*args), runs))
-
-
-def _worst(weights, ref) -> float:
-    assert sorted(weights) == sorted(ref)
-    return max((weights[k].double() - ref[k].double()).abs().max().item() for k in ref)
-
-
-def _mean(weights, ref) -> float:
-    total = sum((weights[k].double() - ref[k].double()).abs().sum().item() for k in ref)
-    return total / sum(v.numel() for v in ref.values())
 
 
 def _losses(records) -> list[float]:
