@@ -1,7 +1,8 @@
 """Command-line error handling shared by `aot` and `python -m runner`.
 
-User errors (AotError) print one line and exit 1; click's usage errors exit 2; anything else is a
-bug and prints one line too, with its traceback only under --debug (or AOT_DEBUG=1).
+User errors (AotError) print one line and exit 1 (or the error's `exit_status`); click's usage
+errors exit 2; anything else is a bug and prints one line too, with its traceback only under
+--debug (or AOT_DEBUG=1).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def console_main(cli: click.Command, prog_name: str, argv: list[str] | None = No
             raise
         click.echo(f"{prog_name}: error: {_rank_prefix()}{e}", err=True)
         e.before_exit()
-        sys.exit(EXIT_ERROR)
+        sys.exit(e.exit_status)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:
