@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from aot.capture.custom_ops import custom_op_spec
-from aot.capture.model_file import call_user, load_model_file
+from aot.capture.model_file import load_model_file
 from aot.capture.precision import check_training_state, resolve_precision
 from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
@@ -29,7 +29,8 @@ from aot.progress import Progress
 from runner.data import split_batch_tensors
 from runner.inspect import describe_time, human
 from runner.integrity import check_writable_target
-from runner.topology import for_nodes, live_profile, load_profile
+from runner.nvml_probe import live_profile
+from runner.topology import for_nodes, load_profile
 
 
 @dataclass(frozen=True)
@@ -60,21 +61,6 @@ class BuildOptions:
     stages_per_rank: int | None = None  # pp with interleaved-1f1b: model chunks per rank (None: 2)
 
 
-def _example_batch(mf, rows: int) -> dict[str, torch.Tensor]:
-    """The user's batch(rows) as the safetensors mapping the runner reads (`inputs`, `targets`)."""
-    result = call_user(mf.batch, f"batch({rows})", mf.path, rows)
-    if not (isinstance(result, (tuple, list)) and len(result) == 2):
-        raise AotError(f"{mf.path.name}: batch(batch_size) must return (inputs, targets)")
-    inputs, targets = result
-    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-    tensors = {"targets": targets, **({"inputs": inputs[0]} if len(inputs) == 1 else {f"inputs.{i}": t for i, t in enumerate(inputs)})}
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise AotError(f"{mf.path.name}: batch() returned a {type(t).__name__} for {name}; expected tensors")
-        if t.dim() == 0 or t.shape[0] != rows:
-            raise AotError(f"{mf.path.name}: batch({rows}) returned {name} with {t.shape[0] if t.dim() else 0} samples, expected {rows}")
-    return tensors
-
 
 # The example batch is stored for runs without --data; past this size (a global batch of long
 # sequences over many data-parallel ranks) only one rank's rows are, and every rank reads those.
@@ -85,14 +71,14 @@ def _stored_example(mf, batch_size: int, data_ranks: int, progress: Progress) ->
     """The example batch the artifact stores: the global batch (every data rank its own rows),
     or one rank's rows when the global one would be over MAX_EXAMPLE_BYTES (data files wrap, so
     every rank then reads those)."""
-    one = _example_batch(mf, batch_size)
+    one = mf.example_batch(batch_size)
     if data_ranks == 1:
         return one
     if sum(t.numel() * t.element_size() for t in one.values()) * data_ranks > MAX_EXAMPLE_BYTES:
         progress.note(f"example batch: one rank's {batch_size} sample(s) stored, which every data-parallel rank "
                       f"reads without --data (the global batch would be over {MAX_EXAMPLE_BYTES >> 20} MiB)")
         return one
-    return _example_batch(mf, batch_size * data_ranks)
+    return mf.example_batch(batch_size * data_ranks)
 
 
 def _tensor_parallel_plan(mf, model, inputs, tp: int, progress: Progress) -> dict[str, str]:

@@ -168,6 +168,42 @@ def inspect(artifact, profile_dir, as_json):
 
 
 @cli.command()
+@click.argument("a", metavar="A", type=click.Path(path_type=Path))
+@click.argument("b", metavar="B", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="The same comparison as JSON on stdout.")
+@debug_option
+def diff(a, b, as_json):
+    """What changed from artifact A to artifact B, for a reviewer.
+
+    \b
+    build     build arguments, torch and aot releases, topology profile, model
+    plan      mesh, placement, strategy, buckets, sharding, tensor and pipeline
+              parallelism, precision, recomputation, NCCL algorithms; predicted
+              step time and memory per rank, A and B side by side with B/A
+    programs  per set of ranks: collectives per step (kind, group, bytes) added,
+              removed or resized, and the graph operators whose count changed
+
+    \b
+    Every file both manifests list is checked against its sha256 first; equal
+    artifacts print one line, "identical: ...".
+    Exit status, as diff(1): 0 identical, 1 different, 2 trouble (an artifact
+    missing, altered or not an artifact: one line `aot: error: ...`; not 1 as
+    for other commands, where 1 here means "different").
+    """
+    from runner.diff import compare, render
+    from runner.errors import AotError
+
+    try:
+        result = compare(a, b)
+    except AotError as e:
+        e.exit_status = 2  # 1 means "different"
+        raise
+    click.echo(json.dumps(result, indent=1) if as_json else render(result))
+    if not result["identical"]:
+        raise SystemExit(1)
+
+
+@cli.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.argument("model_file", type=click.Path(path_type=Path))
 @click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1))

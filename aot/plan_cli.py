@@ -109,7 +109,8 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     from aot.plan.mesh import BUILD_AXES
     from aot.plan.search import MEMORY_HEADROOM, plan_model
     from runner.inspect import human
-    from runner.topology import for_nodes, gpus_in_order, live_profile, load_profile
+    from runner.nvml_probe import live_profile
+    from runner.topology import for_nodes, gpus_in_order, load_profile
 
     started = time.perf_counter()
     profile = load_profile(topology) if topology else live_profile()
@@ -216,7 +217,8 @@ def calibrate(base, output, name, min_bytes, max_bytes, reps, min_seconds, round
     """
     from runner.errors import AotError
     from runner.integrity import check_writable_target
-    from runner.topology import dumps_profile, live_profile, load_profile, validate_profile
+    from runner.nvml_probe import live_profile
+    from runner.topology import dumps_profile, load_profile, validate_profile
 
     from aot.plan.calibrate import calibrate as run_calibration
 

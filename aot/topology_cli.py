@@ -263,7 +263,8 @@ def verify(profile, nodes, as_json):
     generation (maxima are compared).
     """
     from runner.errors import AotError
-    from runner.topology import describe, live_profile, load_profile
+    from runner.nvml_probe import live_profile
+    from runner.topology import describe, load_profile
     from runner.topology_check import mismatches
 
     p = load_profile(profile)

@@ -37,7 +37,9 @@ class Artifact:
     """A verified view of an artifact folder. Construction checks only the manifest; every
     other file is checked against its sha256 when it is read."""
 
-    def __init__(self, root: str | Path, trusted_keys: list[str] | None = None):
+    def __init__(self, root: str | Path, trusted_keys: list[str] | None = None, any_torch: bool = False):
+        """any_torch: accept an artifact of another torch release (for readers of the manifest
+        and of program JSON that deserialize no program, such as `aot diff`)."""
         self.root = Path(root)
         path = self.root / MANIFEST
         if not self.root.is_dir():
@@ -64,7 +66,7 @@ class Artifact:
             )
         if not isinstance(data.get("torch_version"), str):
             raise AotError(f"{path}: field 'torch_version' is missing or not a str")
-        if torch_release(data["torch_version"]) != torch_release():
+        if not any_torch and torch_release(data["torch_version"]) != torch_release():
             raise AotError(
                 f"{path}: built with torch {data['torch_version']} but this runner has torch "
                 f"{torch.__version__}; rebuild with torch {torch_release()} or install torch "

@@ -17,7 +17,7 @@ import platform
 from pathlib import Path
 
 from runner.nvml_probe import _bits, _call, _const, _cpu_words, _numa, _read, _read_int, import_nvml
-from runner.topology import format_cpulist, normalize_bus_id, parse_cpulist, sysfs_bus_id
+from runner.sysfs import format_cpulist, normalize_bus_id, parse_cpulist, sysfs_bus_id
 
 _SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261}  # syscall numbers
 _MPOL_PREFERRED = 1

@@ -53,6 +53,20 @@ def describe_precision(p: dict) -> str:
                f"{scaler['growth_interval']} clean steps, x{scaler['backoff_factor']:g} on overflow)" if scaler else ""))
 
 
+def describe_batchnorm(entry: dict) -> str:
+    """One line from the manifest's `batchnorm`: whose batch each BatchNorm layer's statistics
+    are computed over (plain BatchNorm: this rank's, as eager DDP; SyncBatchNorm: the data-parallel
+    group's)."""
+    def layers(n: int) -> str:
+        return f"{n} layer{'s' if n != 1 else ''}"
+
+    synced, plain = entry["synced"], entry["layers"] - entry["synced"]
+    over = ",".join(entry["axes"]) or "one data-parallel rank"
+    parts = ([f"SyncBatchNorm over {over} ({layers(synced)})"] if synced else []) + \
+        ([f"statistics per rank ({layers(plain)})"] if plain else [])
+    return "; ".join(parts)
+
+
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -124,6 +138,7 @@ def summarize(artifact: Artifact) -> dict:
         "memory": m.get("memory"),
         "time": m.get("time"),
         "tensor_parallel": m.get("tensor_parallel"),
+        "batchnorm": m.get("batchnorm"),
         "pipeline": pipeline,
         "init": m.get("init"),
         "total_bytes": sum(f["size"] for f in m["files"].values()),
@@ -269,6 +284,8 @@ def render(summary: dict) -> str:
                      f"{', '.join(placement.get('axes_outer_to_inner', []))}; ranks below are torchrun's)")
     lines.append(f"optimizer  {summary['optimizer']}")
     lines.append(f"precision  {describe_precision(summary['precision'])}")
+    if summary.get("batchnorm"):
+        lines.append(f"batchnorm  {describe_batchnorm(summary['batchnorm'])}")
     init = summary.get("init")
     lines.append(f"weights    none stored: each rank makes its own piece with the init program ({init['file']}, "
                  f"{init['graph_nodes']} ops, seed {b.get('seed')}) or reads it with --init-from")

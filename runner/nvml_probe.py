@@ -26,9 +26,9 @@ import sys
 from pathlib import Path
 
 from runner.errors import AotError
+from runner.sysfs import format_cpulist, normalize_bus_id, parse_cpulist, sysfs_bus_id
 from runner.topology import (
-    BACKENDS, PCIE_PATHS, SCHEMA, SCHEMA_VERSION, describe, format_cpulist, normalize_bus_id,
-    parse_cpulist, sysfs_bus_id, validate_profile,
+    BACKENDS, PCIE_PATHS, SCHEMA, SCHEMA_VERSION, describe, job_nodes, load_profile, validate_profile,
 )
 
 # Datasheet figures for models NVML cannot measure (../shared/reference/hardware.md): dense peak
@@ -497,4 +497,20 @@ def probe(*, nvml=None, env=None, root: str | Path = "/", nodes: int = 1, name: 
     else:
         profile["description"] = f"probed on {host}: {describe(profile)}"
     validate_profile(profile, "the probe of this machine")
+    return profile
+
+
+# -- the live machine -------------------------------------------------------------------------
+
+def live_profile(*, nvml=None, env=None, root: str | Path = "/") -> dict:
+    """This machine as a profile: the NVML probe (runner.nvml_probe) honouring CUDA_VISIBLE_DEVICES and
+    CUDA_DEVICE_ORDER, with `nodes` from torchrun's environment. A machine without GPUs (or without
+    NVML and CUDA) is the built-in `cpu` profile."""
+    env = os.environ if env is None else env
+    nodes = job_nodes(env)
+    profile = probe(nvml=nvml, env=env, root=root, nodes=nodes or 1, name="live")
+    if profile["device_kind"] == "cpu":
+        profile = {**load_profile("cpu"), "nodes": nodes or 1}
+    if nodes is None:
+        profile["nodes_unknown"] = True  # a launcher that does not say: the node count is not checked
     return profile

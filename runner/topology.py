@@ -6,7 +6,7 @@ class, P2P), NICs, the inter-node fabric and optional measured alpha/beta per li
 profiles ship in runner/profiles/ and are named by file stem; any other profile is a JSON file, or
 an artifact folder whose embedded profile is reused.
 
-The runner compares the live machine (`live_profile()`, read through NVML by runner.nvml_probe)
+The runner compares the live machine (runner.nvml_probe's `live_profile()`, read through NVML)
 with the profile embedded in the artifact before its first collective (`verify_live`). Nothing
 here imports torch at module level: `aot topology show` stays instant.
 """
@@ -17,11 +17,11 @@ import copy
 import json
 import math
 import os
-import re
 from pathlib import Path
 
 from runner.errors import AotError
 from runner.integrity import canonical_json, sha256_bytes
+from runner.sysfs import BUS_ID, CPULIST, normalize_bus_id
 
 SCHEMA = "aot-topology"
 SCHEMA_VERSION = 2
@@ -39,49 +39,6 @@ FABRIC_KINDS = ("infiniband", "roce", "ethernet", "loopback")
 MEMORY_TOLERANCE = 0.02  # NVML vs CUDA runtime totals, ECC and driver reservations: ~1% on 80 GB parts
 MAX_LISTED = 8           # pairs or NICs named per mismatch line before "and N more"
 
-_BUS_ID = re.compile(r"^(?:([0-9a-fA-F]{4}|[0-9a-fA-F]{8}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
-_CPULIST = re.compile(r"^\s*\d+(-\d+)?(\s*,\s*\d+(-\d+)?)*\s*$")
-
-
-# -- small shared helpers ---------------------------------------------------------------------
-
-def normalize_bus_id(bus_id: str) -> str:
-    """Any PCI address spelling -> NVML's: 8 hex digits of domain, upper case (`00000000:07:00.0`)."""
-    m = _BUS_ID.match(bus_id.strip()) if isinstance(bus_id, str) else None
-    if not m:
-        raise AotError(f"{bus_id!r} is not a PCI bus id (domain:bus:device.function, e.g. 00000000:07:00.0)")
-    domain, bus, dev, fn = m.groups()
-    return f"{int(domain or '0', 16):08X}:{bus.upper()}:{dev.upper()}.{fn}"
-
-
-def sysfs_bus_id(bus_id: str) -> str:
-    """NVML's bus id -> the name sysfs uses (`0000:07:00.0`)."""
-    domain, rest = normalize_bus_id(bus_id).split(":", 1)
-    return f"{int(domain, 16):04x}:{rest.lower()}"
-
-
-def parse_cpulist(text: str) -> set[int]:
-    """`0-3,8,10-11` (the kernel's cpulist format) -> {0, 1, 2, 3, 8, 10, 11}."""
-    cpus: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.strip().split(","))):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def format_cpulist(cpus) -> str:
-    """{0, 1, 2, 3, 8} -> `0-3,8`."""
-    out, run = [], []
-    for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
 
 
 def gib(n: int) -> str:
@@ -217,14 +174,14 @@ class _Checker:
             self.fail(field, "must be a list", v, show=not isinstance(v, dict))
 
     def bus(self, v, field) -> str:
-        if not isinstance(v, str) or not _BUS_ID.match(v.strip()):
+        if not isinstance(v, str) or not BUS_ID.match(v.strip()):
             self.fail(field, "must be a PCI bus id such as 00000000:07:00.0", v)
         return normalize_bus_id(v)
 
     def cpulist(self, v, field, null=True):
         if v is None and null:
             return
-        if not isinstance(v, str) or not _CPULIST.match(v):
+        if not isinstance(v, str) or not CPULIST.match(v):
             self.fail(field, "must be a cpulist such as \"0-15,128-143\"" + (" or null" if null else ""), v)
 
 
@@ -266,7 +223,7 @@ def validate_profile(profile: dict, where: str) -> None:
     indices = []
     for key, gpu in gpus.items():
         f = f"node.gpus.{key}"
-        if not _BUS_ID.match(key.strip()):
+        if not BUS_ID.match(key.strip()):
             raise AotError(f"{where}: key {key!r} of field 'node.gpus' must be a PCI bus id such as 00000000:07:00.0")
         bus = normalize_bus_id(key)
         if bus in buses:
@@ -517,21 +474,3 @@ def job_nodes(env=None) -> int | None:
     except ValueError:
         return None
     return 1
-
-
-# -- the live machine -------------------------------------------------------------------------
-
-def live_profile(*, nvml=None, env=None, root: str | Path = "/") -> dict:
-    """This machine as a profile: the NVML probe (runner.nvml_probe) honouring CUDA_VISIBLE_DEVICES and
-    CUDA_DEVICE_ORDER, with `nodes` from torchrun's environment. A machine without GPUs (or without
-    NVML and CUDA) is the built-in `cpu` profile."""
-    from runner.nvml_probe import probe
-
-    env = os.environ if env is None else env
-    nodes = job_nodes(env)
-    profile = probe(nvml=nvml, env=env, root=root, nodes=nodes or 1, name="live")
-    if profile["device_kind"] == "cpu":
-        profile = {**load_profile("cpu"), "nodes": nodes or 1}
-    if nodes is None:
-        profile["nodes_unknown"] = True  # a launcher that does not say: the node count is not checked
-    return profile

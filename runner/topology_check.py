@@ -10,15 +10,15 @@ import os
 
 from runner.errors import AotError
 from runner.node_refusal import NodeRefusal
+from runner.nvml_probe import live_profile
+from runner.sysfs import normalize_bus_id
 from runner.topology import (
     MAX_LISTED,
     MEMORY_TOLERANCE,
     gpu_label,
     gpus_in_order,
-    live_profile,
     mib,
     nic_list,
-    normalize_bus_id,
     nvlink_label,
     pair_links,
     validate_profile,

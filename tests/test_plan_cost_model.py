@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from aot.build import _example_batch
 from aot.capture.model_file import load_model_file
 from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
@@ -164,7 +163,7 @@ def test_rebucket_packs_in_input_order_until_full_or_needed():
 def _mlp_capture(dp: int, fsdp: int):
     mf = load_model_file(EXAMPLES / "mlp.py")
     state = build_training_state(mf, 0, 1)
-    inputs, targets = split_batch_tensors(_example_batch(mf, 8), "batch()")
+    inputs, targets = split_batch_tensors(mf.example_batch(8), "batch()")
     layout = StepLayout(Group("aot.dp", dp) if dp > 1 else None, Group("aot.fsdp", fsdp) if fsdp > 1 else None)
     return capture_step(mf, state, inputs, targets, layout), state
 

@@ -1,8 +1,8 @@
 """The graphs the planner prices are the build's graphs, however it gets them.
 
-- Traced for pricing (capture_step(for_pricing=True), a lean recorder in make_fx's place): the same
+- Traced for pricing (capture_step(tracer=trace_for_pricing), a lean recorder in make_fx's place): the same
   graph as the build's make_fx trace, node for node, and the same cost-model reading of it.
-- Derived without fsdp from the graph with fsdp=2 (aot.capture.pricing.derive_without_fsdp: its forward and
+- Derived without fsdp from the graph with fsdp=2 (aot.plan.pricing.derive_without_fsdp: its forward and
   backward, then the step's end traced alone): the trace of that mesh, node for node.
 - Traced ahead of the search (ModelSteps.prefetch, which derives what it can, with part of the
   graphs traced in a forked helper that sends them back as JSON): the same graphs as the search
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import aot.capture.pricing as pricing
+import aot.plan.pricing as pricing
 from aot.capture.step import capture_step
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 from aot.plan.cost_model import analyze, storage_key
@@ -82,7 +82,7 @@ def test_pricing_trace_is_the_build_trace(monkeypatch, model, sequence, meshes):
     for mesh in meshes:
         layout = steps.layout(*mesh)
         graphs = [capture_step(steps.mf, steps.state, steps.inputs, steps.targets, layout,
-                                       check_ranks=False, for_pricing=pricing) for pricing in (False, True)]
+                                       check_ranks=False, tracer=tracer) for tracer in (None, pricing.trace_for_pricing)]
         built, priced = graphs
         assert _nodes(priced.graph) == _nodes(built.graph), mesh
         assert priced.slots == built.slots
@@ -107,7 +107,7 @@ class Wrapped(nn.Module):
     lean = _lean_calls(monkeypatch)
     layout = steps.layout(2, 1, 1)
     built, priced = (capture_step(steps.mf, steps.state, steps.inputs, steps.targets, layout,
-                                          check_ranks=False, for_pricing=p) for p in (False, True))
+                                          check_ranks=False, tracer=t) for t in (None, pricing.trace_for_pricing))
     assert _nodes(priced.graph) == _nodes(built.graph)
     assert any(n.op == "get_attr" for n in priced.graph.graph.nodes) and not lean
 

@@ -16,10 +16,8 @@ import pytest
 
 from fixtures.topology.fake_nvml import FakeNvml, fixture, make_root
 from runner.errors import AotError
-from runner.nvml_probe import path_class, probe
-from runner.topology import (
-    live_profile, load_profile, pair_links, validate_profile,
-)
+from runner.nvml_probe import live_profile, path_class, probe
+from runner.topology import load_profile, pair_links, validate_profile
 from runner.topology_check import TopologyMismatch, mismatches, verify_live
 
 IDENTITY = ("uuid", "pci_bus_id", "port")  # facts of one machine, not of the model: not in built-ins

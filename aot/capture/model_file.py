@@ -48,6 +48,23 @@ class ModelFile:
     tp_plan: object = None                    # module name -> "colwise" | "rowwise" (see aot/plan/tensor_parallel.py)
     globals: dict = None                      # the model file's other module-level names (head counts, say)
 
+    def example_batch(self, rows: int) -> dict[str, torch.Tensor]:
+        """The user's batch(rows) as the safetensors mapping the runner reads (`inputs`, `targets`)."""
+        result = call_user(self.batch, f"batch({rows})", self.path, rows)
+        if not (isinstance(result, (tuple, list)) and len(result) == 2):
+            raise AotError(f"{self.path.name}: batch(batch_size) must return (inputs, targets)")
+        inputs, targets = result
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        tensors = {"targets": targets,
+                   **({"inputs": inputs[0]} if len(inputs) == 1 else {f"inputs.{i}": t for i, t in enumerate(inputs)})}
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise AotError(f"{self.path.name}: batch() returned a {type(t).__name__} for {name}; expected tensors")
+            if t.dim() == 0 or t.shape[0] != rows:
+                raise AotError(f"{self.path.name}: batch({rows}) returned {name} with {t.shape[0] if t.dim() else 0} "
+                               f"samples, expected {rows}")
+        return tensors
+
 
 def _user_frame(exc: BaseException, path: Path) -> str:
     """' (model.py:12)' for the innermost frame of the user's file in a traceback, if any."""

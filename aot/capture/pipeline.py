@@ -21,8 +21,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile
 from aot.capture.stages import Stage
-from aot.capture.step import (CapturedStep, Group, StepLayout, _describe_trace_error, _gather, _optimizer_tracing,
-                              _step_args, _step_program, rank_state)
+from aot.capture.step import (CapturedStep, Group, StepLayout, _describe_trace_error, _gather, optimizer_tracing,
+                              step_args, step_program, rank_state)
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
@@ -96,15 +96,15 @@ def capture_pipeline(mf: ModelFile, state: TrainingState, pipeline: Pipeline, la
     # the global norm counts a tied weight once: on the first rank holding it
     uncounted = tuple(n for n in names if n in tied and first_holder[n] != pipeline.rank)
     layout = replace(layout, pp=pipeline.group, pp_uncounted=uncounted)
-    _, finish = _step_program(mf, own, len(inputs), layout, None)
-    args, slots = _step_args(own, layout, inputs, targets)
+    _, finish = step_program(mf, own, len(inputs), layout, None)
+    args, slots = step_args(own, layout, inputs, targets)
     kept = [i for i, g in enumerate(state.param_groups) if any(n in names for n in g)]
     slots = [{**slot, "group": kept[slot["group"]]} if slot["kind"] == "lr" else slot for slot in slots]
     # what a rank's gradient of each tied weight looks like (its fsdp shard), for ranks without it
     tied_like = {n: t for n, t in rank_state(stage_state(state, tied, []), layout).params.items()}
     step = _pipeline_step(own, pipeline, layout, len(inputs), finish, tied_like)
     try:
-        with _optimizer_tracing(), quiet_trace_logs():
+        with optimizer_tracing(), quiet_trace_logs():
             graph = make_fx(step, tracing_mode="fake")(*args)
     except AotError:
         raise

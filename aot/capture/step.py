@@ -7,8 +7,8 @@ clipping as `clip_grad_norm_` does it, and the user's own torch.optim optimizer 
 traced tensors. make_fx traces it on fake tensors, so no real computation or collective runs and
 any world size can be built on one machine.
 
-The planner, which only prices a graph, traces with `for_pricing=True` (aot/capture/pricing.py:
-the same graph, recorded in about half the time).
+`capture_step(tracer=...)` takes another tracer with make_fx's contract: the planner, which only
+prices a graph, passes aot/plan/pricing.py's (the same graph, recorded in about half the time).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm:
 
 
 @contextlib.contextmanager
-def _optimizer_tracing():
+def optimizer_tracing():
     """torch.optim keeps step counters as tensors (instead of calling .item()) when it believes
     it is being compiled, which is what a static graph needs; torch.compile sets the same flag."""
     previous = torch.compiler._is_compiling_flag
@@ -190,16 +190,21 @@ def _slot(kind: str, tensor: torch.Tensor | None = None, **fields) -> dict:
     return slot
 
 
+def fake_make_fx(step, args: list) -> torch.fx.GraphModule:
+    """The build's tracer: make_fx on fake tensors (no real computation or collective runs)."""
+    return make_fx(step, tracing_mode="fake")(*args)
+
+
 def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
-                 layout: StepLayout, check_ranks: bool = True, for_pricing: bool = False) -> CapturedStep:
+                 layout: StepLayout, check_ranks: bool = True, tracer=None) -> CapturedStep:
     """The step's graph for one rank of `layout`. With tensor parallelism one program serves every
     tp rank, so the trace must not depend on the rank: DTensor picks "this rank's" piece by the
     mesh coordinate at trace time wherever a whole tensor becomes a shard. With `check_ranks` (the
     build) the step is traced as tp rank 0 and as the last tp rank and any difference is refused;
-    the planner, which only prices the graph, traces once. `for_pricing`: a graph only to read (see
-    the module docstring); its GraphModule generates code only if asked to."""
+    the planner, which only prices the graph, traces once. `tracer(step, args) -> GraphModule`:
+    make_fx on fake tensors unless given (see the module docstring)."""
     if layout.tp is None:
-        return _capture(mf, state, inputs, targets, layout, None, for_pricing)
+        return _capture(mf, state, inputs, targets, layout, None, tracer)
     traced = []
     for rank in ((0, layout.tp.size - 1) if check_ranks else (0,)):
         with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence,
@@ -208,7 +213,7 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
             found = {n: d for n, d in tp.dims.items() if n in state.params}
             if found != expected:  # our slicing of the stored state must be torch's
                 raise AotError(f"tensor parallel: torch placed {found}, expected {expected}")
-            captured = _capture(mf, state, inputs, targets, layout, tp, for_pricing)
+            captured = _capture(mf, state, inputs, targets, layout, tp, tracer)
             rename_group(captured.graph, tp.mesh.get_group().group_name, layout.tp.name)
         traced.append(captured)
     if check_ranks and traced[0].graph.code != traced[1].graph.code:
@@ -217,8 +222,8 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
     return traced[0]
 
 
-def _step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: StepLayout, tp: TensorParallel | None):
-    """(step, finish): the training step as a function of its flat inputs (`_step_args`), and its
+def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: StepLayout, tp: TensorParallel | None):
+    """(step, finish): the training step as a function of its flat inputs (`step_args`), and its
     part once the gradients exist (averaging, clipping, the optimizer) as a function of (params,
     grads, local loss, optimizer state, learning rates[, loss scaling]). The step ends by calling
     `finish`; the planner also traces `finish` alone (derive_without_fsdp)."""
@@ -326,7 +331,7 @@ def _any_rank(found_inf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
     return found_inf
 
 
-def _step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tensor],
+def step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tensor],
                targets: torch.Tensor) -> tuple[list[torch.Tensor], list[dict]]:
     """The step's flat inputs for one rank of `layout` (traced on shard 0's shapes: every rank's shard
     has the same shape, so one program serves all) and what each one is (the manifest's "inputs")."""
@@ -353,18 +358,14 @@ def _step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tens
 
 
 def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
-             layout: StepLayout, tp: TensorParallel | None, for_pricing: bool = False) -> CapturedStep:
-    step, _ = _step_program(mf, state, len(inputs), layout, tp)
-    args, slots = _step_args(state, layout, inputs, targets)
+             layout: StepLayout, tp: TensorParallel | None, tracer=None) -> CapturedStep:
+    step, _ = step_program(mf, state, len(inputs), layout, tp)
+    args, slots = step_args(state, layout, inputs, targets)
     try:
         # every node knows its module call (recomputation checkpoints layers by them), in the
         # planner's traces as in the build's
-        with _optimizer_tracing(), quiet_trace_logs(), annotate_module_calls(state.model if tp is None else tp.model):
-            if for_pricing:
-                from aot.capture.pricing import trace_for_pricing
-                graph = trace_for_pricing(step, args)
-            else:
-                graph = make_fx(step, tracing_mode="fake")(*args)
+        with optimizer_tracing(), quiet_trace_logs(), annotate_module_calls(state.model if tp is None else tp.model):
+            graph = (tracer or fake_make_fx)(step, args)
     except AotError:
         raise
     except Exception as e:

@@ -225,7 +225,7 @@ def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None 
     """The cost-relevant facts of a step graph (see the module docstring). `slots` (the captured
     step's input kinds, in placeholder order) split resident memory into its parts. `aliases`
     (storage key -> storage key) makes values of a graph put together from several traces share the
-    storage they would share in one (aot.capture.pricing.derive_without_fsdp)."""
+    storage they would share in one (aot.plan.pricing.derive_without_fsdp)."""
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     nodes = list(graph.nodes)
     ops: list[Op] = []

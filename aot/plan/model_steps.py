@@ -42,11 +42,11 @@ class ModelSteps:
 
     Tracing is most of a search's time. Three things make it cheaper, each giving the very graph
     the build traces for that mesh (tests/test_plan_derived_graphs.py):
-    - each trace is recorded without make_fx's bookkeeping (capture_step(for_pricing=True), about
+    - each trace is recorded without make_fx's bookkeeping (capture_step(tracer=trace_for_pricing), about
       half the time);
     - the (dp, fsdp=1) graph is derived from the (dp, fsdp=2) one of its tp degree: the same forward
       and backward, then the step's end (averaging, clipping, the optimizer) traced alone
-      (aot.capture.pricing.derive_without_fsdp; traced in full where the graph is not of that form);
+      (aot.plan.pricing.derive_without_fsdp; traced in full where the graph is not of that form);
     - `prefetch` makes, before the search, the graphs it will ask for, on two cores where there are
       two (aot.plan.trace_helper).
 
@@ -61,7 +61,6 @@ class ModelSteps:
                  max_tp: int | None = None, sequence_parallel: bool = False, precision: str | None = None,
                  reduce_dtype: str | None = None, profile: dict | None = None, memory_limit=None,
                  compute=None):
-        from aot.build import _example_batch
         from aot.capture.model_file import load_model_file
         from aot.capture.precision import resolve_precision
         from aot.capture.training_state import build_training_state
@@ -75,7 +74,7 @@ class ModelSteps:
         self.precision = resolve_precision(precision, reduce_dtype, self.mf.globals, self.mf.path.name,
                                            profile or {"device_kind": "cpu"})
         self.state = build_training_state(self.mf, seed, 1)
-        inputs, targets = split_batch_tensors(_example_batch(self.mf, batch_size), "batch()")
+        inputs, targets = split_batch_tensors(self.mf.example_batch(batch_size), "batch()")
         self.inputs, self.targets = inputs, targets
         self.params = sum(p.numel() for p in self.state.params.values())
         self.param_numels = [p.numel() for p in self.state.params.values()]
@@ -146,17 +145,18 @@ class ModelSteps:
     def _capture(self, dp: int, fsdp: int, tp: int):
         from aot.capture.step import capture_step
         from aot.passes.cleanup import drop_profiler_calls, plain_collectives
+        from aot.plan.pricing import trace_for_pricing
 
         # the build checks that every tp rank traces the same program; pricing needs one trace
         captured = capture_step(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp),
-                                check_ranks=False, for_pricing=True)
+                                check_ranks=False, tracer=trace_for_pricing)
         return plain_collectives(drop_profiler_calls(captured.graph)), captured.slots
 
     def _trace(self, key: tuple, source: tuple) -> dict[tuple, StepGraph]:
         """The graph of `key`, traced on mesh `source`, and the graphs derived from it (`_derived`:
         meshes without fsdp from the fsdp=2 graph of the same tp degree, each traced where the
         derivation does not apply). What a derived graph's own trace raises is raised when asked."""
-        from aot.capture.pricing import derive_without_fsdp
+        from aot.plan.pricing import derive_without_fsdp
 
         gm, slots = self._capture(*source)
         out = {}

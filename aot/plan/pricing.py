@@ -20,7 +20,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile
-from aot.capture.step import StepLayout, _optimizer_tracing, _step_args, _step_program
+from aot.capture.step import StepLayout, optimizer_tracing, step_args, step_program
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 
@@ -108,8 +108,8 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
         return None
 
     # the step's end alone, on this layout's whole parameters and on gradients like the backward's
-    _, finish = _step_program(mf, state, len(inputs), layout, None)
-    args, slots = _step_args(state, layout, inputs, targets)
+    _, finish = step_program(mf, state, len(inputs), layout, None)
+    args, slots = step_args(state, layout, inputs, targets)
 
     def like(node):
         v = node.meta.get("val")
@@ -126,7 +126,7 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
     try:
         end_args = [*args[:n_params], *(like(g) for g in grads), like(local_loss),
                     *args[state_at:state_at + n_state + n_groups]]
-        with _optimizer_tracing(), quiet_trace_logs():
+        with optimizer_tracing(), quiet_trace_logs():
             tail = plain_collectives(drop_profiler_calls(trace_for_pricing(end, end_args)))
     except Exception:  # noqa: BLE001  (the unsharded mesh is traced, and reports any error)
         return None
