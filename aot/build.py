@@ -11,6 +11,7 @@ from aot.capture.custom_ops import custom_op_spec
 from aot.capture.model_file import load_model_file
 from aot.capture.precision import check_training_state, resolve_precision
 from aot.capture.step import Group, StepLayout, capture_step
+from aot.capture.sync_batchnorm import convert_to_sync, manifest_entry as batchnorm_entry
 from aot.capture.training_state import build_training_state
 from aot.emit.artifact import PROGRAM, emit_artifact, export_step
 from aot.emit.onnx_export import CHECK_BUDGET_BYTES, ONNX_FILE, build_inference, init_program_weights
@@ -19,7 +20,7 @@ from aot.passes import run_passes
 from aot.plan import hierarchy
 from aot.plan.cost_model import analyze
 from aot.plan.machine import Machine
-from aot.plan.mesh import Mesh
+from aot.plan.mesh import DATA_AXES, Mesh
 from aot.plan.placement import Placement, place
 from aot.plan.recompute import apply_request, resolve_request
 from aot.plan.search import MEMORY_HEADROOM, time_entry
@@ -27,7 +28,7 @@ from aot.plan.tensor_parallel import (check_degree, check_divisible, check_seque
                                      sequence_parallel_layout, user_plan)
 from aot.progress import Progress
 from runner.data import split_batch_tensors
-from runner.inspect import describe_time, human
+from runner.inspect import describe_batchnorm, describe_time, human
 from runner.integrity import check_writable_target
 from runner.nvml_probe import live_profile
 from runner.topology import for_nodes, load_profile
@@ -59,7 +60,7 @@ class BuildOptions:
     microbatches: int | None = None  # pp: microbatches per step (None: as many as pipeline ranks)
     pp_schedule: str = "1f1b"        # pp: gpipe | 1f1b | interleaved-1f1b (aot/plan/pipeline.py)
     stages_per_rank: int | None = None  # pp with interleaved-1f1b: model chunks per rank (None: 2)
-
+    sync_batchnorm: bool = False     # every BatchNorm becomes SyncBatchNorm: statistics over the dp and fsdp ranks
 
 
 # The example batch is stored for runs without --data; past this size (a global batch of long
@@ -177,10 +178,16 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     with progress.stage("recording how the weights are made (init program), optimizer state and learning-rate schedule"):
         state = build_training_state(mf, options.seed, options.max_steps)
         check_training_state(precision, state.params, mf.path.name)
+        if options.sync_batchnorm:
+            state.model = convert_to_sync(state.model, mf.path.name)
+        batchnorm = batchnorm_entry(state.model, [a for a in mesh.axes if a in DATA_AXES and mesh.size(a) > 1])
     progress.note(f"{sum(p.numel() for p in state.params.values()):,} parameters, "
                   f"{state.optimizer_class}, mesh {mesh.describe()} on topology {profile['name']!r}")
     if not placement.identity:
         progress.note(f"placement: {describe_placement(placement)}")
+    if batchnorm and (batchnorm["synced"] or mesh.data_parallel_size > 1):
+        progress.note(f"BatchNorm: {describe_batchnorm(batchnorm)}"
+                      + ("" if batchnorm["synced"] else ", as eager DDP (--sync-batchnorm: over the data-parallel ranks)"))
     groups = {axis: Group(Mesh.group_name(axis), mesh.size(axis)) for axis in mesh.axes if mesh.size(axis) > 1}
     tp_plan = _tensor_parallel_plan(mf, state.model, rank_inputs, mesh.size("tp"), progress) if "tp" in groups else {}
     sequence = None
@@ -264,6 +271,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             extra_fields={"precision": precision.to_json(),
                           "memory": {"predicted": memory.itemized(), "recompute": recompute},
                           **({"pipeline": pipeline_entry} if pipeline_entry else {}),
+                          **({"batchnorm": batchnorm} if batchnorm else {}),
                           "time": time,
                           **({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
                           **({"compiled": compiled.entry} if compiled else {}),

@@ -55,6 +55,10 @@ def cli():
 @click.option("--sequence-parallel", is_flag=True,
               help="With tp: split the residual stream between blocks along the sequence, so norms and dropouts run "
                    "on 1/tp of the tokens and row-wise outputs are reduce-scattered instead of all-reduced.")
+@click.option("--sync-batchnorm", is_flag=True,
+              help="Convert every BatchNorm to SyncBatchNorm (torch's convert_sync_batchnorm): batch statistics over the "
+                   "data-parallel ranks (dp and fsdp), all-reduced inside the graph, instead of each rank's own batch as "
+                   "eager DDP computes them. A model without BatchNorm is refused.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Samples per data-parallel rank per step.")
 @click.option("--max-steps", type=int, default=1000, show_default=True, help="Steps of learning-rate schedule to store.")
 @click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="Gradient bucket size for all_reduce, in MiB.")
@@ -95,7 +99,7 @@ def cli():
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
 @debug_option
-def build(model_file, topology, nodes, world_size, strategy, microbatches, pp_schedule, stages_per_rank, sequence_parallel, batch_size, max_steps, bucket_mb, prefetch_mb, hierarchical, precision, reduce_dtype, memory_budget, activation_budget, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
+def build(model_file, topology, nodes, world_size, strategy, microbatches, pp_schedule, stages_per_rank, sequence_parallel, sync_batchnorm, batch_size, max_steps, bucket_mb, prefetch_mb, hierarchical, precision, reduce_dtype, memory_budget, activation_budget, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
     """Trace MODEL_FILE's whole training step into per-rank artifacts.
 
     MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),
@@ -115,7 +119,7 @@ def build(model_file, topology, nodes, world_size, strategy, microbatches, pp_sc
                            hierarchical=hierarchical, sign_key=sign_key, onnx=onnx, compile=compile_tier, sequence_parallel=sequence_parallel,
                            precision=precision, reduce_dtype=reduce_dtype, memory_budget=memory_budget,
                            activation_budget=activation_budget, microbatches=microbatches, pp_schedule=pp_schedule,
-                           stages_per_rank=stages_per_rank)
+                           stages_per_rank=stages_per_rank, sync_batchnorm=sync_batchnorm)
     progress = Progress(total=6 + (onnx is not False) + (compile_tier == "aoti"), quiet=quiet or as_json)
     manifest = run_build(options, progress)
     # the busiest program's collectives (pipeline ranks run different programs)

@@ -156,6 +156,8 @@ PIPELINE_SCHEMA = {"axis": str, "group": str, "size": int, "schedule": OneOf("gp
 # The build's predicted step time (FORMAT.md, "Time"); optional
 TIME_SCHEMA = {"predicted": {"step_s": NUMBER, "compute_s": NUMBER, "comm_s": NUMBER, "exposed_comm_s": NUMBER},
                "topology": str, "calibrated": bool}
+# How many BatchNorm layers, how many are SyncBatchNorm, and over which mesh axes (FORMAT.md, "BatchNorm"); optional
+BATCHNORM_SCHEMA = {"layers": int, "synced": int, "axes": [str]}
 SLOT_FIELDS = {"param": {"name": str}, "buffer": {"name": str}, "optim": {"name": str, "key": str},
                "lr": {"group": int}, "scaler": {"key": OneOf(*SCALER_KEYS)}, "input": {"index": int, **TENSOR}, "target": TENSOR}
 
@@ -277,7 +279,8 @@ def _check_structure(m: dict, where: str) -> None:
             expect(0 <= dim < len(shape) and shape[dim] % tp["size"] == 0,
                    f"tensor_parallel.params: {name!r} cannot be split {tp['size']} ways along dimension {dim}")
     for key, schema in (("inference", INFERENCE_SCHEMA), ("custom_ops", {"modules": [str], "ops": [str]}),
-                        ("memory", MEMORY_SCHEMA), ("time", TIME_SCHEMA), ("pipeline", PIPELINE_SCHEMA)):
+                        ("memory", MEMORY_SCHEMA), ("time", TIME_SCHEMA), ("pipeline", PIPELINE_SCHEMA),
+                        ("batchnorm", BATCHNORM_SCHEMA)):
         if m.get(key) is not None:  # optional entries: the ONNX export, custom operator libraries
             try:
                 _conform(m[key], schema, key)
@@ -299,6 +302,10 @@ def _check_structure(m: dict, where: str) -> None:
             expect(stages == {r["program"]}, f"rank {r['rank']} runs {r['program']!r}, not its pipeline stage's program")
     else:
         expect(len({r["program"] for r in m["ranks"]}) == 1, "ranks run different programs without a pipeline entry")
+    if m.get("batchnorm") is not None:
+        bn = m["batchnorm"]
+        expect(bn["synced"] <= bn["layers"], "batchnorm.synced counts more layers than batchnorm.layers")
+        expect(set(bn["axes"]) <= set(m["mesh"]["axes"]), "batchnorm.axes names an axis the mesh lacks")
     if m.get("inference") is not None:
         expect(m["inference"]["file"] in m["files"], "inference.file is not listed in files")
     expect(bool(m["schedule"]["lr"]), "schedule.lr is empty")

@@ -23,6 +23,7 @@ from aot.capture.loss_scaling import LossScaling
 from aot.capture.model_file import ModelFile, call_user
 from aot.capture.module_calls import annotate_module_calls
 from aot.capture.precision import Precision
+from aot.capture.sync_batchnorm import sync_batchnorm_in_graph
 from aot.capture.target_autocast import TargetAutocast
 from aot.capture.tensor_parallel import TensorParallel, rename_group, tensor_parallel
 from aot.capture.trace_logs import quiet_trace_logs
@@ -364,7 +365,11 @@ def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], ta
     try:
         # every node knows its module call (recomputation checkpoints layers by them), in the
         # planner's traces as in the build's
-        with optimizer_tracing(), quiet_trace_logs(), annotate_module_calls(state.model if tp is None else tp.model):
+        # SyncBatchNorm's statistics over the ranks holding different samples (dp, fsdp; not tp)
+        model = state.model if tp is None else tp.model
+        data_groups = [g for g in (layout.fsdp, layout.dp) if g is not None]
+        with optimizer_tracing(), quiet_trace_logs(), annotate_module_calls(model), \
+                sync_batchnorm_in_graph(model, data_groups):
             graph = (tracer or fake_make_fx)(step, args)
     except AotError:
         raise
