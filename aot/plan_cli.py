@@ -14,7 +14,7 @@ import click
 from runner.console import debug_option
 
 
-def _ms(s: float) -> str:
+def ms(s: float) -> str:
     return f"{s * 1e3:.3f}"
 
 
@@ -28,19 +28,28 @@ def render_table(rows: list[dict], header: str) -> str:
     for i, r in enumerate(rows, 1):
         algos = ", ".join(f"{n} {k}" for k, n in r["algorithms"].items()) or "-"
         recompute = "-" if r.get("recompute") is None else f"{r['recompute']:g}"
-        strategy = r["strategy"] + (f" ({r['pipeline']['schedule']}, {r['pipeline']['microbatches']} microbatches)"
-                                    if r.get("pipeline") else "")
-        table.append([str(i), strategy, f"{r['bucket_mb']:g}", recompute, _ms(r["step_s"]), _ms(r["compute_s"]),
-                      _ms(r["exposed_comm_s"]), human(r["memory_bytes"]["peak"]), str(r["collectives_per_step"]),
+        table.append([str(i), strategy_label(r), f"{r['bucket_mb']:g}", recompute, ms(r["step_s"]), ms(r["compute_s"]),
+                      ms(r["exposed_comm_s"]), human(r["memory_bytes"]["peak"]), str(r["collectives_per_step"]),
                       human(r["collective_bytes_per_step"]), algos, "yes" if r["fits"] else "NO"])
-    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-    lines = [header, ""]
+    return "\n".join([header, "", *aligned(table, left)])
+
+
+def strategy_label(row: dict) -> str:
+    """A plan's strategy, with its pipeline schedule where it has one."""
+    pipeline = row.get("pipeline")
+    return row["strategy"] + (f" ({pipeline['schedule']}, {pipeline['microbatches']} microbatches)" if pipeline else "")
+
+
+def aligned(table: list[list[str]], left: tuple[int, ...]) -> list[str]:
+    """A table's lines: the first row a heading underlined, columns right-aligned but `left`."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = []
     for k, row in enumerate(table):
         lines.append("  ".join(cell.rjust(widths[i]) if i not in left else cell.ljust(widths[i])
                                for i, cell in enumerate(row)).rstrip())
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return lines
 
 
 def describe_memory(row: dict) -> str:
@@ -63,7 +72,10 @@ def describe_memory(row: dict) -> str:
 
 @click.command("plan")
 @click.argument("model_file", type=click.Path(path_type=Path))
-@click.option("--topology", metavar="PROFILE", help="Built-in profile name, profile JSON file or artifact folder. Default: this machine.")
+@click.option("--topology", metavar="PROFILE[,PROFILE...]",
+              help="Built-in profile name, profile JSON file or artifact folder. Default: this machine. Several, "
+                   "comma-separated (--topology dgx_a100,dgx_h100,hgx_h200): what-if across hardware, the best plan "
+                   "on each, fastest first.")
 @click.option("--nodes", type=int, default=None, help="Nodes the job spans. Default: the profile's node count.")
 @click.option("--world-size", type=int, default=None,
               help="Ranks. Default: every GPU of every node (cpu profiles: one rank per node).")
@@ -104,6 +116,12 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     also priced recomputing activations (the `recompute` column: the activation budget, as
     `aot build --activation-budget`), which ranks with the rest. `aot build --strategy auto` builds
     the first row that fits. Calibrate the profile first (`aot topology calibrate`) for absolute times.
+
+    With several profiles (`--topology dgx_a100,dgx_h100,hgx_h200`) it plans the model on each, the
+    graphs traced once and shared where the profiles allow, and prints one row per profile: its
+    best plan, predicted step time, memory per rank and exposed communication, fastest first
+    (--json: a list, one entry per profile, in that order). Each row is what `aot plan` prints
+    first for that profile alone.
     """
     from aot.errors import AotError
     from aot.plan.mesh import BUILD_AXES
@@ -113,21 +131,35 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     from runner.topology import for_nodes, gpus_in_order, load_profile
 
     started = time.perf_counter()
-    profile = load_profile(topology) if topology else live_profile()
-    profile = for_nodes(profile, nodes)
-    if world_size is None:
-        world_size = profile["nodes"] * (len(gpus_in_order(profile)) if profile["device_kind"] == "cuda" else 1)
-    if world_size < 1:
-        raise AotError(f"--world-size must be at least 1, got {world_size}")
-    profile = for_nodes(profile, None, world_size)
+
+    def target(name: str | None) -> tuple[dict, int]:
+        profile = load_profile(name) if name else live_profile()
+        profile = for_nodes(profile, nodes)
+        ranks = world_size
+        if ranks is None:
+            ranks = profile["nodes"] * (len(gpus_in_order(profile)) if profile["device_kind"] == "cuda" else 1)
+        if ranks < 1:
+            raise AotError(f"--world-size must be at least 1, got {ranks}")
+        return for_nodes(profile, None, ranks), ranks
+
+    # every profile loaded before any is planned: a wrong name in a list fails at once
+    names = [name.strip() for name in topology.split(",")] if topology else [None]
+    targets = [target(name) for name in names]
     searched = tuple(a.strip() for a in axes.split(",") if a.strip())
     unknown = [a for a in searched if a not in BUILD_AXES]
     if unknown or not searched:
         raise AotError(f"--axes {axes!r}: expected some of {', '.join(BUILD_AXES)}")
-    plans, skipped, planner, steps = plan_model(model_file, profile, world_size, batch_size, seed=seed,
-                                                bucket_mbs=tuple(bucket_mbs) or None, axes=searched,
-                                                sequence_parallel=sequence_parallel, hierarchical=hierarchical,
-                                                precision=precision, reduce_dtype=reduce_dtype)
+    options = dict(seed=seed, bucket_mbs=tuple(bucket_mbs) or None, axes=searched, sequence_parallel=sequence_parallel,
+                   hierarchical=hierarchical, precision=precision, reduce_dtype=reduce_dtype)
+    if len(targets) > 1:
+        from aot.plan_whatif import what_if
+
+        what_if(model_file, list(zip(names, targets)), batch_size, options, as_json)
+        if not as_json:
+            click.echo(f"planned in {time.perf_counter() - started:.1f} s", err=True)
+        return
+    [(profile, world_size)] = targets
+    plans, skipped, planner, steps = plan_model(model_file, profile, world_size, batch_size, **options)
     machine = planner.machine
     seconds = time.perf_counter() - started
     rows = [p.row() for p in plans]

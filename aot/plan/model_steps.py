@@ -7,6 +7,7 @@ cannot trace yet (Unsupported).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 from aot.errors import AotError
@@ -69,6 +70,7 @@ class ModelSteps:
         if batch_size < 1:
             raise AotError(f"--batch-size must be at least 1, got {batch_size}")
         self.mf = load_model_file(model_path)
+        self.request = (Path(model_path), batch_size, seed, sequence_parallel)   # what `retargeted` copies may share
         # --precision as the build resolves it: bf16 graphs carry half the activation and
         # collective bytes, and their matmuls are priced at the profile's bf16 rate
         self.precision = resolve_precision(precision, reduce_dtype, self.mf.globals, self.mf.path.name,
@@ -200,9 +202,9 @@ class ModelSteps:
         activations into `self.recomputed[key]`: at activation budget RECOMPUTE_FRACTION, and where
         that does not fit but recomputing more might (or is below what can be reached), at the
         smallest feasible budget."""
+        if not self._needs_variants(key, graph):
+            return
         limit = self.memory_limit
-        if limit is None or not limit.over(graph) or (key[1] == 1 and limit.beyond_recompute(graph)):
-            return  # (a graph with fsdp: a wider axis holds less of what stays)
         from aot.passes.graph_utils import copy_graph
         from aot.passes.recompute import by_budget, recompute_activations
         from aot.plan.recompute import smallest_fraction
@@ -231,6 +233,36 @@ class ModelSteps:
             self.recompute_failed[key] = f"{type(e).__name__}: {e}"
             return
         self.recomputed[key] = sorted(variants, key=lambda v: v[0])
+
+    def _needs_variants(self, key: tuple, graph: StepGraph) -> bool:
+        """Whether plans read from `graph` may not fit device memory and recomputing could help:
+        then the graph gets variants recomputing activations (a graph with fsdp: a wider axis holds
+        less of what stays, so it gets them even where this one cannot fit with them)."""
+        limit = self.memory_limit
+        return limit is not None and limit.over(graph) and not (key[1] == 1 and limit.beyond_recompute(graph))
+
+    def retargeted(self, profile: dict, *, world_size: int, max_tp: int | None, precision: str | None,
+                   reduce_dtype: str | None, memory_limit, compute) -> "ModelSteps":
+        """The same model's steps for another profile (`aot plan --topology a,b,c`), keeping the
+        graphs that do not depend on it. A dp/fsdp/tp graph is a trace of the model under a
+        precision: the profile only decides, through its device memory and compute rates, whether
+        and how the graph is also priced recomputing activations. So a graph is kept where the
+        precision resolves alike and neither profile gives it recomputing variants; the others
+        (and pipeline programs, whose stages are balanced on the profile's compute) are traced again."""
+        from aot.capture.precision import resolve_precision
+
+        other = copy.copy(self)
+        other.precision = resolve_precision(precision, reduce_dtype, self.mf.globals, self.mf.path.name, profile)
+        other.world_size, other.max_tp = world_size, max_tp
+        other.memory_limit = memory_limit if compute is not None else None
+        other.compute = compute
+        other.traced, other._failed, other._derived, other._helper = {}, {}, {}, None
+        other.recomputed, other.recompute_failed = {}, {}
+        if other.precision == self.precision:
+            other.traced = {key: graph for key, graph in self.traced.items()
+                            if key[0] != "pp" and key not in self.recomputed and key not in self.recompute_failed
+                            and not other._needs_variants(key, graph)}
+        return other
 
     def _traced(self, dp: int, fsdp: int, tp: int) -> StepGraph:
         key = (dp > 1, fsdp, tp)

@@ -350,10 +350,13 @@ def _bucket_candidates(step: StepGraph, given) -> list[float]:
 def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int, *, seed: int = 0,
                bucket_mbs: tuple[float, ...] | None = None, axes: tuple[str, ...] | None = None,
                sequence_parallel: bool = False, hierarchical: str = "auto", precision: str | None = None,
-               reduce_dtype: str | None = None):
+               reduce_dtype: str | None = None, reuse: ModelSteps | None = None):
     """(ranked plans, skipped meshes, planner, model steps) for a model file on a profile.
     `hierarchical`: all_reduces over groups spanning nodes in two levels where cheaper ("auto"),
-    wherever they can ("always") or never, as `aot build --hierarchical` builds them."""
+    wherever they can ("always") or never, as `aot build --hierarchical` builds them. `reuse`: the
+    model steps an earlier call returned for the same model file, batch size, seed and sequence
+    parallelism on another profile; the graphs that stay valid on this one are not traced again
+    (ModelSteps.retargeted), so planning one model for several profiles traces it about once."""
     import atexit
     import gc
 
@@ -372,11 +375,14 @@ def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int
     gc.set_threshold(max(thresholds[0], 50_000), max(thresholds[1], 20), max(thresholds[2], 20))
     try:
         machine = Machine(profile, world_size)
-        steps = ModelSteps(model_path, batch_size, seed, world_size, max_tp=machine.per_node,
-                           sequence_parallel=sequence_parallel, precision=precision, reduce_dtype=reduce_dtype,
-                           profile=profile, compute=machine.compute,
-                           memory_limit=MemoryLimit(MEMORY_HEADROOM * machine.memory_bytes, bucket_mbs)
-                           if machine.memory_bytes else None)
+        memory_limit = MemoryLimit(MEMORY_HEADROOM * machine.memory_bytes, bucket_mbs) if machine.memory_bytes else None
+        if reuse is not None and reuse.request == (Path(model_path), batch_size, seed, sequence_parallel):
+            steps = reuse.retargeted(profile, world_size=world_size, max_tp=machine.per_node, precision=precision,
+                                     reduce_dtype=reduce_dtype, memory_limit=memory_limit, compute=machine.compute)
+        else:
+            steps = ModelSteps(model_path, batch_size, seed, world_size, max_tp=machine.per_node,
+                               sequence_parallel=sequence_parallel, precision=precision, reduce_dtype=reduce_dtype,
+                               profile=profile, compute=machine.compute, memory_limit=memory_limit)
         planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing, pipeline=steps.pipeline)
         searched = tuple(axes or SUPPORTED_AXES)
         steps.prefetch(searched)
