@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -13,6 +15,7 @@ MODELS = REPO / "tests" / "models"
 FIXTURES = REPO / "tests" / "fixtures"
 REFERENCE = REPO / "tests" / "helpers" / "ddp_reference.py"
 TIMEOUT = 300
+_lock = threading.Lock()
 
 
 def clean_env() -> dict:
@@ -26,9 +29,61 @@ def clean_env() -> dict:
 
 
 def aot(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m aot ARGS` from the repository root (`env`: variables to add, AOT_SIZE=1b say)."""
-    return subprocess.run([sys.executable, "-m", "aot", *map(str, args)], cwd=REPO, env={**clean_env(), **(env or {})},
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    """`python -m aot ARGS` from the repository root (`env`: variables to add, AOT_SIZE=1b say): a
+    process of its own, forked from a server that has imported torch (helpers/fork_server.py)."""
+    args, env = [str(a) for a in args], {**clean_env(), **(env or {})}
+    if os.environ.get("AOT_TEST_FRESH") == "1":
+        return subprocess.run([sys.executable, "-m", "aot", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT)
+    return _forked("aot", args, env)
+
+
+_server: dict = {}
+
+
+def _server_socket() -> str:
+    """The fork server's socket, started on first use and stopped when the test session ends."""
+    with _lock:
+        if "path" not in _server:
+            import atexit
+            import tempfile
+
+            folder = tempfile.mkdtemp(prefix="aot-fork-server-")
+            path = os.path.join(folder, "socket")
+            process = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "fork_server.py"), path],
+                                       cwd=REPO, env=clean_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       text=True)
+            assert process.stdout.readline().strip() == "ready", "the fork server did not start"
+            atexit.register(lambda: (process.kill(), process.wait(), shutil.rmtree(folder, ignore_errors=True)))
+            _server.update(path=path, folder=folder)
+        return _server["path"]
+
+
+def _forked(module: str, args: list[str], env: dict) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` with environment `env`, forked by the server: exit status and output."""
+    import json
+    import signal
+    import socket
+    import tempfile
+
+    path = _server_socket()
+    with tempfile.TemporaryDirectory(dir=_server["folder"]) as out, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(path)
+        conn.sendall(json.dumps({"module": module, "args": args, "env": env, "cwd": str(REPO), "stdout": f"{out}/stdout",
+                                 "stderr": f"{out}/stderr"}).encode() + b"\n")
+        conn.settimeout(TIMEOUT)
+        replies = conn.makefile()
+        pid = json.loads(replies.readline())["pid"]
+        try:
+            line = replies.readline()
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired([module, *args], TIMEOUT) from None
+        # no reply: the child died without exiting (a crash); report it as a signal would be
+        status = json.loads(line)["status"] if line else -signal.SIGKILL
+        read = lambda name: open(f"{out}/{name}", errors="replace").read()  # noqa: E731
+        return subprocess.CompletedProcess([module, *args], status, read("stdout"), read("stderr"))
 
 
 def aot_each(*commands: tuple) -> list[subprocess.CompletedProcess]:
@@ -43,9 +98,11 @@ def aot_each(*commands: tuple) -> list[subprocess.CompletedProcess]:
 def torchrun(nproc: int, *args, module: str | None = "aot") -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node N -m aot ARGS` (--standalone: a free port).
     With module=None, ARGS start with a script path instead."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           *(["-m", module] if module else []), *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    launcher_args = ["--standalone", "--nproc-per-node", str(nproc), *(["-m", module] if module else []), *map(str, args)]
+    if os.environ.get("AOT_TEST_FRESH") == "1":
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", *launcher_args], cwd=REPO, env=clean_env(),
+                              capture_output=True, text=True, timeout=TIMEOUT)
+    return _forked("torch.distributed.run", launcher_args, clean_env())
 
 
 def show(r: subprocess.CompletedProcess) -> str:
