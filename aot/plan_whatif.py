@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from aot.plan_cli import ms, aligned, strategy_label
+from aot.plan_tables import aligned, ms, strategy_label
 
 
 def what_if(model_file: Path, targets: list[tuple[str, tuple[dict, int]]], batch_size: int, options: dict,

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from aot.cli import cli
-from aot.plan_cli import ms
+from aot.plan_tables import ms
 from helpers.commands import EXAMPLES, aot, show
 from runner.inspect import human
 from runner.topology import load_profile
