@@ -1,4 +1,4 @@
-"""`aot run` / `python -m runner run`: train from an artifact under torchrun."""
+"""`aot run` / `python -m runner run`: train from an artifact, under torchrun or any launcher (runner/launch.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,20 @@ def _restarted() -> bool:
                    "model.state_dict() (what `aot checkpoint merge` writes) or a Hugging Face model folder "
                    "(model.safetensors, or shards listed by model.safetensors.index.json). Each rank reads only its own "
                    "slices; names, shapes and dtypes are checked before any process group starts.")
-@click.option("--rank", type=int, help="This process's rank (default: $RANK from torchrun).")
+@click.option("--rank", type=click.IntRange(min=0),
+              help="This process's rank, for launchers other than torchrun (default: torchrun's $RANK, else srun's "
+                   "$SLURM_PROCID, else 0). With --world-size, --master-addr and --master-port: one process per rank, "
+                   "started by you, srun or your scheduler.")
+@click.option("--world-size", type=click.IntRange(min=1),
+              help="Processes in the job (default: torchrun's $WORLD_SIZE, else srun's $SLURM_NTASKS, else 1); "
+                   "must be the artifact's.")
+@click.option("--local-rank", type=click.IntRange(min=0),
+              help="This process's rank on its node, its GPU index (default: torchrun's $LOCAL_RANK, else srun's "
+                   "$SLURM_LOCALID, else the rank: give it when the job spans nodes).")
+@click.option("--master-addr", metavar="HOST",
+              help="Where rank 0 listens for the others to meet (default: $MASTER_ADDR).")
+@click.option("--master-port", type=click.IntRange(min=1, max=65535), metavar="PORT",
+              help="Rank 0's rendezvous port, free on HOST (default: $MASTER_PORT).")
 @click.option("--allow-topology-mismatch", is_flag=True,
               help="Run even if the live machine differs from the artifact's topology profile (with a warning).")
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(path_type=Path),
@@ -58,14 +71,24 @@ def _restarted() -> bool:
                    "the prediction.")
 @click.option("--quiet", is_flag=True, help="Print only errors.")
 @debug_option
-def run(artifact, steps, data, metrics, save, save_every, resume, init_from, rank, allow_topology_mismatch, trusted_keys,
-        timeout_s, no_bind, tier, log_every, profile_dir, quiet):
+def run(artifact, steps, data, metrics, save, save_every, resume, init_from, rank, world_size, local_rank, master_addr,
+        master_port, allow_topology_mismatch, trusted_keys, timeout_s, no_bind, tier, log_every, profile_dir, quiet):
     """Train from ARTIFACT (a folder made by `aot build`) on this rank.
 
     Launch one process per rank with torchrun; rank and world size come from its environment:
 
     \b
         torchrun --nproc-per-node 2 -m aot run artifacts/ --steps 50
+
+    Or start each process yourself (srun, your scheduler, a script), saying who it is:
+
+    \b
+        aot run artifacts/ --rank 0 --world-size 2 --master-addr node0 --master-port 29500 &
+        aot run artifacts/ --rank 1 --world-size 2 --master-addr node0 --master-port 29500
+
+    Under srun, rank, world size and local rank come from SLURM_PROCID, SLURM_NTASKS and
+    SLURM_LOCALID (when no torchrun variables are set); give the rendezvous with --master-addr and
+    --master-port, or MASTER_ADDR and MASTER_PORT. Either way the run is the one torchrun starts.
 
     Every file is checked against the manifest's sha256 before it is read, the live topology is
     checked against the artifact's profile, and no model code or compiler runs.
@@ -74,12 +97,18 @@ def run(artifact, steps, data, metrics, save, save_every, resume, init_from, ran
     from runner.errors import AotError
     from runner.groups import leave_process_group
     from runner.integrity import check_writable_target
+    from runner.launch import resolve_launch
     from runner.profiling import WARMUP_STEPS, StepProfiler
     from runner.signing import read_public_key
     from runner.topology_check import TopologyMismatch
     from runner.trainer import Trainer
 
     # Everything that can be checked before the work is checked before it.
+    # Who this process is, however it was started, exported as torchrun's variables: from here on
+    # the run is the one torchrun starts (runner/launch.py).
+    launch = resolve_launch(rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr,
+                            master_port=master_port)
+    launch.export()
     if save_every is not None and save is None:
         raise AotError("--save-every needs --save DIR")
     if init_from is not None and resume is not None:
@@ -92,11 +121,12 @@ def run(artifact, steps, data, metrics, save, save_every, resume, init_from, ran
         check_writable_target(profile_dir, "folder")
     keys = [read_public_key(k) for k in trusted_keys]
 
-    tag = f"[rank {rank if rank is not None else os.environ.get('RANK', 0)}] " if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    tag = f"[rank {launch.rank}] " if launch.world_size != 1 else ""
     try:
         # The tier is chosen before the process group starts: a compiled package passed over gets
-        # one notice line (from rank 0: --rank, else torchrun's $RANK), --tier compiled an error.
-        trainer = Trainer(artifact, rank, allow_topology_mismatch=allow_topology_mismatch, trusted_keys=keys,
+        # one notice line (from rank 0), --tier compiled an error.
+        trainer = Trainer(artifact, launch.rank, world_size=launch.world_size, launch=launch,
+                          allow_topology_mismatch=allow_topology_mismatch, trusted_keys=keys,
                           timeout_s=timeout_s, warn=lambda msg: click.echo(f"warning: {msg}", err=True),
                           bind=not no_bind, log=(lambda msg: None) if quiet else (lambda msg: click.echo(f"{tag}{msg}", err=True)),
                           tier=tier, notice=(lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True)),

@@ -24,6 +24,7 @@ from runner.groups import bind_process_groups, yield_gloo_poll_threads
 from runner.graph_loader import input_shapes, load_graph_module, wait_at_issue
 from runner.init_from import check_init_from
 from runner.init_program import SCALER_PREFIX, initial_state, stage_tensors
+from runner.launch import Launch, resolve_launch
 from runner.memory_tracking import measure_step
 from runner.p2p import install_send_kernel
 from runner.program import decode_program
@@ -70,11 +71,6 @@ def nccl_algorithm(manifest: dict, environ, log=lambda msg: None) -> str | None:
     return planned
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else None
-
-
 class Trainer:
     """One rank of a built training job.
 
@@ -89,16 +85,20 @@ class Trainer:
                  device: str | torch.device | None = None, allow_topology_mismatch: bool = False,
                  trusted_keys: list[str] | None = None, timeout_s: float = 600, bind: bool = True,
                  warn=lambda msg: None, log=lambda msg: None, tier: str = "auto", notice=lambda msg: None,
-                 init_from: str | Path | None = None):
+                 init_from: str | Path | None = None, launch: Launch | None = None):
         self.artifact = artifact = Artifact(path, trusted_keys)
         manifest = artifact.manifest
-        self.rank = rank if rank is not None else (_env_int("RANK") or 0)
-        self.world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
+        # how this process was started (runner.launch): torchrun's variables, Slurm's, or `aot run
+        # --rank/--world-size`, which the command line has exported as torchrun's
+        launch = launch if launch is not None else resolve_launch()
+        self.rank = rank if rank is not None else launch.rank
+        self.world_size = world_size if world_size is not None else launch.world_size
+        self.local_rank = launch.local_rank
         if self.world_size != artifact.world_size:
             raise AotError(
                 f"{artifact.root}: built for world size {artifact.world_size} but this job has "
-                f"{self.world_size} process(es); launch with torchrun --nproc-per-node "
-                f"{artifact.world_size} or rebuild with --world-size {self.world_size}"
+                f"{self.world_size} process(es); {launch.relaunch_hint(artifact.world_size)} "
+                f"or rebuild with --world-size {self.world_size}"
             )
         if not 0 <= self.rank < self.world_size:
             raise AotError(f"rank {self.rank} is outside world size {self.world_size}")
@@ -108,7 +108,7 @@ class Trainer:
         profile = manifest["topology"]["profile"]
         verify_live(profile, allow_mismatch=allow_topology_mismatch, warn=warn)
 
-        self.device = torch.device(device) if device else self._default_device(profile)
+        self.device = torch.device(device) if device else self._default_device(profile, self.local_rank)
         # The CPU cores and memory node nearest this rank's GPU, before the process group starts its
         # threads and before the tier check below asks CUDA for the GPU's compute capability.
         self._log = log
@@ -200,9 +200,9 @@ class Trainer:
 
     # -- set-up ---------------------------------------------------------------------------
     @staticmethod
-    def _default_device(profile: dict) -> torch.device:
+    def _default_device(profile: dict, local_rank: int) -> torch.device:
         if profile["device_kind"] == "cuda" and torch.cuda.is_available():
-            return torch.device("cuda", _env_int("LOCAL_RANK") or 0)
+            return torch.device("cuda", local_rank)
         return torch.device("cpu")
 
     def _initial_state(self, entry: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -222,8 +222,9 @@ class Trainer:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if backend == "nccl":
             nccl_algorithm(self.artifact.manifest, os.environ, self._log)
-        if "MASTER_ADDR" not in os.environ:
-            raise AotError("no rendezvous set: launch multi-rank artifacts with torchrun")
+        if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
+            raise AotError("no rendezvous set: launch multi-rank artifacts with torchrun, or give each process "
+                           "--master-addr and --master-port (MASTER_ADDR and MASTER_PORT under srun)")
         kwargs = {"device_id": self.device} if backend == "nccl" else {}
         # torchrun restarts a failed group against the same store: keys of the dead attempt
         # (peers' old addresses) would be read as live ones, so each attempt gets its own prefix.
