@@ -25,6 +25,7 @@ from runner.graph_loader import input_shapes, load_graph_module, wait_at_issue
 from runner.init_from import check_init_from
 from runner.init_program import SCALER_PREFIX, initial_state, stage_tensors
 from runner.launch import Launch, resolve_launch
+from runner.log import RankLogger
 from runner.memory_tracking import measure_step
 from runner.p2p import install_send_kernel
 from runner.program import decode_program
@@ -78,13 +79,14 @@ class Trainer:
     of the data-parallel ranks' losses). `state_dict()` and `save(dir)` give the training state
     under the user's parameter names. `tier` picks the program (runner/compiled.py); when a
     compiled package is passed over, rank 0 gives `notice` its one-line reason (also kept as
-    `tier_notice`) before the process group starts.
+    `tier_notice`) before the process group starts. `warn`, `log` and `notice` take one line each;
+    not given, the lines go to the `aot` logger with the rank (runner/log.py).
     """
 
     def __init__(self, path: str | Path, rank: int | None = None, *, world_size: int | None = None,
                  device: str | torch.device | None = None, allow_topology_mismatch: bool = False,
                  trusted_keys: list[str] | None = None, timeout_s: float = 600, bind: bool = True,
-                 warn=lambda msg: None, log=lambda msg: None, tier: str = "auto", notice=lambda msg: None,
+                 warn=None, log=None, tier: str = "auto", notice=None,
                  init_from: str | Path | None = None, launch: Launch | None = None):
         self.artifact = artifact = Artifact(path, trusted_keys)
         manifest = artifact.manifest
@@ -102,6 +104,11 @@ class Trainer:
             )
         if not 0 <= self.rank < self.world_size:
             raise AotError(f"rank {self.rank} is outside world size {self.world_size}")
+        # messages the caller does not take go to the `aot` logger (runner/log.py), tagged with the rank
+        logger = RankLogger(self.rank, self.world_size)
+        warn = warn or logger.warning
+        log = log or logger.info
+        notice = notice or logger.warning
 
         # The topology contract is checked before any collective can hang on the wrong fabric.
         # Raises runner.topology_check.TopologyMismatch (an AotError) with one line per mismatch class.

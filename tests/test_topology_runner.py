@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from helpers.commands import REPO, TIMEOUT, aot, clean_env, ok, show, torchrun
@@ -109,3 +110,31 @@ def test_node_count_is_checked_across_nodes(dgx_artifact):
         assert [line.split(":")[0] for _, line in mismatches] == ["node count", "GPU count", "NIC"], show(r)
         assert mismatches[0][1] == "node count: profile 'dgx_a100' is for 1 node; this job runs on 2", show(r)
         assert len(errors) == 1 and "in 3 ways" in errors[0][1], show(r)
+
+
+def test_runner_load_logs_what_aot_run_prints_with_the_rank(tmp_path, caplog):
+    """A program that calls runner.load() itself gets the lines `aot run` prints from the `aot` logger
+    (runner/log.py): warnings at WARNING, each record with its rank; several ranks' lines say which."""
+    import logging
+
+    import runner
+    from runner.log import RankLogger
+
+    art = tmp_path / "dgx1"
+    ok(aot("build", REPO / "examples" / "mlp.py", "--topology", "dgx_a100", "--world-size", "1", "-o", art, "--quiet",
+           "--no-onnx"))
+    with caplog.at_level(logging.INFO, logger="aot"):
+        trainer = runner.load(art, rank=0, world_size=1, device="cpu", allow_topology_mismatch=True)
+    records = [r for r in caplog.records if r.name == "aot"]
+    assert records and all(r.rank == 0 for r in records)
+    assert records[0].levelno == logging.WARNING
+    assert records[0].getMessage().startswith("running on hardware that differs from the artifact's topology profile "
+                                              "'dgx_a100'")
+    assert "topology mismatch: GPU count: profile 'dgx_a100' expects 8 GPUs per node" in records[1].getMessage()
+    inputs, targets = trainer.data_source().batch(0)
+    assert torch.isfinite(torch.tensor(trainer.step(inputs, targets)))
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="aot"):
+        RankLogger(3, 4).warning("a line")
+    assert [(r.getMessage(), r.rank) for r in caplog.records] == [("[rank 3] a line", 3)]
