@@ -264,7 +264,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             compiled = compile_programs(eps, sizes, mesh.world_size, compile_device)
     with progress.stage(f"writing the artifact to {options.output}"):
         manifest = emit_artifact(
-            options.output, programs={name: (eps[name], captures[name]) for name in captures}, program_of=program_of, state=state, layout=layout, mesh=mesh, profile=profile,
+            options.output, programs={name: (eps[name], captures[name]) for name in captures}, program_of=program_of,
+            state=state, layout=layout, mesh=mesh, profile=profile,
             placement=placement, subgroups=subgroups, example=example, batch_size=options.batch_size, sign_key=options.sign_key,
             extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files, **pipeline_files,
                          **(compiled.files if compiled else {})} or None,

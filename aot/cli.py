@@ -99,7 +99,9 @@ def cli():
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
 @debug_option
-def build(model_file, topology, nodes, world_size, strategy, microbatches, pp_schedule, stages_per_rank, sequence_parallel, sync_batchnorm, batch_size, max_steps, bucket_mb, prefetch_mb, hierarchical, precision, reduce_dtype, memory_budget, activation_budget, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
+def build(model_file, topology, nodes, world_size, strategy, microbatches, pp_schedule, stages_per_rank, sequence_parallel,
+          sync_batchnorm, batch_size, max_steps, bucket_mb, prefetch_mb, hierarchical, precision, reduce_dtype, memory_budget,
+          activation_budget, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
     """Trace MODEL_FILE's whole training step into per-rank artifacts.
 
     MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),

@@ -18,7 +18,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 
-import torch  # noqa: E402
+import torch  # noqa: E402, F401  (imported here to time torch's import alone)
 
 T_TORCH = time.time()
 

@@ -1,7 +1,8 @@
 """`aot run --profile DIR`: the measured timeline of a few steps, beside the plan's predicted one.
 
 torch.profiler records up to 5 steps after one warm-up step (so start-up costs stay out); the step
-time reported is the median of the steps after that window, which run without profiler overhead. Rank 0 writes DIR/measured_timeline.json (a Chrome trace, like the artifact's predicted
+time reported is the median of the steps after that window, which run without profiler overhead.
+Rank 0 writes DIR/measured_timeline.json (a Chrome trace, like the artifact's predicted
 plan/timeline.json) and DIR/profile.json: per step, the measured wall time, the time the program
 sat waiting for collectives (`_c10d_functional::wait_tensor`, the communication compute did not
 hide) and the rest (compute). `aot inspect ARTIFACT --profile DIR` puts them next to the plan's

@@ -337,7 +337,7 @@ def test_bad_tensor_parallel_degree_or_plan(tmp_path):
          ["sequence length 63 does not divide by 2"]),
     ]
     results = aot_each(*(("build", path, "-o", tmp_path / path.stem, *options) for path, options, _ in cases))
-    for (path, options, needles), r in zip(cases, results):
+    for (path, _options, needles), r in zip(cases, results):
         out = tmp_path / path.stem
         assert_user_error(r, *needles)
         assert "capturing" not in r.stderr

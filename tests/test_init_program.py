@@ -4,7 +4,6 @@ that keeps only its piece of each parameter holds about that piece plus one whol
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from aot.capture.model_file import load_model_file
 from aot.capture.training_state import build_training_state

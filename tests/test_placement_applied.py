@@ -48,7 +48,7 @@ def test_build_puts_each_tp_group_on_an_nvlink_pair(placed):
     coords = {r["rank"]: r["coords"] for r in manifest["ranks"]}
     assert coords == {0: {"dp": 0, "tp": 0}, 1: {"dp": 1, "tp": 0}, 2: {"dp": 0, "tp": 1}, 3: {"dp": 1, "tp": 1}}
     # torch orders a group's members by rank: each member sits at the index of its coordinate
-    for name, spec in manifest["process_groups"].items():
+    for spec in manifest["process_groups"].values():
         for group in spec["groups"]:
             assert group == sorted(group) and [coords[r][spec["axis"]] for r in group] == list(range(len(group)))
     text = ok(aot("inspect", placed)).stdout

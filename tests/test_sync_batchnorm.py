@@ -99,7 +99,7 @@ def test_functional_statistics_equal_batchnorm_on_one_rank(momentum):
             bn.weight.copy_(torch.linspace(0.5, 2, 6))
             bn.bias.copy_(torch.linspace(-1, 1, 6))
     with sync_batchnorm_in_graph(synced, []):
-        for step in range(3):
+        for _ in range(3):
             x = (torch.randn(4, 6, 5, 5) * 3 + 7).requires_grad_(True)
             x2 = x.detach().clone().requires_grad_(True)
             y, y2 = plain(x), synced(x2)

@@ -178,7 +178,7 @@ def _group(start, walks):
             if not reached <= rowwise:
                 rowwise |= reached
                 changed = True
-        for a, (_, reached, ok) in walks.items():
+        for a, (_, reached, _ok) in walks.items():
             if a not in colwise and reached & rowwise:
                 colwise.add(a)
                 changed = True
@@ -242,7 +242,7 @@ def _split_dim(node, split: dict) -> int | None:
     if packet in (_aten.matmul, _aten.bmm):
         a, b = node.args[0], node.args[1]
         dims = set()
-        for operand, contracted, kept in ((a, -1, -2), (b, -2, -1)):
+        for operand, contracted, _kept in ((a, -1, -2), (b, -2, -1)):
             if operand in split:
                 rel = split[operand] - len(_shape(operand))
                 if rel == contracted:
@@ -291,7 +291,7 @@ def sequence_parallel_layout(model: nn.Module, plan: dict[str, str], where: str)
     split along dimension 1 (the sequence), so the blocks' norms and dropouts run on 1/tp of the
     tokens. Returns {"regions", "norms", "blocks"} (module names, blocks in order)."""
     regions = set()
-    for name, style in plan.items():
+    for name in plan:
         parent = name.rpartition(".")[0]
         regions.add(parent)
     # Merge regions that are ancestors of one another (a plan naming modules at several depths).
