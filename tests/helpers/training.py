@@ -15,9 +15,11 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 from helpers.commands import REFERENCE, aot, ok, torchrun
+from helpers.inference import load_user
 from runner.checkpoint import merge_checkpoint
 
 TOL = 1e-5
@@ -76,6 +78,26 @@ def reference(model_file, data_file, world: int, batch_size: int, tmp_path: Path
                     *(["--init-from", init_from] if init_from is not None else []), *extra_args, module=None))
         staging.rename(ref)
     return ref
+
+
+def eager_single_process(model_file, batches, seed: int = 0) -> tuple[list[float], dict]:
+    """Plain eager training in this process, the reference of one-rank artifact runs: the model
+    file's `model()` after `torch.manual_seed(seed)` (a build's default seed), its optimizer and its
+    loss (cross-entropy by default), one step per (inputs, targets) of `batches`. Returns the
+    losses and the state_dict after the last step."""
+    user = load_user(Path(model_file))
+    torch.manual_seed(seed)
+    model = user.model()
+    opt = user.optimizer(model.parameters())
+    loss_fn = getattr(user, "loss", torch.nn.functional.cross_entropy)
+    losses = []
+    for inputs, targets in batches:
+        opt.zero_grad()
+        loss = loss_fn(model(*inputs), targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
 
 
 def assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=TOL):
