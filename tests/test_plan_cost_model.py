@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -15,21 +18,25 @@ from aot.capture.training_state import build_training_state
 from aot.passes import run_passes
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 from aot.plan.cost_model import CommSite, Memory, Op, StepGraph, analyze, drop_group, rescale, shard_scale, simulate
+from aot.plan.cpu_gloo_model import CpuGlooModel, median_of_sum
+from aot.plan.gpu_model import GpuModel
+from aot.plan.machine import Machine
 from aot.plan.rebucket import rebucket
-from aot.plan.machine import Compute, median_of_sum
+from helpers.commands import REPO, TIMEOUT, clean_env
 from runner.data import split_batch_tensors
+from runner.topology import load_profile
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def test_roofline_with_overhead():
-    cpu = Compute({"default": 1e12}, 1e9, 1e-5, async_dispatch=False)
+    cpu = CpuGlooModel({"default": 1e12}, 1e9, 1e-5)
     # 2 GFLOP at 1 TFLOP/s = 2 ms; 1 MB at 1 GB/s = 1 ms: compute-bound, plus 10 us of dispatch
     assert cpu.op_seconds(2e9, 1e6, "float32") == pytest.approx(2e-3 + 1e-5)
-    gpu = Compute({"default": 1e12}, 1e9, 1e-5, async_dispatch=True)
+    gpu = GpuModel({"default": 1e12}, 1e9, 1e-5)
     assert gpu.op_seconds(2e9, 1e6, "float32") == pytest.approx(2e-3)       # launch hidden behind work
     assert gpu.op_seconds(1e3, 1e2, "float32") == pytest.approx(1e-5)       # launch-bound
-    cached = Compute({"default": 1e12}, 1e9, 0.0, False, bandwidth_by_bytes=((1e5, 1e10),), efficiency=0.5)
+    cached = CpuGlooModel({"default": 1e12}, 1e9, 0.0, bandwidth_by_bytes=((1e5, 1e10),), efficiency=0.5)
     # 1e4 bytes fit the 1e5-byte level (10 GB/s): 1 us of work, at half the roofline 2 us
     assert cached.op_seconds(0.0, 1e4, "float32") == pytest.approx(2e-6)
     assert cached.op_seconds(0.0, 1e6, "float32") == pytest.approx(2e-3)
@@ -38,16 +45,16 @@ def test_roofline_with_overhead():
 def test_measured_elementwise_rates_and_foreach_kernels():
     """CPU ops with a measured time per element take at least that (GELU's arithmetic is not in
     any FLOP count); a foreach op pays its dispatch once and a smaller cost per extra tensor."""
-    cpu = Compute({"default": 1e12}, 1e9, 1e-5, False, element_seconds={"gelu": 4e-9}, foreach_tensor_s=1e-6)
+    cpu = CpuGlooModel({"default": 1e12}, 1e9, 1e-5, element_seconds={"gelu": 4e-9}, foreach_tensor_s=1e-6)
     # 1e6 elements: bytes 8e6 at 1 GB/s = 8 ms against 4 ms of measured arithmetic: bytes win
     assert cpu.op_seconds(0.0, 8e6, "float32", target="gelu", elements=10**6) == pytest.approx(8e-3 + 1e-5)
     # in cache-sized working sets the arithmetic wins: 4 ns x 1e5 = 0.4 ms against 0.8 ms moved... at 10 GB/s
-    fast = Compute({"default": 1e12}, 1e10, 1e-5, False, element_seconds={"gelu": 4e-9})
+    fast = CpuGlooModel({"default": 1e12}, 1e10, 1e-5, element_seconds={"gelu": 4e-9})
     assert fast.op_seconds(0.0, 8e5, "float32", target="gelu", elements=10**5) == pytest.approx(4e-4 + 1e-5)
     assert fast.op_seconds(0.0, 8e5, "float32", target="relu", elements=10**5) == pytest.approx(8e-5 + 1e-5)
     # a foreach add over 28 tensors: one dispatch and 27 more tensors at 1 us
     assert cpu.op_seconds(0.0, 0.0, "float32", launches=28) == pytest.approx(1e-5 + 27e-6)
-    gpu = Compute({"default": 1e12}, 1e9, 1e-5, True, foreach_tensor_s=1e-6)
+    gpu = GpuModel({"default": 1e12}, 1e9, 1e-5)
     assert gpu.op_seconds(0.0, 0.0, "float32", launches=28) == pytest.approx(1e-5)  # fused: one launch
 
     def f(xs, ys, x):
@@ -69,16 +76,65 @@ def test_measured_call_costs_per_op():
     and its per-tensor cost for the rest), an op the table lacks the table's median, and every op
     op_overhead_s on top (what a whole step adds beyond a call timed alone)."""
     table = {"relu": (4e-6, 0.0), "addmm": (12e-6, 0.0), "gelu": (20e-6, 0.0), "_foreach_add_": (10e-6, 5e-6)}
-    cpu = Compute({"default": 1e12}, 1e12, 3e-6, False, foreach_tensor_s=1e-6, dispatch_s=table)
+    cpu = CpuGlooModel({"default": 1e12}, 1e12, 3e-6, foreach_tensor_s=1e-6, dispatch_s=table)
     assert cpu.op_seconds(0.0, 0.0, "float32", target="relu") == pytest.approx(4e-6 + 3e-6)
     assert cpu.op_seconds(0.0, 0.0, "float32", target="_foreach_add_", launches=6) == pytest.approx(10e-6 + 5 * 5e-6 + 3e-6)
     # not in the table: the median call (12 us of 4, 10, 12, 20 -> 11 us), foreach_tensor_s per further tensor
     assert cpu.op_seconds(0.0, 0.0, "float32", target="stack") == pytest.approx(11e-6 + 3e-6)
     assert cpu.op_seconds(0.0, 0.0, "float32", target="_foreach_mul", launches=3) == pytest.approx(11e-6 + 2e-6 + 3e-6)
-    # a GPU launches asynchronously: the table does not apply
-    gpu = Compute({"default": 1e12}, 1e12, 5e-6, True, dispatch_s=table)
+    # a GPU launches asynchronously: its launch hides the call, and it has no such table
+    gpu = GpuModel({"default": 1e12}, 1e12, 5e-6)
     assert gpu.op_seconds(0.0, 0.0, "float32", target="gelu") == pytest.approx(5e-6)
 
+
+
+def test_a_gpu_prices_each_op_class_at_its_fraction_of_peak():
+    """An A100 (312 TFLOP/s dense bf16, 19.5 fp32, 2039 GB/s): matmul-like ops at 60% of the
+    dtype's dense peak, FLOPs of other ops at 60% of the CUDA cores' fp32 rate, bytes at 80% of the
+    bandwidth, each op at least a 5 us launch that overlaps the work before it; a calibrated
+    profile's rates replace the defaults, its CPU-only tables do not apply."""
+    a100 = Machine(load_profile("dgx_a100"), 8)
+    gpu = a100.compute
+    assert isinstance(gpu, GpuModel) and gpu.overlaps_communication and not gpu.calibrated
+    n = 8192
+    matmul = gpu.op_seconds(2 * n**3, 3 * n * n * 2, "bfloat16", target="mm")
+    assert matmul == pytest.approx(2 * n**3 / (0.6 * 312e12))
+    # the same FLOPs in an elementwise op run on the CUDA cores: 16x slower than on the tensor cores
+    assert gpu.op_seconds(2 * n**3, 0.0, "bfloat16", target="add") == pytest.approx(2 * n**3 / (0.6 * 19.5e12))
+    assert gpu.op_seconds(0.0, 1e9, "bfloat16", target="gelu") == pytest.approx(1e9 / (0.8 * 2039e9))
+    assert gpu.op_seconds(0.0, 4e3, "float32", target="add", launches=28) == pytest.approx(5e-6)
+    assert gpu.view_seconds() == pytest.approx(5e-6) and gpu.blocking_stall([1e-3, 2e-3]) == 0.0
+    measured = {"flops_per_s": {"float32": 1.5e13, "bfloat16": 2.5e14}, "memory_bytes_per_s": 1.6e12, "op_overhead_s": 4e-6,
+                "view_overhead_s": 4e-6, "efficiency": 0.5, "element_seconds": {"gelu": 1.0}, "dispatch_s": {"mm": [1.0, 0.0]},
+                "collective_stall_s": 1.0}
+    calibrated = Machine({**load_profile("dgx_a100"), "compute": measured}, 8).compute
+    assert calibrated.calibrated and calibrated.collective_stall_s == 0.0
+    assert calibrated.op_seconds(2 * n**3, 0.0, "bfloat16", target="mm") == pytest.approx(2 * n**3 / 2.5e14 / 0.5)
+    assert calibrated.op_seconds(0.0, 1e9, "float32", target="gelu", elements=10**8) == pytest.approx(1e9 / 1.6e12 / 0.5)
+    assert calibrated.op_seconds(0.0, 0.0, "float32", target="mm") == pytest.approx(4e-6)
+
+
+def test_planning_for_gpus_never_imports_the_cpu_model():
+    """The CPU gloo model (its stall tables and statistics) is a plugin a cpu profile loads: an
+    `aot plan` on dgx_a100, in a fresh interpreter, leaves it out; a cpu profile then loads it."""
+    code = """if True:
+        import sys
+        from aot.cli import main
+        sys.argv = ["aot", "plan", "examples/mlp.py", "--topology", "dgx_a100", "--world-size", "8", "--axes", "dp", "--json"]
+        try:
+            main()
+        except SystemExit as e:
+            assert not e.code, e.code
+        print("gpu", "aot.plan.gpu_model" in sys.modules, "aot.plan.cpu_gloo_model" in sys.modules, file=sys.stderr)
+        from aot.plan.machine import Machine
+        from runner.topology import load_profile
+        Machine(load_profile("cpu"), 2)
+        print("cpu", "aot.plan.cpu_gloo_model" in sys.modules, file=sys.stderr)
+    """
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["plans"][0]["strategy"] == "dp=8"
+    assert "gpu True False" in r.stderr and "cpu True" in r.stderr
 
 def test_calibrated_call_costs_cover_the_reference_step_and_common_training_ops():
     from aot.plan.calibrate import _reference_step
@@ -132,7 +188,7 @@ def _site(name, issue_at, wait_at, nbytes=100, group="aot.dp", kind="all_reduce"
     (2.5, False, 7.5, 2.5),   # no overlap: X holds compute from 1 to 3.5
 ])
 def test_overlap_between_issue_and_wait(comm_ms, overlap, step_ms, exposed_ms):
-    compute = Compute({"default": 1.0}, 1.0, 0.0, False)
+    compute = CpuGlooModel({"default": 1.0}, 1.0, 0.0)
     step = _step([1e-3, 2e-3, 1e-3, 1e-3], [_site("X", 1, 3)])
     p = simulate(step, compute, lambda c: ("ring", comm_ms * 1e-3), overlap=overlap, op_times=[1e-3, 2e-3, 1e-3, 1e-3])
     assert p.step_s == pytest.approx(step_ms * 1e-3) and p.exposed_comm_s == pytest.approx(exposed_ms * 1e-3)
@@ -140,7 +196,7 @@ def test_overlap_between_issue_and_wait(comm_ms, overlap, step_ms, exposed_ms):
 
 
 def test_collectives_queue_on_one_stream():
-    compute = Compute({"default": 1.0}, 1.0, 0.0, False)
+    compute = CpuGlooModel({"default": 1.0}, 1.0, 0.0)
     # X and Y both issued after op 0 (t = 1 ms), 2 ms each: Y runs 3-5; D (op 3) waits for Y
     step = _step([1e-3] * 4, [_site("X", 1, 3), _site("Y", 1, 3)])
     p = simulate(step, compute, lambda c: ("ring", 2e-3), op_times=[1e-3] * 4, trace=True)
@@ -169,7 +225,7 @@ def _mlp_capture(dp: int, fsdp: int):
 
 
 def test_analytic_bucketing_matches_the_bucketing_pass():
-    compute = Compute({"default": 1e10}, 5e9, 5e-6, False)
+    compute = CpuGlooModel({"default": 1e10}, 5e9, 5e-6)
     captured, _ = _mlp_capture(2, 1)
     unbucketed = analyze(plain_collectives(drop_profiler_calls(captured.graph)), captured.slots)
     cost = lambda c: ("ring", 1e-4 + c.bytes * 1e-9)  # noqa: E731
@@ -202,7 +258,7 @@ def test_wider_fsdp_and_no_dp_are_derived_without_tracing():
 def test_blocking_collectives_pay_the_calibrated_stall():
     """CPU ranks (no overlap): each collective costs its isolated time plus the stall calibration
     measured inside a step; overlapping ranks (GPUs) do not pay it."""
-    stalled = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_s=0.5e-3)
+    stalled = CpuGlooModel({"default": 1.0}, 1.0, 0.0, collective_stall_s=0.5e-3)
     step = _step([1e-3] * 4, [_site("X", 1, 3), _site("Y", 2, 3)])
     times = [1e-3] * 4
     blocking = simulate(step, stalled, lambda c: ("ring", 1e-3), overlap=False, op_times=times)
@@ -223,8 +279,8 @@ def test_a_bimodal_stall_is_priced_as_the_median_step_pays_it():
     assert median_of_sum((((-1e-4, 2e-4), 1),)) == pytest.approx(-1e-4)        # below the fast path counts too
     # one certain 1 ms draw and one bimodal draw: 1 ms at the median (P(no tick) = 0.7)
     assert median_of_sum((((1e-3,), 1), (bimodal, 1))) == pytest.approx(1e-3)
-    cpu = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_s=1.05e-3,
-                  collective_stall_by_segment=((1e-3, bimodal),))
+    cpu = CpuGlooModel({"default": 1.0}, 1.0, 0.0, collective_stall_s=1.05e-3,
+                       collective_stall_by_segment=((1e-3, bimodal),))
     times = [1e-3] * 4
     one = simulate(_step([1e-3] * 4, [_site("X", 1, 3)]), cpu, lambda c: ("ring", 1e-3), overlap=False, op_times=times)
     assert one.step_s == pytest.approx(4e-3 + 1e-3)  # a single collective usually escapes the tick
@@ -238,7 +294,7 @@ def test_the_stall_follows_the_compute_before_each_collective():
     calibrated at its compute length, each quantile interpolated between the two calibrated
     lengths around it on a log scale (in eighths); outside them, the nearest's."""
     short, long_ = (0.0,) * 10, (2e-3,) * 10
-    cpu = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_by_segment=((1e-4, short), (1e-2, long_)))
+    cpu = CpuGlooModel({"default": 1.0}, 1.0, 0.0, collective_stall_by_segment=((1e-4, short), (1e-2, long_)))
     assert cpu.blocking_stall([5e-5]) == 0.0 and cpu.blocking_stall([0.05]) == pytest.approx(2e-3)  # outside: the end's
     assert cpu.blocking_stall([1e-3]) == pytest.approx(1e-3)  # halfway on a log scale: halfway between
     assert cpu.stall_distribution(1e-3) == pytest.approx((1e-3,) * 10)
@@ -262,7 +318,7 @@ def test_the_first_collective_counts_the_compute_since_the_step_before_met():
     issued after 1 of 4 ms of compute is priced at 4 ms of running apart, not 1; with two, the
     first counts the 1 ms after the second (of the step before) and the 1 ms before it."""
     short, long_ = (0.0,) * 10, (2e-3,) * 10
-    cpu = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_by_segment=((1e-3, short), (4e-3, long_)))
+    cpu = CpuGlooModel({"default": 1.0}, 1.0, 0.0, collective_stall_by_segment=((1e-3, short), (4e-3, long_)))
     step = _step([1e-3] * 4, [_site("X", 1, 2)])
     p = simulate(step, cpu, lambda c: ("ring", 0.0), overlap=False, op_times=[1e-3] * 4)
     assert p.step_s == pytest.approx(4e-3 + 2e-3)
@@ -280,8 +336,8 @@ def test_a_stall_between_calibrated_lengths_is_interpolated_quantile_by_quantile
     i-th smallest stall moves from one length's to the next's, so a median of draws follows."""
     free_then_tick = (0.0,) * 7 + (4e-3,) * 3
     ticks = (0.0,) * 3 + (4e-3,) * 7
-    cpu = Compute({"default": 1.0}, 1.0, 0.0, False,
-                  collective_stall_by_kind={"all_reduce": ((1e-3, free_then_tick), (16e-3, ticks))})
+    cpu = CpuGlooModel({"default": 1.0}, 1.0, 0.0,
+                       collective_stall_by_kind={"all_reduce": ((1e-3, free_then_tick), (16e-3, ticks))})
     middle = cpu.stall_distribution(4e-3, "all_reduce")  # half way from 1 to 16 ms on a log scale
     assert middle == pytest.approx((0.0,) * 3 + (2e-3,) * 4 + (4e-3,) * 3)
     assert cpu.stall_distribution(4e-3, "reduce_scatter") == middle  # a kind without its own table: the default
@@ -292,8 +348,8 @@ def test_each_collective_kind_draws_its_own_stall():
     """gloo's all_gathers issued back to back (FSDP's) stall less than its all_reduces: a profile
     with a table per kind prices each collective from its kind's, others from the default one."""
     zero, tick = (0.0,) * 10, (1e-3,) * 10
-    cpu = Compute({"default": 1.0}, 1.0, 0.0, False, collective_stall_by_segment=((1e-6, tick), (1e-2, tick)),
-                  collective_stall_by_kind={"all_gather": ((1e-6, zero), (1e-2, tick)), "all_reduce": ((1e-6, tick), (1e-2, tick))})
+    cpu = CpuGlooModel({"default": 1.0}, 1.0, 0.0, collective_stall_by_segment=((1e-6, tick), (1e-2, tick)),
+                       collective_stall_by_kind={"all_gather": ((1e-6, zero), (1e-2, tick)), "all_reduce": ((1e-6, tick), (1e-2, tick))})
     assert cpu.blocking_stall([0.0, 0.0, 0.0], ["all_gather", "all_gather", "all_reduce"]) == pytest.approx(1e-3)
     assert cpu.blocking_stall([0.0, 0.0], ["all_to_all", "all_to_all"]) == pytest.approx(2e-3)  # no table: the default
     assert cpu.blocking_stall([0.02, 0.0], ["all_gather", "all_gather"]) == pytest.approx(1e-3)  # after 20 ms: its tick

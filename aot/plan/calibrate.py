@@ -217,7 +217,6 @@ def _reference_step(device, width: int, rows: int):
 def measure_compute(device, reps: int = 7) -> dict:
     """This rank's matmul FLOP/s, memory bandwidth (by bytes touched, on CPUs) and per-op cost."""
     from aot.plan.cost_model import analyze
-    from aot.plan.machine import Compute
 
     result: dict = {"flops_per_s": {}}
     dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
@@ -255,10 +254,16 @@ def measure_compute(device, reps: int = 7) -> dict:
     if device.type == "cpu":
         gm, _, args = references[0]
         result["dispatch_s"] = measure_dispatch_seconds(device, gm, args)
-    partial = Compute(dict(result["flops_per_s"], default=result["flops_per_s"]["float32"]), result["memory_bytes_per_s"],
-                      0.0, device.type == "cuda", bandwidth_by_bytes=tuple(tuple(x) for x in result.get("bandwidth_by_bytes", ())),
-                      foreach_tensor_s=result.get("foreach_tensor_s", 0.0),
-                      dispatch_s={k: tuple(v) for k, v in result.get("dispatch_s", {}).items()})
+    flops = dict(result["flops_per_s"], default=result["flops_per_s"]["float32"])
+    if device.type == "cuda":  # the device model `aot plan` will read this entry with
+        from aot.plan.gpu_model import GpuModel
+        partial = GpuModel(flops, result["memory_bytes_per_s"], 0.0, elementwise_flops_per_s=flops["default"])
+    else:
+        from aot.plan.cpu_gloo_model import CpuGlooModel
+        partial = CpuGlooModel(flops, result["memory_bytes_per_s"], 0.0,
+                               bandwidth_by_bytes=tuple(tuple(x) for x in result.get("bandwidth_by_bytes", ())),
+                               foreach_tensor_s=result.get("foreach_tensor_s", 0.0),
+                               dispatch_s={k: tuple(v) for k, v in result.get("dispatch_s", {}).items()})
     rates = result.get("element_seconds") or {}
     view_s = result.get("view_overhead_s")
     points = []
@@ -315,9 +320,9 @@ def measure_collective_stall(device, isolated_s: dict[str, float], reps: int = 1
     gloo's threads wait for a core, often a whole scheduler tick; where ranks share cores (4 on 2
     here) a longer run is more often preempted midway, so the stall grows with it. The planner sums
     draws from the samples of the kind at each collective's run length, interpolated between the
-    measured ones (Compute.blocking_stall). Each kind and run length is repeated `reps` times,
-    or as often as fits in about `budget_s` (at least `min_reps`): a run of 10,240 ops takes 17-20 ms
-    at 2 ranks here, about 40 at 4.
+    measured ones (aot.plan.cpu_gloo_model.CpuGlooModel.blocking_stall). Each kind and run length
+    is repeated `reps` times, or as often as fits in about `budget_s` (at least `min_reps`): a run
+    of 10,240 ops takes 17-20 ms at 2 ranks here, about 40 at 4.
 
     Each kind is measured on its own: measured side by side in one run on this 2-core machine
     (2 ranks, five rounds), all_gathers issued back to back ran 0.11-0.17 ms under their fitted

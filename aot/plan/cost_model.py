@@ -29,7 +29,7 @@ from torch.utils.flop_counter import flop_registry
 
 from aot.passes.graph_utils import loss_node, storage_key, written_values
 from aot.passes.graph_utils import tensors as _tensors
-from aot.plan.machine import Compute
+from aot.plan.device_model import DeviceModel
 
 
 _FUNCOL = "_c10d_functional"
@@ -215,7 +215,7 @@ def node_op(node: torch.fx.Node) -> Op:
               dtype=dtype, tensors=tensors, elements=sum(t.numel() for t in outs), launches=_launches(node, name))
 
 
-def node_seconds(node: torch.fx.Node, compute: Compute) -> float:
+def node_seconds(node: torch.fx.Node, compute: DeviceModel) -> float:
     """Predicted time of one compute node on `compute` (what recomputing it costs)."""
     return _op_s(node_op(node), compute)
 
@@ -486,11 +486,11 @@ class Prediction:
         }
 
 
-def op_seconds(step: StepGraph, compute: Compute) -> list[float]:
+def op_seconds(step: StepGraph, compute: DeviceModel) -> list[float]:
     return [_op_s(op, compute) for op in step.ops]
 
 
-def _op_s(op: Op, compute: Compute) -> float:
+def _op_s(op: Op, compute: DeviceModel) -> float:
     if op.kind == "free":
         return 0.0
     if op.kind == "view":
@@ -518,7 +518,7 @@ def _segments(step: StepGraph, times: list[float]) -> tuple[list[float], list[st
     return [wrapped] + [prefix[i] - prefix[j] for j, i in zip(at[:-1], at[1:])], [c.kind for c in issued]
 
 
-def simulate(step: StepGraph, compute: Compute, comm_cost, *, overlap: bool = True, trace: bool = False,
+def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool = True, trace: bool = False,
              op_times: list[float] | None = None) -> Prediction:
     """Predicted step time. `comm_cost(site) -> (algorithm, seconds)`. With overlap=False every
     collective blocks the compute clock from issue to completion (ranks whose communication

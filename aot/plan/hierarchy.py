@@ -92,9 +92,9 @@ def distinct_spans(machine: Machine, groups: list[list[int]], kind: str) -> list
     return list(spans.values())
 
 
-def _seconds(spans: list, kind: str, n: float, algorithms: tuple[str, ...]) -> float:
+def _seconds(machine: Machine, spans: list, kind: str, n: float, algorithms: tuple[str, ...]) -> float:
     """The cheapest of `algorithms` for `kind` of n bytes, each priced on the slowest of `spans`."""
-    return min(max(collectives.cost(kind, a, s, n) for s in spans) for a in algorithms)
+    return min(max(machine.compute.collective_seconds(kind, a, s, n) for s in spans) for a in algorithms)
 
 
 def hierarchical_seconds(machine: Machine, found: Levels, n: float, inter_algorithm: str | None = None) -> float:
@@ -104,17 +104,17 @@ def hierarchical_seconds(machine: Machine, found: Levels, n: float, inter_algori
     g = len(found.intra[0])
     piece = -(-n // g)
     inter = (inter_algorithm,) if inter_algorithm else realizable["all_reduce"]
-    seconds = (_seconds(found.spans(machine, "intra", "reduce_scatter"), "reduce_scatter", piece * g, realizable["reduce_scatter"])
-               + _seconds(found.spans(machine, "inter", "all_reduce"), "all_reduce", piece, inter)
-               + _seconds(found.spans(machine, "intra", "all_gather"), "all_gather", piece * g, realizable["all_gather"]))
-    if machine.device_kind != "cuda":  # cost_model.simulate adds the stall per blocking collective
+    seconds = (_seconds(machine, found.spans(machine, "intra", "reduce_scatter"), "reduce_scatter", piece * g, realizable["reduce_scatter"])
+               + _seconds(machine, found.spans(machine, "inter", "all_reduce"), "all_reduce", piece, inter)
+               + _seconds(machine, found.spans(machine, "intra", "all_gather"), "all_gather", piece * g, realizable["all_gather"]))
+    if not machine.compute.overlaps_communication:  # cost_model.simulate adds the stall per blocking collective
         seconds += 2 * machine.compute.collective_stall_s
     return seconds
 
 
 def flat_seconds(machine: Machine, placement: Placement, axis: str, n: float, algorithm: str | None = None) -> float:
     realizable = collectives.REALIZABLE.get(machine.backend, collectives.REALIZABLE["gloo"])
-    return _seconds(distinct_spans(machine, placement.distinct_groups(axis, machine.per_node), "all_reduce"), "all_reduce", n,
+    return _seconds(machine, distinct_spans(machine, placement.distinct_groups(axis, machine.per_node), "all_reduce"), "all_reduce", n,
                     (algorithm,) if algorithm else realizable["all_reduce"])
 
 

@@ -90,7 +90,7 @@ class ModelSteps:
         self._helper = None                          # aot.plan.trace_helper.Helper while it traces (`prefetch`)
         # graphs from which a plan may not fit device memory (`memory_limit`: the planner's
         # aot.plan.search.MemoryLimit) also get recomputing variants, their choices priced on
-        # `compute` (aot.plan.machine.Compute: the build's, for the same profile)
+        # `compute` (the device model, aot.plan.device_model: the build's, for the same profile)
         self.memory_limit = memory_limit if compute is not None else None
         self.compute = compute
         self.recomputed: dict[tuple, list[tuple[float, StepGraph]]] = {}   # key -> [(activation budget, graph)]

@@ -160,7 +160,8 @@ def axis_cost(machine: Machine, placement: Placement, axis: str, nbytes: float) 
         if key in seen:
             continue
         seen.add(key)
-        worst = max(worst, collectives.best("all_reduce", span, nbytes)[1])
+        worst = max(worst, min(machine.compute.collective_seconds("all_reduce", a, span, nbytes)
+                               for a in collectives.ALGORITHMS["all_reduce"]) if span.p > 1 else 0.0)
     return worst
 
 

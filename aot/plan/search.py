@@ -130,7 +130,7 @@ class Planner:
 
         def price(site, algorithm: str) -> float:
             kind = site.kind if site.kind in collectives.ALGORITHMS else "all_reduce"
-            return max(collectives.cost(kind, algorithm, s, site.bytes) for s in spans_of(site.group, kind))
+            return max(machine.compute.collective_seconds(kind, algorithm, s, site.bytes) for s in spans_of(site.group, kind))
 
         pinned: dict[str, str] = {}
         for kind in collectives.KINDS:
@@ -189,10 +189,10 @@ class Planner:
 
     @property
     def overlaps(self) -> bool:
-        """Whether communication runs beside compute. GPUs: yes (NCCL kernels on their own stream).
-        CPU ranks with gloo: its threads copy and reduce on the cores the ranks compute on, so the
-        model counts communication as not overlapping."""
-        return self.machine.device_kind == "cuda"
+        """Whether communication runs beside compute (the device model's say). GPUs: yes (NCCL
+        kernels on their own stream). CPU ranks with gloo: its threads copy and reduce on the cores
+        the ranks compute on, so the model counts communication as not overlapping."""
+        return self.machine.compute.overlaps_communication
 
     # -- the search ---------------------------------------------------------------------------
     def search(self, axes: tuple[str, ...], bucket_mbs: tuple[float, ...] | None = None) -> tuple[list[Plan], list[str]]:
