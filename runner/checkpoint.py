@@ -151,6 +151,7 @@ def load_checkpoint(folder: str | Path, shard: int = 0) -> tuple[dict, dict, dic
 
 def full_weights(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(index, every parameter and buffer at full size), reassembling fsdp and tp shards."""
+    folder = Path(folder)  # a str folder would fail in the error messages below (`folder / INDEX`)
     index, weights, _ = load_checkpoint(folder, 0)
     sharding, tensor_parallel, pipeline = index.get("sharding"), index.get("tensor_parallel"), index.get("pipeline")
     if len(index["shards"]) != shard_count(sharding, tensor_parallel, pipeline):

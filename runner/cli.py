@@ -172,6 +172,7 @@ def run(artifact, steps, data, metrics, save, save_every, resume, init_from, ran
                 loss = trainer.step(inputs, targets, measure_memory=measure)
                 seconds = time.perf_counter() - start
                 if measure:
+                    assert trainer.memory_method is not None  # set by the step just run with measure_memory
                     profiler.record_memory(trainer.measured_peak_bytes, trainer.memory_method, step + 1)
                 if not math.isfinite(loss):
                     say(f"warning: loss is {loss} at step {step + 1}")

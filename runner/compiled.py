@@ -67,7 +67,7 @@ def live_device(device: torch.device) -> dict:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return {"kind": "cuda", "capability": f"{major}.{minor}"}
-    live = {"kind": device.type, "arch": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability()}
+    live: dict[str, str | list[str]] = {"kind": device.type, "arch": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability()}
     if live["arch"] in ("x86_64", "AMD64"):
         live["features"] = x86_features()
     return live

@@ -109,7 +109,7 @@ def ort_values(ort, tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], lis
     return names, values, keep
 
 
-def _session(ort, model: bytes | str, key: str, threads: int | None, initializers):
+def _session(ort, model: bytes | str, key: str, threads: int | None, initializers: tuple[list[str], list, list] | None):
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.log_severity_level = 3  # errors only; a provider that fails is reported by us, in one line
@@ -137,8 +137,7 @@ def create_session(model: bytes | str, provider: str | None = None, *, warn: Cal
     initializers, given to ONNX Runtime in memory. `cpu_refusal`: why the CPU provider cannot run
     this model (the error, where it would be used)."""
     ort = _import_ort()
-    if initializers is not None:
-        initializers = ort_values(ort, initializers)
+    values = ort_values(ort, initializers) if initializers is not None else None
     if provider is not None:
         if provider not in PROVIDERS:
             raise AotError(f"unknown provider {provider!r}; choose one of {', '.join(ORDER)}")
@@ -147,21 +146,21 @@ def create_session(model: bytes | str, provider: str | None = None, *, warn: Cal
         reason = _unusable(ort, provider)
         if reason is None:
             try:
-                return _session(ort, model, provider, threads, initializers), provider
+                return _session(ort, model, provider, threads, values), provider
             except Exception as e:
                 if provider == "cpu":
                     raise AotError(f"{where}: ONNX Runtime cannot load it: {_first_line(e)}") from None
                 reason = f"it failed to start ({_first_line(e)})"
         raise AotError(f"provider {provider} ({PROVIDERS[provider]}) is not usable here: {reason}; "
                        f"leave --provider unset to use the best available one")
-    passed_over = []
+    passed_over: list[str] = []
     for key in ORDER:
         if key == "cpu" and cpu_refusal:
             raise AotError(f"{where}: {cpu_refusal}" + (f" (passed over: {'; '.join(passed_over)})" if passed_over else ""))
         reason = _unusable(ort, key)
         if reason is None:
             try:
-                session = _session(ort, model, key, threads, initializers)
+                session = _session(ort, model, key, threads, values)
             except Exception as e:
                 if key == "cpu":
                     raise AotError(f"{where}: ONNX Runtime cannot load it: {_first_line(e)}") from None
@@ -207,6 +206,7 @@ class InferenceSession:
                  trusted_keys: list[str] | None = None):
         path = Path(path)
         cpu_refusal = None
+        model: bytes | str  # ONNX bytes, or the file's path when ONNX Runtime must read its data file beside it
         if path.is_dir():
             from runner.artifact import Artifact
             artifact = Artifact(path, trusted_keys)  # the signature is checked before anything is parsed

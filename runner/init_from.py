@@ -214,8 +214,9 @@ def rank_weights(init: InitFrom, coords: dict[str, int]) -> dict[str, torch.Tens
     contiguous, in the manifest's dtype, on the CPU, in the layout runner.sharding defines (tp
     slice, then the flat-padded fsdp piece). Reads only the rows each piece needs."""
     tp, fsdp = init.tensor_parallel or {}, init.sharding or {}
-    tp_index, tp_size = coords.get(tp.get("axis"), 0), tp.get("size", 1)
-    fsdp_index, fsdp_size = coords.get(fsdp.get("axis"), 0), fsdp.get("size", 1)
+    # as runner.sharding.shard_number: a validated manifest's tensor_parallel and sharding name their axis
+    tp_index, tp_size = coords.get(tp["axis"], 0) if tp else 0, tp.get("size", 1)
+    fsdp_index, fsdp_size = coords.get(fsdp["axis"], 0) if fsdp else 0, fsdp.get("size", 1)
     out = {}
     for file, names in _by_file(init.sources).items():
         with safe_open(str(file), framework="pt") as f:

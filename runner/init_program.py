@@ -83,7 +83,10 @@ class _Plan:
 
 def _plan(graph: torch.fx.Graph) -> _Plan:
     nodes = list(graph.nodes)
-    root, whole, touches, members = {}, {}, {}, {}
+    root: dict[torch.fx.Node, torch.fx.Node] = {}
+    whole: dict[torch.fx.Node, bool] = {}          # node -> its result covers all of its root's storage
+    touches: dict[torch.fx.Node, list[int]] = {}
+    members: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for i, node in enumerate(nodes):
         if node.op == "output":
             break
@@ -139,7 +142,7 @@ def replay(gm: torch.fx.GraphModule, names: list[str], seed: int,
     plan = _plan(graph)
     if len(plan.outputs) != len(names):
         raise AotError(f"the init program makes {len(plan.outputs)} tensors, the manifest names {len(names)}")
-    name_of = {}
+    name_of: dict[torch.fx.Node, list[str]] = {}
     for name, node in zip(names, plan.outputs):
         name_of.setdefault(node, []).append(name)
     wanted = {n for n in plan.outputs if only is None or set(name_of[n]) & only}
@@ -199,7 +202,8 @@ def piece_keeper(manifest: dict, coords: dict[str, int]) -> Callable[[str, torch
     def keep(name: str, t: torch.Tensor) -> torch.Tensor:
         if name not in params:
             return t
-        piece = tp_slice(t, tp.get("params", {}).get(name), tp.get("size", 1), coords.get(tp.get("axis"), 0))
+        tp_index = coords.get(tp["axis"], 0) if tp else 0  # a validated manifest's tensor_parallel names its axis
+        piece = tp_slice(t, tp.get("params", {}).get(name), tp.get("size", 1), tp_index)
         if name in sharding.get("params", {}):
             piece = shard(piece, sharding["size"], coords[sharding["axis"]])
         return piece

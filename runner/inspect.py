@@ -262,8 +262,8 @@ def _memory_lines(memory: dict | None) -> list[str]:
         shown = [f"{k} {human(part[k])}" for k in known if isinstance(part[k], (int, float)) and part[k]]
         if shown:
             parts.append(f"{label} {', '.join(shown)}")
-    parts = "; ".join(parts)
-    lines.append(f"  {'':<22} predicted {human(memory['predicted_peak_bytes'])}{ratio}" + (f" ({parts})" if parts else ""))
+    breakdown = "; ".join(parts)
+    lines.append(f"  {'':<22} predicted {human(memory['predicted_peak_bytes'])}{ratio}" + (f" ({breakdown})" if breakdown else ""))
     return lines
 
 
@@ -279,14 +279,14 @@ def render(summary: dict) -> str:
     placement = summary.get("placement") or {}
     physical = placement.get("physical_rank_of_mesh_rank") or []
     if physical != list(range(len(physical))):  # mesh rank r does not run on rank r: say where it does
-        shown = ",".join(map(str, physical[:16])) + (",..." if len(physical) > 16 else "")
-        lines.append(f"placement  mesh rank -> rank {shown}  (axes outermost first: "
+        listed = ",".join(map(str, physical[:16])) + (",..." if len(physical) > 16 else "")
+        lines.append(f"placement  mesh rank -> rank {listed}  (axes outermost first: "
                      f"{', '.join(placement.get('axes_outer_to_inner', []))}; ranks below are torchrun's)")
     lines.append(f"optimizer  {summary['optimizer']}")
     lines.append(f"precision  {describe_precision(summary['precision'])}")
     if summary.get("batchnorm"):
         lines.append(f"batchnorm  {describe_batchnorm(summary['batchnorm'])}")
-    init = summary.get("init")
+    init = summary["init"]  # the manifest schema requires it; summarize() always copies it
     lines.append(f"weights    none stored: each rank makes its own piece with the init program ({init['file']}, "
                  f"{init['graph_nodes']} ops, seed {b.get('seed')}) or reads it with --init-from")
     lines.append("programs")

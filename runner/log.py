@@ -12,12 +12,15 @@ With no logging configured, Python's last-resort handler still shows the warning
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 LOGGER = logging.getLogger("aot")
 
 
 class RankLogger(logging.LoggerAdapter):
     """The `aot` logger for one rank of a job of `world_size`."""
+
+    extra: Mapping[str, object]  # never None: __init__ always passes the rank
 
     def __init__(self, rank: int, world_size: int):
         super().__init__(LOGGER, {"rank": rank})

@@ -124,7 +124,8 @@ def _until_collective_lets_go(t: torch.Tensor, limit_s: float = 0.01) -> None:
     the step's peak). Only the measured step waits here, for microseconds; the program's
     reference is the Python tensor's one."""
     deadline = time.perf_counter() + limit_s
-    while t._use_count() > 1 and time.perf_counter() < deadline:
+    # Tensor._use_count (the C++ reference count) exists at runtime; torch's stubs do not declare it
+    while t._use_count() > 1 and time.perf_counter() < deadline:  # type: ignore[attr-defined]
         time.sleep(0)
 
 

@@ -24,6 +24,7 @@ import re
 import socket
 import sys
 from pathlib import Path
+from typing import TypedDict
 
 from runner.errors import AotError
 from runner.sysfs import format_cpulist, normalize_bus_id, parse_cpulist, sysfs_bus_id
@@ -31,10 +32,16 @@ from runner.topology import (
     BACKENDS, PCIE_PATHS, SCHEMA, SCHEMA_VERSION, describe, job_nodes, load_profile, validate_profile,
 )
 
+
+class KnownGpu(TypedDict, total=False):
+    memory_bandwidth_gb_per_s: float
+    peak_tflops: dict[str, float]  # dtype -> dense peak TFLOP/s
+
+
 # Datasheet figures for models NVML cannot measure (../shared/reference/hardware.md): dense peak
 # TFLOP/s per dtype and memory bandwidth in GB/s. Unknown models: bandwidth from NVML (bus width x
 # max memory clock x 2), no TFLOP/s.
-KNOWN_GPUS = {
+KNOWN_GPUS: dict[str, KnownGpu] = {
     "NVIDIA A100-SXM4-80GB": {"memory_bandwidth_gb_per_s": 2039.0,
                               "peak_tflops": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}},
     "NVIDIA A100-SXM4-40GB": {"memory_bandwidth_gb_per_s": 1555.0,
@@ -370,7 +377,8 @@ def _pairs(nvml, visible: list[dict], all_buses: set[str]) -> tuple[list[dict], 
             nvlink = None
             if count:
                 rates = [NVLINK_GB_PER_S.get(d["cc"]) for d in (a, b)]
-                rate = min(rates) if None not in rates else None
+                known_rates = [r for r in rates if r is not None]
+                rate = min(known_rates) if len(known_rates) == len(rates) else None
                 nvlink = {"count": count, "gb_per_s_per_direction": round(count * rate, 3) if rate else None,
                           "via": "nvswitch" if via_switch else "direct"}
             level = _call(nvml, "nvmlDeviceGetTopologyCommonAncestor", a["handle"], b["handle"])

@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,7 +131,9 @@ class StepProfiler:
     def __exit__(self, *exc) -> None:
         if not self._entered:
             return
-        self._prof.__exit__(*exc)
+        prof, folder = self._prof, self.folder
+        assert prof is not None and folder is not None  # entered: __init__ made a profiler, having a folder
+        prof.__exit__(*exc)
         if exc[0] is not None or not self.seconds:
             return
         # Every rank of a pipeline joins the gather of its waits (a collective); the others'
@@ -138,12 +141,12 @@ class StepProfiler:
         pipeline = None
         # every rank of a pipeline answers alike, so all join the gather
         if self.pipeline and self._device.type == "cpu" and dist.is_initialized():
-            pipeline = gather_waits(step_waits(self._prof.events(), len(self.seconds)), self._device)
+            pipeline = gather_waits(step_waits(prof.events(), len(self.seconds)), self._device)
         if self.rank != 0:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._prof.export_chrome_trace(str(self.folder / TRACE))
-        events = self._prof.events()
+        folder.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(folder / TRACE))
+        events = prof.events()
         per_step = lambda names: sum(e.cpu_time_total for e in events if e.name in names) / 1e6 / len(self.seconds)
         # The profiler slows every op down; steps after its window give the step time without it.
         step_s = statistics.median(self.after or self.seconds)
@@ -163,7 +166,7 @@ class StepProfiler:
             summary["memory"] = self.memory
         if pipeline is not None:
             summary.update(pipeline_summary(pipeline))
-        (self.folder / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+        (folder / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def gather_peaks(peak: int | None, device: torch.device) -> list[int | None]:
@@ -232,7 +235,7 @@ def _listed(values) -> list[float | None]:
 
 def pipeline_summary(ranks: list[list[dict]]) -> dict:
     """profile.json's pipeline-wait keys from every rank's per-step waits (`gather_waits`)."""
-    per_rank = []
+    per_rank: list[dict[str, Any]] = []  # profile.json rows
     for rank, rows in enumerate(ranks):
         p2p = [r["recv"] + r["send"] for r in rows]
         per_rank.append({

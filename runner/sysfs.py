@@ -40,7 +40,8 @@ def parse_cpulist(text: str) -> set[int]:
 
 def format_cpulist(cpus) -> str:
     """{0, 1, 2, 3, 8} -> `0-3,8`."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for c in sorted(set(cpus)):
         if run and c == run[-1] + 1:
             run.append(c)

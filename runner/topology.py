@@ -18,6 +18,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import NoReturn, TypeGuard
 
 from runner.errors import AotError
 from runner.integrity import canonical_json, sha256_bytes
@@ -116,7 +117,7 @@ class _Checker:
     def __init__(self, where: str):
         self.where = where
 
-    def fail(self, field: str, what: str, value=None, show=True):
+    def fail(self, field: str, what: str, value=None, show=True) -> NoReturn:
         got = f" (got {json.dumps(value)})" if show else ""
         raise AotError(f"{self.where}: field '{field}' {what}{got}")
 
@@ -162,7 +163,7 @@ class _Checker:
         if not isinstance(v, bool):
             self.fail(field, "must be true or false" + (" or null" if null else ""), v)
 
-    def dict_(self, v, field, null=False):
+    def dict_(self, v, field, null=False) -> TypeGuard[dict]:
         if v is None and null:
             return False
         if not isinstance(v, dict):
@@ -387,7 +388,8 @@ def nic_list(profile: dict) -> list[dict]:
 
 def gpu_label(indices) -> str:
     """[0, 1, 2, 5] -> `GPU0-GPU2,GPU5`."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for i in sorted(indices):
         if run and i == run[-1] + 1:
             run.append(i)

@@ -39,8 +39,9 @@ def _grouped(items: list[tuple[str, str, str]], template: str, limit: int = MAX_
 
 def _gpu_who(indices: list[int], buses: dict[int, str | None]) -> str:
     label = gpu_label(indices)
-    if len(indices) <= 2 and all(buses.get(i) for i in indices):
-        label += " (" + ", ".join(buses[i] for i in indices) + ")"
+    named = [bus for bus in (buses.get(i) for i in indices) if bus]
+    if len(indices) <= 2 and len(named) == len(indices):
+        label += " (" + ", ".join(named) + ")"
     return label
 
 

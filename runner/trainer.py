@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from runner.artifact import Artifact
 from runner.checkpoint import commit_checkpoint, layout_of, load_checkpoint, optimizer_key, write_shard
-from runner.compiled import choose_tier, live_device, load_compiled
+from runner.compiled import CompiledProgram, choose_tier, live_device, load_compiled
 from runner.custom_ops import import_op_libraries
 from runner.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
@@ -150,27 +150,29 @@ class Trainer:
         self.collectives_waited_at_issue = False
         program_json = artifact.read(program["file"])
         self._input_shapes = input_shapes(program_json)  # what the program was traced for, to check bindings
+        self._module: CompiledProgram | torch.fx.GraphModule
         if self.tier == "compiled":
             self._module = load_compiled(artifact, entry["program"], self.device, len(program["inputs"]))
             self.program_loader = "aoti"
         else:
             constants = artifact.read(program["constants"]) if program.get("constants") else None
-            self._module = None if constants else load_graph_module(
+            module = None if constants else load_graph_module(
                 program_json, self.device if self.device.type != "cpu" else None)
             self.program_loader = "fx"
-            if self._module is None:  # a program the fast path does not cover: torch's deserializer
+            if module is None:  # a program the fast path does not cover: torch's deserializer
                 ep = decode_program(program_json, constants)
                 if self.device.type != "cpu":
                     from torch.export.passes import move_to_device_pass
                     ep = move_to_device_pass(ep, self.device)
-                self._module = ep.module()
+                module = ep.module()
                 self.program_loader = "torch.export"
+            self._module = module
             # On gloo, one collective in flight at a time (runner.graph_loader.wait_at_issue says
             # why); NCCL keeps the program's overlap of communication with compute. The compiled
             # tier's schedule is fixed inside its package and is left as built.
             self.collectives_waited_at_issue = self._on_gloo()
             if self.collectives_waited_at_issue:
-                wait_at_issue(self._module)
+                wait_at_issue(module)
         if manifest.get("pipeline"):  # the program sends to and receives from other stages
             install_send_kernel()
 
@@ -232,7 +234,6 @@ class Trainer:
         if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
             raise AotError("no rendezvous set: launch multi-rank artifacts with torchrun, or give each process "
                            "--master-addr and --master-port (MASTER_ADDR and MASTER_PORT under srun)")
-        kwargs = {"device_id": self.device} if backend == "nccl" else {}
         # torchrun restarts a failed group against the same store: keys of the dead attempt
         # (peers' old addresses) would be read as live ones, so each attempt gets its own prefix.
         store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size,
@@ -240,14 +241,17 @@ class Trainer:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
         dist.init_process_group(backend, store=dist.PrefixStore(f"aot/attempt-{attempt}/", store),
                                 rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=self.timeout_s), **kwargs)
+                                timeout=timedelta(seconds=self.timeout_s),
+                                device_id=self.device if backend == "nccl" else None)  # gloo: none, as torch defaults
 
     def _on_gloo(self) -> bool:
         """Whether this rank's collectives (on tensors of its device) go through gloo."""
         if not dist.is_initialized():
             return False
+        world = dist.group.WORLD
+        assert world is not None  # set by init_process_group (dist.is_initialized() above)
         try:
-            return isinstance(dist.group.WORLD._get_backend(self.device), dist.ProcessGroupGloo)
+            return isinstance(world._get_backend(self.device), dist.ProcessGroupGloo)
         except RuntimeError:  # no backend registered for this device
             return False
 
