@@ -5,6 +5,8 @@ cd "$(dirname "$0")/.."
 source scripts/setup.sh
 # lint first: a minute of pytest is not spent on a tree ruff refuses (pyproject.toml [tool.ruff])
 python -m ruff check --quiet .
+# types of the runtime package that ships to clusters (pyproject.toml [tool.mypy]; a few seconds)
+python -m mypy
 # Scenarios marked slow (more strategies on the second example model, a second placed mesh) run
 # in CI (.ci/run sets AOT_TEST_LONG=1) or when you set it; they add about
 # 3 minutes to the suite's 25 on 2 cores (CI's whole run: 28 minutes of tests on 2026-12-03).
