@@ -297,7 +297,8 @@ def test_tier_is_chosen_before_the_process_group_starts(compiled):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 2, show(r)
     assert lines[0].startswith("notice: compiled package needs") and lines[0].endswith("using the portable program"), show(r)
-    assert lines[1] == "aot: error: [rank 0] no rendezvous set: launch multi-rank artifacts with torchrun", show(r)
+    assert lines[1] == ("aot: error: [rank 0] no rendezvous set: launch multi-rank artifacts with torchrun, or give each "
+                        "process --master-addr and --master-port (MASTER_ADDR and MASTER_PORT under srun)"), show(r)
 
     r = run_rank(1, "auto")  # the notice is rank 0's alone
     assert r.returncode == 1 and "notice:" not in r.stderr and "no rendezvous set" in r.stderr, show(r)
