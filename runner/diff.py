@@ -22,7 +22,7 @@ from pathlib import Path
 
 from runner.artifact import Artifact
 from runner.errors import AotError
-from runner.inspect import _ranges, human, predicted_memory, predicted_time, summarize
+from runner.inspect import human, rank_ranges, predicted_memory, predicted_time, summarize
 from runner.integrity import read_verified
 
 # build arguments the plan level shows (with what the build made of them)
@@ -267,7 +267,7 @@ def _collective_line(c: dict) -> str:
 
 
 def _program_lines(p: dict) -> list[str]:
-    ranks = f"rank{'s' if len(p['ranks']) > 1 else ''} {_ranges(p['ranks'])}"
+    ranks = f"rank{'s' if len(p['ranks']) > 1 else ''} {rank_ranges(p['ranks'])}"
     count, size = p["collectives_per_step"], p["collective_bytes_per_step"]
     if p["a"] is None or p["b"] is None:  # a world size that changed: these ranks exist on one side
         side = "a" if p["b"] is None else "b"

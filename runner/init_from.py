@@ -20,7 +20,7 @@ from safetensors import safe_open
 from runner.checkpoint import INDEX as CHECKPOINT_INDEX
 from runner.data import dtype_name, dtype_of
 from runner.errors import AotError
-from runner.sharding import shard_numel
+from runner.sharding import axis_index, shard_numel
 
 SINGLE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -214,9 +214,8 @@ def rank_weights(init: InitFrom, coords: dict[str, int]) -> dict[str, torch.Tens
     contiguous, in the manifest's dtype, on the CPU, in the layout runner.sharding defines (tp
     slice, then the flat-padded fsdp piece). Reads only the rows each piece needs."""
     tp, fsdp = init.tensor_parallel or {}, init.sharding or {}
-    # as runner.sharding.shard_number: a validated manifest's tensor_parallel and sharding name their axis
-    tp_index, tp_size = coords.get(tp["axis"], 0) if tp else 0, tp.get("size", 1)
-    fsdp_index, fsdp_size = coords.get(fsdp["axis"], 0) if fsdp else 0, fsdp.get("size", 1)
+    tp_index, tp_size = axis_index(coords, tp), tp.get("size", 1)
+    fsdp_index, fsdp_size = axis_index(coords, fsdp), fsdp.get("size", 1)
     out = {}
     for file, names in _by_file(init.sources).items():
         with safe_open(str(file), framework="pt") as f:

@@ -30,7 +30,7 @@ from runner.data import dtype_of
 from runner.errors import AotError
 from runner.graph_loader import load_graph_module
 from runner.program import decode_program
-from runner.sharding import shard, tp_slice
+from runner.sharding import axis_index, shard, tp_slice
 
 _aten = torch.ops.aten
 # In-place ops that write every element of their first argument without reading it.
@@ -198,11 +198,11 @@ def piece_keeper(manifest: dict, coords: dict[str, int]) -> Callable[[str, torch
     tensor-parallel slice, then its fsdp shard of that; artifacts/FORMAT.md), buffers whole."""
     tp, sharding = manifest.get("tensor_parallel") or {}, manifest.get("sharding") or {}
     params = manifest["state"]["params"]
+    tp_index = axis_index(coords, tp)
 
     def keep(name: str, t: torch.Tensor) -> torch.Tensor:
         if name not in params:
             return t
-        tp_index = coords.get(tp["axis"], 0) if tp else 0  # a validated manifest's tensor_parallel names its axis
         piece = tp_slice(t, tp.get("params", {}).get(name), tp.get("size", 1), tp_index)
         if name in sharding.get("params", {}):
             piece = shard(piece, sharding["size"], coords[sharding["axis"]])

@@ -196,7 +196,7 @@ def compare_memory(summary: dict, measured: dict | None) -> dict | None:
     }
 
 
-def _ranges(ranks: list[int]) -> str:
+def rank_ranges(ranks: list[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) else ",".join(map(str, ranks))
 
 
@@ -291,7 +291,7 @@ def render(summary: dict) -> str:
                  f"{init['graph_nodes']} ops, seed {b.get('seed')}) or reads it with --init-from")
     lines.append("programs")
     for name, p in summary["programs"].items():
-        lines.append(f"  {name:<10} {p['graph_nodes']} graph nodes, ranks {_ranges(p['ranks'])}, "
+        lines.append(f"  {name:<10} {p['graph_nodes']} graph nodes, ranks {rank_ranges(p['ranks'])}, "
                      f"{p['collectives_per_step']} collectives per step ({human(p['collective_bytes_per_step'])})")
         kinds = Counter((c["kind"], c["group"], c["dtype"]) for c in p["collectives"])
         for (kind, group, dtype), count in kinds.items():

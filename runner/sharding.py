@@ -41,11 +41,17 @@ def shard_count(sharding: dict | None, tensor_parallel: dict | None, pipeline: d
     return (sharding or {}).get("size", 1) * (tensor_parallel or {}).get("size", 1) * (pipeline or {}).get("size", 1)
 
 
+def axis_index(coords: dict[str, int], entry: dict | None) -> int:
+    """A rank's coordinate on the axis a manifest entry (sharding, tensor_parallel, pipeline) names;
+    0 without the entry (a validated manifest's entries always name their axis)."""
+    return coords.get(entry["axis"], 0) if entry else 0
+
+
 def shard_number(coords: dict[str, int], sharding: dict | None, tensor_parallel: dict | None,
                  pipeline: dict | None = None) -> int:
-    tp_index = coords.get(tensor_parallel["axis"], 0) if tensor_parallel else 0
-    fsdp_index = coords.get(sharding["axis"], 0) if sharding else 0
-    pp_index = coords.get(pipeline["axis"], 0) if pipeline else 0
+    tp_index = axis_index(coords, tensor_parallel)
+    fsdp_index = axis_index(coords, sharding)
+    pp_index = axis_index(coords, pipeline)
     return pp_index * shard_count(sharding, tensor_parallel) + tp_index * (sharding or {}).get("size", 1) + fsdp_index
 
 

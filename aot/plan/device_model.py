@@ -20,11 +20,13 @@ distributions).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from aot.plan import collectives
 from aot.plan.collectives import Span
 
 
-class DeviceModel:
+class DeviceModel(ABC):
     """What one rank's device costs, in seconds. Subclasses set the attributes and implement
     `op_seconds` and `view_seconds`."""
 
@@ -34,16 +36,16 @@ class DeviceModel:
                                          # its bytes once more at it: the links' gamma)
     collective_stall_s: float = 0.0      # mean stall of one blocking collective inside a step
 
+    @abstractmethod
     def op_seconds(self, flops: float, nbytes: float, dtype: str, overhead: bool = True, *,
                    target: str | None = None, elements: int = 0, launches: int = 1) -> float:
         """One op (`target`: its aten name) doing `flops` on tensors of `dtype`, reading and
         writing `nbytes`, writing `elements` elements, in `launches` kernels (a foreach op: one per
         tensor of its list); without `overhead`, its work alone (no dispatch or launch)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def view_seconds(self) -> float:
         """One view op: dispatched, no data moved."""
-        raise NotImplementedError
 
     def collective_seconds(self, kind: str, algorithm: str, span: Span, nbytes: float) -> float:
         """One collective of `kind` over `nbytes` (n of the alpha-beta formulas) with `algorithm`,
