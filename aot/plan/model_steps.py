@@ -63,7 +63,6 @@ class ModelSteps:
                  reduce_dtype: str | None = None, profile: dict | None = None, memory_limit=None,
                  compute=None):
         from aot.capture.model_file import load_model_file
-        from aot.capture.precision import resolve_precision
         from aot.capture.training_state import build_training_state
         from runner.data import split_batch_tensors
 
@@ -71,20 +70,27 @@ class ModelSteps:
             raise AotError(f"--batch-size must be at least 1, got {batch_size}")
         self.mf = load_model_file(model_path)
         self.request = (Path(model_path), batch_size, seed, sequence_parallel)   # what `retargeted` copies may share
-        # --precision as the build resolves it: bf16 graphs carry half the activation and
-        # collective bytes, and their matmuls are priced at the profile's bf16 rate
-        self.precision = resolve_precision(precision, reduce_dtype, self.mf.globals, self.mf.path.name,
-                                           profile or {"device_kind": "cpu"})
         self.state = build_training_state(self.mf, seed, 1)
         inputs, targets = split_batch_tensors(self.mf.example_batch(batch_size), "batch()")
         self.inputs, self.targets = inputs, targets
         self.params = sum(p.numel() for p in self.state.params.values())
         self.param_numels = [p.numel() for p in self.state.params.values()]
+        self.sequence_parallel = sequence_parallel   # price tp meshes with sequence parallelism (--sequence-parallel)
+        self._tp_plan: dict | None = None
+        self._target(profile or {"device_kind": "cpu"}, world_size=world_size, max_tp=max_tp, precision=precision,
+                     reduce_dtype=reduce_dtype, memory_limit=memory_limit, compute=compute)
+
+    def _target(self, profile: dict, *, world_size: int | None, max_tp: int | None, precision: str | None,
+                reduce_dtype: str | None, memory_limit, compute) -> None:
+        """What depends on the profile planned for, with no graph traced for it yet."""
+        from aot.capture.precision import resolve_precision
+
+        # --precision as the build resolves it: bf16 graphs carry half the activation and
+        # collective bytes, and their matmuls are priced at the profile's bf16 rate
+        self.precision = resolve_precision(precision, reduce_dtype, self.mf.globals, self.mf.path.name, profile)
         self.world_size = world_size
         self.max_tp = max_tp
-        self.sequence_parallel = sequence_parallel   # price tp meshes with sequence parallelism (--sequence-parallel)
         self.traced: dict[tuple, StepGraph] = {}
-        self._tp_plan: dict | None = None
         self._failed: dict[tuple, Exception] = {}    # key -> what tracing it raised (raised again when asked)
         self._derived: dict[tuple, list] = {}        # traced key -> [(key, mesh)] derived from its graph (`prefetch`)
         self._helper = None                          # aot.plan.trace_helper.Helper while it traces (`prefetch`)
@@ -249,15 +255,9 @@ class ModelSteps:
         and how the graph is also priced recomputing activations. So a graph is kept where the
         precision resolves alike and neither profile gives it recomputing variants; the others
         (and pipeline programs, whose stages are balanced on the profile's compute) are traced again."""
-        from aot.capture.precision import resolve_precision
-
         other = copy.copy(self)
-        other.precision = resolve_precision(precision, reduce_dtype, self.mf.globals, self.mf.path.name, profile)
-        other.world_size, other.max_tp = world_size, max_tp
-        other.memory_limit = memory_limit if compute is not None else None
-        other.compute = compute
-        other.traced, other._failed, other._derived, other._helper = {}, {}, {}, None
-        other.recomputed, other.recompute_failed = {}, {}
+        other._target(profile, world_size=world_size, max_tp=max_tp, precision=precision, reduce_dtype=reduce_dtype,
+                      memory_limit=memory_limit, compute=compute)
         if other.precision == self.precision:
             other.traced = {key: graph for key, graph in self.traced.items()
                             if key[0] != "pp" and key not in self.recomputed and key not in self.recompute_failed
