@@ -24,8 +24,7 @@ from aot.plan.mesh import DATA_AXES, Mesh
 from aot.plan.placement import Placement, place
 from aot.plan.recompute import apply_request, resolve_request
 from aot.plan.search import MEMORY_HEADROOM, time_entry
-from aot.plan.tensor_parallel import (check_degree, check_divisible, check_sequence_length, find_plan,
-                                     sequence_parallel_layout, user_plan)
+from aot.plan.tensor_parallel import check_degree, check_divisible, check_sequence_length, find_plan, sequence_parallel_layout, user_plan
 from aot.progress import Progress
 from runner.data import split_batch_tensors
 from runner.inspect import describe_batchnorm, describe_time, human
@@ -48,19 +47,19 @@ class BuildOptions:
     seed: int = 0
     nodes: int | None = None  # nodes the job spans (None: the profile's own count)
     sign_key: Path | None = None
-    onnx: bool | None = None   # export the forward to ONNX: None if it can (else a warning), True or fail, False skip
+    onnx: bool | None = None  # export the forward to ONNX: None if it can (else a warning), True or fail, False skip
     compile: str = "portable"  # "aoti": also compile each program with AOTInductor (aot/emit/aoti.py)
     sequence_parallel: bool = False  # with tp: the residual stream split along the sequence
     hierarchical: str = "auto"  # all_reduces over groups spanning nodes in two levels: auto (where cheaper), always, never
-    precision: str | None = None     # fp32 | bf16 | fp16 (None: the model file's `precision`, else fp32)
+    precision: str | None = None  # fp32 | bf16 | fp16 (None: the model file's `precision`, else fp32)
     reduce_dtype: str | None = None  # gradients reduced in fp32 or the compute dtype (None: the model file's, else fp32)
     memory_budget: str | None = None  # peak per rank to fit by recomputing activations ("70GiB"; None: device memory)
     activation_budget: float | None = None  # or: the fraction of saved activation bytes kept
     activation_budget_source: str = "--activation-budget"  # or "plan": --strategy auto chose it
     microbatches: int | None = None  # pp: microbatches per step (None: as many as pipeline ranks)
-    pp_schedule: str = "1f1b"        # pp: gpipe | 1f1b | interleaved-1f1b (aot/plan/pipeline.py)
+    pp_schedule: str = "1f1b"  # pp: gpipe | 1f1b | interleaved-1f1b (aot/plan/pipeline.py)
     stages_per_rank: int | None = None  # pp with interleaved-1f1b: model chunks per rank (None: 2)
-    sync_batchnorm: bool = False     # every BatchNorm becomes SyncBatchNorm: statistics over the dp and fsdp ranks
+    sync_batchnorm: bool = False  # every BatchNorm becomes SyncBatchNorm: statistics over the dp and fsdp ranks
 
 
 # The example batch is stored for runs without --data; past this size (a global batch of long
@@ -76,8 +75,10 @@ def _stored_example(mf, batch_size: int, data_ranks: int, progress: Progress) ->
     if data_ranks == 1:
         return one
     if sum(t.numel() * t.element_size() for t in one.values()) * data_ranks > MAX_EXAMPLE_BYTES:
-        progress.note(f"example batch: one rank's {batch_size} sample(s) stored, which every data-parallel rank "
-                      f"reads without --data (the global batch would be over {MAX_EXAMPLE_BYTES >> 20} MiB)")
+        progress.note(
+            f"example batch: one rank's {batch_size} sample(s) stored, which every data-parallel rank "
+            f"reads without --data (the global batch would be over {MAX_EXAMPLE_BYTES >> 20} MiB)"
+        )
         return one
     return mf.example_batch(batch_size * data_ranks)
 
@@ -91,13 +92,11 @@ def _tensor_parallel_plan(mf, model, inputs, tp: int, progress: Progress) -> dic
         plan = find_plan(model, inputs)
         where = "the found plan"
         if not plan:
-            raise AotError(f"--strategy tp={tp}: no Linear pair in {mf.path.name} can be split (see README: tensor "
-                           f"parallel); name the layers in a tp_plan")
+            raise AotError(f"--strategy tp={tp}: no Linear pair in {mf.path.name} can be split (see README: tensor parallel); name the layers in a tp_plan")
     check_divisible(plan, model, tp, where)
     cols = sorted(n for n, s in plan.items() if s == "colwise")
     rows = sorted(n for n, s in plan.items() if s == "rowwise")
-    progress.note(f"tensor parallel over {tp} ranks: {len(cols)} column-wise ({', '.join(cols)}), "
-                  f"{len(rows)} row-wise ({', '.join(rows)})")
+    progress.note(f"tensor parallel over {tp} ranks: {len(cols)} column-wise ({', '.join(cols)}), {len(rows)} row-wise ({', '.join(rows)})")
     return plan
 
 
@@ -130,25 +129,33 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     planned = None
     if options.strategy == "auto":  # the planner's best plan (aot/plan/search.py), priced on this profile
         from aot.plan.search import plan_for_build
+
         planned = plan_for_build(options, profile, progress)
         options = replace(options, strategy=planned.strategy, bucket_mb=planned.bucket_mb)
         if options.sequence_parallel and "tp=" not in planned.strategy:
             progress.note("the plan has no tp axis: --sequence-parallel does not apply")
             options = replace(options, sequence_parallel=False)
         if planned.activation_budget is not None:  # the plan fits by recomputing activations
-            given = ("--memory-budget" if options.memory_budget is not None else
-                     "--activation-budget" if options.activation_budget is not None else
-                     "the model file's recompute" if planned.model_recompute else None)
+            given = (
+                "--memory-budget"
+                if options.memory_budget is not None
+                else "--activation-budget"
+                if options.activation_budget is not None
+                else "the model file's recompute"
+                if planned.model_recompute
+                else None
+            )
             if given is None:
                 options = replace(options, activation_budget=planned.activation_budget, activation_budget_source="plan")
-                progress.note(f"recomputing activations as planned: --activation-budget {planned.activation_budget:g} "
-                              f"(the plan does not fit device memory without)")
+                progress.note(
+                    f"recomputing activations as planned: --activation-budget {planned.activation_budget:g} (the plan does not fit device memory without)"
+                )
             else:
-                progress.note(f"the plan recomputes activations at --activation-budget {planned.activation_budget:g}; "
-                              f"{given} is applied instead")
+                progress.note(f"the plan recomputes activations at --activation-budget {planned.activation_budget:g}; {given} is applied instead")
     mesh = Mesh.parse(options.strategy, options.world_size)
     if mesh.size("pp") > 1:  # refused before any tracing
         from aot.plan.pipeline import check_microbatches, chunks_of
+
         if mesh.axes[0] != "pp":
             raise AotError(f"--strategy {options.strategy}: pp must be the first (outermost) axis, e.g. pp=2,dp=2")
         chunks_of(options.pp_schedule, options.stages_per_rank)
@@ -160,6 +167,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     compile_device = None
     if options.compile == "aoti":  # a missing C++ compiler fails here, before the work
         from aot.emit.aoti import check_compiler, target_device
+
         compile_device = target_device(profile)
         check_compiler(compile_device)
     elif options.compile != "portable":
@@ -169,8 +177,9 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         mf = load_model_file(options.model_path)
         precision = resolve_precision(options.precision, options.reduce_dtype, mf.globals, mf.path.name, profile)
         machine = Machine(profile, mesh.world_size)
-        recompute_request = resolve_request(options.memory_budget, options.activation_budget, mf.globals, mf.path.name,
-                                            machine.memory_bytes, MEMORY_HEADROOM, options.activation_budget_source)
+        recompute_request = resolve_request(
+            options.memory_budget, options.activation_budget, mf.globals, mf.path.name, machine.memory_bytes, MEMORY_HEADROOM, options.activation_budget_source
+        )
         example = _stored_example(mf, options.batch_size, mesh.data_parallel_size, progress)
         inputs, targets = split_batch_tensors(example, "batch()")
         rank_inputs = [t[: options.batch_size] for t in inputs]
@@ -181,13 +190,15 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         if options.sync_batchnorm:
             state.model = convert_to_sync(state.model, mf.path.name)
         batchnorm = batchnorm_entry(state.model, [a for a in mesh.axes if a in DATA_AXES and mesh.size(a) > 1])
-    progress.note(f"{sum(p.numel() for p in state.params.values()):,} parameters, "
-                  f"{state.optimizer_class}, mesh {mesh.describe()} on topology {profile['name']!r}")
+    progress.note(
+        f"{sum(p.numel() for p in state.params.values()):,} parameters, {state.optimizer_class}, mesh {mesh.describe()} on topology {profile['name']!r}"
+    )
     if not placement.identity:
         progress.note(f"placement: {describe_placement(placement)}")
     if batchnorm and (batchnorm["synced"] or mesh.data_parallel_size > 1):
-        progress.note(f"BatchNorm: {describe_batchnorm(batchnorm)}"
-                      + ("" if batchnorm["synced"] else ", as eager DDP (--sync-batchnorm: over the data-parallel ranks)"))
+        progress.note(
+            f"BatchNorm: {describe_batchnorm(batchnorm)}" + ("" if batchnorm["synced"] else ", as eager DDP (--sync-batchnorm: over the data-parallel ranks)")
+        )
     groups = {axis: Group(Mesh.group_name(axis), mesh.size(axis)) for axis in mesh.axes if mesh.size(axis) > 1}
     tp_plan = _tensor_parallel_plan(mf, state.model, rank_inputs, mesh.size("tp"), progress) if "tp" in groups else {}
     sequence = None
@@ -196,23 +207,23 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             raise AotError("--sequence-parallel splits the tensor-parallel group's work: it needs --strategy with tp=N, N > 1")
         sequence = sequence_parallel_layout(state.model, tp_plan, "the plan")
         check_sequence_length(state.model, rank_inputs, sequence["blocks"][0], mesh.size("tp"))
-        progress.note(f"sequence parallel over blocks {sequence['blocks'][0]}..{sequence['blocks'][-1]}, "
-                      f"norms {', '.join(sequence['norms']) or 'none'}")
-    layout = StepLayout(groups.get("dp"), groups.get("fsdp"), groups.get("tp"), tuple(sorted(tp_plan.items())), sequence,
-                        precision)
+        progress.note(f"sequence parallel over blocks {sequence['blocks'][0]}..{sequence['blocks'][-1]}, norms {', '.join(sequence['norms']) or 'none'}")
+    layout = StepLayout(groups.get("dp"), groups.get("fsdp"), groups.get("tp"), tuple(sorted(tp_plan.items())), sequence, precision)
     if precision.mixed:
-        progress.note(f"precision {precision.compute}: autocast with {precision.rules}'s rules, fp32 master weights and "
-                      f"optimizer state, gradients reduced in {precision.reduce}"
-                      + (", dynamic loss scaling" if precision.scaler else ""))
+        progress.note(
+            f"precision {precision.compute}: autocast with {precision.rules}'s rules, fp32 master weights and "
+            f"optimizer state, gradients reduced in {precision.reduce}" + (", dynamic loss scaling" if precision.scaler else "")
+        )
     prefetch = None if options.prefetch_mb is None else int(options.prefetch_mb * 2**20)
     chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
-    finish = lambda gm: run_passes(gm, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch,
-                                   hierarchical=chooser)
+    finish = lambda gm: run_passes(gm, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch, hierarchical=chooser)
     pipeline_entry, program_of, pipeline_files = None, (lambda coords: PROGRAM), {}
     if "pp" in groups:
         from aot.pipeline_build import build_programs
-        built = build_programs(options, mf, state, layout, mesh, placement, machine, groups["pp"], rank_inputs,
-                                  rank_targets, recompute_request, finish, progress)
+
+        built = build_programs(
+            options, mf, state, layout, mesh, placement, machine, groups["pp"], rank_inputs, rank_targets, recompute_request, finish, progress
+        )
         captures, memory, time, recompute = built.captures, built.memory, built.time, built.recompute
         pipeline_entry, program_of, pipeline_files = built.entry, built.program_of, built.files
     else:
@@ -232,10 +243,11 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     for captured in captures.values():
         subgroups.update(level_groups(captured.graph, machine, placement))
     if subgroups:
-        split = sum(1 for c in captures.values() for n in c.graph.graph.nodes
-                    if n.op == "call_function" and n.args and str(n.args[-1]).endswith(".inter"))
-        progress.note(f"hierarchical all_reduce over {', '.join(sorted({g['axis'] for g in subgroups.values()}))}: "
-                      f"{split} all_reduce(s) split into a node level and a network level")
+        split = sum(1 for c in captures.values() for n in c.graph.graph.nodes if n.op == "call_function" and n.args and str(n.args[-1]).endswith(".inter"))
+        progress.note(
+            f"hierarchical all_reduce over {', '.join(sorted({g['axis'] for g in subgroups.values()}))}: "
+            f"{split} all_reduce(s) split into a node level and a network level"
+        )
     plan_entry, plan_files = planned.finish(captured.graph, captured.slots) if planned else (None, {})
     if plan_entry is not None:  # the placement over the mesh as built (its axes in the strategy's order)
         plan_entry["placement"] = placement.to_json()
@@ -246,43 +258,68 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     weight_bytes = sum(t.numel() * t.element_size() for t in [*state.params.values(), *state.buffers.values()])
     if options.onnx is None and weight_bytes > CHECK_BUDGET_BYTES:
         # minutes of onnxscript rewriting for a model this size, and no numeric check possible here
-        progress.note(f"ONNX export skipped: {weight_bytes / 2**30:.1f} GiB of weights is over the {CHECK_BUDGET_BYTES >> 30} GiB "
-                      f"the build checks exports for (--onnx exports it unchecked; it takes minutes)")
+        progress.note(
+            f"ONNX export skipped: {weight_bytes / 2**30:.1f} GiB of weights is over the {CHECK_BUDGET_BYTES >> 30} GiB "
+            f"the build checks exports for (--onnx exports it unchecked; it takes minutes)"
+        )
     elif options.onnx is not False:
         with progress.stage("exporting the forward to ONNX and checking it with ONNX Runtime"):
             inference = build_inference(
-                mf, state.model, rank_inputs, required=options.onnx is True, warn=warnings.append,
-                weights=init_program_weights(state.init_graph, [*state.params, *state.buffers], options.seed))
+                mf,
+                state.model,
+                rank_inputs,
+                required=options.onnx is True,
+                warn=warnings.append,
+                weights=init_program_weights(state.init_graph, [*state.params, *state.buffers], options.seed),
+            )
     for message in warnings:
         progress.warn(message)
     compiled = None
     if compile_device is not None:
         from aot.emit.aoti import compile_programs
+
         with progress.stage(f"compiling the program with AOTInductor for {compile_device.type} (about a minute on 2 cores)"):
             sizes = {Mesh.group_name(a): mesh.size(a) for a in mesh.axes if mesh.size(a) > 1}
             sizes.update({name: len(spec["groups"][0]) for name, spec in subgroups.items()})
             compiled = compile_programs(eps, sizes, mesh.world_size, compile_device)
     with progress.stage(f"writing the artifact to {options.output}"):
         manifest = emit_artifact(
-            options.output, programs={name: (eps[name], captures[name]) for name in captures}, program_of=program_of,
-            state=state, layout=layout, mesh=mesh, profile=profile,
-            placement=placement, subgroups=subgroups, example=example, batch_size=options.batch_size, sign_key=options.sign_key,
-            extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files, **pipeline_files,
-                         **(compiled.files if compiled else {})} or None,
-            extra_fields={"precision": precision.to_json(),
-                          "memory": {"predicted": memory.itemized(), "recompute": recompute},
-                          **({"pipeline": pipeline_entry} if pipeline_entry else {}),
-                          **({"batchnorm": batchnorm} if batchnorm else {}),
-                          "time": time,
-                          **({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
-                          **({"compiled": compiled.entry} if compiled else {}),
-                          **({"custom_ops": custom_ops} if custom_ops else {}),
-                          **({"plan": plan_entry} if plan_entry else {})},
+            options.output,
+            programs={name: (eps[name], captures[name]) for name in captures},
+            program_of=program_of,
+            state=state,
+            layout=layout,
+            mesh=mesh,
+            profile=profile,
+            placement=placement,
+            subgroups=subgroups,
+            example=example,
+            batch_size=options.batch_size,
+            sign_key=options.sign_key,
+            extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files, **pipeline_files, **(compiled.files if compiled else {})} or None,
+            extra_fields={
+                "precision": precision.to_json(),
+                "memory": {"predicted": memory.itemized(), "recompute": recompute},
+                **({"pipeline": pipeline_entry} if pipeline_entry else {}),
+                **({"batchnorm": batchnorm} if batchnorm else {}),
+                "time": time,
+                **({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
+                **({"compiled": compiled.entry} if compiled else {}),
+                **({"custom_ops": custom_ops} if custom_ops else {}),
+                **({"plan": plan_entry} if plan_entry else {}),
+            },
             build={
-                "model_file": mf.path.name, "model_sha256": mf.sha256, "world_size": options.world_size,
-                "strategy": mesh.describe(), "batch_size": options.batch_size, "max_steps": options.max_steps,
-                "bucket_mb": options.bucket_mb, "prefetch_mb": options.prefetch_mb, "hierarchical": options.hierarchical,
-                "seed": options.seed, "topology": profile["name"],
+                "model_file": mf.path.name,
+                "model_sha256": mf.sha256,
+                "world_size": options.world_size,
+                "strategy": mesh.describe(),
+                "batch_size": options.batch_size,
+                "max_steps": options.max_steps,
+                "bucket_mb": options.bucket_mb,
+                "prefetch_mb": options.prefetch_mb,
+                "hierarchical": options.hierarchical,
+                "seed": options.seed,
+                "topology": profile["name"],
             },
         )
     return manifest
@@ -303,13 +340,17 @@ def level_groups(gm, machine: Machine, placement: Placement) -> dict[str, dict]:
 def describe_memory(memory, recompute: dict) -> str:
     """One line: the predicted peak per rank, itemized, and what was recomputed."""
     parts = memory.itemized()
-    line = (f"predicted peak {human(parts['peak'])} per rank: parameters {human(parts['resident']['params'])}, "
-            f"optimizer state {human(parts['resident']['optimizer'])}, at the peak "
-            + ", ".join(f"{name.replace('_', ' ')} {human(n)}" for name, n in parts["at_peak"].items() if n))
+    line = (
+        f"predicted peak {human(parts['peak'])} per rank: parameters {human(parts['resident']['params'])}, "
+        f"optimizer state {human(parts['resident']['optimizer'])}, at the peak "
+        + ", ".join(f"{name.replace('_', ' ')} {human(n)}" for name, n in parts["at_peak"].items() if n)
+    )
     if recompute.get("recomputed_values"):
-        line += (f"; recomputing {recompute['recomputed_values']} saved value(s) in backward "
-                 f"({recompute['recomputed_ops']} ops): saved activations {human(recompute['saved_activation_bytes'])} -> "
-                 f"{human(recompute['kept_activation_bytes'])}")
+        line += (
+            f"; recomputing {recompute['recomputed_values']} saved value(s) in backward "
+            f"({recompute['recomputed_ops']} ops): saved activations {human(recompute['saved_activation_bytes'])} -> "
+            f"{human(recompute['kept_activation_bytes'])}"
+        )
     return line
 
 

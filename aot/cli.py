@@ -36,72 +36,141 @@ def cli():
 
 @cli.command()
 @click.argument("model_file", type=click.Path(path_type=Path))
-@click.option("--topology", metavar="PROFILE",
-              help="Built-in profile name (e.g. cpu) or a profile JSON file. Default: this machine.")
-@click.option("--nodes", type=int, default=None,
-              help="Nodes the job spans (one rank per GPU, ranks split evenly). Default: the profile's node count.")
+@click.option("--topology", metavar="PROFILE", help="Built-in profile name (e.g. cpu) or a profile JSON file. Default: this machine.")
+@click.option("--nodes", type=int, default=None, help="Nodes the job spans (one rank per GPU, ranks split evenly). Default: the profile's node count.")
 @click.option("--world-size", type=int, default=None, help="Number of ranks to build for. Default: the product of --strategy's degrees, else 1.")
-@click.option("--strategy", metavar="AXIS=N[,...]", help="Mesh as axis=degree pairs: dp=4 (data parallel), fsdp=4 (sharded, ZeRO-3), tp=2 (tensor parallel), "
-                   "pp=2 (pipeline stages, first), combined as dp=2,tp=2, fsdp=2,tp=2 or pp=2,dp=2; or auto: the best plan of "
-                   "`aot plan`. Default: data parallel over all ranks.")
-@click.option("--microbatches", type=int, default=None,
-              help="With pp: microbatches each rank's --batch-size is split into (equal sizes). Default: pp.")
-@click.option("--pp-schedule", type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b"]), default="1f1b", show_default=True,
-              help="With pp: the order of microbatch forwards and backwards, as torch.distributed.pipelining's schedules "
-                   "of the same names (1f1b holds at most pp microbatches' activations; interleaved-1f1b runs "
-                   "--stages-per-rank model chunks per rank for a smaller bubble).")
-@click.option("--stages-per-rank", type=int, default=None,
-              help="With --pp-schedule interleaved-1f1b: model chunks per pipeline rank (default 2).")
-@click.option("--sequence-parallel", is_flag=True,
-              help="With tp: split the residual stream between blocks along the sequence, so norms and dropouts run "
-                   "on 1/tp of the tokens and row-wise outputs are reduce-scattered instead of all-reduced.")
-@click.option("--sync-batchnorm", is_flag=True,
-              help="Convert every BatchNorm to SyncBatchNorm (torch's convert_sync_batchnorm): batch statistics over the "
-                   "data-parallel ranks (dp and fsdp), all-reduced inside the graph, instead of each rank's own batch as "
-                   "eager DDP computes them. A model without BatchNorm is refused.")
+@click.option(
+    "--strategy",
+    metavar="AXIS=N[,...]",
+    help="Mesh as axis=degree pairs: dp=4 (data parallel), fsdp=4 (sharded, ZeRO-3), tp=2 (tensor parallel), "
+    "pp=2 (pipeline stages, first), combined as dp=2,tp=2, fsdp=2,tp=2 or pp=2,dp=2; or auto: the best plan of "
+    "`aot plan`. Default: data parallel over all ranks.",
+)
+@click.option("--microbatches", type=int, default=None, help="With pp: microbatches each rank's --batch-size is split into (equal sizes). Default: pp.")
+@click.option(
+    "--pp-schedule",
+    type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b"]),
+    default="1f1b",
+    show_default=True,
+    help="With pp: the order of microbatch forwards and backwards, as torch.distributed.pipelining's schedules "
+    "of the same names (1f1b holds at most pp microbatches' activations; interleaved-1f1b runs "
+    "--stages-per-rank model chunks per rank for a smaller bubble).",
+)
+@click.option("--stages-per-rank", type=int, default=None, help="With --pp-schedule interleaved-1f1b: model chunks per pipeline rank (default 2).")
+@click.option(
+    "--sequence-parallel",
+    is_flag=True,
+    help="With tp: split the residual stream between blocks along the sequence, so norms and dropouts run "
+    "on 1/tp of the tokens and row-wise outputs are reduce-scattered instead of all-reduced.",
+)
+@click.option(
+    "--sync-batchnorm",
+    is_flag=True,
+    help="Convert every BatchNorm to SyncBatchNorm (torch's convert_sync_batchnorm): batch statistics over the "
+    "data-parallel ranks (dp and fsdp), all-reduced inside the graph, instead of each rank's own batch as "
+    "eager DDP computes them. A model without BatchNorm is refused.",
+)
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Samples per data-parallel rank per step.")
 @click.option("--max-steps", type=int, default=1000, show_default=True, help="Steps of learning-rate schedule to store.")
 @click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="Gradient bucket size for all_reduce, in MiB.")
-@click.option("--prefetch-mb", type=float, default=None,
-              help="FSDP: MiB of full parameters that may be gathered ahead of their use (larger hides more of a slow "
-                   "link, for more memory). Default: one parameter ahead, as FSDP does.")
-@click.option("--hierarchical", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
-              help="All_reduces over a group that spans nodes: reduce inside each node, cross the network with 1/g of the "
-                   "bytes, gather inside the node (three collectives over sub-groups). auto: each all_reduce where the "
-                   "topology's cost model says it is cheaper.")
-@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
-              help="Compute dtype: forward and loss run under torch.autocast with the target's device rules (a CUDA "
-                   "profile traces CUDA's policy even on a CPU-only machine), master weights and optimizer state stay "
-                   "fp32; fsdp all-gathers parameters in it. fp16 adds GradScaler's dynamic loss scaling inside the "
-                   "graph (overflowing steps are skipped). Default: the model file's `precision`, else fp32.")
-@click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
-              help="Dtype gradients are reduced in (dp all_reduce, fsdp reduce-scatter): fp32, or the --precision dtype "
-                   "for half the bytes. Default: the model file's `reduce_dtype`, else fp32.")
-@click.option("--memory-budget", metavar="SIZE",
-              help="Peak memory per rank the step must fit (70, 70GiB, 512MiB; a bare number is GiB): forward values "
-                   "backward reads are recomputed in backward, as few and as cheap as the cost model finds, until the "
-                   "predicted peak is under it. A budget no recomputation reaches is refused with the smallest there is. "
-                   "Default: the profile's device memory (less 10% headroom), so a step that fits recomputes nothing.")
-@click.option("--activation-budget", type=float, metavar="FRACTION",
-              help="Instead: the fraction of saved activation bytes kept (1.0: nothing recomputed, 0.5: half; cheapest "
-                   "per byte first, then whole layers). The model file's `recompute` (module patterns, e.g. "
-                   "[\"blocks.*\"]) is used when neither flag is given.")
+@click.option(
+    "--prefetch-mb",
+    type=float,
+    default=None,
+    help="FSDP: MiB of full parameters that may be gathered ahead of their use (larger hides more of a slow "
+    "link, for more memory). Default: one parameter ahead, as FSDP does.",
+)
+@click.option(
+    "--hierarchical",
+    type=click.Choice(["auto", "always", "never"]),
+    default="auto",
+    show_default=True,
+    help="All_reduces over a group that spans nodes: reduce inside each node, cross the network with 1/g of the "
+    "bytes, gather inside the node (three collectives over sub-groups). auto: each all_reduce where the "
+    "topology's cost model says it is cheaper.",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default=None,
+    help="Compute dtype: forward and loss run under torch.autocast with the target's device rules (a CUDA "
+    "profile traces CUDA's policy even on a CPU-only machine), master weights and optimizer state stay "
+    "fp32; fsdp all-gathers parameters in it. fp16 adds GradScaler's dynamic loss scaling inside the "
+    "graph (overflowing steps are skipped). Default: the model file's `precision`, else fp32.",
+)
+@click.option(
+    "--reduce-dtype",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default=None,
+    help="Dtype gradients are reduced in (dp all_reduce, fsdp reduce-scatter): fp32, or the --precision dtype "
+    "for half the bytes. Default: the model file's `reduce_dtype`, else fp32.",
+)
+@click.option(
+    "--memory-budget",
+    metavar="SIZE",
+    help="Peak memory per rank the step must fit (70, 70GiB, 512MiB; a bare number is GiB): forward values "
+    "backward reads are recomputed in backward, as few and as cheap as the cost model finds, until the "
+    "predicted peak is under it. A budget no recomputation reaches is refused with the smallest there is. "
+    "Default: the profile's device memory (less 10% headroom), so a step that fits recomputes nothing.",
+)
+@click.option(
+    "--activation-budget",
+    type=float,
+    metavar="FRACTION",
+    help="Instead: the fraction of saved activation bytes kept (1.0: nothing recomputed, 0.5: half; cheapest "
+    "per byte first, then whole layers). The model file's `recompute` (module patterns, e.g. "
+    '["blocks.*"]) is used when neither flag is given.',
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Initial weights are those of torch.manual_seed(seed); model().")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Artifact folder to write.")
 @click.option("--sign", "sign_key", type=click.Path(path_type=Path), help="Sign the artifact with this Ed25519 private key (see `aot keygen`).")
-@click.option("--onnx/--no-onnx", default=None,
-              help="Also export the forward to ONNX for `aot infer` (default: yes if the model can be, else a warning; --onnx: or fail).")
-@click.option("--compile", "compile_tier", type=click.Choice(["portable", "aoti"]), default="portable", show_default=True,
-              help="portable: ship the program as export-schema JSON only, which runs on any device with this torch "
-                   "release. aoti: also compile it with AOTInductor into native code for this machine's device kind "
-                   "(needs a C++ compiler; 20-90 s per program on 2 cores); `aot run` uses it where device kind, "
-                   "CPU level and torch build match, else the portable program with a notice.")
+@click.option(
+    "--onnx/--no-onnx",
+    default=None,
+    help="Also export the forward to ONNX for `aot infer` (default: yes if the model can be, else a warning; --onnx: or fail).",
+)
+@click.option(
+    "--compile",
+    "compile_tier",
+    type=click.Choice(["portable", "aoti"]),
+    default="portable",
+    show_default=True,
+    help="portable: ship the program as export-schema JSON only, which runs on any device with this torch "
+    "release. aoti: also compile it with AOTInductor into native code for this machine's device kind "
+    "(needs a C++ compiler; 20-90 s per program on 2 cores); `aot run` uses it where device kind, "
+    "CPU level and torch build match, else the portable program with a notice.",
+)
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
 @debug_option
-def build(model_file, topology, nodes, world_size, strategy, microbatches, pp_schedule, stages_per_rank, sequence_parallel,
-          sync_batchnorm, batch_size, max_steps, bucket_mb, prefetch_mb, hierarchical, precision, reduce_dtype, memory_budget,
-          activation_budget, seed, output, sign_key, onnx, compile_tier, quiet, as_json):
+def build(
+    model_file,
+    topology,
+    nodes,
+    world_size,
+    strategy,
+    microbatches,
+    pp_schedule,
+    stages_per_rank,
+    sequence_parallel,
+    sync_batchnorm,
+    batch_size,
+    max_steps,
+    bucket_mb,
+    prefetch_mb,
+    hierarchical,
+    precision,
+    reduce_dtype,
+    memory_budget,
+    activation_budget,
+    seed,
+    output,
+    sign_key,
+    onnx,
+    compile_tier,
+    quiet,
+    as_json,
+):
     """Trace MODEL_FILE's whole training step into per-rank artifacts.
 
     MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),
@@ -116,18 +185,40 @@ def build(model_file, topology, nodes, world_size, strategy, microbatches, pp_sc
 
     if world_size is None:
         world_size = Mesh.parse(strategy, None).world_size if strategy != "auto" else 1
-    options = BuildOptions(model_path=model_file, output=output, topology=topology, nodes=nodes, world_size=world_size,
-                           strategy=strategy, batch_size=batch_size, max_steps=max_steps, bucket_mb=bucket_mb, prefetch_mb=prefetch_mb, seed=seed,
-                           hierarchical=hierarchical, sign_key=sign_key, onnx=onnx, compile=compile_tier, sequence_parallel=sequence_parallel,
-                           precision=precision, reduce_dtype=reduce_dtype, memory_budget=memory_budget,
-                           activation_budget=activation_budget, microbatches=microbatches, pp_schedule=pp_schedule,
-                           stages_per_rank=stages_per_rank, sync_batchnorm=sync_batchnorm)
+    options = BuildOptions(
+        model_path=model_file,
+        output=output,
+        topology=topology,
+        nodes=nodes,
+        world_size=world_size,
+        strategy=strategy,
+        batch_size=batch_size,
+        max_steps=max_steps,
+        bucket_mb=bucket_mb,
+        prefetch_mb=prefetch_mb,
+        seed=seed,
+        hierarchical=hierarchical,
+        sign_key=sign_key,
+        onnx=onnx,
+        compile=compile_tier,
+        sequence_parallel=sequence_parallel,
+        precision=precision,
+        reduce_dtype=reduce_dtype,
+        memory_budget=memory_budget,
+        activation_budget=activation_budget,
+        microbatches=microbatches,
+        pp_schedule=pp_schedule,
+        stages_per_rank=stages_per_rank,
+        sync_batchnorm=sync_batchnorm,
+    )
     progress = Progress(total=6 + (onnx is not False) + (compile_tier == "aoti"), quiet=quiet or as_json)
     manifest = run_build(options, progress)
     # the busiest program's collectives (pipeline ranks run different programs)
     program = max(manifest["programs"].values(), key=lambda p: sum(c["bytes"] for c in p["collectives"]))
     summary = {
-        "output": str(output), "world_size": manifest["world_size"], "programs": len(manifest["programs"]),
+        "output": str(output),
+        "world_size": manifest["world_size"],
+        "programs": len(manifest["programs"]),
         "collectives_per_step": len(program["collectives"]),
         "collective_bytes_per_step": sum(c["bytes"] for c in program["collectives"]),
         "total_bytes": sum(f["size"] for f in manifest["files"].values()),
@@ -139,9 +230,12 @@ def build(model_file, topology, nodes, world_size, strategy, microbatches, pp_sc
     if as_json:
         click.echo(json.dumps(summary, indent=1))
     elif not quiet:
-        click.echo(f"built {summary['world_size']} rank(s), {summary['programs']} program{'s' if summary['programs'] > 1 else ''}, "
-                   f"{summary['collectives_per_step']} collective(s) per step ({human(summary['collective_bytes_per_step'])}), "
-                   f"{human(summary['total_bytes'])} in {output}/ in {summary['seconds']:.1f} s", err=True)
+        click.echo(
+            f"built {summary['world_size']} rank(s), {summary['programs']} program{'s' if summary['programs'] > 1 else ''}, "
+            f"{summary['collectives_per_step']} collective(s) per step ({human(summary['collective_bytes_per_step'])}), "
+            f"{human(summary['total_bytes'])} in {output}/ in {summary['seconds']:.1f} s",
+            err=True,
+        )
         click.echo(f"next: torchrun --nproc-per-node {summary['world_size']} -m aot run {output} --steps 10", err=True)
 
 
@@ -155,10 +249,14 @@ topology_group.add_command(calibrate_command)
 
 @cli.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--profile", "profile_dir", type=click.Path(path_type=Path),
-              help="A folder written by `aot run --profile DIR`: show measured step, compute and exposed "
-                   "communication times next to the plan's prediction, and each rank's measured peak memory next to "
-                   "the build's predicted peak.")
+@click.option(
+    "--profile",
+    "profile_dir",
+    type=click.Path(path_type=Path),
+    help="A folder written by `aot run --profile DIR`: show measured step, compute and exposed "
+    "communication times next to the plan's prediction, and each rank's measured peak memory next to "
+    "the build's predicted peak.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @debug_option
 def inspect(artifact, profile_dir, as_json):
@@ -230,10 +328,12 @@ def verify(artifact, model_file, steps, data, tolerance, as_json):
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:
-        click.echo(f"{result['steps']} steps on {result['world_size']} rank(s): "
-                   f"max |loss - eager| = {result['max_loss_diff']:.3g}, "
-                   f"max |weight - eager| = {result['max_weight_diff']:.3g} "
-                   f"(tolerance {tolerance:g}): {'OK' if result['ok'] else 'FAILED'}")
+        click.echo(
+            f"{result['steps']} steps on {result['world_size']} rank(s): "
+            f"max |loss - eager| = {result['max_loss_diff']:.3g}, "
+            f"max |weight - eager| = {result['max_weight_diff']:.3g} "
+            f"(tolerance {tolerance:g}): {'OK' if result['ok'] else 'FAILED'}"
+        )
     if not result["ok"]:
         raise SystemExit(1)
 

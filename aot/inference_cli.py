@@ -16,16 +16,28 @@ from runner.console import debug_option
 
 @click.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--input", "input_file", type=click.Path(path_type=Path), required=True,
-              help="safetensors file with `inputs` (or inputs.0, inputs.1, ...), first dimension = batch, as --data "
-                   "files; other tensors (targets) are ignored.")
+@click.option(
+    "--input",
+    "input_file",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="safetensors file with `inputs` (or inputs.0, inputs.1, ...), first dimension = batch, as --data files; other tensors (targets) are ignored.",
+)
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the outputs (`outputs` or outputs.0, ...) to this safetensors file.")
-@click.option("--provider", type=click.Choice(["tensorrt", "cuda", "cpu"]),
-              help="Execution provider to insist on. Default: the best that works here (TensorRT, then CUDA, then CPU), with a notice when one is passed over.")
+@click.option(
+    "--provider",
+    type=click.Choice(["tensorrt", "cuda", "cpu"]),
+    help="Execution provider to insist on. Default: the best that works here (TensorRT, then CUDA, then CPU), with a notice when one is passed over.",
+)
 @click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0), help="Untimed runs before timing.")
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(min=1), help="Timed runs.")
-@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(path_type=Path),
-              help="Run only artifacts signed by this public key (repeatable; see `aot keygen`), as `aot run` does.")
+@click.option(
+    "--trusted-key",
+    "trusted_keys",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Run only artifacts signed by this public key (repeatable; see `aot keygen`), as `aot run` does.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print timing and provider as JSON on stdout.")
 @debug_option
 def infer(artifact, input_file, output, provider, warmup, iters, trusted_keys, as_json):
@@ -75,24 +87,30 @@ def infer(artifact, input_file, output, provider, warmup, iters, trusted_keys, a
     if as_json:
         click.echo(json.dumps(timing, indent=1))
     else:
-        click.echo(f"{timing['iters']} runs on {timing['provider']}, batch {timing['batch_size']}: "
-                   f"p50 {timing['latency_ms_p50']:.3f} ms, p90 {timing['latency_ms_p90']:.3f} ms, "
-                   f"{timing['samples_per_s']:.0f} samples/s"
-                   + (f"; outputs written to {output}" if output is not None else ""), err=True)
+        click.echo(
+            f"{timing['iters']} runs on {timing['provider']}, batch {timing['batch_size']}: "
+            f"p50 {timing['latency_ms_p50']:.3f} ms, p90 {timing['latency_ms_p90']:.3f} ms, "
+            f"{timing['samples_per_s']:.0f} samples/s" + (f"; outputs written to {output}" if output is not None else ""),
+            err=True,
+        )
 
 
 @click.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.argument("model_file", type=click.Path(path_type=Path))
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint folder written by `aot run --save`.")
-@click.option("-o", "--output", type=click.Path(path_type=Path),
-              help="ONNX file to write. Default: the checkpoint folder's name with .onnx, beside it.")
-@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
-              help="The dtype the exported model computes in: the weights are stored in it and the forward runs in "
-                   "it (as eager model.to(dtype)). Inputs and outputs stay float32 (cast on entry and exit), so the "
-                   "same --input files and clients work. fp16 runs on the CPU provider too (fp32 kernels between "
-                   "fp16 values); bf16 needs a GPU provider (CUDA, TensorRT): ONNX Runtime's CPU provider has no "
-                   "bf16 kernels, and `aot infer` refuses it there.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="ONNX file to write. Default: the checkpoint folder's name with .onnx, beside it.")
+@click.option(
+    "--precision",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default="fp32",
+    show_default=True,
+    help="The dtype the exported model computes in: the weights are stored in it and the forward runs in "
+    "it (as eager model.to(dtype)). Inputs and outputs stay float32 (cast on entry and exit), so the "
+    "same --input files and clients work. fp16 runs on the CPU provider too (fp32 kernels between "
+    "fp16 values); bf16 needs a GPU provider (CUDA, TensorRT): ONNX Runtime's CPU provider has no "
+    "bf16 kernels, and `aot infer` refuses it there.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 @debug_option
 def export(artifact, model_file, checkpoint, output, precision, as_json):
@@ -116,16 +134,20 @@ def export(artifact, model_file, checkpoint, output, precision, as_json):
     from runner.inspect import human
 
     output = output if output is not None else Path(str(Path(checkpoint)).rstrip("/\\") + ".onnx")
-    result = export_checkpoint(artifact, model_file, checkpoint, output, precision=precision,
-                               warn=lambda msg: click.echo(msg, err=True))
+    result = export_checkpoint(artifact, model_file, checkpoint, output, precision=precision, warn=lambda msg: click.echo(msg, err=True))
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:
-        where = (f"in {result['weights_file']} ({human(result['weights_bytes'])})" if result["weights_file"]
-                 else "inside")
-        check = ("not checked" if result["max_abs_diff"] is None
-                 else f"max |{result['checked_with']} - eager| = {result['max_abs_diff']:.3g}"
-                 + (f" (tolerance {result['tolerance']:.3g})" if precision != "fp32" else ""))
-        click.echo(f"wrote {output} ({human(result['bytes'])}, the weights of step {result['step']} {where}"
-                   + (f", computing in {precision}" if precision != "fp32" else "")
-                   + f", opset {result['opset']}; {check})", err=True)
+        where = f"in {result['weights_file']} ({human(result['weights_bytes'])})" if result["weights_file"] else "inside"
+        check = (
+            "not checked"
+            if result["max_abs_diff"] is None
+            else f"max |{result['checked_with']} - eager| = {result['max_abs_diff']:.3g}"
+            + (f" (tolerance {result['tolerance']:.3g})" if precision != "fp32" else "")
+        )
+        click.echo(
+            f"wrote {output} ({human(result['bytes'])}, the weights of step {result['step']} {where}"
+            + (f", computing in {precision}" if precision != "fp32" else "")
+            + f", opset {result['opset']}; {check})",
+            err=True,
+        )

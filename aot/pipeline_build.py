@@ -29,18 +29,19 @@ TIMELINE_FILE = "pipeline/timeline.json"
 
 @dataclass
 class PipelineBuild:
-    captures: dict[str, CapturedStep]   # program name -> its step
-    memory: object                      # the predicted memory of the rank that needs most
-    time: dict                          # the manifest's `time`, the slowest rank's, with the bubble
+    captures: dict[str, CapturedStep]  # program name -> its step
+    memory: object  # the predicted memory of the rank that needs most
+    time: dict  # the manifest's `time`, the slowest rank's, with the bubble
     recompute: dict
-    entry: dict                         # the manifest's `pipeline`
-    program_of: Callable[[dict], str]   # a rank's coordinates -> its program's name
-    files: dict[str, bytes]             # the predicted timeline of every pipeline rank
+    entry: dict  # the manifest's `pipeline`
+    program_of: Callable[[dict], str]  # a rank's coordinates -> its program's name
+    files: dict[str, bytes]  # the predicted timeline of every pipeline rank
 
 
 def check_options(options, pp: int, model_globals: dict, model, name: str) -> tuple[int, int]:
     """(stages per rank, microbatches), refusing what the pipeline cannot take before any tracing."""
     from aot.plan.pipeline import check_microbatches
+
     virtual = chunks_of(options.pp_schedule, options.stages_per_rank)
     microbatches = options.microbatches or pp * (1 if virtual == 1 else 1)
     check_microbatches(options.pp_schedule, pp, microbatches, options.batch_size)
@@ -57,16 +58,27 @@ def check_options(options, pp: int, model_globals: dict, model, name: str) -> tu
     return virtual, microbatches
 
 
-def build_programs(options, mf, state, layout: StepLayout, mesh, placement, machine, group: Group, inputs, targets,
-                      request, finish, progress) -> PipelineBuild:
+def build_programs(options, mf, state, layout: StepLayout, mesh, placement, machine, group: Group, inputs, targets, request, finish, progress) -> PipelineBuild:
     pp = group.size
     if not request.none and request.source not in ("device memory",):
         raise AotError(f"{request.source}: recomputing activations is not supported with pp yet")
     virtual, microbatches = check_options(options, pp, mf.globals, state.model, mf.path.name)
     size = options.batch_size // microbatches
-    made = pipeline_programs(mf, state, layout, group, inputs, targets, microbatches=microbatches,
-                             schedule=options.pp_schedule, virtual=virtual, compute=machine.compute, finish=finish,
-                             stage=progress.stage, note=progress.note)
+    made = pipeline_programs(
+        mf,
+        state,
+        layout,
+        group,
+        inputs,
+        targets,
+        microbatches=microbatches,
+        schedule=options.pp_schedule,
+        virtual=virtual,
+        compute=machine.compute,
+        finish=finish,
+        stage=progress.stage,
+        note=progress.note,
+    )
     stages, actions = made.stages, made.actions
     tied = tied_params(stages, pp)
     if tied:
@@ -76,27 +88,36 @@ def build_programs(options, mf, state, layout: StepLayout, mesh, placement, mach
     peak = max(analyses, key=lambda n: analyses[n].memory.peak)
     times = {name: time_entry(machine, mesh, placement, a, options.bucket_mb) for name, a in analyses.items()}
     # the programs side by side: where each waits for another is the bubble
-    timeline = simulate_pipeline([captures[f"{PROGRAM_PREFIX}{r}"].graph for r in range(pp)], Planner(machine, None),
-                                 placement, group.name)
+    timeline = simulate_pipeline([captures[f"{PROGRAM_PREFIX}{r}"].graph for r in range(pp)], Planner(machine, None), placement, group.name)
     busiest = max(range(pp), key=lambda r: timeline.busy_s[r])
     time = times[f"{PROGRAM_PREFIX}{busiest}"]
-    time["predicted"] = {**time["predicted"], "step_s": timeline.step_s,
-                         "bubble_s": timeline.step_s - timeline.busy_s[busiest]}
+    time["predicted"] = {**time["predicted"], "step_s": timeline.step_s, "bubble_s": timeline.step_s - timeline.busy_s[busiest]}
     bubble = bubble_fraction(options.pp_schedule, pp, microbatches, virtual)
     entry = {
-        "axis": "pp", "group": group.name, "size": pp, "schedule": options.pp_schedule, "microbatches": microbatches,
-        "microbatch_size": size, "stages_per_rank": virtual, "predicted_bubble": bubble,
-        "stages": [{"stage": s.index, "rank": s.index % pp, "program": f"{PROGRAM_PREFIX}{s.index % pp}",
-                    "layers": s.layers, "params": s.params, "buffers": s.buffers} for s in stages],
+        "axis": "pp",
+        "group": group.name,
+        "size": pp,
+        "schedule": options.pp_schedule,
+        "microbatches": microbatches,
+        "microbatch_size": size,
+        "stages_per_rank": virtual,
+        "predicted_bubble": bubble,
+        "stages": [
+            {"stage": s.index, "rank": s.index % pp, "program": f"{PROGRAM_PREFIX}{s.index % pp}", "layers": s.layers, "params": s.params, "buffers": s.buffers}
+            for s in stages
+        ],
         "tied": tied,
         "actions": {f"{PROGRAM_PREFIX}{r}": [str(a) for a in acts] for r, acts in enumerate(actions)},
-        "programs": {f"{PROGRAM_PREFIX}{r}": {"peak_bytes": analyses[f"{PROGRAM_PREFIX}{r}"].memory.peak,
-                                              "busy_s": timeline.busy_s[r], "waiting_s": timeline.waiting_s[r]}
-                     for r in range(pp)},
+        "programs": {
+            f"{PROGRAM_PREFIX}{r}": {
+                "peak_bytes": analyses[f"{PROGRAM_PREFIX}{r}"].memory.peak,
+                "busy_s": timeline.busy_s[r],
+                "waiting_s": timeline.waiting_s[r],
+            }
+            for r in range(pp)
+        },
         "timeline": TIMELINE_FILE,
     }
     recompute = {"policy": "none", "source": request.source if not request.none else "none"}
     files = {TIMELINE_FILE: (json.dumps(timeline.trace, separators=(",", ":")) + "\n").encode()}
-    return PipelineBuild(captures, analyses[peak].memory, time, recompute, entry,
-                         lambda coords: f"{PROGRAM_PREFIX}{coords.get('pp', 0)}", files)
-
+    return PipelineBuild(captures, analyses[peak].memory, time, recompute, entry, lambda coords: f"{PROGRAM_PREFIX}{coords.get('pp', 0)}", files)

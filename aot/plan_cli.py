@@ -17,38 +17,59 @@ from runner.console import debug_option
 
 @click.command("plan")
 @click.argument("model_file", type=click.Path(path_type=Path))
-@click.option("--topology", metavar="PROFILE[,PROFILE...]",
-              help="Built-in profile name, profile JSON file or artifact folder. Default: this machine. Several, "
-                   "comma-separated (--topology dgx_a100,dgx_h100,hgx_h200): what-if across hardware, the best plan "
-                   "on each, fastest first.")
+@click.option(
+    "--topology",
+    metavar="PROFILE[,PROFILE...]",
+    help="Built-in profile name, profile JSON file or artifact folder. Default: this machine. Several, "
+    "comma-separated (--topology dgx_a100,dgx_h100,hgx_h200): what-if across hardware, the best plan "
+    "on each, fastest first.",
+)
 @click.option("--nodes", type=int, default=None, help="Nodes the job spans. Default: the profile's node count.")
-@click.option("--world-size", type=int, default=None,
-              help="Ranks. Default: every GPU of every node (cpu profiles: one rank per node).")
+@click.option("--world-size", type=int, default=None, help="Ranks. Default: every GPU of every node (cpu profiles: one rank per node).")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Samples per data-parallel rank per step.")
-@click.option("--bucket-mb", "bucket_mbs", type=float, multiple=True,
-              help="Gradient bucket size to consider, in MiB (repeatable). Default: 1, 4, 25, 100 and the model's gradients split in 2, 4 and 8.")
+@click.option(
+    "--bucket-mb",
+    "bucket_mbs",
+    type=float,
+    multiple=True,
+    help="Gradient bucket size to consider, in MiB (repeatable). Default: 1, 4, 25, 100 and the model's gradients split in 2, 4 and 8.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--axes", default="dp,fsdp,tp", show_default=True,
-              help="Parallel axes to search, comma-separated. Each tensor-parallel degree the model takes "
-                   "costs one trace of the step and a shorter one of its optimizer (about a second each); "
-                   "--axes dp,fsdp searches without tp. Add pp to price pipeline meshes too (pp outermost; 1f1b and "
-                   "interleaved-1f1b at 1, 2 and 4 microbatches per pipeline rank; every pipeline rank's program "
-                   "is traced, so it takes longer).")
-@click.option("--sequence-parallel", is_flag=True,
-              help="Price tensor-parallel meshes with sequence parallelism, as `aot build --sequence-parallel` builds them.")
-@click.option("--hierarchical", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
-              help="Price all_reduces over groups that span nodes in two levels (reduce-scatter inside a node, "
-                   "all_reduce across nodes, all-gather): where cheaper, always, or never; as `aot build --hierarchical`.")
-@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
-              help="Price the step as `aot build --precision` builds it (smaller activations and collectives, "
-                   "matmuls at the profile's bf16/fp16 rate). Default: the model file's `precision`, else fp32.")
-@click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
-              help="Dtype gradients are reduced in, as `aot build --reduce-dtype`.")
+@click.option(
+    "--axes",
+    default="dp,fsdp,tp",
+    show_default=True,
+    help="Parallel axes to search, comma-separated. Each tensor-parallel degree the model takes "
+    "costs one trace of the step and a shorter one of its optimizer (about a second each); "
+    "--axes dp,fsdp searches without tp. Add pp to price pipeline meshes too (pp outermost; 1f1b and "
+    "interleaved-1f1b at 1, 2 and 4 microbatches per pipeline rank; every pipeline rank's program "
+    "is traced, so it takes longer).",
+)
+@click.option(
+    "--sequence-parallel", is_flag=True, help="Price tensor-parallel meshes with sequence parallelism, as `aot build --sequence-parallel` builds them."
+)
+@click.option(
+    "--hierarchical",
+    type=click.Choice(["auto", "always", "never"]),
+    default="auto",
+    show_default=True,
+    help="Price all_reduces over groups that span nodes in two levels (reduce-scatter inside a node, "
+    "all_reduce across nodes, all-gather): where cheaper, always, or never; as `aot build --hierarchical`.",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default=None,
+    help="Price the step as `aot build --precision` builds it (smaller activations and collectives, "
+    "matmuls at the profile's bf16/fp16 rate). Default: the model file's `precision`, else fp32.",
+)
+@click.option(
+    "--reduce-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None, help="Dtype gradients are reduced in, as `aot build --reduce-dtype`."
+)
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print every candidate as JSON.")
 @debug_option
-def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, axes, sequence_parallel, hierarchical,
-         precision, reduce_dtype, top, as_json):
+def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, axes, sequence_parallel, hierarchical, precision, reduce_dtype, top, as_json):
     """Rank the ways to train MODEL_FILE on a topology, before any GPU is used.
 
     Traces the step a few times, then prices every candidate plan (parallel degrees among the axes the
@@ -94,8 +115,15 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     unknown = [a for a in searched if a not in BUILD_AXES]
     if unknown or not searched:
         raise AotError(f"--axes {axes!r}: expected some of {', '.join(BUILD_AXES)}")
-    options = dict(seed=seed, bucket_mbs=tuple(bucket_mbs) or None, axes=searched, sequence_parallel=sequence_parallel,
-                   hierarchical=hierarchical, precision=precision, reduce_dtype=reduce_dtype)
+    options = dict(
+        seed=seed,
+        bucket_mbs=tuple(bucket_mbs) or None,
+        axes=searched,
+        sequence_parallel=sequence_parallel,
+        hierarchical=hierarchical,
+        precision=precision,
+        reduce_dtype=reduce_dtype,
+    )
     if len(targets) > 1:
         from aot.plan_whatif import what_if
 
@@ -109,19 +137,34 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     seconds = time.perf_counter() - started
     rows = [p.row() for p in plans]
     if as_json:
-        click.echo(json.dumps({
-            "model_file": str(model_file), "topology": machine.name, "nodes": machine.nodes,
-            "world_size": world_size, "batch_size": batch_size, "parameters": steps.params,
-            "precision": steps.precision.to_json(),
-            "calibrated": bool(machine.calibration) or machine.compute.calibrated,
-            "overlap": planner.overlaps, "device_memory_bytes": machine.memory_bytes, "memory_headroom": MEMORY_HEADROOM,
-            "seconds": round(seconds, 3), "skipped": skipped, "plans": rows,
-        }, indent=1))
+        click.echo(
+            json.dumps(
+                {
+                    "model_file": str(model_file),
+                    "topology": machine.name,
+                    "nodes": machine.nodes,
+                    "world_size": world_size,
+                    "batch_size": batch_size,
+                    "parameters": steps.params,
+                    "precision": steps.precision.to_json(),
+                    "calibrated": bool(machine.calibration) or machine.compute.calibrated,
+                    "overlap": planner.overlaps,
+                    "device_memory_bytes": machine.memory_bytes,
+                    "memory_headroom": MEMORY_HEADROOM,
+                    "seconds": round(seconds, 3),
+                    "skipped": skipped,
+                    "plans": rows,
+                },
+                indent=1,
+            )
+        )
         return
     calibrated = "calibrated" if (machine.calibration or machine.compute.calibrated) else "uncalibrated: absolute times are estimates"
-    header = (f"{Path(model_file).name}: {steps.params:,} parameters, {steps.precision.compute}, "
-              f"batch {batch_size} per data-parallel rank, "
-              f"{world_size} rank(s) on {machine.describe()} ({calibrated})")
+    header = (
+        f"{Path(model_file).name}: {steps.params:,} parameters, {steps.precision.compute}, "
+        f"batch {batch_size} per data-parallel rank, "
+        f"{world_size} rank(s) on {machine.describe()} ({calibrated})"
+    )
     click.echo(render_table(rows[:top], header))
     if len(rows) > top:
         click.echo(f"... {len(rows) - top} more (--top, --json)")
@@ -130,23 +173,32 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     if plans:
         best = next((p for p in plans if p.fits), None)
         if best is not None:
-            click.echo(f"\nbest: --strategy {best.strategy} --bucket-mb {best.bucket_mb:g}"
-                       + (f" --activation-budget {best.recompute:g}" if best.recompute is not None else "")
-                       + (f" --microbatches {best.pipeline['microbatches']} --pp-schedule {best.pipeline['schedule']}"
-                          + (f" --stages-per-rank {best.pipeline['stages_per_rank']}" if best.pipeline["stages_per_rank"] > 1 else "")
-                          if best.pipeline else "")
-                       + (f" (NCCL_ALGO={best.nccl_algo})" if best.nccl_algo else "")
-                       + f"; aot build {model_file} --topology {topology or 'live'} --world-size {world_size} --strategy auto"
-                       + (f" --hierarchical {hierarchical}" if hierarchical != "auto" else "")
-                       + (f" --precision {precision}" if precision else "")
-                       + (f" --reduce-dtype {reduce_dtype}" if reduce_dtype else ""))
+            click.echo(
+                f"\nbest: --strategy {best.strategy} --bucket-mb {best.bucket_mb:g}"
+                + (f" --activation-budget {best.recompute:g}" if best.recompute is not None else "")
+                + (
+                    f" --microbatches {best.pipeline['microbatches']} --pp-schedule {best.pipeline['schedule']}"
+                    + (f" --stages-per-rank {best.pipeline['stages_per_rank']}" if best.pipeline["stages_per_rank"] > 1 else "")
+                    if best.pipeline
+                    else ""
+                )
+                + (f" (NCCL_ALGO={best.nccl_algo})" if best.nccl_algo else "")
+                + f"; aot build {model_file} --topology {topology or 'live'} --world-size {world_size} --strategy auto"
+                + (f" --hierarchical {hierarchical}" if hierarchical != "auto" else "")
+                + (f" --precision {precision}" if precision else "")
+                + (f" --reduce-dtype {reduce_dtype}" if reduce_dtype else "")
+            )
             click.echo(f"memory of #{plans.index(best) + 1}: {describe_memory(best.row())}")
             if best.recompute is not None:
-                without = next((p for p in plans if p.recompute is None and p.strategy == best.strategy
-                                and p.bucket_mb == best.bucket_mb), None)
-                click.echo(f"recomputing activations (keeping at most {best.recompute:g} of the saved activation bytes)"
-                           + (f"; without: peak {human(without.prediction.memory.peak)}, over the "
-                              f"{human(int(MEMORY_HEADROOM * machine.memory_bytes))} usable" if without and machine.memory_bytes else ""))
+                without = next((p for p in plans if p.recompute is None and p.strategy == best.strategy and p.bucket_mb == best.bucket_mb), None)
+                click.echo(
+                    f"recomputing activations (keeping at most {best.recompute:g} of the saved activation bytes)"
+                    + (
+                        f"; without: peak {human(without.prediction.memory.peak)}, over the {human(int(MEMORY_HEADROOM * machine.memory_bytes))} usable"
+                        if without and machine.memory_bytes
+                        else ""
+                    )
+                )
         else:
             click.echo("\nno plan fits the device memory")
             smallest = min(range(len(plans)), key=lambda i: plans[i].prediction.memory.peak)
@@ -155,22 +207,28 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
 
 
 @click.command("calibrate")
-@click.option("--profile", "base", metavar="PROFILE",
-              help="Profile to calibrate (built-in name, file or artifact). Default: this machine (probed).")
+@click.option("--profile", "base", metavar="PROFILE", help="Profile to calibrate (built-in name, file or artifact). Default: this machine (probed).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Calibrated profile to write (rank 0).")
 @click.option("--name", help="Name of the calibrated profile. Default: the base profile's name + '-calibrated'.")
 @click.option("--min-bytes", type=click.IntRange(min=4), default=4096, show_default=True, help="Smallest message.")
-@click.option("--max-bytes", type=click.IntRange(min=4), default=None,
-              help="Largest message. Default: 16 MiB on cpu ranks, 256 MiB on GPUs.")
-@click.option("--reps", type=click.IntRange(min=1), default=7, show_default=True,
-              help="Least timed repetitions per size.")
-@click.option("--min-seconds", type=click.FloatRange(min=0), default=0.25, show_default=True,
-              help="Keep repeating each size until this long has been timed (at most 400 times): a small "
-                   "CPU collective's time is bimodal, and a few repetitions land in either mode.")
-@click.option("--rounds", type=click.IntRange(min=1), default=None,
-              help="Rounds of compute (and, on CPU ranks, in-step stall) measurements; each figure is the median "
-                   "over rounds. Default: 5 on CPU ranks (a shared machine's speed drifts from one ten seconds "
-                   "to the next), 1 on GPUs.")
+@click.option("--max-bytes", type=click.IntRange(min=4), default=None, help="Largest message. Default: 16 MiB on cpu ranks, 256 MiB on GPUs.")
+@click.option("--reps", type=click.IntRange(min=1), default=7, show_default=True, help="Least timed repetitions per size.")
+@click.option(
+    "--min-seconds",
+    type=click.FloatRange(min=0),
+    default=0.25,
+    show_default=True,
+    help="Keep repeating each size until this long has been timed (at most 400 times): a small "
+    "CPU collective's time is bimodal, and a few repetitions land in either mode.",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Rounds of compute (and, on CPU ranks, in-step stall) measurements; each figure is the median "
+    "over rounds. Default: 5 on CPU ranks (a shared machine's speed drifts from one ten seconds "
+    "to the next), 1 on GPUs.",
+)
 @debug_option
 def calibrate(base, output, name, min_bytes, max_bytes, reps, min_seconds, rounds):
     """Measure this machine's collectives and compute and write them into a profile copy.
@@ -223,17 +281,26 @@ def calibrate(base, output, name, min_bytes, max_bytes, reps, min_seconds, round
         raise AotError(f"{output}: cannot write ({e.strerror})") from None
     for cls, entry in (result.get("calibration") or {}).items():
         for kind, ab in (entry.get("per_kind") or {}).items():
-            log(f"{cls:<8} {kind:<15} alpha {ab['alpha_s'] * 1e6:8.2f} us  beta {ab['beta_s_per_byte']:.3g} s/B "
-                f"({1 / ab['beta_s_per_byte'] / 1e9 if ab['beta_s_per_byte'] else float('inf'):.3g} GB/s)")
+            log(
+                f"{cls:<8} {kind:<15} alpha {ab['alpha_s'] * 1e6:8.2f} us  beta {ab['beta_s_per_byte']:.3g} s/B "
+                f"({1 / ab['beta_s_per_byte'] / 1e9 if ab['beta_s_per_byte'] else float('inf'):.3g} GB/s)"
+            )
     c = result["compute"]
-    log(f"compute  {', '.join(f'{k} {v / 1e9:.3g} GFLOP/s' for k, v in c['flops_per_s'].items())}, "
+    log(
+        f"compute  {', '.join(f'{k} {v / 1e9:.3g} GFLOP/s' for k, v in c['flops_per_s'].items())}, "
         f"memory {c['memory_bytes_per_s'] / 1e9:.3g} GB/s, {c['op_overhead_s'] * 1e6:.2f} us per op"
-        + (f" beyond its call ({len(c['dispatch_s'])} ops' calls timed, median "
-           f"{statistics.median(one for one, _ in c['dispatch_s'].values()) * 1e6:.1f} us)" if c.get("dispatch_s") else "")
-        + f", {c['efficiency']:.0%} of that roofline on real ops")
+        + (
+            f" beyond its call ({len(c['dispatch_s'])} ops' calls timed, median {statistics.median(one for one, _ in c['dispatch_s'].values()) * 1e6:.1f} us)"
+            if c.get("dispatch_s")
+            else ""
+        )
+        + f", {c['efficiency']:.0%} of that roofline on real ops"
+    )
     for kind, table in (c.get("collective_stall_by_kind") or {"collective": c.get("collective_stall_by_segment") or ()}).items():
         for seconds, stall in table:
             slow = sum(1 for t in stall if t > 1e-3) / len(stall)
-            log(f"in-step  after {seconds * 1e3:6.2f} ms of compute a blocking {kind:<14} stalls {sum(stall) / len(stall) * 1e3:5.2f} ms "
-                f"on average (median {stall[len(stall) // 2] * 1e3:5.2f} ms; {slow:.0%} over 1 ms)")
+            log(
+                f"in-step  after {seconds * 1e3:6.2f} ms of compute a blocking {kind:<14} stalls {sum(stall) / len(stall) * 1e3:5.2f} ms "
+                f"on average (median {stall[len(stall) // 2] * 1e3:5.2f} ms; {slow:.0%} over 1 ms)"
+            )
     log(f"wrote {result['name']!r} to {output}")

@@ -11,16 +11,41 @@ def ms(s: float) -> str:
 def render_table(rows: list[dict], header: str) -> str:
     from runner.inspect import human
 
-    cols = ["#", "strategy", "bucket MiB", "recompute", "step ms", "compute ms", "exposed comm ms", "memory/rank",
-            "collectives", "bytes/step", "algorithms", "fits"]
+    cols = [
+        "#",
+        "strategy",
+        "bucket MiB",
+        "recompute",
+        "step ms",
+        "compute ms",
+        "exposed comm ms",
+        "memory/rank",
+        "collectives",
+        "bytes/step",
+        "algorithms",
+        "fits",
+    ]
     left = (cols.index("strategy"), cols.index("algorithms"))
     table = [cols]
     for i, r in enumerate(rows, 1):
         algos = ", ".join(f"{n} {k}" for k, n in r["algorithms"].items()) or "-"
         recompute = "-" if r.get("recompute") is None else f"{r['recompute']:g}"
-        table.append([str(i), strategy_label(r), f"{r['bucket_mb']:g}", recompute, ms(r["step_s"]), ms(r["compute_s"]),
-                      ms(r["exposed_comm_s"]), human(r["memory_bytes"]["peak"]), str(r["collectives_per_step"]),
-                      human(r["collective_bytes_per_step"]), algos, "yes" if r["fits"] else "NO"])
+        table.append(
+            [
+                str(i),
+                strategy_label(r),
+                f"{r['bucket_mb']:g}",
+                recompute,
+                ms(r["step_s"]),
+                ms(r["compute_s"]),
+                ms(r["exposed_comm_s"]),
+                human(r["memory_bytes"]["peak"]),
+                str(r["collectives_per_step"]),
+                human(r["collective_bytes_per_step"]),
+                algos,
+                "yes" if r["fits"] else "NO",
+            ]
+        )
     return "\n".join([header, "", *aligned(table, left)])
 
 
@@ -35,8 +60,7 @@ def aligned(table: list[list[str]], left: tuple[int, ...]) -> list[str]:
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = []
     for k, row in enumerate(table):
-        lines.append("  ".join(cell.rjust(widths[i]) if i not in left else cell.ljust(widths[i])
-                               for i, cell in enumerate(row)).rstrip())
+        lines.append("  ".join(cell.rjust(widths[i]) if i not in left else cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     return lines
@@ -48,13 +72,14 @@ def describe_memory(row: dict) -> str:
     from runner.inspect import human
 
     m = row["memory_bytes"]
-    resident = [("parameters", m["params"]), ("optimizer state", m["optimizer"]), ("buffers", m["buffers"]),
-                ("batch", m["batch"])]
+    resident = [("parameters", m["params"]), ("optimizer state", m["optimizer"]), ("buffers", m["buffers"]), ("batch", m["batch"])]
     at_peak = [(part.replace("_", " "), n) for part, n in m["at_peak"].items()]
-    line = (f"peak {human(m['peak'])} per rank: "
-            + ", ".join(f"{name} {human(n)}" for name, n in resident if n or name in ("parameters", "optimizer state"))
-            + "; at the peak " + ", ".join(f"{name} {human(n)}" for name, n in at_peak
-                                           if n or name in ("activations", "gradients", "collective buffers")))
+    line = (
+        f"peak {human(m['peak'])} per rank: "
+        + ", ".join(f"{name} {human(n)}" for name, n in resident if n or name in ("parameters", "optimizer state"))
+        + "; at the peak "
+        + ", ".join(f"{name} {human(n)}" for name, n in at_peak if n or name in ("activations", "gradients", "collective buffers"))
+    )
     if m["activations_peak"] > m["at_peak"]["activations"]:
         line += f" (activations at their own peak {human(m['activations_peak'])})"
     return line

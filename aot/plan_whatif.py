@@ -13,8 +13,7 @@ import click
 from aot.plan_tables import aligned, ms, strategy_label
 
 
-def what_if(model_file: Path, targets: list[tuple[str, tuple[dict, int]]], batch_size: int, options: dict,
-            as_json: bool) -> None:
+def what_if(model_file: Path, targets: list[tuple[str, tuple[dict, int]]], batch_size: int, options: dict, as_json: bool) -> None:
     """Plan `model_file` on each (name as given, (profile, world size)) and print the ranking."""
     from aot.plan.search import plan_model
 
@@ -22,28 +21,39 @@ def what_if(model_file: Path, targets: list[tuple[str, tuple[dict, int]]], batch
     for name, (profile, world_size) in targets:
         plans, skipped, planner, steps = plan_model(model_file, profile, world_size, batch_size, reuse=steps, **options)
         machine = planner.machine
-        entries.append({
-            "topology": name, "name": machine.name, "nodes": machine.nodes, "world_size": world_size,
-            "calibrated": bool(machine.calibration) or machine.compute.calibrated,
-            "device_memory_bytes": machine.memory_bytes, "overlap": planner.overlaps,
-            "plans_priced": len(plans), "skipped": skipped,
-            # the search ranks plans that fit first: its first row is `aot plan`'s best
-            "best": plans[0].row() if plans else None,
-        })
+        entries.append(
+            {
+                "topology": name,
+                "name": machine.name,
+                "nodes": machine.nodes,
+                "world_size": world_size,
+                "calibrated": bool(machine.calibration) or machine.compute.calibrated,
+                "device_memory_bytes": machine.memory_bytes,
+                "overlap": planner.overlaps,
+                "plans_priced": len(plans),
+                "skipped": skipped,
+                # the search ranks plans that fit first: its first row is `aot plan`'s best
+                "best": plans[0].row() if plans else None,
+            }
+        )
     entries.sort(key=rank_key)
     if as_json:
         click.echo(json.dumps(entries, indent=1))
         return
-    header = (f"{Path(model_file).name}: {steps.params:,} parameters, {steps.precision.compute}, "
-              f"batch {batch_size} per data-parallel rank; the best plan on each of {len(entries)} topologies")
+    header = (
+        f"{Path(model_file).name}: {steps.params:,} parameters, {steps.precision.compute}, "
+        f"batch {batch_size} per data-parallel rank; the best plan on each of {len(entries)} topologies"
+    )
     click.echo(render(entries, header))
     first = entries[0]
     if first["best"] is not None and first["best"]["fits"]:
-        click.echo(f"\nfastest: {first['name']} with --strategy {first['best']['strategy']}; "
-                   f"aot build {model_file} --topology {first['topology']} --world-size {first['world_size']} "
-                   f"--strategy auto" + "".join(f" --{option.replace('_', '-')} {options[option]}"
-                                                for option in ("precision", "reduce_dtype") if options.get(option))
-                   + (f" --hierarchical {options['hierarchical']}" if options.get("hierarchical", "auto") != "auto" else ""))
+        click.echo(
+            f"\nfastest: {first['name']} with --strategy {first['best']['strategy']}; "
+            f"aot build {model_file} --topology {first['topology']} --world-size {first['world_size']} "
+            f"--strategy auto"
+            + "".join(f" --{option.replace('_', '-')} {options[option]}" for option in ("precision", "reduce_dtype") if options.get(option))
+            + (f" --hierarchical {options['hierarchical']}" if options.get("hierarchical", "auto") != "auto" else "")
+        )
     if not all(e["calibrated"] for e in entries):
         click.echo("uncalibrated profiles: absolute times are estimates (aot topology calibrate)")
 
@@ -57,8 +67,7 @@ def rank_key(entry: dict) -> tuple:
 def render(entries: list[dict], header: str) -> str:
     from runner.inspect import human
 
-    cols = ["#", "topology", "ranks", "strategy", "recompute", "step ms", "vs fastest", "compute ms",
-            "exposed comm ms", "memory/rank", "device memory", "fits"]
+    cols = ["#", "topology", "ranks", "strategy", "recompute", "step ms", "vs fastest", "compute ms", "exposed comm ms", "memory/rank", "device memory", "fits"]
     table = [cols]
     fastest = next((e["best"]["step_s"] for e in entries if e["best"]), None)
     for i, e in enumerate(entries, 1):
@@ -68,8 +77,20 @@ def render(entries: list[dict], header: str) -> str:
             table.append([str(i), e["name"], str(e["world_size"]), "no plan priced", *["-"] * 6, device, "-"])
             continue
         recompute = "-" if best.get("recompute") is None else f"{best['recompute']:g}"
-        table.append([str(i), e["name"], str(e["world_size"]), strategy_label(best), recompute, ms(best["step_s"]),
-                      f"{best['step_s'] / fastest:.2f}x" if fastest else "-", ms(best["compute_s"]),
-                      ms(best["exposed_comm_s"]), human(best["memory_bytes"]["peak"]), device,
-                      "yes" if best["fits"] else "NO"])
+        table.append(
+            [
+                str(i),
+                e["name"],
+                str(e["world_size"]),
+                strategy_label(best),
+                recompute,
+                ms(best["step_s"]),
+                f"{best['step_s'] / fastest:.2f}x" if fastest else "-",
+                ms(best["compute_s"]),
+                ms(best["exposed_comm_s"]),
+                human(best["memory_bytes"]["peak"]),
+                device,
+                "yes" if best["fits"] else "NO",
+            ]
+        )
     return "\n".join([header, "", *aligned(table, (cols.index("topology"), cols.index("strategy")))])

@@ -46,7 +46,14 @@ def _table(rows: list[list[str]], gap: int = 2) -> list[str]:
 def render(profile: dict) -> str:
     """The profile for people: summary, `nvidia-smi topo -m` matrix, bandwidths, GPUs, NICs, fabric."""
     from runner.topology import (
-        describe, gib, gpu_label, gpus_in_order, nic_list, normalize_bus_id, pair_links, profile_sha256,
+        describe,
+        gib,
+        gpu_label,
+        gpus_in_order,
+        nic_list,
+        normalize_bus_id,
+        pair_links,
+        profile_sha256,
     )
 
     out = [f"topology {profile['name']}  (aot-topology v{profile['schema_version']}, sha256 {profile_sha256(profile)[:16]}...)"]
@@ -108,17 +115,19 @@ def render(profile: dict) -> str:
     header = [""] + [f"GPU{i}" for i in range(n)] + [f"NIC{k}" for k in range(len(nics))] + ["CPU Affinity", "NUMA Affinity"]
     rows = [header]
     for i, (_, g) in enumerate(gpus):
-        rows.append([f"GPU{i}"] + [gpu_cell(i, j) for j in range(n)] + [nic_cell(nic, i) for nic in nics]
-                    + [g.get("cpu_affinity") or "?", "?" if g.get("numa_node") is None else str(g["numa_node"])])
+        rows.append(
+            [f"GPU{i}"]
+            + [gpu_cell(i, j) for j in range(n)]
+            + [nic_cell(nic, i) for nic in nics]
+            + [g.get("cpu_affinity") or "?", "?" if g.get("numa_node") is None else str(g["numa_node"])]
+        )
     for k, nic in enumerate(nics):
         rows.append([f"NIC{k}"] + [nic_cell(nic, i) for i in range(n)] + [nic_nic(nic, other) for other in nics])
     out += ["", *_table(rows)]
     if nics:
-        out += ["", "NIC Legend:"] + [f"  NIC{k}: {nic['name']}" + (f" port {nic['port']}" if nic.get("port") else "")
-                                      for k, nic in enumerate(nics)]
+        out += ["", "NIC Legend:"] + [f"  NIC{k}: {nic['name']}" + (f" port {nic['port']}" if nic.get("port") else "") for k, nic in enumerate(nics)]
 
-    out += ["", "GB/s per direction between GPUs (NVLink; else PCIe P2P at the slower GPU's link; "
-                "'host' = no P2P, copies go through host memory):"]
+    out += ["", "GB/s per direction between GPUs (NVLink; else PCIe P2P at the slower GPU's link; 'host' = no P2P, copies go through host memory):"]
     rows = [[""] + [f"GPU{i}" for i in range(n)]]
     for i, (_, gi) in enumerate(gpus):
         row = [f"GPU{i}"]
@@ -145,11 +154,19 @@ def render(profile: dict) -> str:
         cc = g.get("compute_capability")
         tf = g.get("peak_tflops") or {}
         flops = " / ".join(f"{d} {tf[d]:g}" for d in ("fp8", "bf16", "tf32", "fp32") if d in tf)
-        rows.append([f"  GPU{i}", bus, g["name"], f"sm_{cc[0]}{cc[1]}" if cc else "sm_?", gib(g["memory_bytes"]),
-                     f"{g['memory_bandwidth_gb_per_s']:g} GB/s" if g.get("memory_bandwidth_gb_per_s") else "? GB/s",
-                     (flops + " TFLOP/s") if flops else "TFLOP/s unknown",
-                     f"PCIe Gen{g['pcie']['generation']} x{g['pcie']['width']}" if g.get("pcie") else "PCIe ?",
-                     f"NUMA {g['numa_node']}" if g.get("numa_node") is not None else "NUMA ?"])
+        rows.append(
+            [
+                f"  GPU{i}",
+                bus,
+                g["name"],
+                f"sm_{cc[0]}{cc[1]}" if cc else "sm_?",
+                gib(g["memory_bytes"]),
+                f"{g['memory_bandwidth_gb_per_s']:g} GB/s" if g.get("memory_bandwidth_gb_per_s") else "? GB/s",
+                (flops + " TFLOP/s") if flops else "TFLOP/s unknown",
+                f"PCIe Gen{g['pcie']['generation']} x{g['pcie']['width']}" if g.get("pcie") else "PCIe ?",
+                f"NUMA {g['numa_node']}" if g.get("numa_node") is not None else "NUMA ?",
+            ]
+        )
     out += _table(rows)
     if nics:
         out += ["", "NICs:"]
@@ -157,22 +174,34 @@ def render(profile: dict) -> str:
         for k, nic in enumerate(nics):
             near = [index[normalize_bus_id(b)] for b in nic.get("nearest_gpus", [])]
             rate = nic["rate_gbit_per_s"]
-            rows.append([f"  NIC{k}", nic["name"], nic.get("link_layer") or "", f"{rate:g} Gb/s" if rate else "down",
-                         f"NUMA {nic['numa_node']}" if nic.get("numa_node") is not None else "NUMA ?",
-                         f"nearest {gpu_label(near)} ({nic.get('path_to_nearest') or '?'})" if near else "not near a GPU"])
+            rows.append(
+                [
+                    f"  NIC{k}",
+                    nic["name"],
+                    nic.get("link_layer") or "",
+                    f"{rate:g} Gb/s" if rate else "down",
+                    f"NUMA {nic['numa_node']}" if nic.get("numa_node") is not None else "NUMA ?",
+                    f"nearest {gpu_label(near)} ({nic.get('path_to_nearest') or '?'})" if near else "not near a GPU",
+                ]
+            )
         out += _table(rows)
     fabric = profile.get("fabric")
     if fabric:
         per = f" at {fabric['gb_per_s_per_rail']:g} GB/s each" if fabric.get("gb_per_s_per_rail") else ""
         lat = f"{fabric['latency_us']:g} us latency" if fabric.get("latency_us") else "latency not measured"
-        out += ["", f"Inter-node fabric: {fabric['kind']}, {fabric['rails_per_node']} rail(s) per node{per}, {lat}"
-                + (f"; {profile['nodes']} nodes" if profile["nodes"] > 1 else "")]
+        out += [
+            "",
+            f"Inter-node fabric: {fabric['kind']}, {fabric['rails_per_node']} rail(s) per node{per}, {lat}"
+            + (f"; {profile['nodes']} nodes" if profile["nodes"] > 1 else ""),
+        ]
     calibration = profile.get("calibration")
     if calibration:
         out += ["", "Calibration (alpha: latency per message; beta: seconds per byte):"]
-        out += [f"  {cls:<8} alpha {ab['alpha_s'] * 1e6:.3g} us  beta {ab['beta_s_per_byte']:.3g} s/B"
-                + (f" ({1 / ab['beta_s_per_byte'] / 1e9:.3g} GB/s)" if ab["beta_s_per_byte"] else "")
-                for cls, ab in calibration.items()]
+        out += [
+            f"  {cls:<8} alpha {ab['alpha_s'] * 1e6:.3g} us  beta {ab['beta_s_per_byte']:.3g} s/B"
+            + (f" ({1 / ab['beta_s_per_byte'] / 1e9:.3g} GB/s)" if ab["beta_s_per_byte"] else "")
+            for cls, ab in calibration.items()
+        ]
     out += ["", LEGEND]
     return "\n".join(out) + "\n"
 
@@ -196,8 +225,7 @@ def topology():
 @topology.command()
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the profile here (default: stdout).")
 @click.option("--name", help="Profile name. Default: this machine's host name.")
-@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Nodes of this type in the cluster the profile describes.")
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="Nodes of this type in the cluster the profile describes.")
 @click.option("--quiet", is_flag=True, help="No summary or notes on stderr.")
 @debug_option
 def probe(output, name, nodes, quiet):
@@ -250,8 +278,9 @@ def show(profile, nodes, as_json):
 
 @topology.command()
 @click.argument("profile")
-@click.option("--nodes", type=click.IntRange(min=1),
-              help="Nodes in the job this machine belongs to, checked against the profile's count. Default: not checked.")
+@click.option(
+    "--nodes", type=click.IntRange(min=1), help="Nodes in the job this machine belongs to, checked against the profile's count. Default: not checked."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @debug_option
 def verify(profile, nodes, as_json):
@@ -273,14 +302,12 @@ def verify(profile, nodes, as_json):
     live.pop("nodes_unknown", None)
     lines = mismatches(p, live)
     if as_json:
-        click.echo(json.dumps({"profile": p["name"], "ok": not lines, "mismatches": lines,
-                               "live": describe(live), "expected": describe(p)}, indent=1))
+        click.echo(json.dumps({"profile": p["name"], "ok": not lines, "mismatches": lines, "live": describe(live), "expected": describe(p)}, indent=1))
         if lines:
             raise SystemExit(1)
         return
     if lines:
         for line in lines:
             click.echo(f"mismatch: {line}")
-        raise AotError(f"this machine differs from topology {p['name']!r} in {len(lines)} way"
-                       f"{'s' if len(lines) != 1 else ''} (listed above)")
+        raise AotError(f"this machine differs from topology {p['name']!r} in {len(lines)} way{'s' if len(lines) != 1 else ''} (listed above)")
     click.echo(f"this machine matches topology {p['name']!r}: {describe(p)}")

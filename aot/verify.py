@@ -29,22 +29,38 @@ def verify(artifact_dir: Path, model_file: Path, *, steps: int, data: Path | Non
     mf = load_model_file(model_file)
     built = artifact.manifest["build"].get("model_sha256")
     if built != mf.sha256:
-        raise AotError(f"{model_file}: differs from the model file the artifact was built from "
-                       f"(sha256 {mf.sha256[:12]}... vs {str(built)[:12]}...)")
+        raise AotError(f"{model_file}: differs from the model file the artifact was built from (sha256 {mf.sha256[:12]}... vs {str(built)[:12]}...)")
     world = artifact.world_size
     batchnorm = artifact.manifest.get("batchnorm") or {}
     if batchnorm.get("synced") and batchnorm.get("axes"):
         # eager SyncBatchNorm raises on CPU, and eager DDP's per-rank BatchNorm is not what the program computes
-        raise AotError(f"{artifact_dir}: its SyncBatchNorm computes batch statistics over {','.join(batchnorm['axes'])}, "
-                       f"which eager DDP on CPU cannot (eager SyncBatchNorm needs GPUs); its reference is one process "
-                       f"over the global batch (see tests/test_sync_batchnorm.py)")
+        raise AotError(
+            f"{artifact_dir}: its SyncBatchNorm computes batch statistics over {','.join(batchnorm['axes'])}, "
+            f"which eager DDP on CPU cannot (eager SyncBatchNorm needs GPUs); its reference is one process "
+            f"over the global batch (see tests/test_sync_batchnorm.py)"
+        )
     if world > max_local_ranks():
-        raise AotError(f"{artifact_dir}: world size {world} cannot run on this machine "
-                       f"(at most {max_local_ranks()} local CPU processes); verify a build of the same strategy at a smaller world size")
+        raise AotError(
+            f"{artifact_dir}: world size {world} cannot run on this machine "
+            f"(at most {max_local_ranks()} local CPU processes); verify a build of the same strategy at a smaller world size"
+        )
     with tempfile.TemporaryDirectory(prefix="aot-verify-") as tmp:
         result_path = Path(tmp) / "result.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                   "-m", "aot.verify_worker", str(artifact_dir), str(model_file), str(result_path), "--steps", str(steps)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(world),
+            "-m",
+            "aot.verify_worker",
+            str(artifact_dir),
+            str(model_file),
+            str(result_path),
+            "--steps",
+            str(steps),
+        ]
         if data is not None:
             command += ["--data", str(data)]
         proc = subprocess.run(command, capture_output=True, text=True)

@@ -63,10 +63,17 @@ def main() -> None:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         weight_diff = worst.item()
     if trainer.rank == 0:
-        Path(args.result).write_text(json.dumps({
-            "steps": args.steps, "world_size": trainer.world_size, "losses": losses,
-            "max_loss_diff": max(abs(a - b) for a, b in losses), "max_weight_diff": weight_diff,
-        }))
+        Path(args.result).write_text(
+            json.dumps(
+                {
+                    "steps": args.steps,
+                    "world_size": trainer.world_size,
+                    "losses": losses,
+                    "max_loss_diff": max(abs(a - b) for a, b in losses),
+                    "max_weight_diff": weight_diff,
+                }
+            )
+        )
     leave_process_group()
 
 

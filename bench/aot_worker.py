@@ -56,9 +56,9 @@ if trainer.rank == 0 and os.environ.get("BENCH_RESULT"):
         "variant": "aot",
         "tier": trainer.tier,
         "world_size": trainer.world_size,
-        "launch_to_process_s": T_TOP - t0,          # torchrun + interpreter start
+        "launch_to_process_s": T_TOP - t0,  # torchrun + interpreter start
         "import_torch_s": T_TORCH - T_TOP,
-        "setup_s": T_READY - T_TORCH,                # runner import, verify + load artifact, process group, data
+        "setup_s": T_READY - T_TORCH,  # runner import, verify + load artifact, process group, data
         "load_artifact_s": T_LOADED - T_TORCH,
         "first_step_s": step_times[0] if step_times else None,
         "launch_to_step1_end_s": (T_STEP1 - t0) if T_STEP1 else None,

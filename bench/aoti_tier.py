@@ -54,6 +54,7 @@ def worker(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     import torch  # noqa: F401
+
     t_torch = time.time()
     import torch.distributed as dist
     from runner.trainer import Trainer
@@ -74,10 +75,23 @@ def worker(argv: list[str]) -> None:
         t0 = float(os.environ["BENCH_T0"])
         with open(os.environ["BENCH_RESULT"], "w") as f:
             started = min(process_start(), T_TOP)
-            json.dump({"tier": trainer.tier, "loader": trainer.program_loader, "launch_to_process_s": started - t0,
-                       "interpreter_s": T_TOP - started, "import_torch_s": t_torch - T_TOP, "setup_s": t_loaded - t_torch,
-                       "process_to_step1_end_s": t_step1 - started, "launch_to_step1_end_s": t_step1 - t0,
-                       "first_step_s": steps[0], "step_times_s": steps, "step_cpu_s": cpus, "losses": losses}, f)
+            json.dump(
+                {
+                    "tier": trainer.tier,
+                    "loader": trainer.program_loader,
+                    "launch_to_process_s": started - t0,
+                    "interpreter_s": T_TOP - started,
+                    "import_torch_s": t_torch - T_TOP,
+                    "setup_s": t_loaded - t_torch,
+                    "process_to_step1_end_s": t_step1 - started,
+                    "launch_to_step1_end_s": t_step1 - t0,
+                    "first_step_s": steps[0],
+                    "step_times_s": steps,
+                    "step_cpu_s": cpus,
+                    "losses": losses,
+                },
+                f,
+            )
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -106,6 +120,7 @@ def busy_cpu_s() -> float:
 
 def children_cpu_s() -> float:
     import resource
+
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
@@ -127,8 +142,22 @@ def launch(code: Path, cmd: list[str], result: Path, log: Path) -> dict:
 
 def build(code: Path, model: str, out: Path, compile_tier: str, cache: Path) -> float:
     """`aot build` seconds; AOTInductor compiles into an empty cache, so this is a cold build."""
-    cmd = [sys.executable, "-m", "aot", "build", f"examples/{model}.py", "--world-size", "2", "--no-onnx",
-           "--compile", compile_tier, "-o", str(out), "--json", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aot",
+        "build",
+        f"examples/{model}.py",
+        "--world-size",
+        "2",
+        "--no-onnx",
+        "--compile",
+        compile_tier,
+        "-o",
+        str(out),
+        "--json",
+        "--quiet",
+    ]
     env = {**os.environ, "PYTHONPATH": str(code), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     r = subprocess.run(cmd, cwd=code, env=env, capture_output=True, text=True)
     if r.returncode != 0:
@@ -150,10 +179,16 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), None)
-    info = {"nproc": len(os.sched_getaffinity(0)), "cpu": model_name or platform.machine(),
-            "torch": torch.__version__, "gpu": torch.cuda.is_available(), "python": platform.python_version()}
+    info = {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu": model_name or platform.machine(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.is_available(),
+        "python": platform.python_version(),
+    }
     with tempfile.TemporaryDirectory(prefix="aot-bench-aoti-") as tmp:
         tmp = Path(tmp)
         code = tmp / "code"
@@ -164,26 +199,43 @@ def main() -> None:
         results = {"machine": info, "steps": args.steps, "repeats": args.repeats, "models": {}}
         for model in args.models.split(","):
             art = tmp / f"{model}-aoti"
-            seconds = {"portable": build(code, model, tmp / f"{model}-portable", "portable", tmp / "cache-p"),
-                       "aoti": build(code, model, art, "aoti", tmp / f"inductor-cache-{model}")}
+            seconds = {
+                "portable": build(code, model, tmp / f"{model}-portable", "portable", tmp / "cache-p"),
+                "aoti": build(code, model, art, "aoti", tmp / f"inductor-cache-{model}"),
+            }
             data = []
             if model == "gpt":
-                subprocess.run([sys.executable, "examples/prepare_data.py", "-o", str(tmp / "gpt.safetensors")],
-                               cwd=code, check=True, capture_output=True)
+                subprocess.run([sys.executable, "examples/prepare_data.py", "-o", str(tmp / "gpt.safetensors")], cwd=code, check=True, capture_output=True)
                 data = ["--data", str(tmp / "gpt.safetensors")]
             runs = {"compiled": [], "portable": []}
             for repeat in range(args.repeats):
                 order = ("compiled", "portable") if repeat % 2 == 0 else ("portable", "compiled")
                 for tier in order:
-                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "bench/aoti_tier.py", "--worker", str(art), *data, "--tier", tier, "--steps", str(args.steps)]
+                    cmd = [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--standalone",
+                        "--nproc-per-node",
+                        "2",
+                        "bench/aoti_tier.py",
+                        "--worker",
+                        str(art),
+                        *data,
+                        "--tier",
+                        tier,
+                        "--steps",
+                        str(args.steps),
+                    ]
                     run = launch(code, cmd, tmp / f"{model}-{tier}-{repeat}.json", tmp / f"{model}-{tier}-{repeat}.log")
                     assert run["tier"] == tier, run["tier"]
                     runs[tier].append(run)
-                    print(f"{model} {tier:<9} repeat {repeat + 1}: process start -> step 1 end "
-                          f"{run['process_to_step1_end_s']:.2f} s, steady step "
-                          f"{med(run['step_times_s'][WARMUP:]) * 1e3:.2f} ms, other load {run['other_load_cores']:.2f} cores",
-                          file=sys.stderr)
+                    print(
+                        f"{model} {tier:<9} repeat {repeat + 1}: process start -> step 1 end "
+                        f"{run['process_to_step1_end_s']:.2f} s, steady step "
+                        f"{med(run['step_times_s'][WARMUP:]) * 1e3:.2f} ms, other load {run['other_load_cores']:.2f} cores",
+                        file=sys.stderr,
+                    )
             summary = {}
             for tier, rs in runs.items():
                 summary[tier] = {
@@ -198,8 +250,7 @@ def main() -> None:
                     "steady_cpu_s": med(med(r["step_cpu_s"][WARMUP:]) for r in rs),
                     "other_load_cores": med(r["other_load_cores"] for r in rs),
                 }
-            diff = max(abs(a - b) for c, p in zip(runs["compiled"], runs["portable"])
-                       for a, b in zip(c["losses"], p["losses"]))
+            diff = max(abs(a - b) for c, p in zip(runs["compiled"], runs["portable"]) for a, b in zip(c["losses"], p["losses"]))
             results["models"][model] = {"build_s": seconds, "tiers": summary, "max_loss_diff": diff, "runs": runs}
             print(json.dumps({model: {"build_s": seconds, "max_loss_diff": diff, **summary}}, indent=1))
     if args.out:

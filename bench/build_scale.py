@@ -29,8 +29,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_accuracy import REPO, busy_cpu_s, own_cpu_s  # noqa: E402
 
-MODELS = {"gpt2": ("bench/models/gpt2_124m.py", None), "1b": ("examples/llama.py", "1b"),
-          "8b": ("examples/llama.py", "8b"), "70b": ("examples/llama.py", "70b")}
+MODELS = {
+    "gpt2": ("bench/models/gpt2_124m.py", None),
+    "1b": ("examples/llama.py", "1b"),
+    "8b": ("examples/llama.py", "8b"),
+    "70b": ("examples/llama.py", "70b"),
+}
 DEFAULT_CASES = ",".join(f"{m}:{w}:{s}" for m in ("gpt2", "1b", "8b", "70b") for w in (8, 64, 1024) for s in ("fsdp", "fsdp+tp"))
 TP = 4
 
@@ -49,9 +53,27 @@ def _numel(shape) -> int:
 def _measured(model: str, world: int, kind: str, out: Path, onnx: bool) -> dict:
     """One build as a fresh process, waited for with os.wait4 to read that child's own peak memory."""
     path, size = MODELS[model]
-    cmd = [sys.executable, "-m", "aot", "build", path, "--topology", "dgx_a100", "--nodes", str(max(1, world // 8)),
-           "--world-size", str(world), "--strategy", strategy_of(kind, world), "--batch-size", "1", "-o", str(out),
-           "--quiet", *([] if onnx else ["--no-onnx"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aot",
+        "build",
+        path,
+        "--topology",
+        "dgx_a100",
+        "--nodes",
+        str(max(1, world // 8)),
+        "--world-size",
+        str(world),
+        "--strategy",
+        strategy_of(kind, world),
+        "--batch-size",
+        "1",
+        "-o",
+        str(out),
+        "--quiet",
+        *([] if onnx else ["--no-onnx"]),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **({"AOT_SIZE": size} if size else {})}
     log = out.with_suffix(".log")
     t0, busy0, own0 = time.time(), busy_cpu_s(), own_cpu_s()
@@ -60,27 +82,40 @@ def _measured(model: str, world: int, kind: str, out: Path, onnx: bool) -> dict:
         _, status, usage = os.wait4(child.pid, 0)
     wall = time.time() - t0
     foreign = max(0.0, (busy_cpu_s() - busy0) - (own_cpu_s() - own0)) / wall
-    row = {"model": model, "world": world, "strategy": strategy_of(kind, world), "wall_s": round(wall, 1),
-           "peak_rss_bytes": usage.ru_maxrss * 1024, "foreign_load_cores": round(foreign, 2)}
+    row = {
+        "model": model,
+        "world": world,
+        "strategy": strategy_of(kind, world),
+        "wall_s": round(wall, 1),
+        "peak_rss_bytes": usage.ru_maxrss * 1024,
+        "foreign_load_cores": round(foreign, 2),
+    }
     if os.waitstatus_to_exitcode(status) != 0:
         return {**row, "error": log.read_text().strip()[-400:]}
     manifest = json.loads((out / "manifest.json").read_text())
-    row.update(artifact_bytes=sum(p.stat().st_size for p in out.rglob("*") if p.is_file()),
-               parameters=sum(_numel(shape) for shape, _ in manifest["state"]["params"].values()),
-               program_nodes=manifest["programs"]["train"]["graph_nodes"], init_nodes=manifest["init"]["graph_nodes"])
+    row.update(
+        artifact_bytes=sum(p.stat().st_size for p in out.rglob("*") if p.is_file()),
+        parameters=sum(_numel(shape) for shape, _ in manifest["state"]["params"].values()),
+        program_nodes=manifest["programs"]["train"]["graph_nodes"],
+        init_nodes=manifest["init"]["graph_nodes"],
+    )
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | params | ranks | strategy | build s | peak RSS GiB | artifact MiB | program nodes | foreign load |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | params | ranks | strategy | build s | peak RSS GiB | artifact MiB | program nodes | foreign load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | | {r['world']} | {r['strategy']} | failed: {r['error'].splitlines()[-1]} | | | | |")
             continue
-        lines.append(f"| {r['model']} | {r['parameters'] / 1e9:.2f} B | {r['world']} | {r['strategy']} | {r['wall_s']} | "
-                     f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['artifact_bytes'] / 2**20:.1f} | {r['program_nodes']} | "
-                     f"{r['foreign_load_cores']} |")
+        lines.append(
+            f"| {r['model']} | {r['parameters'] / 1e9:.2f} B | {r['world']} | {r['strategy']} | {r['wall_s']} | "
+            f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['artifact_bytes'] / 2**20:.1f} | {r['program_nodes']} | "
+            f"{r['foreign_load_cores']} |"
+        )
     return "\n".join(lines)
 
 
@@ -98,8 +133,11 @@ def main() -> None:
             print(json.dumps(row), file=sys.stderr, flush=True)
     print(table(rows))
     if args.out:
-        machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                   "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+        machine = {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        }
         args.out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
 
 

@@ -101,9 +101,9 @@ if rank == 0 and os.environ.get("BENCH_RESULT"):
     result = {
         "variant": "ddp_compile" if args.compile else "ddp_eager",
         "world_size": world,
-        "launch_to_process_s": T_TOP - t0,          # torchrun + interpreter start
+        "launch_to_process_s": T_TOP - t0,  # torchrun + interpreter start
         "import_torch_s": T_TORCH - T_TOP,
-        "setup_s": T_READY - T_TORCH,                # model file, process group, DDP, optimizer, data
+        "setup_s": T_READY - T_TORCH,  # model file, process group, DDP, optimizer, data
         "first_step_s": step_times[0] if step_times else None,
         "launch_to_step1_end_s": (T_STEP1 - t0) if T_STEP1 else None,
         "process_to_step1_end_s": (T_STEP1 - T_TOP) if T_STEP1 else None,

@@ -47,27 +47,48 @@ def main() -> None:
             for kind in args.strategies:
                 strategy = f"{kind}={args.world}"
                 art = tmp / f"{Path(model).stem}.{kind}"
-                pa.run(pa.aot("build", model, "--world-size", str(args.world), "--strategy", strategy, "--batch-size",
-                              str(args.batch_size), "--no-onnx", "--quiet", "-o", str(art)), tmp / f"build.{art.name}.log")
+                pa.run(
+                    pa.aot(
+                        "build",
+                        model,
+                        "--world-size",
+                        str(args.world),
+                        "--strategy",
+                        strategy,
+                        "--batch-size",
+                        str(args.batch_size),
+                        "--no-onnx",
+                        "--quiet",
+                        "-o",
+                        str(art),
+                    ),
+                    tmp / f"build.{art.name}.log",
+                )
                 plans.append({"model": Path(model).stem, "strategy": strategy, "artifact": art, "runs": {"0": [], "1": []}})
         for r in range(args.repeats):
             for plan in plans:
-                for setting in (("0", "1") if r % 2 == 0 else ("1", "0")):
+                for setting in ("0", "1") if r % 2 == 0 else ("1", "0"):
                     os.environ["AOT_GLOO_YIELD"] = setting  # pa.env() hands the children a copy of os.environ
                     tag = f"{plan['artifact'].name}.{setting}.{r}"
                     result = pa.measure(plan["artifact"], args.world, args.steps, tmp, tag, args.attempts, args.max_other_load)
                     plan["runs"][setting].append(result["step_s"] if result else None)
-                    print(f"{plan['model']} {plan['strategy']} yield={setting}: "
-                          f"{result['step_s'] * 1e3:.2f} ms" if result else f"{tag}: failed", file=sys.stderr)
+                    print(
+                        f"{plan['model']} {plan['strategy']} yield={setting}: {result['step_s'] * 1e3:.2f} ms" if result else f"{tag}: failed", file=sys.stderr
+                    )
         for plan in plans:
             pairs = [(a, b) for a, b in zip(plan["runs"]["0"], plan["runs"]["1"]) if a and b]
             if not pairs:
                 continue
-            rows.append({"model": plan["model"], "strategy": plan["strategy"],
-                         "as_started_ms": statistics.median(a for a, _ in pairs) * 1e3,
-                         "yielded_ms": statistics.median(b for _, b in pairs) * 1e3,
-                         "ratio": statistics.median(b / a for a, b in pairs),
-                         "launches": [[a * 1e3, b * 1e3] for a, b in pairs]})
+            rows.append(
+                {
+                    "model": plan["model"],
+                    "strategy": plan["strategy"],
+                    "as_started_ms": statistics.median(a for a, _ in pairs) * 1e3,
+                    "yielded_ms": statistics.median(b for _, b in pairs) * 1e3,
+                    "ratio": statistics.median(b / a for a, b in pairs),
+                    "launches": [[a * 1e3, b * 1e3] for a, b in pairs],
+                }
+            )
     print("| model | plan | as started | yielded (nice 19) | yielded / as started |")
     print("|---|---|---:|---:|---:|")
     for row in rows:
@@ -75,8 +96,9 @@ def main() -> None:
     if pa.FAILED_LAUNCHES:
         print(f"\n{len(pa.FAILED_LAUNCHES)} launch(es) failed: " + ", ".join(f["tag"] for f in pa.FAILED_LAUNCHES))
     if args.out:
-        args.out.write_text(json.dumps({"world": args.world, "steps": args.steps, "repeats": args.repeats, "rows": rows,
-                                        "failed_launches": pa.FAILED_LAUNCHES}, indent=1))
+        args.out.write_text(
+            json.dumps({"world": args.world, "steps": args.steps, "repeats": args.repeats, "rows": rows, "failed_launches": pa.FAILED_LAUNCHES}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -59,9 +59,10 @@ import torch  # noqa: E402
 
 # -- the model file (read by `aot build`, and by the eager and torch.compile workers) -----------------
 SEQ_LEN = int(os.environ.get("AOT_GPT2_SEQ", "1024"))  # tokens per sample (the context, 1024, stays)
-ATTN = os.environ.get("AOT_GPT2_ATTN", "sdpa")         # transformers' attention implementation
-_SMALL = {k: int(os.environ[f"AOT_GPT2_{k.upper()}"]) for k in ("layers", "embd", "heads")
-          if os.environ.get(f"AOT_GPT2_{k.upper()}")}  # --smoke only: a smaller model
+ATTN = os.environ.get("AOT_GPT2_ATTN", "sdpa")  # transformers' attention implementation
+_SMALL = {
+    k: int(os.environ[f"AOT_GPT2_{k.upper()}"]) for k in ("layers", "embd", "heads") if os.environ.get(f"AOT_GPT2_{k.upper()}")
+}  # --smoke only: a smaller model
 precision = "bf16"
 max_grad_norm = 1.0
 _CLASS = []
@@ -104,6 +105,7 @@ def optimizer(params):
 
 # -- a worker: eager or torch.compile, one process ------------------------------------------------------
 
+
 def worker(kind: str, batch_size: int, steps: int, result: str) -> None:
     t_torch = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: --smoke only
@@ -129,8 +131,18 @@ def worker(kind: str, batch_size: int, steps: int, result: str) -> None:
         t_step1 = t_step1 or time.time()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     with open(result, "w") as f:
-        json.dump({"t_top": T_TOP, "import_torch_s": t_torch - T_TOP, "model_s": t_model - t_torch,
-                   "t_step1_end": t_step1, "step_times_s": times, "losses": losses, "peak_memory_bytes": peak}, f)
+        json.dump(
+            {
+                "t_top": T_TOP,
+                "import_torch_s": t_torch - T_TOP,
+                "model_s": t_model - t_torch,
+                "t_step1_end": t_step1,
+                "step_times_s": times,
+                "losses": losses,
+                "peak_memory_bytes": peak,
+            },
+            f,
+        )
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
@@ -145,8 +157,8 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-WARMUP = 5            # steady state: steps 6..N
-PEAK_TFLOPS = 790.0   # H200 dense bf16 as measured by this workplace (8192^3 matmuls: 769-798 TFLOP/s)
+WARMUP = 5  # steady state: steps 6..N
+PEAK_TFLOPS = 790.0  # H200 dense bf16 as measured by this workplace (8192^3 matmuls: 769-798 TFLOP/s)
 DATASHEET_TFLOPS = 989.0
 GOAL_STEP, GOAL_COLD = 1.0, 0.15  # compiled / torch.compile: step time, cold start
 VARIANTS = ("eager", "compiled", "compile", "portable")  # the goals' variants first
@@ -175,16 +187,39 @@ def flops_per_step(cfg, batch_size: int) -> float:
 
 def build(artifact: Path, args, deadline: float) -> dict:
     """`aot build` of this file with both tiers; its seconds and outcome."""
-    cmd = [sys.executable, "-m", "aot", "build", str(Path(__file__).resolve()), "--world-size", "1",
-           "--batch-size", str(args.batch_size), "--precision", "bf16", "--no-onnx", "--compile", "aoti",
-           "-o", str(artifact), "--json", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aot",
+        "build",
+        str(Path(__file__).resolve()),
+        "--world-size",
+        "1",
+        "--batch-size",
+        str(args.batch_size),
+        "--precision",
+        "bf16",
+        "--no-onnx",
+        "--compile",
+        "aoti",
+        "-o",
+        str(artifact),
+        "--json",
+        "--quiet",
+    ]
     if args.topology:
         cmd[4:4] = ["--topology", args.topology]
     say(f"building {artifact} (aot build --compile aoti) ...")
     start = time.time()
     try:
-        r = subprocess.run(cmd, cwd=REPO, env=child_env({"TORCHINDUCTOR_CACHE_DIR": str(artifact) + ".inductor-cache"}),
-                           capture_output=True, text=True, timeout=max(1.0, deadline - time.time()))
+        r = subprocess.run(
+            cmd,
+            cwd=REPO,
+            env=child_env({"TORCHINDUCTOR_CACHE_DIR": str(artifact) + ".inductor-cache"}),
+            capture_output=True,
+            text=True,
+            timeout=max(1.0, deadline - time.time()),
+        )
     except subprocess.TimeoutExpired:
         return {"ok": False, "seconds": time.time() - start, "error": "timed out", "command": " ".join(cmd[1:])}
     out = {"ok": r.returncode == 0, "seconds": time.time() - start, "command": " ".join(cmd[1:])}
@@ -214,14 +249,22 @@ def launch(name: str, cmd: list[str], env: dict, timeout: float, log: Path) -> t
     return rc, t0
 
 
-def summarize(step_times: list[float], losses: list[float], t0: float, t_step1_end: float, flops: float, peak: float,
-              batch_size: int) -> dict:
+def summarize(step_times: list[float], losses: list[float], t0: float, t_step1_end: float, flops: float, peak: float, batch_size: int) -> dict:
     steady = step_times[WARMUP:] or step_times[1:] or step_times
     step = statistics.median(steady)
-    return {"cold_start_s": t_step1_end - t0, "first_step_s": step_times[0], "step_s": step,
-            "step_best_s": min(steady), "tokens_per_s": batch_size * SEQ_LEN / step,
-            "mfu": flops / step / (peak * 1e12), "mfu_datasheet": flops / step / (DATASHEET_TFLOPS * 1e12),
-            "first_loss": losses[0], "last_loss": losses[-1], "losses": losses, "step_times_s": step_times}
+    return {
+        "cold_start_s": t_step1_end - t0,
+        "first_step_s": step_times[0],
+        "step_s": step,
+        "step_best_s": min(steady),
+        "tokens_per_s": batch_size * SEQ_LEN / step,
+        "mfu": flops / step / (peak * 1e12),
+        "mfu_datasheet": flops / step / (DATASHEET_TFLOPS * 1e12),
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "losses": losses,
+        "step_times_s": step_times,
+    }
 
 
 def run_variant(name: str, args, artifact: Path | None, tmp: Path, deadline: float, flops: float) -> dict:
@@ -232,16 +275,27 @@ def run_variant(name: str, args, artifact: Path | None, tmp: Path, deadline: flo
     if name in ("eager", "compile"):
         extra = {}
         if name == "compile":  # a cold compile: nothing cached from earlier runs
-            extra = {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "compile-inductor-cache"),
-                     "TRITON_CACHE_DIR": str(tmp / "compile-triton-cache")}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, str(args.batch_size), str(args.steps),
-               str(result)]
+            extra = {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "compile-inductor-cache"), "TRITON_CACHE_DIR": str(tmp / "compile-triton-cache")}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, str(args.batch_size), str(args.steps), str(result)]
     else:
         if artifact is None:
             return {"ok": False, "error": "no artifact (the build failed)"}
         extra = {}
-        cmd = [sys.executable, "-m", "aot", "run", str(artifact), "--steps", str(args.steps), "--tier", name,
-               "--metrics", str(result), "--log-every", str(args.steps)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "aot",
+            "run",
+            str(artifact),
+            "--steps",
+            str(args.steps),
+            "--tier",
+            name,
+            "--metrics",
+            str(result),
+            "--log-every",
+            str(args.steps),
+        ]
     say(f"{name}: launching ({' '.join(cmd[1:4])} ...), at most {timeout:.0f} s")
     rc, t0 = launch(name, cmd, child_env(extra), timeout, log)
     if rc != 0:
@@ -250,20 +304,23 @@ def run_variant(name: str, args, artifact: Path | None, tmp: Path, deadline: flo
         return {"ok": False, "error": f"exit {rc}", "log_tail": tail}
     if name in ("eager", "compile"):
         data = json.loads(result.read_text())
-        out = summarize(data["step_times_s"], data["losses"], t0, data["t_step1_end"], flops, args.peak_tflops,
-                        args.batch_size)
-        out.update(import_torch_s=data["import_torch_s"], model_s=data["model_s"],
-                   launch_to_interpreter_s=data["t_top"] - t0, peak_memory_bytes=data["peak_memory_bytes"])
+        out = summarize(data["step_times_s"], data["losses"], t0, data["t_step1_end"], flops, args.peak_tflops, args.batch_size)
+        out.update(
+            import_torch_s=data["import_torch_s"],
+            model_s=data["model_s"],
+            launch_to_interpreter_s=data["t_top"] - t0,
+            peak_memory_bytes=data["peak_memory_bytes"],
+        )
     else:
         records = [json.loads(line) for line in result.read_text().splitlines()]
         assert all(r["tier"] == name for r in records), records
-        out = summarize([r["step_time_s"] for r in records], [r["loss"] for r in records], t0, records[0]["unix_time"],
-                        flops, args.peak_tflops, args.batch_size)
+        out = summarize(
+            [r["step_time_s"] for r in records], [r["loss"] for r in records], t0, records[0]["unix_time"], flops, args.peak_tflops, args.batch_size
+        )
         ready = [line for line in log.read_text().splitlines() if " ready in " in line]
         out["ready_line"] = ready[0] if ready else None
     out["ok"] = True
-    say(f"{name}: cold start {out['cold_start_s']:.2f} s, step {out['step_s'] * 1e3:.2f} ms, "
-        f"{out['tokens_per_s']:,.0f} tokens/s, MFU {out['mfu'] * 100:.1f}%")
+    say(f"{name}: cold start {out['cold_start_s']:.2f} s, step {out['step_s'] * 1e3:.2f} ms, {out['tokens_per_s']:,.0f} tokens/s, MFU {out['mfu'] * 100:.1f}%")
     return out
 
 
@@ -275,9 +332,12 @@ def goals(variants: dict) -> dict:
     out = {}
     for tier in ("compiled", "portable"):
         step, cold = ratio(tier, "compile", "step_s"), ratio(tier, "compile", "cold_start_s")
-        out[tier] = {"step_vs_compile": step, "cold_start_vs_compile": cold,
-                     "step_goal_met": None if step is None else step <= GOAL_STEP,
-                     "cold_start_goal_met": None if cold is None else cold <= GOAL_COLD}
+        out[tier] = {
+            "step_vs_compile": step,
+            "cold_start_vs_compile": cold,
+            "step_goal_met": None if step is None else step <= GOAL_STEP,
+            "cold_start_goal_met": None if cold is None else cold <= GOAL_COLD,
+        }
     c, p = variants.get("compiled", {}), variants.get("portable", {})
     if c.get("ok") and p.get("ok"):
         out["max_loss_diff_compiled_vs_portable"] = max(abs(a - b) for a, b in zip(c["losses"], p["losses"]))
@@ -285,19 +345,23 @@ def goals(variants: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="See the module docstring (the head of bench/gpu_gpt2.py) for what is measured.")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="See the module docstring (the head of bench/gpu_gpt2.py) for what is measured."
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="samples per step (default 16 x 1024 tokens)")
     parser.add_argument("--steps", type=int, default=40, help="steps per variant; the median of steps 6..N is reported")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
-    parser.add_argument("--attn", choices=["sdpa", "eager"], default=os.environ.get("AOT_GPT2_ATTN", "sdpa"),
-                        help="transformers' attention implementation (default sdpa, its own default)")
+    parser.add_argument(
+        "--attn",
+        choices=["sdpa", "eager"],
+        default=os.environ.get("AOT_GPT2_ATTN", "sdpa"),
+        help="transformers' attention implementation (default sdpa, its own default)",
+    )
     parser.add_argument("--topology", help="aot build --topology (default: this machine, probed)")
     parser.add_argument("--artifact", type=Path, help="the aot artifact: built here first unless it holds one already")
     parser.add_argument("--build-only", action="store_true", help="build --artifact, write the build's record to --out, stop")
     parser.add_argument("--build-json", type=Path, help="the record of a --build-only run, to report with the figures")
-    parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS,
-                        help=f"bf16 peak for MFU (default {PEAK_TFLOPS:g}: the H200 as measured here)")
+    parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help=f"bf16 peak for MFU (default {PEAK_TFLOPS:g}: the H200 as measured here)")
     parser.add_argument("--deadline-s", type=float, default=600, help="stop launching variants after this many seconds")
     parser.add_argument("--variant-timeout", type=float, default=240, help="seconds one variant's process may take")
     parser.add_argument("--out", type=Path, help="write the figures (JSON) here, after each variant")
@@ -335,15 +399,28 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     results = {
         "benchmark": "GPT-2 124M (transformers GPT2LMHeadModel, GPT2Config defaults, random init), 1 GPU, bf16 autocast",
-        "smoke": args.smoke, "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
-        "cuda": torch.version.cuda, "batch_size": args.batch_size, "seq_len": SEQ_LEN,
-        "tokens_per_step": args.batch_size * SEQ_LEN, "attention": args.attn, "dropout": cfg.resid_pdrop,
-        "layers": cfg.n_layer, "width": cfg.n_embd, "steps": args.steps, "steady_steps": f"{WARMUP + 1}..{args.steps}",
-        "flops_per_step": flops, "flops_formula": "tokens x (6 N + 12 L S d), N = parameters without wpe",
-        "peak_tflops": args.peak_tflops, "peak_source": "H200 dense bf16 measured by this workplace (769-798 TFLOP/s)",
-        "datasheet_tflops": DATASHEET_TFLOPS, "goals": {"compiled_step_vs_compile": f"<= {GOAL_STEP}",
-                                                        "compiled_cold_start_vs_compile": f"<= {GOAL_COLD}"},
-        "build": None, "variants": {},
+        "smoke": args.smoke,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "batch_size": args.batch_size,
+        "seq_len": SEQ_LEN,
+        "tokens_per_step": args.batch_size * SEQ_LEN,
+        "attention": args.attn,
+        "dropout": cfg.resid_pdrop,
+        "layers": cfg.n_layer,
+        "width": cfg.n_embd,
+        "steps": args.steps,
+        "steady_steps": f"{WARMUP + 1}..{args.steps}",
+        "flops_per_step": flops,
+        "flops_formula": "tokens x (6 N + 12 L S d), N = parameters without wpe",
+        "peak_tflops": args.peak_tflops,
+        "peak_source": "H200 dense bf16 measured by this workplace (769-798 TFLOP/s)",
+        "datasheet_tflops": DATASHEET_TFLOPS,
+        "goals": {"compiled_step_vs_compile": f"<= {GOAL_STEP}", "compiled_cold_start_vs_compile": f"<= {GOAL_COLD}"},
+        "build": None,
+        "variants": {},
     }
     if args.build_json and args.build_json.is_file():
         results["build"] = json.loads(args.build_json.read_text()).get("build")
@@ -359,8 +436,7 @@ def main() -> None:
             if (artifact / "manifest.json").is_file():
                 results["build"] = results["build"] or {"ok": True, "note": f"prebuilt artifact {artifact}"}
             elif args.build_json:  # that build failed or did not finish: its record says why; no second try
-                results["build"] = results["build"] or {"ok": False, "error": f"{args.build_json}: no record "
-                                                        "(the --build-only run did not finish)"}
+                results["build"] = results["build"] or {"ok": False, "error": f"{args.build_json}: no record (the --build-only run did not finish)"}
             else:
                 results["build"] = build(artifact, args, deadline)
             if not (artifact / "manifest.json").is_file():
@@ -372,10 +448,10 @@ def main() -> None:
             write(results)
         if args.artifact is None and artifact is not None:
             shutil.rmtree(artifact, ignore_errors=True)
-    summary = {n: {k: v.get(k) for k in ("cold_start_s", "step_s", "tokens_per_s", "mfu")} if v.get("ok") else v.get("error")
-               for n, v in results["variants"].items()}
-    print(json.dumps({"variants": summary, "goals": {k: v for k, v in results["goals"].items() if k in ("compiled", "portable")}},
-                     indent=1))
+    summary = {
+        n: {k: v.get(k) for k in ("cold_start_s", "step_s", "tokens_per_s", "mfu")} if v.get("ok") else v.get("error") for n, v in results["variants"].items()
+    }
+    print(json.dumps({"variants": summary, "goals": {k: v for k, v in results["goals"].items() if k in ("compiled", "portable")}}, indent=1))
     if not all(v.get("ok") for v in results["variants"].values()):
         sys.exit(1)
 

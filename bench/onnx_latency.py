@@ -86,8 +86,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="aot-onnx-bench-") as tmp:
         art = Path(tmp) / "art"
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "aot", "build", str(args.model), "-o", str(art), "--quiet", "--onnx"],
-                       cwd=REPO, check=True)
+        subprocess.run([sys.executable, "-m", "aot", "build", str(args.model), "-o", str(art), "--quiet", "--onnx"], cwd=REPO, check=True)
         build_s = time.perf_counter() - start
         manifest = json.loads((art / "manifest.json").read_text())
         session = runner.infer.load(art, "cpu", threads=args.threads)
@@ -122,33 +121,43 @@ def main() -> None:
                 for _ in range(args.rounds):
                     t_eager += timed(eager, iters)
                     t_ort += timed(ort, iters)
-            row = {"batch_size": batch_size, "calls_per_side": len(t_eager), "max_abs_diff": diff,
-                   "foreign_load_cores": foreign.cores}
+            row = {"batch_size": batch_size, "calls_per_side": len(t_eager), "max_abs_diff": diff, "foreign_load_cores": foreign.cores}
             for name, times in (("eager", t_eager), ("onnxruntime", t_ort)):
-                row[name] = {"p50_ms": float(np.percentile(times, 50)) * 1e3, "p90_ms": float(np.percentile(times, 90)) * 1e3,
-                             "samples_per_s": batch_size * len(times) / sum(times)}
+                row[name] = {
+                    "p50_ms": float(np.percentile(times, 50)) * 1e3,
+                    "p90_ms": float(np.percentile(times, 90)) * 1e3,
+                    "samples_per_s": batch_size * len(times) / sum(times),
+                }
             row["speedup_p50"] = row["eager"]["p50_ms"] / row["onnxruntime"]["p50_ms"]
             rows.append(row)
 
     report = {
         "model": str(args.model.relative_to(REPO) if args.model.is_relative_to(REPO) else args.model),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "threads": args.threads, "torch": torch.__version__,
-        "onnxruntime": __import__("onnxruntime").__version__, "provider": runner.infer.PROVIDERS[session.provider],
-        "opset": manifest["inference"]["opset"], "build_s": build_s,
-        "load_average_before": load_before, "load_average_after": os.getloadavg(), "rows": rows,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "onnxruntime": __import__("onnxruntime").__version__,
+        "provider": runner.infer.PROVIDERS[session.provider],
+        "opset": manifest["inference"]["opset"],
+        "build_s": build_s,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "rows": rows,
     }
-    print(f"{report['model']} on {report['machine']}, {args.threads} threads; torch {report['torch']}, "
-          f"onnxruntime {report['onnxruntime']} ({report['provider']}, extended graph optimizations), opset {report['opset']}")
-    print(f"load average before/after: {load_before[0]:.2f} / {report['load_average_after'][0]:.2f}; "
-          f"`aot build` with ONNX export: {build_s:.1f} s\n")
+    print(
+        f"{report['model']} on {report['machine']}, {args.threads} threads; torch {report['torch']}, "
+        f"onnxruntime {report['onnxruntime']} ({report['provider']}, extended graph optimizations), opset {report['opset']}"
+    )
+    print(f"load average before/after: {load_before[0]:.2f} / {report['load_average_after'][0]:.2f}; `aot build` with ONNX export: {build_s:.1f} s\n")
     print("| batch | eager p50 | eager p90 | eager samples/s | ORT p50 | ORT p90 | ORT samples/s | speed-up (p50) | max abs diff | other processes' load |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         e, o = r["eager"], r["onnxruntime"]
-        print(f"| {r['batch_size']} | {e['p50_ms']:.2f} ms | {e['p90_ms']:.2f} ms | {e['samples_per_s']:.0f} "
-              f"| {o['p50_ms']:.2f} ms | {o['p90_ms']:.2f} ms | {o['samples_per_s']:.0f} | {r['speedup_p50']:.2f}x | {r['max_abs_diff']:.1e} "
-              f"| {'?' if r['foreign_load_cores'] is None else format(r['foreign_load_cores'], '.1f') + ' cores'} |")
+        print(
+            f"| {r['batch_size']} | {e['p50_ms']:.2f} ms | {e['p90_ms']:.2f} ms | {e['samples_per_s']:.0f} "
+            f"| {o['p50_ms']:.2f} ms | {o['p90_ms']:.2f} ms | {o['samples_per_s']:.0f} | {r['speedup_p50']:.2f}x | {r['max_abs_diff']:.1e} "
+            f"| {'?' if r['foreign_load_cores'] is None else format(r['foreign_load_cores'], '.1f') + ' cores'} |"
+        )
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 

@@ -83,15 +83,28 @@ def variants(microbatches: list[int], schedules: list[str], mlp_microbatches: in
     out = [{"name": "gpt dp=2", "model": "gpt", "strategy": "dp=2", "args": ["--strategy", "dp=2", "--batch-size", 8]}]
     for schedule in schedules:
         for m in microbatches:
-            out.append({"name": f"gpt pp=2 {schedule} m={m}", "model": "gpt", "strategy": "pp=2", "schedule": schedule,
-                        "microbatches": m, "args": ["--strategy", "pp=2", "--batch-size", 16, "--microbatches", m,
-                                                    "--pp-schedule", schedule]})
+            out.append(
+                {
+                    "name": f"gpt pp=2 {schedule} m={m}",
+                    "model": "gpt",
+                    "strategy": "pp=2",
+                    "schedule": schedule,
+                    "microbatches": m,
+                    "args": ["--strategy", "pp=2", "--batch-size", 16, "--microbatches", m, "--pp-schedule", schedule],
+                }
+            )
     out.append({"name": "mlp dp=2", "model": "mlp", "strategy": "dp=2", "args": ["--strategy", "dp=2", "--batch-size", 8]})
     for schedule in ("1f1b", "interleaved-1f1b"):
-        out.append({"name": f"mlp pp=2 {schedule} m={mlp_microbatches}", "model": "mlp", "strategy": "pp=2",
-                    "schedule": schedule, "microbatches": mlp_microbatches,
-                    "args": ["--strategy", "pp=2", "--batch-size", 16, "--microbatches", mlp_microbatches,
-                             "--pp-schedule", schedule]})
+        out.append(
+            {
+                "name": f"mlp pp=2 {schedule} m={mlp_microbatches}",
+                "model": "mlp",
+                "strategy": "pp=2",
+                "schedule": schedule,
+                "microbatches": mlp_microbatches,
+                "args": ["--strategy", "pp=2", "--batch-size", 16, "--microbatches", mlp_microbatches, "--pp-schedule", schedule],
+            }
+        )
     for v in out:
         v["baseline"] = f"{v['model']} dp=2"
     return out
@@ -99,20 +112,43 @@ def variants(microbatches: list[int], schedules: list[str], mlp_microbatches: in
 
 def build(v: dict, out: Path) -> dict:
     started = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "aot", "build", f"examples/{v['model']}.py", "--topology", "cpu",
-                        "--world-size", "2", *map(str, v["args"]), "--no-onnx", "--quiet", "-o", str(out)],
-                       cwd=REPO, env=_env(), capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aot",
+            "build",
+            f"examples/{v['model']}.py",
+            "--topology",
+            "cpu",
+            "--world-size",
+            "2",
+            *map(str, v["args"]),
+            "--no-onnx",
+            "--quiet",
+            "-o",
+            str(out),
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         raise SystemExit(f"{v['name']}: build failed: {r.stderr[-2000:]}")
     manifest = json.loads((out / "manifest.json").read_text())
     pipeline = manifest.get("pipeline") or {}
     predicted = manifest["time"]["predicted"]
     bubble_s = predicted.get("bubble_s")
-    return {"predicted_step_s": predicted["step_s"], "predicted_bubble_s": bubble_s,
-            "predicted_bubble": pipeline.get("predicted_bubble"),
-            "simulated_bubble": bubble_s / predicted["step_s"] if bubble_s is not None else None,
-            "stages": [{"stage": s["stage"], "rank": s["rank"], "layers": s["layers"]} for s in pipeline.get("stages", [])],
-            "programs": pipeline.get("programs"), "build_s": time.perf_counter() - started}
+    return {
+        "predicted_step_s": predicted["step_s"],
+        "predicted_bubble_s": bubble_s,
+        "predicted_bubble": pipeline.get("predicted_bubble"),
+        "simulated_bubble": bubble_s / predicted["step_s"] if bubble_s is not None else None,
+        "stages": [{"stage": s["stage"], "rank": s["rank"], "layers": s["layers"]} for s in pipeline.get("stages", [])],
+        "programs": pipeline.get("programs"),
+        "build_s": time.perf_counter() - started,
+    }
 
 
 def train(art: Path, steps: int, folder: Path) -> dict:
@@ -121,21 +157,51 @@ def train(art: Path, steps: int, folder: Path) -> dict:
     (profile / "profile.json").unlink(missing_ok=True)
     quiet = wait_for_quiet(*QUIET)
     started, busy0, own0 = time.perf_counter(), busy_cpu_s(), own_cpu_s()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "aot",
-                        "run", str(art), "--steps", str(steps), "--metrics", str(metrics), "--profile", str(profile), "--quiet"],
-                       cwd=REPO, env=_env(), capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "aot",
+            "run",
+            str(art),
+            "--steps",
+            str(steps),
+            "--metrics",
+            str(metrics),
+            "--profile",
+            str(profile),
+            "--quiet",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         raise SystemExit(f"aot run {art} failed: {r.stderr[-2000:]}")
     times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()][TIMED_FROM:]
     summary = json.loads((profile / "profile.json").read_text())
     wall, busy1 = time.perf_counter() - started, busy_cpu_s()
     foreign = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own_cpu_s() - own0)) / wall
-    run = {"step_s": statistics.median(times), "steps_timed": len(times), "run_s": wall, "load": os.getloadavg()[0],
-           "foreign_load_before": quiet, "foreign_load": foreign}
+    run = {
+        "step_s": statistics.median(times),
+        "steps_timed": len(times),
+        "run_s": wall,
+        "load": os.getloadavg()[0],
+        "foreign_load_before": quiet,
+        "foreign_load": foreign,
+    }
     waits = summary.get("pipeline_wait")
     if waits:
-        ranks = [{k: r[k] for k in ("rank", "step_s", "p2p_wait_s", "recv_wait_s", "send_wait_s", "collective_wait_s",
-                                    "p2p_share", "wait_share")} for r in waits["per_rank"]]
+        ranks = [
+            {k: r[k] for k in ("rank", "step_s", "p2p_wait_s", "recv_wait_s", "send_wait_s", "collective_wait_s", "p2p_share", "wait_share")}
+            for r in waits["per_rank"]
+        ]
         busiest = min(ranks, key=lambda r: r["wait_share"])
         run.update(ranks=ranks, busiest_rank=busiest["rank"], bubble=busiest["wait_share"], p2p_bubble=busiest["p2p_share"])
     return run
@@ -149,19 +215,26 @@ def measure(vs: list[dict], rounds: int, steps: int, folder: Path) -> list[dict]
     for k in range(rounds):
         for model in dict.fromkeys(v["model"] for v in vs):
             mine = [v for v in vs if v["model"] == model]
-            for v in (mine if k % 2 == 0 else mine[::-1]):
+            for v in mine if k % 2 == 0 else mine[::-1]:
                 run = train(folder / v["name"].replace(" ", "_"), steps, folder)
                 runs[v["name"]].append(run)
                 extra = f", bubble {run['bubble']:.3f} (rank {run['busiest_rank']})" if "bubble" in run else ""
                 foreign = f"{run['foreign_load']:.2f}" if run["foreign_load"] is not None else "?"
-                print(f"  round {k + 1} {v['name']}: {run['step_s'] * 1e3:.2f} ms{extra}, load average {run['load']:.2f}, "
-                      f"other processes {foreign} cores", file=sys.stderr, flush=True)
+                print(
+                    f"  round {k + 1} {v['name']}: {run['step_s'] * 1e3:.2f} ms{extra}, load average {run['load']:.2f}, other processes {foreign} cores",
+                    file=sys.stderr,
+                    flush=True,
+                )
     results = []
     for v in vs:
         mine, base = runs[v["name"]], runs[v["baseline"]]
-        row = {**{key: val for key, val in v.items() if key != "args"}, "args": list(map(str, v["args"])), "runs": mine,
-               "step_s": statistics.median(r["step_s"] for r in mine),
-               "vs_dp": statistics.median(r["step_s"] / b["step_s"] for r, b in zip(mine, base))}
+        row = {
+            **{key: val for key, val in v.items() if key != "args"},
+            "args": list(map(str, v["args"])),
+            "runs": mine,
+            "step_s": statistics.median(r["step_s"] for r in mine),
+            "vs_dp": statistics.median(r["step_s"] / b["step_s"] for r, b in zip(mine, base)),
+        }
         baseline = next(b for b in vs if b["name"] == v["baseline"])
         row["predicted_vs_dp"] = v["predicted_step_s"] / baseline["predicted_step_s"]
         if "bubble" in mine[0]:
@@ -172,48 +245,65 @@ def measure(vs: list[dict], rounds: int, steps: int, folder: Path) -> list[dict]
             if v["simulated_bubble"]:
                 row["simulated_ratio"] = row["bubble"] / v["simulated_bubble"]
                 row["simulated_goal_met"] = GOAL[0] <= row["simulated_ratio"] <= GOAL[1]
-            row["per_rank"] = [{key: statistics.median(r["ranks"][i][key] for r in mine)
-                                for key in ("step_s", "recv_wait_s", "send_wait_s", "collective_wait_s", "p2p_share", "wait_share")}
-                               for i in range(len(mine[0]["ranks"]))]
+            row["per_rank"] = [
+                {
+                    key: statistics.median(r["ranks"][i][key] for r in mine)
+                    for key in ("step_s", "recv_wait_s", "send_wait_s", "collective_wait_s", "p2p_share", "wait_share")
+                }
+                for i in range(len(mine[0]["ranks"]))
+            ]
         results.append(row)
     return results
 
 
 def report(rows: list[dict]) -> str:
     ms = lambda s: f"{s * 1e3:.2f}"
-    lines = ["### Step time and bubble (2 CPU ranks, global batch 16)", "",
-             "| variant | step, ms | vs dp=2 | predicted step, ms | predicted vs dp=2 | measured bubble (busiest rank) | "
-             "of which p2p | predicted bubble (formula) | measured / formula | within 20% | predicted bubble (simulated) | "
-             "measured / simulated | within 20% |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "### Step time and bubble (2 CPU ranks, global batch 16)",
+        "",
+        "| variant | step, ms | vs dp=2 | predicted step, ms | predicted vs dp=2 | measured bubble (busiest rank) | "
+        "of which p2p | predicted bubble (formula) | measured / formula | within 20% | predicted bubble (simulated) | "
+        "measured / simulated | within 20% |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        line = (f"| {r['name']} | {ms(r['step_s'])} | {r['vs_dp']:.2f} | {ms(r['predicted_step_s'])} | "
-                f"{r['predicted_vs_dp']:.2f} | ")
+        line = f"| {r['name']} | {ms(r['step_s'])} | {r['vs_dp']:.2f} | {ms(r['predicted_step_s'])} | {r['predicted_vs_dp']:.2f} | "
         if "bubble" in r:
             busiest = statistics.mode(x["busiest_rank"] for x in r["runs"])
             yes = lambda ok: "yes" if ok else "no"
-            line += (f"{r['bubble']:.3f} (rank {busiest}) | {r['p2p_bubble']:.3f} | {r['predicted_bubble']:.3f} | "
-                     f"{r['bubble_ratio']:.2f} | {yes(r['goal_met'])} | ")
-            line += (f"{r['simulated_bubble']:.3f} | {r['simulated_ratio']:.2f} | {yes(r['simulated_goal_met'])} |"
-                     if "simulated_ratio" in r else "- | - | - |")
+            line += (
+                f"{r['bubble']:.3f} (rank {busiest}) | {r['p2p_bubble']:.3f} | {r['predicted_bubble']:.3f} | {r['bubble_ratio']:.2f} | {yes(r['goal_met'])} | "
+            )
+            line += f"{r['simulated_bubble']:.3f} | {r['simulated_ratio']:.2f} | {yes(r['simulated_goal_met'])} |" if "simulated_ratio" in r else "- | - | - |"
         else:
             line += "- | - | - | - | - | - | - | - |"
         lines.append(line)
-    lines += ["", "### Where each pipeline rank waits (profiled steps, medians over steps then rounds)", "",
-              "| variant | rank | profiled step, ms | receive waits, ms | send waits, ms | collective waits, ms | "
-              "p2p share | wait share |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "### Where each pipeline rank waits (profiled steps, medians over steps then rounds)",
+        "",
+        "| variant | rank | profiled step, ms | receive waits, ms | send waits, ms | collective waits, ms | p2p share | wait share |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         for i, x in enumerate(r.get("per_rank", [])):
-            lines.append(f"| {r['name']} | {i} | {ms(x['step_s'])} | {ms(x['recv_wait_s'])} | {ms(x['send_wait_s'])} | "
-                         f"{ms(x['collective_wait_s'])} | {x['p2p_share']:.3f} | {x['wait_share']:.3f} |")
-    lines += ["", "### Stages (as built) and the simulated programs", "",
-              "| variant | stages: pipeline rank, layers | predicted busy / waiting per program, ms |", "|---|---|---|"]
+            lines.append(
+                f"| {r['name']} | {i} | {ms(x['step_s'])} | {ms(x['recv_wait_s'])} | {ms(x['send_wait_s'])} | "
+                f"{ms(x['collective_wait_s'])} | {x['p2p_share']:.3f} | {x['wait_share']:.3f} |"
+            )
+    lines += [
+        "",
+        "### Stages (as built) and the simulated programs",
+        "",
+        "| variant | stages: pipeline rank, layers | predicted busy / waiting per program, ms |",
+        "|---|---|---|",
+    ]
     for r in rows:
         if r.get("stages"):
             stages = "; ".join(f"{s['stage']}: rank {s['rank']}, {', '.join(s['layers'])}" for s in r["stages"])
-            programs = ", ".join(f"{n} {ms(p['busy_s'])} / {ms(p['waiting_s'])}" if "busy_s" in p else f"{n} {ms(p['step_s'])}"
-                                 for n, p in sorted(r["programs"].items()))
+            programs = ", ".join(
+                f"{n} {ms(p['busy_s'])} / {ms(p['waiting_s'])}" if "busy_s" in p else f"{n} {ms(p['step_s'])}" for n, p in sorted(r["programs"].items())
+            )
             lines.append(f"| {r['name']} | {stages} | {programs} |")
     return "\n".join(lines)
 
@@ -226,35 +316,33 @@ def main() -> None:
     parser.add_argument("--microbatches", default="2,4,8", help="gpt.py's microbatch counts at pp=2")
     parser.add_argument("--schedules", default="1f1b,gpipe", help="gpt.py's schedules at pp=2")
     parser.add_argument("--mlp-microbatches", type=int, default=4)
-    parser.add_argument("--max-load", type=float, default=QUIET[0],
-                        help="before each launch, wait for other processes to use at most this many cores")
+    parser.add_argument("--max-load", type=float, default=QUIET[0], help="before each launch, wait for other processes to use at most this many cores")
     parser.add_argument("--patience", type=float, default=QUIET[1], help="seconds to wait for that, at most")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--commit", help="the commit to report (default: git rev-parse --short HEAD here; for a run "
-                                         "from an exported tree)")
+    parser.add_argument("--commit", help="the commit to report (default: git rev-parse --short HEAD here; for a run from an exported tree)")
     args = parser.parse_args()
     QUIET = (args.max_load, args.patience)
     if args.steps <= TIMED_FROM:
         raise SystemExit(f"--steps must be more than {TIMED_FROM}")
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                           text=True).stdout.strip() or "unknown"
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip() or "unknown"
     started, load_before = time.perf_counter(), os.getloadavg()[0]
-    vs = variants([int(m) for m in args.microbatches.split(",") if m], [s for s in args.schedules.split(",") if s],
-                  args.mlp_microbatches)
+    vs = variants([int(m) for m in args.microbatches.split(",") if m], [s for s in args.schedules.split(",") if s], args.mlp_microbatches)
     with tempfile.TemporaryDirectory(prefix="aot-bench-pipeline-") as tmp:
         rows = measure(vs, args.rounds, args.steps, Path(tmp))
     print(report(rows))
     import torch
+
     loads = [r["load"] for row in rows for r in row["runs"]]
     foreign = [r["foreign_load"] for row in rows for r in row["runs"] if r["foreign_load"] is not None]
-    machine = (f"commit {commit}, {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}, "
-               f"torch {torch.__version__}, load average {load_before:.2f} at start, {min(loads):.2f}-{max(loads):.2f} "
-               f"after launches; other processes used {min(foreign, default=0):.2f}-{max(foreign, default=0):.2f} cores "
-               f"(median {statistics.median(foreign) if foreign else 0:.2f}) during launches; {time.perf_counter() - started:.0f} s")
+    machine = (
+        f"commit {commit}, {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}, "
+        f"torch {torch.__version__}, load average {load_before:.2f} at start, {min(loads):.2f}-{max(loads):.2f} "
+        f"after launches; other processes used {min(foreign, default=0):.2f}-{max(foreign, default=0):.2f} cores "
+        f"(median {statistics.median(foreign) if foreign else 0:.2f}) during launches; {time.perf_counter() - started:.0f} s"
+    )
     print(f"\n{machine}")
     if args.out:
-        args.out.write_text(json.dumps({"commit": commit, "machine": machine, "rounds": args.rounds, "steps": args.steps,
-                                        "rows": rows}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"commit": commit, "machine": machine, "rounds": args.rounds, "steps": args.steps, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

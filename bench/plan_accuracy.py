@@ -123,15 +123,16 @@ def measure(art: Path, world: int, steps: int, tmp: Path, tag: str, attempts: in
         wait_for_quiet(max_load, QUIET_PATIENCE)
         metrics = tmp / f"metrics.{tag}.{attempt}.jsonl"
         try:
-            other, _ = run(torchrun(world, "-m", "aot", "run", str(art), "--steps", str(steps), "--metrics", str(metrics),
-                                    "--quiet", "--timeout", "120"), tmp / f"run.{tag}.{attempt}.log")
+            other, _ = run(
+                torchrun(world, "-m", "aot", "run", str(art), "--steps", str(steps), "--metrics", str(metrics), "--quiet", "--timeout", "120"),
+                tmp / f"run.{tag}.{attempt}.log",
+            )
         except RuntimeError as e:  # a launch that failed counts as a used attempt, and is reported
             print(f"{tag}: launch {attempt + 1} FAILED: {str(e).splitlines()[0]}", file=sys.stderr)
             FAILED_LAUNCHES.append({"tag": tag, "attempt": attempt, "error": str(e)[-2000:]})
             continue
         times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines() if line.strip()]
-        result = {"step_s": statistics.median(times[WARMUP_STEPS:]), "other_load_cores": other, "attempts": attempt + 1,
-                  "steps": len(times)}
+        result = {"step_s": statistics.median(times[WARMUP_STEPS:]), "other_load_cores": other, "attempts": attempt + 1, "steps": len(times)}
         if best is None or (other or 0) < (best["other_load_cores"] or 0):
             best = result
         if other is not None and other <= max_load:
@@ -142,9 +143,14 @@ def measure(art: Path, world: int, steps: int, tmp: Path, tag: str, attempts: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--seconds", type=float, default=5.0, help="Measure each launch for about this long (steps = seconds / "
-                    "the plan's predicted step time, at least --steps): 40 steps of a millisecond see 40 ms of a machine "
-                    "whose speed moves from one second to the next.")
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=5.0,
+        help="Measure each launch for about this long (steps = seconds / "
+        "the plan's predicted step time, at least --steps): 40 steps of a millisecond see 40 ms of a machine "
+        "whose speed moves from one second to the next.",
+    )
     ap.add_argument("--steps", type=int, default=40, help="The fewest steps a launch runs (the first 5 are warm-up).")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -157,8 +163,16 @@ def main() -> None:
     ap.add_argument("--no-snapshot", action="store_true", help="Run the working tree, not a copy of it taken at the start.")
     args = ap.parse_args()
 
-    results = {"world": args.world, "seconds": args.seconds, "min_steps": args.steps, "repeats": args.repeats,
-               "batch_size": args.batch_size, "nproc": os.cpu_count(), "calibrations": [], "models": {}}
+    results = {
+        "world": args.world,
+        "seconds": args.seconds,
+        "min_steps": args.steps,
+        "repeats": args.repeats,
+        "batch_size": args.batch_size,
+        "nproc": os.cpu_count(),
+        "calibrations": [],
+        "models": {},
+    }
     global CODE
     with tempfile.TemporaryDirectory(prefix="aot-plan-accuracy-") as tmpdir:
         tmp = Path(tmpdir)
@@ -192,15 +206,18 @@ def main() -> None:
         for r in range(args.repeats):
             if r > 0 and not args.profile:  # between rounds: each launch is priced by the calibrations around its round
                 calibrate_and_price()
-            order = candidates[r % len(candidates):] + candidates[:r % len(candidates)]
+            order = candidates[r % len(candidates) :] + candidates[: r % len(candidates)]
             for name, c in order:
                 tag = f"{c['artifact'].name}.{r}"
                 run_result = measure(c["artifact"], args.world, c["steps"], tmp, tag, args.attempts, args.max_other_load)
                 if run_result is None:  # every attempt failed: reported with the results
                     continue
                 c["runs"].append({**run_result, "round": r})
-                print(f"{name} {c['strategy']} bucket {c['bucket_mb']:g}: {run_result['step_s'] * 1e3:.2f} ms over "
-                      f"{run_result['steps']} steps (foreign load {run_result['other_load_cores'] or 0:.2f})", file=sys.stderr)
+                print(
+                    f"{name} {c['strategy']} bucket {c['bucket_mb']:g}: {run_result['step_s'] * 1e3:.2f} ms over "
+                    f"{run_result['steps']} steps (foreign load {run_result['other_load_cores'] or 0:.2f})",
+                    file=sys.stderr,
+                )
         if not args.profile:
             calibrate_and_price()
         for m in results["models"].values():
@@ -219,24 +236,78 @@ def build_candidates(model: str, profile: Path, args, tmp: Path) -> dict:
     name = Path(model).stem
     plan = plan_model(model, profile, args, tmp / f"plan.{name}.json")
     plans = plan["plans"]
-    chosen = plans[:args.max_candidates - 1] + ([plans[-1]] if len(plans) >= args.max_candidates else [])
+    chosen = plans[: args.max_candidates - 1] + ([plans[-1]] if len(plans) >= args.max_candidates else [])
     candidates = []
     for i, p in enumerate(chosen):
         steps = WARMUP_STEPS + max(args.steps - WARMUP_STEPS, math.ceil(args.seconds / p["step_s"]))
         art = tmp / f"{name}.{i}"
-        run(aot("build", model, "--topology", str(profile), "--world-size", str(args.world), "--strategy", p["strategy"],
-                "--bucket-mb", repr(p["bucket_mb"]), "--batch-size", str(args.batch_size), "--max-steps", str(steps),
-                "--no-onnx", "--quiet", "-o", str(art)), tmp / f"build.{name}.{i}.log")
-        candidates.append({"strategy": p["strategy"], "bucket_mb": p["bucket_mb"], "predicted_step_s": p["step_s"],
-                           "prices_s": [p["step_s"]], "predicted_rank": plans.index(p) + 1, "steps": steps,
-                           "collectives_per_step": p["collectives_per_step"], "artifact": art, "runs": []})
+        run(
+            aot(
+                "build",
+                model,
+                "--topology",
+                str(profile),
+                "--world-size",
+                str(args.world),
+                "--strategy",
+                p["strategy"],
+                "--bucket-mb",
+                repr(p["bucket_mb"]),
+                "--batch-size",
+                str(args.batch_size),
+                "--max-steps",
+                str(steps),
+                "--no-onnx",
+                "--quiet",
+                "-o",
+                str(art),
+            ),
+            tmp / f"build.{name}.{i}.log",
+        )
+        candidates.append(
+            {
+                "strategy": p["strategy"],
+                "bucket_mb": p["bucket_mb"],
+                "predicted_step_s": p["step_s"],
+                "prices_s": [p["step_s"]],
+                "predicted_rank": plans.index(p) + 1,
+                "steps": steps,
+                "collectives_per_step": p["collectives_per_step"],
+                "artifact": art,
+                "runs": [],
+            }
+        )
     auto = tmp / f"{name}.auto"
-    run(aot("build", model, "--topology", str(profile), "--world-size", str(args.world), "--strategy", "auto",
-            "--batch-size", str(args.batch_size), "--no-onnx", "--quiet", "-o", str(auto)), tmp / f"build.{name}.auto.log")
+    run(
+        aot(
+            "build",
+            model,
+            "--topology",
+            str(profile),
+            "--world-size",
+            str(args.world),
+            "--strategy",
+            "auto",
+            "--batch-size",
+            str(args.batch_size),
+            "--no-onnx",
+            "--quiet",
+            "-o",
+            str(auto),
+        ),
+        tmp / f"build.{name}.auto.log",
+    )
     auto_plan = json.loads((auto / "manifest.json").read_text()).get("plan", {})
-    return {"parameters": plan["parameters"], "plan_seconds": plan["seconds"], "candidates": candidates,
-            "auto_build": {"strategy": auto_plan.get("strategy"), "bucket_mb": auto_plan.get("bucket_mb"),
-                           "predicted_step_s": (auto_plan.get("predicted") or {}).get("step_s")}}
+    return {
+        "parameters": plan["parameters"],
+        "plan_seconds": plan["seconds"],
+        "candidates": candidates,
+        "auto_build": {
+            "strategy": auto_plan.get("strategy"),
+            "bucket_mb": auto_plan.get("bucket_mb"),
+            "predicted_step_s": (auto_plan.get("predicted") or {}).get("step_s"),
+        },
+    }
 
 
 def summarize(m: dict, bracketed: bool) -> None:
@@ -250,36 +321,47 @@ def summarize(m: dict, bracketed: bool) -> None:
         c["other_load_cores"] = statistics.median(x["other_load_cores"] or 0 for x in c["runs"])
         c["error"] = c["predicted_step_s"] / c["measured_step_s"] - 1
         if bracketed and None not in c["prices_s"]:
-            c["bracketed_step_s"] = statistics.median((c["prices_s"][x["round"]] + c["prices_s"][x["round"] + 1]) / 2
-                                                      for x in c["runs"])
+            c["bracketed_step_s"] = statistics.median((c["prices_s"][x["round"]] + c["prices_s"][x["round"] + 1]) / 2 for x in c["runs"])
             c["bracketed_error"] = c["bracketed_step_s"] / c["measured_step_s"] - 1
         c["artifact"] = str(c["artifact"].name)
     measured_best = min(candidates, key=lambda c: c["measured_step_s"])
-    m.update({"predicted_best": candidates[0]["strategy"] + f" bucket {candidates[0]['bucket_mb']:g}",
-              "measured_best": measured_best["strategy"] + f" bucket {measured_best['bucket_mb']:g}",
-              "best_agrees": measured_best is candidates[0], **separation(candidates[0], measured_best)})
+    m.update(
+        {
+            "predicted_best": candidates[0]["strategy"] + f" bucket {candidates[0]['bucket_mb']:g}",
+            "measured_best": measured_best["strategy"] + f" bucket {measured_best['bucket_mb']:g}",
+            "best_agrees": measured_best is candidates[0],
+            **separation(candidates[0], measured_best),
+        }
+    )
     # near ties flip between calibrations: how many of them price the measured best first
-    firsts = [min(candidates, key=lambda c, i=i: c["prices_s"][i] if c["prices_s"][i] is not None else math.inf)
-              for i in range(len(candidates[0]["prices_s"]))]
+    firsts = [min(candidates, key=lambda c, i=i: c["prices_s"][i] if c["prices_s"][i] is not None else math.inf) for i in range(len(candidates[0]["prices_s"]))]
     m["calibrations_pricing_measured_best_first"] = [sum(f is measured_best for f in firsts), len(firsts)]
 
 
 def calibrate(world: int, profile: Path, max_load: float, tmp: Path) -> dict:
     """`aot topology calibrate` on `world` ranks into `profile`, once the machine is quiet."""
     wait_for_quiet(max_load, QUIET_PATIENCE)
-    other, wall = run(torchrun(world, "-m", "aot", "topology", "calibrate", "--profile", "cpu", "-o", str(profile)),
-                      tmp / f"{profile.stem}.log")
+    other, wall = run(torchrun(world, "-m", "aot", "topology", "calibrate", "--profile", "cpu", "-o", str(profile)), tmp / f"{profile.stem}.log")
     print(f"calibrated in {wall:.1f} s (foreign load {other:.2f} cores)", file=sys.stderr)
     # the whole profile: which of its figures moved between one calibration and the next
-    return {"seconds": wall, "other_load_cores": other, "profile": json.loads(profile.read_text()),
-            "command": f"torchrun --nproc-per-node {world} -m aot topology calibrate --profile cpu -o cal.json"}
+    return {
+        "seconds": wall,
+        "other_load_cores": other,
+        "profile": json.loads(profile.read_text()),
+        "command": f"torchrun --nproc-per-node {world} -m aot topology calibrate --profile cpu -o cal.json",
+    }
 
 
 def plan_model(model: str, profile: Path, args, out_path: Path) -> dict:
     """`aot plan --json` of `model` on `profile`."""
     with open(out_path, "w") as out:
-        subprocess.run(aot("plan", model, "--topology", str(profile), "--world-size", str(args.world),
-                           "--batch-size", str(args.batch_size), "--json"), cwd=CODE, env=env(), stdout=out, check=True)
+        subprocess.run(
+            aot("plan", model, "--topology", str(profile), "--world-size", str(args.world), "--batch-size", str(args.batch_size), "--json"),
+            cwd=CODE,
+            env=env(),
+            stdout=out,
+            check=True,
+        )
     return json.loads(out_path.read_text())
 
 
@@ -290,38 +372,40 @@ def separation(predicted: dict, measured: dict) -> dict:
     if predicted is measured:
         return {"best_margin": 0.0, "best_launches_overlap": False}
     p, m = [x["step_s"] for x in predicted["runs"]], [x["step_s"] for x in measured["runs"]]
-    return {"best_margin": predicted["measured_step_s"] / measured["measured_step_s"] - 1,
-            "best_launches_overlap": min(p) <= max(m) and min(m) <= max(p)}
+    return {"best_margin": predicted["measured_step_s"] / measured["measured_step_s"] - 1, "best_launches_overlap": min(p) <= max(m) and min(m) <= max(p)}
 
 
 def print_table(results: dict) -> None:
-    print("| model | plan | predicted rank | steps | predicted ms | measured ms (launches) | error | bracketed ms | bracketed error "
-          "| foreign load (cores) |")
+    print("| model | plan | predicted rank | steps | predicted ms | measured ms (launches) | error | bracketed ms | bracketed error | foreign load (cores) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, m in results["models"].items():
         for c in m["candidates"]:
             launches = ", ".join(f"{x['step_s'] * 1e3:.2f}" for x in c["runs"])
-            bracketed = (f"{c['bracketed_step_s'] * 1e3:.2f} | {c['bracketed_error']:+.0%}" if "bracketed_step_s" in c
-                         else "- | -")
-            print(f"| {name} | {c['strategy']}, bucket {c['bucket_mb']:g} MiB | {c['predicted_rank']} | {c['steps']} | "
-                  f"{c['predicted_step_s'] * 1e3:.2f} | {c['measured_step_s'] * 1e3:.2f} ({launches}) | {c['error']:+.0%} | "
-                  f"{bracketed} | {c['other_load_cores']:.2f} |")
+            bracketed = f"{c['bracketed_step_s'] * 1e3:.2f} | {c['bracketed_error']:+.0%}" if "bracketed_step_s" in c else "- | -"
+            print(
+                f"| {name} | {c['strategy']}, bucket {c['bucket_mb']:g} MiB | {c['predicted_rank']} | {c['steps']} | "
+                f"{c['predicted_step_s'] * 1e3:.2f} | {c['measured_step_s'] * 1e3:.2f} ({launches}) | {c['error']:+.0%} | "
+                f"{bracketed} | {c['other_load_cores']:.2f} |"
+            )
     within = [abs(c["error"]) <= 0.2 for m in results["models"].values() for c in m["candidates"]]
     print(f"within +-20%: {sum(within)} of {len(within)} on the first calibration", end="")
-    bracketed = [abs(c["bracketed_error"]) <= 0.2 for m in results["models"].values() for c in m["candidates"]
-                 if "bracketed_error" in c]
+    bracketed = [abs(c["bracketed_error"]) <= 0.2 for m in results["models"].values() for c in m["candidates"] if "bracketed_error" in c]
     print(f", {sum(bracketed)} of {len(bracketed)} bracketed" if bracketed else "")
     if bracketed:
-        print(f"bracketed: each launch priced by the mean of the calibrations taken just before and just after its round "
-              f"({len(results['calibrations'])} calibrations), the median over the plan's launches")
+        print(
+            f"bracketed: each launch priced by the mean of the calibrations taken just before and just after its round "
+            f"({len(results['calibrations'])} calibrations), the median over the plan's launches"
+        )
     for name, m in results["models"].items():
         verdict = "agree" if m["best_agrees"] else f"DISAGREE: the predicted best measured {m['best_margin']:+.1%} behind"
         if m.get("best_launches_overlap"):
             verdict += ", their launches overlapping"
         agree, total = m["calibrations_pricing_measured_best_first"]
-        print(f"{name}: predicted best {m['predicted_best']}, measured best {m['measured_best']} ({verdict}); "
-              f"{agree} of {total} calibrations price the measured best first; "
-              f"--strategy auto built {m['auto_build']['strategy']} bucket {m['auto_build']['bucket_mb']}")
+        print(
+            f"{name}: predicted best {m['predicted_best']}, measured best {m['measured_best']} ({verdict}); "
+            f"{agree} of {total} calibrations price the measured best first; "
+            f"--strategy auto built {m['auto_build']['strategy']} bucket {m['auto_build']['bucket_mb']}"
+        )
 
 
 if __name__ == "__main__":

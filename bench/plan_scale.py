@@ -39,8 +39,9 @@ def main() -> None:
     ap.add_argument("--axes", default=None, help="passed to `aot plan --axes` (default: the command's own)")
     ap.add_argument("--workers", type=int, default=None, help="AOT_PLAN_WORKERS for the command (default: unset)")
     ap.add_argument("--code", type=Path, default=None, help="the checkout whose aot to run (default: this one)")
-    ap.add_argument("--quiet-patience", type=float, default=0.0,
-                    help="before each run, wait up to this many seconds for other processes to use at most 0.2 cores")
+    ap.add_argument(
+        "--quiet-patience", type=float, default=0.0, help="before each run, wait up to this many seconds for other processes to use at most 0.2 cores"
+    )
     args = ap.parse_args()
     code = (args.code or REPO).resolve()
     plan_accuracy.CODE = code
@@ -60,16 +61,26 @@ def main() -> None:
         cpu = own_cpu_s() - own0
         other = max(0.0, (busy_cpu_s() - busy0) - cpu) / wall
         result = json.loads(out.stdout)
-        runs.append({"wall_s": wall, "command_s": result["seconds"], "cpu_s": cpu, "other_load_cores": other,
-                     "candidates": len(result["plans"]), "world_size": result["world_size"],
-                     "best": f"{result['plans'][0]['strategy']} bucket {result['plans'][0]['bucket_mb']:g} MiB"})
+        runs.append(
+            {
+                "wall_s": wall,
+                "command_s": result["seconds"],
+                "cpu_s": cpu,
+                "other_load_cores": other,
+                "candidates": len(result["plans"]),
+                "world_size": result["world_size"],
+                "best": f"{result['plans'][0]['strategy']} bucket {result['plans'][0]['bucket_mb']:g} MiB",
+            }
+        )
         print(json.dumps(runs[-1]), file=sys.stderr)
     where = "" if code == REPO else f" ({code})"
-    print(f"`{' '.join(cmd[1:])}`{where}: {runs[0]['world_size']} ranks, {runs[0]['candidates']} candidates, best {runs[0]['best']}; "
-          f"wall {min(r['wall_s'] for r in runs):.1f} s best / {statistics.median(r['wall_s'] for r in runs):.1f} s median, "
-          f"command-reported {statistics.median(r['command_s'] for r in runs):.1f} s median, "
-          f"CPU {statistics.median(r['cpu_s'] for r in runs):.1f} s median, "
-          f"foreign load {statistics.median(r['other_load_cores'] for r in runs):.2f} cores median")
+    print(
+        f"`{' '.join(cmd[1:])}`{where}: {runs[0]['world_size']} ranks, {runs[0]['candidates']} candidates, best {runs[0]['best']}; "
+        f"wall {min(r['wall_s'] for r in runs):.1f} s best / {statistics.median(r['wall_s'] for r in runs):.1f} s median, "
+        f"command-reported {statistics.median(r['command_s'] for r in runs):.1f} s median, "
+        f"CPU {statistics.median(r['cpu_s'] for r in runs):.1f} s median, "
+        f"foreign load {statistics.median(r['other_load_cores'] for r in runs):.2f} cores median"
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 5
-MODELS = {"gpt": ("examples/gpt.py", None, 8), "1b": ("examples/llama.py", "1b", 1),
-          "8b": ("examples/llama.py", "8b", 1), "70b": ("examples/llama.py", "70b", 1)}
+MODELS = {
+    "gpt": ("examples/gpt.py", None, 8),
+    "1b": ("examples/llama.py", "1b", 1),
+    "8b": ("examples/llama.py", "8b", 1),
+    "70b": ("examples/llama.py", "70b", 1),
+}
 DEFAULT_PREDICT = "gpt:8,gpt:1024,1b:8,1b:1024,8b:8,8b:1024,70b:8,70b:1024"
 MEASURED_STRATEGIES = ("dp=2", "fsdp=2")
 MEASURED_PRECISIONS = ("fp32", "bf16", "fp16")
@@ -87,10 +91,12 @@ def eager_worker(argv: list[str]) -> None:
     model = user.model()
     if a.strategy == "dp":
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         net = DDP(model)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         mesh = init_device_mesh("cpu", (world,))
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
         for block in getattr(model, "blocks", getattr(model, "layers", [])):
@@ -104,7 +110,7 @@ def eager_worker(argv: list[str]) -> None:
     clip = getattr(user, "max_grad_norm", None)
     scaler = torch.amp.GradScaler("cpu", **getattr(user, "grad_scaler", {})) if a.precision == "fp16" else None
     inputs, targets = user.batch(a.batch_size * world)
-    x, y = inputs[rank * a.batch_size:(rank + 1) * a.batch_size], targets[rank * a.batch_size:(rank + 1) * a.batch_size]
+    x, y = inputs[rank * a.batch_size : (rank + 1) * a.batch_size], targets[rank * a.batch_size : (rank + 1) * a.batch_size]
     times, losses = [], []
     for _ in range(a.steps):
         t0 = time.perf_counter()
@@ -156,8 +162,7 @@ def run(cmd: list, log: Path, timeout: float, extra_env: dict | None = None) -> 
     wait_for_quiet(*QUIET)
     t0, busy0, own0 = time.time(), busy_cpu_s(), own_cpu_s()
     with open(log, "w") as out, open(f"{log}.err", "w") as err:
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=CODE, env=env(extra_env), stdout=out,
-                                stderr=err, start_new_session=True)
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=CODE, env=env(extra_env), stdout=out, stderr=err, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -181,33 +186,66 @@ def torchrun(*args) -> list:
 # -- part 1: predictions ------------------------------------------------------------------------
 def predict(model: str, world: int, precision: str, reduce_dtype: str | None, tmp: Path, timeout: float) -> dict:
     path, size, batch = MODELS[model]
-    cmd = aot("plan", CODE / path, "--topology", "dgx_a100", "--nodes", max(1, world // 8), "--world-size", world,
-              "--axes", "fsdp", "--batch-size", batch, "--precision", precision, "--json",
-              *(["--reduce-dtype", reduce_dtype] if reduce_dtype else []))
+    cmd = aot(
+        "plan",
+        CODE / path,
+        "--topology",
+        "dgx_a100",
+        "--nodes",
+        max(1, world // 8),
+        "--world-size",
+        world,
+        "--axes",
+        "fsdp",
+        "--batch-size",
+        batch,
+        "--precision",
+        precision,
+        "--json",
+        *(["--reduce-dtype", reduce_dtype] if reduce_dtype else []),
+    )
     tag = f"{model}-{world}-{precision}-{reduce_dtype or 'default'}"
     log = tmp / f"plan.{tag}.out"
     r = run(cmd, log, timeout, {"AOT_SIZE": size} if size else None)
-    row = {"model": model, "world": world, "batch_size": batch, "precision": precision,
-           "reduce_dtype": reduce_dtype or "fp32", "plan_wall_s": round(r["wall_s"], 1),
-           "foreign_load_cores": r["foreign_load_cores"]}
+    row = {
+        "model": model,
+        "world": world,
+        "batch_size": batch,
+        "precision": precision,
+        "reduce_dtype": reduce_dtype or "fp32",
+        "plan_wall_s": round(r["wall_s"], 1),
+        "foreign_load_cores": r["foreign_load_cores"],
+    }
     if r["rc"] is None:
         return {**row, "left_out": f"aot plan ran past {timeout:.0f} s"}
     if r["rc"] != 0:
         return {**row, "error": Path(f"{log}.err").read_text().strip()[-600:]}
     d = json.loads(log.read_text())
     best = d["plans"][0]
-    return {**row, "parameters": d["parameters"], "precision_policy": d["precision"], "calibrated": d["calibrated"],
-            "strategy": best["strategy"], "fits": best["fits"], "step_s": best["step_s"], "compute_s": best["compute_s"],
-            "comm_s": best["comm_s"], "exposed_comm_s": best["exposed_comm_s"],
-            "collectives_per_step": best["collectives_per_step"],
-            "collective_bytes_per_step": best["collective_bytes_per_step"], "memory_bytes": best["memory_bytes"]}
+    return {
+        **row,
+        "parameters": d["parameters"],
+        "precision_policy": d["precision"],
+        "calibrated": d["calibrated"],
+        "strategy": best["strategy"],
+        "fits": best["fits"],
+        "step_s": best["step_s"],
+        "compute_s": best["compute_s"],
+        "comm_s": best["comm_s"],
+        "exposed_comm_s": best["exposed_comm_s"],
+        "collectives_per_step": best["collectives_per_step"],
+        "collective_bytes_per_step": best["collective_bytes_per_step"],
+        "memory_bytes": best["memory_bytes"],
+    }
 
 
 def prediction_table(rows: list[dict]) -> str:
     base = {(r["model"], r["world"]): r for r in rows if r["precision"] == "fp32" and "step_s" in r}
-    lines = ["| model | ranks | precision | reduce | step s | vs fp32 | compute s | exposed comm s | peak GiB | vs fp32 | "
-             "of which transient GiB | params + optimizer GiB | collective GiB/step | vs fp32 | fits | plan s | foreign load |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    lines = [
+        "| model | ranks | precision | reduce | step s | vs fp32 | compute s | exposed comm s | peak GiB | vs fp32 | "
+        "of which transient GiB | params + optimizer GiB | collective GiB/step | vs fp32 | fits | plan s | foreign load |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
     for r in rows:
         head = f"| {r['model']} | {r['world']} | {r['precision']} | {r['reduce_dtype']} |"
         if "step_s" not in r:
@@ -221,7 +259,8 @@ def prediction_table(rows: list[dict]) -> str:
             f"{m['peak'] / 2**30:.3g} | {ratio(lambda x: x['memory_bytes']['peak'])} | {m['peak_transient'] / 2**30:.3g} | "
             f"{(m['params'] + m['optimizer']) / 2**30:.3g} | {r['collective_bytes_per_step'] / 2**30:.3g} | "
             f"{ratio(lambda x: x['collective_bytes_per_step'])} | {'yes' if r['fits'] else 'NO'} | {r['plan_wall_s']} | "
-            f"{r['foreign_load_cores']} |")
+            f"{r['foreign_load_cores']} |"
+        )
     return "\n".join(lines)
 
 
@@ -233,6 +272,7 @@ def kernels(reps: int = 50) -> list[dict]:
     """torch.mm on one thread for examples/gpt.py's shapes (q/k/v/proj, fc, mlp proj, lm_head: 8 x 64
     tokens), fp32 vs bf16 vs fp16: what this CPU's kernels do with each dtype."""
     import torch
+
     torch.set_num_threads(1)
     rows = []
     for m, k, n in KERNEL_SHAPES:
@@ -254,16 +294,20 @@ def kernels(reps: int = 50) -> list[dict]:
 def kernel_table(rows: list[dict]) -> str:
     lines = ["| matmul (M x K) @ (K x N) | fp32 us | bf16 us | vs fp32 | fp16 us | vs fp32 |", "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| ({r['m']} x {r['k']}) @ ({r['k']} x {r['n']}) | {r['fp32_us']} | {r['bf16_us']} | "
-                     f"{r['bf16_us'] / r['fp32_us']:.2f} | {r['fp16_us']} | {r['fp16_us'] / r['fp32_us']:.1f} |")
+        lines.append(
+            f"| ({r['m']} x {r['k']}) @ ({r['k']} x {r['n']}) | {r['fp32_us']} | {r['bf16_us']} | "
+            f"{r['bf16_us'] / r['fp32_us']:.2f} | {r['fp16_us']} | {r['fp16_us'] / r['fp32_us']:.1f} |"
+        )
     return "\n".join(lines)
 
 
 # -- part 2: measured -----------------------------------------------------------------------------
 def measured_table(variants: dict) -> str:
-    lines = ["| strategy | precision | aot run step ms (median of rounds) | rounds min-max | vs fp32 | eager step ms | "
-             "rounds min-max | vs fp32 | aot / eager | loss at last step (aot) | foreign load max |",
-             "|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| strategy | precision | aot run step ms (median of rounds) | rounds min-max | vs fp32 | eager step ms | "
+        "rounds min-max | vs fp32 | aot / eager | loss at last step (aot) | foreign load max |",
+        "|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
     for (strategy, precision), v in variants.items():
         base = variants.get((strategy, "fp32"), {})
         row = f"| {strategy} | {precision} |"
@@ -273,8 +317,11 @@ def measured_table(variants: dict) -> str:
                 row += " | | |" if kind == "eager" or not v.get("error") else f" failed: {v['error']} | | |"
                 continue
             b = statistics.median(base[f"{kind}_ms"]) if base.get(f"{kind}_ms") else None
-            row += f" {statistics.median(t):.1f} | {min(t):.1f}-{max(t):.1f} | {statistics.median(t) / b:.2f} |" if b \
+            row += (
+                f" {statistics.median(t):.1f} | {min(t):.1f}-{max(t):.1f} | {statistics.median(t) / b:.2f} |"
+                if b
                 else f" {statistics.median(t):.1f} | {min(t):.1f}-{max(t):.1f} | |"
+            )
         a, e = v.get("aot_ms"), v.get("eager_ms")
         row += f" {statistics.median(a) / statistics.median(e):.2f} |" if a and e else " |"
         loads = [x for x in v.get("foreign_load_cores", []) if x is not None]
@@ -285,13 +332,31 @@ def measured_table(variants: dict) -> str:
 
 
 def measure(args, tmp: Path) -> dict:
-    variants = {(s, p): {"aot_ms": [], "eager_ms": [], "foreign_load_cores": [], "build": None}
-                for s in MEASURED_STRATEGIES for p in args.measure_precisions}
+    variants = {(s, p): {"aot_ms": [], "eager_ms": [], "foreign_load_cores": [], "build": None} for s in MEASURED_STRATEGIES for p in args.measure_precisions}
     for (s, p), v in variants.items():
         art = tmp / f"art.{s.replace('=', '')}.{p}"
-        r = run(aot("build", CODE / "examples/gpt.py", "--topology", "cpu", "--world-size", 2, "--strategy", s,
-                    "--batch-size", args.batch_size, "--precision", p, "--no-onnx", "--quiet", "-o", art),
-                tmp / f"build.{s}.{p}.log", 600)
+        r = run(
+            aot(
+                "build",
+                CODE / "examples/gpt.py",
+                "--topology",
+                "cpu",
+                "--world-size",
+                2,
+                "--strategy",
+                s,
+                "--batch-size",
+                args.batch_size,
+                "--precision",
+                p,
+                "--no-onnx",
+                "--quiet",
+                "-o",
+                art,
+            ),
+            tmp / f"build.{s}.{p}.log",
+            600,
+        )
         v["build"] = {"wall_s": round(r["wall_s"], 1), "foreign_load_cores": r["foreign_load_cores"]}
         if r["rc"] != 0:
             v["error"] = Path(f"{tmp}/build.{s}.{p}.log.err").read_text().strip().splitlines()[-1][:200]
@@ -299,13 +364,16 @@ def measure(args, tmp: Path) -> dict:
         print(f"built {s} {p}: {v['build']}", file=sys.stderr, flush=True)
     order = list(variants)
     for rnd in range(args.rounds):
-        for key in (order if rnd % 2 == 0 else order[::-1]):
+        for key in order if rnd % 2 == 0 else order[::-1]:
             v, (s, p) = variants[key], key
             if v.get("error"):
                 continue
             metrics = tmp / f"metrics.{s}.{p}.{rnd}.jsonl"
-            r = run(torchrun("-m", "aot", "run", v["art"], "--steps", args.steps, "--metrics", metrics, "--quiet",
-                             "--timeout", 120), tmp / f"run.{s}.{p}.{rnd}.log", 300)
+            r = run(
+                torchrun("-m", "aot", "run", v["art"], "--steps", args.steps, "--metrics", metrics, "--quiet", "--timeout", 120),
+                tmp / f"run.{s}.{p}.{rnd}.log",
+                300,
+            )
             v["foreign_load_cores"].append(r["foreign_load_cores"])
             if r["rc"] != 0 or not metrics.exists():
                 v.setdefault("failed_launches", []).append(Path(f"{tmp}/run.{s}.{p}.{rnd}.log.err").read_text()[-600:])
@@ -319,9 +387,25 @@ def measure(args, tmp: Path) -> dict:
             msg = f"round {rnd + 1} {s} {p}: aot {v['aot_ms'][-1]:.1f} ms (load {r['foreign_load_cores']})"
             if args.eager:
                 result = tmp / f"eager.{s}.{p}.{rnd}.json"
-                r = run(torchrun(Path(__file__).resolve(), "--eager-worker", CODE / "examples/gpt.py", "--strategy",
-                                 s.split("=")[0], "--precision", p, "--steps", args.steps, "--batch-size", args.batch_size,
-                                 "--result", result), tmp / f"eager.{s}.{p}.{rnd}.log", 300)
+                r = run(
+                    torchrun(
+                        Path(__file__).resolve(),
+                        "--eager-worker",
+                        CODE / "examples/gpt.py",
+                        "--strategy",
+                        s.split("=")[0],
+                        "--precision",
+                        p,
+                        "--steps",
+                        args.steps,
+                        "--batch-size",
+                        args.batch_size,
+                        "--result",
+                        result,
+                    ),
+                    tmp / f"eager.{s}.{p}.{rnd}.log",
+                    300,
+                )
                 v["foreign_load_cores"].append(r["foreign_load_cores"])
                 if r["rc"] == 0 and result.exists():
                     e = json.loads(result.read_text())
@@ -341,35 +425,43 @@ def main() -> None:
     ap.add_argument("--predict", default=DEFAULT_PREDICT, help="MODEL:WORLD cases to plan (empty: none)")
     ap.add_argument("--reduce-bf16", default="8b:1024", help="cases also planned with --reduce-dtype bf16")
     ap.add_argument("--plan-timeout", type=float, default=180.0, help="seconds one `aot plan` may take")
-    ap.add_argument("--measure-precisions", default=",".join(MEASURED_PRECISIONS),
-                    type=lambda s: tuple(p for p in s.split(",") if p), help="empty: no measurements")
+    ap.add_argument(
+        "--measure-precisions", default=",".join(MEASURED_PRECISIONS), type=lambda s: tuple(p for p in s.split(",") if p), help="empty: no measurements"
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=8, help="samples per rank in the measured runs")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
-                    help="time this CPU's matmul for gpt.py's shapes in fp32, bf16 and fp16 (one thread)")
-    ap.add_argument("--max-load", type=float, default=0.3,
-                    help="before each plan and launch, wait (up to 60 s) for other processes to use at most this many cores")
+    ap.add_argument(
+        "--kernels", action=argparse.BooleanOptionalAction, default=True, help="time this CPU's matmul for gpt.py's shapes in fp32, bf16 and fp16 (one thread)"
+    )
+    ap.add_argument(
+        "--max-load", type=float, default=0.3, help="before each plan and launch, wait (up to 60 s) for other processes to use at most this many cores"
+    )
     ap.add_argument("--no-snapshot", action="store_true", help="run the working tree, not HEAD's committed files")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     global CODE, QUIET
     QUIET = (args.max_load, QUIET[1])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"commit": commit, "snapshot": not args.no_snapshot, "machine": {
-        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}}
+    result = {
+        "commit": commit,
+        "snapshot": not args.no_snapshot,
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        },
+    }
     with tempfile.TemporaryDirectory(prefix="aot-precision-") as tmpdir:
         tmp = Path(tmpdir)
         if not args.no_snapshot:
             CODE = tmp / "code"
             CODE.mkdir()
-            archive = subprocess.run(["git", "archive", "HEAD", "aot", "runner", "examples"], cwd=REPO,
-                                     capture_output=True, check=True).stdout
+            archive = subprocess.run(["git", "archive", "HEAD", "aot", "runner", "examples"], cwd=REPO, capture_output=True, check=True).stdout
             subprocess.run(["tar", "-x", "-C", str(CODE)], input=archive, check=True)
-        result["torch"] = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
-                                         capture_output=True, text=True).stdout.strip()
+        result["torch"] = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True).stdout.strip()
         rows = []
         cases = [c for c in args.predict.split(",") if c]
         reduce_cases = set(c for c in args.reduce_bf16.split(",") if c)
@@ -379,8 +471,7 @@ def main() -> None:
             for precision, reduce_dtype in runs:
                 row = predict(model, int(world), precision, reduce_dtype, tmp, args.plan_timeout)
                 rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k not in ("precision_policy", "error")}),
-                      file=sys.stderr, flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("precision_policy", "error")}), file=sys.stderr, flush=True)
                 if "left_out" in row:  # the other precision would take as long
                     break
         result["predictions"] = rows
@@ -389,8 +480,10 @@ def main() -> None:
         if args.measure_precisions:
             variants = measure(args, tmp)
             result["measured"] = [{"strategy": s, "precision": p, **v} for (s, p), v in variants.items()]
-            print(f"Measured (examples/gpt.py, 2 CPU ranks, batch {args.batch_size} per rank, {args.rounds} rounds, "
-                  f"median of steps {WARMUP + 1}..{args.steps}):\n" + measured_table(variants) + "\n")
+            print(
+                f"Measured (examples/gpt.py, 2 CPU ranks, batch {args.batch_size} per rank, {args.rounds} rounds, "
+                f"median of steps {WARMUP + 1}..{args.steps}):\n" + measured_table(variants) + "\n"
+            )
         if args.kernels:
             wait_for_quiet(*QUIET)
             result["kernels"] = kernels()

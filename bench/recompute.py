@@ -52,8 +52,7 @@ def _env(**extra) -> dict:
 
 
 def _aot(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aot", *map(str, args)], cwd=REPO, env=env or _env(),
-                          capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "aot", *map(str, args)], cwd=REPO, env=env or _env(), capture_output=True, text=True)
 
 
 def smallest_budget(model: str, build_args: list, folder: Path, env=None) -> str:
@@ -77,15 +76,36 @@ def train(art: Path, steps: int, folder: Path) -> dict:
     metrics, profile = folder / "metrics.jsonl", folder / "profile"
     for path in (metrics,):
         path.unlink(missing_ok=True)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "aot",
-                        "run", str(art), "--steps", str(steps), "--metrics", str(metrics), "--profile", str(profile), "--quiet"],
-                       cwd=REPO, env=_env(), capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "aot",
+            "run",
+            str(art),
+            "--steps",
+            str(steps),
+            "--metrics",
+            str(metrics),
+            "--profile",
+            str(profile),
+            "--quiet",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         raise SystemExit(f"aot run failed: {r.stderr[-2000:]}")
     times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()][WARMUP:]
     summary = json.loads((profile / "profile.json").read_text())
-    return {"step_s": statistics.median(times), "measured_peak_bytes": summary["memory"]["measured_peak_bytes"],
-            "memory_method": summary["memory"]["method"]}
+    return {"step_s": statistics.median(times), "measured_peak_bytes": summary["memory"]["measured_peak_bytes"], "memory_method": summary["memory"]["method"]}
 
 
 def measured(strategies: list[str], rounds: int, steps: int, folder: Path) -> list[dict]:
@@ -97,21 +117,28 @@ def measured(strategies: list[str], rounds: int, steps: int, folder: Path) -> li
         builds = {b: build("examples/gpt.py", args, b, folder / f"{strategy}-{b}") for b in budgets}
         runs: dict[str, list[dict]] = {b: [] for b in budgets}
         for k in range(rounds):
-            for b in (budgets if k % 2 == 0 else budgets[::-1]):
+            for b in budgets if k % 2 == 0 else budgets[::-1]:
                 runs[b].append(train(folder / f"{strategy}-{b}", steps, folder))
-                print(f"  {strategy} budget {b} round {k + 1}: {runs[b][-1]['step_s'] * 1e3:.2f} ms, "
-                      f"peaks {runs[b][-1]['measured_peak_bytes']}", file=sys.stderr)
+                print(
+                    f"  {strategy} budget {b} round {k + 1}: {runs[b][-1]['step_s'] * 1e3:.2f} ms, peaks {runs[b][-1]['measured_peak_bytes']}", file=sys.stderr
+                )
         for b in budgets:
             predicted = builds[b]["memory"]["predicted"]
             peaks = runs[b][0]["measured_peak_bytes"]
-            results.append({
-                "strategy": strategy, "budget": float(b), "predicted": predicted, "recompute": builds[b]["memory"]["recompute"],
-                "predicted_step_s": builds[b]["time"]["predicted"]["step_s"],
-                "measured_peak_bytes": peaks, "memory_method": runs[b][0]["memory_method"],
-                "peak_ratio": max(peaks) / predicted["peak"],
-                "step_s": statistics.median(r["step_s"] for r in runs[b]),
-                "step_ratio": statistics.median(r["step_s"] / base["step_s"] for r, base in zip(runs[b], runs["1.0"])),
-            })
+            results.append(
+                {
+                    "strategy": strategy,
+                    "budget": float(b),
+                    "predicted": predicted,
+                    "recompute": builds[b]["memory"]["recompute"],
+                    "predicted_step_s": builds[b]["time"]["predicted"]["step_s"],
+                    "measured_peak_bytes": peaks,
+                    "memory_method": runs[b][0]["memory_method"],
+                    "peak_ratio": max(peaks) / predicted["peak"],
+                    "step_s": statistics.median(r["step_s"] for r in runs[b]),
+                    "step_ratio": statistics.median(r["step_s"] / base["step_s"] for r, base in zip(runs[b], runs["1.0"])),
+                }
+            )
     return results
 
 
@@ -137,32 +164,43 @@ def _m(n: int) -> str:
 
 
 def report(cpu: list[dict], gpu: list[dict]) -> str:
-    lines = ["### Measured: examples/gpt.py, 2 CPU ranks, batch 8 per data rank", "",
-             "| strategy | activation budget | predicted peak, MiB | measured peak (rank 0, 1), MiB | measured / predicted | "
-             "activations kept, MiB | activations peak, MiB | step, ms | step vs 1.0 | predicted step, ms | predicted vs 1.0 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "### Measured: examples/gpt.py, 2 CPU ranks, batch 8 per data rank",
+        "",
+        "| strategy | activation budget | predicted peak, MiB | measured peak (rank 0, 1), MiB | measured / predicted | "
+        "activations kept, MiB | activations peak, MiB | step, ms | step vs 1.0 | predicted step, ms | predicted vs 1.0 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     base = {r["strategy"]: r["predicted_step_s"] for r in cpu if r["budget"] == 1.0}
     for r in cpu:
         p, rc = r["predicted"], r["recompute"]
         kept = rc.get("kept_activation_bytes", rc.get("saved_activation_bytes"))
-        lines.append(f"| {r['strategy']} | {r['budget']:.3g} | {_m(p['peak'])} | "
-                     f"{', '.join(_m(x) for x in r['measured_peak_bytes'])} | {r['peak_ratio']:.3f} | "
-                     f"{_m(kept) if kept is not None else '-'} | {_m(p['activations_peak'])} | {r['step_s'] * 1e3:.2f} | "
-                     f"{r['step_ratio']:.3f} | {r['predicted_step_s'] * 1e3:.2f} | {r['predicted_step_s'] / base[r['strategy']]:.3f} |")
+        lines.append(
+            f"| {r['strategy']} | {r['budget']:.3g} | {_m(p['peak'])} | "
+            f"{', '.join(_m(x) for x in r['measured_peak_bytes'])} | {r['peak_ratio']:.3f} | "
+            f"{_m(kept) if kept is not None else '-'} | {_m(p['activations_peak'])} | {r['step_s'] * 1e3:.2f} | "
+            f"{r['step_ratio']:.3f} | {r['predicted_step_s'] * 1e3:.2f} | {r['predicted_step_s'] / base[r['strategy']]:.3f} |"
+        )
     if gpu:
-        lines += ["", "### Predicted: Llama presets, dgx_a100, fsdp=8, sequence 2048, batch 1", "",
-                  "| model | activation budget | peak, GiB | activations at peak, GiB | gradients at peak, GiB | "
-                  "activations peak, GiB | recomputed values | predicted recompute, ms/step | predicted step, ms | "
-                  "step vs 1.0 | build, s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "### Predicted: Llama presets, dgx_a100, fsdp=8, sequence 2048, batch 1",
+            "",
+            "| model | activation budget | peak, GiB | activations at peak, GiB | gradients at peak, GiB | "
+            "activations peak, GiB | recomputed values | predicted recompute, ms/step | predicted step, ms | "
+            "step vs 1.0 | build, s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         base = {r["model"]: r["time"]["predicted"]["step_s"] for r in gpu if r["budget"] == 1.0}
         for r in gpu:
             step = r["time"]["predicted"]["step_s"]
             p, rc = r["memory"]["predicted"], r["memory"]["recompute"]
-            lines.append(f"| {r['model']} | {r['budget']:.3g} | {_g(p['peak'])} | {_g(p['at_peak']['activations'])} | "
-                         f"{_g(p['at_peak']['gradients'])} | {_g(p['activations_peak'])} | {rc.get('recomputed_values', 0)} | "
-                         f"{rc.get('predicted_recompute_s', 0) * 1e3:.1f} | {step * 1e3:.1f} | {step / base[r['model']]:.3f} | "
-                         f"{r['build_s']:.0f} |")
+            lines.append(
+                f"| {r['model']} | {r['budget']:.3g} | {_g(p['peak'])} | {_g(p['at_peak']['activations'])} | "
+                f"{_g(p['at_peak']['gradients'])} | {_g(p['activations_peak'])} | {rc.get('recomputed_values', 0)} | "
+                f"{rc.get('predicted_recompute_s', 0) * 1e3:.1f} | {step * 1e3:.1f} | {step / base[r['model']]:.3f} | "
+                f"{r['build_s']:.0f} |"
+            )
     return "\n".join(lines)
 
 
@@ -180,8 +218,7 @@ def main() -> None:
         cpu = measured([s for s in args.strategies.split(",") if s], args.rounds, args.steps, folder)
         gpu = predicted([s for s in args.llama.split(",") if s], folder)
     print(report(cpu, gpu))
-    print(f"\ncommit {commit}, {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"\ncommit {commit}, {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}")
     if args.out:
         args.out.write_text(json.dumps({"commit": commit, "cpu": cpu, "gpu": gpu}, indent=1) + "\n")
 

@@ -125,8 +125,7 @@ class Load:
     def __exit__(self, *exc):
         wall = time.time() - self.t
         busy = busy_cpu_s()
-        self.other_cores = (None if busy is None or self.busy is None or wall <= 0 else
-                            max(0.0, (busy - self.busy) - (own_cpu_s() - self.own)) / wall)
+        self.other_cores = None if busy is None or self.busy is None or wall <= 0 else max(0.0, (busy - self.busy) - (own_cpu_s() - self.own)) / wall
 
 
 def run_child(cmd: list[str], env: dict, log: Path, timeout: float, poll_file: Path | None = None):
@@ -167,17 +166,39 @@ def run_variant(name: str, ctx: dict, tmp: Path, tag: str) -> dict:
     log = tmp / f"{name}.{tag}.log"
     env = child_env({"BENCH_RESULT": str(result_file)})
     if name in ("aot", "aot_compiled"):
-        cmd = torchrun(world) + [str(CODE / "bench" / "aot_worker.py"), ctx["artifact"], ctx["data"], "--steps", str(steps),
-                                 "--tier", "compiled" if name == "aot_compiled" else "portable"]
+        cmd = torchrun(world) + [
+            str(CODE / "bench" / "aot_worker.py"),
+            ctx["artifact"],
+            ctx["data"],
+            "--steps",
+            str(steps),
+            "--tier",
+            "compiled" if name == "aot_compiled" else "portable",
+        ]
     elif name in ("aot_cli", "aot_cli_init_from"):
         metrics = tmp / f"metrics.{name}.{tag}.jsonl"  # a fresh file: `aot run --metrics` appends
-        cmd = torchrun(world) + ["-m", "aot", "run", ctx["artifact"], "--steps", str(steps), "--data", ctx["data"],
-                                 "--metrics", str(metrics), "--quiet", "--tier", "portable",
-                                 *(["--init-from", ctx["init_from"]] if name == "aot_cli_init_from" else [])]
+        cmd = torchrun(world) + [
+            "-m",
+            "aot",
+            "run",
+            ctx["artifact"],
+            "--steps",
+            str(steps),
+            "--data",
+            ctx["data"],
+            "--metrics",
+            str(metrics),
+            "--quiet",
+            "--tier",
+            "portable",
+            *(["--init-from", ctx["init_from"]] if name == "aot_cli_init_from" else []),
+        ]
         t0, seen, load = run_child(cmd, env, log, ctx["timeout"], poll_file=metrics)
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         return {
-            "variant": name, "command": shlex.join(cmd), "other_load_cores": load.other_cores,
+            "variant": name,
+            "command": shlex.join(cmd),
+            "other_load_cores": load.other_cores,
             "launch_to_step1_end_s": (seen - t0) if seen else None,
             # runner-reported: from `import runner.cli` to the end of step 1 (no torchrun, interpreter or torch import)
             "runner_time_since_start_step1_s": records[0]["time_since_start_s"] if records else None,
@@ -186,8 +207,7 @@ def run_variant(name: str, ctx: dict, tmp: Path, tag: str) -> dict:
             "losses": [r["loss"] for r in records],
         }
     else:
-        cmd = torchrun(world) + [str(CODE / "bench" / "ddp_worker.py"), ctx["model"], ctx["data"], "--steps", str(steps),
-                                 "--batch-size", str(batch)]
+        cmd = torchrun(world) + [str(CODE / "bench" / "ddp_worker.py"), ctx["model"], ctx["data"], "--steps", str(steps), "--batch-size", str(batch)]
         if name.startswith("ddp_compile"):
             cmd.append("--compile")
             cache = tmp / (f"inductor-cold-{tag}" if name == "ddp_compile_cold" else "inductor-warm")
@@ -246,13 +266,11 @@ save_file(named, out)
 """
 
 
-def write_model_files(model: str, env: dict, data: Path | None = None, rows: int = 0,
-                      weights: Path | None = None, seed: int = 0) -> None:
+def write_model_files(model: str, env: dict, data: Path | None = None, rows: int = 0, weights: Path | None = None, seed: int = 0) -> None:
     """Write a data file from the model file's batch(rows), or its seeded initial weights, in a child
     process (this one stays free of the model's memory)."""
     what, out, arg = ("data", data, rows) if data is not None else ("weights", weights, seed)
-    done = subprocess.run([sys.executable, "-c", WRITE_MODEL_FILES, model, what, str(out), str(arg)],
-                          cwd=CODE, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", WRITE_MODEL_FILES, model, what, str(out), str(arg)], cwd=CODE, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"writing the {what} file from {model} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
@@ -281,8 +299,12 @@ def code_digest(root: Path) -> str:
 
 
 def machine() -> dict:
-    info = {"nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    info = {
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
         info["cpu_model"] = next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")), None)
@@ -295,6 +317,7 @@ def machine() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     import torch
+
     info["torch"] = torch.__version__
     info["gpu"] = torch.cuda.is_available()
     return info
@@ -310,11 +333,12 @@ def summarize(runs: dict, ctx: dict) -> dict:
     for name, rs in runs.items():
         ok = [r for r in rs if "error" not in r]
         row = {
-            "runs": len(ok), "failed": len(rs) - len(ok),
+            "runs": len(ok),
+            "failed": len(rs) - len(ok),
             "startup_s": median(r.get("launch_to_step1_end_s") for r in ok),
             "startup_best_s": minimum(r.get("launch_to_step1_end_s") for r in ok),
             "startup_all_s": [r.get("launch_to_step1_end_s") for r in ok],
-            "pre_step_s": median(pre_step(r) for r in ok),               # launch -> start of step 1
+            "pre_step_s": median(pre_step(r) for r in ok),  # launch -> start of step 1
             "pre_step_best_s": minimum(pre_step(r) for r in ok),
             "launch_to_process_s": median(r.get("launch_to_process_s") for r in ok),
             "import_torch_s": median(r.get("import_torch_s") for r in ok),
@@ -376,11 +400,12 @@ def quiet(runs: dict, limit: float) -> dict:
     """Medians over every launch (kept or not) during which other processes used ≤ limit cores."""
     out = {}
     for name, rs in runs.items():
-        launches = [a for r in rs for a in r.get("attempts", [])
-                    if a.get("other_load_cores") is not None and a["other_load_cores"] <= limit]
-        out[name] = {"launches": len(launches),
-                     "startup_s": median(a.get("startup_s") for a in launches),
-                     "steady_step_s": median(a.get("steady_step_s") for a in launches)}
+        launches = [a for r in rs for a in r.get("attempts", []) if a.get("other_load_cores") is not None and a["other_load_cores"] <= limit]
+        out[name] = {
+            "launches": len(launches),
+            "startup_s": median(a.get("startup_s") for a in launches),
+            "steady_step_s": median(a.get("steady_step_s") for a in launches),
+        }
     return out
 
 
@@ -407,20 +432,23 @@ def render(rows: dict, ctx: dict, ratios: dict, losses: dict, calm: dict | None 
             f"{fmt(row['samples_per_s'], digits=0)} | {coll if coll is not None else '—'} | {fmt(row['other_load_cores'])} |"
         )
     lines.append("")
-    lines.append(f"Launches (each run is re-launched, up to {ctx['attempts']} times, while other processes use more than "
-                 f"{ctx['max_other_load']} cores, and the least disturbed launch is kept): " +
-                 ", ".join(f"{VARIANTS[n]} {r['launches']} for {r['runs']} runs (kept: ≤ {fmt(r['other_load_max_cores'])} cores)"
-                           for n, r in rows.items()))
+    lines.append(
+        f"Launches (each run is re-launched, up to {ctx['attempts']} times, while other processes use more than "
+        f"{ctx['max_other_load']} cores, and the least disturbed launch is kept): "
+        + ", ".join(f"{VARIANTS[n]} {r['launches']} for {r['runs']} runs (kept: ≤ {fmt(r['other_load_max_cores'])} cores)" for n, r in rows.items())
+    )
     if ctx.get("init_from_bytes"):
-        lines.append(f"--init-from file: {ctx['init_from_bytes'] / 2**20:.0f} MiB safetensors of torch.manual_seed(0); "
-                     f"model().state_dict(), written once before the runs (so it is in the page cache)")
+        lines.append(
+            f"--init-from file: {ctx['init_from_bytes'] / 2**20:.0f} MiB safetensors of torch.manual_seed(0); "
+            f"model().state_dict(), written once before the runs (so it is in the page cache)"
+        )
     if "aot" in rows and rows["aot"].get("load_artifact_s") is not None:
-        lines.append(f"aot set-up: {rows['aot']['load_artifact_s']:.2f} s of it in runner import + Trainer() "
-                     f"(verify, deserialize program, process group)")
+        lines.append(f"aot set-up: {rows['aot']['load_artifact_s']:.2f} s of it in runner import + Trainer() (verify, deserialize program, process group)")
     for name in ("aot_cli", "aot_cli_init_from"):
         if rows.get(name, {}).get("runner_time_since_start_step1_s") is not None:
-            lines.append(f"{VARIANTS[name]}: its own metrics say step 1 ended "
-                         f"{rows[name]['runner_time_since_start_step1_s']:.2f} s after `import runner.cli` (median)")
+            lines.append(
+                f"{VARIANTS[name]}: its own metrics say step 1 ended {rows[name]['runner_time_since_start_step1_s']:.2f} s after `import runner.cli` (median)"
+            )
     lines.append("")
     lines.append("| ratio | of medians | of bests | per repeat (paired) | goal | met? |")
     lines.append("|---|---:|---:|---|---:|---|")
@@ -428,29 +456,33 @@ def render(rows: dict, ctx: dict, ratios: dict, losses: dict, calm: dict | None 
         met = "—" if value is None or goal is None else ("yes" if value <= goal else "NO")
         if met != "—" and best is not None and (best <= goal) != (value <= goal):
             met = "unclear (median and best disagree)"
-        lines.append(f"| {label} | {fmt(value, digits=3)} | {fmt(best, digits=3)} | {', '.join(f'{p:.3f}' for p in per) or '—'} | "
-                     f"{'≤ ' + str(goal) if goal is not None else '—'} | {met} |")
+        lines.append(
+            f"| {label} | {fmt(value, digits=3)} | {fmt(best, digits=3)} | {', '.join(f'{p:.3f}' for p in per) or '—'} | "
+            f"{'≤ ' + str(goal) if goal is not None else '—'} | {met} |"
+        )
     if calm:
         lines.append("")
-        lines.append(f"Only the launches during which other processes used ≤ {ctx['max_other_load']} cores "
-                     f"(kept or not; fewer runs, so a cross-check rather than the result):")
+        lines.append(
+            f"Only the launches during which other processes used ≤ {ctx['max_other_load']} cores "
+            f"(kept or not; fewer runs, so a cross-check rather than the result):"
+        )
         lines.append("")
         lines.append("| variant | such launches | start-up, s (median) | steady step, ms (median) |")
         lines.append("|---|---:|---:|---:|")
         for name, q in calm.items():
             lines.append(f"| {VARIANTS[name]} | {q['launches']} | {fmt(q['startup_s'])} | {fmt(q['steady_step_s'], 1e3, 1)} |")
-        for label, a, b, key, goal in (("aot start-up / compiled DDP (cold cache) start-up", "aot", "ddp_compile_cold", "startup_s", 0.1),
-                                       ("aot steady step / eager DDP steady step", "aot", "ddp_eager", "steady_step_s", 1.0),
-                                       ("aot run (CLI) start-up / eager DDP start-up", "aot_cli", "ddp_eager", "startup_s", 1.0),
-                                       ("aot run --init-from start-up / eager DDP start-up", "aot_cli_init_from", "ddp_eager",
-                                        "startup_s", 1.0)):
+        for label, a, b, key, goal in (
+            ("aot start-up / compiled DDP (cold cache) start-up", "aot", "ddp_compile_cold", "startup_s", 0.1),
+            ("aot steady step / eager DDP steady step", "aot", "ddp_eager", "steady_step_s", 1.0),
+            ("aot run (CLI) start-up / eager DDP start-up", "aot_cli", "ddp_eager", "startup_s", 1.0),
+            ("aot run --init-from start-up / eager DDP start-up", "aot_cli_init_from", "ddp_eager", "startup_s", 1.0),
+        ):
             value = ratio(calm, a, b, key)
             if value is not None:
                 lines.append(f"- undisturbed launches only: {label} = {value:.3f} (goal ≤ {goal}: {'met' if value <= goal else 'not met'})")
     if losses:
         lines.append("")
-        lines.append("max |loss − eager DDP loss| over all steps: " +
-                     ", ".join(f"{VARIANTS[k]} {v:.2e}" for k, v in losses.items() if v is not None))
+        lines.append("max |loss − eager DDP loss| over all steps: " + ", ".join(f"{VARIANTS[k]} {v:.2e}" for k, v in losses.items() if v is not None))
     return "\n".join(lines)
 
 
@@ -463,20 +495,21 @@ def main(argv=None) -> int:
     p.add_argument("--model", type=Path, default=REPO / "examples" / "gpt.py")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8, help="samples per rank per step (default: %(default)s)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
-    p.add_argument("--max-other-load", type=float, default=0.25,
-                   help="re-launch a run during which other processes used more than this many cores (default: %(default)s)")
-    p.add_argument("--attempts", type=int, default=2,
-                   help="launches at most per variant and repeat; the least disturbed is kept (default: %(default)s)")
-    p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
-                   help="run aot/runner from the working tree instead of a copy taken at start")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
+    p.add_argument(
+        "--max-other-load", type=float, default=0.25, help="re-launch a run during which other processes used more than this many cores (default: %(default)s)"
+    )
+    p.add_argument("--attempts", type=int, default=2, help="launches at most per variant and repeat; the least disturbed is kept (default: %(default)s)")
+    p.add_argument("--no-snapshot", dest="snapshot", action="store_false", help="run aot/runner from the working tree instead of a copy taken at start")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per run (default: %(default)s)")
-    p.add_argument("--data-rows", type=int, default=None,
-                   help="rows of the data file made from the model file's batch() when --model is not examples/gpt.py "
-                        "(default: batch size x world size x steps, one fresh row per sample)")
-    p.add_argument("--no-onnx", action="store_true",
-                   help="build with `aot build --no-onnx` (training never reads the export; it only lengthens the build)")
+    p.add_argument(
+        "--data-rows",
+        type=int,
+        default=None,
+        help="rows of the data file made from the model file's batch() when --model is not examples/gpt.py "
+        "(default: batch size x world size x steps, one fresh row per sample)",
+    )
+    p.add_argument("--no-onnx", action="store_true", help="build with `aot build --no-onnx` (training never reads the export; it only lengthens the build)")
     args = p.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
@@ -485,12 +518,22 @@ def main(argv=None) -> int:
     if args.steps < 1:
         p.error("--steps must be at least 1")
     if args.steps <= WARMUP_STEPS:
-        print(f"note: --steps {args.steps} <= {WARMUP_STEPS}: start-up only, no steady-state step time "
-              f"(steady state is steps {WARMUP_STEPS + 1}..N)", file=sys.stderr)
+        print(
+            f"note: --steps {args.steps} <= {WARMUP_STEPS}: start-up only, no steady-state step time (steady state is steps {WARMUP_STEPS + 1}..N)",
+            file=sys.stderr,
+        )
 
-    ctx = {"world": args.world_size, "steps": args.steps, "batch": args.batch_size, "repeats": args.repeats,
-           "model": str(args.model.resolve()), "timeout": args.timeout,
-           "attempts": args.attempts, "max_other_load": args.max_other_load, "machine": machine()}
+    ctx = {
+        "world": args.world_size,
+        "steps": args.steps,
+        "batch": args.batch_size,
+        "repeats": args.repeats,
+        "model": str(args.model.resolve()),
+        "timeout": args.timeout,
+        "attempts": args.attempts,
+        "max_other_load": args.max_other_load,
+        "machine": machine(),
+    }
     m = ctx["machine"]
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     failures, lost = [], []
@@ -503,14 +546,16 @@ def main(argv=None) -> int:
             if model.is_relative_to(REPO):
                 ctx["model"] = str(CODE / model.relative_to(REPO))
         ctx["machine"]["code_sha256"] = code_digest(CODE)
-        print(f"machine: {m['nproc']} CPUs ({m['cpu_model']}), torch {m['torch']}, GPU: {m['gpu']}; code: commit "
-              f"{m.get('git_commit')} with {len(m.get('git_dirty_paths', []))} uncommitted path(s) under aot/ and runner/, "
-              f"{'snapshot' if args.snapshot else 'working tree'} sha256 {m['code_sha256']}", file=sys.stderr)
+        print(
+            f"machine: {m['nproc']} CPUs ({m['cpu_model']}), torch {m['torch']}, GPU: {m['gpu']}; code: commit "
+            f"{m.get('git_commit')} with {len(m.get('git_dirty_paths', []))} uncommitted path(s) under aot/ and runner/, "
+            f"{'snapshot' if args.snapshot else 'working tree'} sha256 {m['code_sha256']}",
+            file=sys.stderr,
+        )
         env = child_env()
         data = tmp / "data.safetensors"
         if Path(ctx["model"]).resolve() == (CODE / "examples" / "gpt.py").resolve():
-            subprocess.run([sys.executable, str(CODE / "examples" / "prepare_data.py"), "-o", str(data)],
-                           cwd=CODE, env=env, check=True, capture_output=True)
+            subprocess.run([sys.executable, str(CODE / "examples" / "prepare_data.py"), "-o", str(data)], cwd=CODE, env=env, check=True, capture_output=True)
             ctx["data_source"] = "examples/prepare_data.py (512 windows)"
         else:  # the model file's own batch(), so the data matches the shapes it is built for
             rows = args.data_rows or args.batch_size * args.world_size * args.steps
@@ -520,15 +565,29 @@ def main(argv=None) -> int:
             weights = tmp / "init_from.safetensors"
             t = time.perf_counter()
             write_model_files(ctx["model"], env, weights=weights, seed=0)
-            ctx.update(init_from=str(weights), init_from_bytes=weights.stat().st_size,
-                       init_from_write_s=time.perf_counter() - t)
-            print(f"--init-from weights: {weights.stat().st_size / 2**20:.0f} MiB "
-                  f"(torch.manual_seed(0); model().state_dict()), written in {ctx['init_from_write_s']:.1f} s", file=sys.stderr)
+            ctx.update(init_from=str(weights), init_from_bytes=weights.stat().st_size, init_from_write_s=time.perf_counter() - t)
+            print(
+                f"--init-from weights: {weights.stat().st_size / 2**20:.0f} MiB "
+                f"(torch.manual_seed(0); model().state_dict()), written in {ctx['init_from_write_s']:.1f} s",
+                file=sys.stderr,
+            )
         artifact = tmp / "artifact"
-        build_cmd = [sys.executable, "-m", "aot", "build", ctx["model"], "--world-size", str(args.world_size),
-                     "--batch-size", str(args.batch_size), "-o", str(artifact), "--json",
-                     *(["--compile", "aoti"] if "aot_compiled" in variants else []),
-                     *(["--no-onnx"] if args.no_onnx else [])]
+        build_cmd = [
+            sys.executable,
+            "-m",
+            "aot",
+            "build",
+            ctx["model"],
+            "--world-size",
+            str(args.world_size),
+            "--batch-size",
+            str(args.batch_size),
+            "-o",
+            str(artifact),
+            "--json",
+            *(["--compile", "aoti"] if "aot_compiled" in variants else []),
+            *(["--no-onnx"] if args.no_onnx else []),
+        ]
         t = time.perf_counter()
         built = subprocess.run(build_cmd, cwd=CODE, env=env, capture_output=True, text=True)
         ctx["build_wall_s"] = time.perf_counter() - t
@@ -540,16 +599,13 @@ def main(argv=None) -> int:
         ctx["build_command"] = shlex.join(build_cmd)
         ctx["aot_collectives_per_step"] = summary.get("collectives_per_step")
         if ctx["aot_collectives_per_step"] is None:  # older `aot build --json`: ask `aot inspect`
-            inspected = subprocess.run([sys.executable, "-m", "aot", "inspect", str(artifact), "--json"],
-                                       cwd=CODE, env=env, capture_output=True, text=True)
+            inspected = subprocess.run([sys.executable, "-m", "aot", "inspect", str(artifact), "--json"], cwd=CODE, env=env, capture_output=True, text=True)
             if inspected.returncode == 0:
                 ctx["aot_collectives_per_step"] = json.loads(inspected.stdout)["programs"]["train"]["collectives_per_step"]
             else:
-                print(f"warning: aot inspect failed, collectives per step unknown: {inspected.stderr.strip()[-300:]}",
-                      file=sys.stderr)
+                print(f"warning: aot inspect failed, collectives per step unknown: {inspected.stderr.strip()[-300:]}", file=sys.stderr)
         ctx.update(artifact=str(artifact), data=str(data))
-        print(f"aot build: {ctx['build_wall_s']:.1f} s wall, {ctx['aot_collectives_per_step']} collective(s) per step",
-              file=sys.stderr)
+        print(f"aot build: {ctx['build_wall_s']:.1f} s wall, {ctx['aot_collectives_per_step']} collective(s) per step", file=sys.stderr)
 
         if "ddp_compile_warm" in variants:  # prime the warm inductor cache once, unmeasured
             print("priming the inductor cache for 'compiled DDP, warm cache' ...", file=sys.stderr)
@@ -559,7 +615,7 @@ def main(argv=None) -> int:
                 failures.append({"variant": "ddp_compile_warm (priming)", "error": str(e)})
 
         for rep in range(args.repeats):
-            order = variants[rep % len(variants):] + variants[:rep % len(variants)]  # rotate the order
+            order = variants[rep % len(variants) :] + variants[: rep % len(variants)]  # rotate the order
             for name in order:
                 # Up to --attempts launches; keep the one other processes disturbed least, and stop
                 # early once one ran with at most --max-other-load cores of foreign CPU use.
@@ -569,14 +625,15 @@ def main(argv=None) -> int:
                         r = run_variant(name, ctx, tmp, f"{rep}.{attempt}")
                     except Failed as e:
                         failures.append({"variant": name, "repeat": rep, "attempt": attempt, "error": str(e), "command": e.cmd})
-                        print(f"repeat {rep + 1}/{args.repeats}  {VARIANTS[name]} FAILED (attempt {attempt + 1}): {e}",
-                              file=sys.stderr)
+                        print(f"repeat {rep + 1}/{args.repeats}  {VARIANTS[name]} FAILED (attempt {attempt + 1}): {e}", file=sys.stderr)
                         continue
                     load = r.get("other_load_cores")
-                    print(f"repeat {rep + 1}/{args.repeats}  {VARIANTS[name]:<26} start-up "
-                          f"{fmt(r.get('launch_to_step1_end_s'))} s, steady step {fmt(steady(r), 1e3, 1)} ms, "
-                          f"other processes {fmt(load)} cores" + (f" (attempt {attempt + 1})" if attempt else ""),
-                          file=sys.stderr)
+                    print(
+                        f"repeat {rep + 1}/{args.repeats}  {VARIANTS[name]:<26} start-up "
+                        f"{fmt(r.get('launch_to_step1_end_s'))} s, steady step {fmt(steady(r), 1e3, 1)} ms, "
+                        f"other processes {fmt(load)} cores" + (f" (attempt {attempt + 1})" if attempt else ""),
+                        file=sys.stderr,
+                    )
                     tried.append({"other_load_cores": load, "startup_s": r.get("launch_to_step1_end_s"), "steady_step_s": steady(r)})
                     if kept is None or (load or 0) < (kept.get("other_load_cores") or 0):
                         kept = r
@@ -592,6 +649,7 @@ def main(argv=None) -> int:
 
     rows = summarize(runs, ctx)
     startup = lambda r: r.get("launch_to_step1_end_s")  # noqa: E731
+
     def pair(a, b, what, goal=None):
         key = {"startup": startup, "steady_step": steady, "steady_cpu": steady_cpu, "pre_step": pre_step}[what]
         return (ratio(rows, a, b, f"{what}_s"), ratio(rows, a, b, f"{what}_best_s"), paired_ratios(runs, a, b, key), goal)
@@ -624,12 +682,20 @@ def main(argv=None) -> int:
             print(f"- {f['variant']} (repeat {f.get('repeat')}, attempt {f.get('attempt')}): {f['error']}", file=sys.stderr)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
-            "context": ctx, "summary": rows,
-            "ratios": {k: {"of_medians": v, "of_bests": best, "per_repeat": per, "goal": goal}
-                       for k, (v, best, per, goal) in ratios.items()},
-            "max_loss_diff_vs_eager": losses, "undisturbed_launches": calm, "runs": runs, "failures": failures,
-        }, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "context": ctx,
+                    "summary": rows,
+                    "ratios": {k: {"of_medians": v, "of_bests": best, "per_repeat": per, "goal": goal} for k, (v, best, per, goal) in ratios.items()},
+                    "max_loss_diff_vs_eager": losses,
+                    "undisturbed_launches": calm,
+                    "runs": runs,
+                    "failures": failures,
+                },
+                indent=1,
+            )
+        )
         print(f"\nwrote {args.out}", file=sys.stderr)
     return 1 if lost else 0
 

@@ -53,29 +53,66 @@ def main() -> None:
         for s in STRATEGIES:
             art = tmp / s.replace(",", "_").replace("=", "")
             per_rank_batch = args.batch_size * 4 // data_parallel(s)
-            run(py, "-m", "aot", "build", REPO / "examples" / "gpt.py", "--world-size", 4, "--strategy", s,
-                "--batch-size", per_rank_batch, "--no-onnx", "--quiet", "-o", art, env=env)
+            run(
+                py,
+                "-m",
+                "aot",
+                "build",
+                REPO / "examples" / "gpt.py",
+                "--world-size",
+                4,
+                "--strategy",
+                s,
+                "--batch-size",
+                per_rank_batch,
+                "--no-onnx",
+                "--quiet",
+                "-o",
+                art,
+                env=env,
+            )
             summary = json.loads(run(py, "-m", "aot", "inspect", art, "--json", env=env).stdout)
             program = summary["programs"]["train"]
             rank0 = summary["ranks"][0]
-            facts[s] = {"params": rank0["parameters"], "state_bytes": rank0["training_state_bytes"],
-                        "collectives": program["collectives_per_step"], "bytes": program["collective_bytes_per_step"],
-                        "art": art}
+            facts[s] = {
+                "params": rank0["parameters"],
+                "state_bytes": rank0["training_state_bytes"],
+                "collectives": program["collectives_per_step"],
+                "bytes": program["collective_bytes_per_step"],
+                "art": art,
+            }
         for _ in range(args.repeats):
             for s in STRATEGIES:
                 metrics = tmp / "metrics.jsonl"
                 metrics.unlink(missing_ok=True)
-                run(py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 4, "-m", "aot", "run",
-                    facts[s]["art"], "--steps", args.steps, "--metrics", metrics, "--quiet", env=env)
+                run(
+                    py,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc-per-node",
+                    4,
+                    "-m",
+                    "aot",
+                    "run",
+                    facts[s]["art"],
+                    "--steps",
+                    args.steps,
+                    "--metrics",
+                    metrics,
+                    "--quiet",
+                    env=env,
+                )
                 steps = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()][WARMUP:]
                 times[s].append(statistics.median(steps))
     base = statistics.median(times["dp=4"])
-    print(f"{'strategy':<13} {'params/rank':>11} {'state/rank':>11} {'vs dp':>6} {'coll/step':>9} {'bytes/step':>11} "
-          f"{'step ms':>8} {'vs dp':>6}")
+    print(f"{'strategy':<13} {'params/rank':>11} {'state/rank':>11} {'vs dp':>6} {'coll/step':>9} {'bytes/step':>11} {'step ms':>8} {'vs dp':>6}")
     for s in STRATEGIES:
         f, t = facts[s], statistics.median(times[s])
-        print(f"{s:<13} {f['params']:>11,} {f['state_bytes'] / 2**10:>8.1f} KiB {f['state_bytes'] / facts['dp=4']['state_bytes']:>6.2f} "
-              f"{f['collectives']:>9} {f['bytes'] / 2**10:>7.1f} KiB {t * 1e3:>8.1f} {t / base:>6.2f}")
+        print(
+            f"{s:<13} {f['params']:>11,} {f['state_bytes'] / 2**10:>8.1f} KiB {f['state_bytes'] / facts['dp=4']['state_bytes']:>6.2f} "
+            f"{f['collectives']:>9} {f['bytes'] / 2**10:>7.1f} KiB {t * 1e3:>8.1f} {t / base:>6.2f}"
+        )
     print(f"rounds: {args.repeats}, steps {WARMUP + 1}..{args.steps} per run; global batch {args.batch_size * 4}")
 
 

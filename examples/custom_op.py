@@ -15,6 +15,7 @@ Two optional model-file names serve custom operators:
 - `onnx_translations`: operator -> ONNX translation (an onnxscript function over ONNX operators),
   used by the ONNX export of the forward. Without one the build warns and skips the export.
 """
+
 import torch
 from torch import nn
 
@@ -39,8 +40,10 @@ class Swish(nn.Module):
 
 def model():
     return nn.Sequential(
-        nn.Linear(n_in, n_hidden), Swish(n_hidden),
-        nn.Linear(n_hidden, n_hidden), Swish(n_hidden),
+        nn.Linear(n_in, n_hidden),
+        Swish(n_hidden),
+        nn.Linear(n_hidden, n_hidden),
+        Swish(n_hidden),
         nn.Linear(n_hidden, n_classes),
     )
 

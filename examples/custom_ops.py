@@ -14,6 +14,7 @@ What makes a custom operator work with aot:
 
 Its ONNX translation, which only the build needs, is in the model file (examples/custom_op.py).
 """
+
 import torch
 
 

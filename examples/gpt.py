@@ -5,6 +5,7 @@ loss(), optimizer(), scheduler() and max_grad_norm are module-level names.
 `dropout` is 0 here, so a training step is a deterministic function of its inputs; set it and
 dropout follows attention's softmax and each residual branch, as in nanoGPT.
 """
+
 import math
 from functools import lru_cache
 from pathlib import Path
@@ -14,16 +15,16 @@ from torch import nn
 from torch.nn import functional as F
 
 # -- config -------------------------------------------------------------------
-vocab_size = 96        # newline + printable ASCII 32..126
-block_size = 64        # context length
+vocab_size = 96  # newline + printable ASCII 32..126
+block_size = 64  # context length
 n_layer = 2
 n_head = 4
 n_embd = 64
 max_grad_norm = 1.0
 warmup_steps = 5
-decay_steps = 200      # cosine decay from step 0 of training to `decay_steps`
+decay_steps = 200  # cosine decay from step 0 of training to `decay_steps`
 min_lr_frac = 0.1
-dropout = 0.0          # 0: no dropout modules at all (the graph has no random ops)
+dropout = 0.0  # 0: no dropout modules at all (the graph has no random ops)
 
 text_path = Path(__file__).parent / "data" / "tinytext.txt"
 
@@ -145,8 +146,8 @@ def batch(batch_size):
     d = data()
     n = len(d) - block_size - 1
     offsets = [(i * block_size) % n for i in range(batch_size)]
-    inputs = torch.stack([d[o:o + block_size] for o in offsets])
-    targets = torch.stack([d[o + 1:o + 1 + block_size] for o in offsets])
+    inputs = torch.stack([d[o : o + block_size] for o in offsets])
+    targets = torch.stack([d[o + 1 : o + 1 + block_size] for o in offsets])
     return inputs, targets
 
 

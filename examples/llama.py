@@ -26,6 +26,7 @@ never materializes the weights; the runner creates them on the target machine), 
 on CPU: the 8b preset's fp32 weights alone are 32 GB. Their example batch is random tokens with
 a modest sequence length (2048), only to fix the static shapes; train them with --data.
 """
+
 import math
 import os
 
@@ -42,20 +43,66 @@ from torch.nn import functional as F
 # at factor 8 (rope_scaling below). seq is this file's choice (the example batch), not the
 # models' context length.
 PRESETS = {
-    "tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=172,
-                 rope_theta=10000.0, rope_scaling=None, tie_embeddings=False, seq_len=32,
-                 lr=3e-3, warmup_steps=5, decay_steps=200),
-    "1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-               rope_theta=500000.0, tie_embeddings=True, seq_len=2048,
-               rope_scaling=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=8192),
-               lr=3e-4, warmup_steps=2000, decay_steps=100000),
-    "8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-               rope_theta=500000.0, rope_scaling=None, tie_embeddings=False, seq_len=2048,
-               lr=3e-4, warmup_steps=2000, decay_steps=100000),
-    "70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                rope_theta=500000.0, rope_scaling=None, tie_embeddings=False, seq_len=2048,
-                lr=1.5e-4, warmup_steps=2000, decay_steps=100000),
+    "tiny": dict(
+        vocab_size=256,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=172,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        tie_embeddings=False,
+        seq_len=32,
+        lr=3e-3,
+        warmup_steps=5,
+        decay_steps=200,
+    ),
+    "1b": dict(
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+        seq_len=2048,
+        rope_scaling=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
+        lr=3e-4,
+        warmup_steps=2000,
+        decay_steps=100000,
+    ),
+    "8b": dict(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        rope_theta=500000.0,
+        rope_scaling=None,
+        tie_embeddings=False,
+        seq_len=2048,
+        lr=3e-4,
+        warmup_steps=2000,
+        decay_steps=100000,
+    ),
+    "70b": dict(
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
+        rope_theta=500000.0,
+        rope_scaling=None,
+        tie_embeddings=False,
+        seq_len=2048,
+        lr=1.5e-4,
+        warmup_steps=2000,
+        decay_steps=100000,
+    ),
 }
 
 size = os.environ.get("AOT_SIZE", "tiny").lower()
@@ -66,7 +113,7 @@ config = PRESETS[size]
 vocab_size = config["vocab_size"]
 dim = config["dim"]
 n_layers = config["n_layers"]
-n_heads = config["n_heads"]            # aot checks a --strategy tp=N against this name
+n_heads = config["n_heads"]  # aot checks a --strategy tp=N against this name
 n_kv_heads = config["n_kv_heads"]
 head_dim = dim // n_heads
 ffn_dim = config["ffn_dim"]
@@ -158,7 +205,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(ffn_dim, dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))   # SwiGLU
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
@@ -192,7 +239,7 @@ class Llama(nn.Module):
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
         if config["tie_embeddings"]:
-            self.lm_head.weight = self.embed_tokens.weight   # Llama-3.2-1B ties them
+            self.lm_head.weight = self.embed_tokens.weight  # Llama-3.2-1B ties them
 
     def forward(self, tokens):
         x = self.embed_tokens(tokens)

@@ -8,6 +8,7 @@ A model file is a plain Python module with these module-level names:
     loss(outputs, targets) -> scalar tensor    (optional; default: cross-entropy)
     scheduler(optimizer), max_grad_norm        (optional)
 """
+
 import torch
 from torch import nn
 
@@ -16,8 +17,10 @@ n_in, n_hidden, n_classes = 32, 64, 10
 
 def model():
     return nn.Sequential(
-        nn.Linear(n_in, n_hidden), nn.ReLU(),
-        nn.Linear(n_hidden, n_hidden), nn.ReLU(),
+        nn.Linear(n_in, n_hidden),
+        nn.ReLU(),
+        nn.Linear(n_hidden, n_hidden),
+        nn.ReLU(),
         nn.Linear(n_hidden, n_classes),
     )
 

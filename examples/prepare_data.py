@@ -7,6 +7,7 @@ windows shifted one character to the right).
 
     python examples/prepare_data.py --samples 512 -o examples/data/gpt_train.safetensors
 """
+
 import argparse
 import importlib.util
 from pathlib import Path
@@ -27,14 +28,13 @@ def load_gpt():
 
 def main():
     parser = argparse.ArgumentParser(
-        description="Write a safetensors training set (keys 'inputs' and 'targets', "
-                    "int64 [N, block_size]) of character windows for examples/gpt.py.")
-    parser.add_argument("--samples", type=int, default=512,
-                        help="number of windows N to write (default: %(default)s)")
-    parser.add_argument("-o", "--output", type=Path, default=here / "data" / "gpt_train.safetensors",
-                        help="output file (default: examples/data/gpt_train.safetensors)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed for choosing window offsets (default: %(default)s)")
+        description="Write a safetensors training set (keys 'inputs' and 'targets', int64 [N, block_size]) of character windows for examples/gpt.py."
+    )
+    parser.add_argument("--samples", type=int, default=512, help="number of windows N to write (default: %(default)s)")
+    parser.add_argument(
+        "-o", "--output", type=Path, default=here / "data" / "gpt_train.safetensors", help="output file (default: examples/data/gpt_train.safetensors)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed for choosing window offsets (default: %(default)s)")
     args = parser.parse_args()
 
     gpt = load_gpt()
@@ -48,8 +48,7 @@ def main():
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(args.output))
-    print(f"wrote {args.samples} windows of {T} tokens (inputs, targets: int64 "
-          f"[{args.samples}, {T}]) from {len(data)} characters to {args.output}")
+    print(f"wrote {args.samples} windows of {T} tokens (inputs, targets: int64 [{args.samples}, {T}]) from {len(data)} characters to {args.output}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 def load(path, rank=None, **kwargs):
     """Load one rank of an artifact; see `runner.trainer.Trainer`."""
     from runner.trainer import Trainer
+
     return Trainer(path, rank, **kwargs)
 
 

@@ -23,6 +23,7 @@ FORMAT_VERSION = 5  # 5: pipeline stages (pipeline, a program per stage, p2p tra
 READABLE_VERSIONS = (FORMAT_VERSION - 1, FORMAT_VERSION)  # this version and the one before it
 MANIFEST = "manifest.json"
 
+
 def manifest_digest(manifest: dict) -> str:
     """sha256 over every entry of the manifest but the digest itself (canonical JSON)."""
     return sha256_bytes(canonical_json({k: v for k, v in manifest.items() if k != "digest"}))
@@ -51,6 +52,7 @@ class Artifact:
         if trusted_keys:
             # before anything of the artifact is parsed
             from runner.signing import check_signature
+
             self.signer = check_signature(self.root, raw, trusted_keys)
         try:
             data = json.loads(raw)
@@ -108,6 +110,7 @@ class Artifact:
 
 class Map:
     """A JSON object with any keys whose values all follow `schema`."""
+
     def __init__(self, schema):
         self.schema = schema
 
@@ -126,11 +129,16 @@ SCHEMA = {
     "world_size": int,
     "mesh": {"axes": [str], "shape": [int]},
     "process_groups": Map({"axis": str, "groups": [[int]]}),
-    "programs": Map({"file": str, "inputs": [{"kind": OneOf("param", "buffer", "optim", "lr", "scaler", "input", "target")}],
-                     "outputs": [str], "collectives": [{"kind": str, "group": str, "bytes": int}]}),
+    "programs": Map(
+        {
+            "file": str,
+            "inputs": [{"kind": OneOf("param", "buffer", "optim", "lr", "scaler", "input", "target")}],
+            "outputs": [str],
+            "collectives": [{"kind": str, "group": str, "bytes": int}],
+        }
+    ),
     "ranks": [{"rank": int, "program": str, "coords": Map(int)}],
-    "state": {"params": Map([SHAPE, str]), "buffers": Map([SHAPE, str]), "aliases": Map(str),
-              "state_dict_keys": [str], "optimizer": {"class": str}},
+    "state": {"params": Map([SHAPE, str]), "buffers": Map([SHAPE, str]), "aliases": Map(str), "state_dict_keys": [str], "optimizer": {"class": str}},
     "schedule": {"constant": bool, "lr": [[NUMBER]]},
     "data": {"batch_size": int, "example": str, "inputs": [TENSOR], "targets": TENSOR},
     "topology": {"name": str, "sha256": str, "profile": dict},
@@ -139,8 +147,10 @@ SCHEMA = {
 }
 IO = {"name": str, "shape": [(int, str)], "dtype": str}  # str: a symbolic dimension such as "batch"
 INFERENCE_SCHEMA = {"file": str, "batch_dim": str, "inputs": [IO], "outputs": [IO]}
-INIT_SCHEMA = {"init": {"file": str, "outputs": [str]},
-               "state": {"persistent_buffers": [str], "optimizer_init": Map({"shape": (str, list), "dtype": str, "fill": NUMBER})}}
+INIT_SCHEMA = {
+    "init": {"file": str, "outputs": [str]},
+    "state": {"persistent_buffers": [str], "optimizer_init": Map({"shape": (str, list), "dtype": str, "fill": NUMBER})},
+}
 # Loss-scaling state (fp16; FORMAT.md, "Precision"), in the order programs take it.
 SCALER_KEYS = ("scale", "growth_tracker", "skipped_steps")
 # Version 4: how the step computes (artifacts/FORMAT.md, "Precision"); version 3 is fp32 throughout.
@@ -150,20 +160,35 @@ SCALER_SCHEMA = {"init_scale": NUMBER, "growth_factor": NUMBER, "backoff_factor"
 # What the build predicts one rank's step holds, and what it recomputes (FORMAT.md, "Memory"); optional
 MEMORY_SCHEMA = {"predicted": {"peak": int, "resident": Map(int), "at_peak": Map(int)}, "recompute": {"policy": str}}
 # Pipeline stages (FORMAT.md, "Pipeline"); present with a pp axis
-PIPELINE_SCHEMA = {"axis": str, "group": str, "size": int, "schedule": OneOf("gpipe", "1f1b", "interleaved-1f1b"),
-                   "microbatches": int, "microbatch_size": int, "stages_per_rank": int, "tied": [str],
-                   "stages": [{"stage": int, "rank": int, "program": str, "layers": [str], "params": [str], "buffers": [str]}]}
+PIPELINE_SCHEMA = {
+    "axis": str,
+    "group": str,
+    "size": int,
+    "schedule": OneOf("gpipe", "1f1b", "interleaved-1f1b"),
+    "microbatches": int,
+    "microbatch_size": int,
+    "stages_per_rank": int,
+    "tied": [str],
+    "stages": [{"stage": int, "rank": int, "program": str, "layers": [str], "params": [str], "buffers": [str]}],
+}
 # The build's predicted step time (FORMAT.md, "Time"); optional
-TIME_SCHEMA = {"predicted": {"step_s": NUMBER, "compute_s": NUMBER, "comm_s": NUMBER, "exposed_comm_s": NUMBER},
-               "topology": str, "calibrated": bool}
+TIME_SCHEMA = {"predicted": {"step_s": NUMBER, "compute_s": NUMBER, "comm_s": NUMBER, "exposed_comm_s": NUMBER}, "topology": str, "calibrated": bool}
 # How many BatchNorm layers, how many are SyncBatchNorm, and over which mesh axes (FORMAT.md, "BatchNorm"); optional
 BATCHNORM_SCHEMA = {"layers": int, "synced": int, "axes": [str]}
-SLOT_FIELDS = {"param": {"name": str}, "buffer": {"name": str}, "optim": {"name": str, "key": str},
-               "lr": {"group": int}, "scaler": {"key": OneOf(*SCALER_KEYS)}, "input": {"index": int, **TENSOR}, "target": TENSOR}
+SLOT_FIELDS = {
+    "param": {"name": str},
+    "buffer": {"name": str},
+    "optim": {"name": str, "key": str},
+    "lr": {"group": int},
+    "scaler": {"key": OneOf(*SCALER_KEYS)},
+    "input": {"index": int, **TENSOR},
+    "target": TENSOR,
+}
 
 
 def _conform(value, schema, path: str) -> None:
     """Raise AotError naming the first place where `value` does not follow `schema`."""
+
     def fail(what: str):
         raise AotError(f"{path or 'manifest'}: {what}")
 
@@ -213,23 +238,21 @@ def _check_structure(m: dict, where: str) -> None:
             _conform(m, PRECISION_SCHEMA, "")
     except AotError as e:
         raise AotError(f"{where}: {e}") from None
-    expect(isinstance(m["build"].get("seed", 0), int) and not isinstance(m["build"].get("seed", 0), bool),
-           "build.seed must be an integer")
+    expect(isinstance(m["build"].get("seed", 0), int) and not isinstance(m["build"].get("seed", 0), bool), "build.seed must be an integer")
     for name, program in m["programs"].items():
         expect(program["file"] in m["files"], f"programs[{name!r}].file is not listed in files")
         constants = program.get("constants")
-        expect(constants is None or (isinstance(constants, str) and constants in m["files"]),
-               f"programs[{name!r}].constants is not listed in files")
+        expect(constants is None or (isinstance(constants, str) and constants in m["files"]), f"programs[{name!r}].constants is not listed in files")
         for j, slot in enumerate(program["inputs"]):
-            expect(slot.get("kind") in SLOT_FIELDS, f"programs[{name!r}].inputs[{j}].kind {slot.get('kind')!r} is not "
-                                                    f"one of {', '.join(SLOT_FIELDS)}")
+            expect(slot.get("kind") in SLOT_FIELDS, f"programs[{name!r}].inputs[{j}].kind {slot.get('kind')!r} is not one of {', '.join(SLOT_FIELDS)}")
             try:
                 _conform(slot, SLOT_FIELDS[slot["kind"]], f"programs[{name!r}].inputs[{j}]")
             except AotError as e:
                 raise AotError(f"{where}: {e}") from None
         if any(slot["kind"] == "scaler" for slot in program["inputs"]):
-            expect((m.get("precision") or {}).get("grad_scaler") is not None,
-                   f"programs[{name!r}] takes loss-scaling state but precision.grad_scaler is missing")
+            expect(
+                (m.get("precision") or {}).get("grad_scaler") is not None, f"programs[{name!r}] takes loss-scaling state but precision.grad_scaler is missing"
+            )
     scaler = (m.get("precision") or {}).get("grad_scaler")
     if scaler is not None:
         try:
@@ -249,13 +272,17 @@ def _check_structure(m: dict, where: str) -> None:
         init = m["init"]
         expect(init["file"] in m["files"], "init.file is not listed in files")
         expect(init.get("constants") is None or init["constants"] in m["files"], "init.constants is not listed in files")
-        expect(sorted(init["outputs"]) == sorted([*m["state"]["params"], *m["state"]["buffers"]]),
-               "init.outputs do not name each of state.params and state.buffers once")
+        expect(
+            sorted(init["outputs"]) == sorted([*m["state"]["params"], *m["state"]["buffers"]]),
+            "init.outputs do not name each of state.params and state.buffers once",
+        )
         for key, spec in m["state"]["optimizer_init"].items():
             shape = spec["shape"]
             expect(key.rpartition(":")[0] in m["state"]["params"], f"state.optimizer_init[{key!r}] names no parameter")
-            expect(shape == "param" or (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)),
-                   f"state.optimizer_init[{key!r}].shape must be \"param\" or a list of sizes")
+            expect(
+                shape == "param" or (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)),
+                f'state.optimizer_init[{key!r}].shape must be "param" or a list of sizes',
+            )
     _check_placement(m, where, expect)
     if m.get("sharding") is not None:
         try:
@@ -266,9 +293,11 @@ def _check_structure(m: dict, where: str) -> None:
         expect(set(m["sharding"]["params"]) <= set(m["state"]["params"]), "sharding.params names unknown parameters")
     if m.get("tensor_parallel") is not None:
         try:
-            _conform(m["tensor_parallel"], {"axis": str, "group": str, "size": int, "plan": Map(str), "params": Map(int),
-                                                "sequence_parallel": bool},
-                     "tensor_parallel")
+            _conform(
+                m["tensor_parallel"],
+                {"axis": str, "group": str, "size": int, "plan": Map(str), "params": Map(int), "sequence_parallel": bool},
+                "tensor_parallel",
+            )
         except AotError as e:
             raise AotError(f"{where}: {e}") from None
         tp = m["tensor_parallel"]
@@ -276,11 +305,18 @@ def _check_structure(m: dict, where: str) -> None:
         for name, dim in tp["params"].items():
             shape = m["state"]["params"].get(name, [None])[0]
             expect(shape is not None, f"tensor_parallel.params names unknown parameter {name!r}")
-            expect(0 <= dim < len(shape) and shape[dim] % tp["size"] == 0,
-                   f"tensor_parallel.params: {name!r} cannot be split {tp['size']} ways along dimension {dim}")
-    for key, schema in (("inference", INFERENCE_SCHEMA), ("custom_ops", {"modules": [str], "ops": [str]}),
-                        ("memory", MEMORY_SCHEMA), ("time", TIME_SCHEMA), ("pipeline", PIPELINE_SCHEMA),
-                        ("batchnorm", BATCHNORM_SCHEMA)):
+            expect(
+                0 <= dim < len(shape) and shape[dim] % tp["size"] == 0,
+                f"tensor_parallel.params: {name!r} cannot be split {tp['size']} ways along dimension {dim}",
+            )
+    for key, schema in (
+        ("inference", INFERENCE_SCHEMA),
+        ("custom_ops", {"modules": [str], "ops": [str]}),
+        ("memory", MEMORY_SCHEMA),
+        ("time", TIME_SCHEMA),
+        ("pipeline", PIPELINE_SCHEMA),
+        ("batchnorm", BATCHNORM_SCHEMA),
+    ):
         if m.get(key) is not None:  # optional entries: the ONNX export, custom operator libraries
             try:
                 _conform(m[key], schema, key)
@@ -289,14 +325,11 @@ def _check_structure(m: dict, where: str) -> None:
     if m.get("pipeline") is not None:
         p = m["pipeline"]
         expect(p["group"] in m["process_groups"], "pipeline.group names no process group")
-        expect(p["size"] == dict(zip(m["mesh"]["axes"], m["mesh"]["shape"])).get(p["axis"]),
-               "pipeline.size is not the mesh's pp degree")
-        expect([s["stage"] for s in p["stages"]] == list(range(p["size"] * p["stages_per_rank"])),
-               "pipeline.stages must number the stages 0, 1, ... in order")
+        expect(p["size"] == dict(zip(m["mesh"]["axes"], m["mesh"]["shape"])).get(p["axis"]), "pipeline.size is not the mesh's pp degree")
+        expect([s["stage"] for s in p["stages"]] == list(range(p["size"] * p["stages_per_rank"])), "pipeline.stages must number the stages 0, 1, ... in order")
         for stage in p["stages"]:
             expect(stage["program"] in m["programs"], f"pipeline stage {stage['stage']} names unknown program {stage['program']!r}")
-            expect(all(n in m["state"]["params"] for n in stage["params"]),
-                   f"pipeline stage {stage['stage']} names a parameter the state lacks")
+            expect(all(n in m["state"]["params"] for n in stage["params"]), f"pipeline stage {stage['stage']} names a parameter the state lacks")
         for r in m["ranks"]:
             stages = {s["program"] for s in p["stages"] if s["rank"] == r["coords"].get(p["axis"])}
             expect(stages == {r["program"]}, f"rank {r['rank']} runs {r['program']!r}, not its pipeline stage's program")
@@ -330,12 +363,13 @@ def _check_level(name: str, spec: dict, coords: dict, world: int, expect) -> Non
     axis, level = spec["axis"], spec["level"]
     expect(level in ("intra", "inter"), f"process_groups[{name!r}]: level {level!r} is neither intra nor inter")
     groups = spec["groups"]
-    expect(len({len(g) for g in groups}) == 1 and sorted(r for g in groups for r in g) == list(range(world)),
-           f"process_groups[{name!r}]: its groups are not of one size or do not cover each rank once")
+    expect(
+        len({len(g) for g in groups}) == 1 and sorted(r for g in groups for r in g) == list(range(world)),
+        f"process_groups[{name!r}]: its groups are not of one size or do not cover each rank once",
+    )
     for group in groups:
         others = {tuple(sorted((a, c) for a, c in coords[r].items() if a != axis)) for r in group}
-        expect(group == sorted(group) and len(others) == 1,
-               f"process_groups[{name!r}]: group {group} is not ascending inside one {axis} group")
+        expect(group == sorted(group) and len(others) == 1, f"process_groups[{name!r}]: group {group} is not ascending inside one {axis} group")
 
 
 def _check_placement(m: dict, where: str, expect) -> None:
@@ -349,10 +383,11 @@ def _check_placement(m: dict, where: str, expect) -> None:
     axes, shape = m["mesh"]["axes"], m["mesh"]["shape"]
     coords = {}
     for entry in m["ranks"]:
-        expect(entry["rank"] < world and entry["rank"] not in coords,
-               f"ranks: rank {entry['rank']} is listed twice or outside world size {world}")
-        expect(sorted(entry["coords"]) == sorted(axes) and all(entry["coords"][a] < d for a, d in zip(axes, shape)),
-               f"ranks: rank {entry['rank']}'s coords {entry['coords']} are not coordinates of mesh {dict(zip(axes, shape))}")
+        expect(entry["rank"] < world and entry["rank"] not in coords, f"ranks: rank {entry['rank']} is listed twice or outside world size {world}")
+        expect(
+            sorted(entry["coords"]) == sorted(axes) and all(entry["coords"][a] < d for a, d in zip(axes, shape)),
+            f"ranks: rank {entry['rank']}'s coords {entry['coords']} are not coordinates of mesh {dict(zip(axes, shape))}",
+        )
         coords[entry["rank"]] = entry["coords"]
     placement = m.get("placement")
     if placement is not None:
@@ -361,13 +396,13 @@ def _check_placement(m: dict, where: str, expect) -> None:
         except AotError as e:
             raise AotError(f"{where}: {e}") from None
         physical = placement["physical_rank_of_mesh_rank"]
-        expect(sorted(physical) == list(range(world)),
-               f"placement.physical_rank_of_mesh_rank is not a permutation of the {world} ranks")
+        expect(sorted(physical) == list(range(world)), f"placement.physical_rank_of_mesh_rank is not a permutation of the {world} ranks")
         expect(sorted(placement["axes_outer_to_inner"]) == sorted(axes), "placement.axes_outer_to_inner are not the mesh's axes")
         for mesh_rank, rank in enumerate(physical):
-            expect(coords[rank] == mesh_coords(axes, shape, mesh_rank),
-                   f"ranks: rank {rank}'s coords {coords[rank]} are not those of mesh rank {mesh_rank}, which "
-                   f"placement puts on it")
+            expect(
+                coords[rank] == mesh_coords(axes, shape, mesh_rank),
+                f"ranks: rank {rank}'s coords {coords[rank]} are not those of mesh rank {mesh_rank}, which placement puts on it",
+            )
     for name, spec in m["process_groups"].items():
         axis = spec["axis"]
         expect(axis in axes, f"process_groups[{name!r}]: axis {axis!r} is not a mesh axis")
@@ -376,7 +411,9 @@ def _check_placement(m: dict, where: str, expect) -> None:
             continue
         for group in spec["groups"]:
             expect(all(r in coords for r in group), f"process_groups[{name!r}]: group {group} names a rank outside the world")
-            expect(group == sorted(set(group)) and [coords[r][axis] for r in group] == list(range(len(group))),
-                   f"process_groups[{name!r}]: group {group} does not list its ranks ascending in {axis} coordinate "
-                   f"order ({axis} = {[coords[r][axis] for r in group]}); torch orders a group's members by rank, "
-                   f"so its shards would be exchanged out of order: rebuild the artifact")
+            expect(
+                group == sorted(set(group)) and [coords[r][axis] for r in group] == list(range(len(group))),
+                f"process_groups[{name!r}]: group {group} does not list its ranks ascending in {axis} coordinate "
+                f"order ({axis} = {[coords[r][axis] for r in group]}); torch orders a group's members by rank, "
+                f"so its shards would be exchanged out of order: rebuild the artifact",
+            )

@@ -106,15 +106,21 @@ def prefer_memory_node(node: int) -> str | None:
 
 def numa_node_count(root: str | Path = "/") -> int:
     try:
-        return sum(1 for n in os.listdir(Path(root) / "sys" / "devices" / "system" / "node")
-                   if n.startswith("node") and n[4:].isdigit())
+        return sum(1 for n in os.listdir(Path(root) / "sys" / "devices" / "system" / "node") if n.startswith("node") and n[4:].isdigit())
     except OSError:
         return 1
 
 
-def bind_gpu(bus_id: str, *, log=lambda msg: None, nvml=None, root: str | Path = "/",
-             allowed: set[int] | None = None, set_affinity=set_thread_affinity,
-             set_memory=prefer_memory_node) -> dict:
+def bind_gpu(
+    bus_id: str,
+    *,
+    log=lambda msg: None,
+    nvml=None,
+    root: str | Path = "/",
+    allowed: set[int] | None = None,
+    set_affinity=set_thread_affinity,
+    set_memory=prefer_memory_node,
+) -> dict:
     """Bind this process to the CPUs and memory node nearest GPU `bus_id`; returns what was done."""
     cpus, node, source = gpu_locality(bus_id, nvml=nvml, root=root)
     allowed = set(os.sched_getaffinity(0)) if allowed is None else set(allowed)
@@ -124,8 +130,7 @@ def bind_gpu(bus_id: str, *, log=lambda msg: None, nvml=None, root: str | Path =
         return result
     target = cpus & allowed
     if not target:
-        log(f"not bound: the CPUs nearest this GPU ({format_cpulist(cpus)}) are outside this process's "
-            f"allowed CPUs ({format_cpulist(allowed)})")
+        log(f"not bound: the CPUs nearest this GPU ({format_cpulist(cpus)}) are outside this process's allowed CPUs ({format_cpulist(allowed)})")
         return result
     try:
         set_affinity(target)

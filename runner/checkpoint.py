@@ -42,8 +42,7 @@ def shard_files(step: int, index: int, sharded: bool) -> dict[str, str]:
     """The file names of one shard of the checkpoint at `step` (deterministic, so every rank
     knows every name without exchanging them)."""
     suffix = f".shard-{index}" if sharded else ""
-    return {"weights": f"model.step-{step:08d}{suffix}.safetensors",
-            "optimizer": f"optimizer.step-{step:08d}{suffix}.safetensors"}
+    return {"weights": f"model.step-{step:08d}{suffix}.safetensors", "optimizer": f"optimizer.step-{step:08d}{suffix}.safetensors"}
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -65,9 +64,15 @@ def write_shard(folder: str | Path, step: int, index: int, sharded: bool, weight
     _write_atomically(folder / names["optimizer"], save_safetensors(cpu(optimizer)))
 
 
-def commit_checkpoint(folder: str | Path, step: int, spec: dict, sharding: dict | None,
-                      target_step: int | None = None, tensor_parallel: dict | None = None,
-                      pipeline: dict | None = None) -> None:
+def commit_checkpoint(
+    folder: str | Path,
+    step: int,
+    spec: dict,
+    sharding: dict | None,
+    target_step: int | None = None,
+    tensor_parallel: dict | None = None,
+    pipeline: dict | None = None,
+) -> None:
     """Make the shards written for `step` the folder's checkpoint (one atomic index replace),
     then remove files no index refers to. `spec` is the manifest's `state` entry; `target_step`
     is where the run means to stop, so a run restarted by torchrun knows how far to go."""
@@ -101,8 +106,7 @@ def commit_checkpoint(folder: str | Path, step: int, spec: dict, sharding: dict 
             stale.unlink(missing_ok=True)
 
 
-def save_checkpoint(folder: str | Path, step: int, weights: dict, optimizer: dict, spec: dict,
-                    target_step: int | None = None) -> None:
+def save_checkpoint(folder: str | Path, step: int, weights: dict, optimizer: dict, spec: dict, target_step: int | None = None) -> None:
     """Write and commit an unsharded checkpoint from one process."""
     write_shard(folder, step, 0, False, weights, optimizer)
     commit_checkpoint(folder, step, spec, None, target_step)
@@ -124,8 +128,13 @@ def read_index(folder: Path) -> dict:
     if index.get("format_version") != FORMAT_VERSION:
         raise AotError(f"{path}: checkpoint format version {index.get('format_version')}, this runner reads {FORMAT_VERSION}")
     shards = index.get("shards")
-    if not (isinstance(shards, list) and shards and all(isinstance(s, dict) for s in shards)
-            and isinstance(index.get("files"), dict) and isinstance(index.get("step"), int)):
+    if not (
+        isinstance(shards, list)
+        and shards
+        and all(isinstance(s, dict) for s in shards)
+        and isinstance(index.get("files"), dict)
+        and isinstance(index.get("step"), int)
+    ):
         raise AotError(f"{path}: needs step, shards and files")
     return index
 

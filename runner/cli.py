@@ -23,56 +23,110 @@ def _restarted() -> bool:
 @click.command("run")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(min=0), help="Training steps to run.")
-@click.option("--data", type=click.Path(path_type=Path),
-              help="safetensors file with `inputs` (or inputs.0, inputs.1, ...) and `targets`, one sample per row. "
-                   "Default: the example batch recorded at build time.")
+@click.option(
+    "--data",
+    type=click.Path(path_type=Path),
+    help="safetensors file with `inputs` (or inputs.0, inputs.1, ...) and `targets`, one sample per row. Default: the example batch recorded at build time.",
+)
 @click.option("--metrics", type=click.Path(path_type=Path), help="Append one JSON line per step (rank 0).")
 @click.option("--save", type=click.Path(path_type=Path), help="Write a checkpoint here at the end (and every --save-every steps).")
-@click.option("--save-every", type=click.IntRange(min=1), help="Also checkpoint every N steps. A run that torchrun restarts "
-              "(--max-restarts) resumes from the last complete checkpoint in --save and still stops at the same step.")
+@click.option(
+    "--save-every",
+    type=click.IntRange(min=1),
+    help="Also checkpoint every N steps. A run that torchrun restarts "
+    "(--max-restarts) resumes from the last complete checkpoint in --save and still stops at the same step.",
+)
 @click.option("--resume", type=click.Path(path_type=Path), help="Continue from a checkpoint written by --save.")
-@click.option("--init-from", type=click.Path(path_type=Path),
-              help="Start from these weights instead of the artifact's init program: a safetensors file keyed like "
-                   "model.state_dict() (what `aot checkpoint merge` writes) or a Hugging Face model folder "
-                   "(model.safetensors, or shards listed by model.safetensors.index.json). Each rank reads only its own "
-                   "slices; names, shapes and dtypes are checked before any process group starts.")
-@click.option("--rank", type=click.IntRange(min=0),
-              help="This process's rank, for launchers other than torchrun (default: torchrun's $RANK, else srun's "
-                   "$SLURM_PROCID, else 0). With --world-size, --master-addr and --master-port: one process per rank, "
-                   "started by you, srun or your scheduler.")
-@click.option("--world-size", type=click.IntRange(min=1),
-              help="Processes in the job (default: torchrun's $WORLD_SIZE, else srun's $SLURM_NTASKS, else 1); "
-                   "must be the artifact's.")
-@click.option("--local-rank", type=click.IntRange(min=0),
-              help="This process's rank on its node, its GPU index (default: torchrun's $LOCAL_RANK, else srun's "
-                   "$SLURM_LOCALID, else the rank: give it when the job spans nodes).")
-@click.option("--master-addr", metavar="HOST",
-              help="Where rank 0 listens for the others to meet (default: $MASTER_ADDR).")
-@click.option("--master-port", type=click.IntRange(min=1, max=65535), metavar="PORT",
-              help="Rank 0's rendezvous port, free on HOST (default: $MASTER_PORT).")
-@click.option("--allow-topology-mismatch", is_flag=True,
-              help="Run even if the live machine differs from the artifact's topology profile (with a warning).")
-@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(path_type=Path),
-              help="Run only artifacts signed by this public key (repeatable; see `aot keygen`).")
-@click.option("--timeout", "timeout_s", default=600, show_default=True, type=click.IntRange(min=1),
-              help="Seconds a collective may wait for the other ranks before the run fails, naming it.")
-@click.option("--no-bind", is_flag=True,
-              help="Do not bind each rank to the CPU cores and NUMA memory node nearest its GPU.")
+@click.option(
+    "--init-from",
+    type=click.Path(path_type=Path),
+    help="Start from these weights instead of the artifact's init program: a safetensors file keyed like "
+    "model.state_dict() (what `aot checkpoint merge` writes) or a Hugging Face model folder "
+    "(model.safetensors, or shards listed by model.safetensors.index.json). Each rank reads only its own "
+    "slices; names, shapes and dtypes are checked before any process group starts.",
+)
+@click.option(
+    "--rank",
+    type=click.IntRange(min=0),
+    help="This process's rank, for launchers other than torchrun (default: torchrun's $RANK, else srun's "
+    "$SLURM_PROCID, else 0). With --world-size, --master-addr and --master-port: one process per rank, "
+    "started by you, srun or your scheduler.",
+)
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    help="Processes in the job (default: torchrun's $WORLD_SIZE, else srun's $SLURM_NTASKS, else 1); must be the artifact's.",
+)
+@click.option(
+    "--local-rank",
+    type=click.IntRange(min=0),
+    help="This process's rank on its node, its GPU index (default: torchrun's $LOCAL_RANK, else srun's "
+    "$SLURM_LOCALID, else the rank: give it when the job spans nodes).",
+)
+@click.option("--master-addr", metavar="HOST", help="Where rank 0 listens for the others to meet (default: $MASTER_ADDR).")
+@click.option("--master-port", type=click.IntRange(min=1, max=65535), metavar="PORT", help="Rank 0's rendezvous port, free on HOST (default: $MASTER_PORT).")
+@click.option("--allow-topology-mismatch", is_flag=True, help="Run even if the live machine differs from the artifact's topology profile (with a warning).")
+@click.option(
+    "--trusted-key",
+    "trusted_keys",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Run only artifacts signed by this public key (repeatable; see `aot keygen`).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    default=600,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Seconds a collective may wait for the other ranks before the run fails, naming it.",
+)
+@click.option("--no-bind", is_flag=True, help="Do not bind each rank to the CPU cores and NUMA memory node nearest its GPU.")
 @click.option("--log-every", default=1, show_default=True, type=click.IntRange(min=1), help="Print a progress line every N steps.")
-@click.option("--tier", type=click.Choice(["auto", "compiled", "portable"]), default="auto", show_default=True,
-              help="Which program runs. auto: the artifact's compiled package (`aot build --compile aoti`) when it was "
-                   "compiled for this device kind, CPU level and torch build, else the portable program with a one-line "
-                   "notice. compiled: the package or fail. portable: the portable program.")
-@click.option("--profile", "profile_dir", type=click.Path(path_type=Path),
-              help="Profile up to 5 steps after the first with torch.profiler; rank 0 writes DIR/measured_timeline.json "
-                   "(Chrome trace) and DIR/profile.json. The first step (slower, untimed) also measures every rank's peak "
-                   "memory into profile.json (CPU: live tensor bytes, seen op by op, or by the allocator for the compiled "
-                   "tier; CUDA: torch.cuda.max_memory_allocated). `aot inspect ARTIFACT --profile DIR` compares them with "
-                   "the prediction.")
+@click.option(
+    "--tier",
+    type=click.Choice(["auto", "compiled", "portable"]),
+    default="auto",
+    show_default=True,
+    help="Which program runs. auto: the artifact's compiled package (`aot build --compile aoti`) when it was "
+    "compiled for this device kind, CPU level and torch build, else the portable program with a one-line "
+    "notice. compiled: the package or fail. portable: the portable program.",
+)
+@click.option(
+    "--profile",
+    "profile_dir",
+    type=click.Path(path_type=Path),
+    help="Profile up to 5 steps after the first with torch.profiler; rank 0 writes DIR/measured_timeline.json "
+    "(Chrome trace) and DIR/profile.json. The first step (slower, untimed) also measures every rank's peak "
+    "memory into profile.json (CPU: live tensor bytes, seen op by op, or by the allocator for the compiled "
+    "tier; CUDA: torch.cuda.max_memory_allocated). `aot inspect ARTIFACT --profile DIR` compares them with "
+    "the prediction.",
+)
 @click.option("--quiet", is_flag=True, help="Print only errors.")
 @debug_option
-def run(artifact, steps, data, metrics, save, save_every, resume, init_from, rank, world_size, local_rank, master_addr,
-        master_port, allow_topology_mismatch, trusted_keys, timeout_s, no_bind, tier, log_every, profile_dir, quiet):
+def run(
+    artifact,
+    steps,
+    data,
+    metrics,
+    save,
+    save_every,
+    resume,
+    init_from,
+    rank,
+    world_size,
+    local_rank,
+    master_addr,
+    master_port,
+    allow_topology_mismatch,
+    trusted_keys,
+    timeout_s,
+    no_bind,
+    tier,
+    log_every,
+    profile_dir,
+    quiet,
+):
     """Train from ARTIFACT (a folder made by `aot build`) on this rank.
 
     Launch one process per rank with torchrun; rank and world size come from its environment:
@@ -106,8 +160,7 @@ def run(artifact, steps, data, metrics, save, save_every, resume, init_from, ran
     # Everything that can be checked before the work is checked before it.
     # Who this process is, however it was started, exported as torchrun's variables: from here on
     # the run is the one torchrun starts (runner/launch.py).
-    launch = resolve_launch(rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr,
-                            master_port=master_port)
+    launch = resolve_launch(rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr, master_port=master_port)
     launch.export()
     if save_every is not None and save is None:
         raise AotError("--save-every needs --save DIR")
@@ -125,12 +178,21 @@ def run(artifact, steps, data, metrics, save, save_every, resume, init_from, ran
     try:
         # The tier is chosen before the process group starts: a compiled package passed over gets
         # one notice line (from rank 0), --tier compiled an error.
-        trainer = Trainer(artifact, launch.rank, world_size=launch.world_size, launch=launch,
-                          allow_topology_mismatch=allow_topology_mismatch, trusted_keys=keys,
-                          timeout_s=timeout_s, warn=lambda msg: click.echo(f"warning: {msg}", err=True),
-                          bind=not no_bind, log=(lambda msg: None) if quiet else (lambda msg: click.echo(f"{tag}{msg}", err=True)),
-                          tier=tier, notice=(lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True)),
-                          init_from=init_from)
+        trainer = Trainer(
+            artifact,
+            launch.rank,
+            world_size=launch.world_size,
+            launch=launch,
+            allow_topology_mismatch=allow_topology_mismatch,
+            trusted_keys=keys,
+            timeout_s=timeout_s,
+            warn=lambda msg: click.echo(f"warning: {msg}", err=True),
+            bind=not no_bind,
+            log=(lambda msg: None) if quiet else (lambda msg: click.echo(f"{tag}{msg}", err=True)),
+            tier=tier,
+            notice=(lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True)),
+            init_from=init_from,
+        )
     except TopologyMismatch as e:  # one line per mismatch class (from local rank 0 of each node), then the error
         if e.report:
             for line in e.lines:
@@ -149,9 +211,11 @@ def run(artifact, steps, data, metrics, save, save_every, resume, init_from, ran
     target = target if target is not None else trainer.step_index + steps
     trainer.check_steps(target - trainer.step_index)
     source = trainer.data_source(data)
-    say(f"rank 0 of {trainer.world_size} ready in {time.perf_counter() - _STARTED:.2f} s "
+    say(
+        f"rank 0 of {trainer.world_size} ready in {time.perf_counter() - _STARTED:.2f} s "
         f"({trainer.device}, {trainer.tier} tier, {source.rows} samples from {data or 'the example batch'}, "
-        f"weights from {trainer.weights_source if trainer.step_index == 0 else 'the checkpoint'})")
+        f"weights from {trainer.weights_source if trainer.step_index == 0 else 'the checkpoint'})"
+    )
 
     try:
         if metrics is not None and trainer.rank == 0:
@@ -160,8 +224,7 @@ def run(artifact, steps, data, metrics, save, save_every, resume, init_from, ran
     except OSError as e:
         raise AotError(f"{metrics}: cannot write metrics ({e.strerror})") from None
     first = last = None
-    profiler = StepProfiler(profile_dir, target - trainer.step_index, trainer.rank, trainer.device, trainer.tier,
-                            pipeline=trainer.pipeline is not None)
+    profiler = StepProfiler(profile_dir, target - trainer.step_index, trainer.rank, trainer.device, trainer.tier, pipeline=trainer.pipeline is not None)
     try:
         with profiler:
             while trainer.step_index < target:
@@ -178,9 +241,15 @@ def run(artifact, steps, data, metrics, save, save_every, resume, init_from, ran
                     say(f"warning: loss is {loss} at step {step + 1}")
                 first = loss if first is None else first
                 last = loss
-                record = {"step": step + 1, "loss": loss, "step_time_s": seconds, "tier": trainer.tier,
-                          "samples_per_s": source.global_batch / seconds,
-                          "time_since_start_s": time.perf_counter() - _STARTED, "unix_time": time.time()}
+                record = {
+                    "step": step + 1,
+                    "loss": loss,
+                    "step_time_s": seconds,
+                    "tier": trainer.tier,
+                    "samples_per_s": source.global_batch / seconds,
+                    "time_since_start_s": time.perf_counter() - _STARTED,
+                    "unix_time": time.time(),
+                }
                 scale = trainer.loss_scale()
                 if scale is not None:  # fp16: the loss scale after this step, and whether its update was skipped
                     record.update(loss_scale=scale, skipped=trainer.last_step_skipped)

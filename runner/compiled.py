@@ -56,9 +56,12 @@ def x86_target(features: list[str]) -> tuple[str, str]:
 
 def x86_features() -> list[str]:
     """The vector features of this CPU that inductor can generate kernels for (as its VecISA names them)."""
-    checks = (("avx2", torch.cpu._is_avx2_supported), ("avx512", torch.cpu._is_avx512_supported),
-              ("avx512_vnni", lambda: torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()),
-              ("amx_tile", torch.cpu._is_amx_tile_supported))
+    checks = (
+        ("avx2", torch.cpu._is_avx2_supported),
+        ("avx512", torch.cpu._is_avx512_supported),
+        ("avx512_vnni", lambda: torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()),
+        ("amx_tile", torch.cpu._is_amx_tile_supported),
+    )
     return [name for name, supported in checks if supported()]
 
 
@@ -83,8 +86,7 @@ def mismatch(package: dict, live: dict, package_torch: str, live_torch: str | No
         return f"compiled package was built with torch {package_torch}, this run has torch {live_torch}"
     if live["kind"] == "cuda":
         if package.get("capability") != live.get("capability"):
-            return (f"compiled package is for CUDA compute capability {package.get('capability')}, "
-                    f"this GPU has {live.get('capability')}")
+            return f"compiled package is for CUDA compute capability {package.get('capability')}, this GPU has {live.get('capability')}"
         return None
     if package.get("arch") != live.get("arch"):
         return f"compiled package is for {package.get('arch')} CPUs, this one is {live.get('arch')}"
@@ -101,8 +103,7 @@ def mismatch(package: dict, live: dict, package_torch: str, live_torch: str | No
     return None
 
 
-def choose_tier(compiled: dict | None, program: str, live: dict, requested: str = "auto",
-                where: str = "artifact") -> tuple[str, str | None]:
+def choose_tier(compiled: dict | None, program: str, live: dict, requested: str = "auto", where: str = "artifact") -> tuple[str, str | None]:
     """("compiled" or "portable", a one-line notice or None) for a run on `live`.
 
     `requested`: "auto" takes the compiled package when it matches and otherwise the portable
@@ -116,27 +117,33 @@ def choose_tier(compiled: dict | None, program: str, live: dict, requested: str 
         _check_entry(compiled, where)
     if not compiled or program not in compiled["programs"]:
         if requested == "compiled":
-            raise NodeRefusal(f"{where}: has no compiled package for program {program!r} (built without "
-                           f"`--compile aoti`); rebuild with it, or run with --tier auto or portable")
+            raise NodeRefusal(
+                f"{where}: has no compiled package for program {program!r} (built without "
+                f"`--compile aoti`); rebuild with it, or run with --tier auto or portable"
+            )
         return "portable", None  # nothing to fall back from: no notice
     why = mismatch(compiled["device"], live, compiled["torch_version"])
     if why is None:
         return "compiled", None
     if requested == "compiled":
-        raise NodeRefusal(f"{where}: {why}; rebuild with `aot build --compile aoti` on a machine like this one, "
-                       f"or run with --tier auto to use the portable program")
+        raise NodeRefusal(
+            f"{where}: {why}; rebuild with `aot build --compile aoti` on a machine like this one, or run with --tier auto to use the portable program"
+        )
     return "portable", f"notice: {why}; using the portable program"
 
 
 def _check_entry(compiled, where: str) -> None:
     """The manifest's `compiled` entry has the fields this module reads (one line if not)."""
-    ok = (isinstance(compiled, dict) and isinstance(compiled.get("device"), dict)
-          and isinstance(compiled["device"].get("kind"), str) and isinstance(compiled.get("torch_version"), str)
-          and isinstance(compiled.get("programs"), dict)
-          and all(isinstance(p, dict) and isinstance(p.get("file"), str) for p in compiled["programs"].values()))
+    ok = (
+        isinstance(compiled, dict)
+        and isinstance(compiled.get("device"), dict)
+        and isinstance(compiled["device"].get("kind"), str)
+        and isinstance(compiled.get("torch_version"), str)
+        and isinstance(compiled.get("programs"), dict)
+        and all(isinstance(p, dict) and isinstance(p.get("file"), str) for p in compiled["programs"].values())
+    )
     if not ok:
-        raise AotError(f"{where}/manifest.json: the compiled entry needs device.kind, torch_version and "
-                       f"programs (name -> file)")
+        raise AotError(f"{where}/manifest.json: the compiled entry needs device.kind, torch_version and programs (name -> file)")
 
 
 def package_problem(data: bytes) -> str | None:
@@ -175,8 +182,7 @@ def package_problem(data: bytes) -> str | None:
     top = tops.pop()
     if f"{top}/archive_format" not in archive.namelist() or archive.read(f"{top}/archive_format") != b"pt2":
         return "is not an AOTInductor package (no pt2 archive_format entry)"
-    if not any(i.filename.startswith(f"{top}/data/aotinductor/{MODEL_NAME}/") and i.filename.endswith(".so")
-               for i in entries):
+    if not any(i.filename.startswith(f"{top}/data/aotinductor/{MODEL_NAME}/") and i.filename.endswith(".so") for i in entries):
         return f"is not an AOTInductor package (no compiled library for model {MODEL_NAME!r})"
     return None
 
@@ -197,8 +203,7 @@ class CompiledProgram:
         self._loader, self.device = loader, device
 
     def __call__(self, *args):
-        staged = {i: a.to(self.device, memory_format=torch.contiguous_format) for i, a in enumerate(args)
-                  if a.device != self.device or not a.is_contiguous()}
+        staged = {i: a.to(self.device, memory_format=torch.contiguous_format) for i, a in enumerate(args) if a.device != self.device or not a.is_contiguous()}
         if not staged:
             return tuple(self._loader.run(list(args)))
         outputs = self._loader.run([staged.get(i, a) for i, a in enumerate(args)])
@@ -236,12 +241,12 @@ def load_compiled(artifact, program: str, device: torch.device, inputs: int) -> 
         try:
             loader = torch._C._aoti.AOTIModelPackageLoader(str(path), MODEL_NAME, False, 1, index)
         except RuntimeError as e:
-            raise AotError(f"{root / relpath}: the compiled package cannot be loaded here "
-                           f"({str(e).strip().splitlines()[0][:300]}); run with --tier portable") from None
+            raise AotError(
+                f"{root / relpath}: the compiled package cannot be loaded here ({str(e).strip().splitlines()[0][:300]}); run with --tier portable"
+            ) from None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     count = _input_count(loader)
     if count is not None and count != inputs:
-        raise AotError(f"{root / relpath}: the compiled package takes {count} inputs, the program {inputs}; "
-                       f"the artifact is inconsistent: rebuild it")
+        raise AotError(f"{root / relpath}: the compiled package takes {count} inputs, the program {inputs}; the artifact is inconsistent: rebuild it")
     return CompiledProgram(loader, device)

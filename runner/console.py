@@ -48,12 +48,13 @@ def console_main(cli: click.Command, prog_name: str, argv: list[str] | None = No
         if debug:
             raise
         message = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        click.echo(f"{prog_name}: internal error: {_rank_prefix()}{type(e).__name__}: {message} "
-                   f"(rerun with --debug for the traceback)", err=True)
+        click.echo(f"{prog_name}: internal error: {_rank_prefix()}{type(e).__name__}: {message} (rerun with --debug for the traceback)", err=True)
         sys.exit(EXIT_INTERNAL)
 
 
 debug_option = click.option(
-    "--debug", is_flag=True, expose_value=False,
+    "--debug",
+    is_flag=True,
+    expose_value=False,
     help="Show Python tracebacks instead of one-line errors (also AOT_DEBUG=1).",
 )

@@ -39,12 +39,13 @@ def import_op_libraries(manifest: dict) -> list[str]:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            raise AotError(f"{uses}, registered by module {name!r}, which cannot be imported here ({e}); "
-                           f"install it or add its folder to PYTHONPATH") from None
+            raise AotError(f"{uses}, registered by module {name!r}, which cannot be imported here ({e}); install it or add its folder to PYTHONPATH") from None
         except Exception as e:
             raise AotError(f"importing custom operator module {name!r} raised {type(e).__name__}: {e}") from e
     for op in ops:
         if not op_is_registered(op):
-            raise AotError(f"custom operator {op} is not registered after importing {', '.join(modules) or 'nothing'}; "
-                           f"the op library on this node differs from the one the artifact was built with")
+            raise AotError(
+                f"custom operator {op} is not registered after importing {', '.join(modules) or 'nothing'}; "
+                f"the op library on this node differs from the one the artifact was built with"
+            )
     return modules

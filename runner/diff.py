@@ -62,12 +62,15 @@ def _optimizer(optimizer: dict) -> str:
 
 def _build_fields(m: dict) -> dict:
     """Level 1, compared as is: releases, topology profile, model, build arguments."""
-    fields = {"torch_version": m["torch_version"], "aot_version": m.get("aot_version"),
-              "format_version": m["format_version"],
-              "topology_profile": f"{m['topology']['name']} (sha256 {m['topology']['sha256'][:16]}...)",
-              "world_size": m["world_size"],
-              "parameters": sum(math.prod(shape) for shape, _ in m["state"]["params"].values()),
-              "optimizer": _optimizer(m["state"]["optimizer"])}
+    fields = {
+        "torch_version": m["torch_version"],
+        "aot_version": m.get("aot_version"),
+        "format_version": m["format_version"],
+        "topology_profile": f"{m['topology']['name']} (sha256 {m['topology']['sha256'][:16]}...)",
+        "world_size": m["world_size"],
+        "parameters": sum(math.prod(shape) for shape, _ in m["state"]["params"].values()),
+        "optimizer": _optimizer(m["state"]["optimizer"]),
+    }
     fields.update({k: v for k, v in m["build"].items() if k not in _PLAN_ARGUMENTS and k not in fields})
     return fields
 
@@ -87,11 +90,18 @@ def _plan_fields(m: dict, s: dict) -> dict:
         "hierarchical": build.get("hierarchical"),
         "hierarchical_groups": sorted(n for n, g in m["process_groups"].items() if g.get("level")) or None,
         "sharding": sharding and f"{sharding['axis']}={sharding['size']} over {sharding['group']}, {sharding.get('layout')}",
-        "tensor_parallel": tp and {"size": tp["size"], "sequence_parallel": tp.get("sequence_parallel"),
-                                   "colwise": sorted(n for n, st in tp["plan"].items() if st == "colwise"),
-                                   "rowwise": sorted(n for n, st in tp["plan"].items() if st == "rowwise")},
-        "pipeline": pipeline and (f"pp={pipeline['size']} {pipeline['schedule']}, {pipeline['microbatches']} microbatches "
-                                  f"of {pipeline['microbatch_size']}, {pipeline['stages_per_rank']} stage(s) per rank"),
+        "tensor_parallel": tp
+        and {
+            "size": tp["size"],
+            "sequence_parallel": tp.get("sequence_parallel"),
+            "colwise": sorted(n for n, st in tp["plan"].items() if st == "colwise"),
+            "rowwise": sorted(n for n, st in tp["plan"].items() if st == "rowwise"),
+        },
+        "pipeline": pipeline
+        and (
+            f"pp={pipeline['size']} {pipeline['schedule']}, {pipeline['microbatches']} microbatches "
+            f"of {pipeline['microbatch_size']}, {pipeline['stages_per_rank']} stage(s) per rank"
+        ),
         "precision": s["precision"],
         "recompute": recompute and {k: recompute[k] for k in ("policy", "source", "recomputed_values") if k in recompute},
         "nccl_algo": plan.get("nccl_algo"),
@@ -104,7 +114,9 @@ def _plan_numbers(s: dict) -> dict:
     time = predicted_time(s)
     memory, _ = predicted_memory(s)
     return {
-        "step_s": time.get("step_s"), "compute_s": time.get("compute_s"), "comm_s": time.get("comm_s"),
+        "step_s": time.get("step_s"),
+        "compute_s": time.get("compute_s"),
+        "comm_s": time.get("comm_s"),
         "exposed_comm_s": time.get("exposed_comm_s"),
         "peak_memory_bytes": memory["peak"] if memory else None,
         # parameters, their gradients and optimizer state of the rank that holds the most
@@ -113,8 +125,11 @@ def _plan_numbers(s: dict) -> dict:
 
 
 def _changed(fields_a: dict, fields_b: dict) -> list[dict]:
-    return [{"field": k, "a": fields_a.get(k), "b": fields_b.get(k)}
-            for k in [*fields_a, *(k for k in fields_b if k not in fields_a)] if fields_a.get(k) != fields_b.get(k)]
+    return [
+        {"field": k, "a": fields_a.get(k), "b": fields_b.get(k)}
+        for k in [*fields_a, *(k for k in fields_b if k not in fields_a)]
+        if fields_a.get(k) != fields_b.get(k)
+    ]
 
 
 def _side_by_side(a: dict, b: dict) -> dict:
@@ -139,12 +154,18 @@ def collective_changes(program_a: dict | None, program_b: dict | None) -> list[d
         sizes_a, sizes_b = in_a.get(key, []), in_b.get(key, [])
         if sizes_a == sizes_b:
             continue
-        change = ("added" if not sizes_a else "removed" if not sizes_b
-                  else "reordered" if sorted(sizes_a) == sorted(sizes_b) else "resized")
+        change = "added" if not sizes_a else "removed" if not sizes_b else "reordered" if sorted(sizes_a) == sorted(sizes_b) else "resized"
         kind, group, dtype = key
-        changes.append({"kind": kind, "group": group, "dtype": dtype, "change": change,
-                        "a": {"count": len(sizes_a), "bytes": sum(sizes_a), "sizes": sizes_a},
-                        "b": {"count": len(sizes_b), "bytes": sum(sizes_b), "sizes": sizes_b}})
+        changes.append(
+            {
+                "kind": kind,
+                "group": group,
+                "dtype": dtype,
+                "change": change,
+                "a": {"count": len(sizes_a), "bytes": sum(sizes_a), "sizes": sizes_a},
+                "b": {"count": len(sizes_b), "bytes": sum(sizes_b), "sizes": sizes_b},
+            }
+        )
     return changes
 
 
@@ -173,15 +194,26 @@ def _compare_programs(a: Artifact, b: Artifact) -> list[dict]:
         program_a = a.program(name_a) if name_a else None
         program_b = b.program(name_b) if name_b else None
         ops_a, ops_b = ops(a, name_a), ops(b, name_b)
-        totals = {side: {"collectives_per_step": len(p["collectives"]) if p else 0,
-                         "collective_bytes_per_step": sum(c["bytes"] for c in p["collectives"]) if p else 0,
-                         "graph_nodes": p.get("graph_nodes") if p else 0}
-                  for side, p in (("a", program_a), ("b", program_b))}
+        totals = {
+            side: {
+                "collectives_per_step": len(p["collectives"]) if p else 0,
+                "collective_bytes_per_step": sum(c["bytes"] for c in p["collectives"]) if p else 0,
+                "graph_nodes": p.get("graph_nodes") if p else 0,
+            }
+            for side, p in (("a", program_a), ("b", program_b))
+        }
         op_rows = [{"op": op, "a": ops_a[op], "b": ops_b[op]} for op in sorted(set(ops_a) | set(ops_b)) if ops_a[op] != ops_b[op]]
         op_rows.sort(key=lambda r: -abs(r["b"] - r["a"]))  # stable: by name among equal changes
-        result.append({"ranks": ranks, "a": name_a, "b": name_b,
-                       **_side_by_side(totals["a"], totals["b"]),
-                       "collectives": collective_changes(program_a, program_b), "ops": op_rows})
+        result.append(
+            {
+                "ranks": ranks,
+                "a": name_a,
+                "b": name_b,
+                **_side_by_side(totals["a"], totals["b"]),
+                "collectives": collective_changes(program_a, program_b),
+                "ops": op_rows,
+            }
+        )
     return result
 
 
@@ -190,8 +222,9 @@ def _file_changes(files_a: dict, files_b: dict) -> list[dict]:
     for path in sorted(set(files_a) | set(files_b)):
         ea, eb = files_a.get(path), files_b.get(path)
         if ea != eb:
-            rows.append({"path": path, "change": "added" if ea is None else "removed" if eb is None else "changed",
-                         "a": ea and ea["size"], "b": eb and eb["size"]})
+            rows.append(
+                {"path": path, "change": "added" if ea is None else "removed" if eb is None else "changed", "a": ea and ea["size"], "b": eb and eb["size"]}
+            )
     return rows
 
 
@@ -200,12 +233,13 @@ def compare(path_a: str | Path, path_b: str | Path) -> dict:
     a, b = open_verified(path_a), open_verified(path_b)
     ma, mb = a.manifest, b.manifest
     sa, sb = summarize(a), summarize(b)
-    result = {"a": str(path_a), "b": str(path_b), "identical": ma["digest"] == mb["digest"],
-              "digest": {"a": ma["digest"], "b": mb["digest"]}}
+    result = {"a": str(path_a), "b": str(path_b), "identical": ma["digest"] == mb["digest"], "digest": {"a": ma["digest"], "b": mb["digest"]}}
     result["build"] = _changed(_build_fields(ma), _build_fields(mb))
-    result["plan"] = {"changed": _changed(_plan_fields(ma, sa), _plan_fields(mb, sb)),
-                      "predicted": _side_by_side(_plan_numbers(sa), _plan_numbers(sb)),
-                      "topology": {"a": (ma.get("time") or {}).get("topology"), "b": (mb.get("time") or {}).get("topology")}}
+    result["plan"] = {
+        "changed": _changed(_plan_fields(ma, sa), _plan_fields(mb, sb)),
+        "predicted": _side_by_side(_plan_numbers(sa), _plan_numbers(sb)),
+        "topology": {"a": (ma.get("time") or {}).get("topology"), "b": (mb.get("time") or {}).get("topology")},
+    }
     result["programs"] = _compare_programs(a, b)
     result["files"] = _file_changes(ma["files"], mb["files"])
     result["manifest_entries_changed"] = sorted(k for k in set(ma) | set(mb) if k != "digest" and ma.get(k) != mb.get(k))
@@ -213,6 +247,7 @@ def compare(path_a: str | Path, path_b: str | Path) -> dict:
 
 
 # -- text ------------------------------------------------------------------------------------------
+
 
 def _show(value) -> str:
     if value is None:
@@ -242,11 +277,14 @@ def _field_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-_NUMBERS = {"step_s": ("step time", lambda s: f"{s * 1e3:.3g} ms"), "compute_s": ("  compute", lambda s: f"{s * 1e3:.3g} ms"),
-            "comm_s": ("  communication", lambda s: f"{s * 1e3:.3g} ms"),
-            "exposed_comm_s": ("  exposed", lambda s: f"{s * 1e3:.3g} ms"),
-            "peak_memory_bytes": ("peak memory per rank", human),
-            "training_state_bytes": ("training state per rank", human)}
+_NUMBERS = {
+    "step_s": ("step time", lambda s: f"{s * 1e3:.3g} ms"),
+    "compute_s": ("  compute", lambda s: f"{s * 1e3:.3g} ms"),
+    "comm_s": ("  communication", lambda s: f"{s * 1e3:.3g} ms"),
+    "exposed_comm_s": ("  exposed", lambda s: f"{s * 1e3:.3g} ms"),
+    "peak_memory_bytes": ("peak memory per rank", human),
+    "training_state_bytes": ("training state per rank", human),
+}
 
 
 def _number_line(label: str, row: dict, show, indent: int = 2) -> str:
@@ -271,14 +309,14 @@ def _program_lines(p: dict) -> list[str]:
     count, size = p["collectives_per_step"], p["collective_bytes_per_step"]
     if p["a"] is None or p["b"] is None:  # a world size that changed: these ranks exist on one side
         side = "a" if p["b"] is None else "b"
-        return [f"  {ranks}: only in {side.upper()}, running {p[side]} ({count[side]} collectives per step, "
-                f"{human(size[side])}; {p['graph_nodes'][side]} graph nodes)"]
+        return [
+            f"  {ranks}: only in {side.upper()}, running {p[side]} ({count[side]} collectives per step, "
+            f"{human(size[side])}; {p['graph_nodes'][side]} graph nodes)"
+        ]
     names = p["a"] if p["a"] == p["b"] else f"{p['a']} -> {p['b']}"
     if not p["collectives"] and not p["ops"] and count["a"] == count["b"] and size["a"] == size["b"]:
         return [f"  {ranks}: {names}, same collectives ({count['a']} per step) and ops"]
-    lines = [f"  {ranks}: {names}",
-             _number_line("collectives per step", count, str, indent=4),
-             _number_line("  bytes", size, human, indent=4)]
+    lines = [f"  {ranks}: {names}", _number_line("collectives per step", count, str, indent=4), _number_line("  bytes", size, human, indent=4)]
     lines += [_collective_line(c) for c in p["collectives"]]
     lines.append(_number_line("graph nodes", p["graph_nodes"], str, indent=4))
     if p["ops"]:
@@ -292,8 +330,7 @@ def _program_lines(p: dict) -> list[str]:
 
 def render(d: dict) -> str:
     if d["identical"]:
-        return (f"identical: {d['a']} and {d['b']} (manifest digest {d['digest']['a'][:16]}..., "
-                f"every listed file's sha256 checked)")
+        return f"identical: {d['a']} and {d['b']} (manifest digest {d['digest']['a'][:16]}..., every listed file's sha256 checked)"
     lines = [f"A  {d['a']}", f"B  {d['b']}"]
     lines += ["build"] + (_field_lines(d["build"]) or ["  same releases, topology profile, model and arguments"])
     lines.append("plan")
@@ -309,8 +346,7 @@ def render(d: dict) -> str:
     if d["files"]:
         lines.append("files")
         for f in d["files"]:
-            sizes = {"added": lambda: human(f["b"]), "removed": lambda: human(f["a"]),
-                     "changed": lambda: f"{human(f['a'])} -> {human(f['b'])}"}[f["change"]]()
+            sizes = {"added": lambda: human(f["b"]), "removed": lambda: human(f["a"]), "changed": lambda: f"{human(f['a'])} -> {human(f['b'])}"}[f["change"]]()
             lines.append(f"  {f['path']:<40} {f['change']}, {sizes}")
     lines.append(f"different: manifest entries {', '.join(d['manifest_entries_changed'])}")
     return "\n".join(lines)

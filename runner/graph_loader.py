@@ -20,13 +20,28 @@ from runner.p2p import is_point_to_point
 
 # ScalarType, MemoryFormat and Layout numbers of torch._export.serde.schema (the stored format)
 _DTYPES = {
-    1: torch.uint8, 2: torch.int8, 3: torch.int16, 4: torch.int32, 5: torch.int64, 6: torch.float16,
-    7: torch.float32, 8: torch.float64, 9: torch.complex32, 10: torch.complex64, 11: torch.complex128,
-    12: torch.bool, 13: torch.bfloat16, 28: torch.uint16, 29: torch.float8_e4m3fn, 30: torch.float8_e5m2,
-    31: torch.float8_e4m3fnuz, 32: torch.float8_e5m2fnuz, 34: torch.uint32, 35: torch.uint64,
+    1: torch.uint8,
+    2: torch.int8,
+    3: torch.int16,
+    4: torch.int32,
+    5: torch.int64,
+    6: torch.float16,
+    7: torch.float32,
+    8: torch.float64,
+    9: torch.complex32,
+    10: torch.complex64,
+    11: torch.complex128,
+    12: torch.bool,
+    13: torch.bfloat16,
+    28: torch.uint16,
+    29: torch.float8_e4m3fn,
+    30: torch.float8_e5m2,
+    31: torch.float8_e4m3fnuz,
+    32: torch.float8_e5m2fnuz,
+    34: torch.uint32,
+    35: torch.uint64,
 }
-_MEMORY_FORMATS = {1: torch.contiguous_format, 2: torch.channels_last, 3: torch.channels_last_3d,
-                   4: torch.preserve_format}
+_MEMORY_FORMATS = {1: torch.contiguous_format, 2: torch.channels_last, 3: torch.channels_last_3d, 4: torch.preserve_format}
 _LAYOUTS = {7: torch.strided}
 _LITERALS = ("as_int", "as_float", "as_bool", "as_string", "as_ints", "as_floats", "as_bools", "as_strings")
 
@@ -46,7 +61,7 @@ def _operator(target: str):
 
 
 def _value(arg: dict, env: dict, device: torch.device | None):
-    (kind, value), = arg.items()
+    ((kind, value),) = arg.items()
     if kind == "as_float":  # the schema writes non-finite floats as strings ("-Infinity", "NaN")
         return float(value)
     if kind == "as_floats":
@@ -83,8 +98,7 @@ def load_graph_module(program_json: bytes, device: torch.device | None = None) -
         program = json.loads(program_json)
         module = program["graph_module"]
         signature = module["signature"]
-        if any("user_input" not in s for s in signature["input_specs"]) or \
-                any("user_output" not in s for s in signature["output_specs"]):
+        if any("user_input" not in s for s in signature["input_specs"]) or any("user_output" not in s for s in signature["output_specs"]):
             raise Unsupported("lifted inputs or mutation outputs")
         graph_json = module["graph"]
         graph = torch.fx.Graph()
@@ -103,7 +117,7 @@ def load_graph_module(program_json: bytes, device: torch.device | None = None) -
             call = graph.call_function(_operator(node["target"]), tuple(args), kwargs)
             outputs = node["outputs"]
             if len(outputs) == 1 and "as_tensors" not in outputs[0]:
-                (kind, value), = outputs[0].items()
+                ((kind, value),) = outputs[0].items()
                 if kind != "as_none":
                     env[value["name"] if kind == "as_tensor" else value["as_name"]] = call
             else:
@@ -147,8 +161,13 @@ def is_collective(node: torch.fx.Node) -> bool:
     transfers of pipeline stages (runner/p2p.py), whose waits must stay where the build put them:
     waiting for a send at its issue would block until the peer receives, and the peer may be
     waiting for this rank."""
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and node.target.namespace == _FUNCOL and not _is_wait(node) and not is_point_to_point(node))
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace == _FUNCOL
+        and not _is_wait(node)
+        and not is_point_to_point(node)
+    )
 
 
 def wait_at_issue(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

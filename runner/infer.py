@@ -36,29 +36,56 @@ ORDER = ("tensorrt", "cuda", "cpu")
 
 # torch dtype -> ONNX TensorProto element type (onnx's enum, spelled out: the runner does not need onnx)
 ONNX_TYPES = {
-    torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.uint16: 4, torch.int16: 5, torch.int32: 6,
-    torch.int64: 7, torch.bool: 9, torch.float16: 10, torch.float64: 11, torch.uint32: 12, torch.uint64: 13,
-    torch.bfloat16: 16, torch.float8_e4m3fn: 17, torch.float8_e4m3fnuz: 18, torch.float8_e5m2: 19,
+    torch.float32: 1,
+    torch.uint8: 2,
+    torch.int8: 3,
+    torch.uint16: 4,
+    torch.int16: 5,
+    torch.int32: 6,
+    torch.int64: 7,
+    torch.bool: 9,
+    torch.float16: 10,
+    torch.float64: 11,
+    torch.uint32: 12,
+    torch.uint64: 13,
+    torch.bfloat16: 16,
+    torch.float8_e4m3fn: 17,
+    torch.float8_e4m3fnuz: 18,
+    torch.float8_e5m2: 19,
     torch.float8_e5m2fnuz: 20,
 }
 # dtypes numpy lacks, viewed as an integer of the same width to cross into ONNX Runtime
-_NUMPY_STAND_IN = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e4m3fnuz: torch.uint8,
-                   torch.float8_e5m2: torch.uint8, torch.float8_e5m2fnuz: torch.uint8}
+_NUMPY_STAND_IN = {
+    torch.bfloat16: torch.int16,
+    torch.float8_e4m3fn: torch.uint8,
+    torch.float8_e4m3fnuz: torch.uint8,
+    torch.float8_e5m2: torch.uint8,
+    torch.float8_e5m2fnuz: torch.uint8,
+}
 
 # ONNX Runtime's CPU provider (onnxruntime 1.31, tried op by op) has no bfloat16 kernels for Add, Mul,
 # MatMul, Softmax, Gelu and most others (LayerNormalization and Transpose it has), and unlike fp16,
 # whose missing kernels it wraps in casts to fp32, it does not work around them: a session fails
 # on the first such node. So a file that says it computes in bf16 is refused on the CPU up front,
 # in words that say what to do instead.
-_BF16_ON_CPU = ("computes in bf16 (aot export --precision bf16), and ONNX Runtime's CPU provider has no bf16 "
-                "kernels (MatMul, Add, Softmax, Gelu); run it with a GPU provider (cuda, tensorrt), or export "
-                "with --precision fp16 or fp32 to run on CPU")
+_BF16_ON_CPU = (
+    "computes in bf16 (aot export --precision bf16), and ONNX Runtime's CPU provider has no bf16 "
+    "kernels (MatMul, Add, Softmax, Gelu); run it with a GPU provider (cuda, tensorrt), or export "
+    "with --precision fp16 or fp32 to run on CPU"
+)
 
 # ONNX Runtime's element type names -> torch dtype names (runner.data.dtype_name)
 _ORT_TYPES = {
-    "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
-    "tensor(bfloat16)": "bfloat16", "tensor(int64)": "int64", "tensor(int32)": "int32",
-    "tensor(int16)": "int16", "tensor(int8)": "int8", "tensor(uint8)": "uint8", "tensor(bool)": "bool",
+    "tensor(float)": "float32",
+    "tensor(double)": "float64",
+    "tensor(float16)": "float16",
+    "tensor(bfloat16)": "bfloat16",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(int16)": "int16",
+    "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8",
+    "tensor(bool)": "bool",
 }
 
 
@@ -66,8 +93,7 @@ def _import_ort():
     try:
         import onnxruntime
     except ImportError as e:
-        raise AotError(f"exported inference needs ONNX Runtime, which cannot be imported here ({e}); "
-                       f"install onnxruntime-gpu (or onnxruntime)") from None
+        raise AotError(f"exported inference needs ONNX Runtime, which cannot be imported here ({e}); install onnxruntime-gpu (or onnxruntime)") from None
     return onnxruntime
 
 
@@ -127,9 +153,16 @@ def _session(ort, model: bytes | str, key: str, threads: int | None, initializer
     return session
 
 
-def create_session(model: bytes | str, provider: str | None = None, *, warn: Callable[[str], None] = lambda msg: None,
-                   threads: int | None = None, where: str = "the model",
-                   initializers: Mapping[str, torch.Tensor] | None = None, cpu_refusal: str | None = None):
+def create_session(
+    model: bytes | str,
+    provider: str | None = None,
+    *,
+    warn: Callable[[str], None] = lambda msg: None,
+    threads: int | None = None,
+    where: str = "the model",
+    initializers: Mapping[str, torch.Tensor] | None = None,
+    cpu_refusal: str | None = None,
+):
     """(ONNX Runtime session, provider key) for ONNX bytes (or a file path, whose external data
     ONNX Runtime reads beside it): `provider` if given (or an error), else the first of TensorRT,
     CUDA, CPU that works, with a one-line notice through `warn` when a faster one was passed over.
@@ -151,8 +184,7 @@ def create_session(model: bytes | str, provider: str | None = None, *, warn: Cal
                 if provider == "cpu":
                     raise AotError(f"{where}: ONNX Runtime cannot load it: {_first_line(e)}") from None
                 reason = f"it failed to start ({_first_line(e)})"
-        raise AotError(f"provider {provider} ({PROVIDERS[provider]}) is not usable here: {reason}; "
-                       f"leave --provider unset to use the best available one")
+        raise AotError(f"provider {provider} ({PROVIDERS[provider]}) is not usable here: {reason}; leave --provider unset to use the best available one")
     passed_over: list[str] = []
     for key in ORDER:
         if key == "cpu" and cpu_refusal:
@@ -180,9 +212,11 @@ def _first_line(e: Exception) -> str:
 
 def _spec_of_session(session, batch_dim: str | None) -> tuple[list[dict], list[dict], str | None]:
     """Input/output spec read from the ONNX graph itself (for a bare .onnx file)."""
+
     def entry(arg):
         shape = [d if isinstance(d, int) else str(d) for d in arg.shape]
         return {"name": arg.name, "shape": shape, "dtype": _ORT_TYPES.get(arg.type, arg.type)}
+
     inputs = [entry(a) for a in session.get_inputs()]
     outputs = [entry(a) for a in session.get_outputs()]
     if batch_dim is None and inputs and inputs[0]["shape"] and isinstance(inputs[0]["shape"][0], str):
@@ -201,19 +235,28 @@ class InferenceSession:
     `weights` says where the weights came from (the init program, the file, its data file).
     """
 
-    def __init__(self, path: str | Path, provider: str | None = None, *,
-                 warn: Callable[[str], None] = lambda msg: None, threads: int | None = None,
-                 trusted_keys: list[str] | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        provider: str | None = None,
+        *,
+        warn: Callable[[str], None] = lambda msg: None,
+        threads: int | None = None,
+        trusted_keys: list[str] | None = None,
+    ):
         path = Path(path)
         cpu_refusal = None
         model: bytes | str  # ONNX bytes, or the file's path when ONNX Runtime must read its data file beside it
         if path.is_dir():
             from runner.artifact import Artifact
+
             artifact = Artifact(path, trusted_keys)  # the signature is checked before anything is parsed
             spec = artifact.manifest.get("inference")
             if spec is None:
-                raise AotError(f"{path}: the artifact has no inference export (it was built with --no-onnx, "
-                               f"or the model could not be exported; `aot build --onnx` says why)")
+                raise AotError(
+                    f"{path}: the artifact has no inference export (it was built with --no-onnx, "
+                    f"or the model could not be exported; `aot build --onnx` says why)"
+                )
             model = artifact.read(spec["file"])  # sha256 checked before ONNX Runtime parses it
             self.where = f"{path}/{spec['file']}"
             initializers, self.weights = None, "inside the ONNX file"
@@ -221,8 +264,7 @@ class InferenceSession:
                 initializers, self.weights = initial_weights(artifact, spec["initializers"], self.where)
         elif path.is_file():
             if trusted_keys:  # only an artifact's manifest is signed: a bare file cannot prove its builder
-                raise AotError(f"{path}: a bare .onnx file carries no signature; --trusted-key needs an artifact "
-                               f"folder signed with `aot build --sign`")
+                raise AotError(f"{path}: a bare .onnx file carries no signature; --trusted-key needs an artifact folder signed with `aot build --sign`")
             model, spec, initializers = path.read_bytes(), {}, None
             self.where = str(path)
             self.weights = "inside the ONNX file"
@@ -234,8 +276,9 @@ class InferenceSession:
         else:
             raise AotError(f"{path}: no such artifact folder or ONNX file")
         self.spec = spec
-        self.session, self.provider = create_session(model, provider, warn=warn, threads=threads, where=self.where,
-                                                     initializers=initializers, cpu_refusal=cpu_refusal)
+        self.session, self.provider = create_session(
+            model, provider, warn=warn, threads=threads, where=self.where, initializers=initializers, cpu_refusal=cpu_refusal
+        )
         inputs, outputs, batch_dim = _spec_of_session(self.session, spec.get("batch_dim"))
         if spec:
             declared = [i.get("name") for i in spec["inputs"]], [o.get("name") for o in spec["outputs"]]
@@ -259,13 +302,16 @@ class InferenceSession:
             inputs = [inputs]
         if not isinstance(inputs, Mapping):
             if not isinstance(inputs, Sequence) or len(inputs) != len(names):
-                raise AotError(f"{where}: the exported model takes {len(names)} input(s) ({', '.join(names)}), "
-                               f"got {len(inputs) if isinstance(inputs, Sequence) else type(inputs).__name__}")
+                raise AotError(
+                    f"{where}: the exported model takes {len(names)} input(s) ({', '.join(names)}), "
+                    f"got {len(inputs) if isinstance(inputs, Sequence) else type(inputs).__name__}"
+                )
             inputs = dict(zip(names, inputs))
         missing = [n for n in names if n not in inputs]
         if missing:
-            raise AotError(f"{where}: no tensor named {missing[0]!r}; the exported model takes "
-                           f"{', '.join(names)} (given: {', '.join(sorted(inputs)) or 'nothing'})")
+            raise AotError(
+                f"{where}: no tensor named {missing[0]!r}; the exported model takes {', '.join(names)} (given: {', '.join(sorted(inputs)) or 'nothing'})"
+            )
         feeds, batch = {}, None
         for want in self.inputs:
             name, value = want["name"], inputs[want["name"]]
@@ -278,8 +324,10 @@ class InferenceSession:
             expected = describe(["N" if d == self.batch_dim else d for d in wanted], want["dtype"])
             fixed_ok = len(shape) == len(wanted) and all(isinstance(d, str) or d == s for d, s in zip(wanted, shape))
             if dtype != want["dtype"] or not fixed_ok:
-                raise AotError(f"{where}: {name} is {describe(shape, dtype)}, the exported model takes {expected}"
-                               + (" (N: any batch size)" if self.batch_dim in wanted else ""))
+                raise AotError(
+                    f"{where}: {name} is {describe(shape, dtype)}, the exported model takes {expected}"
+                    + (" (N: any batch size)" if self.batch_dim in wanted else "")
+                )
             if shape and isinstance(wanted[0], str):
                 if shape[0] == 0:
                     raise AotError(f"{where}: {name} holds no samples")
@@ -312,8 +360,13 @@ class InferenceSession:
             times.append(time.perf_counter() - start)
         p50, p90 = (float(np.percentile(times, q)) for q in (50, 90))
         timing = {
-            "provider": PROVIDERS[self.provider], "batch_size": batch, "warmup": warmup, "iters": iters,
-            "latency_ms_p50": p50 * 1e3, "latency_ms_p90": p90 * 1e3, "latency_ms_mean": float(np.mean(times)) * 1e3,
+            "provider": PROVIDERS[self.provider],
+            "batch_size": batch,
+            "warmup": warmup,
+            "iters": iters,
+            "latency_ms_p50": p50 * 1e3,
+            "latency_ms_p90": p90 * 1e3,
+            "latency_ms_mean": float(np.mean(times)) * 1e3,
             "samples_per_s": batch * iters / sum(times),
         }
         results = {n: torch.from_numpy(np.ascontiguousarray(r)) for n, r in zip(self.output_names, outputs)}
@@ -347,8 +400,7 @@ def _bare_file(path: Path, model: bytes) -> tuple[Path | None, dict[str, str]]:
         proto = onnx.load_from_string(model)  # external data is not read
     except Exception:
         return None, {}  # not ONNX: ONNX Runtime says so, in one line
-    locations = {e.value for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
-                 for e in t.external_data if e.key == "location"}
+    locations = {e.value for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL for e in t.external_data if e.key == "location"}
     meta = {p.key: p.value for p in proto.metadata_props}
     del proto
     if not locations:
@@ -357,14 +409,17 @@ def _bare_file(path: Path, model: bytes) -> tuple[Path | None, dict[str, str]]:
         raise AotError(f"{path}: its weights are in {', '.join(sorted(locations))}; only one file beside the model is read")
     data_file = path.parent / locations.pop()
     if not data_file.is_file():
-        hint = (" (an artifact's inference/model.onnx holds no weights: run the artifact folder, or write a "
-                "standalone file with `aot export`)") if data_file.name == "model.onnx.data" else ""
+        hint = (
+            (" (an artifact's inference/model.onnx holds no weights: run the artifact folder, or write a standalone file with `aot export`)")
+            if data_file.name == "model.onnx.data"
+            else ""
+        )
         raise AotError(f"{path}: its weights are ONNX external data in {data_file.name}, which is not beside it{hint}")
     if "aot.weights_sha256" in meta:
         from runner.integrity import sha256_file
+
         if sha256_file(data_file) != meta["aot.weights_sha256"]:
-            raise AotError(f"{data_file}: sha256 differs from the one {path.name} records; it holds other weights "
-                           f"(written by another `aot export`?)")
+            raise AotError(f"{data_file}: sha256 differs from the one {path.name} records; it holds other weights (written by another `aot export`?)")
     return data_file, meta
 
 

@@ -29,35 +29,50 @@ MAX_NAMES = 5
 
 # safetensors header dtype -> torch dtype (local: runner.data only maps torch -> name)
 _FILE_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
-    "BOOL": torch.bool, "C64": torch.complex64, "C128": torch.complex128,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "C64": torch.complex64,
+    "C128": torch.complex128,
 }
 
 
 @dataclass(frozen=True)
 class Source:
     """Where one tensor of the model is in the user's files."""
+
     file: Path
     key: str
     shape: list[int]
-    dtype: torch.dtype | str   # the header's name when torch has no such dtype
+    dtype: torch.dtype | str  # the header's name when torch has no such dtype
 
 
 @dataclass
 class InitFrom:
     """A validated --init-from: each stored tensor's source and the layout to cut it into."""
+
     path: Path
-    sources: dict[str, Source]                  # canonical name -> its tensor in the files
-    dtypes: dict[str, torch.dtype]              # canonical name -> the model's dtype
+    sources: dict[str, Source]  # canonical name -> its tensor in the files
+    dtypes: dict[str, torch.dtype]  # canonical name -> the model's dtype
     sharding: dict | None = None
     tensor_parallel: dict | None = None
-    notes: list[str] = field(default_factory=list)   # "notice: ..." lines (dtype casts)
+    notes: list[str] = field(default_factory=list)  # "notice: ..." lines (dtype casts)
 
 
 # -- validation (headers only) -------------------------------------------------------------------
+
 
 def check_init_from(path: str | Path, manifest: dict) -> InitFrom:
     """Validate PATH against the manifest's state from file headers alone (nothing is loaded);
@@ -68,9 +83,14 @@ def check_init_from(path: str | Path, manifest: dict) -> InitFrom:
     state = manifest["state"]
     specs = {**state["buffers"], **state["params"]}
     sources, notes = _match(path, headers, state, specs)
-    return InitFrom(path=path, sources=sources, dtypes={n: dtype_of(specs[n][1]) for n in sources},
-                    sharding=manifest.get("sharding"), tensor_parallel=manifest.get("tensor_parallel"),
-                    notes=notes)
+    return InitFrom(
+        path=path,
+        sources=sources,
+        dtypes={n: dtype_of(specs[n][1]) for n in sources},
+        sharding=manifest.get("sharding"),
+        tensor_parallel=manifest.get("tensor_parallel"),
+        notes=notes,
+    )
 
 
 def _headers(path: Path) -> dict[str, Source]:
@@ -94,20 +114,23 @@ def _folder_headers(folder: Path) -> dict[str, Source]:
         return _index_headers(folder / SHARD_INDEX)
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
     if pickles:
-        raise AotError(f"{folder}: holds only pickled weights ({_names(pickles)}), which aot never loads; "
-                       f"save the model with transformers' save_pretrained(DIR, safe_serialization=True), "
-                       f"or convert the file to safetensors")
+        raise AotError(
+            f"{folder}: holds only pickled weights ({_names(pickles)}), which aot never loads; "
+            f"save the model with transformers' save_pretrained(DIR, safe_serialization=True), "
+            f"or convert the file to safetensors"
+        )
     if (folder / CHECKPOINT_INDEX).is_file():
-        raise AotError(f"{folder}: is an aot checkpoint; continue it with --resume, or pass the file "
-                       f"`aot checkpoint merge` writes from it")
+        raise AotError(f"{folder}: is an aot checkpoint; continue it with --resume, or pass the file `aot checkpoint merge` writes from it")
     raise AotError(f"{folder}: has no {SINGLE} or {SHARD_INDEX}")
 
 
 def _pickle_refusal(path: Path) -> str:
-    return (f"{path}: refused: {path.suffix} files are pickles, which aot never loads; convert it to safetensors: "
-            f"python -c \"import torch, safetensors.torch as st; sd = torch.load('{path}', weights_only=True); "
-            f"st.save_file({{k: v.contiguous().clone() for k, v in sd.items()}}, 'model.safetensors')\" "
-            f"(or transformers' save_pretrained(DIR, safe_serialization=True))")
+    return (
+        f"{path}: refused: {path.suffix} files are pickles, which aot never loads; convert it to safetensors: "
+        f"python -c \"import torch, safetensors.torch as st; sd = torch.load('{path}', weights_only=True); "
+        f"st.save_file({{k: v.contiguous().clone() for k, v in sd.items()}}, 'model.safetensors')\" "
+        f"(or transformers' save_pretrained(DIR, safe_serialization=True))"
+    )
 
 
 def _file_headers(file: Path) -> dict[str, Source]:
@@ -146,7 +169,7 @@ def _read_index(index: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise AotError(f"{index}: not a safetensors index (needs a \"weight_map\": {{key: shard file}})") from e
+        raise AotError(f'{index}: not a safetensors index (needs a "weight_map": {{key: shard file}})') from e
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise AotError(f"{index}: weight_map must map each key to a shard file name")
     bad = [v for v in weight_map.values() if Path(v).is_absolute() or ".." in Path(v).parts]
@@ -203,11 +226,11 @@ def _cast_notes(path: Path, sources: dict[str, Source], specs: dict) -> list[str
     for name, src in sources.items():
         if src.dtype != dtype_of(specs[name][1]):
             casts.setdefault((_dtype(src.dtype), specs[name][1]), []).append(name)
-    return [f"notice: {path}: {len(names)} tensor(s) stored as {a}, cast to {b} ({_names(names)})"
-            for (a, b), names in casts.items()]
+    return [f"notice: {path}: {len(names)} tensor(s) stored as {a}, cast to {b} ({_names(names)})" for (a, b), names in casts.items()]
 
 
 # -- this rank's tensors (lazy slices) -----------------------------------------------------------
+
 
 def rank_weights(init: InitFrom, coords: dict[str, int]) -> dict[str, torch.Tensor]:
     """This rank's piece of every parameter and persistent buffer, keyed by canonical name:
@@ -247,8 +270,7 @@ def _tp_region(shape: list[int], dim: int | None, parts: int, index: int) -> lis
     return region
 
 
-def _fsdp_piece(f, key: str, region: list[tuple[int, int]], parts: int, index: int,
-                dtype: torch.dtype) -> torch.Tensor:
+def _fsdp_piece(f, key: str, region: list[tuple[int, int]], parts: int, index: int, dtype: torch.dtype) -> torch.Tensor:
     """Flat piece `index` of the region, zero-padded: reads only the region's rows (along dim 0)
     that cover its flat range."""
     shape = [b - a for a, b in region]
@@ -267,7 +289,7 @@ def _fsdp_piece(f, key: str, region: list[tuple[int, int]], parts: int, index: i
     first, last = start // row, -(-stop // row)
     rows = [(region[0][0] + first, region[0][0] + last), *region[1:]]
     flat = _read(f, key, rows).reshape(-1)
-    piece[:stop - start].copy_(flat[start - first * row:stop - first * row])
+    piece[: stop - start].copy_(flat[start - first * row : stop - first * row])
     return piece
 
 
@@ -287,6 +309,7 @@ def _copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # -- small helpers -------------------------------------------------------------------------------
+
 
 def _is_float(dtype) -> bool:
     return isinstance(dtype, torch.dtype) and dtype.is_floating_point

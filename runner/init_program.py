@@ -35,18 +35,37 @@ from runner.sharding import axis_index, shard, tp_slice
 _aten = torch.ops.aten
 # In-place ops that write every element of their first argument without reading it.
 _OVERWRITES = {
-    _aten.normal_.default, _aten.uniform_.default, _aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default,
-    _aten.random_.default, getattr(_aten.random_, "from"), _aten.random_.to, _aten.exponential_.default,
-    _aten.bernoulli_.float, _aten.log_normal_.default, _aten.cauchy_.default, _aten.geometric_.default,
+    _aten.normal_.default,
+    _aten.uniform_.default,
+    _aten.fill_.Scalar,
+    _aten.fill_.Tensor,
+    _aten.zero_.default,
+    _aten.random_.default,
+    getattr(_aten.random_, "from"),
+    _aten.random_.to,
+    _aten.exponential_.default,
+    _aten.bernoulli_.float,
+    _aten.log_normal_.default,
+    _aten.cauchy_.default,
+    _aten.geometric_.default,
     _aten.copy_.default,
 }
 # Ops that draw random numbers: a partial replay must not skip any of them.
 _RANDOM = {op for op in _OVERWRITES if op not in (_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default, _aten.copy_.default)}
 # Views that cover every element of their input: an overwrite through one of them writes it all.
 _WHOLE_VIEWS = {
-    _aten.detach.default, _aten.alias.default, _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default,
-    _aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.unsqueeze.default, _aten.squeeze.dim,
-    _aten.squeeze.default, _aten.flatten.using_ints,
+    _aten.detach.default,
+    _aten.alias.default,
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.reshape.default,
+    _aten.t.default,
+    _aten.transpose.int,
+    _aten.permute.default,
+    _aten.unsqueeze.default,
+    _aten.squeeze.dim,
+    _aten.squeeze.default,
+    _aten.flatten.using_ints,
 }
 
 
@@ -59,32 +78,31 @@ def load_init_graph(program_json: bytes, constants: bytes | None) -> torch.fx.Gr
 
 def _aliases_first_input(node: torch.fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None and node.args
-                and isinstance(node.args[0], torch.fx.Node))
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None and node.args and isinstance(node.args[0], torch.fx.Node))
 
 
 def _writes_first_input(node: torch.fx.Node) -> bool:
     """An in-place op (`normal_`, `mul_`): it returns its first input itself, every element of it."""
     schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
-                and schema.returns[0].alias_info.is_write)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None and schema.returns[0].alias_info.is_write)
 
 
 @dataclass
 class _Plan:
     """When each tensor's storage (its root: the node that allocated it) is touched, overwritten and done."""
-    root: dict            # node -> the node whose result owns its storage
-    last_touch: dict      # root -> index of the last node that reads, writes or views it
-    overwritten_at: set   # (root, index): the node at index overwrites all of root
-    next_touch: dict      # (root, index) -> index of the next touch of root after index, if any
-    members: dict         # root -> nodes whose result is a view of it
-    outputs: list         # output nodes, in output order
+
+    root: dict  # node -> the node whose result owns its storage
+    last_touch: dict  # root -> index of the last node that reads, writes or views it
+    overwritten_at: set  # (root, index): the node at index overwrites all of root
+    next_touch: dict  # (root, index) -> index of the next touch of root after index, if any
+    members: dict  # root -> nodes whose result is a view of it
+    outputs: list  # output nodes, in output order
 
 
 def _plan(graph: torch.fx.Graph) -> _Plan:
     nodes = list(graph.nodes)
     root: dict[torch.fx.Node, torch.fx.Node] = {}
-    whole: dict[torch.fx.Node, bool] = {}          # node -> its result covers all of its root's storage
+    whole: dict[torch.fx.Node, bool] = {}  # node -> its result covers all of its root's storage
     touches: dict[torch.fx.Node, list[int]] = {}
     members: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for i, node in enumerate(nodes):
@@ -99,14 +117,17 @@ def _plan(graph: torch.fx.Graph) -> _Plan:
         for r in {root[node], *(root[n] for n in node.all_input_nodes)}:
             touches.setdefault(r, []).append(i)
     overwritten = {
-        (root[node.args[0]], i) for i, node in enumerate(nodes)
-        if node.op == "call_function" and node.target in _OVERWRITES and isinstance(node.args[0], torch.fx.Node)
-        and whole[node.args[0]] and node.args[0] not in node.args[1:]
+        (root[node.args[0]], i)
+        for i, node in enumerate(nodes)
+        if node.op == "call_function"
+        and node.target in _OVERWRITES
+        and isinstance(node.args[0], torch.fx.Node)
+        and whole[node.args[0]]
+        and node.args[0] not in node.args[1:]
     }
     next_touch = {(r, a): b for r, idx in touches.items() for a, b in zip(idx, idx[1:])}
     output = next(n for n in nodes if n.op == "output")
-    return _Plan(root, {r: idx[-1] for r, idx in touches.items()}, overwritten, next_touch, members,
-                 pytree.tree_leaves(output.args))
+    return _Plan(root, {r: idx[-1] for r, idx in touches.items()}, overwritten, next_touch, members, pytree.tree_leaves(output.args))
 
 
 def _needed(graph: torch.fx.Graph, plan: _Plan, wanted: set) -> set | None:
@@ -131,9 +152,14 @@ def _needed(graph: torch.fx.Graph, plan: _Plan, wanted: set) -> set | None:
     return needed
 
 
-def replay(gm: torch.fx.GraphModule, names: list[str], seed: int,
-           keep: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t,
-           only: set[str] | None = None, peak: list | None = None) -> dict[str, torch.Tensor]:
+def replay(
+    gm: torch.fx.GraphModule,
+    names: list[str],
+    seed: int,
+    keep: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t,
+    only: set[str] | None = None,
+    peak: list | None = None,
+) -> dict[str, torch.Tensor]:
     """Run the init program after `torch.manual_seed(seed)` (the caller's RNG state is left as it
     was) and return `keep(name, tensor)` for each output, named by `names` in output order;
     `only`: just those outputs (a random op among what they need replays everything). `peak`, if
@@ -149,7 +175,7 @@ def replay(gm: torch.fx.GraphModule, names: list[str], seed: int,
     needed = _needed(graph, plan, wanted) if only is not None else None
     done_roots = {plan.root[n] for n in wanted}
     env: dict = {}
-    parked: dict = {}   # root -> bytes its storage had before it was released
+    parked: dict = {}  # root -> bytes its storage had before it was released
     result: dict[str, torch.Tensor] = {}
 
     def storage(r):
@@ -241,9 +267,11 @@ SCALER_PREFIX = "grad_scaler:"
 def initial_scaler_state(grad_scaler: dict) -> dict[str, torch.Tensor]:
     """torch.amp.GradScaler's state before the first step (the scale and growth tracker as
     1-element tensors, as it keeps them), plus the count of steps skipped on overflow."""
-    return {"scale": torch.full((1,), float(grad_scaler["init_scale"]), dtype=torch.float32),
-            "growth_tracker": torch.zeros(1, dtype=torch.int32),
-            "skipped_steps": torch.zeros(1, dtype=torch.int64)}
+    return {
+        "scale": torch.full((1,), float(grad_scaler["init_scale"]), dtype=torch.float32),
+        "growth_tracker": torch.zeros(1, dtype=torch.int32),
+        "skipped_steps": torch.zeros(1, dtype=torch.int64),
+    }
 
 
 def initial_state(artifact, coords: dict[str, int], init_from=None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -267,8 +295,7 @@ def initial_state(artifact, coords: dict[str, int], init_from=None) -> tuple[dic
     held = stage_tensors(manifest, coords)
     if held is not None:  # a pipeline rank holds its stages' parameters and buffers only
         weights = {k: v for k, v in weights.items() if k in held}
-    optimizer = initial_optimizer_state({k: v for k, v in spec["optimizer_init"].items() if k.rpartition(":")[0] in weights},
-                                        weights)
+    optimizer = initial_optimizer_state({k: v for k, v in spec["optimizer_init"].items() if k.rpartition(":")[0] in weights}, weights)
     scaler = (artifact.manifest.get("precision") or {}).get("grad_scaler")
     if scaler is not None:
         optimizer.update({SCALER_PREFIX + k: v for k, v in initial_scaler_state(scaler).items()})

@@ -11,6 +11,7 @@ from runner.sharding import shard_number, shard_numel, tp_slice_shape
 
 def _bytes(shape_dtype: list) -> int:
     import torch
+
     shape, dtype = shape_dtype
     return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
@@ -31,9 +32,11 @@ def describe_pipeline(p: dict | None) -> list[str]:
     """The manifest's `pipeline`: the schedule, and each stage's rank, layers and parameters."""
     if not p:
         return []
-    lines = [f"pipeline   pp={p['size']} {p['schedule']}, {p['microbatches']} microbatches of {p['microbatch_size']}"
-             + (f", {p['stages_per_rank']} stages per rank" if p["stages_per_rank"] > 1 else "")
-             + f" over {p['group']}; predicted bubble {p['predicted_bubble']:.0%} of the step"]
+    lines = [
+        f"pipeline   pp={p['size']} {p['schedule']}, {p['microbatches']} microbatches of {p['microbatch_size']}"
+        + (f", {p['stages_per_rank']} stages per rank" if p["stages_per_rank"] > 1 else "")
+        + f" over {p['group']}; predicted bubble {p['predicted_bubble']:.0%} of the step"
+    ]
     for s in p["stages"]:
         layers = s["layers"][0] if len(s["layers"]) == 1 else f"{s['layers'][0]} .. {s['layers'][-1]} ({len(s['layers'])} layers)"
         lines.append(f"  stage {s['stage']}  pipeline rank {s['rank']} ({s['program']}): {layers}, {len(s['params'])} parameter tensors")
@@ -47,23 +50,29 @@ def describe_precision(p: dict) -> str:
     if p["compute"] == "fp32":
         return "fp32 throughout"
     scaler = p.get("grad_scaler")
-    return (f"{p['compute']} autocast ({p.get('autocast_rules')}'s rules), fp32 master weights and optimizer state, "
-            f"fsdp gathers in {p['param_dtype']}, gradients reduced in {p['reduce_dtype']}"
-            + (f"; dynamic loss scaling from {scaler['init_scale']:g} (x{scaler['growth_factor']:g} every "
-               f"{scaler['growth_interval']} clean steps, x{scaler['backoff_factor']:g} on overflow)" if scaler else ""))
+    return (
+        f"{p['compute']} autocast ({p.get('autocast_rules')}'s rules), fp32 master weights and optimizer state, "
+        f"fsdp gathers in {p['param_dtype']}, gradients reduced in {p['reduce_dtype']}"
+        + (
+            f"; dynamic loss scaling from {scaler['init_scale']:g} (x{scaler['growth_factor']:g} every "
+            f"{scaler['growth_interval']} clean steps, x{scaler['backoff_factor']:g} on overflow)"
+            if scaler
+            else ""
+        )
+    )
 
 
 def describe_batchnorm(entry: dict) -> str:
     """One line from the manifest's `batchnorm`: whose batch each BatchNorm layer's statistics
     are computed over (plain BatchNorm: this rank's, as eager DDP; SyncBatchNorm: the data-parallel
     group's)."""
+
     def layers(n: int) -> str:
         return f"{n} layer{'s' if n != 1 else ''}"
 
     synced, plain = entry["synced"], entry["layers"] - entry["synced"]
     over = ",".join(entry["axes"]) or "one data-parallel rank"
-    parts = ([f"SyncBatchNorm over {over} ({layers(synced)})"] if synced else []) + \
-        ([f"statistics per rank ({layers(plain)})"] if plain else [])
+    parts = ([f"SyncBatchNorm over {over} ({layers(synced)})"] if synced else []) + ([f"statistics per rank ({layers(plain)})"] if plain else [])
     return "; ".join(parts)
 
 
@@ -94,6 +103,7 @@ def summarize(artifact: Artifact) -> dict:
             return held
         mine = {n for s in pipeline["stages"] if s["rank"] == coords.get(pipeline["axis"], 0) for n in s["params"]}
         return {n: k for n, k in held.items() if n in mine}
+
     programs = {}
     for name, program in m["programs"].items():
         collectives = program["collectives"]
@@ -108,14 +118,20 @@ def summarize(artifact: Artifact) -> dict:
     for r in m["ranks"]:
         mine = rank_held(r["coords"])
         param_bytes = sum(_bytes([[k], dtypes[n]]) for n, k in mine.items())
-        ranks.append({
-            "rank": r["rank"], "program": r["program"], "coords": r["coords"],
-            "parameters": sum(mine.values()), "parameter_bytes": param_bytes,
-            # parameters + their gradients + the optimizer state this rank holds
-            "training_state_bytes": 2 * param_bytes + _optimizer_bytes(m, r, mine),
-            "state_shard": shard_number(r["coords"], m.get("sharding"), m.get("tensor_parallel"),
-                                        {"axis": pipeline["axis"], "size": pipeline["size"]} if pipeline else None),
-        })
+        ranks.append(
+            {
+                "rank": r["rank"],
+                "program": r["program"],
+                "coords": r["coords"],
+                "parameters": sum(mine.values()),
+                "parameter_bytes": param_bytes,
+                # parameters + their gradients + the optimizer state this rank holds
+                "training_state_bytes": 2 * param_bytes + _optimizer_bytes(m, r, mine),
+                "state_shard": shard_number(
+                    r["coords"], m.get("sharding"), m.get("tensor_parallel"), {"axis": pipeline["axis"], "size": pipeline["size"]} if pipeline else None
+                ),
+            }
+        )
     return {
         "path": str(artifact.root),
         "format_version": m["format_version"],
@@ -148,7 +164,7 @@ def summarize(artifact: Artifact) -> dict:
 def predicted_time(summary: dict) -> dict:
     """The build's predicted step (`time.predicted`, every build since it existed; else a
     `--strategy auto` plan's `predicted`)."""
-    return ((summary.get("time") or {}).get("predicted") or (summary.get("plan") or {}).get("predicted") or {})
+    return (summary.get("time") or {}).get("predicted") or (summary.get("plan") or {}).get("predicted") or {}
 
 
 def compare_profile(summary: dict, measured: dict) -> dict:
@@ -158,8 +174,13 @@ def compare_profile(summary: dict, measured: dict) -> dict:
     for key in ("step_s", "compute_s", "exposed_comm_s"):
         m, p = measured.get(key), predicted.get(key)
         rows[key] = {"measured": m, "predicted": p, "ratio": (m / p) if (m is not None and p) else None}
-    return {"steps_profiled": measured.get("steps_profiled"), "tier": measured.get("tier"),
-            "trace": measured.get("trace"), "times": rows, "memory": compare_memory(summary, measured.get("memory"))}
+    return {
+        "steps_profiled": measured.get("steps_profiled"),
+        "tier": measured.get("tier"),
+        "trace": measured.get("trace"),
+        "times": rows,
+        "memory": compare_memory(summary, measured.get("memory")),
+    }
 
 
 def predicted_memory(summary: dict) -> tuple[dict | None, str | None]:
@@ -188,9 +209,13 @@ def compare_memory(summary: dict, measured: dict | None) -> dict | None:
     predicted, source = predicted_memory(summary)
     peak = predicted["peak"] if predicted else None
     return {
-        "method": measured.get("method"), "step": measured.get("step"),
-        "measured_peak_bytes": peaks, "measured_max_bytes": max(peaks) if peaks else None,
-        "predicted_peak_bytes": peak, "predicted": predicted, "predicted_from": source,
+        "method": measured.get("method"),
+        "step": measured.get("step"),
+        "measured_peak_bytes": peaks,
+        "measured_max_bytes": max(peaks) if peaks else None,
+        "predicted_peak_bytes": peak,
+        "predicted": predicted,
+        "predicted_from": source,
         "ratio": max(peaks) / peak if (peaks and peak) else None,
         "ratio_per_rank": [p / peak for p in peaks] if (peaks and peak) else None,
     }
@@ -210,21 +235,24 @@ def describe_memory(memory: dict | None) -> list[str]:
         return ["memory     no prediction (built before aot predicted memory)"]
     p, rc = memory["predicted"], memory.get("recompute") or {}
     resident, at_peak = p["resident"], p["at_peak"]
-    lines = [f"memory     predicted peak {human(p['peak'])} per rank: parameters {human(resident.get('params', 0))}, "
-             f"buffers {human(resident.get('buffers', 0))}, optimizer state {human(resident.get('optimizer', 0))}, "
-             f"batch {human(resident.get('batch', 0))}; at the peak "
-             + ", ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in at_peak.items())]
+    lines = [
+        f"memory     predicted peak {human(p['peak'])} per rank: parameters {human(resident.get('params', 0))}, "
+        f"buffers {human(resident.get('buffers', 0))}, optimizer state {human(resident.get('optimizer', 0))}, "
+        f"batch {human(resident.get('batch', 0))}; at the peak " + ", ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in at_peak.items())
+    ]
     policy = rc.get("policy", "none")
     if policy == "none" or not rc.get("recomputed_values"):
         lines.append(f"  recompute  nothing ({'the step fits ' + human(rc['memory_budget_bytes']) if 'memory_budget_bytes' in rc else 'no budget given'})")
         return lines
-    asked = {"modules": lambda: f"model file: checkpoint {', '.join(rc.get('modules', []))}"
-                                + (", matmul outputs kept" if rc.get("save") == "matmuls" else ""),
-             "budget": lambda: f"{rc.get('source')} " + (human(rc["memory_budget_bytes"]) if "memory_budget_bytes" in rc
-                                                         else f"{rc.get('activation_budget')}")}[policy]()
-    lines.append(f"  recompute  {rc.get('recomputed_values')} saved value(s) rebuilt in backward ({rc.get('recomputed_ops')} ops, "
-                 f"predicted {rc.get('predicted_recompute_s', 0) * 1e3:.3g} ms per step): saved activations "
-                 f"{human(rc.get('saved_activation_bytes', 0))} -> {human(rc.get('kept_activation_bytes', 0))}; asked by {asked}")
+    asked = {
+        "modules": lambda: f"model file: checkpoint {', '.join(rc.get('modules', []))}" + (", matmul outputs kept" if rc.get("save") == "matmuls" else ""),
+        "budget": lambda: f"{rc.get('source')} " + (human(rc["memory_budget_bytes"]) if "memory_budget_bytes" in rc else f"{rc.get('activation_budget')}"),
+    }[policy]()
+    lines.append(
+        f"  recompute  {rc.get('recomputed_values')} saved value(s) rebuilt in backward ({rc.get('recomputed_ops')} ops, "
+        f"predicted {rc.get('predicted_recompute_s', 0) * 1e3:.3g} ms per step): saved activations "
+        f"{human(rc.get('saved_activation_bytes', 0))} -> {human(rc.get('kept_activation_bytes', 0))}; asked by {asked}"
+    )
     return lines
 
 
@@ -234,9 +262,11 @@ def describe_time(time: dict | None) -> str:
         return "time       no prediction (built before aot predicted every build's step)"
     p = time["predicted"]
     recompute = f" (recomputation {p['recompute_s'] * 1e3:.3g} ms of it)" if p.get("recompute_s") else ""
-    return (f"time       predicted {p['step_s'] * 1e3:.3g} ms per step on {time.get('topology')} "
-            f"({'calibrated' if time.get('calibrated') else 'uncalibrated'}): compute {p['compute_s'] * 1e3:.3g} ms{recompute}, "
-            f"communication {p['comm_s'] * 1e3:.3g} ms of which {p['exposed_comm_s'] * 1e3:.3g} ms exposed")
+    return (
+        f"time       predicted {p['step_s'] * 1e3:.3g} ms per step on {time.get('topology')} "
+        f"({'calibrated' if time.get('calibrated') else 'uncalibrated'}): compute {p['compute_s'] * 1e3:.3g} ms{recompute}, "
+        f"communication {p['comm_s'] * 1e3:.3g} ms of which {p['exposed_comm_s'] * 1e3:.3g} ms exposed"
+    )
 
 
 def _memory_lines(memory: dict | None) -> list[str]:
@@ -246,10 +276,8 @@ def _memory_lines(memory: dict | None) -> list[str]:
     if peaks is None:
         lines = [f"  {'peak memory':<22} {memory['method']}"]
     else:
-        per_rank = "" if len(set(peaks)) == 1 else \
-            " (max over ranks; " + ", ".join(f"rank {r} {human(p)}" for r, p in enumerate(peaks)) + ")"
-        lines = [f"  {'peak memory':<22} measured {human(max(peaks))} per rank{per_rank} in step {memory['step']}, "
-                 f"{memory['method']}"]
+        per_rank = "" if len(set(peaks)) == 1 else " (max over ranks; " + ", ".join(f"rank {r} {human(p)}" for r, p in enumerate(peaks)) + ")"
+        lines = [f"  {'peak memory':<22} measured {human(max(peaks))} per rank{per_rank} in step {memory['step']}, {memory['method']}"]
     predicted = memory.get("predicted")
     if not predicted:
         lines.append(f"  {'':<22} no prediction in this artifact (built before aot predicted memory)")
@@ -280,19 +308,24 @@ def render(summary: dict) -> str:
     physical = placement.get("physical_rank_of_mesh_rank") or []
     if physical != list(range(len(physical))):  # mesh rank r does not run on rank r: say where it does
         listed = ",".join(map(str, physical[:16])) + (",..." if len(physical) > 16 else "")
-        lines.append(f"placement  mesh rank -> rank {listed}  (axes outermost first: "
-                     f"{', '.join(placement.get('axes_outer_to_inner', []))}; ranks below are torchrun's)")
+        lines.append(
+            f"placement  mesh rank -> rank {listed}  (axes outermost first: {', '.join(placement.get('axes_outer_to_inner', []))}; ranks below are torchrun's)"
+        )
     lines.append(f"optimizer  {summary['optimizer']}")
     lines.append(f"precision  {describe_precision(summary['precision'])}")
     if summary.get("batchnorm"):
         lines.append(f"batchnorm  {describe_batchnorm(summary['batchnorm'])}")
     init = summary["init"]  # the manifest schema requires it; summarize() always copies it
-    lines.append(f"weights    none stored: each rank makes its own piece with the init program ({init['file']}, "
-                 f"{init['graph_nodes']} ops, seed {b.get('seed')}) or reads it with --init-from")
+    lines.append(
+        f"weights    none stored: each rank makes its own piece with the init program ({init['file']}, "
+        f"{init['graph_nodes']} ops, seed {b.get('seed')}) or reads it with --init-from"
+    )
     lines.append("programs")
     for name, p in summary["programs"].items():
-        lines.append(f"  {name:<10} {p['graph_nodes']} graph nodes, ranks {rank_ranges(p['ranks'])}, "
-                     f"{p['collectives_per_step']} collectives per step ({human(p['collective_bytes_per_step'])})")
+        lines.append(
+            f"  {name:<10} {p['graph_nodes']} graph nodes, ranks {rank_ranges(p['ranks'])}, "
+            f"{p['collectives_per_step']} collectives per step ({human(p['collective_bytes_per_step'])})"
+        )
         kinds = Counter((c["kind"], c["group"], c["dtype"]) for c in p["collectives"])
         for (kind, group, dtype), count in kinds.items():
             size = sum(c["bytes"] for c in p["collectives"] if (c["kind"], c["group"], c["dtype"]) == (kind, group, dtype))
@@ -301,14 +334,15 @@ def render(summary: dict) -> str:
     if tp:
         cols = sorted(n for n, style in tp["plan"].items() if style == "colwise")
         rows = sorted(n for n, style in tp["plan"].items() if style == "rowwise")
-        lines.append(f"tensor parallel over {tp['size']} ranks ({tp['group']}): column-wise {', '.join(cols)}; "
-                     f"row-wise {', '.join(rows)}")
+        lines.append(f"tensor parallel over {tp['size']} ranks ({tp['group']}): column-wise {', '.join(cols)}; row-wise {', '.join(rows)}")
     lines.extend(describe_pipeline(summary.get("pipeline")))
     inference = summary.get("inference")
     if inference:
         io = ", ".join(f"{i['name']} [{', '.join(map(str, i['shape']))}] {i['dtype']}" for i in inference["inputs"])
-        lines.append(f"inference  {inference['file']}  ONNX opset {inference.get('opset')}, {io}, "
-                     f"max |ONNX Runtime - eager| {inference.get('max_abs_diff', float('nan')):.2g} at build")
+        lines.append(
+            f"inference  {inference['file']}  ONNX opset {inference.get('opset')}, {io}, "
+            f"max |ONNX Runtime - eager| {inference.get('max_abs_diff', float('nan')):.2g} at build"
+        )
     else:
         lines.append("inference  none (built with --no-onnx, or the model could not be exported)")
     compiled = summary.get("compiled")
@@ -328,12 +362,16 @@ def render(summary: dict) -> str:
         p = plan.get("predicted", {})
         mem = p.get("memory_bytes", {})
         recompute = f", recomputing at activation budget {plan['recompute']:g}" if plan.get("recompute") is not None else ""
-        lines.append(f"plan       {plan.get('strategy')}, bucket {plan.get('bucket_mb')} MiB{recompute}, chosen by {plan.get('source')} on "
-                     f"{plan.get('topology')} ({'calibrated' if plan.get('calibrated') else 'uncalibrated'})")
-        lines.append(f"  predicted {p.get('step_s', 0) * 1e3:.3g} ms per step (compute {p.get('compute_s', 0) * 1e3:.3g} ms, "
-                     f"communication {p.get('comm_s', 0) * 1e3:.3g} ms of which {p.get('exposed_comm_s', 0) * 1e3:.3g} ms exposed), "
-                     f"{human(mem.get('peak', 0))} per rank (parameters {human(mem.get('params', 0))}, optimizer "
-                     f"{human(mem.get('optimizer', 0))}, activations and gradients at peak {human(mem.get('peak_transient', 0))})")
+        lines.append(
+            f"plan       {plan.get('strategy')}, bucket {plan.get('bucket_mb')} MiB{recompute}, chosen by {plan.get('source')} on "
+            f"{plan.get('topology')} ({'calibrated' if plan.get('calibrated') else 'uncalibrated'})"
+        )
+        lines.append(
+            f"  predicted {p.get('step_s', 0) * 1e3:.3g} ms per step (compute {p.get('compute_s', 0) * 1e3:.3g} ms, "
+            f"communication {p.get('comm_s', 0) * 1e3:.3g} ms of which {p.get('exposed_comm_s', 0) * 1e3:.3g} ms exposed), "
+            f"{human(mem.get('peak', 0))} per rank (parameters {human(mem.get('params', 0))}, optimizer "
+            f"{human(mem.get('optimizer', 0))}, activations and gradients at peak {human(mem.get('peak_transient', 0))})"
+        )
         if plan.get("timeline"):
             lines.append(f"  predicted timeline {plan['timeline']} (Chrome trace: Perfetto or chrome://tracing)")
     measured = summary.get("measured")
@@ -341,8 +379,11 @@ def render(summary: dict) -> str:
         lines.append(f"measured   {measured['steps_profiled']} profiled step(s), {measured['tier']} tier (Chrome trace: {measured['trace']})")
         labels = {"step_s": "step", "compute_s": "compute", "exposed_comm_s": "exposed communication"}
         for key, row in measured["times"].items():
-            predicted = f"predicted {row['predicted'] * 1e3:.3g} ms, measured/predicted {row['ratio']:.2f}" \
-                if row["predicted"] else "no prediction (built before aot predicted every build's step)"
+            predicted = (
+                f"predicted {row['predicted'] * 1e3:.3g} ms, measured/predicted {row['ratio']:.2f}"
+                if row["predicted"]
+                else "no prediction (built before aot predicted every build's step)"
+            )
             lines.append(f"  {labels[key]:<22} measured {row['measured'] * 1e3:.3g} ms; {predicted}")
         lines.extend(_memory_lines(measured.get("memory")))
     lines.append("ranks")
@@ -354,8 +395,10 @@ def render(summary: dict) -> str:
         seen.add(key)
         shown += 1
         coords = ",".join(f"{k}={v}" for k, v in r["coords"].items())
-        lines.append(f"  rank {r['rank']:<4} {r['program']}  {coords}  {r['parameters']:,} parameters ({human(r['parameter_bytes'])}), "
-                     f"{human(r['training_state_bytes'])} with gradients and optimizer state")
+        lines.append(
+            f"  rank {r['rank']:<4} {r['program']}  {coords}  {r['parameters']:,} parameters ({human(r['parameter_bytes'])}), "
+            f"{human(r['training_state_bytes'])} with gradients and optimizer state"
+        )
     if shown < len(summary["ranks"]):
         lines.append(f"  ... {len(summary['ranks'])} ranks in all; ranks not shown match one above")
     lines.append(f"files ({human(summary['total_bytes'])} in all)")

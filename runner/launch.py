@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from runner.errors import AotError
 
-TORCHRUN = ("RANK", "WORLD_SIZE")            # set by torchrun (and torch.distributed's other launchers)
-SLURM = ("SLURM_PROCID", "SLURM_NTASKS")     # set by srun for each task
+TORCHRUN = ("RANK", "WORLD_SIZE")  # set by torchrun (and torch.distributed's other launchers)
+SLURM = ("SLURM_PROCID", "SLURM_NTASKS")  # set by srun for each task
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Launch:
     local_rank: int
     master_addr: str | None
     master_port: int | None
-    launcher: str   # "torchrun", "slurm", "options" (--rank/--world-size) or "single" (one process, no launcher)
+    launcher: str  # "torchrun", "slurm", "options" (--rank/--world-size) or "single" (one process, no launcher)
 
     def relaunch_hint(self, world_size: int) -> str:
         """How to start `world_size` processes with this run's launcher."""
@@ -54,14 +54,20 @@ class Launch:
             (os.environ if environ is None else environ).update(self.variables())
 
 
-def resolve_launch(*, rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
-                   master_addr: str | None = None, master_port: int | None = None, env=None) -> Launch:
+def resolve_launch(
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    env=None,
+) -> Launch:
     """The launch from torchrun's variables, else Slurm's (both SLURM_PROCID and SLURM_NTASKS set),
     else the options, else one process. An option the launcher's variables contradict is an
     error, so is a rank outside the world."""
     env = os.environ if env is None else env
-    given = {"--rank": rank, "--world-size": world_size, "--local-rank": local_rank,
-             "--master-addr": master_addr, "--master-port": master_port}
+    given = {"--rank": rank, "--world-size": world_size, "--local-rank": local_rank, "--master-addr": master_addr, "--master-port": master_port}
     if any(env.get(name) not in (None, "") for name in TORCHRUN):
         launcher = "torchrun"
         said = {"--rank": ("RANK", _int(env, "RANK", 0)), "--world-size": ("WORLD_SIZE", _int(env, "WORLD_SIZE", 1))}
@@ -70,8 +76,7 @@ def resolve_launch(*, rank: int | None = None, world_size: int | None = None, lo
         said["--master-port"] = ("MASTER_PORT", _int(env, "MASTER_PORT", None))
     elif all(env.get(name) not in (None, "") for name in SLURM):
         launcher = "slurm"
-        said = {"--rank": ("SLURM_PROCID", _int(env, "SLURM_PROCID", 0)),
-                "--world-size": ("SLURM_NTASKS", _int(env, "SLURM_NTASKS", 1))}
+        said = {"--rank": ("SLURM_PROCID", _int(env, "SLURM_PROCID", 0)), "--world-size": ("SLURM_NTASKS", _int(env, "SLURM_NTASKS", 1))}
         said["--local-rank"] = ("SLURM_LOCALID", _int(env, "SLURM_LOCALID", said["--rank"][1]))
     else:
         launcher = "options" if rank is not None or world_size is not None else "single"
@@ -79,18 +84,17 @@ def resolve_launch(*, rank: int | None = None, world_size: int | None = None, lo
     for option, (variable, value) in said.items():
         if given[option] is not None and value is not None and given[option] != value:
             who = "torchrun" if launcher == "torchrun" else "Slurm"
-            raise AotError(f"{option} {given[option]} but {who} set {variable}={value}: give the option only "
-                           f"where no launcher sets {variable}, or the same value")
+            raise AotError(
+                f"{option} {given[option]} but {who} set {variable}={value}: give the option only where no launcher sets {variable}, or the same value"
+            )
     # the rendezvous outside torchrun: the options, else MASTER_ADDR/MASTER_PORT exported by the job script
     said.setdefault("--master-addr", ("MASTER_ADDR", env.get("MASTER_ADDR") or None))
     said.setdefault("--master-port", ("MASTER_PORT", _int(env, "MASTER_PORT", None)))
-    value = {option: given[option] if given[option] is not None else said.get(option, (None, None))[1]
-             for option in given}
+    value = {option: given[option] if given[option] is not None else said.get(option, (None, None))[1] for option in given}
     if launcher == "options" and value["--rank"] is not None and value["--world-size"] is None:
         raise AotError(f"--rank {value['--rank']} needs --world-size (the number of processes of the job)")
     if launcher == "options" and value["--world-size"] is not None and value["--rank"] is None:
-        raise AotError(f"--world-size {value['--world-size']} needs --rank (this process's rank, 0 to "
-                       f"{value['--world-size'] - 1})")
+        raise AotError(f"--world-size {value['--world-size']} needs --rank (this process's rank, 0 to {value['--world-size'] - 1})")
     this = value["--rank"] if value["--rank"] is not None else 0
     world = value["--world-size"] if value["--world-size"] is not None else 1
     if world < 1:

@@ -53,10 +53,10 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self, inputs=()):
         super().__init__()
-        self.resident = 0                 # bytes of the inputs, each storage once
-        self._inputs: set = set()         # their storages
-        self._made: dict = {}             # storage made by an op -> its bytes
-        self.live = 0                     # bytes of self._made now
+        self.resident = 0  # bytes of the inputs, each storage once
+        self._inputs: set = set()  # their storages
+        self._made: dict = {}  # storage made by an op -> its bytes
+        self.live = 0  # bytes of self._made now
         self.peak = 0
         for t in inputs:
             self.hold(t)

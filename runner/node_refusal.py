@@ -45,8 +45,7 @@ def _agent_store(env):
     import torch.distributed as dist
 
     try:
-        return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(seconds=WAIT_S), wait_for_workers=False)
+        return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=WAIT_S), wait_for_workers=False)
     except Exception:  # noqa: BLE001 - no store to coordinate through: exit at once
         return None
 

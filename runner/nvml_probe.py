@@ -29,7 +29,14 @@ from typing import TypedDict
 from runner.errors import AotError
 from runner.sysfs import format_cpulist, normalize_bus_id, parse_cpulist, sysfs_bus_id
 from runner.topology import (
-    BACKENDS, PCIE_PATHS, SCHEMA, SCHEMA_VERSION, describe, job_nodes, load_profile, validate_profile,
+    BACKENDS,
+    PCIE_PATHS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    describe,
+    job_nodes,
+    load_profile,
+    validate_profile,
 )
 
 
@@ -42,22 +49,16 @@ class KnownGpu(TypedDict, total=False):
 # TFLOP/s per dtype and memory bandwidth in GB/s. Unknown models: bandwidth from NVML (bus width x
 # max memory clock x 2), no TFLOP/s.
 KNOWN_GPUS: dict[str, KnownGpu] = {
-    "NVIDIA A100-SXM4-80GB": {"memory_bandwidth_gb_per_s": 2039.0,
-                              "peak_tflops": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}},
-    "NVIDIA A100-SXM4-40GB": {"memory_bandwidth_gb_per_s": 1555.0,
-                              "peak_tflops": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}},
-    "NVIDIA H100 80GB HBM3": {"memory_bandwidth_gb_per_s": 3350.0,
-                              "peak_tflops": {"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0, "fp8": 1979.0}},
-    "NVIDIA H200": {"memory_bandwidth_gb_per_s": 4800.0,
-                    "peak_tflops": {"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0, "fp8": 1979.0}},
-    "NVIDIA H100 PCIe": {"memory_bandwidth_gb_per_s": 2000.0,
-                         "peak_tflops": {"fp32": 51.0, "bf16": 756.0, "fp16": 756.0}},
+    "NVIDIA A100-SXM4-80GB": {"memory_bandwidth_gb_per_s": 2039.0, "peak_tflops": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}},
+    "NVIDIA A100-SXM4-40GB": {"memory_bandwidth_gb_per_s": 1555.0, "peak_tflops": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}},
+    "NVIDIA H100 80GB HBM3": {"memory_bandwidth_gb_per_s": 3350.0, "peak_tflops": {"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0, "fp8": 1979.0}},
+    "NVIDIA H200": {"memory_bandwidth_gb_per_s": 4800.0, "peak_tflops": {"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0, "fp8": 1979.0}},
+    "NVIDIA H100 PCIe": {"memory_bandwidth_gb_per_s": 2000.0, "peak_tflops": {"fp32": 51.0, "bf16": 756.0, "fp16": 756.0}},
 }
 
 # Per-link, per-direction NVLink bandwidth by compute capability (NVLink 1: P100; 2: V100; 3: A100
 # and the GA10x bridge; 4: H100/H200; 5: B200).
-NVLINK_GB_PER_S = {(6, 0): 20.0, (7, 0): 25.0, (7, 5): 25.0, (8, 0): 25.0, (8, 6): 14.0625,
-                   (9, 0): 25.0, (10, 0): 50.0, (10, 3): 50.0}
+NVLINK_GB_PER_S = {(6, 0): 20.0, (7, 0): 25.0, (7, 5): 25.0, (8, 0): 25.0, (8, 6): 14.0625, (9, 0): 25.0, (10, 0): 50.0, (10, 3): 50.0}
 
 _ANCESTOR = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}  # NVML_TOPOLOGY_* -> class
 _GPU, _SWITCH = 0, 2  # NVML_NVLINK_DEVICE_TYPE_*
@@ -107,6 +108,7 @@ def _bits(words, width: int = 64) -> set[int]:
 
 # -- sysfs ------------------------------------------------------------------------------------
 
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip()
@@ -138,7 +140,7 @@ def chain_of(real: str) -> list[str] | None:
     parts = Path(real).parts
     for i, part in enumerate(parts):
         if _HOST_BRIDGE.match(part):
-            chain = [part] + [p for p in parts[i + 1:] if _SYSFS_BDF.match(p)]
+            chain = [part] + [p for p in parts[i + 1 :] if _SYSFS_BDF.match(p)]
             return chain if len(chain) > 1 else None
     return None
 
@@ -196,17 +198,19 @@ def probe_nics(root: Path, gpus: list[dict]) -> list[dict]:
             classes = {g["bus"]: path_class(chain, g.get("chain"), numa, g.get("numa_node")) for g in gpus}
             known = [c for c in classes.values() if c is not None]
             best = min(known, key=PCIE_PATHS.index) if known else None
-            nearest = [] if best in (None, "SYS") else [
-                g["bus"] for g in sorted(gpus, key=lambda g: g["index"]) if classes[g["bus"]] == best]
-            nics.append({
-                "name": dev, "port": int(port) if port.isdigit() else None,
-                "pci_bus_id": normalize_bus_id(bdf) if bdf and _SYSFS_BDF.match(bdf) else None,
-                "link_layer": _read(pdir / "link_layer"),
-                "rate_gbit_per_s": (rate or 0.0) if active else 0.0,
-                "numa_node": numa,
-                "nearest_gpus": nearest,
-                "path_to_nearest": best if nearest else None,
-            })
+            nearest = [] if best in (None, "SYS") else [g["bus"] for g in sorted(gpus, key=lambda g: g["index"]) if classes[g["bus"]] == best]
+            nics.append(
+                {
+                    "name": dev,
+                    "port": int(port) if port.isdigit() else None,
+                    "pci_bus_id": normalize_bus_id(bdf) if bdf and _SYSFS_BDF.match(bdf) else None,
+                    "link_layer": _read(pdir / "link_layer"),
+                    "rate_gbit_per_s": (rate or 0.0) if active else 0.0,
+                    "numa_node": numa,
+                    "nearest_gpus": nearest,
+                    "path_to_nearest": best if nearest else None,
+                }
+            )
     return nics
 
 
@@ -234,8 +238,12 @@ def probe_cpu(root: Path) -> dict:
         cpulist = _read(node_dir / name / "cpulist") if m else None
         if m and cpulist:
             numa[m.group(1)] = format_cpulist(parse_cpulist(cpulist))
-    return {"model": model, "sockets": len(packages) or None, "logical_cpus": logical or None,
-            "numa_nodes": dict(sorted(numa.items(), key=lambda kv: int(kv[0]))) or None}
+    return {
+        "model": model,
+        "sockets": len(packages) or None,
+        "logical_cpus": logical or None,
+        "numa_nodes": dict(sorted(numa.items(), key=lambda kv: int(kv[0]))) or None,
+    }
 
 
 def _cpu_words(root: Path) -> int:
@@ -245,6 +253,7 @@ def _cpu_words(root: Path) -> int:
 
 
 # -- CUDA's view: CUDA_DEVICE_ORDER and CUDA_VISIBLE_DEVICES ---------------------------------------
+
 
 def cuda_visible(devices: list[dict], env) -> list[dict]:
     """The devices CUDA shows, in CUDA's order: `devices` are in PCI order (NVML's) with `bus`,
@@ -275,19 +284,20 @@ def cuda_visible(devices: list[dict], env) -> list[dict]:
                 raise AotError(f"CUDA_VISIBLE_DEVICES={cvd}: entry {entry!r} names no GPU ({have})")
             dev = ordered[i]
         elif entry.upper().startswith("MIG-"):
-            raise AotError(f"CUDA_VISIBLE_DEVICES={cvd}: entry {entry!r} is a MIG instance; topology "
-                           f"profiles describe whole GPUs (name the GPU by index or GPU-<uuid>)")
+            raise AotError(
+                f"CUDA_VISIBLE_DEVICES={cvd}: entry {entry!r} is a MIG instance; topology profiles describe whole GPUs (name the GPU by index or GPU-<uuid>)"
+            )
         elif entry.upper().startswith("GPU-") and len(entry) > 4:
             found = [d for d in ordered if d["uuid"].upper().startswith(entry.upper())]
             if not found:
                 raise AotError(f"CUDA_VISIBLE_DEVICES={cvd}: entry {entry!r} names no GPU ({have})")
             if len(found) > 1:
-                raise AotError(f"CUDA_VISIBLE_DEVICES={cvd}: entry {entry!r} matches {len(found)} GPUs "
-                               f"({', '.join(d['uuid'] for d in found)}); give more of the UUID")
+                raise AotError(
+                    f"CUDA_VISIBLE_DEVICES={cvd}: entry {entry!r} matches {len(found)} GPUs ({', '.join(d['uuid'] for d in found)}); give more of the UUID"
+                )
             dev = found[0]
         else:
-            raise AotError(f"CUDA_VISIBLE_DEVICES={cvd}: entry {entry!r} names no GPU (entries are "
-                           f"indices or GPU-<uuid>; {have})")
+            raise AotError(f"CUDA_VISIBLE_DEVICES={cvd}: entry {entry!r} names no GPU (entries are indices or GPU-<uuid>; {have})")
         if any(d is dev for d in chosen):
             raise AotError(f"CUDA_VISIBLE_DEVICES={cvd}: entry {entry!r} names GPU {dev['bus']} a second time")
         chosen.append(dev)
@@ -295,6 +305,7 @@ def cuda_visible(devices: list[dict], env) -> list[dict]:
 
 
 # -- GPUs -------------------------------------------------------------------------------------
+
 
 def _nvml_devices(nvml, root: Path, notes: list[str]) -> list[dict]:
     """Every GPU NVML sees, in NVML (PCI) order, with what can be read of each."""
@@ -330,14 +341,21 @@ def _nvml_devices(nvml, root: Path, notes: list[str]) -> list[dict]:
             bits = _call(nvml, "nvmlDeviceGetMemoryBusWidth", h)
             clock = _call(nvml, "nvmlDeviceGetMaxClockInfo", h, _const(nvml, "NVML_CLOCK_MEM", 2))
             bandwidth = round(bits / 8 * clock * 2 / 1000, 1) if bits and clock else None
-        devices.append({
-            "handle": h, "bus": bus, "uuid": uuid, "name": name,
-            "cc": tuple(cc) if cc and cc[0] > 0 else None,
-            "memory_bytes": memory, "memory_bandwidth_gb_per_s": bandwidth,
-            "peak_tflops": dict(known.get("peak_tflops", {})),
-            "numa_node": numa, "cpu_affinity": format_cpulist(cpu_set) if cpu_set else None,
-            "pcie": {"generation": int(gen), "width": int(width)} if gen and width else None,
-        })
+        devices.append(
+            {
+                "handle": h,
+                "bus": bus,
+                "uuid": uuid,
+                "name": name,
+                "cc": tuple(cc) if cc and cc[0] > 0 else None,
+                "memory_bytes": memory,
+                "memory_bandwidth_gb_per_s": bandwidth,
+                "peak_tflops": dict(known.get("peak_tflops", {})),
+                "numa_node": numa,
+                "cpu_affinity": format_cpulist(cpu_set) if cpu_set else None,
+                "pcie": {"generation": int(gen), "width": int(width)} if gen and width else None,
+            }
+        )
     return devices
 
 
@@ -368,7 +386,7 @@ def _pairs(nvml, visible: list[dict], all_buses: set[str]) -> tuple[list[dict], 
     read, write = _const(nvml, "NVML_P2P_CAPS_INDEX_READ", 0), _const(nvml, "NVML_P2P_CAPS_INDEX_WRITE", 1)
     out = []
     for ai, a in enumerate(visible):
-        for b in visible[ai + 1:]:
+        for b in visible[ai + 1 :]:
             direct = sum(1 for t, rbus in links[a["bus"]] if t == _GPU and rbus == b["bus"])
             sa = sum(1 for t, _ in links[a["bus"]] if t == _SWITCH)
             sb = sum(1 for t, _ in links[b["bus"]] if t == _SWITCH)
@@ -379,13 +397,11 @@ def _pairs(nvml, visible: list[dict], all_buses: set[str]) -> tuple[list[dict], 
                 rates = [NVLINK_GB_PER_S.get(d["cc"]) for d in (a, b)]
                 known_rates = [r for r in rates if r is not None]
                 rate = min(known_rates) if len(known_rates) == len(rates) else None
-                nvlink = {"count": count, "gb_per_s_per_direction": round(count * rate, 3) if rate else None,
-                          "via": "nvswitch" if via_switch else "direct"}
+                nvlink = {"count": count, "gb_per_s_per_direction": round(count * rate, 3) if rate else None, "via": "nvswitch" if via_switch else "direct"}
             level = _call(nvml, "nvmlDeviceGetTopologyCommonAncestor", a["handle"], b["handle"])
             statuses = [_call(nvml, "nvmlDeviceGetP2PStatus", a["handle"], b["handle"], cap) for cap in (read, write)]
             p2p = None if None in statuses else all(s == ok for s in statuses)
-            out.append({"gpus": [a["bus"], b["bus"]], "nvlink": nvlink,
-                        "pcie_path": _ANCESTOR.get(level) if level is not None else None, "p2p": p2p})
+            out.append({"gpus": [a["bus"], b["bus"]], "nvlink": nvlink, "pcie_path": _ANCESTOR.get(level) if level is not None else None, "p2p": p2p})
     return out, len(switches)
 
 
@@ -403,12 +419,21 @@ def _torch_devices(notes: list[str]) -> list[dict]:
         if hasattr(p, "pci_bus_id"):
             bus = f"{getattr(p, 'pci_domain_id', 0):08X}:{p.pci_bus_id:02X}:{getattr(p, 'pci_device_id', 0):02X}.0"
         known = KNOWN_GPUS.get(p.name, {})
-        devices.append({
-            "handle": None, "bus": bus or f"{0xFFFF:08X}:{i:02X}:00.0", "uuid": str(getattr(p, "uuid", "")),
-            "name": p.name, "cc": (p.major, p.minor), "memory_bytes": int(p.total_memory),
-            "memory_bandwidth_gb_per_s": known.get("memory_bandwidth_gb_per_s"),
-            "peak_tflops": dict(known.get("peak_tflops", {})), "numa_node": None, "cpu_affinity": None, "pcie": None,
-        })
+        devices.append(
+            {
+                "handle": None,
+                "bus": bus or f"{0xFFFF:08X}:{i:02X}:00.0",
+                "uuid": str(getattr(p, "uuid", "")),
+                "name": p.name,
+                "cc": (p.major, p.minor),
+                "memory_bytes": int(p.total_memory),
+                "memory_bandwidth_gb_per_s": known.get("memory_bandwidth_gb_per_s"),
+                "peak_tflops": dict(known.get("peak_tflops", {})),
+                "numa_node": None,
+                "cpu_affinity": None,
+                "pcie": None,
+            }
+        )
     return devices
 
 
@@ -418,8 +443,8 @@ def _torch_may_have_cuda(root: Path) -> bool:
 
 # -- the profile ------------------------------------------------------------------------------
 
-def probe(*, nvml=None, env=None, root: str | Path = "/", nodes: int = 1, name: str | None = None,
-          torch_fallback: bool | None = None) -> dict:
+
+def probe(*, nvml=None, env=None, root: str | Path = "/", nodes: int = 1, name: str | None = None, torch_fallback: bool | None = None) -> dict:
     """This machine as a validated topology profile (see the module docstring). `nvml` is the
     pynvml module to use (default: the installed one); `root` prefixes /sys and /proc."""
     env = os.environ if env is None else env
@@ -465,10 +490,15 @@ def probe(*, nvml=None, env=None, root: str | Path = "/", nodes: int = 1, name: 
         d["index"] = index
         d["chain"] = pci_chain(root, sysfs_bus_id(d["bus"])) if source == "nvml" else None
         gpus[d["bus"]] = {
-            "index": index, "uuid": d["uuid"] or None, "name": d["name"],
+            "index": index,
+            "uuid": d["uuid"] or None,
+            "name": d["name"],
             "compute_capability": list(d["cc"]) if d["cc"] else None,
-            "memory_bytes": d["memory_bytes"], "memory_bandwidth_gb_per_s": d["memory_bandwidth_gb_per_s"],
-            "peak_tflops": d["peak_tflops"], "numa_node": d["numa_node"], "cpu_affinity": d["cpu_affinity"],
+            "memory_bytes": d["memory_bytes"],
+            "memory_bandwidth_gb_per_s": d["memory_bandwidth_gb_per_s"],
+            "peak_tflops": d["peak_tflops"],
+            "numa_node": d["numa_node"],
+            "cpu_affinity": d["cpu_affinity"],
             "pcie": d["pcie"],
         }
     nics = probe_nics(root, visible)
@@ -477,14 +507,21 @@ def probe(*, nvml=None, env=None, root: str | Path = "/", nodes: int = 1, name: 
     fabric = None
     if kind == "cuda" and rails:
         layers = {(n.get("link_layer") or "").lower() for n in rails}
-        fabric = {"kind": "infiniband" if layers == {"infiniband"} else "roce", "rails_per_node": len(rails),
-                  "gb_per_s_per_rail": min(n["rate_gbit_per_s"] for n in rails) / 8, "latency_us": None}
+        fabric = {
+            "kind": "infiniband" if layers == {"infiniband"} else "roce",
+            "rails_per_node": len(rails),
+            "gb_per_s_per_rail": min(n["rate_gbit_per_s"] for n in rails) / 8,
+            "latency_us": None,
+        }
     host = socket.gethostname()
     profile = {
-        "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
         "name": name or host,
         "description": "",
-        "device_kind": kind, "backend": BACKENDS[kind], "nodes": nodes,
+        "device_kind": kind,
+        "backend": BACKENDS[kind],
+        "nodes": nodes,
         "node": {
             "cpu": probe_cpu(root),
             "gpus": gpus,
@@ -494,7 +531,9 @@ def probe(*, nvml=None, env=None, root: str | Path = "/", nodes: int = 1, name: 
         },
         "fabric": fabric,
         "probe": {
-            "source": source, "hostname": host, "driver_version": driver,
+            "source": source,
+            "hostname": host,
+            "driver_version": driver,
             "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
             "cuda_device_order": env.get("CUDA_DEVICE_ORDER") or "FASTEST_FIRST",
             "notes": notes,
@@ -509,6 +548,7 @@ def probe(*, nvml=None, env=None, root: str | Path = "/", nodes: int = 1, name: 
 
 
 # -- the live machine -------------------------------------------------------------------------
+
 
 def live_profile(*, nvml=None, env=None, root: str | Path = "/") -> dict:
     """This machine as a profile: the NVML probe (runner.nvml_probe) honouring CUDA_VISIBLE_DEVICES and

@@ -23,8 +23,12 @@ _library = None
 
 
 def is_point_to_point(node: torch.fx.Node) -> bool:
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and node.target.namespace == "_c10d_functional" and node.target._schema.name.split("::")[-1] in P2P_OPS)
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace == "_c10d_functional"
+        and node.target._schema.name.split("::")[-1] in P2P_OPS
+    )
 
 
 def install_send_kernel() -> None:

@@ -56,8 +56,12 @@ SUMMARY = "profile.json"
 TRACE = "measured_timeline.json"
 WARMUP_STEPS = 1
 WAIT = "_c10d_functional::wait_tensor"
-ISSUE = ("_c10d_functional::all_reduce", "_c10d_functional::all_gather_into_tensor",
-         "_c10d_functional::reduce_scatter_tensor", "_c10d_functional::all_to_all_single")
+ISSUE = (
+    "_c10d_functional::all_reduce",
+    "_c10d_functional::all_gather_into_tensor",
+    "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::all_to_all_single",
+)
 STEP = "ProfilerStep"  # events() names them "ProfilerStep*", the trace "ProfilerStep#k"
 # gloo's profiling titles of a point-to-point work (ProcessGroupGloo: "gloo:send", "gloo:recv",
 # "gloo:recvAnySource"), by the kind of wait that finishes them
@@ -68,13 +72,12 @@ WAIT_KINDS = ("recv", "send", "collective")
 class StepProfiler:
     """Wrap the step loop: `with StepProfiler(dir, steps, rank, device) as p: ... p.step(seconds)`."""
 
-    def __init__(self, folder: Path | None, steps: int, rank: int, device: torch.device, tier: str,
-                 pipeline: bool = False):
+    def __init__(self, folder: Path | None, steps: int, rank: int, device: torch.device, tier: str, pipeline: bool = False):
         self.folder, self.rank, self.tier = folder, rank, tier
-        self.pipeline = pipeline   # the artifact is a pipeline: measure its waits for stage transfers
+        self.pipeline = pipeline  # the artifact is a pipeline: measure its waits for stage transfers
         self.active = max(0, min(steps - WARMUP_STEPS, 5))
-        self.seconds: list[float] = []   # the profiled steps
-        self.after: list[float] = []     # steps after the profiled window: no profiler overhead
+        self.seconds: list[float] = []  # the profiled steps
+        self.after: list[float] = []  # steps after the profiled window: no profiler overhead
         self._seen = 0
         self._prof = None
         self.memory: dict | None = None  # "memory" of profile.json, once measured
@@ -89,8 +92,8 @@ class StepProfiler:
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._prof = torch.profiler.profile(
-                activities=activities,
-                schedule=torch.profiler.schedule(wait=0, warmup=WARMUP_STEPS, active=self.active, repeat=1))
+                activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=WARMUP_STEPS, active=self.active, repeat=1)
+            )
             self._deferred = memory_method(device, tier) == ALLOCATOR
 
     @property
@@ -185,6 +188,7 @@ def step_waits(events, steps: int) -> list[dict]:
     """Per profiled step (the first `steps` `ProfilerStep#k` ranges, in time order): its seconds
     and the seconds its `wait_tensor` calls spent on receives, sends and collectives (see the
     module docstring for how a wait is attributed). A step the events lack is all NaN."""
+
     def start(e):
         return e.time_range.start
 
@@ -220,8 +224,7 @@ def gather_waits(rows: list[dict], device: torch.device) -> list[list[dict]]:
     mine = torch.tensor([[row[f] for f in _FIELDS] for row in rows], dtype=torch.float64, device=device).reshape(-1)
     every = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.float64, device=device)
     dist.all_gather_into_tensor(every, mine)
-    return [[dict(zip(_FIELDS, step)) for step in rank.reshape(-1, len(_FIELDS)).tolist()]
-            for rank in every.reshape(dist.get_world_size(), -1)]
+    return [[dict(zip(_FIELDS, step)) for step in rank.reshape(-1, len(_FIELDS)).tolist()] for rank in every.reshape(dist.get_world_size(), -1)]
 
 
 def _median(values) -> float | None:
@@ -238,19 +241,25 @@ def pipeline_summary(ranks: list[list[dict]]) -> dict:
     per_rank: list[dict[str, Any]] = []  # profile.json rows
     for rank, rows in enumerate(ranks):
         p2p = [r["recv"] + r["send"] for r in rows]
-        per_rank.append({
-            "rank": rank,
-            "step_s": _median(r["step_s"] for r in rows),
-            "p2p_wait_s": _median(p2p),
-            "recv_wait_s": _median(r["recv"] for r in rows),
-            "send_wait_s": _median(r["send"] for r in rows),
-            "collective_wait_s": _median(r["collective"] for r in rows),
-            "p2p_share": _median(w / r["step_s"] for w, r in zip(p2p, rows) if r["step_s"] > 0),
-            "wait_share": _median((w + r["collective"]) / r["step_s"] for w, r in zip(p2p, rows) if r["step_s"] > 0),
-            "per_step": {"step_s": _listed(r["step_s"] for r in rows), "p2p_wait_s": _listed(p2p),
-                         "recv_wait_s": _listed(r["recv"] for r in rows), "send_wait_s": _listed(r["send"] for r in rows),
-                         "collective_wait_s": _listed(r["collective"] for r in rows)},
-        })
+        per_rank.append(
+            {
+                "rank": rank,
+                "step_s": _median(r["step_s"] for r in rows),
+                "p2p_wait_s": _median(p2p),
+                "recv_wait_s": _median(r["recv"] for r in rows),
+                "send_wait_s": _median(r["send"] for r in rows),
+                "collective_wait_s": _median(r["collective"] for r in rows),
+                "p2p_share": _median(w / r["step_s"] for w, r in zip(p2p, rows) if r["step_s"] > 0),
+                "wait_share": _median((w + r["collective"]) / r["step_s"] for w, r in zip(p2p, rows) if r["step_s"] > 0),
+                "per_step": {
+                    "step_s": _listed(r["step_s"] for r in rows),
+                    "p2p_wait_s": _listed(p2p),
+                    "recv_wait_s": _listed(r["recv"] for r in rows),
+                    "send_wait_s": _listed(r["send"] for r in rows),
+                    "collective_wait_s": _listed(r["collective"] for r in rows),
+                },
+            }
+        )
     first = per_rank[0]
     return {
         "p2p_wait_s": first["p2p_wait_s"],
@@ -259,7 +268,7 @@ def pipeline_summary(ranks: list[list[dict]]) -> dict:
         "p2p_wait_s_per_step": first["per_step"]["p2p_wait_s"],
         "pipeline_wait": {
             "method": "wait_tensor calls, by the gloo:recv / gloo:send range that ends inside each (else a collective); "
-                      "per profiled step (ProfilerStep#k), medians over steps",
+            "per profiled step (ProfilerStep#k), medians over steps",
             "per_rank": per_rank,
         },
     }

@@ -22,6 +22,7 @@ from runner.errors import AotError
 def _serde():
     # imported on use: it pulls in torch._dynamo, seconds a runner's start-up should not pay
     from torch._export.serde import serialize
+
     return serialize
 
 

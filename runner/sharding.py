@@ -20,7 +20,7 @@ def shard(t: torch.Tensor, parts: int, index: int) -> torch.Tensor:
     size = shard_numel(t.numel(), parts)
     flat = t.detach().reshape(-1)
     padded = torch.cat([flat, flat.new_zeros(size * parts - flat.numel())]) if size * parts != flat.numel() else flat
-    return padded[index * size:(index + 1) * size].clone()
+    return padded[index * size : (index + 1) * size].clone()
 
 
 def unshard(pieces: list[torch.Tensor], shape: list[int] | torch.Size) -> torch.Tensor:
@@ -37,6 +37,7 @@ def unshard(pieces: list[torch.Tensor], shape: list[int] | torch.Size) -> torch.
 # (fsdp index). Shards are numbered pp-major, then tp-major:
 # shard = (pp_index * tp_size + tp_index) * fsdp_size + fsdp_index, in artifacts and checkpoints alike.
 
+
 def shard_count(sharding: dict | None, tensor_parallel: dict | None, pipeline: dict | None = None) -> int:
     return (sharding or {}).get("size", 1) * (tensor_parallel or {}).get("size", 1) * (pipeline or {}).get("size", 1)
 
@@ -47,8 +48,7 @@ def axis_index(coords: dict[str, int], entry: dict | None) -> int:
     return coords.get(entry["axis"], 0) if entry else 0
 
 
-def shard_number(coords: dict[str, int], sharding: dict | None, tensor_parallel: dict | None,
-                 pipeline: dict | None = None) -> int:
+def shard_number(coords: dict[str, int], sharding: dict | None, tensor_parallel: dict | None, pipeline: dict | None = None) -> int:
     tp_index = axis_index(coords, tensor_parallel)
     fsdp_index = axis_index(coords, sharding)
     pp_index = axis_index(coords, pipeline)
@@ -71,8 +71,9 @@ def tp_slice(t: torch.Tensor, dim: int | None, parts: int, index: int) -> torch.
     return t.detach().chunk(parts, dim)[index].clone()
 
 
-def assemble(pieces: list[dict[str, torch.Tensor]], shapes: dict[str, list[int]], sharding: dict | None,
-             tensor_parallel: dict | None, pipeline: dict | None = None) -> dict[str, torch.Tensor]:
+def assemble(
+    pieces: list[dict[str, torch.Tensor]], shapes: dict[str, list[int]], sharding: dict | None, tensor_parallel: dict | None, pipeline: dict | None = None
+) -> dict[str, torch.Tensor]:
     """Full tensors from every shard's tensors (in shard order): fsdp pieces unflattened into
     their tensor-parallel slice, slices concatenated along their split dimension. Tensors that
     neither axis splits are taken from shard 0 of their stage; a pipeline's stages hold disjoint
@@ -81,7 +82,7 @@ def assemble(pieces: list[dict[str, torch.Tensor]], shapes: dict[str, list[int]]
         per_stage = shard_count(sharding, tensor_parallel)
         full = {}
         for k in reversed(range(pipeline["size"])):
-            full.update(assemble(pieces[k * per_stage:(k + 1) * per_stage], shapes, sharding, tensor_parallel))
+            full.update(assemble(pieces[k * per_stage : (k + 1) * per_stage], shapes, sharding, tensor_parallel))
         return full
     full = dict(pieces[0])
     fsdp = (sharding or {}).get("size", 1)
@@ -94,7 +95,7 @@ def assemble(pieces: list[dict[str, torch.Tensor]], shapes: dict[str, list[int]]
         slice_shape = tp_slice_shape(shapes[name], dim, tp)
         slices = []
         for t in range(tp if dim is not None else 1):
-            group = pieces[t * fsdp:(t + 1) * fsdp]
+            group = pieces[t * fsdp : (t + 1) * fsdp]
             slices.append(unshard([p[name] for p in group], slice_shape) if sharding else group[0][name])
         full[name] = torch.cat(slices, dim) if dim is not None else slices[0]
     return full

@@ -21,6 +21,7 @@ ALGORITHM = "ed25519"
 def _crypto():
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
     return serialization, Ed25519PrivateKey, Ed25519PublicKey
 
 
@@ -55,8 +56,9 @@ def sign_manifest(manifest_bytes: bytes, private_path: Path) -> bytes:
         raise AotError(f"{private_path}: not an Ed25519 key (make one with `aot keygen`)")
     digest = sha256_bytes(manifest_bytes)
     raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return (json.dumps({"algorithm": ALGORITHM, "public_key": raw.hex(), "manifest_sha256": digest,
-                        "signature": key.sign(digest.encode()).hex()}, indent=1) + "\n").encode()
+    return (
+        json.dumps({"algorithm": ALGORITHM, "public_key": raw.hex(), "manifest_sha256": digest, "signature": key.sign(digest.encode()).hex()}, indent=1) + "\n"
+    ).encode()
 
 
 def read_public_key(path: Path) -> str:
@@ -73,6 +75,7 @@ def check_signature(root: Path, manifest_bytes: bytes, trusted: list[str]) -> st
     """Raise unless root/signature.json signs these manifest bytes with a trusted key; returns the key."""
     _, _, Ed25519PublicKey = _crypto()
     from cryptography.exceptions import InvalidSignature
+
     path = Path(root) / SIGNATURE
     if not path.is_file():
         raise AotError(f"{root}: not signed (no {SIGNATURE}) but --trusted-key was given")

@@ -38,8 +38,7 @@ FABRIC_KINDS = ("infiniband", "roce", "ethernet", "loopback")
 
 # What legitimately varies between two machines of one model.
 MEMORY_TOLERANCE = 0.02  # NVML vs CUDA runtime totals, ECC and driver reservations: ~1% on 80 GB parts
-MAX_LISTED = 8           # pairs or NICs named per mismatch line before "and N more"
-
+MAX_LISTED = 8  # pairs or NICs named per mismatch line before "and N more"
 
 
 def gib(n: int) -> str:
@@ -52,6 +51,7 @@ def mib(n: int) -> str:
 
 def dumps_profile(profile: dict, width: int = 160) -> str:
     """The profile as JSON for people: nested, but objects and lists that fit on a line stay on one."""
+
     def fmt(value, indent: int) -> str:
         flat = json.dumps(value)
         if not isinstance(value, (dict, list)) or (indent >= 2 and len(flat) + indent <= width):
@@ -62,10 +62,12 @@ def dumps_profile(profile: dict, width: int = 160) -> str:
             return "{\n" + ",\n".join(items) + f"\n{pad}}}" if items else "{}"
         items = [f"{inner}{fmt(v, indent + 1)}" for v in value]
         return "[\n" + ",\n".join(items) + f"\n{pad}]" if items else "[]"
+
     return fmt(profile, 0) + "\n"
 
 
 # -- loading and validation -------------------------------------------------------------------
+
 
 def builtin_names() -> list[str]:
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.json"))
@@ -79,10 +81,7 @@ def load_profile(name_or_path: str) -> dict:
     elif path.is_dir() and (path / "manifest.json").is_file():
         return _profile_of_artifact(path)
     elif not path.is_file():
-        raise AotError(
-            f"topology {name_or_path!r}: no such file and no built-in profile of that name "
-            f"(built-in: {', '.join(builtin_names())})"
-        )
+        raise AotError(f"topology {name_or_path!r}: no such file and no built-in profile of that name (built-in: {', '.join(builtin_names())})")
     try:
         profile = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
@@ -183,7 +182,7 @@ class _Checker:
         if v is None and null:
             return
         if not isinstance(v, str) or not CPULIST.match(v):
-            self.fail(field, "must be a cpulist such as \"0-15,128-143\"" + (" or null" if null else ""), v)
+            self.fail(field, 'must be a cpulist such as "0-15,128-143"' + (" or null" if null else ""), v)
 
 
 def validate_profile(profile: dict, where: str) -> None:
@@ -192,8 +191,9 @@ def validate_profile(profile: dict, where: str) -> None:
         raise AotError(f"{where}: not a topology profile (field 'schema' must be {SCHEMA!r})")
     version = profile.get("schema_version")
     if version not in READABLE_VERSIONS:
-        raise AotError(f"{where}: topology schema version {version!r}; this aot reads versions "
-                       f"{', '.join(map(str, READABLE_VERSIONS))} and writes {SCHEMA_VERSION}")
+        raise AotError(
+            f"{where}: topology schema version {version!r}; this aot reads versions {', '.join(map(str, READABLE_VERSIONS))} and writes {SCHEMA_VERSION}"
+        )
     c = _Checker(where)
     c.str_(c.get(profile, "name", "name"), "name")
     kind = c.get(profile, "device_kind", "device_kind")
@@ -236,8 +236,7 @@ def validate_profile(profile: dict, where: str) -> None:
         indices.append(index)
         c.str_(c.get(gpu, "name", f"{f}.name"), f"{f}.name")
         cc = c.get(gpu, "compute_capability", f"{f}.compute_capability")
-        if cc is not None and not (isinstance(cc, list) and len(cc) == 2 and all(c._is_int(x) for x in cc)
-                                   and 1 <= cc[0] <= 99 and 0 <= cc[1] <= 99):
+        if cc is not None and not (isinstance(cc, list) and len(cc) == 2 and all(c._is_int(x) for x in cc) and 1 <= cc[0] <= 99 and 0 <= cc[1] <= 99):
             c.fail(f"{f}.compute_capability", "must be [major, minor], e.g. [8, 0], or null", cc)
         c.int_(c.get(gpu, "memory_bytes", f"{f}.memory_bytes"), f"{f}.memory_bytes", lo=1)
         c.num(gpu.get("memory_bandwidth_gb_per_s"), f"{f}.memory_bandwidth_gb_per_s", null=True)
@@ -360,6 +359,7 @@ def normalize_profile(profile: dict) -> dict:
 
 # -- reading a profile ------------------------------------------------------------------------
 
+
 def gpus_in_order(profile: dict) -> list[tuple[str | None, dict]]:
     """(bus id, GPU) in CUDA device order (the profile's `index`); version-1 lists have no bus ids."""
     gpus = profile.get("node", {}).get("gpus", {})
@@ -434,6 +434,7 @@ def describe(profile: dict) -> str:
 
 
 # -- multi-node -------------------------------------------------------------------------------
+
 
 def for_nodes(profile: dict, nodes: int | None, world_size: int | None = None) -> dict:
     """`profile` for a job of `nodes` nodes (None: the profile's own count), checked against the world size."""

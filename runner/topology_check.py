@@ -95,7 +95,7 @@ def _nic_line(profile: dict, live: dict, visible: int) -> str | None:
                 problems.append(f"{n['name']} {where} {state}, profile expects {w:g} Gb/s")
         missing = len(want) - len(got)
         if missing > 0:
-            rate = "/".join(f"{r:g}" for r in sorted(set(want[len(got):]), reverse=True))
+            rate = "/".join(f"{r:g}" for r in sorted(set(want[len(got) :]), reverse=True))
             problems.append(f"{missing} of {len(want)} NIC{'s' if len(want) != 1 else ''} at {rate} Gb/s {where} not found")
     if not problems:
         return None
@@ -122,15 +122,18 @@ def mismatches(profile: dict, live: dict, *, check_nodes: bool = True) -> list[s
         names = " + ".join(sorted({g.get("name", "?") for _, g in want}))
         has = f"{len(got)} visible" if got else "none"
         cvd = live.get("probe", {}).get("cuda_visible_devices")
-        lines.append(f"GPU count: profile {name!r} expects {len(want)} GPU{'s' if len(want) != 1 else ''} per node ({names}); this node has {has}"
-                     + (f" (CUDA_VISIBLE_DEVICES={cvd})" if cvd is not None and got else ""))
+        lines.append(
+            f"GPU count: profile {name!r} expects {len(want)} GPU{'s' if len(want) != 1 else ''} per node ({names}); this node has {has}"
+            + (f" (CUDA_VISIBLE_DEVICES={cvd})" if cvd is not None and got else "")
+        )
     n = min(len(want), len(got))
     buses = {i: got[i][0] for i in range(n)}
     model, memory, numa, pcie = [], [], [], []
     for i in range(n):
         w, g = want[i][1], got[i][1]
-        if (w.get("name") and g.get("name") and w["name"] != g["name"]) or (w.get("compute_capability") and g.get("compute_capability")
-                                      and list(w["compute_capability"]) != list(g["compute_capability"])):
+        if (w.get("name") and g.get("name") and w["name"] != g["name"]) or (
+            w.get("compute_capability") and g.get("compute_capability") and list(w["compute_capability"]) != list(g["compute_capability"])
+        ):
             model.append((i, repr(g["name"]), repr(w["name"])))
         if w.get("memory_bytes") and g.get("memory_bytes") and abs(g["memory_bytes"] - w["memory_bytes"]) > MEMORY_TOLERANCE * w["memory_bytes"]:
             memory.append((i, mib(g["memory_bytes"]), f"{mib(w['memory_bytes'])} (±{MEMORY_TOLERANCE:.0%})"))
@@ -180,12 +183,15 @@ class TopologyMismatch(AotError):
 
     def __init__(self, profile_name: str, lines: list[str], report: bool = True):
         self.profile_name, self.lines, self.report = profile_name, list(lines), report
-        self.summary = (f"live topology differs from the artifact's profile {profile_name!r} in "
-                        f"{len(lines)} way{'s' if len(lines) != 1 else ''}"
-                        + (" (listed above)" if report else " (listed by local rank 0)")
-                        + "; --allow-topology-mismatch runs anyway, on a schedule tuned for other hardware")
-        super().__init__(f"live topology differs from the artifact's profile {profile_name!r}: "
-                         + "; ".join(lines) + " (--allow-topology-mismatch runs anyway)")
+        self.summary = (
+            f"live topology differs from the artifact's profile {profile_name!r} in "
+            f"{len(lines)} way{'s' if len(lines) != 1 else ''}"
+            + (" (listed above)" if report else " (listed by local rank 0)")
+            + "; --allow-topology-mismatch runs anyway, on a schedule tuned for other hardware"
+        )
+        super().__init__(
+            f"live topology differs from the artifact's profile {profile_name!r}: " + "; ".join(lines) + " (--allow-topology-mismatch runs anyway)"
+        )
 
     def refusal(self) -> "TopologyRefusal":
         """The one-line error `aot run` prints after the reporting rank has listed `lines`."""
@@ -207,8 +213,10 @@ def verify_live(profile: dict, *, allow_mismatch: bool = False, warn=None, live:
         raise TopologyMismatch(profile["name"], lines, report=lead)
     if warn is not None and lead:
         if lines:
-            warn(f"running on hardware that differs from the artifact's topology profile {profile['name']!r} "
-                 f"(--allow-topology-mismatch): its schedule was tuned for other hardware")
+            warn(
+                f"running on hardware that differs from the artifact's topology profile {profile['name']!r} "
+                f"(--allow-topology-mismatch): its schedule was tuned for other hardware"
+            )
             for line in lines:
                 warn(f"topology mismatch: {line}")
         notes = live.get("probe", {}).get("notes", [])

@@ -83,11 +83,24 @@ class Trainer:
     not given, the lines go to the `aot` logger with the rank (runner/log.py).
     """
 
-    def __init__(self, path: str | Path, rank: int | None = None, *, world_size: int | None = None,
-                 device: str | torch.device | None = None, allow_topology_mismatch: bool = False,
-                 trusted_keys: list[str] | None = None, timeout_s: float = 600, bind: bool = True,
-                 warn=None, log=None, tier: str = "auto", notice=None,
-                 init_from: str | Path | None = None, launch: Launch | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        rank: int | None = None,
+        *,
+        world_size: int | None = None,
+        device: str | torch.device | None = None,
+        allow_topology_mismatch: bool = False,
+        trusted_keys: list[str] | None = None,
+        timeout_s: float = 600,
+        bind: bool = True,
+        warn=None,
+        log=None,
+        tier: str = "auto",
+        notice=None,
+        init_from: str | Path | None = None,
+        launch: Launch | None = None,
+    ):
         self.artifact = artifact = Artifact(path, trusted_keys)
         manifest = artifact.manifest
         # how this process was started (runner.launch): torchrun's variables, Slurm's, or `aot run
@@ -127,8 +140,7 @@ class Trainer:
         # `tier` ("auto", "compiled", "portable") is the caller's wish; self.tier is what runs.
         # Decided from the manifest and this machine alone, before any process group starts, so
         # `--tier compiled` on a machine the package is not for fails at once, in one line.
-        self.tier, self.tier_notice = choose_tier(manifest.get("compiled"), entry["program"], live_device(self.device),
-                                                  tier, str(artifact.root))
+        self.tier, self.tier_notice = choose_tier(manifest.get("compiled"), entry["program"], live_device(self.device), tier, str(artifact.root))
         if self.tier_notice and self.rank == 0:
             notice(self.tier_notice)
         # The user's weights (`init_from`) are checked against the manifest from their headers
@@ -156,13 +168,13 @@ class Trainer:
             self.program_loader = "aoti"
         else:
             constants = artifact.read(program["constants"]) if program.get("constants") else None
-            module = None if constants else load_graph_module(
-                program_json, self.device if self.device.type != "cpu" else None)
+            module = None if constants else load_graph_module(program_json, self.device if self.device.type != "cpu" else None)
             self.program_loader = "fx"
             if module is None:  # a program the fast path does not cover: torch's deserializer
                 ep = decode_program(program_json, constants)
                 if self.device.type != "cpu":
                     from torch.export.passes import move_to_device_pass
+
                     ep = move_to_device_pass(ep, self.device)
                 module = ep.module()
                 self.program_loader = "torch.export"
@@ -205,7 +217,7 @@ class Trainer:
         self.step_index = 0
         self.last_step_skipped = False
         self.measured_peak_bytes: int | None = None  # of the last step run with measure_memory
-        self.memory_method: str | None = None         # how it was measured
+        self.memory_method: str | None = None  # how it was measured
 
     # -- set-up ---------------------------------------------------------------------------
     @staticmethod
@@ -219,8 +231,7 @@ class Trainer:
         weights (`init_from`) or of the init program's, and the optimizer state (with fp16's loss
         scaling state) the manifest describes."""
         artifact, manifest = self.artifact, self.artifact.manifest
-        self.weights_source = str(self.init_from.path) if self.init_from else \
-            f"the init program (seed {manifest['build'].get('seed', 0)})"
+        self.weights_source = str(self.init_from.path) if self.init_from else f"the init program (seed {manifest['build'].get('seed', 0)})"
         return initial_state(artifact, entry["coords"], self.init_from)
 
     def _init_distributed(self, profile: dict) -> None:
@@ -232,17 +243,22 @@ class Trainer:
         if backend == "nccl":
             nccl_algorithm(self.artifact.manifest, os.environ, self._log)
         if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
-            raise AotError("no rendezvous set: launch multi-rank artifacts with torchrun, or give each process "
-                           "--master-addr and --master-port (MASTER_ADDR and MASTER_PORT under srun)")
+            raise AotError(
+                "no rendezvous set: launch multi-rank artifacts with torchrun, or give each process "
+                "--master-addr and --master-port (MASTER_ADDR and MASTER_PORT under srun)"
+            )
         # torchrun restarts a failed group against the same store: keys of the dead attempt
         # (peers' old addresses) would be read as live ones, so each attempt gets its own prefix.
-        store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size,
-                                           timeout=timedelta(seconds=self.timeout_s)))
+        store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size, timeout=timedelta(seconds=self.timeout_s)))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-        dist.init_process_group(backend, store=dist.PrefixStore(f"aot/attempt-{attempt}/", store),
-                                rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=self.timeout_s),
-                                device_id=self.device if backend == "nccl" else None)  # gloo: none, as torch defaults
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"aot/attempt-{attempt}/", store),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.timeout_s),
+            device_id=self.device if backend == "nccl" else None,
+        )  # gloo: none, as torch defaults
 
     def _on_gloo(self) -> bool:
         """Whether this rank's collectives (on tensors of its device) go through gloo."""
@@ -297,8 +313,9 @@ class Trainer:
             want = self._input_shapes[index]
             if want is not None and list(tensor.shape) != want:
                 what = f"{slot['name']}:{slot['key']}" if slot["kind"] == "optim" else slot["name"]
-                raise AotError(f"{self.artifact.root}: the program takes {slot['kind']} {what} of shape {want}, "
-                               f"{self.weights_source} gives {list(tensor.shape)}")
+                raise AotError(
+                    f"{self.artifact.root}: the program takes {slot['kind']} {what} of shape {want}, {self.weights_source} gives {list(tensor.shape)}"
+                )
 
     def _bind(self, slot: dict):
         kind = slot["kind"]
@@ -318,8 +335,7 @@ class Trainer:
         if self.schedule["constant"]:
             return lrs[0]
         if step >= len(lrs):
-            raise AotError(f"the artifact's learning-rate schedule covers {len(lrs)} steps; step {step + 1} is past it "
-                           f"(rebuild with a larger --max-steps)")
+            raise AotError(f"the artifact's learning-rate schedule covers {len(lrs)} steps; step {step + 1} is past it (rebuild with a larger --max-steps)")
         return lrs[step]
 
     def check_steps(self, steps: int) -> None:
@@ -366,8 +382,10 @@ class Trainer:
         except RuntimeError as e:
             if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
                 raise
-            raise AotError(f"step {self.step_index + 1}: {self._collectives()} did not complete within "
-                           f"{self.timeout_s:g} s; a rank is stuck or gone ({str(e).strip().splitlines()[0]})") from e
+            raise AotError(
+                f"step {self.step_index + 1}: {self._collectives()} did not complete within "
+                f"{self.timeout_s:g} s; a rank is stuck or gone ({str(e).strip().splitlines()[0]})"
+            ) from e
         self.step_index += 1
         return loss
 
@@ -381,8 +399,7 @@ class Trainer:
         if not isinstance(tensor, torch.Tensor):
             raise AotError(f"{name}: expected a tensor {describe(slot['shape'], slot['dtype'])}, got {type(tensor).__name__}")
         if list(tensor.shape) != slot["shape"] or dtype_name(tensor.dtype) != slot["dtype"]:
-            raise AotError(f"{name}: expected {describe(slot['shape'], slot['dtype'])}, "
-                           f"got {describe(tensor.shape, dtype_name(tensor.dtype))}")
+            raise AotError(f"{name}: expected {describe(slot['shape'], slot['dtype'])}, got {describe(tensor.shape, dtype_name(tensor.dtype))}")
         return tensor.to(self.device)
 
     # -- data -----------------------------------------------------------------------------
@@ -401,8 +418,7 @@ class Trainer:
         all-gathers them: every rank must call it."""
         aliases = self.state_spec["aliases"]
         weights = self._full_weights()
-        return {key: weights[aliases.get(key, key)] for key in self.state_spec["state_dict_keys"]
-                if aliases.get(key, key) in weights}
+        return {key: weights[aliases.get(key, key)] for key in self.state_spec["state_dict_keys"] if aliases.get(key, key) in weights}
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
         full = dict(self._weights)
@@ -442,16 +458,17 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
         if self.rank == 0:
-            commit_checkpoint(folder, self.step_index, self.state_spec, self.sharding, target_step, self.tensor_parallel,
-                              self.pipeline)
+            commit_checkpoint(folder, self.step_index, self.state_spec, self.sharding, target_step, self.tensor_parallel, self.pipeline)
         if dist.is_initialized():
             dist.barrier()
 
     def resume(self, folder: str | Path) -> None:
         index, weights, optimizer = load_checkpoint(folder, self.shard_index)
-        if (index.get("sharding") or None) != (self.sharding or None) or \
-                (index.get("tensor_parallel") or None) != (self.tensor_parallel or None) or \
-                (index.get("pipeline") or None) != (self.pipeline or None):
+        if (
+            (index.get("sharding") or None) != (self.sharding or None)
+            or (index.get("tensor_parallel") or None) != (self.tensor_parallel or None)
+            or (index.get("pipeline") or None) != (self.pipeline or None)
+        ):
             raise AotError(f"{folder}: checkpoint was written with another sharding than this artifact's")
         for name, saved, live in (("weights", weights, self._weights), ("optimizer state", optimizer, self._optimizer)):
             if layout_of(saved) != layout_of(live):

@@ -3,8 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
-# lint first: a minute of pytest is not spent on a tree ruff refuses (pyproject.toml [tool.ruff])
+# lint and format first: a minute of pytest is not spent on a tree ruff refuses (pyproject.toml
+# [tool.ruff]; `ruff format .` fixes the layout)
 python -m ruff check --quiet .
+python -m ruff format --check --quiet .
 # types of the runtime package that ships to clusters (pyproject.toml [tool.mypy]; a few seconds)
 python -m mypy
 # Scenarios marked slow (more strategies on the second example model, a second placed mesh) run

@@ -14,6 +14,5 @@ from helpers.commands import EXAMPLES, ok
 def gpt_data(tmp_path_factory):
     """examples/gpt.py's `--data` file (96 samples), made once per session."""
     path = tmp_path_factory.mktemp("data") / "gpt.safetensors"
-    ok(subprocess.run([sys.executable, str(EXAMPLES / "prepare_data.py"), "--samples", "96", "-o", str(path)],
-                      capture_output=True, text=True))
+    ok(subprocess.run([sys.executable, str(EXAMPLES / "prepare_data.py"), "--samples", "96", "-o", str(path)], capture_output=True, text=True))
     return path

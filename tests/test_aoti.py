@@ -37,16 +37,13 @@ from runner.integrity import sha256_bytes
 
 MLP = EXAMPLES / "mlp.py"
 AOT_FRAME = re.compile(r'File "[^"]*[/\\](aot|runner)[/\\][^"]*\.py", line \d+')
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
-                                reason="AOTInductor needs a C++ compiler")
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None, reason="AOTInductor needs a C++ compiler")
 
 
 def torchrun(*args, env: dict | None = None) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node 2 -m aot ARGS`, with extra environment variables."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "aot",
-           *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "aot", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **(env or {})}, capture_output=True, text=True, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +53,9 @@ def compiled(tmp_path_factory):
     root = tmp_path_factory.mktemp("aoti")
     strategies = ("dp=2", "fsdp=2", "tp=2")
     with ThreadPoolExecutor(2) as pool:
-        results = pool.map(lambda s: aot("build", MLP, "--strategy", s, "--no-onnx", "--compile", "aoti",
-                                         "-o", root / s.replace("=", ""), "--quiet"), strategies)
+        results = pool.map(
+            lambda s: aot("build", MLP, "--strategy", s, "--no-onnx", "--compile", "aoti", "-o", root / s.replace("=", ""), "--quiet"), strategies
+        )
         for r in results:
             ok(r)
     return lambda strategy: root / strategy.replace("=", "")
@@ -118,8 +116,24 @@ def bf16_attention(tmp_path_factory):
     """ATTENTION built with --precision bf16 --compile aoti for one CPU rank (about 25 s)."""
     root = tmp_path_factory.mktemp("aoti_bf16")
     (root / "attention.py").write_text(ATTENTION)
-    ok(aot("build", root / "attention.py", "--precision", "bf16", "--topology", "cpu", "--batch-size", 2,
-           "--no-onnx", "--compile", "aoti", "-o", root / "art", "--quiet"))
+    ok(
+        aot(
+            "build",
+            root / "attention.py",
+            "--precision",
+            "bf16",
+            "--topology",
+            "cpu",
+            "--batch-size",
+            2,
+            "--no-onnx",
+            "--compile",
+            "aoti",
+            "-o",
+            root / "art",
+            "--quiet",
+        )
+    )
     return root / "art"
 
 
@@ -215,8 +229,7 @@ def test_explicit_alpha_keeps_weight_decay_through_the_addmm_fusion():
 
 def test_tier_choice_follows_device_kind_cpu_level_and_torch():
     cpu = {"kind": "cpu", "arch": "x86_64", "isa": "avx2", "capability": "AVX2", "march": "x86-64-v3"}
-    entry = {"compiler": "aoti", "device": cpu, "torch_version": torch.__version__,
-             "programs": {"train": {"file": "compiled/train.cpu.pt2"}}}
+    entry = {"compiler": "aoti", "device": cpu, "torch_version": torch.__version__, "programs": {"train": {"file": "compiled/train.cpu.pt2"}}}
     here_cpu = {"kind": "cpu", "arch": "x86_64", "capability": "AVX2"}
     assert choose_tier(entry, "train", here_cpu) == ("compiled", None)
     assert choose_tier(entry, "train", {**here_cpu, "capability": "AVX512"}) == ("compiled", None)
@@ -226,8 +239,7 @@ def test_tier_choice_follows_device_kind_cpu_level_and_torch():
     assert tier == "portable"
     assert notice == "notice: compiled package is for cpu, this run is cuda; using the portable program"
     cuda = {**entry, "device": {"kind": "cuda", "capability": "9.0"}}
-    assert choose_tier(cuda, "train", here_cpu)[1] == \
-        "notice: compiled package is for cuda, this run is cpu; using the portable program"
+    assert choose_tier(cuda, "train", here_cpu)[1] == "notice: compiled package is for cuda, this run is cpu; using the portable program"
     assert choose_tier(cuda, "train", {"kind": "cuda", "capability": "9.0"}) == ("compiled", None)
     assert "compute capability 9.0, this GPU has 8.0" in choose_tier(cuda, "train", {"kind": "cuda", "capability": "8.0"})[1]
     with pytest.raises(AotError, match="compiled package is for cuda, this run is cpu; .*--tier auto"):
@@ -237,11 +249,9 @@ def test_tier_choice_follows_device_kind_cpu_level_and_torch():
     assert "is for x86_64 CPUs" in choose_tier(entry, "train", {**here_cpu, "arch": "aarch64"})[1]
     assert "torch 2.99.0+cu999" in mismatch(cpu, here_cpu, "2.99.0+cu999")
     # kernels that use features beyond their level (VNNI is not part of AVX512 to ATen) need those too
-    vnni = {**cpu, "isa": "avx512 avx512_vnni", "features": ["avx512", "avx512_vnni"], "capability": "AVX512",
-            "march": "x86-64-v4"}
+    vnni = {**cpu, "isa": "avx512 avx512_vnni", "features": ["avx512", "avx512_vnni"], "capability": "AVX512", "march": "x86-64-v4"}
     skylake = {**here_cpu, "capability": "AVX512", "features": ["avx2", "avx512"]}
-    assert mismatch(vnni, skylake, torch.__version__) == (
-        "compiled package uses CPU features avx512_vnni (avx512 avx512_vnni kernels), which this CPU lacks")
+    assert mismatch(vnni, skylake, torch.__version__) == ("compiled package uses CPU features avx512_vnni (avx512 avx512_vnni kernels), which this CPU lacks")
     assert mismatch(vnni, {**skylake, "features": ["avx2", "avx512", "avx512_vnni"]}, torch.__version__) is None
     assert x86_target(["avx512", "avx512_vnni", "amx_tile"]) == ("x86-64-v4", "AVX512")
     assert x86_target(["avx2"]) == ("x86-64-v3", "AVX2") and x86_target([]) == ("x86-64", "DEFAULT")
@@ -284,8 +294,14 @@ def test_tier_is_chosen_before_the_process_group_starts(compiled):
     env = {**clean_env(), "ATEN_CPU_CAPABILITY": "default", "WORLD_SIZE": "2"}
 
     def run_rank(rank: int, tier: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "aot", "run", str(art), "--steps", "1", "--tier", tier],
-                              cwd=REPO, env={**env, "RANK": str(rank)}, capture_output=True, text=True, timeout=TIMEOUT)
+        return subprocess.run(
+            [sys.executable, "-m", "aot", "run", str(art), "--steps", "1", "--tier", tier],
+            cwd=REPO,
+            env={**env, "RANK": str(rank)},
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
 
     r = run_rank(0, "compiled")
     lines = r.stderr.strip().splitlines()
@@ -297,8 +313,10 @@ def test_tier_is_chosen_before_the_process_group_starts(compiled):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 2, show(r)
     assert lines[0].startswith("notice: compiled package needs") and lines[0].endswith("using the portable program"), show(r)
-    assert lines[1] == ("aot: error: [rank 0] no rendezvous set: launch multi-rank artifacts with torchrun, or give each "
-                        "process --master-addr and --master-port (MASTER_ADDR and MASTER_PORT under srun)"), show(r)
+    assert lines[1] == (
+        "aot: error: [rank 0] no rendezvous set: launch multi-rank artifacts with torchrun, or give each "
+        "process --master-addr and --master-port (MASTER_ADDR and MASTER_PORT under srun)"
+    ), show(r)
 
     r = run_rank(1, "auto")  # the notice is rank 0's alone
     assert r.returncode == 1 and "notice:" not in r.stderr and "no rendezvous set" in r.stderr, show(r)
@@ -331,8 +349,7 @@ def test_compiled_package_holding_a_pickle_is_refused(compiled, tmp_path):
     manifest = json.loads((art / "manifest.json").read_text())
     relpath = manifest["compiled"]["programs"]["train"]["file"]
     marker = tmp_path / "executed"
-    planted = _repack((art / relpath).read_bytes(), {"train/data/aotinductor/model/constants.json":
-                                                     pickle.dumps(Exploit(str(marker)))})
+    planted = _repack((art / relpath).read_bytes(), {"train/data/aotinductor/model/constants.json": pickle.dumps(Exploit(str(marker)))})
     (art / relpath).write_bytes(planted)
     manifest["files"][relpath] = {"sha256": sha256_bytes(planted), "size": len(planted)}
     manifest["digest"] = manifest_digest(manifest)
@@ -354,9 +371,14 @@ def test_package_entries_are_checked_before_loading(compiled):
 
 def test_build_without_a_cpp_compiler_fails_in_one_line(tmp_path):
     env = {**clean_env(), "CXX": str(tmp_path / "no-such-compiler")}
-    r = subprocess.run([sys.executable, "-m", "aot", "build", str(MLP), "--no-onnx", "--compile", "aoti",
-                        "-o", str(tmp_path / "art"), "--quiet"], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=TIMEOUT)
+    r = subprocess.run(
+        [sys.executable, "-m", "aot", "build", str(MLP), "--no-onnx", "--compile", "aoti", "-o", str(tmp_path / "art"), "--quiet"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert r.returncode == 1 and "Traceback" not in r.stderr, show(r)
     assert r.stderr.strip().splitlines() == [line for line in r.stderr.strip().splitlines() if line.startswith("aot: error: ")]
     assert "needs a C++ compiler" in r.stderr, show(r)

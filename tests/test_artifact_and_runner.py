@@ -44,6 +44,7 @@ def test_no_file_is_a_pickle_and_every_file_is_hashed(gpt2):
             json.loads(data)
         elif rel.endswith(".onnx"):  # the inference export: ONNX protobuf
             import onnx
+
             onnx.load_from_string(data)
         else:
             assert rel.endswith(".safetensors")
@@ -53,6 +54,7 @@ def test_no_file_is_a_pickle_and_every_file_is_hashed(gpt2):
 def test_loading_never_calls_torch_load(mlp1, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("torch.load called while loading an artifact")
+
     monkeypatch.setattr(torch, "load", refuse)
     trainer = runner.load(mlp1, rank=0, world_size=1)
     inputs, targets = trainer.data_source().batch(0)
@@ -69,6 +71,7 @@ def test_program_files_are_shared_across_ranks(gpt2):
 
 def _user_module(path):
     import importlib.util
+
     spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
     user = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(user)
@@ -129,6 +132,7 @@ def test_merged_checkpoint_loads_into_the_users_model(gpt2, tmp_path):
     ok(torchrun(2, "run", gpt2, "--steps", "1", "--save", tmp_path / "ck", "--quiet"))
     ok(aot("checkpoint", "merge", tmp_path / "ck", "-o", tmp_path / "full.safetensors"))
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("gpt_example", EXAMPLES / "gpt.py")
     user = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(user)
@@ -204,8 +208,7 @@ def test_fsdp_shards_parameters_and_optimizer_state(tmp_path):
             weights, optimizer = initial_state(Artifact(out), manifest["ranks"][rank]["coords"])
             state = weights | optimizer
             params = set(manifest["state"]["params"])
-            per_rank.append(sum(t.numel() * t.element_size() for k, t in state.items()
-                                if k in params or k.split(":")[0] in params))
+            per_rank.append(sum(t.numel() * t.element_size() for k, t in state.items() if k in params or k.split(":")[0] in params))
         sizes[strategy] = per_rank
     for rank in range(4):
         assert abs(sizes["fsdp=4"][rank] / sizes["dp=4"][rank] - 0.25) < 0.05 * 0.25

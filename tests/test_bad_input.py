@@ -35,6 +35,7 @@ AOT_FRAME = re.compile(r'File "[^"]*[/\\](aot|runner)[/\\][^"]*\.py", line \d+')
 
 # -- helpers ---------------------------------------------------------------------------------
 
+
 def assert_user_error(r: subprocess.CompletedProcess, *needles: str) -> str:
     """Exit 1, no traceback, exactly one `aot: error:` line naming the problem; returns that line.
 
@@ -96,6 +97,7 @@ def staging_folders(folder: Path) -> list[Path]:
 
 # -- shared artifacts ------------------------------------------------------------------------
 
+
 def _build(folder: Path, model: Path, *options) -> Path:
     r = aot("build", model, "-o", folder, "--quiet", *options)
     assert r.returncode == 0, show(r)
@@ -133,6 +135,7 @@ def copy1(artifact1, tmp_path) -> Path:
 
 # -- 1. model files that break the model-file contract --------------------------------------
 
+
 def test_model_file_without_model(tmp_path):
     r = aot("build", MODELS / "bad_no_model.py", "-o", tmp_path / "out", "--quiet")
     assert_user_error(r, "bad_no_model.py", "model()")
@@ -151,8 +154,7 @@ def test_model_file_syntax_error_names_file_and_line(tmp_path):
 
 def test_model_raising_names_file_and_line(tmp_path):
     path = MODELS / "bad_model_raises.py"
-    line = assert_user_error(aot("build", path, "-o", tmp_path / "out", "--quiet"),
-                             "model()", "RuntimeError", "exploded on purpose")
+    line = assert_user_error(aot("build", path, "-o", tmp_path / "out", "--quiet"), "model()", "RuntimeError", "exploded on purpose")
     assert f"bad_model_raises.py:{line_of(path, 'MARK: raises')}" in line
 
 
@@ -169,10 +171,10 @@ def test_model_file_that_does_not_exist(tmp_path):
 
 # -- 2. models that cannot be traced --------------------------------------------------------
 
+
 def test_data_dependent_control_flow_names_problem_and_line(tmp_path):
     path = MODELS / "bad_data_dependent.py"
-    line = assert_user_error(aot("build", path, "-o", tmp_path / "out", "--quiet"),
-                             "cannot be traced", "data-dependent")
+    line = assert_user_error(aot("build", path, "-o", tmp_path / "out", "--quiet"), "cannot be traced", "data-dependent")
     assert f"bad_data_dependent.py:{line_of(path, 'MARK: data-dependent')}" in line
     assert "if x.sum() > 0" in line
 
@@ -191,6 +193,7 @@ def test_shape_mismatch_in_forward_is_one_line(tmp_path):
 
 
 # -- 3. data that does not match the built program ------------------------------------------
+
 
 def _good_row(n: int = 16) -> dict:
     # examples/mlp.py: 32 float32 features per sample, int64 class targets
@@ -235,6 +238,7 @@ def test_data_file_that_does_not_exist(artifact1, tmp_path):
 
 # -- 4. world size of the launch differs from the artifact's --------------------------------
 
+
 def test_torchrun_with_fewer_ranks_than_built(artifact2):
     r = torchrun(1, "run", artifact2, "--steps", "1", "--quiet")
     assert_rank_errors(r, "world size 2", "1 process")
@@ -253,6 +257,7 @@ def test_world_size_2_artifact_without_torchrun(artifact2):
 
 
 # -- 5. missing and altered artifact files --------------------------------------------------
+
 
 def test_altered_init_program(copy1):
     flip_byte(copy1 / "programs" / "init.json")
@@ -294,6 +299,7 @@ def test_manifest_file_entry_without_sha256(copy1):
 
 # -- 6. artifacts from another torch or format version --------------------------------------
 
+
 def test_artifact_from_another_torch_version(copy1):
     edit_manifest(copy1, torch_version="2.99.0")
     r = aot("run", copy1, "--steps", "1", "--quiet")
@@ -309,13 +315,18 @@ def test_artifact_of_another_format_version(copy1):
 
 # -- 7. bad command-line options ------------------------------------------------------------
 
-@pytest.mark.parametrize("options, needles", [
-    (["--strategy", "ep=2"], ["'ep'", "not supported"]),
-    (["--strategy", "dp=3", "--world-size", "2"], ["dp=3", "3", "world size 2"]),
-    (["--batch-size", "0"], ["--batch-size", "0"]),
-    (["--topology", "nonexistent_profile"], ["nonexistent_profile", "built-in: cpu"]),
-    (["--topology", "gpu8"], ["'gpu8'", "no built-in profile"]),
-], ids=["unsupported-axis", "degrees-vs-world-size", "batch-size-0", "topology-path", "unknown-builtin"])
+
+@pytest.mark.parametrize(
+    "options, needles",
+    [
+        (["--strategy", "ep=2"], ["'ep'", "not supported"]),
+        (["--strategy", "dp=3", "--world-size", "2"], ["dp=3", "3", "world size 2"]),
+        (["--batch-size", "0"], ["--batch-size", "0"]),
+        (["--topology", "nonexistent_profile"], ["nonexistent_profile", "built-in: cpu"]),
+        (["--topology", "gpu8"], ["'gpu8'", "no built-in profile"]),
+    ],
+    ids=["unsupported-axis", "degrees-vs-world-size", "batch-size-0", "topology-path", "unknown-builtin"],
+)
 def test_bad_build_options(tmp_path, options, needles):
     out = tmp_path / "out"
     r = aot("build", MLP, "-o", out, "--quiet", *options)
@@ -326,15 +337,12 @@ def test_bad_build_options(tmp_path, options, needles):
 def test_bad_tensor_parallel_degree_or_plan(tmp_path):
     """Refused at build time, before the step is traced (the capture stage never starts)."""
     cases = [
-        (REPO / "examples" / "gpt.py", ["--strategy", "tp=8", "--world-size", "8"],
-         ["tp=8", "attention heads", "n_head in gpt.py = 4"]),
+        (REPO / "examples" / "gpt.py", ["--strategy", "tp=8", "--world-size", "8"], ["tp=8", "attention heads", "n_head in gpt.py = 4"]),
         (MLP, ["--strategy", "tp=3", "--world-size", "3"], ["tp=3", "'0'", "output features do not divide by 3"]),
-        (MODELS / "bad_tp_plan.py", ["--strategy", "tp=2", "--world-size", "2"],
-         ["bad_tp_plan.py", "tp_plan", "'fc2'", "does not have"]),
+        (MODELS / "bad_tp_plan.py", ["--strategy", "tp=2", "--world-size", "2"], ["bad_tp_plan.py", "tp_plan", "'fc2'", "does not have"]),
         (MLP, ["--strategy", "dp=2", "--sequence-parallel"], ["--sequence-parallel", "needs --strategy with tp"]),
         (MLP, ["--strategy", "tp=2", "--sequence-parallel"], ["--sequence-parallel", "at the top of the model"]),
-        (MODELS / "gpt_odd_sequence.py", ["--strategy", "tp=2", "--sequence-parallel"],
-         ["sequence length 63 does not divide by 2"]),
+        (MODELS / "gpt_odd_sequence.py", ["--strategy", "tp=2", "--sequence-parallel"], ["sequence length 63 does not divide by 2"]),
     ]
     results = aot_each(*(("build", path, "-o", tmp_path / path.stem, *options) for path, options, _ in cases))
     for (path, _options, needles), r in zip(cases, results):
@@ -352,6 +360,7 @@ def test_topology_file_that_is_not_a_profile(tmp_path):
 
 
 # -- 8. a failed build leaves no half-written artifact -------------------------------------
+
 
 def test_failed_build_into_fresh_folder_leaves_nothing(tmp_path):
     out = tmp_path / "fresh"
@@ -423,6 +432,7 @@ def test_build_output_below_a_file(tmp_path):
 
 # -- 9. --debug shows the traceback ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("where", ["after", "before"])
 def test_debug_shows_traceback(tmp_path, where):
     args = ["build", MODELS / "bad_no_model.py", "-o", tmp_path / "out", "--quiet"]
@@ -434,13 +444,20 @@ def test_debug_shows_traceback(tmp_path, where):
 
 def test_debug_env_shows_traceback_for_run(copy1):
     flip_byte(copy1 / "programs" / "init.json")
-    r = subprocess.run([sys.executable, "-m", "aot", "run", str(copy1), "--steps", "1", "--quiet"],
-                       cwd=REPO, env={**clean_env(), "AOT_DEBUG": "1"}, capture_output=True, text=True, timeout=TIMEOUT)
+    r = subprocess.run(
+        [sys.executable, "-m", "aot", "run", str(copy1), "--steps", "1", "--quiet"],
+        cwd=REPO,
+        env={**clean_env(), "AOT_DEBUG": "1"},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert r.returncode != 0, show(r)
     assert "Traceback (most recent call last)" in r.stderr and "sha256" in r.stderr, show(r)
 
 
 # -- 10. checkpoints ------------------------------------------------------------------------
+
 
 def test_merge_of_a_folder_that_is_not_a_checkpoint(artifact1, tmp_path):
     out = tmp_path / "merged.safetensors"
@@ -487,6 +504,7 @@ def test_metrics_path_that_is_a_folder(artifact1, tmp_path):
 
 # -- 8. mixed precision the target or the model cannot take -----------------------------------
 
+
 def _with(tmp_path, source: Path, **names) -> Path:
     """A copy of `source` with module-level names set (precision = "fp8", ...)."""
     path = tmp_path / source.name
@@ -497,8 +515,7 @@ def _with(tmp_path, source: Path, **names) -> Path:
 def test_unknown_precision(tmp_path):
     r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--precision", "fp8")
     assert r.returncode == 2 and "fp8" in r.stderr and "Traceback" not in r.stderr, show(r)
-    assert_user_error(aot("build", _with(tmp_path, MLP, precision="fp8"), "-o", tmp_path / "out", "--quiet"),
-                      "mlp.py: precision", "fp32, bf16, fp16", "'fp8'")
+    assert_user_error(aot("build", _with(tmp_path, MLP, precision="fp8"), "-o", tmp_path / "out", "--quiet"), "mlp.py: precision", "fp32, bf16, fp16", "'fp8'")
     assert not (tmp_path / "out").exists()
 
 
@@ -542,6 +559,7 @@ def test_optimizer_stepping_with_a_closure(tmp_path, precision):
 
 # -- 9. recomputation budgets that cannot be met, policies that say nothing ---------------------------
 
+
 def test_memory_budget_that_is_not_a_size(tmp_path):
     r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--memory-budget", "lots")
     assert_user_error(r, "--memory-budget must be a positive size", "'lots'")
@@ -555,19 +573,19 @@ def test_memory_budget_below_the_smallest_peak(tmp_path):
 
 
 def test_activation_budget_out_of_range_or_below_the_feasible(tmp_path):
-    assert_user_error(aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--activation-budget", "1.5"),
-                      "fraction of saved activations kept, from 0 to 1")
+    assert_user_error(aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--activation-budget", "1.5"), "fraction of saved activations kept, from 0 to 1")
     r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--no-onnx", "--activation-budget", "0")
     assert_user_error(r, "below what recomputation can reach", "smallest feasible is")
-    assert_user_error(aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--activation-budget", "0.5",
-                          "--memory-budget", "1"), "give one")
+    assert_user_error(aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--activation-budget", "0.5", "--memory-budget", "1"), "give one")
     assert not (tmp_path / "out").exists()
 
 
 def test_bad_recompute_policy(tmp_path):
-    for policy, words in [(5, "must be a list of module name patterns"),
-                          ({"modules": ["0"], "save": "everything"}, '"save" must be "matmuls"'),
-                          (["decoder.*"], "no module call matching")]:
+    for policy, words in [
+        (5, "must be a list of module name patterns"),
+        ({"modules": ["0"], "save": "everything"}, '"save" must be "matmuls"'),
+        (["decoder.*"], "no module call matching"),
+    ]:
         r = aot("build", _with(tmp_path, MLP, recompute=policy), "-o", tmp_path / "out", "--quiet", "--no-onnx")
         assert_user_error(r, "recompute", words)
         assert not (tmp_path / "out").exists()
@@ -575,12 +593,14 @@ def test_bad_recompute_policy(tmp_path):
 
 # -- 11. pipelines the model or the batch cannot take: refused before tracing ----------------------
 
+
 def test_microbatches_the_batch_or_schedule_cannot_take(tmp_path):
     build = lambda *args: aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--no-onnx", "--batch-size", 4, *args)
     assert_user_error(build("--strategy", "pp=2", "--microbatches", 3), "does not split into --microbatches 3")
     assert_user_error(build("--strategy", "pp=2", "--microbatches", 1), "at least as many microbatches as pipeline ranks")
-    assert_user_error(build("--strategy", "pp=2", "--pp-schedule", "interleaved-1f1b", "--microbatches", 4,
-                            "--world-size", 2, "--batch-size", 6), "does not split into")
+    assert_user_error(
+        build("--strategy", "pp=2", "--pp-schedule", "interleaved-1f1b", "--microbatches", 4, "--world-size", 2, "--batch-size", 6), "does not split into"
+    )
     assert_user_error(build("--strategy", "pp=2", "--stages-per-rank", 2), "needs --pp-schedule interleaved-1f1b")
     assert_user_error(build("--microbatches", 2), "need --strategy with pp=N")
     assert_user_error(build("--strategy", "dp=1,pp=2"), "pp must be the first (outermost) axis")
@@ -588,18 +608,14 @@ def test_microbatches_the_batch_or_schedule_cannot_take(tmp_path):
 
 
 def test_pipeline_stages_the_model_cannot_take(tmp_path):
-    r = aot("build", _with(tmp_path, MLP, pp_split=["decoder.3"]), "-o", tmp_path / "out", "--quiet", "--no-onnx",
-            "--strategy", "pp=2", "--batch-size", 4)
+    r = aot("build", _with(tmp_path, MLP, pp_split=["decoder.3"]), "-o", tmp_path / "out", "--quiet", "--no-onnx", "--strategy", "pp=2", "--batch-size", 4)
     assert_user_error(r, "pp_split names 'decoder.3', which is not a module of the model")
-    r = aot("build", _with(tmp_path, MLP, pp_split=["2", "4"]), "-o", tmp_path / "out", "--quiet", "--no-onnx",
-            "--strategy", "pp=2", "--batch-size", 4)
+    r = aot("build", _with(tmp_path, MLP, pp_split=["2", "4"]), "-o", tmp_path / "out", "--quiet", "--no-onnx", "--strategy", "pp=2", "--batch-size", 4)
     assert_user_error(r, "pp_split names 2 module(s) for 2 stages")
-    r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--no-onnx", "--strategy", "pp=8", "--batch-size", 8,
-            "--microbatches", 8)
+    r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--no-onnx", "--strategy", "pp=8", "--batch-size", 8, "--microbatches", 8)
     assert_user_error(r, "8 stages need at least 8 layers; the model has 5")
     r = aot("build", MLP, "-o", tmp_path / "out", "--quiet", "--no-onnx", "--strategy", "pp=4", "--batch-size", 8)
-    assert_user_error(r, "would hold no parameters")   # 3 Linears and 2 ReLUs cannot give 4 ranks weights
-    r = aot("build", REPO / "tests" / "models" / "bn_adam.py", "-o", tmp_path / "out", "--quiet", "--no-onnx",
-            "--strategy", "pp=2", "--batch-size", 4)
+    assert_user_error(r, "would hold no parameters")  # 3 Linears and 2 ReLUs cannot give 4 ranks weights
+    r = aot("build", REPO / "tests" / "models" / "bn_adam.py", "-o", tmp_path / "out", "--quiet", "--no-onnx", "--strategy", "pp=2", "--batch-size", 4)
     assert_user_error(r, "updates buffer", "in place", "not supported with pp yet")
     assert not (tmp_path / "out").exists()

@@ -50,6 +50,7 @@ def test_manifest_names_the_op_library_and_onnx_uses_the_translation(artifact):
     assert manifest["custom_ops"] == {"ops": [OP], "modules": ["examples.custom_ops"]}
     assert manifest["inference"]["custom_ops"] == [OP]
     import onnx
+
     proto = onnx.load_from_string((artifact / "inference" / "model.onnx").read_bytes())
     assert {n.op_type for n in proto.graph.node} >= {"Sigmoid", "Mul"}  # the translation, inlined
     user = load_user(MODEL)
@@ -65,8 +66,7 @@ def test_manifest_names_the_op_library_and_onnx_uses_the_translation(artifact):
 def test_trains_under_torchrun_like_eager_ddp(artifact, tmp_path):
     metrics, ckpt, ref, merged = tmp_path / "m.jsonl", tmp_path / "ckpt", tmp_path / "ref", tmp_path / "merged.safetensors"
     ok(torchrun(2, "run", artifact, "--steps", STEPS, "--metrics", metrics, "--save", ckpt, "--quiet"))
-    ok(torchrun(2, REFERENCE, MODEL, artifact / "data" / "example_batch.safetensors", ref,
-                "--steps", STEPS, "--batch-size", 4, module=None))
+    ok(torchrun(2, REFERENCE, MODEL, artifact / "data" / "example_batch.safetensors", ref, "--steps", STEPS, "--batch-size", 4, module=None))
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     ref_losses = json.loads((ref / "losses.json").read_text())
     assert len(losses) == len(ref_losses) == STEPS
@@ -84,8 +84,9 @@ def test_runner_cannot_import_the_op_library(no_onnx_artifact, tmp_path):
     """Run from a folder where `examples` is not importable: one line naming the module and the op."""
     env = clean_env()
     env["PYTHONPATH"] = ""  # aot itself is installed; the op library is not
-    r = subprocess.run([sys.executable, "-m", "aot", "run", no_onnx_artifact, "--steps", "1"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "aot", "run", no_onnx_artifact, "--steps", "1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert_user_error(r, "examples.custom_ops", OP, "cannot be imported here", "PYTHONPATH")
 
 

@@ -17,8 +17,12 @@ from runner.inspect import human
 def builds(tmp_path_factory):
     """examples/mlp.py built for two ranks as dp=2 and as fsdp=2."""
     root = tmp_path_factory.mktemp("diff")
-    for r in aot_each(*(("build", EXAMPLES / "mlp.py", "--strategy", strategy, "--no-onnx", "--quiet", "-o", root / name)
-                        for name, strategy in (("dp", "dp=2"), ("fsdp", "fsdp=2")))):
+    for r in aot_each(
+        *(
+            ("build", EXAMPLES / "mlp.py", "--strategy", strategy, "--no-onnx", "--quiet", "-o", root / name)
+            for name, strategy in (("dp", "dp=2"), ("fsdp", "fsdp=2"))
+        )
+    ):
         ok(r)
     return root
 
@@ -39,8 +43,13 @@ def test_dp_to_fsdp_names_the_changed_collectives(builds):
     assert f"+ reduce_scatter_tensor over aot.fsdp (float32): {len(numel)} x, {human(grads)}" in r.stdout, show(r)
     assert "+ all_gather_into_tensor over aot.fsdp (float32): " in r.stdout, show(r)
     assert "+ all_reduce over aot.fsdp (float32): 1 x, 4 B" in r.stdout, show(r)
-    for line in ("strategy                   dp=2 -> fsdp=2", "sharding                   none -> fsdp=2 over aot.fsdp",
-                 "_c10d_functional.reduce_scatter_tensor   0 -> 6", "peak memory per rank", "B/A"):
+    for line in (
+        "strategy                   dp=2 -> fsdp=2",
+        "sharding                   none -> fsdp=2 over aot.fsdp",
+        "_c10d_functional.reduce_scatter_tensor   0 -> 6",
+        "peak memory per rank",
+        "B/A",
+    ):
         assert line in r.stdout, show(r)
 
 
@@ -50,11 +59,15 @@ def test_json_holds_the_same_facts(builds):
     d = json.loads(r.stdout)
     numel = _parameters()
     assert d["identical"] is False
-    program, = d["programs"]
+    (program,) = d["programs"]
     assert program["ranks"] == [0, 1] and program["a"] == program["b"] == "train"
     changes = {(c["kind"], c["group"], c["change"]): c for c in program["collectives"]}
-    assert set(changes) == {("all_reduce", "aot.dp", "removed"), ("all_reduce", "aot.fsdp", "added"),
-                            ("all_gather_into_tensor", "aot.fsdp", "added"), ("reduce_scatter_tensor", "aot.fsdp", "added")}
+    assert set(changes) == {
+        ("all_reduce", "aot.dp", "removed"),
+        ("all_reduce", "aot.fsdp", "added"),
+        ("all_gather_into_tensor", "aot.fsdp", "added"),
+        ("reduce_scatter_tensor", "aot.fsdp", "added"),
+    }
     assert changes["all_reduce", "aot.dp", "removed"]["a"]["sizes"] == [4 * sum(numel) + 4]
     assert sorted(changes["reduce_scatter_tensor", "aot.fsdp", "added"]["b"]["sizes"]) == sorted(4 * (n + n % 2) for n in numel)
     # each all_gather sends this rank's shard of one parameter

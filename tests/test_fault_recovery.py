@@ -26,8 +26,19 @@ def gpt(tmp_path_factory):
 
 
 def launch(*args, restarts=0):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), "-m", "aot", *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        "-m",
+        "aot",
+        *map(str, args),
+    ]
     return subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -59,8 +70,9 @@ def test_killed_rank_restarts_from_last_checkpoint_bit_identical(gpt, tmp_path):
     ok(torchrun(2, "run", gpt, "--steps", STEPS, "--save", clean, "--save-every", EVERY, "--quiet"))
 
     faulty, metrics = tmp_path / "faulty", tmp_path / "metrics.jsonl"
-    proc = launch("run", gpt, "--steps", STEPS, "--save", faulty, "--save-every", EVERY,
-                  "--metrics", metrics, restarts=2)  # a second chance if a restart's rendezvous races the dying group
+    proc = launch(
+        "run", gpt, "--steps", STEPS, "--save", faulty, "--save-every", EVERY, "--metrics", metrics, restarts=2
+    )  # a second chance if a restart's rendezvous races the dying group
     wait_for_step(metrics, 2 * EVERY + 5, proc)
     os.kill(workers(proc.pid)[-1], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
@@ -92,16 +104,21 @@ while True:
 
 def test_crash_while_checkpointing_never_damages_the_last_good_one(tmp_path):
     from runner.checkpoint import load_checkpoint, save_checkpoint
+
     folder = tmp_path / "ck"
-    save_checkpoint(folder, 1, {"w": torch.full((1 << 22,), 1.0)}, {"w:m": torch.full((1 << 22,), 1.0)},
-                    {"state_dict_keys": ["w"], "aliases": {}, "params": {"w": [[1 << 22], "float32"]}})
+    save_checkpoint(
+        folder,
+        1,
+        {"w": torch.full((1 << 22,), 1.0)},
+        {"w:m": torch.full((1 << 22,), 1.0)},
+        {"state_dict_keys": ["w"], "aliases": {}, "params": {"w": [[1 << 22], "float32"]}},
+    )
     for attempt in range(6):
-        writer = subprocess.Popen([sys.executable, "-c", CRASHING_WRITER, str(folder), str(10 * attempt + 1)],
-                                  cwd=REPO, env=clean_env())
+        writer = subprocess.Popen([sys.executable, "-c", CRASHING_WRITER, str(folder), str(10 * attempt + 1)], cwd=REPO, env=clean_env())
         time.sleep(0.4 + 0.23 * attempt)
         writer.send_signal(signal.SIGKILL)
         writer.wait()
-        index, weights, optimizer = load_checkpoint(folder)   # verifies every hash
+        index, weights, optimizer = load_checkpoint(folder)  # verifies every hash
         assert torch.equal(weights["w"], torch.full((1 << 22,), float(index["step"])))
         assert torch.equal(optimizer["w:m"], weights["w"])
 

@@ -38,12 +38,23 @@ BUILDS = {  # name -> aot build arguments (--quiet and -o added); one keeps the 
     "mlp-fsdp2": (EXAMPLES / "mlp.py", "--world-size", 2, "--strategy", "fsdp=2", "--no-onnx"),
     "gpt-tp2": (EXAMPLES / "gpt.py", "--world-size", 2, "--strategy", "tp=2", "--batch-size", 2, "--no-onnx"),
     # as tests/test_pipeline.py builds it
-    "gpt4-pp2": (MODELS / "gpt4.py", "--world-size", 2, "--strategy", "pp=2", "--pp-schedule", "interleaved-1f1b",
-                 "--microbatches", 4, "--batch-size", 4, "--no-onnx"),
+    "gpt4-pp2": (
+        MODELS / "gpt4.py",
+        "--world-size",
+        2,
+        "--strategy",
+        "pp=2",
+        "--pp-schedule",
+        "interleaved-1f1b",
+        "--microbatches",
+        4,
+        "--batch-size",
+        4,
+        "--no-onnx",
+    ),
     # as tests/test_mixed_precision.py builds it on the CPU
     "mlp-bf16": (EXAMPLES / "mlp.py", "--topology", "cpu", "--precision", "bf16", "--no-onnx"),
-    "convnet-syncbn-dp2": (MODELS / "convnet_syncbn.py", "--world-size", 2, "--strategy", "dp=2", "--batch-size", 4,
-                           "--no-onnx"),
+    "convnet-syncbn-dp2": (MODELS / "convnet_syncbn.py", "--world-size", 2, "--strategy", "dp=2", "--batch-size", 4, "--no-onnx"),
 }
 GOLDEN = FIXTURES / "artifact_v4_mlp"
 # What eager PyTorch computed on examples/mlp.py (torch.manual_seed(0), the example batch) for
@@ -85,8 +96,7 @@ def test_every_built_manifest_validates(built, name):
     assert manifest["format_version"] == spec.FORMAT_VERSION
     assert schema_errors(manifest) == []
     # each optional entry this matrix is meant to cover is really there
-    expected = {"mlp": "inference", "mlp-fsdp2": "sharding", "gpt-tp2": "tensor_parallel", "gpt4-pp2": "pipeline",
-                "convnet-syncbn-dp2": "batchnorm"}
+    expected = {"mlp": "inference", "mlp-fsdp2": "sharding", "gpt-tp2": "tensor_parallel", "gpt4-pp2": "pipeline", "convnet-syncbn-dp2": "batchnorm"}
     if name in expected:
         assert manifest[expected[name]] is not None
     if name == "mlp-bf16":
@@ -134,15 +144,19 @@ def _checked_schemas(manifest: dict) -> list[tuple[tuple, tuple, object]]:
     manifest: the whole manifest's, each optional entry's when present, and each program
     input's by its kind (the first input of each kind)."""
     out = [((), (), spec.SCHEMA), ((), (), spec.INIT_SCHEMA), ((), (), spec.PRECISION_SCHEMA)]
-    optional = {"inference": spec.INFERENCE_SCHEMA, "memory": spec.MEMORY_SCHEMA, "time": spec.TIME_SCHEMA,
-                "pipeline": spec.PIPELINE_SCHEMA, "batchnorm": spec.BATCHNORM_SCHEMA}
+    optional = {
+        "inference": spec.INFERENCE_SCHEMA,
+        "memory": spec.MEMORY_SCHEMA,
+        "time": spec.TIME_SCHEMA,
+        "pipeline": spec.PIPELINE_SCHEMA,
+        "batchnorm": spec.BATCHNORM_SCHEMA,
+    }
     out += [((key,), (key,), schema) for key, schema in optional.items() if manifest.get(key) is not None]
     for name, program in manifest["programs"].items():
         first = {}
         for j, slot in enumerate(program["inputs"]):
             first.setdefault(slot["kind"], j)
-        out += [(("programs", name, "inputs", j), ("programs", "*", "inputs", f"<{kind}>"), spec.SLOT_FIELDS[kind])
-                for kind, j in first.items()]
+        out += [(("programs", name, "inputs", j), ("programs", "*", "inputs", f"<{kind}>"), spec.SLOT_FIELDS[kind]) for kind, j in first.items()]
     return out
 
 
@@ -179,12 +193,20 @@ def runner_field_mutations(manifest: dict) -> list[tuple[tuple, tuple, object]]:
 # Fields the runner checks inline rather than in a *_SCHEMA dict, and the version bounds (each
 # applied where its parent exists in the manifest).
 HAND_MUTATIONS = [
-    (("format_version",), 3), (("format_version",), 6), (("format",), "aot-checkpoint"),
-    (("torch_version",), REMOVE), (("digest",), REMOVE), (("build", "seed"), "0"),
-    (("sharding", "size"), "2"), (("sharding", "params", "0.weight"), -1),
-    (("tensor_parallel", "sequence_parallel"), REMOVE), (("tensor_parallel", "plan", "blocks.0.attn.q"), 0),
-    (("placement", "physical_rank_of_mesh_rank"), REMOVE), (("placement", "axes_outer_to_inner"), "dp"),
-    (("custom_ops",), {"ops": []}), (("precision", "grad_scaler"), {"init_scale": 65536.0}),
+    (("format_version",), 3),
+    (("format_version",), 6),
+    (("format",), "aot-checkpoint"),
+    (("torch_version",), REMOVE),
+    (("digest",), REMOVE),
+    (("build", "seed"), "0"),
+    (("sharding", "size"), "2"),
+    (("sharding", "params", "0.weight"), -1),
+    (("tensor_parallel", "sequence_parallel"), REMOVE),
+    (("tensor_parallel", "plan", "blocks.0.attn.q"), 0),
+    (("placement", "physical_rank_of_mesh_rank"), REMOVE),
+    (("placement", "axes_outer_to_inner"), "dp"),
+    (("custom_ops",), {"ops": []}),
+    (("precision", "grad_scaler"), {"init_scale": 65536.0}),
     (("process_groups", "aot.dp", "groups", 0, 0), "0"),
 ]
 

@@ -71,6 +71,7 @@ def test_damaged_manifests_give_one_line_errors(artifact_dir, tmp_path_factory, 
         for rel in artifact.manifest["files"]:
             artifact.read(rel)
         import runner
+
         trainer = runner.load(folder, rank=0, world_size=1)
         inputs, targets = trainer.data_source().batch(0)
         trainer.step(inputs, targets)
@@ -79,8 +80,7 @@ def test_damaged_manifests_give_one_line_errors(artifact_dir, tmp_path_factory, 
 
 
 @FUZZ
-@given(profile=st.dictionaries(st.sampled_from(["schema", "schema_version", "name", "device_kind", "nodes", "node", "backend"]),
-                               json_values, max_size=7))
+@given(profile=st.dictionaries(st.sampled_from(["schema", "schema_version", "name", "device_kind", "nodes", "node", "backend"]), json_values, max_size=7))
 def test_generated_profiles_give_one_line_errors(tmp_path_factory, profile):
     path = tmp_path_factory.mktemp("p") / "profile.json"
     path.write_text(json.dumps(profile))
@@ -91,10 +91,20 @@ def test_generated_profiles_give_one_line_errors(tmp_path_factory, profile):
 
 
 FUNCTIONS = {
-    "model": ["def model():\n    return torch.nn.Linear(4, 2)\n", "model = 3\n", "def model():\n    return 3\n",
-              "def model():\n    raise ValueError('no')\n", ""],
-    "batch": ["def batch(n):\n    return torch.randn(n, 4), torch.randint(0, 2, (n,))\n", "def batch(n):\n    return 1\n",
-              "def batch(n):\n    return torch.randn(n, 5), torch.randint(0, 2, (n,))\n", "batch = None\n", ""],
+    "model": [
+        "def model():\n    return torch.nn.Linear(4, 2)\n",
+        "model = 3\n",
+        "def model():\n    return 3\n",
+        "def model():\n    raise ValueError('no')\n",
+        "",
+    ],
+    "batch": [
+        "def batch(n):\n    return torch.randn(n, 4), torch.randint(0, 2, (n,))\n",
+        "def batch(n):\n    return 1\n",
+        "def batch(n):\n    return torch.randn(n, 5), torch.randint(0, 2, (n,))\n",
+        "batch = None\n",
+        "",
+    ],
     "optimizer": ["def optimizer(p):\n    return torch.optim.SGD(p, lr=0.1)\n", "def optimizer(p):\n    return None\n", ""],
     "loss": ["def loss(o, t):\n    return o.sum()\n", "def loss(o, t):\n    return o\n", ""],
     "extra": ["max_grad_norm = 1.0\n", "max_grad_norm = 'x'\n", "max_grad_norm = -1\n", "import nonexistent_module_xyz\n", "x = (\n", ""],
@@ -109,6 +119,7 @@ def test_generated_model_files_build_or_fail_in_one_line(tmp_path_factory, parts
     path.write_text("import torch\n" + "".join(parts.values()))
     from aot.build import BuildOptions, build
     from aot.progress import Progress
+
     out = folder / "art"
     try:
         build(BuildOptions(model_path=path, output=out, topology="cpu"), Progress(total=6, quiet=True))

@@ -48,8 +48,24 @@ WORKER = textwrap.dedent("""
 
 def test_fsdp_program_on_gloo_has_one_collective_in_flight(tmp_path):
     artifact = tmp_path / "art"
-    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", "2", "--strategy", "fsdp=2", "--batch-size", "4",
-           "--max-steps", "10", "--no-onnx", "--quiet", "-o", artifact))
+    ok(
+        aot(
+            "build",
+            EXAMPLES / "mlp.py",
+            "--world-size",
+            "2",
+            "--strategy",
+            "fsdp=2",
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "10",
+            "--no-onnx",
+            "--quiet",
+            "-o",
+            artifact,
+        )
+    )
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
     out = tmp_path / "report"

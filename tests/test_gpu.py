@@ -45,8 +45,7 @@ from helpers.inference import eager_model, load_user, max_diff
 from runner.checkpoint import merge_checkpoint
 from test_mixed_precision import _mean, _worst  # the weight differences the CPU precision tests bound
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                  reason="no CUDA device: run scripts/gpu_check.sh on a GPU machine")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: run scripts/gpu_check.sh on a GPU machine")]
 
 GPT = EXAMPLES / "gpt.py"
 STEPS = 5
@@ -73,6 +72,7 @@ PROBE_NAME = "gpu-check"
 
 # -- shared state ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def figures():
     """record(test, **values): what a test measured, written at once to $AOT_GPU_FIGURES (JSON)."""
@@ -83,6 +83,7 @@ def figures():
         data.setdefault(name, {}).update(values)
         if path:
             Path(path).write_text(json.dumps(data, indent=1, default=str))
+
     return record
 
 
@@ -120,6 +121,7 @@ def builds(target, tmp_path_factory):
     def build(name, args):
         art = root / name
         return art, aot("build", GPT, *common, *args, "-o", art)
+
     futures = {name: pool.submit(build, name, args) for name, args in specs.items()}
     yield lambda name: _built(*futures[name].result())
     pool.shutdown(wait=True)
@@ -159,6 +161,7 @@ def _step_ms(records) -> float:
 
 # -- topology ------------------------------------------------------------------------------------
 
+
 def test_probe_reads_this_gpu_through_nvml_and_verify_live_accepts_it(target, builds, tmp_path, figures):
     """(`builds` only starts the builds the later tests wait for.)"""
     from runner.topology import load_profile
@@ -168,9 +171,13 @@ def test_probe_reads_this_gpu_through_nvml_and_verify_live_accepts_it(target, bu
     r = ok(aot("topology", "probe", "-o", path, "--name", PROBE_NAME))
     profile = json.loads(path.read_text())
     gpus = list(profile["node"]["gpus"].values())
-    figures("probe", source=profile["probe"]["source"], driver=profile["probe"]["driver_version"],
-            gpus=[{k: g[k] for k in ("name", "compute_capability", "memory_bytes", "numa_node", "pcie")} for g in gpus],
-            notes=profile["probe"]["notes"])
+    figures(
+        "probe",
+        source=profile["probe"]["source"],
+        driver=profile["probe"]["driver_version"],
+        gpus=[{k: g[k] for k in ("name", "compute_capability", "memory_bytes", "numa_node", "pcie")} for g in gpus],
+        notes=profile["probe"]["notes"],
+    )
     assert profile["device_kind"] == "cuda" and profile["backend"] == "nccl", show(r)
     assert profile["probe"]["source"] == "nvml", profile["probe"]  # the real NVML, not torch's fallback
     assert len(gpus) == torch.cuda.device_count()
@@ -194,22 +201,30 @@ def test_probe_reads_this_gpu_through_nvml_and_verify_live_accepts_it(target, bu
 
 # -- one rank on CUDA against the CPU --------------------------------------------------------------
 
+
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
 def test_one_rank_cuda_run_trains_like_the_cpu_build(strategy, builds, target, gpt_data, tmp_path, figures):
     cuda_art, cpu_art = builds(f"cuda-{strategy}"), builds(f"cpu-{strategy}")
     manifest = json.loads((cuda_art / "manifest.json").read_text())
     assert manifest["topology"]["profile"]["device_kind"] == "cuda" and manifest["mesh"]["axes"] == [strategy]
-    (cuda, cuda_w, cuda_err), (cpu, cpu_w, cpu_err) = _both(
-        (cuda_art, tmp_path / "cuda", gpt_data, *target[1]), (cpu_art, tmp_path / "cpu", gpt_data))
+    (cuda, cuda_w, cuda_err), (cpu, cpu_w, cpu_err) = _both((cuda_art, tmp_path / "cuda", gpt_data, *target[1]), (cpu_art, tmp_path / "cpu", gpt_data))
     ready = [line for line in cuda_err.splitlines() if " ready in " in line]
     assert ready and "(cuda:0, " in ready[0], cuda_err  # the programs moved to the GPU
     assert "(cpu, " in next(line for line in cpu_err.splitlines() if " ready in " in line)
     assert "topology mismatch" not in cuda_err or target[1], cuda_err
     losses, ref = _losses(cuda), _losses(cpu)
-    figures(f"one_rank_{strategy}", process_groups=manifest["process_groups"],
-            collectives=[c["kind"] for c in manifest["programs"]["train"]["collectives"]], cuda_losses=losses, cpu_losses=ref,
-            max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref)), worst_weight_diff=_worst(cuda_w, cpu_w),
-            mean_weight_diff=_mean(cuda_w, cpu_w), cuda_step_ms=_step_ms(cuda), cpu_step_ms=_step_ms(cpu))
+    figures(
+        f"one_rank_{strategy}",
+        process_groups=manifest["process_groups"],
+        collectives=[c["kind"] for c in manifest["programs"]["train"]["collectives"]],
+        cuda_losses=losses,
+        cpu_losses=ref,
+        max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref)),
+        worst_weight_diff=_worst(cuda_w, cpu_w),
+        mean_weight_diff=_mean(cuda_w, cpu_w),
+        cuda_step_ms=_step_ms(cuda),
+        cpu_step_ms=_step_ms(cpu),
+    )
     assert abs(losses[0] - ref[0]) <= FP32_FIRST_LOSS_TOL, (losses, ref)
     assert max(abs(a - b) for a, b in zip(losses, ref)) <= FP32_LOSS_TOL, (losses, ref)
     assert _worst(cuda_w, cpu_w) <= FP32_WEIGHT_TOL and _mean(cuda_w, cpu_w) <= FP32_MEAN_TOL
@@ -259,6 +274,7 @@ def test_nccl_group_bound_by_name_runs_the_graphs_collectives(tmp_path, figures)
 
 # -- bf16 on CUDA against eager autocast -------------------------------------------------------------
 
+
 def eager_cuda(model_file: Path, data_file: Path, precision: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Eager PyTorch on cuda:0, one rank, as tests/helpers/ddp_reference.py trains on the CPU: the same
     initial weights (torch.manual_seed(0); model() on the CPU, then moved), data order, per-step seed,
@@ -303,12 +319,19 @@ def test_bf16_on_cuda_matches_eager_autocast(builds, target, gpt_data, tmp_path,
     losses = _losses(records)
     ref_losses, ref_weights = eager_cuda(GPT, gpt_data, "bf16")
     fp32_losses, fp32_weights = eager_cuda(GPT, gpt_data, "fp32")
-    figures("bf16", losses=losses, eager_autocast_losses=ref_losses, eager_fp32_losses=fp32_losses,
-            first_loss_diff=abs(losses[0] - ref_losses[0]),
-            max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            worst_weight_diff=_worst(weights, ref_weights), mean_weight_diff=_mean(weights, ref_weights),
-            fp32_first_loss_diff=abs(losses[0] - fp32_losses[0]), fp32_mean_weight_diff=_mean(weights, fp32_weights),
-            step_ms=_step_ms(records))
+    figures(
+        "bf16",
+        losses=losses,
+        eager_autocast_losses=ref_losses,
+        eager_fp32_losses=fp32_losses,
+        first_loss_diff=abs(losses[0] - ref_losses[0]),
+        max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        worst_weight_diff=_worst(weights, ref_weights),
+        mean_weight_diff=_mean(weights, ref_weights),
+        fp32_first_loss_diff=abs(losses[0] - fp32_losses[0]),
+        fp32_mean_weight_diff=_mean(weights, fp32_weights),
+        step_ms=_step_ms(records),
+    )
     assert abs(losses[0] - ref_losses[0]) <= BF16_FIRST_LOSS_TOL, (losses, ref_losses)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= BF16_LOSS_TOL, (losses, ref_losses)
     assert _mean(weights, ref_weights) <= BF16_MEAN_TOL and _worst(weights, ref_weights) <= BF16_WEIGHT_TOL
@@ -319,6 +342,7 @@ def test_bf16_on_cuda_matches_eager_autocast(builds, target, gpt_data, tmp_path,
 
 
 # -- compiled tier on the GPU ------------------------------------------------------------------------
+
 
 def test_aoti_cuda_package_trains_like_the_portable_tier(builds, target, gpt_data, tmp_path, figures):
     art = builds("cuda-aoti")
@@ -333,11 +357,18 @@ def test_aoti_cuda_package_trains_like_the_portable_tier(builds, target, gpt_dat
     assert summary["compiled"]["programs"]["train"]["file"] == package
     runs = {tier: _train(art, tmp_path / tier, gpt_data, "--tier", tier, *target[1]) for tier in ("compiled", "portable")}
     (c_records, c_weights, c_err), (p_records, p_weights, p_err) = runs["compiled"], runs["portable"]
-    figures("aoti", device=entry["device"], compiled_losses=_losses(c_records), portable_losses=_losses(p_records),
-            max_loss_diff=max(abs(a - b) for a, b in zip(_losses(c_records), _losses(p_records))),
-            worst_weight_diff=_worst(c_weights, p_weights), mean_weight_diff=_mean(c_weights, p_weights),
-            compiled_step_ms=_step_ms(c_records), portable_step_ms=_step_ms(p_records),
-            package_bytes=(art / package).stat().st_size)
+    figures(
+        "aoti",
+        device=entry["device"],
+        compiled_losses=_losses(c_records),
+        portable_losses=_losses(p_records),
+        max_loss_diff=max(abs(a - b) for a, b in zip(_losses(c_records), _losses(p_records))),
+        worst_weight_diff=_worst(c_weights, p_weights),
+        mean_weight_diff=_mean(c_weights, p_weights),
+        compiled_step_ms=_step_ms(c_records),
+        portable_step_ms=_step_ms(p_records),
+        package_bytes=(art / package).stat().st_size,
+    )
     assert [r["tier"] for r in c_records] == ["compiled"] * STEPS and [r["tier"] for r in p_records] == ["portable"] * STEPS
     assert "(cuda:0, compiled tier" in c_err and "(cuda:0, portable tier" in p_err and "notice:" not in c_err, c_err
     for a, b in zip(c_records, p_records):
@@ -347,6 +378,7 @@ def test_aoti_cuda_package_trains_like_the_portable_tier(builds, target, gpt_dat
 
 
 # -- exported inference on the GPU providers ----------------------------------------------------------
+
 
 def _ort_providers() -> list[str]:
     try:
@@ -395,4 +427,3 @@ def test_aot_infer_on_the_gpu_provider_matches_eager(provider, name, builds, tmp
     figures(f"infer_{provider}", provider=timing["provider"], max_abs_diff=diff, latency_ms_p50=timing["latency_ms_p50"])
     assert timing["provider"] == name and timing["batch_size"] == 3, timing
     assert diff <= GPU_INFER_TOL
-

@@ -23,8 +23,7 @@ TWO_NODES = ("--topology", "cpu", "--nodes", "2")
 @pytest.fixture(scope="module")
 def split(tmp_path_factory):
     out = tmp_path_factory.mktemp("hier") / "art"
-    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", 4, "--strategy", "dp=4", *TWO_NODES,
-           "--hierarchical", "always", "--no-onnx", "-o", out, "--quiet"))
+    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", 4, "--strategy", "dp=4", *TWO_NODES, "--hierarchical", "always", "--no-onnx", "-o", out, "--quiet"))
     return out
 
 
@@ -35,8 +34,12 @@ def test_all_reduce_becomes_node_then_network_then_node(split):
     assert groups["aot.dp.inter"] == {"axis": "dp", "level": "inter", "groups": [[0, 2], [1, 3]]}
     kinds = [(c["kind"], c["group"]) for c in m["programs"]["train"]["collectives"]]
     assert ("all_reduce", "aot.dp") not in kinds  # every all_reduce split
-    assert kinds.count(("reduce_scatter_tensor", "aot.dp.intra")) == kinds.count(("all_reduce", "aot.dp.inter")) \
-        == kinds.count(("all_gather_into_tensor", "aot.dp.intra")) >= 1
+    assert (
+        kinds.count(("reduce_scatter_tensor", "aot.dp.intra"))
+        == kinds.count(("all_reduce", "aot.dp.inter"))
+        == kinds.count(("all_gather_into_tensor", "aot.dp.intra"))
+        >= 1
+    )
     # the network level carries half the bytes (two ranks per node), padded to an even count
     inter = sum(c["bytes"] for c in m["programs"]["train"]["collectives"] if c["group"] == "aot.dp.inter")
     intra = sum(c["bytes"] for c in m["programs"]["train"]["collectives"] if c["kind"] == "reduce_scatter_tensor")
@@ -49,9 +52,13 @@ def test_hierarchical_trains_like_ddp(model, bucket_mb, tmp_path):
     """Sub-group collectives give eager DDP's losses and weights: a padded bucket (mlp: 6,923
     gradient and loss values over 2 ranks per node) and many buckets (gpt at 50 KiB)."""
     losses, ref_losses, weights, ref_weights = train_both(
-        EXAMPLES / model, 4, tmp_path, strategy="dp=4",
+        EXAMPLES / model,
+        4,
+        tmp_path,
+        strategy="dp=4",
         build_args=(*TWO_NODES, "--hierarchical", "always", "--bucket-mb", bucket_mb),
-        run_args=("--allow-topology-mismatch",))
+        run_args=("--allow-topology-mismatch",),
+    )
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert "aot.dp.inter" in manifest["process_groups"]
     assert_same_training(losses, ref_losses, weights, ref_weights)
@@ -62,10 +69,8 @@ def test_auto_splits_small_all_reduces_where_the_cost_model_says(tmp_path):
     against 6 flat; --hierarchical never keeps it flat; one rank per node has no levels."""
     auto, never, single = tmp_path / "auto", tmp_path / "never", tmp_path / "single"
     ok(aot("build", EXAMPLES / "mlp.py", "--world-size", 4, "--strategy", "dp=4", *TWO_NODES, "--no-onnx", "-o", auto, "--quiet"))
-    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", 4, "--strategy", "dp=4", *TWO_NODES, "--hierarchical", "never",
-           "--no-onnx", "-o", never, "--quiet"))
-    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", 2, "--strategy", "dp=2", *TWO_NODES, "--hierarchical", "always",
-           "--no-onnx", "-o", single, "--quiet"))
+    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", 4, "--strategy", "dp=4", *TWO_NODES, "--hierarchical", "never", "--no-onnx", "-o", never, "--quiet"))
+    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", 2, "--strategy", "dp=2", *TWO_NODES, "--hierarchical", "always", "--no-onnx", "-o", single, "--quiet"))
     groups = lambda art: {c["group"] for c in json.loads((art / "manifest.json").read_text())["programs"]["train"]["collectives"]}  # noqa: E731
     assert groups(auto) == {"aot.dp.intra", "aot.dp.inter"}
     assert groups(never) == groups(single) == {"aot.dp"}
@@ -107,9 +112,9 @@ def test_runner_refuses_a_level_that_does_not_partition_the_world(split, tmp_pat
 def test_aot_plan_prices_the_mode_it_is_given():
     """`aot plan --hierarchical` prices what `aot build --hierarchical` would build: mlp's one
     small bucket on 2 DGX nodes splits under auto and always, stays flat under never."""
+
     def algorithms(mode: str) -> set:
-        r = ok(aot("plan", EXAMPLES / "mlp.py", "--topology", "dgx_a100", "--nodes", 2, "--axes", "dp",
-                   "--hierarchical", mode, "--json"))
+        r = ok(aot("plan", EXAMPLES / "mlp.py", "--topology", "dgx_a100", "--nodes", 2, "--axes", "dp", "--hierarchical", mode, "--json"))
         return {a for p in json.loads(r.stdout)["plans"] for a in p["algorithms"]}
 
     assert algorithms("auto") == algorithms("always") == {"all_reduce:hierarchical"}

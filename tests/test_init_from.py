@@ -28,11 +28,19 @@ PARAMS = {
     "blocks.0.attn.o.bias": ([5], torch.float32, None),
     "scale": ([], torch.float32, None),
 }
-BUFFERS = {"pos": ([5], torch.int64), "mask": ([3, 3], torch.bool)}   # mask is non-persistent
-STATE_DICT_KEYS = ["tok_emb.weight", "blocks.0.attn.q.weight", "blocks.0.attn.q.bias",
-                   "blocks.0.attn.o.weight", "blocks.0.attn.o.bias", "scale", "pos", "lm_head.weight"]
+BUFFERS = {"pos": ([5], torch.int64), "mask": ([3, 3], torch.bool)}  # mask is non-persistent
+STATE_DICT_KEYS = [
+    "tok_emb.weight",
+    "blocks.0.attn.q.weight",
+    "blocks.0.attn.q.bias",
+    "blocks.0.attn.o.weight",
+    "blocks.0.attn.o.bias",
+    "scale",
+    "pos",
+    "lm_head.weight",
+]
 ALIASES = {"lm_head.weight": "tok_emb.weight"}
-STORED = [*PARAMS, "pos"]   # canonical names rank_weights returns
+STORED = [*PARAMS, "pos"]  # canonical names rank_weights returns
 
 
 def manifest(tp: int = 1, fsdp: int = 1) -> dict:
@@ -42,10 +50,10 @@ def manifest(tp: int = 1, fsdp: int = 1) -> dict:
         "state": {
             "params": {n: [s, str(dt).removeprefix("torch.")] for n, (s, dt, _) in PARAMS.items()},
             "buffers": {n: [s, str(dt).removeprefix("torch.")] for n, (s, dt) in BUFFERS.items()},
-            "aliases": dict(ALIASES), "state_dict_keys": list(STATE_DICT_KEYS),
+            "aliases": dict(ALIASES),
+            "state_dict_keys": list(STATE_DICT_KEYS),
         },
-        "sharding": {"axis": "fsdp", "group": "aot.fsdp", "size": fsdp, "layout": "flat-padded",
-                     "params": numel} if fsdp > 1 else None,
+        "sharding": {"axis": "fsdp", "group": "aot.fsdp", "size": fsdp, "layout": "flat-padded", "params": numel} if fsdp > 1 else None,
         "tensor_parallel": {"axis": "tp", "group": "aot.tp", "size": tp, "params": dims} if tp > 1 else None,
     }
 
@@ -84,12 +92,14 @@ def files(tmp_path_factory):
     shards = {"model-00001-of-00002.safetensors": keys[:4], "model-00002-of-00002.safetensors": keys[4:]}
     for file, names in shards.items():
         save_file({k: sd[k] for k in names}, folder / file)
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": 0}, "weight_map": {k: f for f, names in shards.items() for k in names}}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": {k: f for f, names in shards.items() for k in names}})
+    )
     return root
 
 
 # -- every layout -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("source", ["ckpt.safetensors", "hf"])
 def test_every_rank_gets_its_exact_piece(files, source):
@@ -165,6 +175,7 @@ def test_bf16_file_is_cast_with_a_note(tmp_path):
 
 # -- bad input: one line each ---------------------------------------------------------------------
 
+
 def refused(path, m=None) -> str:
     with pytest.raises(AotError) as e:
         check_init_from(path, m or manifest(2, 2))
@@ -193,7 +204,7 @@ def test_missing_list_is_cut_short(tmp_path):
 
 def test_unexpected_keys(tmp_path):
     sd = state_dict(full_tensors())
-    sd["mask"] = torch.ones(3, 3, dtype=torch.bool)   # non-persistent: not in state_dict()
+    sd["mask"] = torch.ones(3, 3, dtype=torch.bool)  # non-persistent: not in state_dict()
     sd["extra.weight"] = torch.zeros(2)
     assert "2 unexpected keys (extra.weight, mask)" in refused(write(tmp_path, sd))
 

@@ -18,6 +18,7 @@ def _user_weights(seed: int) -> dict[str, torch.Tensor]:
     """examples/gpt.py's state_dict under another seed (so not what the init program makes),
     every key present as `aot checkpoint merge` writes it (the tied head under both names)."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("gpt_init_from", EXAMPLES / "gpt.py")
     user = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(user)
@@ -37,8 +38,7 @@ def _hf_folder(folder, weights: dict[str, torch.Tensor]):
     the tied head is stored once, under its second name, as tied checkpoints often are."""
     folder.mkdir()
     keys = [k for k in weights if k != "tok_emb.weight"]
-    halves = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
-              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    halves = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2], "model-00002-of-00002.safetensors": keys[len(keys) // 2 :]}
     for name, part in halves.items():
         save_file({k: weights[k] for k in part}, folder / name)
     index = {"metadata": {"total_size": 0}, "weight_map": {k: name for name, part in halves.items() for k in part}}
@@ -47,16 +47,14 @@ def _hf_folder(folder, weights: dict[str, torch.Tensor]):
 
 
 def test_merged_weights_file_trains_like_ddp_under_fsdp(weights_file, tmp_path):
-    losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / "gpt.py", 2, tmp_path, strategy="fsdp=2",
-                                                          init_from=weights_file)
+    losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / "gpt.py", 2, tmp_path, strategy="fsdp=2", init_from=weights_file)
     assert_same_training(losses, ref_losses, weights, ref_weights)
 
 
 @pytest.mark.slow  # the same reading code as the merged file, per shard; CI runs it
 def test_hf_sharded_folder_trains_like_ddp_under_tp(weights_file, tmp_path):
     folder = _hf_folder(tmp_path / "hf", _user_weights(7))
-    losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / "gpt.py", 2, tmp_path, strategy="tp=2",
-                                                          init_from=folder, reference_init=weights_file)
+    losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / "gpt.py", 2, tmp_path, strategy="tp=2", init_from=folder, reference_init=weights_file)
     assert_same_training(losses, ref_losses, weights, ref_weights)
 
 
@@ -86,14 +84,17 @@ def _bad(tmp_path, case):
     return path
 
 
-@pytest.mark.parametrize("case, needles", [
-    ("pickle", ["pytorch_model.bin", "pickle", "safetensors"]),
-    ("missing", ["missing", "blocks.1."]),
-    ("unexpected", ["unexpected", "extra.weight"]),
-    ("shape", ["shape", "ln_f.weight"]),
-    ("dtype", ["dtype", "ln_f.weight"]),
-    ("absent", ["nothing.safetensors", "no such"]),
-])
+@pytest.mark.parametrize(
+    "case, needles",
+    [
+        ("pickle", ["pytorch_model.bin", "pickle", "safetensors"]),
+        ("missing", ["missing", "blocks.1."]),
+        ("unexpected", ["unexpected", "extra.weight"]),
+        ("shape", ["shape", "ln_f.weight"]),
+        ("dtype", ["dtype", "ln_f.weight"]),
+        ("absent", ["nothing.safetensors", "no such"]),
+    ],
+)
 def test_bad_init_from_is_one_line_and_leaves_nothing(gpt1, tmp_path, case, needles):
     """Each kind of bad weights names itself: a pickle, missing keys, unexpected keys, a shape, a
     dtype, a path with no such file; before any process group starts, and no checkpoint is made."""

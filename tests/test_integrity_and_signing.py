@@ -111,8 +111,7 @@ def test_planted_pickle_with_rewritten_hashes_never_executes(art, relpath, tmp_p
 
 def test_two_builds_are_byte_identical(tmp_path):
     outputs = [tmp_path / "one", tmp_path / "two"]
-    for r in aot_each(*(("build", EXAMPLES / "gpt.py", "--world-size", "2", "--batch-size", "2", "-o", out, "--quiet")
-                        for out in outputs)):
+    for r in aot_each(*(("build", EXAMPLES / "gpt.py", "--world-size", "2", "--batch-size", "2", "-o", out, "--quiet") for out in outputs)):
         ok(r)
     files = [sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file()) for out in outputs]
     assert files[0] == files[1]

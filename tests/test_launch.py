@@ -50,11 +50,17 @@ def _without_launchers(env: dict) -> dict:
 def _start_each(artifact: Path, metrics: Path, processes: list[tuple[list, dict]]) -> None:
     """`python -m aot run ARTIFACT` once per (arguments, environment) at the same time, as a
     launcher other than torchrun would; each must succeed."""
-    procs = [subprocess.Popen([sys.executable, "-m", "aot", "run", str(artifact), "--steps", str(STEPS),
-                               "--metrics", str(metrics), "--quiet", *map(str, args)],
-                              cwd=REPO, env={**_without_launchers(clean_env()), **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for args, env in processes]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "aot", "run", str(artifact), "--steps", str(STEPS), "--metrics", str(metrics), "--quiet", *map(str, args)],
+            cwd=REPO,
+            env={**_without_launchers(clean_env()), **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, env in processes
+    ]
     try:
         results = [p.communicate(timeout=TIMEOUT) for p in procs]
     finally:
@@ -68,15 +74,17 @@ def _start_each(artifact: Path, metrics: Path, processes: list[tuple[list, dict]
 
 def test_processes_started_with_rank_options_train_as_under_torchrun(artifact, torchrun_losses, tmp_path):
     metrics, port = tmp_path / "metrics.jsonl", _free_port()
-    _start_each(artifact, metrics, [(["--rank", r, "--world-size", 2, "--master-addr", "127.0.0.1",
-                                      "--master-port", port], {}) for r in range(2)])
+    _start_each(artifact, metrics, [(["--rank", r, "--world-size", 2, "--master-addr", "127.0.0.1", "--master-port", port], {}) for r in range(2)])
     assert _losses(metrics) == torchrun_losses and len(torchrun_losses) == STEPS
 
 
 def test_processes_started_by_slurm_variables_train_as_under_torchrun(artifact, torchrun_losses, tmp_path):
     metrics, port = tmp_path / "metrics.jsonl", _free_port()
-    _start_each(artifact, metrics, [([], {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
-                                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in range(2)])
+    _start_each(
+        artifact,
+        metrics,
+        [([], {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in range(2)],
+    )
     assert _losses(metrics) == torchrun_losses
 
 

@@ -40,8 +40,7 @@ def imports_of(package: str) -> list[tuple[str, int, str]]:
 def test_a_stage_never_imports_a_later_one(package):
     found = imports_of(package)
     assert found, f"no imports found in {package}: the test reads the wrong folder"
-    wrong = [f"{file}:{line} imports {module}" for file, line, module in found
-             if any(module == f or module.startswith(f + ".") for f in FORBIDDEN[package])]
+    wrong = [f"{file}:{line} imports {module}" for file, line, module in found if any(module == f or module.startswith(f + ".") for f in FORBIDDEN[package])]
     assert not wrong, "\n".join(wrong)
 
 
@@ -62,7 +61,7 @@ def test_no_module_imports_itself_round_a_cycle():
         state[node] = "open"
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == "open":
-                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = "done"

@@ -21,12 +21,12 @@ CPU = torch.device("cpu")
 
 
 def _program(x, x_view, w, rows):
-    a = aten.mul.Tensor(x, w)            # 256 B
-    v = aten.view.default(a, [8, 8])     # a view: no new bytes
-    c = aten.add.Tensor(v, 1.0)          # 256 B; a is freed once v is dropped after this op
-    aten.relu_.default(c)                # in place: no new bytes
-    d = aten.sum.default(c)              # 4 B
-    e = aten.cat.default([c, c, c, c])   # 1024 B
+    a = aten.mul.Tensor(x, w)  # 256 B
+    v = aten.view.default(a, [8, 8])  # a view: no new bytes
+    c = aten.add.Tensor(v, 1.0)  # 256 B; a is freed once v is dropped after this op
+    aten.relu_.default(c)  # in place: no new bytes
+    d = aten.sum.default(c)  # 4 B
+    e = aten.cat.default([c, c, c, c])  # 1024 B
     f = aten.sum.default(e)
     g = aten.add.Tensor(aten.sum.default(rows), aten.add.Tensor(f, d))
     return g, x_view
@@ -58,6 +58,7 @@ def test_live_bytes_of_a_small_fx_program_are_exact():
 def test_a_tensor_the_module_holds_counts_as_resident():
     """A constant the module holds (torch.export's path keeps some as attributes) is read by an op
     without having been declared as an input: it counts once, for the rest of the step."""
+
     class Scaled(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -88,8 +89,9 @@ def test_allocator_events_measure_the_same_peak():
 def mlp_builds(tmp_path_factory):
     root = tmp_path_factory.mktemp("measured-memory")
     two, one = root / "mlp2", root / "mlp1"
-    for r in aot_each(("build", EXAMPLES / "mlp.py", "--world-size", 2, "--no-onnx", "-o", two, "--quiet"),
-                      ("build", EXAMPLES / "mlp.py", "--no-onnx", "-o", one, "--quiet")):
+    for r in aot_each(
+        ("build", EXAMPLES / "mlp.py", "--world-size", 2, "--no-onnx", "-o", two, "--quiet"), ("build", EXAMPLES / "mlp.py", "--no-onnx", "-o", one, "--quiet")
+    ):
         ok(r)
     return two, one
 

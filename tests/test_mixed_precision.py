@@ -49,8 +49,7 @@ def _mean(weights, ref_weights) -> float:
 
 FIRST_LOSS_TOL, LOSS_TOL, MEAN_TOL, WEIGHT_TOL = 1e-6, 2e-4, 1e-5, 1e-2
 # (strategy, world, --reduce-dtype, tolerance factor: tp splits the matmuls themselves)
-CASES = [("dp=2", 2, "fp32", 1), ("dp=2", 2, "bf16", 1), ("fsdp=2", 2, "fp32", 1), ("fsdp=2", 2, "bf16", 1),
-         ("tp=2", 2, "fp32", 5)]
+CASES = [("dp=2", 2, "fp32", 1), ("dp=2", 2, "bf16", 1), ("fsdp=2", 2, "fp32", 1), ("fsdp=2", 2, "bf16", 1), ("tp=2", 2, "fp32", 5)]
 
 
 def _assert_close(losses, ref_losses, weights, ref_weights, factor: int = 1) -> None:
@@ -68,15 +67,23 @@ def _assert_close(losses, ref_losses, weights, ref_weights, factor: int = 1) -> 
 SLOW = {("dp=2", "bf16"), ("fsdp=2", "fp32")}
 
 
-@pytest.mark.parametrize("strategy,world,reduce_dtype,factor", [
-    pytest.param(*c, marks=[pytest.mark.slow] if (c[0], c[2]) in SLOW else [], id=f"{c[0]}-reduce-{c[2]}") for c in CASES])
+@pytest.mark.parametrize(
+    "strategy,world,reduce_dtype,factor",
+    [pytest.param(*c, marks=[pytest.mark.slow] if (c[0], c[2]) in SLOW else [], id=f"{c[0]}-reduce-{c[2]}") for c in CASES],
+)
 def test_bf16_matches_eager_autocast(strategy, world, reduce_dtype, factor, tmp_path, gpt_data):
     ref_args = ["--precision", "bf16", "--reduce-dtype", reduce_dtype]
     if strategy.startswith("fsdp"):
         ref_args += ["--param-dtype", "bf16"]  # FSDP2's all-gather in bf16
     losses, ref_losses, weights, ref_weights = train_both(
-        EXAMPLES / "gpt.py", world, tmp_path, data=gpt_data, strategy=strategy,
-        build_args=("--topology", "cpu", "--precision", "bf16", "--reduce-dtype", reduce_dtype), reference_args=ref_args)
+        EXAMPLES / "gpt.py",
+        world,
+        tmp_path,
+        data=gpt_data,
+        strategy=strategy,
+        build_args=("--topology", "cpu", "--precision", "bf16", "--reduce-dtype", reduce_dtype),
+        reference_args=ref_args,
+    )
     _assert_close(losses, ref_losses, weights, ref_weights, factor)
     assert all(w.dtype == torch.float32 for w in weights.values())  # fp32 master weights
     assert losses[-1] < losses[0]
@@ -86,8 +93,8 @@ def test_bf16_single_rank_within_the_same_bounds_and_not_fp32(tmp_path, gpt_data
     """One rank: the same bounds hold (nothing is summed across ranks, but the update's rounding
     is still the traced optimizer's), and they are tight enough to fail: eager fp32 is far off."""
     losses, ref_losses, weights, ref_weights = train_both(
-        EXAMPLES / "gpt.py", 1, tmp_path, data=gpt_data, build_args=("--topology", "cpu", "--precision", "bf16"),
-        reference_args=["--precision", "bf16"])
+        EXAMPLES / "gpt.py", 1, tmp_path, data=gpt_data, build_args=("--topology", "cpu", "--precision", "bf16"), reference_args=["--precision", "bf16"]
+    )
     _assert_close(losses, ref_losses, weights, ref_weights)
     fp32 = reference(EXAMPLES / "gpt.py", gpt_data, 1, 4, tmp_path)
     assert abs(losses[0] - json.loads((fp32 / "losses.json").read_text())[0]) > 10 * FIRST_LOSS_TOL
@@ -102,14 +109,29 @@ def _fp16_run(tmp_path, strategy: str, world: int, steps, resume_at: int | None 
     steps under `strategy`, saved and resumed at `resume_at` when given."""
     art, ckpt, metrics = tmp_path / "art", tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     if not art.exists():
-        ok(aot("build", MODELS / "fp16_overflow.py", "--world-size", world, "--strategy", strategy, "--batch-size", 4,
-               "-o", art, "--quiet", "--no-onnx", "--topology", "cpu"))
-    for count, extra in ([(resume_at, []), (steps - resume_at, ["--resume", ckpt])] if resume_at else [(steps, [])]):
+        ok(
+            aot(
+                "build",
+                MODELS / "fp16_overflow.py",
+                "--world-size",
+                world,
+                "--strategy",
+                strategy,
+                "--batch-size",
+                4,
+                "-o",
+                art,
+                "--quiet",
+                "--no-onnx",
+                "--topology",
+                "cpu",
+            )
+        )
+    for count, extra in [(resume_at, []), (steps - resume_at, ["--resume", ckpt])] if resume_at else [(steps, [])]:
         ok(torchrun(world, "run", art, "--steps", count, "--metrics", metrics, "--save", ckpt, "--quiet", *extra))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     merge_checkpoint(ckpt, tmp_path / "merged.safetensors")
-    return ([r["loss"] for r in records], [r["loss_scale"] for r in records], [r["skipped"] for r in records],
-            load_file(tmp_path / "merged.safetensors"))
+    return ([r["loss"] for r in records], [r["loss_scale"] for r in records], [r["skipped"] for r in records], load_file(tmp_path / "merged.safetensors"))
 
 
 def test_fp16_loss_scaling_matches_grad_scaler(tmp_path):
@@ -117,8 +139,7 @@ def test_fp16_loss_scaling_matches_grad_scaler(tmp_path):
     same steps, and the scale sequence is eager GradScaler's (init 2^19, growth interval 2)."""
     losses, scales, skipped, weights = _fp16_run(tmp_path, "fsdp=2", 2, FP16_STEPS)
     data = tmp_path / "art" / "data" / "example_batch.safetensors"
-    ref = reference(MODELS / "fp16_overflow.py", data, 2, 4, tmp_path,
-                    extra_args=["--precision", "fp16", "--param-dtype", "fp16"], steps=FP16_STEPS)
+    ref = reference(MODELS / "fp16_overflow.py", data, 2, 4, tmp_path, extra_args=["--precision", "fp16", "--param-dtype", "fp16"], steps=FP16_STEPS)
     eager = json.loads((ref / "scaler.json").read_text())
     assert scales == eager["scales"]
     assert skipped == eager["skipped"]
@@ -150,8 +171,11 @@ def _softmax_dtypes(artifact) -> set[torch.dtype]:
     values = program["graph_module"]["graph"]["tensor_values"]
     dtypes = {7: torch.float32, 13: torch.bfloat16}
     assert load_graph_module((artifact / manifest["programs"]["train"]["file"]).read_bytes()) is not None
-    return {dtypes[values[n["outputs"][0]["as_tensor"]["name"]]["dtype"]]
-            for n in program["graph_module"]["graph"]["nodes"] if n["target"] == "torch.ops.aten._softmax.default"}
+    return {
+        dtypes[values[n["outputs"][0]["as_tensor"]["name"]]["dtype"]]
+        for n in program["graph_module"]["graph"]["nodes"]
+        if n["target"] == "torch.ops.aten._softmax.default"
+    }
 
 
 def test_cuda_profile_traces_cudas_autocast_rules(tmp_path):
@@ -159,10 +183,27 @@ def test_cuda_profile_traces_cudas_autocast_rules(tmp_path):
     softmax upcast to fp32) where the CPU profile's carries CPU's (softmax in bf16), under tensor
     parallelism too, and it runs: every device its program names follows the runner's."""
     cuda, cpu, cuda_tp = tmp_path / "cuda", tmp_path / "cpu", tmp_path / "cuda_tp"
-    for art, topology, world, strategy in ((cuda, "dgx_a100", 1, "dp=1"), (cpu, "cpu", 1, "dp=1"),
-                                           (cuda_tp, "dgx_a100", 2, "tp=2")):
-        ok(aot("build", EXAMPLES / "gpt.py", "--topology", topology, "--world-size", world, "--strategy", strategy,
-               "--precision", "bf16", "--batch-size", 2, "-o", art, "--quiet", "--no-onnx"))
+    for art, topology, world, strategy in ((cuda, "dgx_a100", 1, "dp=1"), (cpu, "cpu", 1, "dp=1"), (cuda_tp, "dgx_a100", 2, "tp=2")):
+        ok(
+            aot(
+                "build",
+                EXAMPLES / "gpt.py",
+                "--topology",
+                topology,
+                "--world-size",
+                world,
+                "--strategy",
+                strategy,
+                "--precision",
+                "bf16",
+                "--batch-size",
+                2,
+                "-o",
+                art,
+                "--quiet",
+                "--no-onnx",
+            )
+        )
     assert _softmax_dtypes(cuda) == {torch.float32}
     assert _softmax_dtypes(cuda_tp) == {torch.float32}
     assert _softmax_dtypes(cpu) == {torch.bfloat16}
@@ -181,14 +222,18 @@ def test_planner_prices_bf16(tmp_path):
     """bf16 halves the activations the planner sees and fsdp's all-gathers; on a model whose step
     is matmuls (Llama 1B on A100s), the step is priced at the bf16 rate. (On gpt.py, whose step is
     launch-bound on a GPU, bf16's casts make it slower: the planner says so.)"""
-    small = {p: _plans(EXAMPLES / "gpt.py", "--topology", "dgx_a100", "--world-size", 8, "--axes", "dp,fsdp",
-                       "--batch-size", 64, "--precision", p) for p in ("fp32", "bf16")}
+    small = {
+        p: _plans(EXAMPLES / "gpt.py", "--topology", "dgx_a100", "--world-size", 8, "--axes", "dp,fsdp", "--batch-size", 64, "--precision", p)
+        for p in ("fp32", "bf16")
+    }
     for strategy, plan in small["bf16"].items():
         fp32 = small["fp32"][strategy]
         assert plan["memory_bytes"]["peak"] < 0.9 * fp32["memory_bytes"]["peak"], strategy
         if "fsdp" in strategy:
             assert plan["collective_bytes_per_step"] < 0.8 * fp32["collective_bytes_per_step"], strategy
     env = {"AOT_SIZE": "1b"}
-    big = {p: _plans(EXAMPLES / "llama.py", "--topology", "dgx_a100", "--world-size", 8, "--axes", "fsdp",
-                     "--batch-size", 1, "--precision", p, env=env) for p in ("fp32", "bf16")}
+    big = {
+        p: _plans(EXAMPLES / "llama.py", "--topology", "dgx_a100", "--world-size", 8, "--axes", "fsdp", "--batch-size", 1, "--precision", p, env=env)
+        for p in ("fp32", "bf16")
+    }
     assert big["bf16"]["fsdp=8"]["step_s"] < 0.5 * big["fp32"]["fsdp=8"]["step_s"]

@@ -13,8 +13,7 @@ from helpers.commands import EXAMPLES, REPO, TIMEOUT, aot, clean_env, ok, show, 
 
 def test_two_nodes_train_like_one(tmp_path):
     art = tmp_path / "art"
-    ok(aot("build", EXAMPLES / "gpt.py", "--topology", "cpu", "--nodes", "2", "--world-size", "2",
-           "--batch-size", "4", "-o", art, "--quiet", "--no-onnx"))
+    ok(aot("build", EXAMPLES / "gpt.py", "--topology", "cpu", "--nodes", "2", "--world-size", "2", "--batch-size", "4", "-o", art, "--quiet", "--no-onnx"))
     assert json.loads((art / "manifest.json").read_text())["topology"]["profile"]["nodes"] == 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -22,9 +21,31 @@ def test_two_nodes_train_like_one(tmp_path):
     metrics = [tmp_path / f"node{i}.jsonl" for i in range(2)]
     agents = []
     for node in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "aot-two-nodes", "-m", "aot", "run", str(art), "--steps", "3", "--metrics", str(metrics[node])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            str(node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "aot-two-nodes",
+            "-m",
+            "aot",
+            "run",
+            str(art),
+            "--steps",
+            "3",
+            "--metrics",
+            str(metrics[node]),
+        ]
         agents.append(subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for agent in agents:
         out, err = agent.communicate(timeout=TIMEOUT)

@@ -60,12 +60,12 @@ def test_build_exports_onnx_that_matches_eager_at_any_batch_size(gpt_artifact, g
     # protobuf (no pickle, no zip) that holds no weights: each parameter and buffer the graph reads
     # is an initializer without data, an external-data reference to a file the artifact lacks
     import onnx
+
     data = (gpt_artifact / inference["file"]).read_bytes()
     assert data[:1] != b"\x80" and data[:2] != b"PK"
     proto = onnx.load_from_string(data)
     state = {**manifest["state"]["params"], **manifest["state"]["buffers"]}
-    weights_bytes = sum(math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-                        for shape, dtype in state.values())
+    weights_bytes = sum(math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size() for shape, dtype in state.values())
     assert inference["weights_bytes"] == weights_bytes > 400_000
     mapping = inference["initializers"]
     assert sorted(mapping.values()) == sorted(state)  # gpt's forward reads every parameter and buffer
@@ -141,6 +141,7 @@ def test_export_from_checkpoint_matches_eager_with_trained_weights(gpt_artifact,
     assert result["precision"] == "fp32" and result["tolerance"] == TOL and result["checked_with"] == "ONNX Runtime"
     # small weights go inside: one self-contained file, every initializer with its data
     import onnx
+
     assert result["weights_file"] is None and not (tmp_path / "trained.onnx.data").exists()
     proto = onnx.load(onnx_file)
     assert not any(init.data_location == onnx.TensorProto.EXTERNAL for init in proto.graph.initializer)
@@ -226,6 +227,7 @@ def _weights_in(proto, result: dict, merged: dict, dtype: torch.dtype) -> None:
     import onnx
 
     from runner.infer import ONNX_TYPES
+
     weights = {init.name: init for init in proto.graph.initializer if init.name in result["initializers"]}
     trained = {name: init for name, init in weights.items() if result["initializers"][name] in merged}
     assert len(trained) == len(weights) - 2  # the two blocks' masks
@@ -292,8 +294,15 @@ def test_export_in_bf16_is_checked_by_the_reference_evaluator_and_refused_on_cpu
 
     batch = tmp_path / "batch.safetensors"
     save_file({"inputs": inputs, "targets": targets}, batch)
-    assert_user_error(aot("infer", onnx_file, "--input", batch), str(onnx_file), "computes in bf16", "no bf16 kernels",
-                      "GPU provider (cuda, tensorrt)", "--precision fp16", "passed over: TensorrtExecutionProvider")
+    assert_user_error(
+        aot("infer", onnx_file, "--input", batch),
+        str(onnx_file),
+        "computes in bf16",
+        "no bf16 kernels",
+        "GPU provider (cuda, tensorrt)",
+        "--precision fp16",
+        "passed over: TensorrtExecutionProvider",
+    )
     with pytest.raises(AotError, match="computes in bf16") as e:
         runner.infer.load(onnx_file, "cpu")
     assert "\n" not in str(e.value) and "passed over" not in str(e.value)
@@ -318,6 +327,7 @@ def test_bare_copy_of_the_artifacts_onnx_file_is_refused(gpt_artifact, tmp_path)
 
 # -- bad input --------------------------------------------------------------------------------
 
+
 def test_inputs_that_do_not_match_the_export(gpt_artifact):
     session = runner.infer.load(gpt_artifact, "cpu")
     cases = [
@@ -339,11 +349,13 @@ def test_aot_infer_bad_input_is_one_line(gpt_artifact, tmp_path):
     assert_user_error(aot("infer", gpt_artifact, "--input", batch), str(batch), "float32", "the exported model takes [N, 64] int64")
     save_file({"inputs": torch.zeros(2, 64, dtype=torch.int64)}, batch)
     # an explicit provider that cannot run here is an error, not a fallback
-    assert_user_error(aot("infer", gpt_artifact, "--input", batch, "--provider", "cuda"),
-                      "provider cuda", "CUDAExecutionProvider", "not usable here")
+    assert_user_error(aot("infer", gpt_artifact, "--input", batch, "--provider", "cuda"), "provider cuda", "CUDAExecutionProvider", "not usable here")
     # `aot export` needs the very model file the artifact was built from
-    assert_user_error(aot("export", gpt_artifact, MLP, "--checkpoint", tmp_path, "-o", tmp_path / "x.onnx"),
-                      "mlp.py", "differs from the model file the artifact was built from")
+    assert_user_error(
+        aot("export", gpt_artifact, MLP, "--checkpoint", tmp_path, "-o", tmp_path / "x.onnx"),
+        "mlp.py",
+        "differs from the model file the artifact was built from",
+    )
 
 
 def test_several_inputs_and_outputs_and_a_batch_of_one(tmp_path):
@@ -401,8 +413,7 @@ def _user_model(tmp_path, body: str):
     from aot.capture.model_file import load_model_file
 
     path = tmp_path / "user.py"
-    path.write_text("import torch\n" + body + "\n"
-                    "def batch(n):\n    return torch.randn(n, 4, generator=torch.Generator().manual_seed(0)), torch.zeros(n)\n")
+    path.write_text("import torch\n" + body + "\ndef batch(n):\n    return torch.randn(n, 4, generator=torch.Generator().manual_seed(0)), torch.zeros(n)\n")
     return load_model_file(path)
 
 
@@ -423,11 +434,9 @@ def test_build_inference_on_the_builds_fake_model_checks_with_the_init_programs_
     eager = mf.model()
     weights = made()
     assert sorted(weights) == sorted(names)
-    assert all(torch.equal(weights[n], t) and torch.equal(from_program[n], t)
-               for n, t in [*eager.named_parameters(), *eager.named_buffers()])
+    assert all(torch.equal(weights[n], t) and torch.equal(from_program[n], t) for n, t in [*eager.named_parameters(), *eager.named_buffers()])
     calls, warnings = [], []
-    result = build_inference(mf, state.model, [mf.batch(4)[0]], required=True, warn=warnings.append,
-                             weights=lambda: calls.append(1) or made())
+    result = build_inference(mf, state.model, [mf.batch(4)[0]], required=True, warn=warnings.append, weights=lambda: calls.append(1) or made())
     assert calls == [1] and not warnings
     assert 0 <= result.spec["max_abs_diff"] <= TOL and result.spec["checked_batch_sizes"] == [4, 1]
 
@@ -440,8 +449,7 @@ def test_check_is_skipped_over_its_budget_with_one_warning(tmp_path, monkeypatch
     made = []
     monkeypatch.setattr(onnx_export, "CHECK_BUDGET_BYTES", 100)  # the model's weights are 232 bytes
     warnings = []
-    result = onnx_export.build_inference(mf, onnx_export._fake_model(mf), inputs, required=True, warn=warnings.append,
-                                         weights=lambda: made.append(1))
+    result = onnx_export.build_inference(mf, onnx_export._fake_model(mf), inputs, required=True, warn=warnings.append, weights=lambda: made.append(1))
     assert not made  # the weights are never made
     assert result.spec["max_abs_diff"] is None and result.spec["checked_batch_sizes"] == []
     assert result.spec["unchecked"].startswith("the weights (0.0 GiB) exceed the numeric check's budget")
@@ -457,17 +465,26 @@ def test_check_is_skipped_over_its_budget_with_one_warning(tmp_path, monkeypatch
 def test_tensor_attribute_that_is_no_buffer_is_refused(tmp_path):
     from aot.emit.onnx_export import OnnxUnsupported, _fake_model, build_inference
 
-    mf = _user_model(tmp_path, "class M(torch.nn.Module):\n"
-                               "    def __init__(self):\n"
-                               "        super().__init__(); self.a = torch.nn.Linear(4, 3); self.scale = torch.ones(3) * 2\n"
-                               "    def forward(self, x): return self.a(x) * self.scale\n"
-                               "def model(): return M()")
+    mf = _user_model(
+        tmp_path,
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.a = torch.nn.Linear(4, 3); self.scale = torch.ones(3) * 2\n"
+        "    def forward(self, x): return self.a(x) * self.scale\n"
+        "def model(): return M()",
+    )
     with pytest.raises(OnnxUnsupported, match="reads tensor attribute 'scale', which is neither a parameter nor a buffer"):
         build_inference(mf, _fake_model(mf), [mf.batch(2)[0]], required=True, warn=print)
 
 
 def test_training_never_imports_onnxruntime():
-    r = ok(subprocess.run([sys.executable, "-c", "import sys, aot.cli, runner.trainer; "
-                           "print(sorted(m for m in ('onnxruntime', 'onnx', 'onnxscript') if m in sys.modules))"],
-                          capture_output=True, text=True, env=clean_env(), cwd=REPO))
+    r = ok(
+        subprocess.run(
+            [sys.executable, "-c", "import sys, aot.cli, runner.trainer; print(sorted(m for m in ('onnxruntime', 'onnx', 'onnxscript') if m in sys.modules))"],
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            cwd=REPO,
+        )
+    )
     assert r.stdout.strip() == "[]", show(r)

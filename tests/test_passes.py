@@ -254,7 +254,7 @@ def test_fsdp_prefetch_holds_gathered_parameters_within_its_memory_budget():
         waits = [next(iter(g.users)) for g in gathers]
         deepest = 0
         for j, wait in enumerate(waits):
-            ahead = [g for g in gathers[j + 1:] if pos[g] < pos[wait]]
+            ahead = [g for g in gathers[j + 1 :] if pos[g] < pos[wait]]
             deepest = max(deepest, len(ahead))
             assert len(ahead) <= 1 or sum(tensor_bytes(g) for g in ahead) <= (budget or 0)
             assert j + 1 == len(gathers) or gathers[j + 1] in ahead  # always at least one ahead

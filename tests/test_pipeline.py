@@ -55,7 +55,7 @@ def test_bubble_and_balance():
     assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
     assert bubble_fraction("interleaved-1f1b", 4, 8, 2) == pytest.approx(3 / 19)
     assert balance([1, 1, 1, 1], 2) == [2]
-    assert balance([5, 1, 1, 1, 1, 1], 2) == [1]   # the costly first layer alone
+    assert balance([5, 1, 1, 1, 1, 1], 2) == [1]  # the costly first layer alone
     with pytest.raises(AotError, match="cannot cut 2 layer"):
         balance([1, 1], 3)
 
@@ -75,8 +75,24 @@ def _transfers(program_file: Path) -> list[tuple]:
 @pytest.mark.parametrize("model,schedule", [("mlp.py", "interleaved-1f1b"), ("gpt.py", "1f1b")])
 def test_built_programs_pair_every_send_with_a_receive(tmp_path, model, schedule):
     art = tmp_path / "art"
-    ok(aot("build", EXAMPLES / model, "--strategy", "pp=2", "--pp-schedule", schedule, "--microbatches", 4,
-           "--batch-size", 8, "--no-onnx", "-o", art, "--quiet"))
+    ok(
+        aot(
+            "build",
+            EXAMPLES / model,
+            "--strategy",
+            "pp=2",
+            "--pp-schedule",
+            schedule,
+            "--microbatches",
+            4,
+            "--batch-size",
+            8,
+            "--no-onnx",
+            "-o",
+            art,
+            "--quiet",
+        )
+    )
     manifest = json.loads((art / "manifest.json").read_text())
     pipeline = manifest["pipeline"]
     assert pipeline["schedule"] == schedule and pipeline["microbatches"] == 4 and pipeline["microbatch_size"] == 2
@@ -109,18 +125,20 @@ def test_built_programs_pair_every_send_with_a_receive(tmp_path, model, schedule
     assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
 
 
-GPT4 = "../tests/models/gpt4.py"   # gpt.py with 4 blocks (relative to examples/)
-CASES = [("mlp.py", "pp=2", ()), ("gpt.py", "pp=2", ()),
-         (GPT4, "pp=2", ("--pp-schedule", "interleaved-1f1b", "--microbatches", 4))]
-SLOW_CASES = [("gpt.py", "pp=2,dp=2", ()), ("gpt.py", "pp=2,fsdp=2", ()), ("gpt.py", "pp=2,tp=2", ()),
-              ("mlp.py", "pp=2", ("--pp-schedule", "gpipe", "--microbatches", 4))]
+GPT4 = "../tests/models/gpt4.py"  # gpt.py with 4 blocks (relative to examples/)
+CASES = [("mlp.py", "pp=2", ()), ("gpt.py", "pp=2", ()), (GPT4, "pp=2", ("--pp-schedule", "interleaved-1f1b", "--microbatches", 4))]
+SLOW_CASES = [
+    ("gpt.py", "pp=2,dp=2", ()),
+    ("gpt.py", "pp=2,fsdp=2", ()),
+    ("gpt.py", "pp=2,tp=2", ()),
+    ("mlp.py", "pp=2", ("--pp-schedule", "gpipe", "--microbatches", 4)),
+]
 
 
 @pytest.mark.parametrize("model,strategy,args", CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CASES])
 def test_pipeline_training_matches_eager_ddp(tmp_path, model, strategy, args):
     world = 4 if "," in strategy else 2
-    losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / model, world, tmp_path, strategy=strategy,
-                                                          build_args=args)
+    losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / model, world, tmp_path, strategy=strategy, build_args=args)
     # tensor parallelism's bound for gpt.py (tests/test_train_matches_ddp.py): its split matmuls sum in another order
     assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=2e-5 if "tp" in strategy else 1e-5)
 
@@ -128,8 +146,7 @@ def test_pipeline_training_matches_eager_ddp(tmp_path, model, strategy, args):
 def test_an_8_rank_pipeline_of_fsdp_and_tensor_parallel_stages_builds_and_inspects(tmp_path):
     """pp=2,fsdp=2,tp=2: two programs, each rank's pipeline stage, fsdp shard and tp slice."""
     art = tmp_path / "art"
-    ok(aot("build", EXAMPLES / "gpt.py", "--world-size", 8, "--strategy", "pp=2,fsdp=2,tp=2", "--batch-size", 4,
-           "--no-onnx", "-o", art, "--quiet"))
+    ok(aot("build", EXAMPLES / "gpt.py", "--world-size", 8, "--strategy", "pp=2,fsdp=2,tp=2", "--batch-size", 4, "--no-onnx", "-o", art, "--quiet"))
     summary = json.loads(ok(aot("inspect", art, "--json")).stdout)
     assert summary["mesh"] == {"axes": ["pp", "fsdp", "tp"], "shape": [2, 2, 2]}
     assert [r["program"] for r in summary["ranks"]] == ["train.pp0"] * 4 + ["train.pp1"] * 4
@@ -170,7 +187,7 @@ def test_pipeline_resume_is_exact_and_verify_passes(tmp_path):
             assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x)
             if role == "weights":
                 stage_keys.append(set(x))
-    assert stage_keys[0] & stage_keys[1] == {"tok_emb.weight"}   # the tied weight, on both ends
+    assert stage_keys[0] & stage_keys[1] == {"tok_emb.weight"}  # the tied weight, on both ends
     r = ok(aot("verify", art, EXAMPLES / "gpt.py", "--steps", 2))
     assert ": OK" in r.stdout + r.stderr
 
@@ -187,12 +204,18 @@ def test_fp16_loss_scaling_through_the_pipeline_matches_grad_scaler(tmp_path):
     from runner.checkpoint import merge_checkpoint
 
     art, ckpt, metrics = tmp_path / "art", tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    ok(aot("build", MODELS / "fp16_overflow.py", "--strategy", "pp=2", "--batch-size", 4, "-o", art, "--quiet",
-           "--no-onnx", "--topology", "cpu"))
+    ok(aot("build", MODELS / "fp16_overflow.py", "--strategy", "pp=2", "--batch-size", 4, "-o", art, "--quiet", "--no-onnx", "--topology", "cpu"))
     ok(torchrun(2, "run", art, "--steps", 8, "--metrics", metrics, "--save", ckpt, "--quiet"))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    ref = reference(MODELS / "fp16_overflow.py", art / "data" / "example_batch.safetensors", 1, 4, tmp_path,
-                    extra_args=["--precision", "fp16", "--param-dtype", "fp16"], steps=8)
+    ref = reference(
+        MODELS / "fp16_overflow.py",
+        art / "data" / "example_batch.safetensors",
+        1,
+        4,
+        tmp_path,
+        extra_args=["--precision", "fp16", "--param-dtype", "fp16"],
+        steps=8,
+    )
     eager = json.loads((ref / "scaler.json").read_text())
     assert [r["loss_scale"] for r in records] == eager["scales"]
     assert [r["skipped"] for r in records] == eager["skipped"] and any(eager["skipped"])
@@ -209,15 +232,30 @@ def test_fp16_loss_scaling_through_the_pipeline_matches_grad_scaler(tmp_path):
 def test_plan_prices_pipeline_meshes_as_the_build_predicts_them(tmp_path):
     """`aot plan --axes dp,pp`: a pipeline plan's step and memory are the build's prediction for the
     same mesh and microbatches (the same programs, simulated side by side)."""
-    r = ok(aot("plan", EXAMPLES / "mlp.py", "--topology", "cpu", "--world-size", 2, "--batch-size", 8,
-               "--axes", "dp,pp", "--json"))
+    r = ok(aot("plan", EXAMPLES / "mlp.py", "--topology", "cpu", "--world-size", 2, "--batch-size", 8, "--axes", "dp,pp", "--json"))
     plans = json.loads(r.stdout)["plans"]
     pipeline = next(p for p in plans if p["strategy"] == "pp=2")
     assert pipeline["pipeline"]["schedule"] == "1f1b" and pipeline["pipeline"]["microbatches"] in (2, 4, 8)
     assert any(p["strategy"] == "dp=2" for p in plans)
     art = tmp_path / "art"
-    ok(aot("build", EXAMPLES / "mlp.py", "--topology", "cpu", "--strategy", "pp=2", "--batch-size", 8, "--no-onnx",
-           "--microbatches", pipeline["pipeline"]["microbatches"], "-o", art, "--quiet"))
+    ok(
+        aot(
+            "build",
+            EXAMPLES / "mlp.py",
+            "--topology",
+            "cpu",
+            "--strategy",
+            "pp=2",
+            "--batch-size",
+            8,
+            "--no-onnx",
+            "--microbatches",
+            pipeline["pipeline"]["microbatches"],
+            "-o",
+            art,
+            "--quiet",
+        )
+    )
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["time"]["predicted"]["step_s"] == pytest.approx(pipeline["step_s"])
     assert manifest["memory"]["predicted"]["peak"] == pipeline["memory_bytes"]["peak"]

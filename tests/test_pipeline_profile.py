@@ -27,8 +27,8 @@ def _event(name: str, start: float, end: float):
 def test_each_wait_is_attributed_to_the_transfer_that_finishes_inside_it():
     events = [
         _event("ProfilerStep*", 0, 1000),
-        _event("gloo:send", 10, 900),       # issued first, waited at the end of the step
-        _event("gloo:recv", 20, 300),       # its wait: 100-300
+        _event("gloo:send", 10, 900),  # issued first, waited at the end of the step
+        _event("gloo:recv", 20, 300),  # its wait: 100-300
         _event("_c10d_functional::wait_tensor", 100, 300),
         _event("gloo:all_reduce", 420, 480),  # a collective's range ends on gloo's thread, not in its wait
         _event("_c10d_functional::wait_tensor", 400, 500),

@@ -42,8 +42,7 @@ def test_build_puts_each_tp_group_on_an_nvlink_pair(placed):
     tp_groups = manifest["process_groups"]["aot.tp"]["groups"]
     assert {frozenset(g) for g in tp_groups} == pairs
     assert manifest["process_groups"]["aot.dp"]["groups"] == [[0, 1], [2, 3]]
-    assert manifest["placement"] == {"axes_outer_to_inner": ["dp", "tp"], "identity": False,
-                                     "physical_rank_of_mesh_rank": [0, 2, 1, 3]}
+    assert manifest["placement"] == {"axes_outer_to_inner": ["dp", "tp"], "identity": False, "physical_rank_of_mesh_rank": [0, 2, 1, 3]}
     # `ranks` is per physical rank: the coordinates (so the state shard) of the mesh rank placed on it
     coords = {r["rank"]: r["coords"] for r in manifest["ranks"]}
     assert coords == {0: {"dp": 0, "tp": 0}, 1: {"dp": 1, "tp": 0}, 2: {"dp": 0, "tp": 1}, 3: {"dp": 1, "tp": 1}}
@@ -59,6 +58,7 @@ def test_groups_out_of_coordinate_order_are_refused(placed, tmp_path):
     """A manifest whose group lists its ranks against their coordinates (hashes rewritten to
     match) is refused in one line: torch would exchange that group's shards out of order."""
     import shutil
+
     broken = tmp_path / "art"
     shutil.copytree(placed, broken)
     manifest = json.loads((broken / "manifest.json").read_text())
@@ -75,8 +75,7 @@ def test_groups_out_of_coordinate_order_are_refused(placed, tmp_path):
 
 @pytest.mark.parametrize("strategy", ["fsdp=2,tp=2", pytest.param("dp=2,tp=2", marks=pytest.mark.slow)])
 def test_placed_mesh_trains_like_ddp(strategy, tmp_path):
-    results = train_both(EXAMPLES / "mlp.py", 4, tmp_path, strategy=strategy, build_args=("--topology", CROSSED),
-                         run_args=("--allow-topology-mismatch",))
+    results = train_both(EXAMPLES / "mlp.py", 4, tmp_path, strategy=strategy, build_args=("--topology", CROSSED), run_args=("--allow-topology-mismatch",))
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert manifest["placement"]["physical_rank_of_mesh_rank"] == [0, 2, 1, 3]  # really not the identity
     assert_same_training(*results)

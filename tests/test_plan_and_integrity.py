@@ -27,13 +27,16 @@ def test_mesh_rank_layout_is_row_major():
     assert mesh.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
-@pytest.mark.parametrize("strategy,world,message", [
-    ("dp=3", 2, "multiply to 3"),
-    ("ep=2", 2, "not supported yet"),
-    ("dp", 2, "axis=degree"),
-    ("dp=0", 1, "axis=degree"),
-    ("dp=1,dp=1", 1, "given twice"),
-])
+@pytest.mark.parametrize(
+    "strategy,world,message",
+    [
+        ("dp=3", 2, "multiply to 3"),
+        ("ep=2", 2, "not supported yet"),
+        ("dp", 2, "axis=degree"),
+        ("dp=0", 1, "axis=degree"),
+        ("dp=1,dp=1", 1, "given twice"),
+    ],
+)
 def test_mesh_rejects_bad_strategies(strategy, world, message):
     with pytest.raises(AotError, match=message):
         Mesh.parse(strategy, world)

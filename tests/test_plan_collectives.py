@@ -12,21 +12,24 @@ L = Link(alpha=1e-5, beta=1e-9, gamma=1e-10)
 P, N = 4, 1e6
 
 
-@pytest.mark.parametrize("kind,algorithm,expected", [
-    # (p-1)a + ((p-1)/p) n b = 3e-5 + 0.75e-3
-    ("all_gather", "ring", 7.8e-4),
-    # lg4 = 2: 2e-5 + 0.75e-3
-    ("all_gather", "recursive_doubling", 7.7e-4),
-    # 3e-5 + 0.75 * 1e6 * 1.1e-9 = 3e-5 + 8.25e-4
-    ("reduce_scatter", "ring", 8.55e-4),
-    ("reduce_scatter", "recursive_halving", 8.45e-4),
-    # 2*3*1e-5 + 2*0.75*1e-3 + 0.75*1e6*1e-10 = 6e-5 + 1.5e-3 + 7.5e-5
-    ("all_reduce", "ring", 1.635e-3),
-    # 2*2*1e-5 + 1.5e-3 + 7.5e-5
-    ("all_reduce", "rabenseifner", 1.615e-3),
-    # 2*2*1e-5 + 2*1e6*1e-9 + 1e6*1e-10 = 4e-5 + 2e-3 + 1e-4
-    ("all_reduce", "double_binary_tree", 2.14e-3),
-])
+@pytest.mark.parametrize(
+    "kind,algorithm,expected",
+    [
+        # (p-1)a + ((p-1)/p) n b = 3e-5 + 0.75e-3
+        ("all_gather", "ring", 7.8e-4),
+        # lg4 = 2: 2e-5 + 0.75e-3
+        ("all_gather", "recursive_doubling", 7.7e-4),
+        # 3e-5 + 0.75 * 1e6 * 1.1e-9 = 3e-5 + 8.25e-4
+        ("reduce_scatter", "ring", 8.55e-4),
+        ("reduce_scatter", "recursive_halving", 8.45e-4),
+        # 2*3*1e-5 + 2*0.75*1e-3 + 0.75*1e6*1e-10 = 6e-5 + 1.5e-3 + 7.5e-5
+        ("all_reduce", "ring", 1.635e-3),
+        # 2*2*1e-5 + 1.5e-3 + 7.5e-5
+        ("all_reduce", "rabenseifner", 1.615e-3),
+        # 2*2*1e-5 + 2*1e6*1e-9 + 1e6*1e-10 = 4e-5 + 2e-3 + 1e-4
+        ("all_reduce", "double_binary_tree", 2.14e-3),
+    ],
+)
 def test_flat_formulas_on_one_link(kind, algorithm, expected):
     assert C.cost(kind, algorithm, Span(p=P, intra=L), N) == pytest.approx(expected, rel=1e-12)
 

@@ -34,8 +34,8 @@ def test_roofline_with_overhead():
     # 2 GFLOP at 1 TFLOP/s = 2 ms; 1 MB at 1 GB/s = 1 ms: compute-bound, plus 10 us of dispatch
     assert cpu.op_seconds(2e9, 1e6, "float32") == pytest.approx(2e-3 + 1e-5)
     gpu = GpuModel({"default": 1e12}, 1e9, 1e-5)
-    assert gpu.op_seconds(2e9, 1e6, "float32") == pytest.approx(2e-3)       # launch hidden behind work
-    assert gpu.op_seconds(1e3, 1e2, "float32") == pytest.approx(1e-5)       # launch-bound
+    assert gpu.op_seconds(2e9, 1e6, "float32") == pytest.approx(2e-3)  # launch hidden behind work
+    assert gpu.op_seconds(1e3, 1e2, "float32") == pytest.approx(1e-5)  # launch-bound
     cached = CpuGlooModel({"default": 1e12}, 1e9, 0.0, bandwidth_by_bytes=((1e5, 1e10),), efficiency=0.5)
     # 1e4 bytes fit the 1e5-byte level (10 GB/s): 1 us of work, at half the roofline 2 us
     assert cached.op_seconds(0.0, 1e4, "float32") == pytest.approx(2e-6)
@@ -61,8 +61,7 @@ def test_measured_elementwise_rates_and_foreach_kernels():
         torch._foreach_add_(xs, ys)
         return torch.nn.functional.gelu(x)
 
-    gm = make_fx(f, tracing_mode="fake")([torch.randn(3) for _ in range(5)], [torch.randn(3) for _ in range(5)],
-                                         torch.randn(4, 8))
+    gm = make_fx(f, tracing_mode="fake")([torch.randn(3) for _ in range(5)], [torch.randn(3) for _ in range(5)], torch.randn(4, 8))
     ops = {op.target: op for op in analyze(gm).ops if op.kind == "compute"}
     assert ops["gelu"].elements == 32 and ops["gelu"].launches == 1
     foreach = next(op for name, op in ops.items() if name.startswith("_foreach_add"))
@@ -87,7 +86,6 @@ def test_measured_call_costs_per_op():
     assert gpu.op_seconds(0.0, 0.0, "float32", target="gelu") == pytest.approx(5e-6)
 
 
-
 def test_a_gpu_prices_each_op_class_at_its_fraction_of_peak():
     """An A100 (312 TFLOP/s dense bf16, 19.5 fp32, 2039 GB/s): matmul-like ops at 60% of the
     dtype's dense peak, FLOPs of other ops at 60% of the CUDA cores' fp32 rate, bytes at 80% of the
@@ -104,9 +102,16 @@ def test_a_gpu_prices_each_op_class_at_its_fraction_of_peak():
     assert gpu.op_seconds(0.0, 1e9, "bfloat16", target="gelu") == pytest.approx(1e9 / (0.8 * 2039e9))
     assert gpu.op_seconds(0.0, 4e3, "float32", target="add", launches=28) == pytest.approx(5e-6)
     assert gpu.view_seconds() == pytest.approx(5e-6) and gpu.blocking_stall([1e-3, 2e-3]) == 0.0
-    measured = {"flops_per_s": {"float32": 1.5e13, "bfloat16": 2.5e14}, "memory_bytes_per_s": 1.6e12, "op_overhead_s": 4e-6,
-                "view_overhead_s": 4e-6, "efficiency": 0.5, "element_seconds": {"gelu": 1.0}, "dispatch_s": {"mm": [1.0, 0.0]},
-                "collective_stall_s": 1.0}
+    measured = {
+        "flops_per_s": {"float32": 1.5e13, "bfloat16": 2.5e14},
+        "memory_bytes_per_s": 1.6e12,
+        "op_overhead_s": 4e-6,
+        "view_overhead_s": 4e-6,
+        "efficiency": 0.5,
+        "element_seconds": {"gelu": 1.0},
+        "dispatch_s": {"mm": [1.0, 0.0]},
+        "collective_stall_s": 1.0,
+    }
     calibrated = Machine({**load_profile("dgx_a100"), "compute": measured}, 8).compute
     assert calibrated.calibrated and calibrated.collective_stall_s == 0.0
     assert calibrated.op_seconds(2 * n**3, 0.0, "bfloat16", target="mm") == pytest.approx(2 * n**3 / 2.5e14 / 0.5)
@@ -136,6 +141,7 @@ def test_planning_for_gpus_never_imports_the_cpu_model():
     assert json.loads(r.stdout)["plans"][0]["strategy"] == "dp=8"
     assert "gpu True False" in r.stderr and "cpu True" in r.stderr
 
+
 def test_calibrated_call_costs_cover_the_reference_step_and_common_training_ops():
     from aot.plan.calibrate import _reference_step
     from aot.plan.cpu_op_costs import measure_dispatch_seconds
@@ -156,7 +162,7 @@ def test_calibrated_call_costs_cover_the_reference_step_and_common_training_ops(
 
 def test_graph_reading_counts_flops_bytes_views_and_liveness():
     def f(x, w):
-        y = torch.mm(x, w)       # (4x8) @ (8x16)
+        y = torch.mm(x, w)  # (4x8) @ (8x16)
         z = y.view(-1)
         return (z * 2).sum()
 
@@ -181,12 +187,15 @@ def _site(name, issue_at, wait_at, nbytes=100, group="aot.dp", kind="all_reduce"
     return CommSite(name, kind, group, nbytes, nbytes, "float32", issue_at, wait_at, input_numel=nbytes // 4)
 
 
-@pytest.mark.parametrize("comm_ms,overlap,step_ms,exposed_ms", [
-    # A 0-1 | X issued at 1 | B 1-3, C 3-4 | wait X before D | D
-    (2.5, True, 5.0, 0.0),    # X ends at 3.5, before D starts at 4: hidden
-    (4.0, True, 6.0, 1.0),    # X ends at 5: D waits 1 ms
-    (2.5, False, 7.5, 2.5),   # no overlap: X holds compute from 1 to 3.5
-])
+@pytest.mark.parametrize(
+    "comm_ms,overlap,step_ms,exposed_ms",
+    [
+        # A 0-1 | X issued at 1 | B 1-3, C 3-4 | wait X before D | D
+        (2.5, True, 5.0, 0.0),  # X ends at 3.5, before D starts at 4: hidden
+        (4.0, True, 6.0, 1.0),  # X ends at 5: D waits 1 ms
+        (2.5, False, 7.5, 2.5),  # no overlap: X holds compute from 1 to 3.5
+    ],
+)
 def test_overlap_between_issue_and_wait(comm_ms, overlap, step_ms, exposed_ms):
     compute = CpuGlooModel({"default": 1.0}, 1.0, 0.0)
     step = _step([1e-3, 2e-3, 1e-3, 1e-3], [_site("X", 1, 3)])
@@ -276,11 +285,10 @@ def test_a_bimodal_stall_is_priced_as_the_median_step_pays_it():
     for k, slow in ((1, 0), (2, 1), (3, 1), (10, 3), (100, 30)):
         assert median_of_sum(((bimodal, k),)) == pytest.approx(slow * 3.5e-3)
     assert median_of_sum(((bimodal, 1000),)) == pytest.approx(1000 * 1.05e-3)  # past the exact range: k x mean
-    assert median_of_sum((((-1e-4, 2e-4), 1),)) == pytest.approx(-1e-4)        # below the fast path counts too
+    assert median_of_sum((((-1e-4, 2e-4), 1),)) == pytest.approx(-1e-4)  # below the fast path counts too
     # one certain 1 ms draw and one bimodal draw: 1 ms at the median (P(no tick) = 0.7)
     assert median_of_sum((((1e-3,), 1), (bimodal, 1))) == pytest.approx(1e-3)
-    cpu = CpuGlooModel({"default": 1.0}, 1.0, 0.0, collective_stall_s=1.05e-3,
-                       collective_stall_by_segment=((1e-3, bimodal),))
+    cpu = CpuGlooModel({"default": 1.0}, 1.0, 0.0, collective_stall_s=1.05e-3, collective_stall_by_segment=((1e-3, bimodal),))
     times = [1e-3] * 4
     one = simulate(_step([1e-3] * 4, [_site("X", 1, 3)]), cpu, lambda c: ("ring", 1e-3), overlap=False, op_times=times)
     assert one.step_s == pytest.approx(4e-3 + 1e-3)  # a single collective usually escapes the tick
@@ -336,8 +344,7 @@ def test_a_stall_between_calibrated_lengths_is_interpolated_quantile_by_quantile
     i-th smallest stall moves from one length's to the next's, so a median of draws follows."""
     free_then_tick = (0.0,) * 7 + (4e-3,) * 3
     ticks = (0.0,) * 3 + (4e-3,) * 7
-    cpu = CpuGlooModel({"default": 1.0}, 1.0, 0.0,
-                       collective_stall_by_kind={"all_reduce": ((1e-3, free_then_tick), (16e-3, ticks))})
+    cpu = CpuGlooModel({"default": 1.0}, 1.0, 0.0, collective_stall_by_kind={"all_reduce": ((1e-3, free_then_tick), (16e-3, ticks))})
     middle = cpu.stall_distribution(4e-3, "all_reduce")  # half way from 1 to 16 ms on a log scale
     assert middle == pytest.approx((0.0,) * 3 + (2e-3,) * 4 + (4e-3,) * 3)
     assert cpu.stall_distribution(4e-3, "reduce_scatter") == middle  # a kind without its own table: the default
@@ -348,8 +355,13 @@ def test_each_collective_kind_draws_its_own_stall():
     """gloo's all_gathers issued back to back (FSDP's) stall less than its all_reduces: a profile
     with a table per kind prices each collective from its kind's, others from the default one."""
     zero, tick = (0.0,) * 10, (1e-3,) * 10
-    cpu = CpuGlooModel({"default": 1.0}, 1.0, 0.0, collective_stall_by_segment=((1e-6, tick), (1e-2, tick)),
-                       collective_stall_by_kind={"all_gather": ((1e-6, zero), (1e-2, tick)), "all_reduce": ((1e-6, tick), (1e-2, tick))})
+    cpu = CpuGlooModel(
+        {"default": 1.0},
+        1.0,
+        0.0,
+        collective_stall_by_segment=((1e-6, tick), (1e-2, tick)),
+        collective_stall_by_kind={"all_gather": ((1e-6, zero), (1e-2, tick)), "all_reduce": ((1e-6, tick), (1e-2, tick))},
+    )
     assert cpu.blocking_stall([0.0, 0.0, 0.0], ["all_gather", "all_gather", "all_reduce"]) == pytest.approx(1e-3)
     assert cpu.blocking_stall([0.0, 0.0], ["all_to_all", "all_to_all"]) == pytest.approx(2e-3)  # no table: the default
     assert cpu.blocking_stall([0.02, 0.0], ["all_gather", "all_gather"]) == pytest.approx(1e-3)  # after 20 ms: its tick
@@ -365,8 +377,10 @@ def test_the_stall_table_takes_the_median_round_not_a_bursty_one():
     """A round that hit a burst of contention (its stalls 4 ms) does not set the table: each run
     length takes the round whose samples' mean is the median of the rounds'."""
     from aot.plan.calibrate import STALL_QUANTILES, stall_table
+
     def round_(stall, seconds=1e-5):  # two ranks, two run lengths, 10 samples each
         return [[(seconds, [stall] * 10), (2 * seconds, [stall / 2] * 10)] for _ in range(2)]
+
     table = stall_table([round_(0.1e-3), round_(4e-3), round_(0.2e-3)])
     assert [s for s, _ in table] == [1e-5, 2e-5]
     assert table[0][1] == [0.2e-3] * STALL_QUANTILES and table[1][1] == [0.1e-3] * STALL_QUANTILES

@@ -43,13 +43,19 @@ def _nodes(gm: torch.fx.GraphModule) -> list:
         if isinstance(v, (list, tuple)):
             return [meta(x) for x in v]
         return "script object" if isinstance(v, torch.ScriptObject) else repr(v)
+
     return [(n.op, n.name, str(n.target), str(n.args), str(n.kwargs), meta(n.meta.get("val"))) for n in gm.graph.nodes]
 
 
 def _facts(step) -> tuple:
-    return ([(o.name, o.target, o.kind, o.flops, o.bytes, o.dtype, o.tensors) for o in step.ops],
-            [(c.name, c.kind, c.group, c.bytes, c.input_bytes, c.issue_at, c.wait_at, c.readers) for c in step.comms],
-            step.memory.to_json(), step.memory.intervals, step.memory.resident_tensors, step.graph_nodes)
+    return (
+        [(o.name, o.target, o.kind, o.flops, o.bytes, o.dtype, o.tensors) for o in step.ops],
+        [(c.name, c.kind, c.group, c.bytes, c.input_bytes, c.issue_at, c.wait_at, c.readers) for c in step.comms],
+        step.memory.to_json(),
+        step.memory.intervals,
+        step.memory.resident_tensors,
+        step.graph_nodes,
+    )
 
 
 def _lean_calls(monkeypatch) -> list:
@@ -60,6 +66,7 @@ def _lean_calls(monkeypatch) -> list:
         graph = lean(step, args)
         calls.append(1)
         return graph
+
     monkeypatch.setattr(pricing, "_lean_make_fx", counted)
     return calls
 
@@ -71,18 +78,23 @@ def _variant(tmp_path: Path, name: str, extra: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("model,sequence,meshes", [
-    (MLP, False, [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]),
-    (GPT, False, [(2, 1, 1), (2, 2, 2), (1, 2, 4)]),
-    (GPT, True, [(2, 2, 2)]),
-])
+@pytest.mark.parametrize(
+    "model,sequence,meshes",
+    [
+        (MLP, False, [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]),
+        (GPT, False, [(2, 1, 1), (2, 2, 2), (1, 2, 4)]),
+        (GPT, True, [(2, 2, 2)]),
+    ],
+)
 def test_pricing_trace_is_the_build_trace(monkeypatch, model, sequence, meshes):
     steps = ModelSteps(model, 8, world_size=8, sequence_parallel=sequence)
     lean = _lean_calls(monkeypatch)
     for mesh in meshes:
         layout = steps.layout(*mesh)
-        graphs = [capture_step(steps.mf, steps.state, steps.inputs, steps.targets, layout,
-                                       check_ranks=False, tracer=tracer) for tracer in (None, pricing.trace_for_pricing)]
+        graphs = [
+            capture_step(steps.mf, steps.state, steps.inputs, steps.targets, layout, check_ranks=False, tracer=tracer)
+            for tracer in (None, pricing.trace_for_pricing)
+        ]
         built, priced = graphs
         assert _nodes(priced.graph) == _nodes(built.graph), mesh
         assert priced.slots == built.slots
@@ -93,7 +105,10 @@ def test_pricing_trace_is_the_build_trace(monkeypatch, model, sequence, meshes):
 
 def test_pricing_trace_falls_back_to_make_fx(monkeypatch, tmp_path):
     # a tensor constant in the forward: make_fx interns it, the lean recorder hands over
-    path = _variant(tmp_path, "mlp_constant", '''
+    path = _variant(
+        tmp_path,
+        "mlp_constant",
+        """
 
 class Wrapped(nn.Module):
     def __init__(self):
@@ -102,31 +117,34 @@ class Wrapped(nn.Module):
 
     def forward(self, x):
         return self.net(x) * torch.tensor(2.0)
-''')
+""",
+    )
     steps = ModelSteps(path, 8, world_size=2)
     lean = _lean_calls(monkeypatch)
     layout = steps.layout(2, 1, 1)
-    built, priced = (capture_step(steps.mf, steps.state, steps.inputs, steps.targets, layout,
-                                          check_ranks=False, tracer=t) for t in (None, pricing.trace_for_pricing))
+    built, priced = (
+        capture_step(steps.mf, steps.state, steps.inputs, steps.targets, layout, check_ranks=False, tracer=t) for t in (None, pricing.trace_for_pricing)
+    )
     assert _nodes(priced.graph) == _nodes(built.graph)
     assert any(n.op == "get_attr" for n in priced.graph.graph.nodes) and not lean
 
 
-@pytest.mark.parametrize("model,sequence,pairs", [
-    (MLP, False, [((2, 2, 1), (2, 1, 1)), ((1, 2, 1), (1, 1, 1)), ((2, 2, 2), (4, 1, 2))]),
-    (GPT, False, [((2, 2, 1), (8, 1, 1)), ((1, 2, 4), (2, 1, 4))]),
-    (GPT, True, [((2, 2, 2), (2, 1, 2))]),
-])
+@pytest.mark.parametrize(
+    "model,sequence,pairs",
+    [
+        (MLP, False, [((2, 2, 1), (2, 1, 1)), ((1, 2, 1), (1, 1, 1)), ((2, 2, 2), (4, 1, 2))]),
+        (GPT, False, [((2, 2, 1), (8, 1, 1)), ((1, 2, 4), (2, 1, 4))]),
+        (GPT, True, [((2, 2, 2), (2, 1, 2))]),
+    ],
+)
 def test_graph_without_fsdp_derived_is_the_traced_one(model, sequence, pairs):
     steps = ModelSteps(model, 8, world_size=8, sequence_parallel=sequence)
     for sharded, plain in pairs:
         sharded_gm, _ = steps._capture(*sharded)
-        derived = pricing.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets,
-                                              steps.layout(*plain), sharded_gm, "aot.fsdp")
+        derived = pricing.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(*plain), sharded_gm, "aot.fsdp")
         assert derived is not None, (sharded, plain)
         gm, slots, shared = derived
-        traced = capture_step(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(*plain),
-                              check_ranks=False)
+        traced = capture_step(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(*plain), check_ranks=False)
         traced_gm = plain_collectives(drop_profiler_calls(traced.graph))
         assert _nodes(gm) == _nodes(traced_gm), plain
         assert slots == traced.slots
@@ -136,7 +154,10 @@ def test_graph_without_fsdp_derived_is_the_traced_one(model, sequence, pairs):
 
 def test_graph_without_fsdp_is_traced_where_it_cannot_be_derived(tmp_path):
     # an unused parameter has no gradient, so no reduce-scatter: not the form the derivation reads
-    path = _variant(tmp_path, "mlp_spare", '''
+    path = _variant(
+        tmp_path,
+        "mlp_spare",
+        """
 
 class Wrapped(nn.Module):
     def __init__(self):
@@ -146,11 +167,11 @@ class Wrapped(nn.Module):
 
     def forward(self, x):
         return self.net(x)
-''')
+""",
+    )
     steps = ModelSteps(path, 8, world_size=4)
     sharded_gm, _ = steps._capture(2, 2, 1)
-    assert pricing.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(2, 1, 1),
-                                       sharded_gm, "aot.fsdp") is None
+    assert pricing.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(2, 1, 1), sharded_gm, "aot.fsdp") is None
     steps._derived = {(True, 2, 1): [((True, 1, 1), (2, 1, 1))]}
     graphs = steps._trace((True, 2, 1), (2, 2, 1))
     assert _facts(graphs[(True, 1, 1)]) == _facts(steps.capture(2, 1, 1))
@@ -251,10 +272,13 @@ def test_derived_graphs_predict_the_traced_step_time(model, topology):
     assert compared >= 3
 
 
-@pytest.mark.xfail(strict=True, reason="cost_model.ShardScale resizes a flat tensor by its numel alone: in the "
-                   "small MLP a padded whole parameter at fsdp=2 has the numel of another parameter's shard "
-                   "(2048: layer 1's weight, half of layer 2's), so gathered buffers and some collectives are "
-                   "resized as shards (collective bytes -3% at fsdp=4,tp=2; peak memory -12% at fsdp=8)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="cost_model.ShardScale resizes a flat tensor by its numel alone: in the "
+    "small MLP a padded whole parameter at fsdp=2 has the numel of another parameter's shard "
+    "(2048: layer 1's weight, half of layer 2's), so gathered buffers and some collectives are "
+    "resized as shards (collective bytes -3% at fsdp=4,tp=2; peak memory -12% at fsdp=8)",
+)
 def test_derived_graphs_match_traced_bytes_and_memory_on_small_parameters():
     for topology in ("dgx_a100", "cpu"):
         for shape, a, b, _, _ in _derived_and_traced(MLP, topology):

@@ -30,9 +30,17 @@ def test_cpu_ranks_talk_over_loopback_and_calibration_overrides_defaults():
     profile = load_profile("cpu")
     m = Machine(profile, 2)
     assert m.pair(0, 1)[0] == "loopback" and m.per_node == 2 and m.memory_bytes is None
-    calibrated = {**profile, "calibration": {"loopback": {
-        "alpha_s": 1e-4, "beta_s_per_byte": 2e-9, "gamma_s_per_byte": 0.0,
-        "per_kind": {"all_gather": {"alpha_s": 3e-4, "beta_s_per_byte": 4e-9, "gamma_s_per_byte": 0.0}}}}}
+    calibrated = {
+        **profile,
+        "calibration": {
+            "loopback": {
+                "alpha_s": 1e-4,
+                "beta_s_per_byte": 2e-9,
+                "gamma_s_per_byte": 0.0,
+                "per_kind": {"all_gather": {"alpha_s": 3e-4, "beta_s_per_byte": 4e-9, "gamma_s_per_byte": 0.0}},
+            }
+        },
+    }
     m = Machine(calibrated, 2)
     assert m.span([0, 1], "all_reduce").intra == Link(1e-4, 2e-9, 0.0)
     assert m.span([0, 1], "all_gather").intra == Link(3e-4, 4e-9, 0.0)
@@ -65,8 +73,7 @@ def test_islands_follow_the_links_not_the_numbering():
     # rewire: NVLink bridges join GPU0-GPU2 and GPU1-GPU3 instead
     for link in profile["node"]["links"]:
         pair = {profile["node"]["gpus"][b]["index"] for b in link["gpus"]}
-        link["nvlink"] = ({"count": 12, "gb_per_s_per_direction": 300.0, "via": "direct"}
-                          if pair in ({0, 2}, {1, 3}) else None)
+        link["nvlink"] = {"count": 12, "gb_per_s_per_direction": 300.0, "via": "direct"} if pair in ({0, 2}, {1, 3}) else None
     m = Machine(profile)
     assert m.device_order() == [0, 2, 1, 3]
     p = place(m, ("dp", "tp"), (2, 2), TP_HEAVY)
@@ -124,8 +131,12 @@ def test_every_group_lists_its_ranks_ascending_in_coordinate_order():
     assert place(Machine(_rewired(({0, 2}, {1, 3}))), ("dp",), (4,)).identity
     for name, nodes, world in (("pcie_4gpu_nvlink_pairs", 1, 4), ("dgx_a100", 2, 16), ("dgx_h100", 2, 16), ("cpu", 2, 8)):
         m = Machine(for_nodes(load_profile(name), nodes), world)
-        for axes, shape in ((("dp", "tp"), (world // 2, 2)), (("tp", "dp"), (2, world // 2)),
-                            (("dp", "fsdp", "tp"), (world // 4, 2, 2)), (("tp", "fsdp", "dp"), (2, 2, world // 4))):
+        for axes, shape in (
+            (("dp", "tp"), (world // 2, 2)),
+            (("tp", "dp"), (2, world // 2)),
+            (("dp", "fsdp", "tp"), (world // 4, 2, 2)),
+            (("tp", "fsdp", "dp"), (2, 2, world // 4)),
+        ):
             p = place(m, axes, shape, TP_HEAVY)
             assert p.ascending, (name, axes, shape, p.physical)
             for axis in axes:
@@ -151,8 +162,12 @@ def test_a_plan_placement_carries_over_to_the_mesh_as_built():
 def test_the_build_places_the_mesh_identity_where_islands_follow_the_numbering():
     from aot.build import place_mesh
 
-    cases = [("cpu", "dp=2,tp=2", True), ("pcie_4gpu_nvlink_pairs", "dp=2,tp=2", True),
-             ("pcie_4gpu_nvlink_pairs", "fsdp=2,tp=2", True), ("dgx_a100", "dp=2,fsdp=2", True)]
+    cases = [
+        ("cpu", "dp=2,tp=2", True),
+        ("pcie_4gpu_nvlink_pairs", "dp=2,tp=2", True),
+        ("pcie_4gpu_nvlink_pairs", "fsdp=2,tp=2", True),
+        ("dgx_a100", "dp=2,fsdp=2", True),
+    ]
     for name, strategy, identity in cases:
         mesh = Mesh.parse(strategy, 4)
         assert place_mesh(mesh, for_nodes(load_profile(name), None, 4)).identity is identity, name

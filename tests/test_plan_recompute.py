@@ -86,8 +86,7 @@ def test_a_plan_that_does_not_fit_is_priced_recomputing_and_ranked_first(tight):
     best = plans[0]
     assert best["fits"] and best["recompute"] is not None and 0 < best["recompute"] < 1
     assert best["memory_bytes"]["peak"] <= MEMORY_HEADROOM * out["device_memory_bytes"]
-    without = next(p for p in plans if p["recompute"] is None and p["strategy"] == best["strategy"]
-                   and p["bucket_mb"] == best["bucket_mb"])
+    without = next(p for p in plans if p["recompute"] is None and p["strategy"] == best["strategy"] and p["bucket_mb"] == best["bucket_mb"])
     # recomputation frees saved activations and pays for their ops again
     assert best["memory_bytes"]["peak"] < without["memory_bytes"]["peak"]
     assert best["memory_bytes"]["activations_peak"] < without["memory_bytes"]["activations_peak"]
@@ -104,8 +103,7 @@ def test_build_strategy_auto_recomputes_as_planned(tight, tmp_path):
     path, out = tight
     best = out["plans"][0]
     art = tmp_path / "art"
-    result = CliRunner().invoke(cli, ["build", GPT, "--topology", str(path), *WORLD, "--strategy", "auto", "--no-onnx",
-                                      "-o", str(art)], catch_exceptions=False)
+    result = CliRunner().invoke(cli, ["build", GPT, "--topology", str(path), *WORLD, "--strategy", "auto", "--no-onnx", "-o", str(art)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert f"recomputing activations as planned: --activation-budget {best['recompute']:g}" in result.output
     manifest = Artifact(art).manifest
@@ -136,6 +134,7 @@ def test_the_recomputing_graphs_priced_are_the_builds(monkeypatch):
     monkeypatch.setenv("AOT_PLAN_WORKERS", "2")
     profile = for_nodes(load_profile("dgx_a100"), None, 2)
     machine = Machine(profile, 2)
+
     class NothingFits:  # every graph gets its variants, at 0.5 and at the smallest feasible budget
         def over(self, graph):
             return True
@@ -153,8 +152,7 @@ def test_the_recomputing_graphs_priced_are_the_builds(monkeypatch):
     cost = lambda n: node_seconds(n, machine.compute)  # noqa: E731
     for key, variants in steps.recomputed.items():
         assert len(variants) == 2 and variants[0][0] < variants[1][0] == 0.5
-        captured = capture_step(steps.mf, steps.state, steps.inputs, steps.targets,
-                                steps.layout(2 if key[0] else 1, key[1], key[2]), check_ranks=False)
+        captured = capture_step(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(2 if key[0] else 1, key[1], key[2]), check_ranks=False)
         gm = plain_collectives(drop_profiler_calls(captured.graph))
         for fraction, graph in variants:
             trial = copy.deepcopy(gm)

@@ -80,8 +80,9 @@ def test_plans_that_do_not_fit_are_kept_but_never_chosen(tmp_path):
     assert fits == {"fsdp=2": True, "tp=2": True, "dp=2": False}
     assert out["plans"][0]["strategy"] in ("fsdp=2", "tp=2")
     path.write_text(json.dumps(_small_gpus(20_000)))
-    result = CliRunner().invoke(cli, ["build", MLP, "--topology", str(path), "--world-size", "2", "--strategy", "auto",
-                                      "--no-onnx", "--quiet", "-o", str(tmp_path / "art")])
+    result = CliRunner().invoke(
+        cli, ["build", MLP, "--topology", str(path), "--world-size", "2", "--strategy", "auto", "--no-onnx", "--quiet", "-o", str(tmp_path / "art")]
+    )
     assert result.exit_code == 1 and "no plan fits the device memory" in str(result.exception)
 
 
@@ -108,8 +109,9 @@ def test_plan_for_128_dgx_a100_nodes_prices_tensor_parallel_within_a_node():
 
 def test_build_strategy_auto_records_the_plan_and_its_timeline(tmp_path):
     art = tmp_path / "art"
-    result = CliRunner().invoke(cli, ["build", MLP, "--topology", "cpu", "--world-size", "2", "--strategy", "auto",
-                                      "--no-onnx", "--quiet", "-o", str(art)], catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli, ["build", MLP, "--topology", "cpu", "--world-size", "2", "--strategy", "auto", "--no-onnx", "--quiet", "-o", str(art)], catch_exceptions=False
+    )
     assert result.exit_code == 0, result.output
     manifest = Artifact(art).manifest  # digest, schema and files check out
     plan = manifest["plan"]
@@ -131,10 +133,35 @@ def test_build_strategy_auto_records_the_plan_and_its_timeline(tmp_path):
 def test_calibrate_under_torchrun_writes_a_profile_the_planner_reads(tmp_path):
     out = tmp_path / "cal.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "aot", "topology", "calibrate", "--profile", "cpu", "-o", str(out),
-                           "--max-bytes", "65536", "--reps", "2", "--rounds", "2"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "aot",
+            "topology",
+            "calibrate",
+            "--profile",
+            "cpu",
+            "-o",
+            str(out),
+            "--max-bytes",
+            "65536",
+            "--reps",
+            "2",
+            "--rounds",
+            "2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "round 2 of 2" in proc.stderr  # compute and the stall measured twice, a median (and a pool) of the two
     profile = load_profile(str(out))  # validates
@@ -167,8 +194,9 @@ def test_runner_applies_the_planned_nccl_algorithm_unless_the_user_set_one(tmp_p
     from runner.trainer import nccl_algorithm
 
     art = tmp_path / "art"
-    result = CliRunner().invoke(cli, ["build", MLP, "--topology", "dgx_a100", "--world-size", "8", "--strategy", "auto",
-                                      "--no-onnx", "--quiet", "-o", str(art)], catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli, ["build", MLP, "--topology", "dgx_a100", "--world-size", "8", "--strategy", "auto", "--no-onnx", "--quiet", "-o", str(art)], catch_exceptions=False
+    )
     assert result.exit_code == 0, result.output
     manifest = Artifact(art).manifest
     planned = manifest["plan"]["nccl_algo"]
@@ -206,8 +234,7 @@ def test_plan_prices_sequence_parallel_as_the_build_makes_it():
     """tp=4 on 4 ranks: row-wise outputs all-reduced without --sequence-parallel; all-gathered and
     reduce-scattered along the sequence with it, and fewer activation bytes held per rank."""
     plain = _plan(GPT, "--topology", "dgx_a100", "--world-size", "4", "--axes", "tp", "--bucket-mb", "25")["plans"][0]
-    sp = _plan(GPT, "--topology", "dgx_a100", "--world-size", "4", "--axes", "tp", "--bucket-mb", "25",
-               "--sequence-parallel")["plans"][0]
+    sp = _plan(GPT, "--topology", "dgx_a100", "--world-size", "4", "--axes", "tp", "--bucket-mb", "25", "--sequence-parallel")["plans"][0]
     assert plain["strategy"] == sp["strategy"] == "tp=4"
     assert set(plain["algorithms"]) == {"all_reduce:double_binary_tree"}
     assert {k.split(":")[0] for k in sp["algorithms"]} == {"all_gather", "reduce_scatter", "all_reduce"}

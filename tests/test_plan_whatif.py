@@ -75,13 +75,11 @@ def test_whatif_prices_recomputation_per_profile_as_each_alone(tmp_path):
     """Graphs shared across profiles only where neither prices them recomputing activations: on GPUs
     of 5 MB gpt.py's plans recompute, on a DGX A100 none does, in either order."""
     small = load_profile("dgx_a100") | {"name": "small"}
-    small["node"] = {**small["node"], "gpus": {bus: {**gpu, "memory_bytes": 5_000_000}
-                                               for bus, gpu in small["node"]["gpus"].items()}}
+    small["node"] = {**small["node"], "gpus": {bus: {**gpu, "memory_bytes": 5_000_000} for bus, gpu in small["node"]["gpus"].items()}}
     path = tmp_path / "small.json"
     path.write_text(json.dumps(small))
     gpt = str(EXAMPLES / "gpt.py")
-    alone = {name: json.loads(_plan(gpt, "--topology", name, "--world-size", "2", "--json"))
-             for name in ("dgx_a100", str(path))}
+    alone = {name: json.loads(_plan(gpt, "--topology", name, "--world-size", "2", "--json")) for name in ("dgx_a100", str(path))}
     assert any(p["recompute"] is not None for p in alone[str(path)]["plans"])
     assert all(p["recompute"] is None for p in alone["dgx_a100"]["plans"])
     for order in (("dgx_a100", str(path)), (str(path), "dgx_a100")):

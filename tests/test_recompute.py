@@ -43,8 +43,11 @@ def steps():
 
 
 def _random_ops(gm) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-               and torch.Tag.nondeterministic_seeded in n.target.tags)
+    return sum(
+        1
+        for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+    )
 
 
 def _recomputed(step, choose):
@@ -143,10 +146,10 @@ def test_a_memory_budget_picks_a_plan_under_it_and_refuses_one_below_the_smalles
 
 # -- under torchrun, against eager DDP ---------------------------------------------------------------
 
+
 def _smallest_feasible(model, tmp_path, strategy) -> str:
     """The smallest activation budget, as the refusal of a budget of 0 states it."""
-    r = aot("build", model, "--strategy", strategy, "--batch-size", 4, "-o", tmp_path / "refused", "--quiet", "--no-onnx",
-            "--activation-budget", 0)
+    r = aot("build", model, "--strategy", strategy, "--batch-size", 4, "-o", tmp_path / "refused", "--quiet", "--no-onnx", "--activation-budget", 0)
     assert r.returncode == 1 and not (tmp_path / "refused").exists(), r.stderr
     return re.search(r"smallest feasible is ([0-9.]+)", r.stderr).group(1)
 
@@ -154,16 +157,18 @@ def _smallest_feasible(model, tmp_path, strategy) -> str:
 CASES = [(GPT_DROPOUT, "dp=2", "0.5"), (GPT_DROPOUT, "fsdp=2", "smallest"), (str(EXAMPLES / "mlp.py"), "tp=2", "smallest")]
 # (gpt_dropout is not compared under tp: its attention dropout draws masks for a rank's heads alone,
 # where eager draws one for all heads, with or without recomputation; gpt.py, without dropout, is)
-SLOW_CASES = [(str(MODELS / "mlp_dropout.py"), "tp=2", "smallest"), (str(EXAMPLES / "mlp.py"), "fsdp=2", "smallest"),
-              (str(EXAMPLES / "gpt.py"), "tp=2", "smallest")]
+SLOW_CASES = [
+    (str(MODELS / "mlp_dropout.py"), "tp=2", "smallest"),
+    (str(EXAMPLES / "mlp.py"), "fsdp=2", "smallest"),
+    (str(EXAMPLES / "gpt.py"), "tp=2", "smallest"),
+]
 
 
 @pytest.mark.parametrize("model,strategy,budget", CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CASES])
 def test_training_with_recomputation_matches_eager_ddp(tmp_path, model, strategy, budget):
     if budget == "smallest":
         budget = _smallest_feasible(model, tmp_path, strategy)
-    losses, ref_losses, weights, ref_weights = train_both(model, 2, tmp_path, strategy=strategy,
-                                                          build_args=("--activation-budget", budget))
+    losses, ref_losses, weights, ref_weights = train_both(model, 2, tmp_path, strategy=strategy, build_args=("--activation-budget", budget))
     assert_same_training(losses, ref_losses, weights, ref_weights)
     recompute = json.loads((tmp_path / "art" / "manifest.json").read_text())["memory"]["recompute"]
     assert recompute["policy"] == "budget" and recompute["recomputed_values"] > 0
@@ -174,8 +179,7 @@ def test_model_file_recompute_policy_trains_like_eager_ddp(tmp_path):
     """`recompute = {"modules": ["blocks.*"], "save": "matmuls"}` in the model file: selective
     checkpointing of every block; `aot inspect` says what is recomputed."""
     model = tmp_path / "gpt_selective.py"
-    source = open(GPT_DROPOUT).read().replace('Path(__file__).resolve().parents[2] / "examples" / "gpt.py"',
-                                              repr(str(EXAMPLES / "gpt.py")))
+    source = open(GPT_DROPOUT).read().replace('Path(__file__).resolve().parents[2] / "examples" / "gpt.py"', repr(str(EXAMPLES / "gpt.py")))
     model.write_text(source + '\nrecompute = {"modules": ["blocks.*"], "save": "matmuls"}\n')
     losses, ref_losses, weights, ref_weights = train_both(model, 2, tmp_path, strategy="dp=2")
     assert_same_training(losses, ref_losses, weights, ref_weights)

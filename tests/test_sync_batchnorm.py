@@ -25,26 +25,33 @@ BATCH = 4
 def _train_sync(model_file, strategy: str, world: int, tmp_path, build_args=()):
     """(losses, reference losses, merged state, reference state, manifest, inspect output)."""
     art, ckpt, metrics = tmp_path / "art", tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    ok(aot("build", model_file, "--strategy", strategy, "--batch-size", BATCH, "-o", art, "--quiet", "--no-onnx",
-           *build_args))
+    ok(aot("build", model_file, "--strategy", strategy, "--batch-size", BATCH, "-o", art, "--quiet", "--no-onnx", *build_args))
     ok(torchrun(world, "run", art, "--steps", STEPS, "--metrics", metrics, "--save", ckpt, "--quiet"))
     data_ranks = world  # no tp: every rank holds different samples
     ref = reference(MODELS / "convnet_bn.py", art / "data" / "example_batch.safetensors", 1, BATCH * data_ranks, tmp_path)
     merge_checkpoint(ckpt, tmp_path / "merged.safetensors")
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     manifest = json.loads((art / "manifest.json").read_text())
-    return (losses, json.loads((ref / "losses.json").read_text()), load_file(tmp_path / "merged.safetensors"),
-            load_file(ref / "state_dict.safetensors"), manifest, ok(aot("inspect", art)).stdout)
+    return (
+        losses,
+        json.loads((ref / "losses.json").read_text()),
+        load_file(tmp_path / "merged.safetensors"),
+        load_file(ref / "state_dict.safetensors"),
+        manifest,
+        ok(aot("inspect", art)).stdout,
+    )
 
 
-@pytest.mark.parametrize("model,strategy,world,build_args", [
-    ("convnet_bn.py", "dp=2", 2, ("--sync-batchnorm",)),   # converted at build
-    ("convnet_syncbn.py", "fsdp=2", 2, ()),                # SyncBatchNorm in the model file
-    pytest.param("convnet_bn.py", "dp=2,fsdp=2", 4, ("--sync-batchnorm",), marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "model,strategy,world,build_args",
+    [
+        ("convnet_bn.py", "dp=2", 2, ("--sync-batchnorm",)),  # converted at build
+        ("convnet_syncbn.py", "fsdp=2", 2, ()),  # SyncBatchNorm in the model file
+        pytest.param("convnet_bn.py", "dp=2,fsdp=2", 4, ("--sync-batchnorm",), marks=pytest.mark.slow),
+    ],
+)
 def test_sync_batchnorm_matches_one_process_over_the_global_batch(model, strategy, world, build_args, tmp_path):
-    losses, ref_losses, state, ref_state, manifest, shown = _train_sync(MODELS / model, strategy, world, tmp_path,
-                                                                       build_args)
+    losses, ref_losses, state, ref_state, manifest, shown = _train_sync(MODELS / model, strategy, world, tmp_path, build_args)
     # every key of state_dict(), buffers included: running_mean, running_var, num_batches_tracked
     assert_same_training(losses, ref_losses, state, ref_state)
     assert state["1.num_batches_tracked"].item() == STEPS
@@ -60,8 +67,7 @@ def test_sync_batchnorm_matches_one_process_over_the_global_batch(model, strateg
 def test_plain_batchnorm_keeps_statistics_per_rank(tmp_path):
     """Without --sync-batchnorm each rank normalizes by its own batch, as eager DDP does, and that
     is not the global batch's BatchNorm: the data gives the ranks different statistics."""
-    losses, ref_losses, state, ref_state = train_both(MODELS / "convnet_bn.py", 2, tmp_path, batch_size=BATCH,
-                                                      strategy="dp=2")
+    losses, ref_losses, state, ref_state = train_both(MODELS / "convnet_bn.py", 2, tmp_path, batch_size=BATCH, strategy="dp=2")
     assert_same_training(losses, ref_losses, state, ref_state)
     art = tmp_path / "art"
     assert json.loads((art / "manifest.json").read_text())["batchnorm"] == {"layers": 2, "synced": 0, "axes": ["dp"]}
@@ -73,14 +79,12 @@ def test_plain_batchnorm_keeps_statistics_per_rank(tmp_path):
 
 def test_sync_batchnorm_without_batchnorm_is_refused(tmp_path):
     r = aot("build", EXAMPLES / "mlp.py", "--sync-batchnorm", "-o", tmp_path / "art", "--quiet", "--no-onnx")
-    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        "aot: error: --sync-batchnorm: mlp.py has no BatchNorm layer to convert"], r.stderr
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == ["aot: error: --sync-batchnorm: mlp.py has no BatchNorm layer to convert"], r.stderr
 
 
 def test_verify_refuses_sync_batchnorm_it_cannot_check(tmp_path):
     art = tmp_path / "art"
-    ok(aot("build", MODELS / "convnet_bn.py", "--strategy", "dp=2", "--batch-size", BATCH, "--sync-batchnorm", "-o", art,
-           "--quiet", "--no-onnx"))
+    ok(aot("build", MODELS / "convnet_bn.py", "--strategy", "dp=2", "--batch-size", BATCH, "--sync-batchnorm", "-o", art, "--quiet", "--no-onnx"))
     r = aot("verify", art, MODELS / "convnet_bn.py")
     assert r.returncode == 1 and "eager SyncBatchNorm needs GPUs" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 

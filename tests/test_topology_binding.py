@@ -40,9 +40,15 @@ class Recorder:
 
 
 def bind(data, root, rec: Recorder, bus=GPU0, allowed=None, nvml=True):
-    return bind_gpu(bus, log=rec.log.append, nvml=FakeNvml(data) if nvml else FakeNvml(None, init_error=12),
-                    root=root, allowed=set(range(256)) if allowed is None else allowed,
-                    set_affinity=rec.set_affinity, set_memory=rec.set_memory)
+    return bind_gpu(
+        bus,
+        log=rec.log.append,
+        nvml=FakeNvml(data) if nvml else FakeNvml(None, init_error=12),
+        root=root,
+        allowed=set(range(256)) if allowed is None else allowed,
+        set_affinity=rec.set_affinity,
+        set_memory=rec.set_memory,
+    )
 
 
 def test_locality_from_nvml_and_from_sysfs(dgx):
@@ -115,9 +121,11 @@ def test_bind_rank_only_for_cuda_ranks_and_not_with_no_bind():
 
 def test_real_affinity_and_memory_policy_calls_work_here():
     """The syscalls themselves, in a child process: bind to the CPUs already allowed, prefer node 0."""
-    code = ("import os; from runner.binding import set_thread_affinity, prefer_memory_node;"
-            "cpus = os.sched_getaffinity(0); set_thread_affinity(cpus); assert os.sched_getaffinity(0) == cpus;"
-            "print(prefer_memory_node(0))")
+    code = (
+        "import os; from runner.binding import set_thread_affinity, prefer_memory_node;"
+        "cpus = os.sched_getaffinity(0); set_thread_affinity(cpus); assert os.sched_getaffinity(0) == cpus;"
+        "print(prefer_memory_node(0))"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     if os.uname().machine in ("x86_64", "aarch64"):

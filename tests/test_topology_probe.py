@@ -52,6 +52,7 @@ def covered(builtin, probed_value, where="") -> list[str]:
 
 # -- the fake is pynvml's API ------------------------------------------------------------------
 
+
 def test_fake_nvml_has_pynvml_names_values_and_signatures():
     fake = FakeNvml(fixture("dgx_a100"))
     for name in dir(FakeNvml):
@@ -64,11 +65,11 @@ def test_fake_nvml_has_pynvml_names_values_and_signatures():
         elif callable(real) and not inspect.isclass(real):
             want = [p for p in inspect.signature(real).parameters.values()]
             got = [p for p in inspect.signature(ours).parameters.values()]
-            assert [p.default is inspect.Parameter.empty for p in want] == \
-                   [p.default is inspect.Parameter.empty for p in got], f"{name}: {want} vs {got}"
+            assert [p.default is inspect.Parameter.empty for p in want] == [p.default is inspect.Parameter.empty for p in got], f"{name}: {want} vs {got}"
 
 
 # -- probe -> profile round trips ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["dgx_a100", "pcie_4gpu_nvlink_pairs"])
 def test_probe_of_a_machine_matches_its_builtin(tmp_path, name):
@@ -131,8 +132,8 @@ def test_path_classes_from_the_pci_tree():
 
 # -- no GPU, no NVML ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("nvml", [FakeNvml(None, init_error=12), FakeNvml(None, init_error=9), FakeNvml(None)],
-                         ids=["no-library", "no-driver", "no-gpu"])
+
+@pytest.mark.parametrize("nvml", [FakeNvml(None, init_error=12), FakeNvml(None, init_error=9), FakeNvml(None)], ids=["no-library", "no-driver", "no-gpu"])
 def test_without_gpus_or_nvml_the_profile_is_this_machines_cpu(tmp_path, nvml):
     p = probe(nvml=nvml, env={}, root=make_root(fixture("dgx_a100") | {"gpus": [], "nics": []}, tmp_path), name="box")
     assert p["device_kind"] == "cpu" and p["backend"] == "gloo" and p["node"]["gpus"] == {}
@@ -155,17 +156,21 @@ def test_probe_shuts_nvml_down_even_when_it_refuses(tmp_path):
 
 # -- CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER ----------------------------------------------------
 
+
 def buses(profile) -> list[str]:
     return [bus[9:11] for bus, _ in sorted(profile["node"]["gpus"].items(), key=lambda kv: kv[1]["index"])]
 
 
-@pytest.mark.parametrize("cvd, want", [
-    ("0,1,2,3,4,5,6,7", ["18", "2A", "3A", "5D", "9A", "AB", "BA", "DB"]),
-    ("2,0", ["3A", "18"]),
-    ("7,6,5", ["DB", "BA", "AB"]),
-    (" 4 , 1 ", ["9A", "2A"]),
-    ("0,-1,3", ["18"]),  # CUDA stops at a negative index
-])
+@pytest.mark.parametrize(
+    "cvd, want",
+    [
+        ("0,1,2,3,4,5,6,7", ["18", "2A", "3A", "5D", "9A", "AB", "BA", "DB"]),
+        ("2,0", ["3A", "18"]),
+        ("7,6,5", ["DB", "BA", "AB"]),
+        (" 4 , 1 ", ["9A", "2A"]),
+        ("0,-1,3", ["18"]),  # CUDA stops at a negative index
+    ],
+)
 def test_visible_devices_by_index(tmp_path, cvd, want):
     assert buses(probed(fixture("pcie_8gpu"), tmp_path, {"CUDA_VISIBLE_DEVICES": cvd})) == want
 
@@ -207,15 +212,19 @@ def test_device_order_fastest_first_vs_pci_bus_id(tmp_path):
     assert buses(probed(data, tmp_path / "d", {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})) == ["18"]
 
 
-@pytest.mark.parametrize("env, needles", [
-    ({"CUDA_VISIBLE_DEVICES": "8"}, ["entry '8' names no GPU", "8 GPUs", "indices 0-7"]),
-    ({"CUDA_VISIBLE_DEVICES": "0,GPU-00000000-dead"}, ["'GPU-00000000-dead' names no GPU"]),
-    ({"CUDA_VISIBLE_DEVICES": "1,1"}, ["'1' names GPU 00000000:2A:00.0 a second time"]),
-    ({"CUDA_VISIBLE_DEVICES": "gpu0"}, ["'gpu0' names no GPU", "GPU-<uuid>"]),
-    ({"CUDA_VISIBLE_DEVICES": "MIG-1234"}, ["MIG instance"]),
-    ({"CUDA_VISIBLE_DEVICES": "GPU-"}, ["'GPU-' names no GPU"]),
-    ({"CUDA_DEVICE_ORDER": "SLOWEST_FIRST"}, ["CUDA_DEVICE_ORDER='SLOWEST_FIRST'", "PCI_BUS_ID"]),
-], ids=["index-out-of-range", "unknown-uuid", "duplicate", "garbage", "mig", "empty-uuid", "bad-order"])
+@pytest.mark.parametrize(
+    "env, needles",
+    [
+        ({"CUDA_VISIBLE_DEVICES": "8"}, ["entry '8' names no GPU", "8 GPUs", "indices 0-7"]),
+        ({"CUDA_VISIBLE_DEVICES": "0,GPU-00000000-dead"}, ["'GPU-00000000-dead' names no GPU"]),
+        ({"CUDA_VISIBLE_DEVICES": "1,1"}, ["'1' names GPU 00000000:2A:00.0 a second time"]),
+        ({"CUDA_VISIBLE_DEVICES": "gpu0"}, ["'gpu0' names no GPU", "GPU-<uuid>"]),
+        ({"CUDA_VISIBLE_DEVICES": "MIG-1234"}, ["MIG instance"]),
+        ({"CUDA_VISIBLE_DEVICES": "GPU-"}, ["'GPU-' names no GPU"]),
+        ({"CUDA_DEVICE_ORDER": "SLOWEST_FIRST"}, ["CUDA_DEVICE_ORDER='SLOWEST_FIRST'", "PCI_BUS_ID"]),
+    ],
+    ids=["index-out-of-range", "unknown-uuid", "duplicate", "garbage", "mig", "empty-uuid", "bad-order"],
+)
 def test_visible_devices_naming_no_gpu_is_one_line(tmp_path, env, needles):
     with pytest.raises(AotError) as e:
         probed(fixture("pcie_8gpu"), tmp_path, env)
@@ -234,6 +243,7 @@ def test_ambiguous_uuid_prefix(tmp_path):
 
 
 # -- every mismatch class, each naming the GPUs involved ---------------------------------------------
+
 
 def differ(name: str, change, tmp_path, env=None, against=None) -> list[str]:
     """Mismatch lines of `name`'s built-in (or `against`) vs the fixture after `change(data)`."""
@@ -264,14 +274,17 @@ def test_node_count(tmp_path):
 
 
 def test_gpu_count(tmp_path):
-    line = one(differ("dgx_a100", lambda d: None, tmp_path, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"},
-                      against=probed(fixture("dgx_a100"), tmp_path / "full")), "GPU count")
+    line = one(
+        differ("dgx_a100", lambda d: None, tmp_path, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, against=probed(fixture("dgx_a100"), tmp_path / "full")),
+        "GPU count",
+    )
     assert "expects 8 GPUs" in line and "4 visible" in line and "CUDA_VISIBLE_DEVICES=0,1,2,3" in line
 
 
 def test_gpu_model(tmp_path):
     def change(d):
         d["gpus"][3]["name"] = "NVIDIA A100-SXM4-40GB"
+
     line = one(differ("dgx_a100", change, tmp_path), "GPU model")
     assert "GPU3 (00000000:4E:00.0) is 'NVIDIA A100-SXM4-40GB'" in line and "'NVIDIA A100-SXM4-80GB'" in line
 
@@ -280,26 +293,32 @@ def test_gpu_memory_and_its_tolerance(tmp_path):
     def smaller(d):
         d["gpus"][5]["memory_total"] = 40 * 2**30
         d["gpus"][6]["memory_total"] = 40 * 2**30
+
     line = one(differ("dgx_a100", smaller, tmp_path), "GPU memory")
     assert "GPU5,GPU6" in line and "40960 MiB" in line and "81920 MiB" in line
+
     def few_mib_lower(d):  # driver reservations and ECC: a few MiB (and up to 2%) are not a mismatch
         for g in d["gpus"]:
             g["memory_total"] -= 5 * 2**20
         d["gpus"][0]["memory_total"] = int(81920 * 2**20 * 0.99)
+
     assert differ("dgx_a100", few_mib_lower, tmp_path / "b") == []
 
 
 def test_nvlink_count_between_a_pair(tmp_path):
     def one_link_down(d):
         d["gpus"][2]["nvlinks_down"] = [7]
+
     line = one(differ("dgx_a100", one_link_down, tmp_path), "NVLink count")
     for pair in ("GPU0-GPU2", "GPU1-GPU2", "GPU2-GPU3", "GPU2-GPU7"):
         assert pair in line, line
     assert line.startswith("NVLink count: NV11 between GPU0-GPU2, ") and "profile expects NV12" in line
     assert "GPU0-GPU1" not in line and "more" not in line
+
     def bridge_missing(d):
         d["gpus"][2]["nvlinks"] = []
         d["gpus"][3]["nvlinks"] = []
+
     line = one(differ("pcie_4gpu_nvlink_pairs", bridge_missing, tmp_path / "b"), "NVLink count")
     assert line == "NVLink count: no NVLink between GPU2-GPU3, profile expects NV12"
 
@@ -307,6 +326,7 @@ def test_nvlink_count_between_a_pair(tmp_path):
 def test_pcie_path_class(tmp_path):
     def change(d):
         d["common_ancestor"][0][1] = d["common_ancestor"][1][0] = "PHB"
+
     line = one(differ("dgx_a100", change, tmp_path), "PCIe path")
     assert line == "PCIe path: PHB between GPU0-GPU1, profile expects PXB"
 
@@ -314,6 +334,7 @@ def test_pcie_path_class(tmp_path):
 def test_p2p(tmp_path):
     def change(d):
         d["p2p"][2][3] = d["p2p"][3][2] = False
+
     line = one(differ("pcie_4gpu_nvlink_pairs", change, tmp_path), "P2P")
     assert line == "P2P: unsupported between GPU2-GPU3, profile expects supported"
 
@@ -321,6 +342,7 @@ def test_p2p(tmp_path):
 def test_numa_node(tmp_path):
     def change(d):
         d["gpus"][6]["numa_node"] = d["gpus"][7]["numa_node"] = 4
+
     line = one(differ("dgx_a100", change, tmp_path), "NUMA node")
     assert "GPU6,GPU7" in line and "on NUMA node 4, profile expects 5" in line
 
@@ -328,27 +350,37 @@ def test_numa_node(tmp_path):
 def test_pcie_link_maxima_not_current_generation(tmp_path):
     def narrow(d):
         d["gpus"][1]["pcie_max"] = [4, 8]
+
     line = one(differ("dgx_a100", narrow, tmp_path), "PCIe link")
     assert "GPU1 (00000000:0F:00.0) is Gen4 x8 at most, profile expects Gen4 x16" in line
+
     def idle(d):  # the current link drops to Gen1 at idle: not a mismatch
         for g in d["gpus"]:
             g["pcie_current"] = [1, 16]
+
     assert differ("dgx_a100", idle, tmp_path / "b") == []
 
 
 def test_nic_rate_down_and_missing(tmp_path):
     def slow(d):
         d["nics"][3]["ports"]["1"]["rate"] = "100 Gb/sec (4X EDR)"
+
     line = one(differ("dgx_a100", slow, tmp_path), "NIC")
     assert line == "NIC: mlx5_3 near GPU2,GPU3 runs at 100 Gb/s, profile expects 200 Gb/s"
+
     def down(d):
         d["nics"][0]["ports"]["1"]["state"] = "1: DOWN"
+
     assert "mlx5_0 near GPU0,GPU1 is down" in one(differ("dgx_a100", down, tmp_path / "b"), "NIC")
+
     def gone(d):
         del d["nics"][7]
+
     assert "1 of 2 NICs at 200 Gb/s near GPU6,GPU7 not found" in one(differ("dgx_a100", gone, tmp_path / "c"), "NIC")
+
     def extra(d):  # a storage NIC the profile does not list is not a mismatch
         d["nics"].append({**d["nics"][0], "name": "mlx5_4", "sysfs_path": "pci0000:20/0000:20:01.0/0000:21:00.0"})
+
     assert differ("dgx_a100", extra, tmp_path / "d") == []
 
 
@@ -358,29 +390,39 @@ def test_several_classes_at_once_one_line_each(tmp_path):
         d["gpus"][0]["memory_total"] = 40 * 2**30
         d["gpus"][4]["nvlinks_down"] = [0, 1]
         d["nics"][2]["ports"]["1"]["rate"] = "100 Gb/sec (4X EDR)"
+
     lines = differ("dgx_a100", change, tmp_path, env={"GROUP_WORLD_SIZE": "2"})
     assert [l.split(":")[0] for l in lines] == ["node count", "GPU model", "GPU memory", "NVLink count", "NIC"]
 
 
 def test_cpu_machine_against_a_gpu_profile(tmp_path):
     lines = mismatches(load_profile("dgx_a100"), live(None, tmp_path))
-    assert lines == ["GPU count: profile 'dgx_a100' expects 8 GPUs per node (NVIDIA A100-SXM4-80GB); this node has none",
-                     "NIC: profile 'dgx_a100' expects 8 NICs at 200 Gb/s; this node has none"]
+    assert lines == [
+        "GPU count: profile 'dgx_a100' expects 8 GPUs per node (NVIDIA A100-SXM4-80GB); this node has none",
+        "NIC: profile 'dgx_a100' expects 8 NICs at 200 Gb/s; this node has none",
+    ]
     assert mismatches(load_profile("cpu"), live(fixture("dgx_a100"), tmp_path / "g")) == []  # CPU profiles run anywhere
 
 
 def test_version_1_profiles_of_older_artifacts_are_still_checked(tmp_path):
-    v1 = {"schema": "aot-topology", "schema_version": 1, "name": "live", "device_kind": "cuda", "backend": "nccl",
-          "nodes": 1, "node": {"gpus": [{"index": 0, "name": "NVIDIA L40S", "memory_bytes": 48305799168}]}}
+    v1 = {
+        "schema": "aot-topology",
+        "schema_version": 1,
+        "name": "live",
+        "device_kind": "cuda",
+        "backend": "nccl",
+        "nodes": 1,
+        "node": {"gpus": [{"index": 0, "name": "NVIDIA L40S", "memory_bytes": 48305799168}]},
+    }
     machine = live(fixture("pcie_8gpu"), tmp_path, {"CUDA_VISIBLE_DEVICES": "3"})
     assert mismatches(v1, machine) == []
     assert one(mismatches(v1, live(fixture("pcie_8gpu"), tmp_path / "b")), "GPU count")
-    v1cpu = {"schema": "aot-topology", "schema_version": 1, "name": "cpu", "device_kind": "cpu", "backend": "gloo",
-             "nodes": 1, "node": {"gpus": []}}
+    v1cpu = {"schema": "aot-topology", "schema_version": 1, "name": "cpu", "device_kind": "cpu", "backend": "gloo", "nodes": 1, "node": {"gpus": []}}
     assert mismatches(v1cpu, machine) == []
 
 
 # -- the start-up check ---------------------------------------------------------------------------
+
 
 def test_verify_live_refuses_then_allows_with_a_warning(tmp_path):
     machine = live(None, tmp_path)

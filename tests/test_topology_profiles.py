@@ -21,7 +21,15 @@ from fixtures.topology.fake_nvml import HERE as FIXTURES, fixture
 from helpers.commands import REPO, TIMEOUT, aot, clean_env, show
 from runner.errors import AotError
 from runner.topology import (
-    builtin_names, describe, dumps_profile, for_nodes, gpus_in_order, load_profile, normalize_bus_id, pair_links, profile_sha256,
+    builtin_names,
+    describe,
+    dumps_profile,
+    for_nodes,
+    gpus_in_order,
+    load_profile,
+    normalize_bus_id,
+    pair_links,
+    profile_sha256,
 )
 from runner.topology_check import mismatches
 
@@ -45,11 +53,11 @@ def aot_with_fake_nvml(machine: str | Path | None, *args, env: dict | None = Non
     path = FIXTURES / f"{machine}.json" if isinstance(machine, str) else machine
     e["AOT_TEST_FAKE_NVML"] = str(path) if path else "none"
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "aot", *map(str, args)], cwd=REPO, env=e,
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    return subprocess.run([sys.executable, "-m", "aot", *map(str, args)], cwd=REPO, env=e, capture_output=True, text=True, timeout=TIMEOUT)
 
 
 # -- built-in profiles ---------------------------------------------------------------------------
+
 
 def test_builtin_names():
     assert builtin_names() == BUILTINS
@@ -93,12 +101,12 @@ def test_builtin_facts_per_the_hardware_reference():
 
 
 def test_describe():
-    assert describe(load_profile("dgx_a100")) == \
-        "1 node x 8 NVIDIA A100-SXM4-80GB, NV12 all pairs via 6 NVSwitches, 8x 200 Gb/s NICs"
+    assert describe(load_profile("dgx_a100")) == "1 node x 8 NVIDIA A100-SXM4-80GB, NV12 all pairs via 6 NVSwitches, 8x 200 Gb/s NICs"
     assert describe(load_profile("pcie_4gpu_nvlink_pairs")).endswith("NVLink on 2 of 6 pairs, 2x 400 Gb/s NICs")
 
 
 # -- the schema's checks: one line naming the file and the field ------------------------------------
+
 
 def broken(tmp_path, change, base="dgx_a100") -> Path:
     p = copy.deepcopy(load_profile(base))
@@ -111,32 +119,35 @@ def broken(tmp_path, change, base="dgx_a100") -> Path:
 G0 = "00000000:07:00.0"
 
 
-@pytest.mark.parametrize("change, needles", [
-    (lambda p: p["node"]["gpus"][G0].pop("memory_bytes"), [f"'node.gpus.{G0}.memory_bytes' is missing"]),
-    (lambda p: p.pop("nodes"), ["field 'nodes' is missing"]),
-    (lambda p: p.update(nodes=0), ["'nodes' must be a positive integer (got 0)"]),
-    (lambda p: p["node"]["gpus"][G0].update(numa_node=-1), [f"'node.gpus.{G0}.numa_node' must be an integer in 0..4095 or null", "(got -1)"]),
-    (lambda p: p["node"]["gpus"][G0].update(memory_bytes=0), ["memory_bytes' must be an integer >= 1 (got 0)"]),
-    (lambda p: p["node"]["gpus"][G0]["pcie"].update(width=3), ["pcie.width' must be one of 1, 2, 4, 8, 16, 32 (got 3)"]),
-    (lambda p: p["node"]["gpus"][G0]["pcie"].update(generation=9), ["pcie.generation' must be an integer in 1..7 (got 9)"]),
-    (lambda p: p["node"]["gpus"][G0].update(compute_capability="8.0"), ["compute_capability' must be [major, minor]"]),
-    (lambda p: p["node"]["gpus"][G0]["peak_tflops"].update(fp4=1.0), ["unknown dtype 'fp4'"]),
-    (lambda p: p["node"]["gpus"][G0].update(cpu_affinity="0-3,x"), ["cpu_affinity' must be a cpulist"]),
-    (lambda p: p["node"]["gpus"][G0].update(index=5), ["'node.gpus' indices must be 0..7, each once"]),
-    (lambda p: p["node"]["links"][0]["nvlink"].update(count=0), ["'node.links[0].nvlink.count' must be an integer in 1..72 (got 0)"]),
-    (lambda p: p["node"]["links"][0].update(pcie_path="PCI"), ["'node.links[0].pcie_path' must be one of PIX, PXB, PHB, NODE, SYS"]),
-    (lambda p: p["node"]["links"][0].update(gpus=[G0, "00000000:99:00.0"]), ["names a GPU not in node.gpus"]),
-    (lambda p: p["node"]["links"][1].update(gpus=p["node"]["links"][0]["gpus"][::-1]), ["repeats a GPU pair"]),
-    (lambda p: p["node"]["nics"][0].update(rate_gbit_per_s=-200), ["'node.nics[0].rate_gbit_per_s' must be a number >= 0"]),
-    (lambda p: p["node"]["gpus"].update({"07:00": {}}), ["key '07:00' of field 'node.gpus' must be a PCI bus id"]),
-    (lambda p: p.update(backend="gloo"), ["'backend' must be 'nccl' for device_kind 'cuda'"]),
-    (lambda p: p.update(device_kind="tpu"), ["'device_kind' must be one of cpu, cuda"]),
-    (lambda p: p.update(schema_version=3), ["topology schema version 3", "reads versions 1, 2"]),
-    (lambda p: p["node"].update(gpus={}), ["'node.gpus' must list at least one GPU for device_kind 'cuda'"]),
-    (lambda p: p["fabric"].update(rails_per_node=-1), ["'fabric.rails_per_node' must be an integer in 0..64"]),
-    (lambda p: p.update(calibration={"nvlink": {"alpha_s": 5e-6}}), ["'calibration.nvlink.beta_s_per_byte' is missing"]),
-    (lambda p: p.update(calibration={"infiniband": {"alpha_s": 1, "beta_s_per_byte": 1}}), ["unknown link class 'infiniband'"]),
-])
+@pytest.mark.parametrize(
+    "change, needles",
+    [
+        (lambda p: p["node"]["gpus"][G0].pop("memory_bytes"), [f"'node.gpus.{G0}.memory_bytes' is missing"]),
+        (lambda p: p.pop("nodes"), ["field 'nodes' is missing"]),
+        (lambda p: p.update(nodes=0), ["'nodes' must be a positive integer (got 0)"]),
+        (lambda p: p["node"]["gpus"][G0].update(numa_node=-1), [f"'node.gpus.{G0}.numa_node' must be an integer in 0..4095 or null", "(got -1)"]),
+        (lambda p: p["node"]["gpus"][G0].update(memory_bytes=0), ["memory_bytes' must be an integer >= 1 (got 0)"]),
+        (lambda p: p["node"]["gpus"][G0]["pcie"].update(width=3), ["pcie.width' must be one of 1, 2, 4, 8, 16, 32 (got 3)"]),
+        (lambda p: p["node"]["gpus"][G0]["pcie"].update(generation=9), ["pcie.generation' must be an integer in 1..7 (got 9)"]),
+        (lambda p: p["node"]["gpus"][G0].update(compute_capability="8.0"), ["compute_capability' must be [major, minor]"]),
+        (lambda p: p["node"]["gpus"][G0]["peak_tflops"].update(fp4=1.0), ["unknown dtype 'fp4'"]),
+        (lambda p: p["node"]["gpus"][G0].update(cpu_affinity="0-3,x"), ["cpu_affinity' must be a cpulist"]),
+        (lambda p: p["node"]["gpus"][G0].update(index=5), ["'node.gpus' indices must be 0..7, each once"]),
+        (lambda p: p["node"]["links"][0]["nvlink"].update(count=0), ["'node.links[0].nvlink.count' must be an integer in 1..72 (got 0)"]),
+        (lambda p: p["node"]["links"][0].update(pcie_path="PCI"), ["'node.links[0].pcie_path' must be one of PIX, PXB, PHB, NODE, SYS"]),
+        (lambda p: p["node"]["links"][0].update(gpus=[G0, "00000000:99:00.0"]), ["names a GPU not in node.gpus"]),
+        (lambda p: p["node"]["links"][1].update(gpus=p["node"]["links"][0]["gpus"][::-1]), ["repeats a GPU pair"]),
+        (lambda p: p["node"]["nics"][0].update(rate_gbit_per_s=-200), ["'node.nics[0].rate_gbit_per_s' must be a number >= 0"]),
+        (lambda p: p["node"]["gpus"].update({"07:00": {}}), ["key '07:00' of field 'node.gpus' must be a PCI bus id"]),
+        (lambda p: p.update(backend="gloo"), ["'backend' must be 'nccl' for device_kind 'cuda'"]),
+        (lambda p: p.update(device_kind="tpu"), ["'device_kind' must be one of cpu, cuda"]),
+        (lambda p: p.update(schema_version=3), ["topology schema version 3", "reads versions 1, 2"]),
+        (lambda p: p["node"].update(gpus={}), ["'node.gpus' must list at least one GPU for device_kind 'cuda'"]),
+        (lambda p: p["fabric"].update(rails_per_node=-1), ["'fabric.rails_per_node' must be an integer in 0..64"]),
+        (lambda p: p.update(calibration={"nvlink": {"alpha_s": 5e-6}}), ["'calibration.nvlink.beta_s_per_byte' is missing"]),
+        (lambda p: p.update(calibration={"infiniband": {"alpha_s": 1, "beta_s_per_byte": 1}}), ["unknown link class 'infiniband'"]),
+    ],
+)
 def test_bad_profile_is_one_line_naming_the_field(tmp_path, change, needles):
     path = broken(tmp_path, change)
     with pytest.raises(AotError) as e:
@@ -150,6 +161,7 @@ def test_bad_profile_is_one_line_naming_the_field(tmp_path, change, needles):
 def test_bus_ids_are_canonicalised_on_load(tmp_path):
     def lower(p):
         p["node"]["gpus"] = {k.lower()[4:]: v for k, v in p["node"]["gpus"].items()}  # 0000:07:00.0 spelling
+
     p = load_profile(str(broken(tmp_path, lower)))
     assert list(p["node"]["gpus"])[0] == G0 and p == load_profile("dgx_a100")
     assert normalize_bus_id("0000:bd:00.0") == "00000000:BD:00.0" and normalize_bus_id("07:00.0") == G0
@@ -170,14 +182,18 @@ def test_profile_from_an_artifact_folder(tmp_path):
 
 # -- nodes and world size ----------------------------------------------------------------------------
 
+
 def test_for_nodes():
     a100 = load_profile("dgx_a100")
     assert for_nodes(a100, None, 8) is a100
     assert for_nodes(a100, 4, 32)["nodes"] == 4 and a100["nodes"] == 1
     assert for_nodes(load_profile("cpu"), 2, 6)["nodes"] == 2
-    for nodes, world, needle in [(0, 8, "--nodes must be at least 1"), (2, 3, "does not split evenly over the 2 nodes"),
-                                 (None, 16, "16 ranks per node, but topology 'dgx_a100' has 8 GPU(s) per node"),
-                                 (4, 2, "fewer ranks than the 4 nodes")]:
+    for nodes, world, needle in [
+        (0, 8, "--nodes must be at least 1"),
+        (2, 3, "does not split evenly over the 2 nodes"),
+        (None, 16, "16 ranks per node, but topology 'dgx_a100' has 8 GPU(s) per node"),
+        (4, 2, "fewer ranks than the 4 nodes"),
+    ]:
         with pytest.raises(AotError, match=re.escape(needle)):
             for_nodes(a100, nodes, world)
     with pytest.raises(AotError, match="use --nodes 2"):
@@ -191,6 +207,7 @@ def test_node_count_mismatch_line():
 
 
 # -- aot topology show / verify / probe, and aot build --nodes -----------------------------------------
+
 
 def test_show_prints_the_matrix_with_bandwidths():
     r = aot("topology", "show", "dgx_a100")
@@ -213,8 +230,7 @@ def test_show_json_and_nodes(tmp_path):
     assert r.returncode == 0, show(r)
     p = json.loads(r.stdout)
     assert p["nodes"] == 4 and {**p, "nodes": 1} == load_profile("hgx_h200")
-    assert_one_line_error(aot("topology", "show", "dgx_b200"),
-                          "'dgx_b200'", "built-in: cpu, dgx_a100, dgx_h100, hgx_h200, pcie_4gpu_nvlink_pairs")
+    assert_one_line_error(aot("topology", "show", "dgx_b200"), "'dgx_b200'", "built-in: cpu, dgx_a100, dgx_h100, hgx_h200, pcie_4gpu_nvlink_pairs")
     bad = broken(tmp_path, lambda p: p["node"]["gpus"][G0].update(numa_node="three"))
     assert_one_line_error(aot("topology", "show", bad), str(bad), "numa_node", '"three"')
 
@@ -226,10 +242,10 @@ def test_verify_on_this_cpu_machine():
     assert_one_line_error(r, "differs from topology 'dgx_a100' in 2 ways")
     assert r.stdout.splitlines() == [
         "mismatch: GPU count: profile 'dgx_a100' expects 8 GPUs per node (NVIDIA A100-SXM4-80GB); this node has none",
-        "mismatch: NIC: profile 'dgx_a100' expects 8 NICs at 200 Gb/s; this node has none"]
+        "mismatch: NIC: profile 'dgx_a100' expects 8 NICs at 200 Gb/s; this node has none",
+    ]
     r = aot("topology", "verify", "cpu", "--nodes", "2", "--json")
-    assert r.returncode == 1 and json.loads(r.stdout)["mismatches"] == [
-        "node count: profile 'cpu' is for 1 node; this job runs on 2"], show(r)
+    assert r.returncode == 1 and json.loads(r.stdout)["mismatches"] == ["node count: profile 'cpu' is for 1 node; this job runs on 2"], show(r)
 
 
 def test_probe_on_this_cpu_machine_writes_its_cpu_profile(tmp_path):
@@ -251,7 +267,8 @@ def test_probe_and_verify_with_a_fake_dgx(tmp_path):
     probed = load_profile(str(out))
     assert len(probed["node"]["gpus"]) == 8 and probed["probe"]["source"] == "nvml"
     assert mismatches(load_profile("dgx_a100"), probed) == [
-        "NIC: profile 'dgx_a100' expects 8 NICs at 200 Gb/s; this node has none"]  # this host's /sys has no HCAs
+        "NIC: profile 'dgx_a100' expects 8 NICs at 200 Gb/s; this node has none"
+    ]  # this host's /sys has no HCAs
     r = aot_with_fake_nvml("dgx_a100", "topology", "verify", out)
     assert r.returncode == 0 and "matches" in r.stdout, show(r)
     degraded = fixture("dgx_a100")
@@ -268,8 +285,7 @@ def test_probe_and_verify_with_a_fake_dgx(tmp_path):
     assert [bus for bus, _ in gpus_in_order(p)] == ["00000000:90:00.0", "00000000:47:00.0"]
 
 
-@pytest.mark.parametrize("cvd, needle", [("8", "entry '8' names no GPU"), ("GPU-nope", "'GPU-nope' names no GPU"),
-                                         ("0,0", "a second time")])
+@pytest.mark.parametrize("cvd, needle", [("8", "entry '8' names no GPU"), ("GPU-nope", "'GPU-nope' names no GPU"), ("0,0", "a second time")])
 def test_visible_devices_naming_no_gpu_from_the_command_line(tmp_path, cvd, needle):
     r = aot_with_fake_nvml("dgx_a100", "topology", "probe", env={"CUDA_VISIBLE_DEVICES": cvd})
     assert_one_line_error(r, f"CUDA_VISIBLE_DEVICES={cvd}", needle)
@@ -286,8 +302,7 @@ def test_build_nodes_is_checked_before_any_work(tmp_path):
     from aot.build import BuildOptions, build
     from aot.progress import Progress
 
-    options = BuildOptions(model_path=REPO / "examples" / "mlp.py", output=tmp_path / "a", topology="dgx_a100",
-                           world_size=16, nodes=1)
+    options = BuildOptions(model_path=REPO / "examples" / "mlp.py", output=tmp_path / "a", topology="dgx_a100", world_size=16, nodes=1)
     with pytest.raises(AotError, match="16 ranks per node.*use --nodes 2"):
         build(options, Progress(total=6, quiet=True))
     assert not (tmp_path / "a").exists()

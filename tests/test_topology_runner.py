@@ -58,12 +58,21 @@ def test_a_rank_that_does_not_list_the_mismatches_exits_after_the_one_that_does(
     list of mismatches could be cut off. Rank 1 waits on torchrun's agent store (a real TCPStore
     here) until rank 0 has printed and says so."""
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port),
-           "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0", "LOCAL_WORLD_SIZE": "2"}
+    env = {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(agent.port),
+        "GROUP_RANK": "0",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "LOCAL_WORLD_SIZE": "2",
+    }
     follower = subprocess.Popen(
-        [sys.executable, "-c", "from runner.topology_check import TopologyRefusal; "
-                               "TopologyRefusal('refused').before_exit(); print('exiting')"],
-        cwd=REPO, env={**clean_env(), **env, "LOCAL_RANK": "1"}, stdout=subprocess.PIPE, text=True)
+        [sys.executable, "-c", "from runner.topology_check import TopologyRefusal; TopologyRefusal('refused').before_exit(); print('exiting')"],
+        cwd=REPO,
+        env={**clean_env(), **env, "LOCAL_RANK": "1"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(3)
         assert follower.poll() is None  # still waiting for its node's local rank 0
@@ -81,8 +90,10 @@ def test_a_rank_that_does_not_list_the_mismatches_exits_after_the_one_that_does(
 def test_allow_topology_mismatch_runs_with_a_warning(dgx_artifact):
     r = ok(torchrun(2, "run", dgx_artifact, "--steps", "2", "--allow-topology-mismatch"))
     warnings = [l for l in r.stderr.splitlines() if l.startswith("warning: ")]
-    assert warnings[0] == ("warning: running on hardware that differs from the artifact's topology profile 'dgx_a100' "
-                           "(--allow-topology-mismatch): its schedule was tuned for other hardware"), show(r)
+    assert warnings[0] == (
+        "warning: running on hardware that differs from the artifact's topology profile 'dgx_a100' "
+        "(--allow-topology-mismatch): its schedule was tuned for other hardware"
+    ), show(r)
     assert warnings[1:] == [
         "warning: topology mismatch: GPU count: profile 'dgx_a100' expects 8 GPUs per node (NVIDIA A100-SXM4-80GB); this node has none",
         "warning: topology mismatch: NIC: profile 'dgx_a100' expects 8 NICs at 200 Gb/s; this node has none",
@@ -95,11 +106,28 @@ def test_node_count_is_checked_across_nodes(dgx_artifact):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "aot-topology-test",
-           "-m", "aot", "run", str(dgx_artifact), "--steps", "1"]
-    agents = [subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for _ in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "aot-topology-test",
+        "-m",
+        "aot",
+        "run",
+        str(dgx_artifact),
+        "--steps",
+        "1",
+    ]
+    agents = [subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = []
     for agent in agents:
         out, err = agent.communicate(timeout=TIMEOUT)
@@ -121,15 +149,13 @@ def test_runner_load_logs_what_aot_run_prints_with_the_rank(tmp_path, caplog):
     from runner.log import RankLogger
 
     art = tmp_path / "dgx1"
-    ok(aot("build", REPO / "examples" / "mlp.py", "--topology", "dgx_a100", "--world-size", "1", "-o", art, "--quiet",
-           "--no-onnx"))
+    ok(aot("build", REPO / "examples" / "mlp.py", "--topology", "dgx_a100", "--world-size", "1", "-o", art, "--quiet", "--no-onnx"))
     with caplog.at_level(logging.INFO, logger="aot"):
         trainer = runner.load(art, rank=0, world_size=1, device="cpu", allow_topology_mismatch=True)
     records = [r for r in caplog.records if r.name == "aot"]
     assert records and all(r.rank == 0 for r in records)
     assert records[0].levelno == logging.WARNING
-    assert records[0].getMessage().startswith("running on hardware that differs from the artifact's topology profile "
-                                              "'dgx_a100'")
+    assert records[0].getMessage().startswith("running on hardware that differs from the artifact's topology profile 'dgx_a100'")
     assert "topology mismatch: GPU count: profile 'dgx_a100' expects 8 GPUs per node" in records[1].getMessage()
     inputs, targets = trainer.data_source().batch(0)
     assert torch.isfinite(torch.tensor(trainer.step(inputs, targets)))

@@ -47,17 +47,21 @@ def test_batchnorm_adam_steplr_matches_ddp(tmp_path):
 SLOW = {("mlp.py", "fsdp=2"), ("gpt.py", "fsdp=4"), ("mlp.py", "tp=2"), ("gpt.py", "dp=2,tp=2")}
 
 
-@pytest.mark.parametrize("model,strategy,world", [
-    pytest.param(model, strategy, world, marks=[pytest.mark.slow] if (model, strategy) in SLOW else [])
-    for strategy, world in (("fsdp=2", 2), ("fsdp=4", 4), ("tp=2", 2), ("dp=2,tp=2", 4), ("fsdp=2,tp=2", 4))
-    for model in ("gpt.py", "mlp.py") if not (model == "mlp.py" and "," in strategy)
-] + [("gpt.py", "dp=2,fsdp=2", 4)])
+@pytest.mark.parametrize(
+    "model,strategy,world",
+    [
+        pytest.param(model, strategy, world, marks=[pytest.mark.slow] if (model, strategy) in SLOW else [])
+        for strategy, world in (("fsdp=2", 2), ("fsdp=4", 4), ("tp=2", 2), ("dp=2,tp=2", 4), ("fsdp=2,tp=2", 4))
+        for model in ("gpt.py", "mlp.py")
+        if not (model == "mlp.py" and "," in strategy)
+    ]
+    + [("gpt.py", "dp=2,fsdp=2", 4)],
+)
 def test_sharded_strategies_match_ddp(model, strategy, world, tmp_path, gpt_data):
     data = gpt_data if model == "gpt.py" else None
     # one case also gathers further ahead than the default (aot/passes/prefetch.py): same numbers
     build_args = ("--prefetch-mb", "1") if strategy == "dp=2,fsdp=2" else ()
-    losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / model, world, tmp_path, data=data, strategy=strategy,
-                                                          build_args=build_args)
+    losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / model, world, tmp_path, data=data, strategy=strategy, build_args=build_args)
     # Split matmuls (tp) sum in another order than whole ones, a last-bit difference; AdamW divides
     # each gradient by its own running size, so an element whose gradient is near zero turns that
     # into a larger step (measured: 1 element of 4096 in a k projection 1.2e-5 off at dp=2,tp=2).
@@ -68,8 +72,9 @@ def test_sharded_strategies_match_ddp(model, strategy, world, tmp_path, gpt_data
 
 def test_sequence_parallel_matches_ddp(tmp_path, gpt_data):
     """dp=2,tp=2 with the residual stream split along the sequence between blocks."""
-    losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / "gpt.py", 4, tmp_path, data=gpt_data,
-                                                          strategy="dp=2,tp=2", build_args=("--sequence-parallel",))
+    losses, ref_losses, weights, ref_weights = train_both(
+        EXAMPLES / "gpt.py", 4, tmp_path, data=gpt_data, strategy="dp=2,tp=2", build_args=("--sequence-parallel",)
+    )
     assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=2 * TOL)  # see test_sharded_strategies_match_ddp
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert manifest["tensor_parallel"]["sequence_parallel"]

@@ -22,11 +22,29 @@ from aot.capture.model_file import ModelFile
 from aot.errors import AotError
 
 # Namespaces of operators that torch itself registers; anything else is a custom operator.
-TORCH_NAMESPACES = frozenset({
-    "aten", "prims", "rngprims", "_c10d_functional", "_c10d_functional_autograd", "c10d", "c10d_functional",
-    "_dtensor", "profiler", "quantized_decomposed", "quantized", "_quantized", "_prims", "debugprims",
-    "_inductor_test", "inductor", "_test", "higher_order", "onnx",
-})
+TORCH_NAMESPACES = frozenset(
+    {
+        "aten",
+        "prims",
+        "rngprims",
+        "_c10d_functional",
+        "_c10d_functional_autograd",
+        "c10d",
+        "c10d_functional",
+        "_dtensor",
+        "profiler",
+        "quantized_decomposed",
+        "quantized",
+        "_quantized",
+        "_prims",
+        "debugprims",
+        "_inductor_test",
+        "inductor",
+        "_test",
+        "higher_order",
+        "onnx",
+    }
+)
 
 
 def custom_ops_in(graph: torch.fx.Graph) -> list[str]:
@@ -34,8 +52,7 @@ def custom_ops_in(graph: torch.fx.Graph) -> list[str]:
     found = set()
     for node in graph.nodes:
         target = node.target
-        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
-                and target.namespace not in TORCH_NAMESPACES:
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace not in TORCH_NAMESPACES:
             found.add(target._schema.name)
     return sorted(found)
 
@@ -57,19 +74,25 @@ def custom_op_spec(mf: ModelFile, graphs) -> dict | None:
         try:
             importlib.import_module(name)
         except Exception as e:
-            raise AotError(f"{mf.path.name}: custom_op_modules names {name!r}, which cannot be imported "
-                           f"({type(e).__name__}: {e}); the runner imports it by this name, so it must be importable "
-                           f"(installed, or on PYTHONPATH)") from None
+            raise AotError(
+                f"{mf.path.name}: custom_op_modules names {name!r}, which cannot be imported "
+                f"({type(e).__name__}: {e}); the runner imports it by this name, so it must be importable "
+                f"(installed, or on PYTHONPATH)"
+            ) from None
     for op in ops:
         module = defining_module(op)
         if module is None:
             if not modules:
-                raise AotError(f"{mf.path.name}: the step calls custom operator {op}, which was not defined with "
-                               f"torch.library.custom_op; name the module that registers it in custom_op_modules")
+                raise AotError(
+                    f"{mf.path.name}: the step calls custom operator {op}, which was not defined with "
+                    f"torch.library.custom_op; name the module that registers it in custom_op_modules"
+                )
             continue  # trusted to come from one of the listed modules; the runner checks it resolves
         if module == mf.module_name or module == "__main__":
-            raise AotError(f"{mf.path.name}: custom operator {op} is defined in the model file itself, which the "
-                           f"runner never imports; move it into its own module (see examples/custom_ops.py)")
+            raise AotError(
+                f"{mf.path.name}: custom operator {op} is defined in the model file itself, which the "
+                f"runner never imports; move it into its own module (see examples/custom_ops.py)"
+            )
         if module not in modules:
             modules.append(module)
     if not ops and not modules:

@@ -49,8 +49,7 @@ class LossScaling:
         for i, g in enumerate(grads):
             by_dtype.setdefault(g.dtype, []).append(i)
         for members in by_dtype.values():  # one dtype per call, as GradScaler groups them
-            unscaled, found_inf = torch.ops.aten._amp_foreach_non_finite_check_and_unscale.default(
-                [grads[i] for i in members], found_inf, inv_scale)
+            unscaled, found_inf = torch.ops.aten._amp_foreach_non_finite_check_and_unscale.default([grads[i] for i in members], found_inf, inv_scale)
             out.update(zip(members, unscaled))
         return [out[i] for i in range(len(grads))], found_inf
 
@@ -67,6 +66,5 @@ class LossScaling:
     def update(self, found_inf: torch.Tensor) -> None:
         """GradScaler.update, and the count of skipped steps."""
         c = self.config
-        torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, c.growth_factor, c.backoff_factor,
-                                 c.growth_interval)
+        torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, c.growth_factor, c.backoff_factor, c.growth_interval)
         self.skipped_steps.add_((found_inf > 0).to(self.skipped_steps.dtype))

@@ -43,10 +43,10 @@ class ModelFile:
     scheduler: Callable | None
     max_grad_norm: float | None
     custom_op_modules: tuple[str, ...] = ()
-    onnx_translations: object = None          # a dict, or a function returning one (read only when exporting)
-    module_name: str = ""                     # the name the model file was imported under
-    tp_plan: object = None                    # module name -> "colwise" | "rowwise" (see aot/plan/tensor_parallel.py)
-    globals: dict = None                      # the model file's other module-level names (head counts, say)
+    onnx_translations: object = None  # a dict, or a function returning one (read only when exporting)
+    module_name: str = ""  # the name the model file was imported under
+    tp_plan: object = None  # module name -> "colwise" | "rowwise" (see aot/plan/tensor_parallel.py)
+    globals: dict = None  # the model file's other module-level names (head counts, say)
 
     def example_batch(self, rows: int) -> dict[str, torch.Tensor]:
         """The user's batch(rows) as the safetensors mapping the runner reads (`inputs`, `targets`)."""
@@ -55,14 +55,12 @@ class ModelFile:
             raise AotError(f"{self.path.name}: batch(batch_size) must return (inputs, targets)")
         inputs, targets = result
         inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-        tensors = {"targets": targets,
-                   **({"inputs": inputs[0]} if len(inputs) == 1 else {f"inputs.{i}": t for i, t in enumerate(inputs)})}
+        tensors = {"targets": targets, **({"inputs": inputs[0]} if len(inputs) == 1 else {f"inputs.{i}": t for i, t in enumerate(inputs)})}
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor):
                 raise AotError(f"{self.path.name}: batch() returned a {type(t).__name__} for {name}; expected tensors")
             if t.dim() == 0 or t.shape[0] != rows:
-                raise AotError(f"{self.path.name}: batch({rows}) returned {name} with {t.shape[0] if t.dim() else 0} "
-                               f"samples, expected {rows}")
+                raise AotError(f"{self.path.name}: batch({rows}) returned {name} with {t.shape[0] if t.dim() else 0} samples, expected {rows}")
         return tensors
 
 
@@ -111,13 +109,11 @@ def load_model_file(path: str | Path) -> ModelFile:
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0):
         raise AotError(f"{path.name}: max_grad_norm must be a positive number, got {max_grad_norm!r}")
     custom_op_modules = getattr(module, "custom_op_modules", ())
-    if isinstance(custom_op_modules, str) or not isinstance(custom_op_modules, (list, tuple)) \
-            or not all(isinstance(m, str) and m for m in custom_op_modules):
+    if isinstance(custom_op_modules, str) or not isinstance(custom_op_modules, (list, tuple)) or not all(isinstance(m, str) and m for m in custom_op_modules):
         raise AotError(f"{path.name}: custom_op_modules must be a list of module names, got {custom_op_modules!r}")
     onnx_translations = getattr(module, "onnx_translations", None)
     if onnx_translations is not None and not (isinstance(onnx_translations, dict) or callable(onnx_translations)):
-        raise AotError(f"{path.name}: onnx_translations must be a dict (or a function returning one), "
-                       f"got {type(onnx_translations).__name__}")
+        raise AotError(f"{path.name}: onnx_translations must be a dict (or a function returning one), got {type(onnx_translations).__name__}")
     return ModelFile(
         path=path,
         sha256=sha256_file(path),

@@ -30,6 +30,7 @@ def annotate_module_calls(model: torch.nn.Module):
             context = fx_traceback.annotate({MODULE_CALLS: tuple(stack)})
             context.__enter__()
             contexts.append(context)
+
         return hook
 
     def leave(module, args, output):

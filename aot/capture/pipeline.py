@@ -21,8 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile
 from aot.capture.stages import Stage
-from aot.capture.step import (CapturedStep, Group, StepLayout, _describe_trace_error, _gather, optimizer_tracing,
-                              step_args, step_program, rank_state)
+from aot.capture.step import CapturedStep, Group, StepLayout, _describe_trace_error, _gather, optimizer_tracing, step_args, step_program, rank_state
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
@@ -31,6 +30,7 @@ _funcol = torch.ops._c10d_functional
 
 
 # -- one pipeline rank's step ---------------------------------------------------------------------
+
 
 def tag(microbatch: int, producer: int, consumer: int, output: int, backward: bool) -> int:
     """The p2p tag of one transfer, the same on both sides: unique per microbatch, stage pair,
@@ -43,6 +43,7 @@ class Pipeline:
     """The pipeline a rank's program runs: `pp` ranks over group `group`, `stages` in all (v per
     rank, stage c * pp + r on rank r), `microbatches` per step and the rank's `actions`
     (aot.plan.pipeline.Action: kind "F" or "B", microbatch, chunk)."""
+
     group: Group
     rank: int
     stages: tuple
@@ -83,8 +84,9 @@ def tied_params(stages: list[Stage], pp: int) -> list[str]:
     return [n for n, ranks in holders.items() if len(ranks) > 1]
 
 
-def capture_pipeline(mf: ModelFile, state: TrainingState, pipeline: Pipeline, layout: StepLayout,
-                     inputs: list[torch.Tensor], targets: torch.Tensor) -> CapturedStep:
+def capture_pipeline(
+    mf: ModelFile, state: TrainingState, pipeline: Pipeline, layout: StepLayout, inputs: list[torch.Tensor], targets: torch.Tensor
+) -> CapturedStep:
     """The step of one pipeline rank as one graph (its stages' parameters, buffers and optimizer
     state, the learning rates, the rank's whole batch)."""
     held = pipeline.held
@@ -109,8 +111,7 @@ def capture_pipeline(mf: ModelFile, state: TrainingState, pipeline: Pipeline, la
     except AotError:
         raise
     except Exception as e:
-        raise AotError(f"{mf.path.name}: pipeline rank {pipeline.rank}'s step cannot be traced: "
-                       f"{_describe_trace_error(e, mf)}") from e
+        raise AotError(f"{mf.path.name}: pipeline rank {pipeline.rank}'s step cannot be traced: {_describe_trace_error(e, mf)}") from e
     return CapturedStep(graph=graph, slots=slots, example_args=[a.detach() for a in args])
 
 
@@ -129,12 +130,12 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
 
     def step(*flat):
         params = list(flat[:n_params])
-        buffers = dict(zip(buffer_names, flat[n_params:n_params + n_buffers]))
-        opt_state = flat[n_params + n_buffers:n_params + n_buffers + n_state]
+        buffers = dict(zip(buffer_names, flat[n_params : n_params + n_buffers]))
+        opt_state = flat[n_params + n_buffers : n_params + n_buffers + n_state]
         at = n_params + n_buffers + n_state
-        lrs = flat[at:at + n_groups]
-        scaling = LossScaling(precision.scaler, *flat[at + n_groups:at + n_groups + n_scaler]) if n_scaler else None
-        batch_inputs, batch_targets = flat[-1 - n_inputs:-1], flat[-1]
+        lrs = flat[at : at + n_groups]
+        scaling = LossScaling(precision.scaler, *flat[at + n_groups : at + n_groups + n_scaler]) if n_scaler else None
+        batch_inputs, batch_targets = flat[-1 - n_inputs : -1], flat[-1]
         size = batch_targets.shape[0] // m
         by_name = dict(zip(param_names, params))
         if layout.fsdp is not None:  # gathered once per step; the gradients are reduce-scattered once, after all microbatches
@@ -143,8 +144,8 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
         else:
             leaves = by_name
         sums: dict = {}
-        saved: dict = {}     # (microbatch, stage) -> (outputs, received leaves)
-        local: dict = {}     # transfers between stages on this rank: (tag) -> tensor
+        saved: dict = {}  # (microbatch, stage) -> (outputs, received leaves)
+        local: dict = {}  # transfers between stages on this rank: (tag) -> tensor
         sent = []
         loss_sum = batch_targets.new_zeros((), dtype=torch.float32)
 
@@ -171,9 +172,9 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
                     elif source.kind == "buffer":
                         values.append(buffers[source.name])
                     elif source.kind == "input":
-                        values.append(batch_inputs[source.index][mb * size:(mb + 1) * size])
+                        values.append(batch_inputs[source.index][mb * size : (mb + 1) * size])
                     elif source.kind == "target":
-                        values.append(batch_targets[mb * size:(mb + 1) * size])
+                        values.append(batch_targets[mb * size : (mb + 1) * size])
                     else:
                         shape, dtype, grad = stages[source.stage].outputs[source.index]
                         x = receive(shape, dtype, source.stage, tag(mb, source.stage, s.index, source.index, False))
@@ -208,15 +209,13 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
                 for n, g in zip(wrt_params, grads):
                     if g is not None:
                         sums[n] = g if n not in sums else sums[n] + g
-                for (source, x), g in zip(received, grads[len(wrt_params):]):
-                    send(g if g is not None else torch.zeros_like(x), source.stage,
-                         tag(mb, source.stage, s.index, source.index, True))
+                for (source, x), g in zip(received, grads[len(wrt_params) :]):
+                    send(g if g is not None else torch.zeros_like(x), source.stage, tag(mb, source.stage, s.index, source.index, True))
         for handle in sent:  # every send done before the step ends
             _funcol.wait_tensor(handle)
         if layout.fsdp is not None:
             present = [n for n in param_names if n in sums]
-            reduced = torch.autograd.grad([gathered[n] for n in present], [by_name[n] for n in present],
-                                          [sums[n] for n in present])
+            reduced = torch.autograd.grad([gathered[n] for n in present], [by_name[n] for n in present], [sums[n] for n in present])
             sums = dict(zip(present, reduced))
         # One all_reduce over the pipeline group (the same on every rank, whatever a pass could
         # reorder): the last stage's loss for every rank, and the gradients of weights two ranks
@@ -230,7 +229,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
         at = 1
         for name, like in tied.items():
             if name in by_name:
-                sums[name] = total[at:at + like.numel()].reshape(like.shape).to(like.dtype)
+                sums[name] = total[at : at + like.numel()].reshape(like.shape).to(like.dtype)
             at += like.numel()
         grads = [sums.get(n) for n in param_names]
         return finish(params, grads, local_loss, opt_state, lrs, scaling)

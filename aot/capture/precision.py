@@ -34,7 +34,8 @@ BF16_MIN_CAPABILITY = (8, 0)
 @dataclass(frozen=True)
 class GradScalerConfig:
     """torch.amp.GradScaler's constructor arguments, with its defaults."""
-    init_scale: float = 2.0 ** 16
+
+    init_scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
@@ -42,10 +43,10 @@ class GradScalerConfig:
 
 @dataclass(frozen=True)
 class Precision:
-    compute: str = "fp32"          # fp32 | bf16 | fp16: autocast's dtype (fp32: no autocast)
-    rules: str = "cpu"             # whose autocast policy is traced: the target's device kind
-    reduce: str = "fp32"           # the dtype gradients are reduced (all_reduce, reduce-scatter) in
-    scaler: GradScalerConfig | None = None   # fp16 only: dynamic loss scaling
+    compute: str = "fp32"  # fp32 | bf16 | fp16: autocast's dtype (fp32: no autocast)
+    rules: str = "cpu"  # whose autocast policy is traced: the target's device kind
+    reduce: str = "fp32"  # the dtype gradients are reduced (all_reduce, reduce-scatter) in
+    scaler: GradScalerConfig | None = None  # fp16 only: dynamic loss scaling
 
     @property
     def mixed(self) -> bool:
@@ -69,9 +70,13 @@ class Precision:
 
     def to_json(self) -> dict:
         """The manifest's `precision` entry (artifacts/FORMAT.md, "Precision")."""
-        return {"compute": self.compute, "autocast_rules": self.rules if self.mixed else None,
-                "param_dtype": self.compute, "reduce_dtype": self.reduce,
-                "grad_scaler": asdict(self.scaler) if self.scaler else None}
+        return {
+            "compute": self.compute,
+            "autocast_rules": self.rules if self.mixed else None,
+            "param_dtype": self.compute,
+            "reduce_dtype": self.reduce,
+            "grad_scaler": asdict(self.scaler) if self.scaler else None,
+        }
 
 
 @contextlib.contextmanager
@@ -107,41 +112,49 @@ def _grad_scaler(value, source: str) -> GradScalerConfig:
         raise AotError(f"{source}: grad_scaler must be a dict of {', '.join(fields)}, got {value!r}")
     config = GradScalerConfig(**value)
     numbers = (config.init_scale, config.growth_factor, config.backoff_factor)
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers) \
-            or not isinstance(config.growth_interval, int) or isinstance(config.growth_interval, bool):
+    if (
+        not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
+        or not isinstance(config.growth_interval, int)
+        or isinstance(config.growth_interval, bool)
+    ):
         raise AotError(f"{source}: grad_scaler values must be numbers (growth_interval an integer), got {value!r}")
     if config.init_scale <= 0 or config.growth_factor <= 1 or not 0 < config.backoff_factor < 1 or config.growth_interval < 1:
-        raise AotError(f"{source}: grad_scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
-                       f"growth_interval >= 1 (as torch.amp.GradScaler), got {value!r}")
-    return GradScalerConfig(float(config.init_scale), float(config.growth_factor), float(config.backoff_factor),
-                            config.growth_interval)
+        raise AotError(
+            f"{source}: grad_scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
+            f"growth_interval >= 1 (as torch.amp.GradScaler), got {value!r}"
+        )
+    return GradScalerConfig(float(config.init_scale), float(config.growth_factor), float(config.backoff_factor), config.growth_interval)
 
 
-def resolve_precision(precision: str | None, reduce_dtype: str | None, model_globals: dict, model_name: str,
-                      profile: dict) -> Precision:
+def resolve_precision(precision: str | None, reduce_dtype: str | None, model_globals: dict, model_name: str, profile: dict) -> Precision:
     """The build's precision: the CLI's choice, else the model file's `precision` /
     `reduce_dtype` / `grad_scaler`, else fp32; checked against the target's autocast."""
     source = "--precision" if precision is not None else f"{model_name}: precision"
-    compute = _choice(precision if precision is not None else model_globals.get("precision", "fp32"),
-                      tuple(DTYPES), source)
+    compute = _choice(precision if precision is not None else model_globals.get("precision", "fp32"), tuple(DTYPES), source)
     reduce_source = "--reduce-dtype" if reduce_dtype is not None else f"{model_name}: reduce_dtype"
-    reduce = _choice(reduce_dtype if reduce_dtype is not None else model_globals.get("reduce_dtype", "fp32"),
-                     ("fp32", compute) if compute != "fp32" else ("fp32",), reduce_source)
+    reduce = _choice(
+        reduce_dtype if reduce_dtype is not None else model_globals.get("reduce_dtype", "fp32"),
+        ("fp32", compute) if compute != "fp32" else ("fp32",),
+        reduce_source,
+    )
     device = profile.get("device_kind", "cpu")
     if compute == "fp32":
         if model_globals.get("grad_scaler") is not None:
             warnings.warn(f"{model_name}: grad_scaler applies to fp16 builds only; ignored", stacklevel=2)
         return Precision()
     if compute not in AUTOCAST_DTYPES.get(device, ()):
-        raise AotError(f"{source} {compute}: autocast on {device} (the target {profile.get('name')!r}) does not "
-                       f"support it; use {' or '.join(AUTOCAST_DTYPES.get(device, ())) or 'fp32'}")
+        raise AotError(
+            f"{source} {compute}: autocast on {device} (the target {profile.get('name')!r}) does not "
+            f"support it; use {' or '.join(AUTOCAST_DTYPES.get(device, ())) or 'fp32'}"
+        )
     if compute == "bf16" and device == "cuda":
         gpus = (profile.get("node") or {}).get("gpus") or {}
-        old = sorted({g.get("name", "?") for g in gpus.values()
-                      if g.get("compute_capability") and tuple(g["compute_capability"]) < BF16_MIN_CAPABILITY})
+        old = sorted({g.get("name", "?") for g in gpus.values() if g.get("compute_capability") and tuple(g["compute_capability"]) < BF16_MIN_CAPABILITY})
         if old:
-            raise AotError(f"{source} bf16: {', '.join(old)} in {profile.get('name')!r} cannot compute in bf16 "
-                           f"(compute capability below {'.'.join(map(str, BF16_MIN_CAPABILITY))}); use fp16")
+            raise AotError(
+                f"{source} bf16: {', '.join(old)} in {profile.get('name')!r} cannot compute in bf16 "
+                f"(compute capability below {'.'.join(map(str, BF16_MIN_CAPABILITY))}); use fp16"
+            )
     scaler = _grad_scaler(model_globals.get("grad_scaler"), model_name) if compute == "fp16" else None
     return Precision(compute=compute, rules=device, reduce=reduce, scaler=scaler)
 
@@ -152,9 +165,10 @@ def check_training_state(precision: Precision, params: dict[str, torch.Tensor], 
     unscale fp16 gradients)."""
     if not precision.mixed:
         return
-    low = [str(p.dtype).removeprefix("torch.") for p in params.values()
-           if p.is_floating_point() and p.dtype != torch.float32]
+    low = [str(p.dtype).removeprefix("torch.") for p in params.values() if p.is_floating_point() and p.dtype != torch.float32]
     if low:
-        raise AotError(f"{model_name}: --precision {precision.compute} keeps fp32 master weights, but model() makes "
-                       f"{len(low)} parameter(s) in {', '.join(sorted(set(low)))}; build the model in fp32 (no .half()/.to(dtype)) and "
-                       f"let autocast compute in {precision.compute}")
+        raise AotError(
+            f"{model_name}: --precision {precision.compute} keeps fp32 master weights, but model() makes "
+            f"{len(low)} parameter(s) in {', '.join(sorted(set(low)))}; build the model in fp32 (no .half()/.to(dtype)) and "
+            f"let autocast compute in {precision.compute}"
+        )

@@ -30,7 +30,8 @@ from aot.errors import AotError
 class Source:
     """Where one input of a stage's forward comes from: a parameter or buffer (`name`), the
     microbatch's input `index` or its targets, or output `index` of stage `stage`."""
-    kind: str            # "param" | "buffer" | "input" | "target" | "stage"
+
+    kind: str  # "param" | "buffer" | "input" | "target" | "stage"
     name: str = ""
     index: int = 0
     stage: int = -1
@@ -40,18 +41,20 @@ class Source:
 class Stage:
     """One stage's forward of one microbatch: `module(*inputs from sources)` -> outputs, of which
     output j is read by the stages `readers[j]` (the last stage's only output is the loss)."""
+
     index: int
     module: torch.fx.GraphModule
     sources: list[Source]
     readers: list[list[int]]
-    outputs: list[tuple[list[int], torch.dtype, bool]]   # shape, dtype, carries a gradient
+    outputs: list[tuple[list[int], torch.dtype, bool]]  # shape, dtype, carries a gradient
     layers: list[str] = field(default_factory=list)
     params: list[str] = field(default_factory=list)
     buffers: list[str] = field(default_factory=list)
 
 
-def trace_forward(mf: ModelFile, state: TrainingState, layout: StepLayout, inputs: list[torch.Tensor],
-                  targets: torch.Tensor) -> tuple[torch.fx.GraphModule, list[Source]]:
+def trace_forward(
+    mf: ModelFile, state: TrainingState, layout: StepLayout, inputs: list[torch.Tensor], targets: torch.Tensor
+) -> tuple[torch.fx.GraphModule, list[Source]]:
     """Forward and loss of one microbatch as a graph of the parameters as a rank uses them (whole,
     or its tensor-parallel slice), the buffers, the inputs and the targets; and what each of its
     inputs is. Under tensor parallelism the split layers run as DTensors, traced as the first and
@@ -63,20 +66,19 @@ def trace_forward(mf: ModelFile, state: TrainingState, layout: StepLayout, input
         raise AotError("--sequence-parallel is not supported with pp yet")
     traced = []
     for rank in (0, layout.tp.size - 1):
-        with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence,
-                             rank=rank) as tp:
+        with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence, rank=rank) as tp:
             graph, sources = _trace_forward(mf, state, layout, inputs, targets, tp)
             rename_group(graph, tp.mesh.get_group().group_name, layout.tp.name)
         traced.append((graph, sources))
     if traced[0][0].code != traced[1][0].code:
-        raise AotError("tensor parallel: the traced forward differs between tp ranks (a whole tensor is split by rank "
-                       "inside the model); this plan cannot run as one program, change tp_plan")
+        raise AotError(
+            "tensor parallel: the traced forward differs between tp ranks (a whole tensor is split by rank "
+            "inside the model); this plan cannot run as one program, change tp_plan"
+        )
     graph, sources = traced[0]
-    named = {p: source for p, source in zip((n for n in graph.graph.nodes if n.op == "placeholder"), sources)
-             if source.kind == "param"}
+    named = {p: source for p, source in zip((n for n in graph.graph.nodes if n.op == "placeholder"), sources) if source.kind == "param"}
     split = layout.tp_dims(state)
-    differentiable_regions(graph, dict(layout.tp_plan), layout.tp.name, set(named),
-                              {p for p, source in named.items() if source.name in split})
+    differentiable_regions(graph, dict(layout.tp_plan), layout.tp.name, set(named), {p for p, source in named.items() if source.name in split})
     return graph, sources
 
 
@@ -90,9 +92,9 @@ def _trace_forward(mf, state, layout, inputs, targets, tp):
         used = dict(zip(param_names, flat[:n_params]))
         if tp is not None:
             used = tp.wrap(used, full_shapes)
-        tensors = {**used, **dict(zip(buffer_names, flat[n_params:n_params + n_buffers]))}
+        tensors = {**used, **dict(zip(buffer_names, flat[n_params : n_params + n_buffers]))}
         with _autocast_region(layout.precision):
-            outputs = torch.func.functional_call(model, tensors, tuple(flat[n_params + n_buffers:-1]))
+            outputs = torch.func.functional_call(model, tensors, tuple(flat[n_params + n_buffers : -1]))
             loss = call_user(mf.loss, "loss(outputs, targets)", mf.path, outputs, flat[-1])
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise AotError(f"{mf.path.name}: loss(outputs, targets) must return a scalar tensor")
@@ -100,8 +102,12 @@ def _trace_forward(mf, state, layout, inputs, targets, tp):
 
     local = rank_state(state, replace(layout, fsdp=None))
     args = [*local.params.values(), *state.buffers.values(), *inputs, targets]
-    sources = [*(Source("param", n) for n in param_names), *(Source("buffer", n) for n in buffer_names),
-               *(Source("input", index=i) for i in range(len(inputs))), Source("target")]
+    sources = [
+        *(Source("param", n) for n in param_names),
+        *(Source("buffer", n) for n in buffer_names),
+        *(Source("input", index=i) for i in range(len(inputs))),
+        Source("target"),
+    ]
     try:
         with quiet_trace_logs(), annotate_module_calls(model):
             graph = make_fx(forward, tracing_mode="fake")(*args)
@@ -123,8 +129,10 @@ def cut(graph: torch.fx.GraphModule, sources: list[Source], stage_of_layer: dict
         for i, arg in enumerate(schema.arguments if schema is not None else ()):
             written = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
             if arg.alias_info is not None and arg.alias_info.is_write and source_of.get(written, Source("")).kind == "buffer":
-                raise AotError(f"pipeline: the forward updates buffer {source_of[written].name!r} in place (BatchNorm's "
-                               f"running statistics?), which microbatches would update once each; not supported with pp yet")
+                raise AotError(
+                    f"pipeline: the forward updates buffer {source_of[written].name!r} in place (BatchNorm's "
+                    f"running statistics?), which microbatches would update once each; not supported with pp yet"
+                )
     computed = [n for n in graph.graph.nodes if n.op == "call_function"]
     stage: dict = {}
     for node in computed:  # a layer's stage, else the latest of its inputs'
@@ -133,8 +141,7 @@ def cut(graph: torch.fx.GraphModule, sources: list[Source], stage_of_layer: dict
         own = stage_of_layer[layer] if layer is not None else None
         stage[node] = own if own is not None else max(found, default=None)
         if own is not None and found and max(found) > own:
-            raise AotError(f"pipeline: layer {layer} reads a value of a later stage (stage {max(found)}); "
-                           f"the model's forward must run its layers in order")
+            raise AotError(f"pipeline: layer {layer} reads a value of a later stage (stage {max(found)}); the model's forward must run its layers in order")
     output = graph.graph.output_node()
     for node in reversed(computed):  # computed from graph inputs alone: where it is first needed
         if stage[node] is None:
@@ -143,8 +150,9 @@ def cut(graph: torch.fx.GraphModule, sources: list[Source], stage_of_layer: dict
     loss = output.args[0]
     loss = loss[0] if isinstance(loss, (list, tuple)) else loss
     if stage.get(loss) != stages - 1:
-        raise AotError(f"pipeline: the loss is computed in stage {stage.get(loss)}, not the last ({stages - 1}): "
-                       f"there are fewer layers after the cut than stages")
+        raise AotError(
+            f"pipeline: the loss is computed in stage {stage.get(loss)}, not the last ({stages - 1}): there are fewer layers after the cut than stages"
+        )
     used = sorted(set(stage.values()))
     if used != list(range(stages)):
         missing = sorted(set(range(stages)) - set(used))
@@ -169,7 +177,7 @@ def _carries_gradient(module: torch.fx.GraphModule, inputs: list[bool]) -> list[
 
 
 def _stages(split: torch.fx.GraphModule, source_of: dict, count: int) -> list[Stage]:
-    produced: dict = {}   # top-level node (a submodule's output) -> (stage, output index)
+    produced: dict = {}  # top-level node (a submodule's output) -> (stage, output index)
     result: dict[int, Stage] = {}
     for node in split.graph.nodes:
         if node.op != "call_module":
@@ -189,14 +197,21 @@ def _stages(split: torch.fx.GraphModule, source_of: dict, count: int) -> list[St
         if not isinstance(out_node.args[0], (list, tuple)):  # one output: return it as a tuple of one, like the others
             out_node.args = ((out_node.args[0],),)
             module.recompile()
-        flags = _carries_gradient(module, [s.kind == "param" or (s.kind == "stage" and result[s.stage].outputs[s.index][2])
-                                           for s in sources])
+        flags = _carries_gradient(module, [s.kind == "param" or (s.kind == "stage" and result[s.stage].outputs[s.index][2]) for s in sources])
         outputs = [(list(v.meta["val"].shape), v.meta["val"].dtype, flag) for v, flag in zip(values, flags)]
-        stage = Stage(index, module, sources, [[] for _ in values], outputs,
-                      params=[s.name for s in sources if s.kind == "param"],
-                      buffers=[s.name for s in sources if s.kind == "buffer"])
-        stage.layers = sorted({layer_of(n) for n in module.graph.nodes if n.op == "call_function" and layer_of(n) is not None},
-                              key=lambda name: [int(p) if p.isdigit() else p for p in name.split(".")])
+        stage = Stage(
+            index,
+            module,
+            sources,
+            [[] for _ in values],
+            outputs,
+            params=[s.name for s in sources if s.kind == "param"],
+            buffers=[s.name for s in sources if s.kind == "buffer"],
+        )
+        stage.layers = sorted(
+            {layer_of(n) for n in module.graph.nodes if n.op == "call_function" and layer_of(n) is not None},
+            key=lambda name: [int(p) if p.isdigit() else p for p in name.split(".")],
+        )
         for user in node.users:
             if user.op == "call_function" and user.args[0] is node:  # getitem of a tuple of outputs
                 produced[user] = (index, user.args[1])

@@ -41,6 +41,7 @@ _funcol = torch.ops._c10d_functional
 @dataclass(frozen=True)
 class Group:
     """A process group as the graph names it, and how many ranks it has."""
+
     name: str
     size: int
 
@@ -52,11 +53,12 @@ class StepLayout:
     arrive as this rank's flat-padded shard and are all-gathered for use. With `tp`, the Linear
     layers `tp_plan` names (module -> "colwise" | "rowwise") hold a slice of their weights, and
     fsdp shards that slice."""
+
     dp: Group | None = None
     fsdp: Group | None = None
     tp: Group | None = None
     tp_plan: tuple[tuple[str, str], ...] = ()
-    sequence: dict | None = None   # sequence parallelism (aot.plan.tensor_parallel.sequence_parallel_layout)
+    sequence: dict | None = None  # sequence parallelism (aot.plan.tensor_parallel.sequence_parallel_layout)
     # The dtypes the step computes and reduces in (aot/capture/precision.py): part of the layout
     # because it changes what each collective carries, which the planner prices.
     precision: Precision = Precision()
@@ -78,8 +80,7 @@ class StepLayout:
             for leaf, dim in entries.items():
                 name = f"{module}.{leaf}"
                 if name in state.aliases or any(v == name for v in state.aliases.values()):
-                    raise AotError(f"tensor parallel: {name} is tied to another parameter; a tied weight "
-                                   f"cannot be split (leave {module!r} out of tp_plan)")
+                    raise AotError(f"tensor parallel: {name} is tied to another parameter; a tied weight cannot be split (leave {module!r} out of tp_plan)")
                 if name in state.params:
                     dims[name] = dim
         return dims
@@ -93,7 +94,7 @@ class StepLayout:
 @dataclass
 class CapturedStep:
     graph: torch.fx.GraphModule
-    slots: list[dict]              # what each graph input is, in order (the manifest's "inputs")
+    slots: list[dict]  # what each graph input is, in order (the manifest's "inputs")
     example_args: list[torch.Tensor]
 
 
@@ -139,8 +140,7 @@ def _squares(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(grads)).pow(2).sum()
 
 
-def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm: float, layout: StepLayout,
-                      counted: list[bool] | None = None) -> None:
+def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm: float, layout: StepLayout, counted: list[bool] | None = None) -> None:
     """clip_grad_norm_ for gradients split across ranks: the same global norm (the square root of
     the sum of squares of every element). Tensor-parallel slices add up over the tp group (the
     replicated gradients are equal on every tp rank and count once); fsdp shards over the fsdp
@@ -196,8 +196,9 @@ def fake_make_fx(step, args: list) -> torch.fx.GraphModule:
     return make_fx(step, tracing_mode="fake")(*args)
 
 
-def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
-                 layout: StepLayout, check_ranks: bool = True, tracer=None) -> CapturedStep:
+def capture_step(
+    mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor, layout: StepLayout, check_ranks: bool = True, tracer=None
+) -> CapturedStep:
     """The step's graph for one rank of `layout`. With tensor parallelism one program serves every
     tp rank, so the trace must not depend on the rank: DTensor picks "this rank's" piece by the
     mesh coordinate at trace time wherever a whole tensor becomes a shard. With `check_ranks` (the
@@ -207,9 +208,8 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
     if layout.tp is None:
         return _capture(mf, state, inputs, targets, layout, None, tracer)
     traced = []
-    for rank in ((0, layout.tp.size - 1) if check_ranks else (0,)):
-        with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence,
-                             rank=rank) as tp:
+    for rank in (0, layout.tp.size - 1) if check_ranks else (0,):
+        with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence, rank=rank) as tp:
             expected = layout.tp_dims(state)
             found = {n: d for n, d in tp.dims.items() if n in state.params}
             if found != expected:  # our slicing of the stored state must be torch's
@@ -218,8 +218,10 @@ def capture_step(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
             rename_group(captured.graph, tp.mesh.get_group().group_name, layout.tp.name)
         traced.append(captured)
     if check_ranks and traced[0].graph.code != traced[1].graph.code:
-        raise AotError("tensor parallel: the traced step differs between tp ranks (a whole tensor is split by rank "
-                       "inside the model); this plan cannot run as one program, change tp_plan")
+        raise AotError(
+            "tensor parallel: the traced step differs between tp ranks (a whole tensor is split by rank "
+            "inside the model); this plan cannot run as one program, change tp_plan"
+        )
     return traced[0]
 
 
@@ -264,10 +266,8 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
                 p.grad = g
             found_inf = _any_rank(found_inf, layout)
         if mf.max_grad_norm is not None and (layout.fsdp is not None or layout.tp is not None or layout.pp is not None):
-            present = [(p.grad, s, n not in layout.pp_uncounted) for p, s, n in zip(params, tp_split, param_names)
-                       if p.grad is not None]
-            _clip_distributed([g for g, _, _ in present], [s for _, s, _ in present], mf.max_grad_norm, layout,
-                              [c for _, _, c in present])
+            present = [(p.grad, s, n not in layout.pp_uncounted) for p, s, n in zip(params, tp_split, param_names) if p.grad is not None]
+            _clip_distributed([g for g, _, _ in present], [s for _, s, _ in present], mf.max_grad_norm, layout, [c for _, _, c in present])
         elif mf.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, mf.max_grad_norm)
         if scaling is None:
@@ -285,12 +285,12 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
 
     def step(*flat):
         params = list(flat[:n_params])
-        buffers = flat[n_params:n_params + n_buffers]
-        opt_state = flat[n_params + n_buffers:n_params + n_buffers + n_state]
+        buffers = flat[n_params : n_params + n_buffers]
+        opt_state = flat[n_params + n_buffers : n_params + n_buffers + n_state]
         at = n_params + n_buffers + n_state
-        lrs = flat[at:at + n_groups]
-        scaling = LossScaling(precision.scaler, *flat[at + n_groups:at + n_groups + n_scaler]) if n_scaler else None
-        batch_inputs, batch_targets = flat[-1 - n_inputs:-1], flat[-1]
+        lrs = flat[at : at + n_groups]
+        scaling = LossScaling(precision.scaler, *flat[at + n_groups : at + n_groups + n_scaler]) if n_scaler else None
+        batch_inputs, batch_targets = flat[-1 - n_inputs : -1], flat[-1]
         by_name = dict(zip(param_names, params))
 
         if layout.fsdp is not None:
@@ -332,8 +332,7 @@ def _any_rank(found_inf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
     return found_inf
 
 
-def step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tensor],
-               targets: torch.Tensor) -> tuple[list[torch.Tensor], list[dict]]:
+def step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tensor], targets: torch.Tensor) -> tuple[list[torch.Tensor], list[dict]]:
     """The step's flat inputs for one rank of `layout` (traced on shard 0's shapes: every rank's shard
     has the same shape, so one program serves all) and what each one is (the manifest's "inputs")."""
     precision = layout.precision
@@ -344,7 +343,10 @@ def step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tenso
         *(p.requires_grad_(True) for p in local.params.values()),
         *(b.detach().clone() for b in state.buffers.values()),
         *(local.optimizer_state[f"{n}:{k}"].clone() for n, k in state.optimizer_slots),
-        *lr_args, *scaler.values(), *inputs, targets,
+        *lr_args,
+        *scaler.values(),
+        *inputs,
+        targets,
     ]
     slots = [
         *(_slot("param", name=n) for n in state.params),
@@ -358,8 +360,9 @@ def step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tenso
     return args, slots
 
 
-def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
-             layout: StepLayout, tp: TensorParallel | None, tracer=None) -> CapturedStep:
+def _capture(
+    mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor, layout: StepLayout, tp: TensorParallel | None, tracer=None
+) -> CapturedStep:
     step, _ = step_program(mf, state, len(inputs), layout, tp)
     args, slots = step_args(state, layout, inputs, targets)
     try:
@@ -368,8 +371,7 @@ def _capture(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], ta
         # SyncBatchNorm's statistics over the ranks holding different samples (dp, fsdp; not tp)
         model = state.model if tp is None else tp.model
         data_groups = [g for g in (layout.fsdp, layout.dp) if g is not None]
-        with optimizer_tracing(), quiet_trace_logs(), annotate_module_calls(model), \
-                sync_batchnorm_in_graph(model, data_groups):
+        with optimizer_tracing(), quiet_trace_logs(), annotate_module_calls(model), sync_batchnorm_in_graph(model, data_groups):
             graph = (tracer or fake_make_fx)(step, args)
     except AotError:
         raise
@@ -409,13 +411,13 @@ def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp
         elif parts == 1 and name not in dims:
             optimizer_state[optimizer_key(name, key)] = value.clone()
         else:
-            raise AotError(f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, unlike its parameter; "
-                           f"it cannot be sharded")
+            raise AotError(f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, unlike its parameter; it cannot be sharded")
     return RankState(params, optimizer_state)
 
 
 def _describe_trace_error(e: Exception, mf: ModelFile) -> str:
     import traceback
+
     frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(mf.path)]
     where = f" at {mf.path.name}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
     message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -37,8 +37,7 @@ _funcol = torch.ops._c10d_functional
 
 def batchnorm_layers(model: nn.Module) -> dict[str, bool]:
     """Every BatchNorm layer (BatchNorm1d/2d/3d, SyncBatchNorm) by name -> whether it is a SyncBatchNorm."""
-    return {name: isinstance(m, nn.SyncBatchNorm) for name, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    return {name: isinstance(m, nn.SyncBatchNorm) for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
 
 
 def convert_to_sync(model: nn.Module, model_name: str) -> nn.Module:
@@ -71,8 +70,7 @@ def _forward(module: nn.SyncBatchNorm, groups, input: torch.Tensor) -> torch.Ten
     x = input.float()  # statistics in fp32 under autocast too, as eager BatchNorm keeps them
     count = input.numel() // channels * math.prod(g.size for g in groups)
     if count <= 1:
-        raise AotError(f"SyncBatchNorm: expected more than 1 value per channel over the data-parallel ranks, "
-                       f"got input of size {list(input.shape)}")
+        raise AotError(f"SyncBatchNorm: expected more than 1 value per channel over the data-parallel ranks, got input of size {list(input.shape)}")
     shift = module.running_mean.detach().clone().float() if track else x.new_zeros(channels)
     centered = x - shift.view(shape)
     sums = _sum_over(torch.cat([centered.sum(dims), (centered * centered).sum(dims)]), groups)
@@ -102,6 +100,7 @@ def sync_batchnorm_in_graph(model: nn.Module, groups):
 
         def forward(input):
             return _forward(module, groups, input) if module.training else original(module, input)
+
         return forward
 
     for module in model.modules():
@@ -122,4 +121,3 @@ def manifest_entry(model: nn.Module, data_axes: list[str]) -> dict | None:
     if not layers:
         return None
     return {"layers": len(layers), "synced": sum(layers.values()), "axes": list(data_axes)}
-

@@ -32,7 +32,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
 
-
 def _on_cpu(value, cpu: torch.device):
     if isinstance(value, torch.device):
         return cpu
@@ -67,8 +66,7 @@ class _DeviceFree(TorchFunctionMode):
 
 def _getitem(t: torch.Tensor, index) -> torch.Tensor:
     index = index if isinstance(index, tuple) else (index,)
-    consumed = sum(i.dim() if isinstance(i, torch.Tensor) and i.dtype == torch.bool else 1
-                   for i in index if i is not None and i is not Ellipsis)
+    consumed = sum(i.dim() if isinstance(i, torch.Tensor) and i.dtype == torch.bool else 1 for i in index if i is not None and i is not Ellipsis)
     if consumed > t.dim():
         raise IndexError(f"too many indices for tensor of dimension {t.dim()}")
     dim, advanced = 0, {}
@@ -102,7 +100,7 @@ def _getitem(t: torch.Tensor, index) -> torch.Tensor:
 def _consumed_after(index: tuple) -> int:
     """Dimensions the indices after the Ellipsis consume."""
     at = next(k for k, i in enumerate(index) if i is Ellipsis)
-    return sum(1 for i in index[at + 1:] if i is not None)
+    return sum(1 for i in index[at + 1 :] if i is not None)
 
 
 def _setitem(t: torch.Tensor, index, value) -> None:
@@ -120,15 +118,70 @@ def _setitem(t: torch.Tensor, index, value) -> None:
 
 # Calls autocast never changes (shapes, views, creation from sizes, ...): run as they are, unprobed.
 _UNCHANGED = {
-    "__get__", "size", "dim", "stride", "numel", "__len__", "__iter__", "__repr__", "__format__", "__bool__",
-    "item", "tolist", "element_size", "is_floating_point", "is_contiguous", "data_ptr", "storage_offset",
-    "view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "flatten", "unflatten", "expand",
-    "split", "chunk", "narrow", "view_as", "expand_as", "reshape_as", "detach", "requires_grad_", "__getitem__",
-    "__setitem__", "contiguous", "tensor", "arange", "zeros", "ones", "full", "empty", "zeros_like", "ones_like",
-    "empty_like", "full_like", "__invert__", "masked_fill", "masked_fill_", "tril", "triu",
+    "__get__",
+    "size",
+    "dim",
+    "stride",
+    "numel",
+    "__len__",
+    "__iter__",
+    "__repr__",
+    "__format__",
+    "__bool__",
+    "item",
+    "tolist",
+    "element_size",
+    "is_floating_point",
+    "is_contiguous",
+    "data_ptr",
+    "storage_offset",
+    "view",
+    "reshape",
+    "transpose",
+    "permute",
+    "t",
+    "unsqueeze",
+    "squeeze",
+    "flatten",
+    "unflatten",
+    "expand",
+    "split",
+    "chunk",
+    "narrow",
+    "view_as",
+    "expand_as",
+    "reshape_as",
+    "detach",
+    "requires_grad_",
+    "__getitem__",
+    "__setitem__",
+    "contiguous",
+    "tensor",
+    "arange",
+    "zeros",
+    "ones",
+    "full",
+    "empty",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "__invert__",
+    "masked_fill",
+    "masked_fill_",
+    "tril",
+    "triu",
 }
-_COMPUTE_MODULES = {"torch", "torch.functional", "torch.nn.functional", "torch._C._nn", "torch._C._linalg",
-                    "torch._C._special", "torch.special", "torch.linalg"}
+_COMPUTE_MODULES = {
+    "torch",
+    "torch.functional",
+    "torch.nn.functional",
+    "torch._C._nn",
+    "torch._C._linalg",
+    "torch._C._special",
+    "torch.special",
+    "torch.linalg",
+}
 
 
 class TargetAutocast(TorchFunctionMode):
@@ -152,8 +205,7 @@ class TargetAutocast(TorchFunctionMode):
         where = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         if not any(flat[i].is_floating_point() for i in where):
             return func(*args, **kwargs)
-        key = (func, str(spec), tuple((str(a.dtype), tuple(a.shape), tuple(a.stride())) if isinstance(a, torch.Tensor)
-                                      else repr(a) for a in flat))
+        key = (func, str(spec), tuple((str(a.dtype), tuple(a.shape), tuple(a.stride())) if isinstance(a, torch.Tensor) else repr(a) for a in flat))
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = self._trace(func, flat, spec, where)
@@ -174,8 +226,7 @@ class TargetAutocast(TorchFunctionMode):
         with disable_proxy_modes_tracing(), unset_fake_temporarily():
             mode = FakeTensorMode()
             with mode:
-                fakes = [torch.empty_strided(tuple(flat[i].shape), tuple(flat[i].stride()), dtype=flat[i].dtype,
-                                             device=self.device) for i in where]
+                fakes = [torch.empty_strided(tuple(flat[i].shape), tuple(flat[i].stride()), dtype=flat[i].dtype, device=self.device) for i in where]
             with torch.no_grad():
                 gm = make_fx(call, tracing_mode="fake")(*fakes)
         cpu = torch.device("cpu")

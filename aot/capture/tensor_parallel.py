@@ -29,12 +29,13 @@ _COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 @dataclass
 class TensorParallel:
     """The parallelized model copy and, per sharded parameter, the dimension it is split along."""
+
     model: nn.Module
-    mesh: object                 # torch.distributed.device_mesh.DeviceMesh
+    mesh: object  # torch.distributed.device_mesh.DeviceMesh
     size: int
-    group: str                   # the canonical name the graph will carry
-    dims: dict[str, int]         # parameter name -> sharded dimension
-    placements: dict[str, tuple] # parameter name -> DTensor placements (Shard or Replicate)
+    group: str  # the canonical name the graph will carry
+    dims: dict[str, int]  # parameter name -> sharded dimension
+    placements: dict[str, tuple]  # parameter name -> DTensor placements (Shard or Replicate)
 
     def wrap(self, tensors: dict[str, torch.Tensor], full_shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
         """The parameters as the parallelized modules expect them: DTensors (built from this
@@ -44,8 +45,9 @@ class TensorParallel:
         result = dict(tensors)
         for name, placements in self.placements.items():
             shape = full_shapes[name]
-            result[name] = DTensor.from_local(tensors[name], self.mesh, placements, run_check=False,
-                                              shape=shape, stride=torch.empty(shape, device="meta").stride())
+            result[name] = DTensor.from_local(
+                tensors[name], self.mesh, placements, run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride()
+            )
         return result
 
 
@@ -62,8 +64,7 @@ def _styles(plan: dict[str, str], sequence: dict | None) -> dict:
 
     if sequence is None:
         return {name: ColwiseParallel() if style == "colwise" else RowwiseParallel() for name, style in plan.items()}
-    styles = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=Shard(1))
-              for name, style in plan.items()}
+    styles = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=Shard(1)) for name, style in plan.items()}
     for region in sequence["regions"]:
         styles[region] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for norm in sequence["norms"]:
@@ -75,6 +76,7 @@ def _styles(plan: dict[str, str], sequence: dict | None) -> dict:
 # rank's" slice by the mesh coordinate known at trace time, which would bake rank 0's slice into
 # the one program every rank runs; these use collectives instead, which pick each rank's piece at
 # run time. Exact for power-of-two tp (x / tp summed tp times is x).
+
 
 def _scale_grad(t: torch.Tensor, factor: float) -> torch.Tensor:
     """`t` forward; its gradient times `factor` backward."""
@@ -105,8 +107,7 @@ def _stream_hooks(model: nn.Module, sequence: dict, size: int, group: str) -> No
 
 
 @contextlib.contextmanager
-def tensor_parallel(model: nn.Module, plan: dict[str, str], size: int, group: str, sequence: dict | None = None,
-                    rank: int = 0):
+def tensor_parallel(model: nn.Module, plan: dict[str, str], size: int, group: str, sequence: dict | None = None, rank: int = 0):
     """Yield a TensorParallel for `model` under `plan` (and the sequence-parallel layout, if any);
     the fake process group lives as long as the context, so capture happens inside it."""
     from torch.distributed.device_mesh import DeviceMesh

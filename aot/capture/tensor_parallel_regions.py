@@ -45,8 +45,7 @@ def reduce_from_tensor_parallel(x: torch.Tensor, group: str) -> torch.Tensor:
     return _ReduceFromTensorParallel.apply(x, group)
 
 
-def differentiable_regions(graph: torch.fx.GraphModule, plan: dict[str, str], group: str, params: set,
-                              split: set) -> None:
+def differentiable_regions(graph: torch.fx.GraphModule, plan: dict[str, str], group: str, params: set, split: set) -> None:
     """`params`: the placeholders of parameters, `split` those tp splits. A value made from split
     parameters alone (a weight slice's view or transpose) is the rank's own: no all_reduce. One
     made from whole parameters only and read inside a row-wise layer (its bias, which DTensor
@@ -54,7 +53,7 @@ def differentiable_regions(graph: torch.fx.GraphModule, plan: dict[str, str], gr
     each rank: summed, as DTensor's Replicate -> Partial redistribution sums it."""
     g = graph.graph
     copies: dict = {}
-    derived = {p: {p} for p in params}   # parameter-only values -> the parameter placeholders they come from
+    derived = {p: {p} for p in params}  # parameter-only values -> the parameter placeholders they come from
     for node in g.nodes:
         if node.op == "call_function" and node.all_input_nodes and all(a in derived for a in node.all_input_nodes):
             derived[node] = set().union(*(derived[a] for a in node.all_input_nodes))

@@ -36,19 +36,19 @@ MAX_INIT_CONSTANT_BYTES = 1 << 20
 
 @dataclass
 class TrainingState:
-    model: nn.Module                           # on fake tensors: no parameter memory
-    params: dict[str, torch.Tensor]            # named_parameters(): a tied weight once (fake)
-    buffers: dict[str, torch.Tensor]           # every buffer, persistent or not (fake)
-    init_graph: torch.fx.GraphModule           # the init program: creates params then buffers, in that order
-    optimizer_slots: list[tuple[str, str]]     # (parameter name, state key), in trace order
-    optimizer_state: dict[str, torch.Tensor]   # keyed by runner.checkpoint.optimizer_key (fake)
-    optimizer_fills: dict[str, float]          # the initial value of every element of each state tensor
-    param_groups: list[list[str]]              # parameter names of each optimizer group
+    model: nn.Module  # on fake tensors: no parameter memory
+    params: dict[str, torch.Tensor]  # named_parameters(): a tied weight once (fake)
+    buffers: dict[str, torch.Tensor]  # every buffer, persistent or not (fake)
+    init_graph: torch.fx.GraphModule  # the init program: creates params then buffers, in that order
+    optimizer_slots: list[tuple[str, str]]  # (parameter name, state key), in trace order
+    optimizer_state: dict[str, torch.Tensor]  # keyed by runner.checkpoint.optimizer_key (fake)
+    optimizer_fills: dict[str, float]  # the initial value of every element of each state tensor
+    param_groups: list[list[str]]  # parameter names of each optimizer group
     optimizer_class: str
-    hyperparameters: list[dict]                # JSON-able settings of each group
-    lr_schedule: list[list[float]]             # learning rate of every group at every step
+    hyperparameters: list[dict]  # JSON-able settings of each group
+    lr_schedule: list[list[float]]  # learning rate of every group at every step
     lr_constant: bool
-    aliases: dict[str, str] = field(default_factory=dict)   # state_dict key -> canonical name
+    aliases: dict[str, str] = field(default_factory=dict)  # state_dict key -> canonical name
     state_dict_keys: list[str] = field(default_factory=list)
 
 
@@ -86,11 +86,14 @@ def _json_value(v):
 
 def _check_supported(opt: torch.optim.Optimizer) -> None:
     import inspect
+
     closure = inspect.signature(type(opt).step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         # LBFGS re-evaluates the loss inside step(); a step graph calls the model once
-        raise AotError(f"{type(opt).__name__} steps with a closure (it re-evaluates the loss inside step()), which "
-                       f"one traced training step cannot express; use an optimizer whose step() takes no closure")
+        raise AotError(
+            f"{type(opt).__name__} steps with a closure (it re-evaluates the loss inside step()), which "
+            f"one traced training step cannot express; use an optimizer whose step() takes no closure"
+        )
     if isinstance(opt, torch.optim.SGD):
         for group in opt.param_groups:
             if group.get("momentum", 0) and group.get("dampening", 0):
@@ -171,8 +174,10 @@ def _record_init(mf: ModelFile) -> tuple[nn.Module, torch.fx.GraphModule, int, i
             graph = make_fx(construct, tracing_mode="fake")()
     except AotError as e:
         if "DataDependent" in str(e):  # say why a constructor that runs eagerly fails here
-            raise AotError(f"{e}; the build records model() without running it on real tensors, so the "
-                           f"constructor must not read tensor values (branch on them, .item(), .tolist())") from e
+            raise AotError(
+                f"{e}; the build records model() without running it on real tensors, so the "
+                f"constructor must not read tensor values (branch on them, .item(), .tolist())"
+            ) from e
         raise
     model = made["model"]
     return model, graph, len(dict(model.named_parameters())), len(dict(model.named_buffers()))
@@ -197,7 +202,8 @@ def _check_recordable(mf: ModelFile, graph: torch.fx.GraphModule, names: list[st
                     raise AotError(
                         f"{mf.path.name}: model() makes {kind} {name!r} from a {size / 2**20:.1f} MiB tensor it got outside "
                         f"torch's factory functions (a file, numpy); an artifact records how weights are created, not "
-                        f"their values: create it with torch ops, or start training from your weights with `aot run --init-from`")
+                        f"their values: create it with torch ops, or start training from your weights with `aot run --init-from`"
+                    )
             stack.extend(n.all_input_nodes)
 
 
@@ -213,8 +219,10 @@ def _optimizer_fills(mf: ModelFile, params: dict[str, torch.Tensor], slots: list
     for name, key in slots:
         value = opt.state[by_name[name]].get(key)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            raise AotError(f"{type(opt).__name__}: the initial state {key!r} of {name!r} is not one value per element; "
-                           f"only optimizers whose initial state is a constant can be recorded")
+            raise AotError(
+                f"{type(opt).__name__}: the initial state {key!r} of {name!r} is not one value per element; "
+                f"only optimizers whose initial state is a constant can be recorded"
+            )
         fills[optimizer_key(name, key)] = float(value.item())
     return fills
 
@@ -253,8 +261,18 @@ def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingSt
     aliases, keys = _canonical_names(model)
     hyper = [{k: _json_value(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return TrainingState(
-        model=model, params=params, buffers=buffers, init_graph=graph, optimizer_slots=slots,
-        optimizer_state=state, optimizer_fills=fills, param_groups=groups, optimizer_class=type(opt).__name__,
-        hyperparameters=hyper, lr_schedule=schedule, lr_constant=constant,
-        aliases=aliases, state_dict_keys=keys,
+        model=model,
+        params=params,
+        buffers=buffers,
+        init_graph=graph,
+        optimizer_slots=slots,
+        optimizer_state=state,
+        optimizer_fills=fills,
+        param_groups=groups,
+        optimizer_class=type(opt).__name__,
+        hyperparameters=hyper,
+        lr_schedule=schedule,
+        lr_constant=constant,
+        aliases=aliases,
+        state_dict_keys=keys,
     )

@@ -62,7 +62,7 @@ COMPILERS = ("portable", "aoti")
 @dataclass
 class CompiledPackages:
     files: dict[str, bytes]  # relative path -> package bytes, written and hashed with the artifact
-    entry: dict              # the manifest's `compiled` entry (artifacts/FORMAT.md, "Compiled tier")
+    entry: dict  # the manifest's `compiled` entry (artifacts/FORMAT.md, "Compiled tier")
 
 
 def target_device(profile: dict) -> torch.device:
@@ -83,13 +83,14 @@ def check_compiler(device: torch.device) -> None:
         get_cpp_compiler()
     except exc.InvalidCxxCompiler:
         found = ", ".join(c for c in config.cpp.cxx if c) or "none"
-        raise AotError(f"--compile aoti needs a C++ compiler on the build machine and none works here (tried {found}; "
-                       f"set CXX, or build without --compile aoti)") from None
+        raise AotError(
+            f"--compile aoti needs a C++ compiler on the build machine and none works here (tried {found}; set CXX, or build without --compile aoti)"
+        ) from None
     if device.type == "cuda":
         from torch.utils.cpp_extension import CUDA_HOME
+
         if CUDA_HOME is None:
-            raise AotError("--compile aoti for CUDA needs the CUDA toolkit (nvcc) on the build machine; "
-                           "set CUDA_HOME, or build without --compile aoti")
+            raise AotError("--compile aoti for CUDA needs the CUDA toolkit (nvcc) on the build machine; set CUDA_HOME, or build without --compile aoti")
 
 
 # Extra flags for GCC when it compiles an x86-64 package (see the module docstring).
@@ -118,11 +119,12 @@ def _cpu_target() -> tuple[dict, dict]:
         # Inductor has no setting for extra compiler flags; `cpp.march` goes into the command line
         # as `-march=VALUE`, which inductor splits like a shell (shlex), so flags can follow it.
         flags = " ".join(GCC_FLAGS) if _is_gcc(get_cpp_compiler()) else ""
-        return ({"kind": "cpu", "arch": arch, "isa": isa, "features": features, "capability": capability, "march": march},
-                {"cpp.march": f"{march} {flags}".strip()})
+        return (
+            {"kind": "cpu", "arch": arch, "isa": isa, "features": features, "capability": capability, "march": march},
+            {"cpp.march": f"{march} {flags}".strip()},
+        )
     # Elsewhere inductor's own flags stay; the runner then asks for this very CPU capability.
-    return ({"kind": "cpu", "arch": arch, "isa": isa, "capability": torch.backends.cpu.get_cpu_capability(),
-             "march": "default"}, {})
+    return ({"kind": "cpu", "arch": arch, "isa": isa, "capability": torch.backends.cpu.get_cpu_capability(), "march": "default"}, {})
 
 
 def _cuda_target(device: torch.device) -> tuple[dict, dict]:
@@ -256,8 +258,7 @@ def waited_at_issue(ep: torch.export.ExportedProgram) -> torch.export.ExportedPr
     return ep
 
 
-def compile_programs(programs: dict[str, torch.export.ExportedProgram], groups: dict[str, int], world_size: int,
-                     device: torch.device) -> CompiledPackages:
+def compile_programs(programs: dict[str, torch.export.ExportedProgram], groups: dict[str, int], world_size: int, device: torch.device) -> CompiledPackages:
     """One AOTInductor package per program (name -> exported program), for `device`.
     `groups`: the graph's process-group names and their sizes."""
     import torch._inductor  # noqa: F401  (torch imports it lazily)
@@ -265,27 +266,28 @@ def compile_programs(programs: dict[str, torch.export.ExportedProgram], groups: 
     device_entry, configs = _cuda_target(device) if device.type == "cuda" else _cpu_target()
     configs = {**configs, "fallback_random": True, "post_grad_custom_pre_pass": ExplicitAlpha()}
     files, entries = {}, {}
-    with tempfile.TemporaryDirectory(prefix="aot-aoti-") as tmp, _fake_groups(groups, world_size), \
-            warnings.catch_warnings():
+    with tempfile.TemporaryDirectory(prefix="aot-aoti-") as tmp, _fake_groups(groups, world_size), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's own deprecation chatter during lowering
         for name, ep in programs.items():
             if device.type == "cpu":
                 ep = waited_at_issue(ep)
             else:
                 from torch.export.passes import move_to_device_pass
+
                 ep = move_to_device_pass(ep, device)
             saved = ep._example_inputs
             ep._example_inputs = (_example_inputs(ep, device), {})
             try:
                 with _contiguous_inputs(ep):
-                    path = torch._inductor.aoti_compile_and_package(
-                        ep, package_path=str(Path(tmp) / f"{name}.pt2"), inductor_configs=configs)
+                    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(tmp) / f"{name}.pt2"), inductor_configs=configs)
             except AotError:
                 raise
             except Exception as e:
                 message = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-                raise AotError(f"AOTInductor could not compile program {name!r} ({type(e).__name__}: {message[:300]}); "
-                               f"build without --compile aoti to ship the portable program only") from e
+                raise AotError(
+                    f"AOTInductor could not compile program {name!r} ({type(e).__name__}: {message[:300]}); "
+                    f"build without --compile aoti to ship the portable program only"
+                ) from e
             finally:
                 ep._example_inputs = saved
             data = _reproducible(Path(path).read_bytes())

@@ -50,12 +50,14 @@ def collectives_of(graph: torch.fx.Graph) -> list[dict]:
     for node in graph.nodes:
         if is_call(node, COLLECTIVES):
             val = node.args[0].meta.get("val")
-            result.append({
-                "kind": node.target._schema.name.split("::")[-1],
-                "group": node.args[-1],
-                "bytes": tensor_bytes(node.args[0]),
-                "dtype": dtype_name(val.dtype) if isinstance(val, torch.Tensor) else None,
-            })
+            result.append(
+                {
+                    "kind": node.target._schema.name.split("::")[-1],
+                    "group": node.args[-1],
+                    "bytes": tensor_bytes(node.args[0]),
+                    "dtype": dtype_name(val.dtype) if isinstance(val, torch.Tensor) else None,
+                }
+            )
     return result
 
 
@@ -70,8 +72,7 @@ def _optimizer_init(state: TrainingState) -> dict[str, dict]:
     for name, key in state.optimizer_slots:
         value = state.optimizer_state[optimizer_key(name, key)]
         shape = "param" if value.dim() and value.shape == state.params[name].shape else list(value.shape)
-        out[optimizer_key(name, key)] = {"shape": shape, "dtype": dtype_name(value.dtype),
-                                         "fill": state.optimizer_fills[optimizer_key(name, key)]}
+        out[optimizer_key(name, key)] = {"shape": shape, "dtype": dtype_name(value.dtype), "fill": state.optimizer_fills[optimizer_key(name, key)]}
     return out
 
 
@@ -81,15 +82,27 @@ def _check_shardable(state: TrainingState, layout: StepLayout) -> None:
     for name, key in state.optimizer_slots:
         value = state.optimizer_state[optimizer_key(name, key)]
         if value.dim() and value.shape != state.params[name].shape and (layout.fsdp is not None or name in split):
-            raise AotError(f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, unlike its parameter; "
-                           f"it cannot be sharded")
+            raise AotError(f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, unlike its parameter; it cannot be sharded")
 
 
-def emit_artifact(out: Path, *, programs: dict[str, tuple[torch.export.ExportedProgram, CapturedStep]], state: TrainingState,
-                  layout: StepLayout, mesh: Mesh, profile: dict, example: dict[str, torch.Tensor], batch_size: int,
-                  build: dict, placement: Placement | None = None, subgroups: dict | None = None, sign_key: Path | None = None,
-                  extra_files: dict[str, bytes] | None = None, extra_fields: dict | None = None,
-                  program_of=lambda coords: PROGRAM) -> dict:
+def emit_artifact(
+    out: Path,
+    *,
+    programs: dict[str, tuple[torch.export.ExportedProgram, CapturedStep]],
+    state: TrainingState,
+    layout: StepLayout,
+    mesh: Mesh,
+    profile: dict,
+    example: dict[str, torch.Tensor],
+    batch_size: int,
+    build: dict,
+    placement: Placement | None = None,
+    subgroups: dict | None = None,
+    sign_key: Path | None = None,
+    extra_files: dict[str, bytes] | None = None,
+    extra_fields: dict | None = None,
+    program_of=lambda coords: PROGRAM,
+) -> dict:
     """Write the artifact folder. `programs`: name -> (exported program, its capture); one
     (PROGRAM) serves every rank unless the ranks differ (pipeline stages), when `program_of(coords)`
     names a rank's. `placement` maps mesh ranks to physical ranks (default: the
@@ -127,9 +140,9 @@ def emit_artifact(out: Path, *, programs: dict[str, tuple[torch.export.ExportedP
             "mesh": {"axes": list(mesh.axes), "shape": list(mesh.shape)},
             "placement": placement.to_json(rank_map=True),
             "process_groups": {  # physical ranks, each group in coordinate order (ascending)
-                mesh.group_name(axis): {"axis": axis, "groups": placement.groups(axis)}
-                for axis in mesh.axes if mesh.size(axis) > 1
-            } | (subgroups or {}),  # the levels of hierarchical all_reduces (aot/passes/hierarchical.py)
+                mesh.group_name(axis): {"axis": axis, "groups": placement.groups(axis)} for axis in mesh.axes if mesh.size(axis) > 1
+            }
+            | (subgroups or {}),  # the levels of hierarchical all_reduces (aot/passes/hierarchical.py)
             "programs": {
                 name: {
                     "file": f"programs/{name}.json",
@@ -138,11 +151,11 @@ def emit_artifact(out: Path, *, programs: dict[str, tuple[torch.export.ExportedP
                     "outputs": ["loss", "global_loss"],
                     "collectives": collectives_of(ep.graph),
                     "graph_nodes": len(ep.graph.nodes),
-                } for name, (ep, captured) in programs.items()
+                }
+                for name, (ep, captured) in programs.items()
             },
             "ranks": [  # per physical rank: the mesh coordinates the placement gives it, and its program
-                {"rank": r, "program": program_of(placement.coords(r)), "coords": placement.coords(r)}
-                for r in range(mesh.world_size)
+                {"rank": r, "program": program_of(placement.coords(r)), "coords": placement.coords(r)} for r in range(mesh.world_size)
             ],
             "init": {  # the recipe of the initial parameters and buffers (runner/init_program.py)
                 "file": f"programs/{INIT_PROGRAM}.json",
@@ -150,21 +163,34 @@ def emit_artifact(out: Path, *, programs: dict[str, tuple[torch.export.ExportedP
                 "outputs": [*state.params, *state.buffers],
                 "graph_nodes": len(init_program.graph.nodes),
             },
-            "sharding": None if layout.fsdp is None else {
-                "axis": "fsdp", "group": layout.fsdp.name, "size": layout.fsdp.size, "layout": "flat-padded",
+            "sharding": None
+            if layout.fsdp is None
+            else {
+                "axis": "fsdp",
+                "group": layout.fsdp.name,
+                "size": layout.fsdp.size,
+                "layout": "flat-padded",
                 "params": {n: s.numel() for n, s in layout.local_shapes(state).items()},
             },
-            "tensor_parallel": None if layout.tp is None else {
-                "axis": "tp", "group": layout.tp.name, "size": layout.tp.size,
-                "plan": dict(layout.tp_plan), "params": tp_dims, "sequence_parallel": layout.sequence is not None,
+            "tensor_parallel": None
+            if layout.tp is None
+            else {
+                "axis": "tp",
+                "group": layout.tp.name,
+                "size": layout.tp.size,
+                "plan": dict(layout.tp_plan),
+                "params": tp_dims,
+                "sequence_parallel": layout.sequence is not None,
             },
             "state": {
                 "params": {n: [list(t.shape), dtype_name(t.dtype)] for n, t in state.params.items()},
                 "buffers": {n: [list(t.shape), dtype_name(t.dtype)] for n, t in state.buffers.items()},
                 "persistent_buffers": [n for n in state.buffers if n in {state.aliases.get(k, k) for k in state.state_dict_keys}],
                 "optimizer_init": _optimizer_init(state),
-                "optimizer": {"class": state.optimizer_class, "param_groups": [
-                    {"params": names, **hyper} for names, hyper in zip(state.param_groups, state.hyperparameters)]},
+                "optimizer": {
+                    "class": state.optimizer_class,
+                    "param_groups": [{"params": names, **hyper} for names, hyper in zip(state.param_groups, state.hyperparameters)],
+                },
                 "aliases": state.aliases,
                 "state_dict_keys": state.state_dict_keys,
             },

@@ -42,11 +42,20 @@ def _wrapped(gm: torch.fx.GraphModule, example_args: list) -> ExportedProgram:
         raise SpecViolationError("an output is not a tensor of the graph")
     signature = ExportGraphSignature(
         [InputSpec(InputKind.USER_INPUT, TensorArgument(n.name), None) for n in inputs],
-        [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(n.name), None) for n in outputs])
-    calls = ModuleCallSignature(inputs=[], outputs=[], in_spec=pytree.tree_flatten((tuple(example_args), {}))[1],
-                                out_spec=pytree.tree_flatten(tuple(outputs))[1])
-    return ExportedProgram(root=gm, graph=gm.graph, graph_signature=signature, state_dict={}, range_constraints={},
-                           module_call_graph=[ModuleCallEntry("", calls)], verifiers=[TrainingIRVerifier])
+        [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(n.name), None) for n in outputs],
+    )
+    calls = ModuleCallSignature(
+        inputs=[], outputs=[], in_spec=pytree.tree_flatten((tuple(example_args), {}))[1], out_spec=pytree.tree_flatten(tuple(outputs))[1]
+    )
+    return ExportedProgram(
+        root=gm,
+        graph=gm.graph,
+        graph_signature=signature,
+        state_dict={},
+        range_constraints={},
+        module_call_graph=[ModuleCallEntry("", calls)],
+        verifiers=[TrainingIRVerifier],
+    )
 
 
 def exported_program(gm: torch.fx.GraphModule, example_args: list, what: str) -> ExportedProgram:

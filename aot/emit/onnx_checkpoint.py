@@ -30,12 +30,21 @@ from typing import Callable, Mapping
 import torch
 
 from aot.capture.precision import DTYPES
-from aot.emit.onnx_export import (CHECK_BUDGET_BYTES, OnnxUnsupported, _aligned, _budget_reason, _fake_model,
-                                   _numeric_check, _unchecked, export_inputs, export_onnx)
+from aot.emit.onnx_export import (
+    CHECK_BUDGET_BYTES,
+    OnnxUnsupported,
+    _aligned,
+    _budget_reason,
+    _fake_model,
+    _numeric_check,
+    _unchecked,
+    export_inputs,
+    export_onnx,
+)
 from runner.data import dtype_name
 from aot.errors import AotError
 
-EMBED_LIMIT_BYTES = 2**31 - 2**26    # protobuf's 2 GiB limit, less room for the graph itself
+EMBED_LIMIT_BYTES = 2**31 - 2**26  # protobuf's 2 GiB limit, less room for the graph itself
 # A reduced-precision export is held to NOISE_FACTOR times the dtype's own noise on the batch:
 # how far eager PyTorch in the dtype is from eager fp32 (at least FLOOR_EPS of the dtype's epsilon
 # times the outputs' scale). Two valid low-precision runs of one model differ by about as much as
@@ -55,8 +64,9 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
-def save_onnx(data: bytes, weights: Mapping[str, torch.Tensor], output: Path, *,
-              metadata: dict[str, str] | None = None, verify: Callable[[Path], None] | None = None) -> dict:
+def save_onnx(
+    data: bytes, weights: Mapping[str, torch.Tensor], output: Path, *, metadata: dict[str, str] | None = None, verify: Callable[[Path], None] | None = None
+) -> dict:
     """Write the weight-less ONNX model `data` to `output` with `weights` (ONNX initializer name ->
     tensor) attached: inside the file when they fit EMBED_LIMIT_BYTES, else as ONNX external data
     in `<output>.data` (each tensor at a 64-byte aligned offset), whose sha256 the model's metadata
@@ -73,14 +83,18 @@ def save_onnx(data: bytes, weights: Mapping[str, torch.Tensor], output: Path, *,
     names = [t.name for t in external]
     if sorted(names) != sorted(weights):
         extra, missing = sorted(set(weights) - set(names)), sorted(set(names) - set(weights))
-        raise AotError("the ONNX graph's weights and the tensors given differ: "
-                       + (f"no tensor for {missing[0]!r}" if missing else f"{extra[0]!r} is no weight of the graph"))
+        raise AotError(
+            "the ONNX graph's weights and the tensors given differ: "
+            + (f"no tensor for {missing[0]!r}" if missing else f"{extra[0]!r} is no weight of the graph")
+        )
     tensors = {}
     for t in external:
         tensor = weights[t.name]
         if list(tensor.shape) != list(t.dims) or ONNX_TYPES.get(tensor.dtype) != t.data_type:
-            raise AotError(f"{t.name}: the graph takes {list(t.dims)} {onnx.helper.tensor_dtype_to_string(t.data_type)}, "
-                           f"got {list(tensor.shape)} {dtype_name(tensor.dtype)}")
+            raise AotError(
+                f"{t.name}: the graph takes {list(t.dims)} {onnx.helper.tensor_dtype_to_string(t.data_type)}, "
+                f"got {list(tensor.shape)} {dtype_name(tensor.dtype)}"
+            )
         tensors[t.name] = _raw(tensor)
     total = sum(r.numel() for r in tensors.values())
     data_path = output.with_name(output.name + ".data") if total > EMBED_LIMIT_BYTES else None
@@ -135,10 +149,13 @@ def save_onnx(data: bytes, weights: Mapping[str, torch.Tensor], output: Path, *,
     finally:
         for path in written:
             path.unlink(missing_ok=True)
-    return {"bytes": len(model_bytes), "sha256": hashlib.sha256(model_bytes).hexdigest(),
-            "weights_file": None if data_path is None else str(data_path), "weights_bytes": total,
-            "weights_sha256": digest}
-
+    return {
+        "bytes": len(model_bytes),
+        "sha256": hashlib.sha256(model_bytes).hexdigest(),
+        "weights_file": None if data_path is None else str(data_path),
+        "weights_bytes": total,
+        "weights_sha256": digest,
+    }
 
 
 def in_precision(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -146,6 +163,7 @@ def in_precision(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     parameters and buffers cast (a tied tensor stays one tensor, under all its names), hooks that
     cast floating inputs to `dtype` and floating outputs to float32. Not `model.to(dtype)`: that
     cannot swap the fake tensors `aot export` traces with. torch.export traces the hooks."""
+
     def cast(t, to):
         return t.to(to) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
@@ -156,8 +174,7 @@ def in_precision(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
                 if t is None or not t.is_floating_point():
                     continue
                 if id(t) not in done:
-                    done[id(t)] = (torch.nn.Parameter(t.detach().to(dtype), requires_grad=t.requires_grad)
-                                   if isinstance(t, torch.nn.Parameter) else t.to(dtype))
+                    done[id(t)] = torch.nn.Parameter(t.detach().to(dtype), requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else t.to(dtype)
                 store[name] = done[id(t)]
     tree_map = torch.utils._pytree.tree_map
     model.register_forward_pre_hook(lambda m, args: tree_map(lambda t: cast(t, dtype), args))
@@ -176,16 +193,20 @@ def _dtype_noise(mf, dtype: torch.dtype, weights: Mapping[str, torch.Tensor]) ->
             fp32 = torch.utils._pytree.tree_leaves(torch.func.functional_call(reference, dict(weights), tuple(feeds)))
         pairs = [(e, f) for e, f in zip(eager, fp32) if e.is_floating_point() and e.numel()]
         if any(not e.isfinite().all() and f.isfinite().all() for e, f in pairs):  # inf - inf would read as NaN
-            raise OnnxUnsupported(f"the forward in {dtype_name(dtype)} gives inf or NaN on the example batch where "
-                                  f"fp32 does not (out of the dtype's range); export it in another precision")
+            raise OnnxUnsupported(
+                f"the forward in {dtype_name(dtype)} gives inf or NaN on the example batch where "
+                f"fp32 does not (out of the dtype's range); export it in another precision"
+            )
         noise = max([(e.double() - f.double()).abs().max().item() for e, f in pairs], default=0.0)
         scale = max([1.0] + [f.abs().max().item() for _, f in pairs])
         return max(NOISE_FACTOR * noise, FLOOR_EPS * eps * scale)
+
     return tolerance_for
 
 
-def export_checkpoint(artifact_dir: Path, model_file: Path, checkpoint: Path, output: Path, *,
-                      precision: str = "fp32", warn: Callable[[str], None] = lambda msg: None) -> dict:
+def export_checkpoint(
+    artifact_dir: Path, model_file: Path, checkpoint: Path, output: Path, *, precision: str = "fp32", warn: Callable[[str], None] = lambda msg: None
+) -> dict:
     """`aot export`: the forward exported as `aot build` exports it (from the model on fake tensors),
     a checkpoint's trained weights attached, written as a standalone ONNX file (`save_onnx`: weights
     over protobuf's limit go to `<output>.data`), then checked with ONNX Runtime reading that file
@@ -213,16 +234,17 @@ def export_checkpoint(artifact_dir: Path, model_file: Path, checkpoint: Path, ou
         raise AotError(f"{model_file}: no such model file")
     digest = sha256_file(model_file)
     if digest != built:
-        raise AotError(f"{model_file}: differs from the model file the artifact was built from "
-                       f"(sha256 {digest[:12]}... vs {str(built)[:12]}...)")
+        raise AotError(f"{model_file}: differs from the model file the artifact was built from (sha256 {digest[:12]}... vs {str(built)[:12]}...)")
     index, weights = full_weights(checkpoint)  # fsdp and tp shards reassembled
     state = manifest["state"]
     expected = {n: [list(v[0]), v[1]] for n, v in {**state["params"], **state["buffers"]}.items()}
     got = {n: [list(t.shape), dtype_name(t.dtype)] for n, t in weights.items()}
     wrong = [n for n in got if expected.get(n) != got[n]] + [n for n in state["params"] if n not in got]
     if wrong:
-        raise AotError(f"{checkpoint}: checkpoint weights do not match the artifact's parameters and buffers "
-                       f"(names, shapes or dtypes; first: {wrong[0]!r}); was it written by a run of {artifact_dir}?")
+        raise AotError(
+            f"{checkpoint}: checkpoint weights do not match the artifact's parameters and buffers "
+            f"(names, shapes or dtypes; first: {wrong[0]!r}); was it written by a run of {artifact_dir}?"
+        )
     rest = sorted(set(state["buffers"]) - set(weights))
     if rest:  # buffers a checkpoint need not hold (non-persistent ones): the init program's
         weights.update(_replay_init(artifact, set(rest)))
@@ -247,15 +269,17 @@ def export_checkpoint(artifact_dir: Path, model_file: Path, checkpoint: Path, ou
 
     def verify(path: Path) -> None:
         if size > budget:
-            _unchecked(spec, _budget_reason(size) if budget == CHECK_BUDGET_BYTES else
-                       f"the bf16 weights ({size / 2**20:.0f} MiB) exceed the {budget >> 20} MiB that onnx's reference "
-                       f"evaluator checks (ONNX Runtime's CPU provider cannot run bf16)")
+            _unchecked(
+                spec,
+                _budget_reason(size)
+                if budget == CHECK_BUDGET_BYTES
+                else f"the bf16 weights ({size / 2**20:.0f} MiB) exceed the {budget >> 20} MiB that onnx's reference "
+                f"evaluator checks (ONNX Runtime's CPU provider cannot run bf16)",
+            )
             return
         session, runtime = _checker(path, dtype, str(output))
-        worst, tolerance = _numeric_check(mf, model, inputs, spec, session, weights, runtime=runtime,
-                                          tolerance_for=tolerance_for)
-        spec.update({"max_abs_diff": worst, "tolerance": tolerance, "checked_batch_sizes": [int(inputs[0].shape[0]), 1],
-                     "checked_with": runtime})
+        worst, tolerance = _numeric_check(mf, model, inputs, spec, session, weights, runtime=runtime, tolerance_for=tolerance_for)
+        spec.update({"max_abs_diff": worst, "tolerance": tolerance, "checked_batch_sizes": [int(inputs[0].shape[0]), 1], "checked_with": runtime})
 
     written = save_onnx(result.data, named, output, metadata=metadata, verify=verify)
     if spec.get("unchecked"):
@@ -268,13 +292,16 @@ def _checker(path: Path, dtype: torch.dtype, where: str):
     if dtype == torch.bfloat16:  # ONNX Runtime's CPU provider has no bf16 kernels
         import onnx
         from onnx.reference import ReferenceEvaluator
+
         return ReferenceEvaluator(onnx.load(str(path))), "onnx's reference evaluator"
     from runner.infer import create_session
+
     return create_session(str(path), "cpu", where=where)[0], "ONNX Runtime"
 
 
 def _replay_init(artifact, only: set[str]) -> dict[str, torch.Tensor]:
     from runner.init_program import load_init_graph, replay
+
     manifest = artifact.manifest
     init = manifest["init"]
     graph = load_init_graph(artifact.read(init["file"]), artifact.read(init["constants"]) if init.get("constants") else None)

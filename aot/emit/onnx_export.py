@@ -56,8 +56,8 @@ ONNX_FILE = "inference/model.onnx"
 WEIGHTS_LOCATION = "model.onnx.data"  # what the artifact's ONNX names as its weights' file; never written
 TOLERANCE = 1e-4
 BATCH_DIM = "batch"
-CHECK_BUDGET_BYTES = 2**30           # the numeric check makes the weights for real only up to this size
-_ALIGN = 64                          # byte alignment of each weight in an external-data file
+CHECK_BUDGET_BYTES = 2**30  # the numeric check makes the weights for real only up to this size
+_ALIGN = 64  # byte alignment of each weight in an external-data file
 
 Weights = Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]
 
@@ -68,8 +68,8 @@ class OnnxUnsupported(AotError):
 
 @dataclass
 class OnnxExport:
-    data: bytes     # the .onnx file, weights left out (external-data references to WEIGHTS_LOCATION)
-    spec: dict      # the manifest's `inference` entry, less `file`
+    data: bytes  # the .onnx file, weights left out (external-data references to WEIGHTS_LOCATION)
+    spec: dict  # the manifest's `inference` entry, less `file`
 
     def weights_for(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """ONNX initializer name -> tensor, from tensors named as the model's parameters and buffers."""
@@ -100,12 +100,11 @@ def translation_table(mf: ModelFile) -> dict:
         if isinstance(op, str) and "::" in op:
             namespace, _, name = op.partition("::")
             op = getattr(getattr(torch.ops, namespace), name, None)
-        op = getattr(op, "_opoverload", op)          # torch.library.custom_op's CustomOpDef
+        op = getattr(op, "_opoverload", op)  # torch.library.custom_op's CustomOpDef
         if isinstance(op, torch._ops.OpOverloadPacket):
             op = op.default
         if not isinstance(op, torch._ops.OpOverload):
-            raise AotError(f"{mf.path.name}: onnx_translations key {key!r} is not a torch operator "
-                           f"(use torch.ops.<namespace>.<name>.default)")
+            raise AotError(f"{mf.path.name}: onnx_translations key {key!r} is not a torch operator (use torch.ops.<namespace>.<name>.default)")
         if not callable(fn):
             raise AotError(f"{mf.path.name}: onnx_translations[{key!r}] must be a function (an onnxscript translation)")
         result[op] = fn
@@ -126,8 +125,10 @@ def export_inputs(mf: ModelFile, inputs: list[torch.Tensor]) -> list[torch.Tenso
 def _quiet():
     """torch.onnx prints progress, warns about torchvision and deprecations, onnx_ir about the
     weights' hidden values: none of it is the user's."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export", "onnxscript", "onnx_ir",
-                                              "torch.fx.experimental.symbolic_shapes", "torch._dynamo")]
+    loggers = [
+        logging.getLogger(n)
+        for n in ("torch.onnx", "torch.export", "torch._export", "onnxscript", "onnx_ir", "torch.fx.experimental.symbolic_shapes", "torch._dynamo")
+    ]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
@@ -222,13 +223,17 @@ def init_program_weights(init, names: list[str], seed: int) -> Callable[[], dict
     replayed after `torch.manual_seed(seed)` (runner/init_program.py). `init`: the build's traced
     graph (`TrainingState.init_graph`), or the init program as an ExportedProgram, which is then
     encoded as the artifact stores it and decoded first. `names`: its outputs, params then buffers."""
+
     def make() -> dict[str, torch.Tensor]:
         from runner.init_program import load_init_graph, replay
+
         graph = init
         if isinstance(init, torch.export.ExportedProgram):
             from runner.program import encode_program
+
             graph = load_init_graph(*encode_program(init))
         return replay(graph, list(names), seed)
+
     return make
 
 
@@ -251,6 +256,7 @@ def recorded_weights(mf: ModelFile, names: list[str], seed: int = 0) -> dict[str
 
 
 # -- the export ----------------------------------------------------------------------------------
+
 
 def _export_graph(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tensor], metadata: dict[str, str]):
     """(the weight-less ONNX model as a ModelProto, the spec less the check's fields)."""
@@ -279,13 +285,21 @@ def _export_graph(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tens
     ops = custom_ops_in(ep.graph)
     missing = [op for op in ops if op not in translated]
     if missing:
-        raise OnnxUnsupported(f"custom operator {missing[0]} has no ONNX translation; give one in {where}'s "
-                              f"onnx_translations (see examples/custom_op.py)")
+        raise OnnxUnsupported(f"custom operator {missing[0]} has no ONNX translation; give one in {where}'s onnx_translations (see examples/custom_op.py)")
     try:
         with _quiet():
-            program = torch.onnx.export(ep, tuple(inputs), dynamo=True, input_names=input_names,
-                                        output_names=output_names, custom_translation_table=table or None,
-                                        external_data=False, optimize=False, verbose=False, report=False)
+            program = torch.onnx.export(
+                ep,
+                tuple(inputs),
+                dynamo=True,
+                input_names=input_names,
+                output_names=output_names,
+                custom_translation_table=table or None,
+                external_data=False,
+                optimize=False,
+                verbose=False,
+                report=False,
+            )
     except Exception as e:
         raise OnnxUnsupported(f"torch.onnx.export failed: {_first_line(e)}") from e
 
@@ -302,9 +316,11 @@ def _export_graph(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tens
             weights[value] = (canonical[name], _nbytes(tensor), value.const_value.dtype, value.const_value.shape)
             value.const_value = None  # hidden from the optimizer: nothing is folded into a weight
         elif not _is_real(tensor):
-            raise OnnxUnsupported(f"the forward reads tensor attribute {name!r}, which is neither a parameter nor a "
-                                  f"buffer, so the build does not have its values; register it in {where} with "
-                                  f"register_buffer({name.rpartition('.')[2]!r}, ..., persistent=False)")
+            raise OnnxUnsupported(
+                f"the forward reads tensor attribute {name!r}, which is neither a parameter nor a "
+                f"buffer, so the build does not have its values; register it in {where} with "
+                f"register_buffer({name.rpartition('.')[2]!r}, ..., persistent=False)"
+            )
     try:
         with _quiet():
             program.optimize()
@@ -315,8 +331,7 @@ def _export_graph(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tens
         if value.const_value is not None:
             continue
         if value not in weights:
-            raise OnnxUnsupported(f"the ONNX graph has an initializer {value.name!r} without values that is no "
-                                  f"parameter or buffer of the model")
+            raise OnnxUnsupported(f"the ONNX graph has an initializer {value.name!r} without values that is no parameter or buffer of the model")
         state, length, dtype, shape = weights[value]
         value.const_value = ir.ExternalTensor(WEIGHTS_LOCATION, offset, length, dtype, shape=shape, name=value.name)
         initializers[value.name] = state
@@ -344,10 +359,8 @@ def _export_graph(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tens
         "format": "onnx",
         "opset": opset,
         "batch_dim": BATCH_DIM,
-        "inputs": [{"name": n, "shape": _dims(graph_inputs[n]), "dtype": dtype_name(t.dtype)}
-                   for n, t in zip(input_names, inputs)],
-        "outputs": [{"name": n, "shape": _dims(graph_outputs[n]), "dtype": dtype_name(d)}
-                    for n, d in zip(output_names, out_dtypes)],
+        "inputs": [{"name": n, "shape": _dims(graph_inputs[n]), "dtype": dtype_name(t.dtype)} for n, t in zip(input_names, inputs)],
+        "outputs": [{"name": n, "shape": _dims(graph_outputs[n]), "dtype": dtype_name(d)} for n, d in zip(output_names, out_dtypes)],
         "custom_ops": sorted(op for op in ops),
         "initializers": initializers,
         "weights_bytes": sum(_nbytes(t) for t in state_tensors(model).values()),
@@ -359,6 +372,7 @@ def _without_weights(proto):
     """A copy of `proto` whose weights (external-data initializers) are graph inputs instead, for
     onnx.checker: it would look for their data file, which an artifact does not have."""
     import onnx
+
     probe = onnx.ModelProto()
     probe.CopyFrom(proto)
     external = [t for t in probe.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
@@ -369,9 +383,17 @@ def _without_weights(proto):
     return probe
 
 
-def _numeric_check(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tensor], spec: dict,
-                   session, weights: Mapping[str, torch.Tensor], *, tolerance_for: Callable | None = None,
-                   runtime: str = "ONNX Runtime") -> tuple[float, float]:
+def _numeric_check(
+    mf: ModelFile,
+    model: torch.nn.Module,
+    inputs: list[torch.Tensor],
+    spec: dict,
+    session,
+    weights: Mapping[str, torch.Tensor],
+    *,
+    tolerance_for: Callable | None = None,
+    runtime: str = "ONNX Runtime",
+) -> tuple[float, float]:
     """(largest |ONNX Runtime - eager PyTorch| over `inputs` and their first sample, the tolerance
     it was held to), eager being `model` called with `weights` (state names) in eval mode;
     OnnxUnsupported beyond the tolerance. `session`: anything with ONNX Runtime's
@@ -403,8 +425,7 @@ def _numeric_check(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Ten
         model.train(was_training)
     worst, tolerance = max(checks, key=lambda c: c[0] / c[1] if c[0] == c[0] else float("inf"))  # NaN is the worst
     if not worst <= tolerance:
-        raise OnnxUnsupported(f"{runtime} differs from eager PyTorch by {worst:.3g} on the example batch "
-                              f"(tolerance {tolerance:.3g})")
+        raise OnnxUnsupported(f"{runtime} differs from eager PyTorch by {worst:.3g} on the example batch (tolerance {tolerance:.3g})")
     return worst, tolerance
 
 
@@ -413,13 +434,19 @@ def _unchecked(spec: dict, reason: str) -> None:
 
 
 def _budget_reason(size: int) -> str:
-    return (f"the weights ({size / 2**30:.1f} GiB) exceed the numeric check's budget of "
-            f"{CHECK_BUDGET_BYTES / 2**30:.1f} GiB")
+    return f"the weights ({size / 2**30:.1f} GiB) exceed the numeric check's budget of {CHECK_BUDGET_BYTES / 2**30:.1f} GiB"
 
 
-def export_onnx(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tensor], *, weights: Weights | None = None,
-                metadata: dict[str, str] | None = None, check: bool = True,
-                warn: Callable[[str], None] = lambda msg: None) -> OnnxExport:
+def export_onnx(
+    mf: ModelFile,
+    model: torch.nn.Module,
+    inputs: list[torch.Tensor],
+    *,
+    weights: Weights | None = None,
+    metadata: dict[str, str] | None = None,
+    check: bool = True,
+    warn: Callable[[str], None] = lambda msg: None,
+) -> OnnxExport:
     """Export `model`'s forward (eval mode) to ONNX without its weights and check it; OnnxUnsupported
     says why not. `model` may hold fake tensors (as `aot build` has it); the check then takes
     `weights` (the model's parameter and buffer names -> real tensors, or a function making them,
@@ -446,8 +473,8 @@ def export_onnx(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tensor
             weights = functools.partial(recorded_weights, mf, list(state_tensors(model)))
         real = dict(weights() if callable(weights) else weights)
         from runner.infer import create_session
-        session, _ = create_session(data, "cpu", initializers=OnnxExport(data, spec).weights_for(real),
-                                    where="the exported model")
+
+        session, _ = create_session(data, "cpu", initializers=OnnxExport(data, spec).weights_for(real), where="the exported model")
         worst, tolerance = _numeric_check(mf, model, inputs, spec, session, real)
         spec.update({"max_abs_diff": worst, "tolerance": tolerance, "checked_batch_sizes": [int(inputs[0].shape[0]), 1]})
     if spec.get("unchecked"):
@@ -455,8 +482,9 @@ def export_onnx(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tensor
     return OnnxExport(data=data, spec=spec)
 
 
-def build_inference(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tensor], *,
-                    required: bool, warn, weights: Weights | None = None) -> OnnxExport | None:
+def build_inference(
+    mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tensor], *, required: bool, warn, weights: Weights | None = None
+) -> OnnxExport | None:
     """`aot build`'s ONNX stage: the export, or None with one warning line when the model cannot
     be exported and the user did not ask for ONNX explicitly (`--onnx` makes it an error).
     `weights`: the initial weights for the numeric check (`init_program_weights(...)`); `model` may be
@@ -466,14 +494,14 @@ def build_inference(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Te
     except OnnxUnsupported as e:
         if required:
             raise OnnxUnsupported(f"{mf.path.name}: no ONNX export: {e}") from e
-        warn(f"{mf.path.name}: building without an ONNX inference export: {e} "
-             f"(--onnx makes this an error, --no-onnx skips the export)")
+        warn(f"{mf.path.name}: building without an ONNX inference export: {e} (--onnx makes this an error, --no-onnx skips the export)")
         return None
 
 
 def _fake_model(mf: ModelFile) -> torch.nn.Module:
     """`model()` on fake tensors: its structure and forward, no weight memory (as `aot build`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
         model = call_user(mf.model, "model()", mf.path)
     if not isinstance(model, torch.nn.Module):

@@ -15,8 +15,7 @@ from aot.passes.prefetch import prefetch_parameter_gathers
 from aot.passes.regather import regather_in_backward
 
 
-def run_passes(gm: torch.fx.GraphModule, *, bucket_bytes: int, prefetch_bytes: int | None = None,
-               hierarchical=None) -> torch.fx.GraphModule:
+def run_passes(gm: torch.fx.GraphModule, *, bucket_bytes: int, prefetch_bytes: int | None = None, hierarchical=None) -> torch.fx.GraphModule:
     """`hierarchical(group, bytes)`: the sub-groups to split that all_reduce over, or None
     (aot.plan.hierarchy.chooser)."""
     gm = drop_profiler_calls(gm)
@@ -29,5 +28,13 @@ def run_passes(gm: torch.fx.GraphModule, *, bucket_bytes: int, prefetch_bytes: i
     return gm
 
 
-__all__ = ["run_passes", "bucket_all_reduces", "drop_profiler_calls", "plain_collectives", "issue_early_wait_late",
-           "prefetch_parameter_gathers", "regather_in_backward", "split_hierarchical"]
+__all__ = [
+    "run_passes",
+    "bucket_all_reduces",
+    "drop_profiler_calls",
+    "plain_collectives",
+    "issue_early_wait_late",
+    "prefetch_parameter_gathers",
+    "regather_in_backward",
+    "split_hierarchical",
+]

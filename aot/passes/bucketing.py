@@ -20,8 +20,7 @@ aten = torch.ops.aten
 
 def _reducible(node: torch.fx.Node) -> bool:
     users = list(node.users)
-    return (is_call(node, {ALL_REDUCE}) and len(users) == 1 and is_call(users[0], {WAIT})
-            and node.args[2] not in PER_PROGRAM_GROUPS)
+    return is_call(node, {ALL_REDUCE}) and len(users) == 1 and is_call(users[0], {WAIT}) and node.args[2] not in PER_PROGRAM_GROUPS
 
 
 def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node], order: dict) -> None:

@@ -35,8 +35,7 @@ def shard_gathers(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.No
         source = node.args[0]
         if source.op == "placeholder":
             found[node] = []
-        elif is_call(source, {torch.ops.aten._to_copy.default}) and source.args[0].op == "placeholder" \
-                and len(source.users) == 1:
+        elif is_call(source, {torch.ops.aten._to_copy.default}) and source.args[0].op == "placeholder" and len(source.users) == 1:
             found[node] = [source]
     return found
 
@@ -58,14 +57,13 @@ def fresh_value(node: torch.fx.Node) -> None:
     val = node.meta.get("val")
     mode = getattr(val, "fake_mode", None)
     if mode is None:
-        for t in (val if isinstance(val, (tuple, list)) else ()):
+        for t in val if isinstance(val, (tuple, list)) else ():
             mode = getattr(t, "fake_mode", None) or mode
     if mode is None:
         return
     as_value = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a
     with mode:
-        node.meta["val"] = node.target(*torch.fx.node.map_aggregate(node.args, as_value),
-                                       **torch.fx.node.map_aggregate(node.kwargs, as_value))
+        node.meta["val"] = node.target(*torch.fx.node.map_aggregate(node.args, as_value), **torch.fx.node.map_aggregate(node.kwargs, as_value))
 
 
 def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -98,8 +96,11 @@ def written_values(node: torch.fx.Node) -> list:
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
     if schema is None:
         return []
-    return [node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            for i, arg in enumerate(schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
+    return [
+        node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        for i, arg in enumerate(schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    ]
 
 
 def tensor_bytes(node: torch.fx.Node) -> int:

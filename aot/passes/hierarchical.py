@@ -31,8 +31,9 @@ REDUCE_SCATTER = funcol.reduce_scatter_tensor.default
 class SubGroups:
     """The graph names of the two levels of one group, and the size of the node level (the
     network level's size is the manifest's business: the pass only pads to a multiple of g)."""
+
     intra: str
-    intra_size: int   # g: the group's ranks on one node
+    intra_size: int  # g: the group's ranks on one node
     inter: str
 
 
@@ -50,8 +51,7 @@ def _split(graph: torch.fx.Graph, reduce: torch.fx.Node, wait: torch.fx.Node, le
     with graph.inserting_before(reduce):
         flat = _with_val(graph.call_function(aten.view.default, (x, [-1])), val.reshape(-1))
         if padded != numel:
-            flat = _with_val(graph.call_function(aten.constant_pad_nd.default, (flat, [0, padded - numel])),
-                             val.new_empty((padded,)))
+            flat = _with_val(graph.call_function(aten.constant_pad_nd.default, (flat, [0, padded - numel])), val.new_empty((padded,)))
         scattered = _with_val(graph.call_function(REDUCE_SCATTER, (flat, op, g, levels.intra)), piece)
         scattered_done = _with_val(graph.call_function(WAIT, (scattered,)), piece)
         across = _with_val(graph.call_function(ALL_REDUCE, (scattered_done, op, levels.inter)), piece)

@@ -20,11 +20,17 @@ aten = torch.ops.aten
 # padding (slice_backward: a gradient into FSDP's flat-padded layout) and the cast to the reduce
 # dtype matter most: autograd runs FSDP's gradient reduce-scatters last (their gathers were made
 # first), so without moving these every layer's full gradient lived until the end of backward.
-_PACKING = {aten.view.default, aten.cat.default, aten._unsafe_view.default, aten.reshape.default,
-            aten.slice_backward.default, aten.constant_pad_nd.default, aten._to_copy.default}
+_PACKING = {
+    aten.view.default,
+    aten.cat.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.slice_backward.default,
+    aten.constant_pad_nd.default,
+    aten._to_copy.default,
+}
 # Ops that only unpack a collective's result: they move down with its wait.
-_UNPACKING = {aten.view.default, aten.split_with_sizes.default, aten._unsafe_view.default, operator.getitem,
-              aten.slice.Tensor}
+_UNPACKING = {aten.view.default, aten.split_with_sizes.default, aten._unsafe_view.default, operator.getitem, aten.slice.Tensor}
 
 
 def _hoist(node: torch.fx.Node) -> None:

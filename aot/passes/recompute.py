@@ -41,22 +41,34 @@ from aot.passes.graph_utils import COLLECTIVES, WAIT, fresh_value, loss_node, st
 
 aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the expensive ones (names, as some exist only in some builds)
-MATMULS = {getattr(aten, name).default for name in (
-    "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, name)}
+MATMULS = {
+    getattr(aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "convolution",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(aten, name)
+}
 
 
 @dataclass
 class Choice:
     """What to recompute: `nodes` (forward nodes to copy into backward where backward reads them)
     and the saved activation bytes before (`saved_bytes`) and after (`kept_bytes`)."""
+
     nodes: set = field(default_factory=set)
     saved_bytes: int = 0
     kept_bytes: int = 0
-    values: int = 0            # saved values (storages) recomputed
-    cost_s: float = 0.0        # predicted seconds of recomputation per step
-    kept: set = field(default_factory=set, repr=False)    # owners still saved (checkpointing)
+    values: int = 0  # saved values (storages) recomputed
+    cost_s: float = 0.0  # predicted seconds of recomputation per step
+    kept: set = field(default_factory=set, repr=False)  # owners still saved (checkpointing)
     pinned: set = field(default_factory=set, repr=False)  # owners recomputations read: never recomputed
 
     @property
@@ -80,7 +92,7 @@ class Forward:
             if node.op == "placeholder":
                 for t in tensors(node.meta.get("val")):
                     first.setdefault(storage_key(t), None)
-        self.owner: dict = {}   # forward node -> the node whose storage it lives in (None: a graph input's)
+        self.owner: dict = {}  # forward node -> the node whose storage it lives in (None: a graph input's)
         for node in self.nodes:
             if node.op == "placeholder":
                 self.owner[node] = None
@@ -91,7 +103,7 @@ class Forward:
                 continue
             self.owner[node] = first.setdefault(storage_key(val), node)
         self.mutated = {self.owner.get(a) for node in nodes for a in _written_nodes(node)} - {None}
-        self.saved: dict = {}   # owner -> bytes, for every storage backward reads
+        self.saved: dict = {}  # owner -> bytes, for every storage backward reads
         for node in self.nodes:
             if self.owner[node] is not None and any(u not in forward for u in node.users):
                 owner = self.owner[node]
@@ -205,8 +217,7 @@ def by_modules(graph: torch.fx.Graph, patterns, save_matmuls: bool, cost: Callab
     """Checkpoint every call of a module matching one of `patterns` (fnmatch over dotted names)."""
     fwd = Forward(graph)
     region = {n: _region_of(n, lambda call: any(fnmatch.fnmatchcase(call[0], p) for p in patterns)) for n in fwd.nodes}
-    choice = _checkpoint(fwd, region, lambda n: save_matmuls and fwd.owner[n] is not None
-                         and getattr(fwd.owner[n], "target", None) in MATMULS)
+    choice = _checkpoint(fwd, region, lambda n: save_matmuls and fwd.owner[n] is not None and getattr(fwd.owner[n], "target", None) in MATMULS)
     choice.cost_s = sum(cost(n) for n in choice.nodes) if cost else 0.0
     return choice
 
@@ -214,10 +225,8 @@ def by_modules(graph: torch.fx.Graph, patterns, save_matmuls: bool, cost: Callab
 def _checkpoint(fwd: Forward, region: dict, keep: Callable) -> Choice:
     """Recompute every saved value made inside a region (one module call) from the region's
     inputs, except its outputs (read outside the call) and the values `keep` names."""
-    outputs = {fwd.owner[a] for n in fwd.nodes for a in n.all_input_nodes
-               if region.get(a) is not None and region[a] != region.get(n)}
-    chosen = {o for o in fwd.saved if region.get(o) is not None and o not in outputs and fwd.recomputable(o)
-              and not keep(o)}
+    outputs = {fwd.owner[a] for n in fwd.nodes for a in n.all_input_nodes if region.get(a) is not None and region[a] != region.get(n)}
+    chosen = {o for o in fwd.saved if region.get(o) is not None and o not in outputs and fwd.recomputable(o) and not keep(o)}
     choice = Choice(saved_bytes=sum(fwd.saved.values()))
     kept = set(fwd.saved) - chosen
     for owner in chosen:
@@ -247,7 +256,7 @@ def recompute_activations(gm: torch.fx.GraphModule, choice: Choice) -> torch.fx.
     graph = gm.graph
     turn = loss_node(graph)
     nodes = list(graph.nodes)
-    backward = nodes[nodes.index(turn) + 1:]
+    backward = nodes[nodes.index(turn) + 1 :]
     copies: dict = {}
 
     def materialize(node, anchor):
@@ -263,7 +272,7 @@ def recompute_activations(gm: torch.fx.GraphModule, choice: Choice) -> torch.fx.
     key = lambda n: storage_key(n.meta["val"]) if isinstance(n.meta.get("val"), torch.Tensor) else None
     # backward nodes that view an input (detach, transpose): their values must follow the copy's storage
     aliasing = {n for n in backward if key(n) is not None and key(n) in {key(a) for a in n.all_input_nodes} - {None}}
-    changed = set()   # nodes whose value now lives in a recomputed storage
+    changed = set()  # nodes whose value now lives in a recomputed storage
     for node in backward:
         for a in node.all_input_nodes:
             if a in choice.nodes:
@@ -281,8 +290,7 @@ def recompute_activations(gm: torch.fx.GraphModule, choice: Choice) -> torch.fx.
 
 
 def _written_nodes(node) -> list:
-    return [v for value in written_values(node) for v in (value if isinstance(value, (list, tuple)) else [value])
-            if isinstance(v, torch.fx.Node)]
+    return [v for value in written_values(node) for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.fx.Node)]
 
 
 def _storage_bytes(node) -> int:

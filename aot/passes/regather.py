@@ -20,9 +20,18 @@ from aot.passes.graph_utils import WAIT, fresh_value, is_call, loss_node, shard_
 _aten = torch.ops.aten
 # Ops that only view their input: a chain of them from a gather still is "the parameter".
 _VIEWS = {
-    _aten.slice.Tensor, _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.t.default,
-    _aten.transpose.int, _aten.permute.default, _aten.expand.default, _aten.alias.default,
-    _aten.unsqueeze.default, _aten.squeeze.dim, _aten.squeeze.default,
+    _aten.slice.Tensor,
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.reshape.default,
+    _aten.t.default,
+    _aten.transpose.int,
+    _aten.permute.default,
+    _aten.expand.default,
+    _aten.alias.default,
+    _aten.unsqueeze.default,
+    _aten.squeeze.dim,
+    _aten.squeeze.default,
 }
 
 

@@ -38,17 +38,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from aot.plan.cpu_op_costs import (measure_dispatch_seconds, measure_element_seconds, measure_foreach_tensor_seconds,
-                                   measure_view_seconds)
+from aot.plan.cpu_op_costs import measure_dispatch_seconds, measure_element_seconds, measure_foreach_tensor_seconds, measure_view_seconds
 from aot.plan.timing import per_call, sync, timed
 from runner.groups import leave_process_group, yield_gloo_poll_threads
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-STALL_QUANTILES = 40   # values kept of the in-step stall's distribution
+STALL_QUANTILES = 40  # values kept of the in-step stall's distribution
 DEFAULT_CPU_ROUNDS = 5  # rounds of compute and stall measurements on CPU ranks (about 5 s each)
 
 
 # -- collectives -----------------------------------------------------------------------------------
+
 
 def _collective(kind: str, t: torch.Tensor, group_name: str, world: int):
     funcol = torch.ops._c10d_functional
@@ -59,8 +59,9 @@ def _collective(kind: str, t: torch.Tensor, group_name: str, world: int):
     return funcol.wait_tensor(funcol.reduce_scatter_tensor(t, "sum", world, group_name))
 
 
-def measure_collectives(device, sizes: list[int], reps: int, warmup: int = 2,
-                        min_seconds: float = 0.0, max_reps: int = 400) -> dict[str, list[tuple[int, float]]]:
+def measure_collectives(
+    device, sizes: list[int], reps: int, warmup: int = 2, min_seconds: float = 0.0, max_reps: int = 400
+) -> dict[str, list[tuple[int, float]]]:
     """kind -> [(n bytes, seconds as the slowest rank saw it)]; n as in the cost model.
 
     Seconds are the median repetition on GPUs and the lower quartile on CPU ranks: there a small
@@ -149,6 +150,7 @@ def alpha_beta(kind: str, p: int, a: float, b: float) -> tuple[float, float]:
 
 # -- compute ------------------------------------------------------------------------------------
 
+
 def _reference_step(device, width: int, rows: int):
     """A training step of a one-block transformer (layer norm, attention with a causal mask and
     softmax, GELU MLP, output head, cross-entropy) with Adam, `rows` sequences of `width` tokens
@@ -160,9 +162,21 @@ def _reference_step(device, width: int, rows: int):
 
     torch.manual_seed(0)
     d, t, heads = width, width, 2
-    shapes = {"ln1.w": (d,), "ln1.b": (d,), "qkv.w": (3 * d, d), "qkv.b": (3 * d,), "proj.w": (d, d), "proj.b": (d,),
-              "ln2.w": (d,), "ln2.b": (d,), "fc.w": (4 * d, d), "fc.b": (4 * d,), "out.w": (d, 4 * d), "out.b": (d,),
-              "head.w": (d, d)}
+    shapes = {
+        "ln1.w": (d,),
+        "ln1.b": (d,),
+        "qkv.w": (3 * d, d),
+        "qkv.b": (3 * d,),
+        "proj.w": (d, d),
+        "proj.b": (d,),
+        "ln2.w": (d,),
+        "ln2.b": (d,),
+        "fc.w": (4 * d, d),
+        "fc.b": (4 * d,),
+        "out.w": (d, 4 * d),
+        "out.b": (d,),
+        "head.w": (d, d),
+    }
     params = [(torch.randn(*s, device=device) * 0.02).requires_grad_(True) for s in shapes.values()]
     exp_avg = [torch.zeros_like(p) for p in params]
     exp_avg_sq = [torch.zeros_like(p) for p in params]
@@ -174,7 +188,7 @@ def _reference_step(device, width: int, rows: int):
 
     def step(*flat):
         k = len(params)
-        ps, m, v, st = list(flat[:k]), flat[k:2 * k], flat[2 * k:3 * k], flat[3 * k:4 * k]
+        ps, m, v, st = list(flat[:k]), flat[k : 2 * k], flat[2 * k : 3 * k], flat[3 * k : 4 * k]
         h, target, causal = flat[4 * k], flat[4 * k + 1], flat[4 * k + 2]
         w = dict(zip(shapes, ps))
         a = F.layer_norm(h, (d,), w["ln1.w"], w["ln1.b"])
@@ -183,8 +197,7 @@ def _reference_step(device, width: int, rows: int):
         att = (q @ kk.transpose(-2, -1)) * (1.0 / math.sqrt(d // heads))
         att = F.softmax(att.masked_fill(~causal, float("-inf")), dim=-1)
         h = h + F.linear((att @ vv).transpose(1, 2).reshape(rows, t, d), w["proj.w"], w["proj.b"])
-        h = h + F.linear(F.gelu(F.linear(F.layer_norm(h, (d,), w["ln2.w"], w["ln2.b"]), w["fc.w"], w["fc.b"])),
-                         w["out.w"], w["out.b"])
+        h = h + F.linear(F.gelu(F.linear(F.layer_norm(h, (d,), w["ln2.w"], w["ln2.b"]), w["fc.w"], w["fc.b"])), w["out.w"], w["out.b"])
         logits = F.linear(h, w["head.w"])
         loss = F.cross_entropy(logits.reshape(-1, d), target.reshape(-1))
         grads = torch.autograd.grad(loss, ps)
@@ -249,21 +262,26 @@ def measure_compute(device, reps: int = 7) -> dict:
     #   T = ops * overhead + views * view cost + each op's measured call cost (CPU: dispatch_s)
     #       + measured-rate work + roofline work / efficiency.
     # On CPUs `overhead` is then what an op costs in a whole step beyond its call timed alone.
-    references = [_reference_step(device, width, rows)
-                  for width, rows in ((4, 1), (128, 8) if device.type == "cpu" else (512, 16))]
+    references = [_reference_step(device, width, rows) for width, rows in ((4, 1), (128, 8) if device.type == "cpu" else (512, 16))]
     if device.type == "cpu":
         gm, _, args = references[0]
         result["dispatch_s"] = measure_dispatch_seconds(device, gm, args)
     flops = dict(result["flops_per_s"], default=result["flops_per_s"]["float32"])
     if device.type == "cuda":  # the device model `aot plan` will read this entry with
         from aot.plan.gpu_model import GpuModel
+
         partial = GpuModel(flops, result["memory_bytes_per_s"], 0.0, elementwise_flops_per_s=flops["default"])
     else:
         from aot.plan.cpu_gloo_model import CpuGlooModel
-        partial = CpuGlooModel(flops, result["memory_bytes_per_s"], 0.0,
-                               bandwidth_by_bytes=tuple(tuple(x) for x in result.get("bandwidth_by_bytes", ())),
-                               foreach_tensor_s=result.get("foreach_tensor_s", 0.0),
-                               dispatch_s={k: tuple(v) for k, v in result.get("dispatch_s", {}).items()})
+
+        partial = CpuGlooModel(
+            flops,
+            result["memory_bytes_per_s"],
+            0.0,
+            bandwidth_by_bytes=tuple(tuple(x) for x in result.get("bandwidth_by_bytes", ())),
+            foreach_tensor_s=result.get("foreach_tensor_s", 0.0),
+            dispatch_s={k: tuple(v) for k, v in result.get("dispatch_s", {}).items()},
+        )
     rates = result.get("element_seconds") or {}
     view_s = result.get("view_overhead_s")
     points = []
@@ -286,8 +304,7 @@ def measure_compute(device, reps: int = 7) -> dict:
             fresh = [a.clone() for a in args]
             times.append(timed(lambda: module(*fresh), device, 1)[0])
         points.append((statistics.median(times), fixed, work, kernels))
-    result["reference_steps"] = [{"seconds": t, "measured_s": f, "roofline_work_s": w, "ops": n}
-                                 for t, f, w, n in points]
+    result["reference_steps"] = [{"seconds": t, "measured_s": f, "roofline_work_s": w, "ops": n} for t, f, w, n in points]
     (t1, w1, n1), (t2, w2, n2) = ((t - f, w, n) for t, f, w, n in points)
     # t = n * overhead + w * slowdown at both sizes (slowdown = 1 / efficiency)
     det = n1 * w2 - n2 * w1
@@ -304,11 +321,12 @@ def measure_compute(device, reps: int = 7) -> dict:
 # backward (examples/gpt.py: 11 ms at 2 ranks, 25 at 4), and the stall keeps growing past 4 ms of
 # compute (2 ranks here, side by side: a mean of 0.8-1.9 ms after 5-7 ms, 3.8-6.1 after 17-19 ms)
 STALL_SEGMENTS = (0, 10, 40, 160, 640, 2560, 10240)
-STALL_BYTES = 4096   # the collectives' size (n as the cost model counts it); what a step pays beyond n beta
+STALL_BYTES = 4096  # the collectives' size (n as the cost model counts it); what a step pays beyond n beta
 
 
-def measure_collective_stall(device, isolated_s: dict[str, float], reps: int = 100, budget_s: float = 0.5,
-                             min_reps: int = 30) -> dict[str, list[tuple[float, list[float]]]]:
+def measure_collective_stall(
+    device, isolated_s: dict[str, float], reps: int = 100, budget_s: float = 0.5, min_reps: int = 30
+) -> dict[str, list[tuple[float, list[float]]]]:
     """kind -> [(seconds of compute before the collective, [stall samples])] for runs of 0 to 10,240
     ops: what a blocking collective of STALL_BYTES costs inside a step beyond `isolated_s[kind]` (its fast
     time when the ranks start it together after a barrier, read off the kind's fitted line). Every
@@ -409,21 +427,21 @@ def _median_of(results: list[dict]) -> dict:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = statistics.median(r[key] for r in results)
     if "bandwidth_by_bytes" in first:
-        out["bandwidth_by_bytes"] = [[n, statistics.median(r["bandwidth_by_bytes"][i][1] for r in results)]
-                                     for i, (n, _) in enumerate(first["bandwidth_by_bytes"])]
+        out["bandwidth_by_bytes"] = [
+            [n, statistics.median(r["bandwidth_by_bytes"][i][1] for r in results)] for i, (n, _) in enumerate(first["bandwidth_by_bytes"])
+        ]
     if "element_seconds" in first:
         out["element_seconds"] = {k: statistics.median(r["element_seconds"][k] for r in results) for k in first["element_seconds"]}
     if "dispatch_s" in first:
-        out["dispatch_s"] = {k: [statistics.median(r["dispatch_s"][k][i] for r in results) for i in (0, 1)]
-                             for k in first["dispatch_s"]}
+        out["dispatch_s"] = {k: [statistics.median(r["dispatch_s"][k][i] for r in results) for i in (0, 1)] for k in first["dispatch_s"]}
     out["reference_steps"] = first.get("reference_steps")
     return out
 
 
 # -- the run --------------------------------------------------------------------------------------
 
-def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seconds: float = 0.0,
-              rounds: int | None = None, log=print) -> dict | None:
+
+def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seconds: float = 0.0, rounds: int | None = None, log=print) -> dict | None:
     """Run on every rank under torchrun; returns the calibrated profile on rank 0 (None elsewhere).
 
     Compute (and on CPU ranks the in-step stall) is measured in `rounds` rounds, one after another
@@ -467,8 +485,10 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
                 isolated_s[kind] = a + b * STALL_BYTES
         stall = world > 1 and device.type == "cpu"  # GPU collectives overlap compute on their own stream
         for r in range(rounds):
-            log(f"measuring compute{' and what a blocking collective costs inside a step' if stall else ''} "
-                f"on {world} rank(s) ({device.type})" + (f", round {r + 1} of {rounds}" if rounds > 1 else ""))
+            log(
+                f"measuring compute{' and what a blocking collective costs inside a step' if stall else ''} "
+                f"on {world} rank(s) ({device.type})" + (f", round {r + 1} of {rounds}" if rounds > 1 else "")
+            )
             compute_rounds.append(_median_of(_gather(measure_compute(device), world)))
             if stall:
                 stall_rounds.append(_gather(measure_collective_stall(device, isolated_s), world))
@@ -505,6 +525,12 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
         }
         profile["calibration"] = calibration
     profile["compute"] = {**compute, "ranks": world, "device": device.type}
-    profile["calibrated"] = {"by": "aot topology calibrate", "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                             "ranks": world, "nodes": nodes, "sizes_bytes": [min_bytes, max_bytes], "repetitions": reps}
+    profile["calibrated"] = {
+        "by": "aot topology calibrate",
+        "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ranks": world,
+        "nodes": nodes,
+        "sizes_bytes": [min_bytes, max_bytes],
+        "repetitions": reps,
+    }
     return profile

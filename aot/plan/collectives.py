@@ -67,6 +67,7 @@ OP_KINDS = {
 @dataclass(frozen=True)
 class Link:
     """Cost of one message over one link class: alpha s + bytes * beta s (+ bytes * gamma s reduced)."""
+
     alpha: float
     beta: float
     gamma: float = 0.0
@@ -78,6 +79,7 @@ class Link:
 @dataclass(frozen=True)
 class Span:
     """The links a process group crosses (see the module docstring)."""
+
     p: int
     intra: Link
     nodes: int = 1
@@ -105,6 +107,7 @@ def lg(p: int) -> int:
 
 
 # -- flat algorithms over one link class ------------------------------------------------------
+
 
 def all_gather_ring(p: int, n: float, c: Link) -> float:
     return (p - 1) * c.alpha + (p - 1) / p * n * c.beta if p > 1 else 0.0
@@ -151,6 +154,7 @@ FLAT = {
 
 # -- hierarchical -------------------------------------------------------------------------------
 
+
 def hierarchical(kind: str, span: Span, n: float) -> float:
     """Two levels, g = span.per_node ranks in each of N = span.nodes nodes, k = span.rails rails:
 
@@ -170,8 +174,7 @@ def hierarchical(kind: str, span: Span, n: float) -> float:
     inter = span.inter.scaled(g / span.rails) if span.rails < g else span.inter
     inter = replace(inter, gamma=span.intra.gamma)
     if kind == "all_reduce":
-        return (reduce_scatter_ring(g, n, span.intra) + all_reduce_ring(N, n / g, inter)
-                + all_gather_ring(g, n, span.intra))
+        return reduce_scatter_ring(g, n, span.intra) + all_reduce_ring(N, n / g, inter) + all_gather_ring(g, n, span.intra)
     if kind == "reduce_scatter":
         return reduce_scatter_ring(g, n, span.intra) + reduce_scatter_ring(N, n / g, inter)
     if kind == "all_gather":

@@ -34,8 +34,7 @@ from aot.plan.device_model import DeviceModel
 
 _FUNCOL = "_c10d_functional"
 _WAIT = "wait_tensor"
-_COLLECTIVES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-                "reduce_scatter_tensor": "reduce_scatter", "broadcast": "broadcast"}
+_COLLECTIVES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "broadcast": "broadcast"}
 _FREE = {operator.getitem}
 _RESIDENT_SLOTS = ("param", "buffer", "optim", "lr", "input", "target")
 
@@ -48,9 +47,9 @@ class Op:
     bytes: float = 0.0
     dtype: str = "float32"
     kind: str = "compute"  # compute (moves bytes), view (dispatch only), free (no cost)
-    tensors: tuple = ()    # (numel, element size, flat) of every tensor read or written: `bytes` is their sum
-    elements: int = 0      # elements the op writes (its outputs' numel)
-    launches: int = 1      # kernels it runs: a foreach op runs one per tensor of its list on CPUs
+    tensors: tuple = ()  # (numel, element size, flat) of every tensor read or written: `bytes` is their sum
+    elements: int = 0  # elements the op writes (its outputs' numel)
+    launches: int = 1  # kernels it runs: a foreach op runs one per tensor of its list on CPUs
 
 
 @dataclass
@@ -58,6 +57,7 @@ class CommSite:
     """One collective: issued once `issue_at` ops have run, waited for before op `wait_at` runs.
     `bytes` is n of the alpha-beta formulas (the whole tensor: all_gather output, reduce_scatter
     input, all_reduce buffer); `input_bytes` is what the graph's node takes."""
+
     name: str
     kind: str
     group: str
@@ -67,11 +67,11 @@ class CommSite:
     issue_at: int
     wait_at: int
     members: int = 1
-    pre_ops: list[Op] = field(default_factory=list)   # packing, run on the compute clock before issue
+    pre_ops: list[Op] = field(default_factory=list)  # packing, run on the compute clock before issue
     post_ops: list[Op] = field(default_factory=list)  # unpacking, run after the wait
     input_numel: int = 0
     group_size: int = 1
-    readers: tuple = ()   # indices of the ops that read the result
+    readers: tuple = ()  # indices of the ops that read the result
 
 
 # What a transient storage is, by where the graph makes it: forward (up to the loss) makes
@@ -87,11 +87,11 @@ class Memory:
     buffers: int = 0
     optimizer: int = 0
     batch: int = 0
-    peak_transient: int = 0   # activations, gradients, buckets and temporaries at their peak
+    peak_transient: int = 0  # activations, gradients, buckets and temporaries at their peak
     at_peak: dict = field(default_factory=dict)  # peak_transient by TRANSIENT_PARTS
     activations_peak: int = 0  # the most bytes of forward-made storages live at any point
-    resident_tensors: tuple = ()   # (part, numel, element size) of every resident storage
-    intervals: tuple = ()          # (first op, last op, numel, element size, part) of every transient storage
+    resident_tensors: tuple = ()  # (part, numel, element size) of every resident storage
+    intervals: tuple = ()  # (first op, last op, numel, element size, part) of every transient storage
 
     @property
     def resident(self) -> int:
@@ -103,16 +103,25 @@ class Memory:
 
     def itemized(self) -> dict:
         """The manifest's `memory.predicted` (artifacts/FORMAT.md)."""
-        return {"peak": self.peak, "peak_transient": self.peak_transient,
-                "resident": {"params": self.params, "buffers": self.buffers, "optimizer": self.optimizer, "batch": self.batch},
-                "at_peak": {part: self.at_peak.get(part, 0) for part in TRANSIENT_PARTS},
-                "activations_peak": self.activations_peak}
+        return {
+            "peak": self.peak,
+            "peak_transient": self.peak_transient,
+            "resident": {"params": self.params, "buffers": self.buffers, "optimizer": self.optimizer, "batch": self.batch},
+            "at_peak": {part: self.at_peak.get(part, 0) for part in TRANSIENT_PARTS},
+            "activations_peak": self.activations_peak,
+        }
 
     def to_json(self) -> dict:
-        return {"params": self.params, "buffers": self.buffers, "optimizer": self.optimizer, "batch": self.batch,
-                "peak_transient": self.peak_transient, "peak": self.peak,
-                "at_peak": {part: self.at_peak.get(part, 0) for part in TRANSIENT_PARTS},
-                "activations_peak": self.activations_peak}
+        return {
+            "params": self.params,
+            "buffers": self.buffers,
+            "optimizer": self.optimizer,
+            "batch": self.batch,
+            "peak_transient": self.peak_transient,
+            "peak": self.peak,
+            "at_peak": {part: self.at_peak.get(part, 0) for part in TRANSIENT_PARTS},
+            "activations_peak": self.activations_peak,
+        }
 
 
 @dataclass
@@ -128,6 +137,7 @@ class StepGraph:
 
 
 # -- reading a graph ----------------------------------------------------------------------------
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -211,8 +221,16 @@ def node_op(node: torch.fx.Node) -> Op:
         return Op(node.name, name, kind="view", dtype=dtype)
     ins = [t for a in node.all_input_nodes for t in _tensors(_val(a))]
     tensors = tuple((t.numel(), t.element_size(), t.dim() <= 1) for t in (*ins, *outs))
-    return Op(node.name, name, flops=_flops(node), bytes=float(sum(n * e for n, e, _ in tensors)),
-              dtype=dtype, tensors=tensors, elements=sum(t.numel() for t in outs), launches=_launches(node, name))
+    return Op(
+        node.name,
+        name,
+        flops=_flops(node),
+        bytes=float(sum(n * e for n, e, _ in tensors)),
+        dtype=dtype,
+        tensors=tensors,
+        elements=sum(t.numel() for t in outs),
+        launches=_launches(node, name),
+    )
 
 
 def node_seconds(node: torch.fx.Node, compute: DeviceModel) -> float:
@@ -220,8 +238,7 @@ def node_seconds(node: torch.fx.Node, compute: DeviceModel) -> float:
     return _op_s(node_op(node), compute)
 
 
-def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = None,
-            aliases: dict | None = None) -> StepGraph:
+def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = None, aliases: dict | None = None) -> StepGraph:
     """The cost-relevant facts of a step graph (see the module docstring). `slots` (the captured
     step's input kinds, in placeholder order) split resident memory into its parts. `aliases`
     (storage key -> storage key) makes values of a graph put together from several traces share the
@@ -261,8 +278,19 @@ def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None 
         first = min(readers, key=position.get) if readers else None
         wait_at = len(ops) if first is None or first.op == "output" else ops_before[first]
         dtype = str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else "float32"
-        site = CommSite(node.name, kind, str(node.args[-1]), 0, 0, dtype, issue_at, max(wait_at, issue_at),
-                        input_numel=numel, group_size=size or 1, readers=tuple(sorted(op_of[r] for r in readers if r in op_of)))
+        site = CommSite(
+            node.name,
+            kind,
+            str(node.args[-1]),
+            0,
+            0,
+            dtype,
+            issue_at,
+            max(wait_at, issue_at),
+            input_numel=numel,
+            group_size=size or 1,
+            readers=tuple(sorted(op_of[r] for r in readers if r in op_of)),
+        )
         comms.append(_sized(site, elsize))
     return StepGraph(ops=ops, comms=comms, memory=_memory(nodes, slots, aliases or {}), graph_nodes=len(nodes))
 
@@ -310,9 +338,9 @@ def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) 
 
     loss = loss_node(nodes[0].graph) if nodes else None
     turn = nodes.index(loss) if loss is not None else len(nodes)
-    key_of: dict = {}        # node -> storage keys its value lives in
-    born: dict = {}          # storage key -> (index, numel, element size, part)
-    last: dict = {}          # storage key -> last index that reads it
+    key_of: dict = {}  # node -> storage keys its value lives in
+    born: dict = {}  # storage key -> (index, numel, element size, part)
+    last: dict = {}  # storage key -> last index that reads it
     for i, node in enumerate(nodes):
         if node.op == "placeholder":
             key_of[node] = [key_of_storage(t) for t in _tensors(_val(node))]
@@ -338,8 +366,7 @@ def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) 
                 born[key] = (i, _storage_bytes(t) // elsize, elsize, _transient_part(node, i, turn))
                 last.setdefault(key, i)
         key_of[node] = keys
-    intervals = tuple((start, last.get(key, start), numel, elsize, part)
-                      for key, (start, numel, elsize, part) in born.items())
+    intervals = tuple((start, last.get(key, start), numel, elsize, part) for key, (start, numel, elsize, part) in born.items())
     return _memory_of(tuple(resident), intervals, len(nodes))
 
 
@@ -373,6 +400,7 @@ def _memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Me
 
 
 # -- deriving graphs of other meshes -----------------------------------------------------------------
+
 
 class ShardScale:
     """numel -> numel for a graph traced with fsdp degree `degree_from` re-read at `degree_to`.
@@ -430,13 +458,16 @@ def rescale(step: StepGraph, scale: ShardScale, group: str, degree: int) -> Step
     for c in step.comms:
         elsize = _elsize(c)
         resize = scale.full if c.kind == "reduce_scatter" else scale.shard if c.kind == "all_gather" else scale
-        c = replace(c, input_numel=resize(c.input_numel), pre_ops=list(c.pre_ops), post_ops=list(c.post_ops),
-                    group_size=degree if c.group == group and c.kind in ("all_gather", "reduce_scatter") else c.group_size)
+        c = replace(
+            c,
+            input_numel=resize(c.input_numel),
+            pre_ops=list(c.pre_ops),
+            post_ops=list(c.post_ops),
+            group_size=degree if c.group == group and c.kind in ("all_gather", "reduce_scatter") else c.group_size,
+        )
         comms.append(_sized(c, elsize))
-    resident = tuple((part, scale.shard(n) if part in ("params", "optimizer") else n, e)
-                     for part, n, e in step.memory.resident_tensors)
-    memory = _memory_of(resident, step.memory.intervals,
-                        max((iv[1] for iv in step.memory.intervals), default=0) + 1, scale)
+    resident = tuple((part, scale.shard(n) if part in ("params", "optimizer") else n, e) for part, n, e in step.memory.resident_tensors)
+    memory = _memory_of(resident, step.memory.intervals, max((iv[1] for iv in step.memory.intervals), default=0) + 1, scale)
     return StepGraph(ops=ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes)
 
 
@@ -451,9 +482,11 @@ def drop_group(step: StepGraph, group: str) -> StepGraph:
         if i < len(step.ops) and i not in gone:
             k += 1
     ops = [op for i, op in enumerate(step.ops) if i not in gone]
-    comms = [replace(c, issue_at=new_index[c.issue_at], wait_at=new_index[c.wait_at],
-                     readers=tuple(new_index[r] for r in c.readers if r not in gone))
-             for c in step.comms if c.group != group]
+    comms = [
+        replace(c, issue_at=new_index[c.issue_at], wait_at=new_index[c.wait_at], readers=tuple(new_index[r] for r in c.readers if r not in gone))
+        for c in step.comms
+        if c.group != group
+    ]
     return StepGraph(ops=ops, comms=comms, memory=step.memory, graph_nodes=step.graph_nodes - 3 * len(dropped))
 
 
@@ -464,22 +497,26 @@ def _only_reader(step: StepGraph, index: int, site: CommSite) -> bool:
 
 # -- step time ---------------------------------------------------------------------------------
 
+
 @dataclass
 class Prediction:
     step_s: float
-    compute_s: float          # sum of op times (the step with free communication)
-    comm_s: float             # sum of collective times
-    exposed_comm_s: float     # time the compute clock stalled at waits
+    compute_s: float  # sum of op times (the step with free communication)
+    comm_s: float  # sum of collective times
+    exposed_comm_s: float  # time the compute clock stalled at waits
     collectives: int
-    comm_bytes: int           # n summed over the step's collectives
-    algorithms: dict          # (kind, algorithm) -> count
+    comm_bytes: int  # n summed over the step's collectives
+    algorithms: dict  # (kind, algorithm) -> count
     memory: Memory
     events: list | None = None
 
     def to_json(self) -> dict:
         return {
-            "step_s": self.step_s, "compute_s": self.compute_s, "comm_s": self.comm_s,
-            "exposed_comm_s": self.exposed_comm_s, "collectives_per_step": self.collectives,
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "collectives_per_step": self.collectives,
             "collective_bytes_per_step": self.comm_bytes,
             "algorithms": {f"{k}:{a}": n for (k, a), n in sorted(self.algorithms.items())},
             "memory_bytes": self.memory.to_json(),
@@ -518,8 +555,7 @@ def _segments(step: StepGraph, times: list[float]) -> tuple[list[float], list[st
     return [wrapped] + [prefix[i] - prefix[j] for j, i in zip(at[:-1], at[1:])], [c.kind for c in issued]
 
 
-def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool = True, trace: bool = False,
-             op_times: list[float] | None = None) -> Prediction:
+def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool = True, trace: bool = False, op_times: list[float] | None = None) -> Prediction:
     """Predicted step time. `comm_cost(site) -> (algorithm, seconds)`. With overlap=False every
     collective blocks the compute clock from issue to completion (ranks whose communication
     competes with compute for the same cores), and the step pays `compute.blocking_stall` more
@@ -559,8 +595,9 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
         comm_total += seconds
         comm_bytes += c.bytes
         if events is not None:
-            events.append(("comm", c.name, f"{c.kind} {algorithm}", start, seconds,
-                           {"bytes": c.bytes, "group": c.group, "algorithm": algorithm, "members": c.members}))
+            events.append(
+                ("comm", c.name, f"{c.kind} {algorithm}", start, seconds, {"bytes": c.bytes, "group": c.group, "algorithm": algorithm, "members": c.members})
+            )
         if not overlap and comm_free > t:
             exposed += comm_free - t
             if events is not None:
@@ -594,7 +631,14 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
             run(step.ops[k], times[k])
     step_s = max(t, comm_free)
     compute_s = sum(times) + sum(_op_s(op, compute) for c in step.comms for op in (*c.pre_ops, *c.post_ops))
-    return Prediction(step_s=step_s, compute_s=compute_s, comm_s=comm_total, exposed_comm_s=exposed,
-                      collectives=len(step.comms), comm_bytes=comm_bytes, algorithms=algos,
-                      memory=step.memory, events=events)
-
+    return Prediction(
+        step_s=step_s,
+        compute_s=compute_s,
+        comm_s=comm_total,
+        exposed_comm_s=exposed,
+        collectives=len(step.comms),
+        comm_bytes=comm_bytes,
+        algorithms=algos,
+        memory=step.memory,
+        events=events,
+    )

@@ -31,28 +31,29 @@ CPU_DEFAULTS = {"flops_per_s": 2e10, "memory_bytes_per_s": 5e9, "op_overhead_s":
 class CpuGlooModel(DeviceModel):
     """How fast one CPU rank computes: a roofline with an efficiency factor, plus per-op costs,
     ops in turn; and what its blocking collectives stall inside a step."""
-    flops_per_s: dict[str, float]          # torch dtype name (or "default") -> sustained FLOP/s
+
+    flops_per_s: dict[str, float]  # torch dtype name (or "default") -> sustained FLOP/s
     memory_bytes_per_s: float
     op_overhead_s: float
-    bandwidth_by_bytes: tuple = ()        # ((bytes, bytes/s), ...) ascending: an op touching at most `bytes`
-                                           # moves them at that rate (CPU caches); else memory_bytes_per_s
-    view_overhead_s: float | None = None   # dispatching a view (no data moved); None: op_overhead_s
-    efficiency: float = 1.0                # measured fraction of the roofline real ops reach (calibration)
+    bandwidth_by_bytes: tuple = ()  # ((bytes, bytes/s), ...) ascending: an op touching at most `bytes`
+    # moves them at that rate (CPU caches); else memory_bytes_per_s
+    view_overhead_s: float | None = None  # dispatching a view (no data moved); None: op_overhead_s
+    efficiency: float = 1.0  # measured fraction of the roofline real ops reach (calibration)
     calibrated: bool = False
-    collective_stall_s: float = 0.0        # what a blocking collective costs inside a step beyond its
-                                           # isolated time (ranks out of step, transport threads waiting
-                                           # for cores the ranks compute on), on average; calibrated on CPU ranks
+    collective_stall_s: float = 0.0  # what a blocking collective costs inside a step beyond its
+    # isolated time (ranks out of step, transport threads waiting
+    # for cores the ranks compute on), on average; calibrated on CPU ranks
     collective_stall_by_segment: tuple = ()  # ((compute before it, seconds; equally likely stalls), ...)
-                                             # ascending: its distribution by how long the ranks computed
-                                             # (an all_reduce's; other kinds' where not in the next)
+    # ascending: its distribution by how long the ranks computed
+    # (an all_reduce's; other kinds' where not in the next)
     collective_stall_by_kind: dict = field(default_factory=dict)  # kind -> the same table for that kind
     element_seconds: dict = field(default_factory=dict)  # op name -> measured seconds per element written
-    foreach_tensor_s: float = 0.0          # what each tensor of a foreach op's list adds (one kernel each)
+    foreach_tensor_s: float = 0.0  # what each tensor of a foreach op's list adds (one kernel each)
     dispatch_s: dict = field(default_factory=dict)  # op name -> (seconds of one call on tiny tensors
-                                           # (one tensor for a foreach op), seconds each further tensor of a
-                                           # foreach list adds); op_overhead_s is then what an op costs beyond it
+    # (one tensor for a foreach op), seconds each further tensor of a
+    # foreach list adds); op_overhead_s is then what an op costs beyond it
 
-    overlaps_communication = False         # gloo's threads work on the cores the ranks compute on
+    overlaps_communication = False  # gloo's threads work on the cores the ranks compute on
 
     @classmethod
     def from_profile(cls, measured: dict) -> "CpuGlooModel":
@@ -65,17 +66,21 @@ class CpuGlooModel(DeviceModel):
             flops[dtype] = rate
         if "float32" in (measured.get("flops_per_s") or {}):
             flops["default"] = measured["flops_per_s"]["float32"]
-        return cls(flops, measured.get("memory_bytes_per_s") or base.memory_bytes_per_s,
-                   measured.get("op_overhead_s", base.op_overhead_s),
-                   bandwidth_by_bytes=tuple(sorted((float(b), float(r)) for b, r in measured.get("bandwidth_by_bytes") or ())),
-                   view_overhead_s=measured.get("view_overhead_s"), efficiency=measured.get("efficiency") or 1.0,
-                   calibrated=True, collective_stall_s=measured.get("collective_stall_s") or 0.0,
-                   collective_stall_by_segment=_parsed_stall_table(measured.get("collective_stall_by_segment")),
-                   collective_stall_by_kind={kind: _parsed_stall_table(table) for kind, table
-                                             in (measured.get("collective_stall_by_kind") or {}).items()},
-                   element_seconds=dict(measured.get("element_seconds") or {}),
-                   foreach_tensor_s=measured.get("foreach_tensor_s") or 0.0,
-                   dispatch_s={k: (float(v[0]), float(v[1])) for k, v in (measured.get("dispatch_s") or {}).items()})
+        return cls(
+            flops,
+            measured.get("memory_bytes_per_s") or base.memory_bytes_per_s,
+            measured.get("op_overhead_s", base.op_overhead_s),
+            bandwidth_by_bytes=tuple(sorted((float(b), float(r)) for b, r in measured.get("bandwidth_by_bytes") or ())),
+            view_overhead_s=measured.get("view_overhead_s"),
+            efficiency=measured.get("efficiency") or 1.0,
+            calibrated=True,
+            collective_stall_s=measured.get("collective_stall_s") or 0.0,
+            collective_stall_by_segment=_parsed_stall_table(measured.get("collective_stall_by_segment")),
+            collective_stall_by_kind={kind: _parsed_stall_table(table) for kind, table in (measured.get("collective_stall_by_kind") or {}).items()},
+            element_seconds=dict(measured.get("element_seconds") or {}),
+            foreach_tensor_s=measured.get("foreach_tensor_s") or 0.0,
+            dispatch_s={k: (float(v[0]), float(v[1])) for k, v in (measured.get("dispatch_s") or {}).items()},
+        )
 
     def blocking_stall(self, segments: list[float], kinds: list[str] | None = None) -> float:
         """The stall a step pays in all for blocking collectives issued after `segments` seconds
@@ -122,8 +127,9 @@ class CpuGlooModel(DeviceModel):
     def flops_rate(self, dtype: str) -> float:
         return self.flops_per_s.get(dtype) or self.flops_per_s.get("default") or next(iter(self.flops_per_s.values()))
 
-    def op_seconds(self, flops: float, nbytes: float, dtype: str, overhead: bool = True, *,
-                   target: str | None = None, elements: int = 0, launches: int = 1) -> float:
+    def op_seconds(
+        self, flops: float, nbytes: float, dtype: str, overhead: bool = True, *, target: str | None = None, elements: int = 0, launches: int = 1
+    ) -> float:
         """Roofline time of one op plus its dispatch cost. An op with a measured time per element
         written (`element_seconds`: CPU kernels such as GELU or softmax are bound by their
         arithmetic, which FLOP counters leave out) takes at least that. A foreach op runs one
@@ -146,8 +152,7 @@ class CpuGlooModel(DeviceModel):
     def _median_dispatch(self) -> float:
         return float(np.median([one for one, _ in self.dispatch_s.values()]))
 
-    def work_seconds(self, flops: float, nbytes: float, dtype: str, *, target: str | None = None,
-                     elements: int = 0) -> float:
+    def work_seconds(self, flops: float, nbytes: float, dtype: str, *, target: str | None = None, elements: int = 0) -> float:
         """The op's time beyond dispatch: roofline over the efficiency, or its measured rate."""
         bw = self.bandwidth(nbytes)
         work = max(flops / self.flops_rate(dtype) if flops else 0.0, nbytes / bw if nbytes else 0.0) / self.efficiency
@@ -164,7 +169,7 @@ class CpuGlooModel(DeviceModel):
         return self.op_overhead_s if self.view_overhead_s is None else self.view_overhead_s
 
 
-STALL_GRID_S = 1e-5   # the stall distribution is summed on a 10 us grid
+STALL_GRID_S = 1e-5  # the stall distribution is summed on a 10 us grid
 STALL_EXACT_UP_TO = 256
 
 

@@ -42,8 +42,13 @@ def measure_dispatch_seconds(device, gm, args, reps: int = 7) -> dict[str, list[
         if node.op != "call_function":
             continue
         a, k = map_arg(node.args, env.__getitem__), map_arg(node.kwargs, env.__getitem__)
-        priced = (getattr(node.target, "_schema", None) is not None and node.target not in _FREE
-                 and not _is_view(node.target) and _collective_kind(node) is None and not _is_wait(node))
+        priced = (
+            getattr(node.target, "_schema", None) is not None
+            and node.target not in _FREE
+            and not _is_view(node.target)
+            and _collective_kind(node) is None
+            and not _is_wait(node)
+        )
         if priced:
             name = _target_name(node.target)
             ca, ck = copies(a), copies(k)
@@ -56,8 +61,7 @@ def measure_dispatch_seconds(device, gm, args, reps: int = 7) -> dict[str, list[
                 per_tensor = max(full - one, 0.0) / (length - 1)
             samples.setdefault(name, []).append((one, per_tensor))
         env[node] = node.target(*a, **k)
-    table = {name: [statistics.median(o for o, _ in v), statistics.median(p for _, p in v)]
-             for name, v in samples.items()}
+    table = {name: [statistics.median(o for o, _ in v), statistics.median(p for _, p in v)] for name, v in samples.items()}
     # ops of training steps the reference step lacks (ReLU, SGD's out-of-place foreach updates,
     # embeddings, gradient clipping), each on tiny tensors; a foreach op on lists of 1 and 7
     for name, (op, make) in _dispatch_cases().items():
@@ -79,6 +83,7 @@ def _dispatch_cases():
 
     def vecs(n):
         return [torch.randn(64) for _ in range(n)]
+
     return {
         "relu": (aten.relu.default, lambda n: (x,)),
         "threshold_backward": (aten.threshold_backward.default, lambda n: (x, x, 0)),
@@ -155,19 +160,28 @@ def measure_view_seconds(device, reps: int = 7) -> float:
     calls them): no data moves, so a view costs less than the ops a reference step fits."""
     aten = torch.ops.aten
     x = torch.randn(8, 64, 32, device=device)
-    calls = [(aten.view.default, (x, [8, 2048])), (aten.t.default, (x[0],)), (aten.transpose.int, (x, 1, 2)),
-             (aten.expand.default, (x, [2, 8, 64, 32])), (aten.unsqueeze.default, (x, 0))]
+    calls = [
+        (aten.view.default, (x, [8, 2048])),
+        (aten.t.default, (x[0],)),
+        (aten.transpose.int, (x, 1, 2)),
+        (aten.expand.default, (x, [2, 8, 64, 32])),
+        (aten.unsqueeze.default, (x, 0)),
+    ]
+
     def all_views():
         for op, args in calls:
             op(*args)
+
     return per_call(all_views, device, reps, inner=200) / len(calls)
 
 
 def measure_foreach_tensor_seconds(device, reps: int = 7) -> float:
     """Seconds each tensor of a foreach op's list adds on this device: an in-place foreach add
     over 33 small tensors against one (on CPUs foreach loops over its tensors, a kernel each)."""
+
     def per_list(k: int) -> float:
         xs = [torch.zeros(64, device=device) for _ in range(k)]
         ys = [torch.ones(64, device=device) for _ in range(k)]
         return per_call(lambda: torch._foreach_add_(xs, ys), device, reps, inner=50)
+
     return max(per_list(33) - per_list(1), 0.0) / 32

@@ -30,15 +30,16 @@ class DeviceModel(ABC):
     """What one rank's device costs, in seconds. Subclasses set the attributes and implement
     `op_seconds` and `view_seconds`."""
 
-    calibrated: bool = False             # rates measured on the live ranks (`aot topology calibrate`)
+    calibrated: bool = False  # rates measured on the live ranks (`aot topology calibrate`)
     overlaps_communication: bool = True  # collectives run beside compute instead of blocking it
-    memory_bytes_per_s: float            # sustained memory bandwidth (a collective's reduction reads
-                                         # its bytes once more at it: the links' gamma)
-    collective_stall_s: float = 0.0      # mean stall of one blocking collective inside a step
+    memory_bytes_per_s: float  # sustained memory bandwidth (a collective's reduction reads
+    # its bytes once more at it: the links' gamma)
+    collective_stall_s: float = 0.0  # mean stall of one blocking collective inside a step
 
     @abstractmethod
-    def op_seconds(self, flops: float, nbytes: float, dtype: str, overhead: bool = True, *,
-                   target: str | None = None, elements: int = 0, launches: int = 1) -> float:
+    def op_seconds(
+        self, flops: float, nbytes: float, dtype: str, overhead: bool = True, *, target: str | None = None, elements: int = 0, launches: int = 1
+    ) -> float:
         """One op (`target`: its aten name) doing `flops` on tensors of `dtype`, reading and
         writing `nbytes`, writing `elements` elements, in `launches` kernels (a foreach op: one per
         tensor of its list); without `overhead`, its work alone (no dispatch or launch)."""

@@ -34,10 +34,10 @@ from torch.utils.flop_counter import flop_registry
 
 from aot.plan.device_model import DeviceModel
 
-GPU_MATMUL_EFFICIENCY = 0.6   # of the dtype's dense peak, for matmul-like ops (and the CUDA cores' fp32 rate)
-GPU_MEMORY_EFFICIENCY = 0.8   # of the memory bandwidth
+GPU_MATMUL_EFFICIENCY = 0.6  # of the dtype's dense peak, for matmul-like ops (and the CUDA cores' fp32 rate)
+GPU_MEMORY_EFFICIENCY = 0.8  # of the memory bandwidth
 GPU_LAUNCH_S = 5e-6
-DEFAULT_FLOPS_PER_S = 1e13     # a GPU whose profile lists no fp32 peak
+DEFAULT_FLOPS_PER_S = 1e13  # a GPU whose profile lists no fp32 peak
 DEFAULT_MEMORY_GB_PER_S = 1000.0
 
 MATMUL, MEMORY = "matmul", "memory"
@@ -45,8 +45,13 @@ MATMUL, MEMORY = "matmul", "memory"
 MATMUL_LIKE = frozenset(getattr(op, "__name__", str(op)).split(".")[-1] for op in flop_registry)
 
 DTYPE_PEAK = {  # torch dtype name -> the profile's peak_tflops keys to try, in order
-    "float32": ("fp32",), "float64": ("fp64", "fp32"), "bfloat16": ("bf16", "fp16"), "float16": ("fp16", "bf16"),
-    "float8_e4m3fn": ("fp8", "bf16"), "float8_e5m2": ("fp8", "bf16"), "int8": ("int8", "fp16"),
+    "float32": ("fp32",),
+    "float64": ("fp64", "fp32"),
+    "bfloat16": ("bf16", "fp16"),
+    "float16": ("fp16", "bf16"),
+    "float8_e4m3fn": ("fp8", "bf16"),
+    "float8_e5m2": ("fp8", "bf16"),
+    "int8": ("int8", "fp16"),
 }
 
 
@@ -60,15 +65,16 @@ def op_class(target: str | None, flops: float) -> str:
 @dataclass(frozen=True)
 class GpuModel(DeviceModel):
     """One GPU: a roofline per op class over an efficiency factor, launches overlapping execution."""
-    flops_per_s: dict[str, float]          # torch dtype name (or "default") -> sustained matmul FLOP/s
-    memory_bytes_per_s: float              # sustained memory bandwidth of memory-bound ops
-    launch_s: float = GPU_LAUNCH_S         # one kernel launch
-    elementwise_flops_per_s: float = 0.0   # the CUDA cores' rate (FLOPs of memory-bound ops); 0: flops_per_s's
-    view_overhead_s: float | None = None   # dispatching a view; None: launch_s
-    efficiency: float = 1.0                # measured fraction of the roofline real ops reach (calibration)
+
+    flops_per_s: dict[str, float]  # torch dtype name (or "default") -> sustained matmul FLOP/s
+    memory_bytes_per_s: float  # sustained memory bandwidth of memory-bound ops
+    launch_s: float = GPU_LAUNCH_S  # one kernel launch
+    elementwise_flops_per_s: float = 0.0  # the CUDA cores' rate (FLOPs of memory-bound ops); 0: flops_per_s's
+    view_overhead_s: float | None = None  # dispatching a view; None: launch_s
+    efficiency: float = 1.0  # measured fraction of the roofline real ops reach (calibration)
     calibrated: bool = False
 
-    overlaps_communication = True          # NCCL kernels run on their own stream
+    overlaps_communication = True  # NCCL kernels run on their own stream
 
     @classmethod
     def from_profile(cls, gpu: dict, measured: dict) -> "GpuModel":
@@ -89,17 +95,24 @@ class GpuModel(DeviceModel):
             flops[dtype] = rate
         if "float32" in (measured.get("flops_per_s") or {}):
             flops["default"] = measured["flops_per_s"]["float32"]
-        return cls(flops, measured.get("memory_bytes_per_s") or bandwidth, measured.get("op_overhead_s", GPU_LAUNCH_S),
-                   elementwise_flops_per_s=flops["default"], view_overhead_s=measured.get("view_overhead_s"),
-                   efficiency=measured.get("efficiency") or 1.0, calibrated=True)
+        return cls(
+            flops,
+            measured.get("memory_bytes_per_s") or bandwidth,
+            measured.get("op_overhead_s", GPU_LAUNCH_S),
+            elementwise_flops_per_s=flops["default"],
+            view_overhead_s=measured.get("view_overhead_s"),
+            efficiency=measured.get("efficiency") or 1.0,
+            calibrated=True,
+        )
 
     def flops_rate(self, dtype: str, cls: str = MATMUL) -> float:
         if cls == MEMORY and self.elementwise_flops_per_s:
             return self.elementwise_flops_per_s
         return self.flops_per_s.get(dtype) or self.flops_per_s.get("default") or next(iter(self.flops_per_s.values()))
 
-    def op_seconds(self, flops: float, nbytes: float, dtype: str, overhead: bool = True, *,
-                   target: str | None = None, elements: int = 0, launches: int = 1) -> float:
+    def op_seconds(
+        self, flops: float, nbytes: float, dtype: str, overhead: bool = True, *, target: str | None = None, elements: int = 0, launches: int = 1
+    ) -> float:
         """The roofline of the op's class over the efficiency, at least one launch (launches overlap
         the kernels before them; a foreach op's tensors are fused)."""
         rate = self.flops_rate(dtype, op_class(target, flops))

@@ -26,8 +26,8 @@ LEVELS = ("intra", "inter")
 @dataclass(frozen=True)
 class Levels:
     axis: str
-    intra: list[list[int]]   # physical ranks, ascending: each group's ranks on one node
-    inter: list[list[int]]   # physical ranks, ascending: the k-th of each node's part of a group
+    intra: list[list[int]]  # physical ranks, ascending: each group's ranks on one node
+    inter: list[list[int]]  # physical ranks, ascending: the k-th of each node's part of a group
     # (level, kind) -> the distinct spans of that level's groups: a planner prices many all_reduce
     # sizes on one placement, and finding the spans walks every rank of the mesh
     _spans: dict = field(default_factory=dict, compare=False, repr=False)
@@ -104,9 +104,11 @@ def hierarchical_seconds(machine: Machine, found: Levels, n: float, inter_algori
     g = len(found.intra[0])
     piece = -(-n // g)
     inter = (inter_algorithm,) if inter_algorithm else realizable["all_reduce"]
-    seconds = (_seconds(machine, found.spans(machine, "intra", "reduce_scatter"), "reduce_scatter", piece * g, realizable["reduce_scatter"])
-               + _seconds(machine, found.spans(machine, "inter", "all_reduce"), "all_reduce", piece, inter)
-               + _seconds(machine, found.spans(machine, "intra", "all_gather"), "all_gather", piece * g, realizable["all_gather"]))
+    seconds = (
+        _seconds(machine, found.spans(machine, "intra", "reduce_scatter"), "reduce_scatter", piece * g, realizable["reduce_scatter"])
+        + _seconds(machine, found.spans(machine, "inter", "all_reduce"), "all_reduce", piece, inter)
+        + _seconds(machine, found.spans(machine, "intra", "all_gather"), "all_gather", piece * g, realizable["all_gather"])
+    )
     if not machine.compute.overlaps_communication:  # cost_model.simulate adds the stall per blocking collective
         seconds += 2 * machine.compute.collective_stall_s
     return seconds
@@ -114,12 +116,16 @@ def hierarchical_seconds(machine: Machine, found: Levels, n: float, inter_algori
 
 def flat_seconds(machine: Machine, placement: Placement, axis: str, n: float, algorithm: str | None = None) -> float:
     realizable = collectives.REALIZABLE.get(machine.backend, collectives.REALIZABLE["gloo"])
-    return _seconds(machine, distinct_spans(machine, placement.distinct_groups(axis, machine.per_node), "all_reduce"), "all_reduce", n,
-                    (algorithm,) if algorithm else realizable["all_reduce"])
+    return _seconds(
+        machine,
+        distinct_spans(machine, placement.distinct_groups(axis, machine.per_node), "all_reduce"),
+        "all_reduce",
+        n,
+        (algorithm,) if algorithm else realizable["all_reduce"],
+    )
 
 
-def chooser(machine: Machine, placement: Placement, mode: str = "auto",
-            flat_algorithm: str | None = None) -> Callable[[str, int], SubGroups | None] | None:
+def chooser(machine: Machine, placement: Placement, mode: str = "auto", flat_algorithm: str | None = None) -> Callable[[str, int], SubGroups | None] | None:
     """For aot/passes/hierarchical.py: which all_reduces (by group name and bytes) to split.
     mode "auto": where the hierarchical form is cheaper; "always": wherever the group has levels;
     "never": none. `flat_algorithm`: the all_reduce algorithm a plan pinned (NCCL_ALGO), priced
@@ -140,9 +146,9 @@ def chooser(machine: Machine, placement: Placement, mode: str = "auto",
         if mode == "always" or hierarchical_wins(machine, placement, lv, nbytes, flat_algorithm):
             return lv.subgroups
         return None
+
     return choose
 
 
-def hierarchical_wins(machine: Machine, placement: Placement, found: Levels, n: float,
-                      flat_algorithm: str | None = None) -> bool:
+def hierarchical_wins(machine: Machine, placement: Placement, found: Levels, n: float, flat_algorithm: str | None = None) -> bool:
     return hierarchical_seconds(machine, found, n, flat_algorithm) < flat_seconds(machine, placement, found.axis, n, flat_algorithm)

@@ -101,8 +101,10 @@ class Machine:
         measured = self.profile.get("compute") or {}
         if self.device_kind == "cuda":
             from aot.plan.gpu_model import GpuModel
+
             return GpuModel.from_profile(self.gpus[0] if self.gpus else {}, measured)
         from aot.plan.cpu_gloo_model import CpuGlooModel
+
         return CpuGlooModel.from_profile(measured)
 
     # -- ranks and links ----------------------------------------------------------------------
@@ -229,6 +231,7 @@ class Machine:
                     parent[x] = parent[parent[x]]
                     x = parent[x]
                 return x
+
             for i in devices:
                 for j in devices:
                     if i < j and round(self.pair_bytes_per_s(i, j), 3) >= rates[level]:

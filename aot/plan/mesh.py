@@ -90,7 +90,7 @@ class Mesh:
     def axis_of(group: str) -> str:
         """What follows "aot." in a graph's group name: the axis ("dp"), or an axis's level
         ("dp.intra", aot/plan/hierarchy.py)."""
-        return group[len("aot."):] if group.startswith("aot.") else group
+        return group[len("aot.") :] if group.startswith("aot.") else group
 
     def describe(self) -> str:
         return ",".join(f"{a}={d}" for a, d in zip(self.axes, self.shape))

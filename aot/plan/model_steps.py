@@ -58,10 +58,20 @@ class ModelSteps:
     and, where that may still not fit, at the smallest feasible one; its derived meshes get the same
     derivation. A graph that fits costs nothing more."""
 
-    def __init__(self, model_path: Path, batch_size: int, seed: int = 0, world_size: int | None = None,
-                 max_tp: int | None = None, sequence_parallel: bool = False, precision: str | None = None,
-                 reduce_dtype: str | None = None, profile: dict | None = None, memory_limit=None,
-                 compute=None):
+    def __init__(
+        self,
+        model_path: Path,
+        batch_size: int,
+        seed: int = 0,
+        world_size: int | None = None,
+        max_tp: int | None = None,
+        sequence_parallel: bool = False,
+        precision: str | None = None,
+        reduce_dtype: str | None = None,
+        profile: dict | None = None,
+        memory_limit=None,
+        compute=None,
+    ):
         from aot.capture.model_file import load_model_file
         from aot.capture.training_state import build_training_state
         from runner.data import split_batch_tensors
@@ -69,19 +79,27 @@ class ModelSteps:
         if batch_size < 1:
             raise AotError(f"--batch-size must be at least 1, got {batch_size}")
         self.mf = load_model_file(model_path)
-        self.request = (Path(model_path), batch_size, seed, sequence_parallel)   # what `retargeted` copies may share
+        self.request = (Path(model_path), batch_size, seed, sequence_parallel)  # what `retargeted` copies may share
         self.state = build_training_state(self.mf, seed, 1)
         inputs, targets = split_batch_tensors(self.mf.example_batch(batch_size), "batch()")
         self.inputs, self.targets = inputs, targets
         self.params = sum(p.numel() for p in self.state.params.values())
         self.param_numels = [p.numel() for p in self.state.params.values()]
-        self.sequence_parallel = sequence_parallel   # price tp meshes with sequence parallelism (--sequence-parallel)
+        self.sequence_parallel = sequence_parallel  # price tp meshes with sequence parallelism (--sequence-parallel)
         self._tp_plan: dict | None = None
-        self._target(profile or {"device_kind": "cpu"}, world_size=world_size, max_tp=max_tp, precision=precision,
-                     reduce_dtype=reduce_dtype, memory_limit=memory_limit, compute=compute)
+        self._target(
+            profile or {"device_kind": "cpu"},
+            world_size=world_size,
+            max_tp=max_tp,
+            precision=precision,
+            reduce_dtype=reduce_dtype,
+            memory_limit=memory_limit,
+            compute=compute,
+        )
 
-    def _target(self, profile: dict, *, world_size: int | None, max_tp: int | None, precision: str | None,
-                reduce_dtype: str | None, memory_limit, compute) -> None:
+    def _target(
+        self, profile: dict, *, world_size: int | None, max_tp: int | None, precision: str | None, reduce_dtype: str | None, memory_limit, compute
+    ) -> None:
         """What depends on the profile planned for, with no graph traced for it yet."""
         from aot.capture.precision import resolve_precision
 
@@ -91,15 +109,15 @@ class ModelSteps:
         self.world_size = world_size
         self.max_tp = max_tp
         self.traced: dict[tuple, StepGraph] = {}
-        self._failed: dict[tuple, Exception] = {}    # key -> what tracing it raised (raised again when asked)
-        self._derived: dict[tuple, list] = {}        # traced key -> [(key, mesh)] derived from its graph (`prefetch`)
-        self._helper = None                          # aot.plan.trace_helper.Helper while it traces (`prefetch`)
+        self._failed: dict[tuple, Exception] = {}  # key -> what tracing it raised (raised again when asked)
+        self._derived: dict[tuple, list] = {}  # traced key -> [(key, mesh)] derived from its graph (`prefetch`)
+        self._helper = None  # aot.plan.trace_helper.Helper while it traces (`prefetch`)
         # graphs from which a plan may not fit device memory (`memory_limit`: the planner's
         # aot.plan.search.MemoryLimit) also get recomputing variants, their choices priced on
         # `compute` (the device model, aot.plan.device_model: the build's, for the same profile)
         self.memory_limit = memory_limit if compute is not None else None
         self.compute = compute
-        self.recomputed: dict[tuple, list[tuple[float, StepGraph]]] = {}   # key -> [(activation budget, graph)]
+        self.recomputed: dict[tuple, list[tuple[float, StepGraph]]] = {}  # key -> [(activation budget, graph)]
         self.recompute_failed: dict[tuple, str] = {}  # key -> why its variants could not be made
 
     def tp_plan(self, tp: int) -> dict[str, str]:
@@ -111,7 +129,7 @@ class ModelSteps:
         try:
             check_degree(self.mf, self.state.model, tp)
             if self._tp_plan is None and self._helper is not None:
-                self._tp_plan = self._helper.plan()   # None where it failed: found here, with its error
+                self._tp_plan = self._helper.plan()  # None where it failed: found here, with its error
             if self._tp_plan is None:
                 self._tp_plan = self._find_plan()
             if not self._tp_plan:
@@ -132,8 +150,7 @@ class ModelSteps:
         group = lambda axis, size: Group(Mesh.group_name(axis), size) if size > 1 else None
         plan = self.tp_plan(tp) if tp > 1 else {}
         sequence = self.sequence_layout(plan, tp) if tp > 1 and self.sequence_parallel else None
-        return StepLayout(group("dp", dp), group("fsdp", fsdp), group("tp", tp), tuple(sorted(plan.items())), sequence,
-                          self.precision)
+        return StepLayout(group("dp", dp), group("fsdp", fsdp), group("tp", tp), tuple(sorted(plan.items())), sequence, self.precision)
 
     def sequence_layout(self, plan: dict[str, str], tp: int) -> dict:
         """The build's sequence-parallel layout at this degree; Unsupported where the build would refuse."""
@@ -156,8 +173,7 @@ class ModelSteps:
         from aot.plan.pricing import trace_for_pricing
 
         # the build checks that every tp rank traces the same program; pricing needs one trace
-        captured = capture_step(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp),
-                                check_ranks=False, tracer=trace_for_pricing)
+        captured = capture_step(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp), check_ranks=False, tracer=trace_for_pricing)
         return plain_collectives(drop_profiler_calls(captured.graph)), captured.slots
 
     def _trace(self, key: tuple, source: tuple) -> dict[tuple, StepGraph]:
@@ -172,8 +188,7 @@ class ModelSteps:
             if other in self.traced or other in self._failed:
                 continue
             try:
-                got = derive_without_fsdp(self.mf, self.state, self.inputs, self.targets, self.layout(dp, 1, tp), gm,
-                                          Mesh.group_name("fsdp"))
+                got = derive_without_fsdp(self.mf, self.state, self.inputs, self.targets, self.layout(dp, 1, tp), gm, Mesh.group_name("fsdp"))
                 derived = None
                 if got is not None:
                     derived_gm, derived_slots, shared = got
@@ -247,8 +262,9 @@ class ModelSteps:
         limit = self.memory_limit
         return limit is not None and limit.over(graph) and not (key[1] == 1 and limit.beyond_recompute(graph))
 
-    def retargeted(self, profile: dict, *, world_size: int, max_tp: int | None, precision: str | None,
-                   reduce_dtype: str | None, memory_limit, compute) -> "ModelSteps":
+    def retargeted(
+        self, profile: dict, *, world_size: int, max_tp: int | None, precision: str | None, reduce_dtype: str | None, memory_limit, compute
+    ) -> "ModelSteps":
         """The same model's steps for another profile (`aot plan --topology a,b,c`), keeping the
         graphs that do not depend on it. A dp/fsdp/tp graph is a trace of the model under a
         precision: the profile only decides, through its device memory and compute rates, whether
@@ -256,12 +272,13 @@ class ModelSteps:
         precision resolves alike and neither profile gives it recomputing variants; the others
         (and pipeline programs, whose stages are balanced on the profile's compute) are traced again."""
         other = copy.copy(self)
-        other._target(profile, world_size=world_size, max_tp=max_tp, precision=precision, reduce_dtype=reduce_dtype,
-                      memory_limit=memory_limit, compute=compute)
+        other._target(profile, world_size=world_size, max_tp=max_tp, precision=precision, reduce_dtype=reduce_dtype, memory_limit=memory_limit, compute=compute)
         if other.precision == self.precision:
-            other.traced = {key: graph for key, graph in self.traced.items()
-                            if key[0] != "pp" and key not in self.recomputed and key not in self.recompute_failed
-                            and not other._needs_variants(key, graph)}
+            other.traced = {
+                key: graph
+                for key, graph in self.traced.items()
+                if key[0] != "pp" and key not in self.recomputed and key not in self.recompute_failed and not other._needs_variants(key, graph)
+            }
         return other
 
     def _traced(self, dp: int, fsdp: int, tp: int) -> StepGraph:
@@ -306,8 +323,7 @@ class ModelSteps:
         variants = self.recomputed.get(key, ())
         return [(fraction, self._derive(graph, source, dp, fsdp, tp)) for fraction, graph in variants]
 
-    def pipeline(self, axes: tuple, shape: tuple, microbatches: int, schedule: str = "1f1b",
-                 virtual: int = 1) -> tuple[list, list[StepGraph]]:
+    def pipeline(self, axes: tuple, shape: tuple, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> tuple[list, list[StepGraph]]:
         """The programs of a pipeline mesh, one per pipeline rank, as the build makes them (default
         bucket size), and their analyses; Unsupported where the build would refuse the mesh."""
         from aot.capture.step import Group
@@ -322,11 +338,19 @@ class ModelSteps:
             try:
                 check_microbatches(schedule, pp, microbatches, self.targets.shape[0])
                 compute = self.compute
-                made = pipeline_programs(self.mf, self.state, self.layout(dp, fsdp, degrees.get("tp", 1)),
-                                         Group(Mesh.group_name("pp"), pp),
-                                         self.inputs, self.targets, microbatches=microbatches, schedule=schedule,
-                                         virtual=virtual,
-                                         compute=compute, finish=lambda gm: run_passes(gm, bucket_bytes=25 * 2**20))
+                made = pipeline_programs(
+                    self.mf,
+                    self.state,
+                    self.layout(dp, fsdp, degrees.get("tp", 1)),
+                    Group(Mesh.group_name("pp"), pp),
+                    self.inputs,
+                    self.targets,
+                    microbatches=microbatches,
+                    schedule=schedule,
+                    virtual=virtual,
+                    compute=compute,
+                    finish=lambda gm: run_passes(gm, bucket_bytes=25 * 2**20),
+                )
             except AotError as e:
                 raise Unsupported(str(e)) from None
             self.traced[key] = ([c.graph for c in made.captures], [analyze(c.graph, c.slots) for c in made.captures])
@@ -366,8 +390,7 @@ class ModelSteps:
         for shape in factorizations(self.world_size or 1, tuple(axes)):
             degrees = dict(zip(axes, shape))
             dp, fsdp, tp = degrees.get("dp", 1), degrees.get("fsdp", 1), degrees.get("tp", 1)
-            if any(a not in ("dp", "fsdp", "tp") and d > 1 for a, d in degrees.items()) \
-                    or (tp > 1 and self.max_tp is not None and tp > self.max_tp):
+            if any(a not in ("dp", "fsdp", "tp") and d > 1 for a, d in degrees.items()) or (tp > 1 and self.max_tp is not None and tp > self.max_tp):
                 continue
             try:
                 if tp > 1:
@@ -415,7 +438,7 @@ class ModelSteps:
                 self._helper = None
 
 
-RECOMPUTE_FRACTION = 0.5   # the activation budget a graph that does not fit is priced at first
+RECOMPUTE_FRACTION = 0.5  # the activation budget a graph that does not fit is priced at first
 
 
 def _priced(gm, slots) -> StepGraph:
@@ -427,4 +450,3 @@ def _priced(gm, slots) -> StepGraph:
     from aot.passes.regather import regather_in_backward
 
     return analyze(regather_in_backward(gm), slots)
-

@@ -26,6 +26,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 @dataclass(frozen=True)
 class Action:
     """One forward ("F") or backward ("B") of one microbatch through one of the rank's chunks."""
+
     kind: str
     microbatch: int
     chunk: int = 0
@@ -41,8 +42,7 @@ def chunks_of(schedule: str, virtual: int | None) -> int:
     """Model chunks per rank: 1 for gpipe and 1f1b, `virtual` (default 2) for interleaved."""
     if schedule != "interleaved-1f1b":
         if virtual not in (None, 1):
-            raise AotError(f"--pp-schedule {schedule} runs one stage per rank; --stages-per-rank {virtual} "
-                           f"needs --pp-schedule interleaved-1f1b")
+            raise AotError(f"--pp-schedule {schedule} runs one stage per rank; --stages-per-rank {virtual} needs --pp-schedule interleaved-1f1b")
         return 1
     v = 2 if virtual is None else virtual
     if v < 2:
@@ -59,11 +59,9 @@ def check_microbatches(schedule: str, pp: int, microbatches: int, batch_size: in
     if batch_size % microbatches:
         raise AotError(f"--batch-size {batch_size} does not split into --microbatches {microbatches} equal microbatches")
     if schedule in ("1f1b", "interleaved-1f1b") and microbatches < pp:
-        raise AotError(f"--pp-schedule {schedule} needs at least as many microbatches as pipeline ranks "
-                       f"(pp={pp}), got --microbatches {microbatches}")
+        raise AotError(f"--pp-schedule {schedule} needs at least as many microbatches as pipeline ranks (pp={pp}), got --microbatches {microbatches}")
     if schedule == "interleaved-1f1b" and microbatches % pp:
-        raise AotError(f"--pp-schedule interleaved-1f1b runs microbatches in groups of pp={pp}: "
-                       f"--microbatches {microbatches} is not a multiple of {pp}")
+        raise AotError(f"--pp-schedule interleaved-1f1b runs microbatches in groups of pp={pp}: --microbatches {microbatches} is not a multiple of {pp}")
 
 
 def schedule_actions(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
@@ -113,7 +111,7 @@ def check(actions: list[list[Action]], microbatches: int, virtual: int = 1) -> i
         got = [(a.kind, a.microbatch, a.chunk) for a in acts]
         if len(got) != len(set(got)) or set(got) != expected:
             raise AotError(f"pipeline schedule: rank {r} does not run each microbatch's forward and backward once")
-    done: set = set()   # (kind, microbatch, stage)
+    done: set = set()  # (kind, microbatch, stage)
     position = [0] * pp
     rounds = 0
     while any(p < len(a) for p, a in zip(position, actions)):
@@ -172,8 +170,7 @@ def balance(costs: list[float], parts: int) -> list[int]:
     return sorted(starts)[1:]
 
 
-def split(graph, stages: int, seconds, layer_of, pp_split: list[str] | None = None, where: str = "pp_split",
-          weighted: set | None = None) -> dict[str, int]:
+def split(graph, stages: int, seconds, layer_of, pp_split: list[str] | None = None, where: str = "pp_split", weighted: set | None = None) -> dict[str, int]:
     """Each layer's stage: where the model file's `pp_split` (module names that begin stages 1, 2,
     ...) says, else contiguous runs of layers balanced by the cost model's forward seconds
     (`seconds(node)`; what comes before the first layer counts with it, what follows the last with
@@ -196,18 +193,22 @@ def split(graph, stages: int, seconds, layer_of, pp_split: list[str] | None = No
             cost[layer] = pending if len(order) == 1 else 0.0
         cost[layer] += seconds(node)
     if not order:
-        raise AotError("pipeline parallelism cuts the model between layers (the children of an nn.ModuleList or "
-                       "nn.Sequential, such as blocks.0, blocks.1), and this model's forward calls none")
+        raise AotError(
+            "pipeline parallelism cuts the model between layers (the children of an nn.ModuleList or "
+            "nn.Sequential, such as blocks.0, blocks.1), and this model's forward calls none"
+        )
     if len(order) < stages:
-        raise AotError(f"pipeline: {stages} stages need at least {stages} layers; the model has {len(order)} "
-                       f"({', '.join(order[:6])}{', ...' if len(order) > 6 else ''})")
+        raise AotError(
+            f"pipeline: {stages} stages need at least {stages} layers; the model has {len(order)} ({', '.join(order[:6])}{', ...' if len(order) > 6 else ''})"
+        )
     if pp_split is not None:
         if not isinstance(pp_split, (list, tuple)) or not all(isinstance(n, str) for n in pp_split):
-            raise AotError(f"{where} must be a list of module names where stages 1, 2, ... begin, such as [\"blocks.4\"]")
+            raise AotError(f'{where} must be a list of module names where stages 1, 2, ... begin, such as ["blocks.4"]')
         missing = [n for n in pp_split if n not in order]
         if missing:
-            raise AotError(f"{where} names {missing[0]!r}, which is not a layer of the model (layers: "
-                           f"{', '.join(order[:6])}{', ...' if len(order) > 6 else ''})")
+            raise AotError(
+                f"{where} names {missing[0]!r}, which is not a layer of the model (layers: {', '.join(order[:6])}{', ...' if len(order) > 6 else ''})"
+            )
         if len(pp_split) != stages - 1:
             raise AotError(f"{where} names {len(pp_split)} module(s) for {stages} stages: it needs {stages - 1}")
         starts = [order.index(n) for n in pp_split]
@@ -222,4 +223,4 @@ def split(graph, stages: int, seconds, layer_of, pp_split: list[str] | None = No
         cuts = balance([sum(cost[layer] for layer in g) for g in groups], stages)
         starts = [heads[c] for c in cuts]
     bounds = [0, *starts, len(order)]
-    return {layer: k for k in range(stages) for layer in order[bounds[k]:bounds[k + 1]]}
+    return {layer: k for k in range(stages) for layer in order[bounds[k] : bounds[k + 1]]}

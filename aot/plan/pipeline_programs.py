@@ -19,12 +19,26 @@ from aot.plan.pipeline import check, schedule_actions, split
 @dataclass
 class PipelinePrograms:
     stages: list[Stage]
-    actions: list[list]                  # per pipeline rank (aot.plan.pipeline.Action)
-    captures: list[CapturedStep]         # per pipeline rank, passes applied
+    actions: list[list]  # per pipeline rank (aot.plan.pipeline.Action)
+    captures: list[CapturedStep]  # per pipeline rank, passes applied
 
 
-def pipeline_programs(mf, state, layout: StepLayout, group: Group, inputs, targets, *, microbatches: int, schedule: str,
-                      virtual: int, compute, finish, stage=None, note=lambda line: None) -> PipelinePrograms:
+def pipeline_programs(
+    mf,
+    state,
+    layout: StepLayout,
+    group: Group,
+    inputs,
+    targets,
+    *,
+    microbatches: int,
+    schedule: str,
+    virtual: int,
+    compute,
+    finish,
+    stage=None,
+    note=lambda line: None,
+) -> PipelinePrograms:
     """`finish(gm)`: the graph passes; `stage(title)`: a progress context per part (None: none)."""
     from contextlib import nullcontext
 
@@ -33,25 +47,31 @@ def pipeline_programs(mf, state, layout: StepLayout, group: Group, inputs, targe
     size = targets.shape[0] // microbatches
     with stage(f"tracing one microbatch's forward and cutting it into {count} stages"):
         forward, sources = trace_forward(mf, state, layout, [t[:size] for t in inputs], targets[:size])
-        stage_of_layer = split(forward, count, lambda n: node_seconds(n, compute), layer_of, mf.globals.get("pp_split"),
-                               where=f"{mf.path.name}: pp_split", weighted=_weighted_layers(forward, sources))
+        stage_of_layer = split(
+            forward,
+            count,
+            lambda n: node_seconds(n, compute),
+            layer_of,
+            mf.globals.get("pp_split"),
+            where=f"{mf.path.name}: pp_split",
+            weighted=_weighted_layers(forward, sources),
+        )
         stages = cut(forward, sources, stage_of_layer, count)
     for r in range(pp):
         if not any(s.params for s in stages if s.index % pp == r):
             held = [layer for s in stages if s.index % pp == r for layer in s.layers]
-            raise AotError(f"pipeline rank {r} would hold no parameters (layers {', '.join(held)}): use fewer stages, "
-                           f"or a pp_split that gives every rank a layer with weights")
+            raise AotError(
+                f"pipeline rank {r} would hold no parameters (layers {', '.join(held)}): use fewer stages, "
+                f"or a pp_split that gives every rank a layer with weights"
+            )
     for s in stages:
-        note(f"stage {s.index} on pipeline rank {s.index % pp}: {_span(s.layers)}, "
-             f"{sum(state.params[n].numel() for n in s.params):,} parameters")
+        note(f"stage {s.index} on pipeline rank {s.index % pp}: {_span(s.layers)}, {sum(state.params[n].numel() for n in s.params):,} parameters")
     actions = schedule_actions(schedule, pp, microbatches, virtual)
     check(actions, microbatches, virtual)
     captures = []
     for r in range(pp):
-        with stage(f"capturing pipeline rank {r}'s step ({len(actions[r])} forward and backward actions) "
-                   f"and running graph passes"):
-            captured = capture_pipeline(mf, state, Pipeline(group, r, tuple(stages), microbatches, tuple(actions[r])),
-                                        layout, inputs, targets)
+        with stage(f"capturing pipeline rank {r}'s step ({len(actions[r])} forward and backward actions) and running graph passes"):
+            captured = capture_pipeline(mf, state, Pipeline(group, r, tuple(stages), microbatches, tuple(actions[r])), layout, inputs, targets)
             captured.graph = finish(captured.graph)
         captures.append(captured)
     return PipelinePrograms(stages, actions, captures)
@@ -69,7 +89,7 @@ def _weighted_layers(forward, sources) -> set[str]:
         if node.op != "call_function":
             continue
         if node.all_input_nodes and all(a in params for a in node.all_input_nodes) and layer_of(node) is None:
-            params.add(node)   # a weight's view outside any layer (DTensor unwraps slices at the top)
+            params.add(node)  # a weight's view outside any layer (DTensor unwraps slices at the top)
         elif layer_of(node) is not None and any(a in params for a in node.all_input_nodes):
             found.add(layer_of(node))
     return found

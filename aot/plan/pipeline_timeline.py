@@ -47,8 +47,8 @@ class RankClock:
 @dataclass
 class PipelineTimeline:
     step_s: float
-    busy_s: list[float]       # per pipeline rank: seconds computing (and on blocking collectives)
-    waiting_s: list[float]    # per pipeline rank: seconds blocked on another rank
+    busy_s: list[float]  # per pipeline rank: seconds computing (and on blocking collectives)
+    waiting_s: list[float]  # per pipeline rank: seconds blocked on another rank
     trace: dict
 
 
@@ -57,17 +57,17 @@ def simulate_pipeline(programs: list[torch.fx.GraphModule], planner, placement: 
     (aot.plan.search.Planner), `placement` says where the ranks are, `group` names the pipeline group."""
     machine = planner.machine
     pp = len(programs)
-    physical = placement.groups("pp")[0]   # pipeline ranks 0..pp-1 of the first replica (all are alike)
+    physical = placement.groups("pp")[0]  # pipeline ranks 0..pp-1 of the first replica (all are alike)
     pricers = []
     for gm in programs:
         step = analyze(gm)
         cost, _ = planner.comm_pricer(placement, step, "never")
         pricers.append(({c.name: c for c in step.comms}, cost))
     clocks = [RankClock([n for n in gm.graph.nodes if n.op == "call_function"]) for gm in programs]
-    sent: dict = {}       # (src, dst, tag) -> the sender's issue time
-    posted: dict = {}     # (src, dst, tag) -> the receiver's issue time
-    arrivals: dict = {}   # k -> issue times of the k-th pipeline-group collective, per rank that issued it
-    counters = [0] * pp   # pipeline-group collectives issued so far, per rank
+    sent: dict = {}  # (src, dst, tag) -> the sender's issue time
+    posted: dict = {}  # (src, dst, tag) -> the receiver's issue time
+    arrivals: dict = {}  # k -> issue times of the k-th pipeline-group collective, per rank that issued it
+    counters = [0] * pp  # pipeline-group collectives issued so far, per rank
 
     def transfer(a: int, b: int, nbytes: int) -> float:
         link = machine.span(sorted([physical[a], physical[b]])).flat()
@@ -130,8 +130,7 @@ def simulate_pipeline(programs: list[torch.fx.GraphModule], planner, placement: 
             stuck = ", ".join(f"rank {r} at {c.nodes[c.position].name}" for r, c in enumerate(clocks) if not c.done)
             raise RuntimeError(f"pipeline timeline: the programs wait on each other ({stuck})")
     step = max(c.t for c in clocks)
-    return PipelineTimeline(step, [c.busy for c in clocks], [c.waiting + step - c.t for c in clocks],
-                            _trace(clocks, step))
+    return PipelineTimeline(step, [c.busy for c in clocks], [c.waiting + step - c.t for c in clocks], _trace(clocks, step))
 
 
 def _run(clock: RankClock, seconds: float) -> None:
@@ -163,8 +162,9 @@ def _trace(clocks: list[RankClock], step: float) -> dict:
     for r, clock in enumerate(clocks):
         events.append({"ph": "M", "pid": 0, "tid": r, "name": "thread_name", "args": {"name": f"pipeline rank {r}"}})
         for lane, name, start, seconds in clock.events:
-            events.append({"ph": "X", "pid": 0, "tid": r, "name": name, "cat": lane,
-                           "ts": round(start * 1e6, 3), "dur": round(seconds * 1e6, 3)})
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"predicted_step_s": step, "busy_s": [c.busy for c in clocks],
-                          "waiting_s": [c.waiting + step - c.t for c in clocks]}}
+            events.append({"ph": "X", "pid": 0, "tid": r, "name": name, "cat": lane, "ts": round(start * 1e6, 3), "dur": round(seconds * 1e6, 3)})
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"predicted_step_s": step, "busy_s": [c.busy for c in clocks], "waiting_s": [c.waiting + step - c.t for c in clocks]},
+    }

@@ -38,10 +38,10 @@ DEFAULT_TRAFFIC = {"tp": 100.0, "sp": 100.0, "cp": 50.0, "ep": 30.0, "fsdp": 3.0
 
 @dataclass(frozen=True)
 class Placement:
-    axes: tuple[str, ...]          # the mesh's axes, in the mesh's order
+    axes: tuple[str, ...]  # the mesh's axes, in the mesh's order
     shape: tuple[int, ...]
-    order: tuple[str, ...]         # the axes from outermost (across nodes) to innermost (inside islands)
-    physical: tuple[int, ...]      # mesh rank (row-major over `axes`) -> physical rank
+    order: tuple[str, ...]  # the axes from outermost (across nodes) to innermost (inside islands)
+    physical: tuple[int, ...]  # mesh rank (row-major over `axes`) -> physical rank
 
     def __post_init__(self):
         object.__setattr__(self, "_mesh_rank_of", {p: m for m, p in enumerate(self.physical)})
@@ -128,8 +128,7 @@ def distinct_groups(groups: list[list[int]], per_node: int) -> list[list[int]]:
     return list(shapes.values())
 
 
-def layout(machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...], order: tuple[str, ...],
-           devices: list[int] | None = None) -> Placement:
+def layout(machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...], order: tuple[str, ...], devices: list[int] | None = None) -> Placement:
     """Coordinates row-major over `order` (last fastest), laid onto `devices` (default: the
     machine's device order, islands contiguous)."""
     devices = machine.device_order() if devices is None else list(devices)
@@ -160,13 +159,15 @@ def axis_cost(machine: Machine, placement: Placement, axis: str, nbytes: float) 
         if key in seen:
             continue
         seen.add(key)
-        worst = max(worst, min(machine.compute.collective_seconds("all_reduce", a, span, nbytes)
-                               for a in collectives.ALGORITHMS["all_reduce"]) if span.p > 1 else 0.0)
+        worst = max(
+            worst, min(machine.compute.collective_seconds("all_reduce", a, span, nbytes) for a in collectives.ALGORITHMS["all_reduce"]) if span.p > 1 else 0.0
+        )
     return worst
 
 
-def place(machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...],
-          traffic: dict[str, float] | None = None, devices: list[int] | None = None) -> Placement:
+def place(
+    machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...], traffic: dict[str, float] | None = None, devices: list[int] | None = None
+) -> Placement:
     """The cheapest placement of a mesh on `machine` for the given per-axis traffic (bytes per
     step each rank sends over that axis; DEFAULT_TRAFFIC scaled to 1 MiB when not given)."""
     if math.prod(shape) != machine.world_size:

@@ -27,8 +27,10 @@ from aot.capture.training_state import TrainingState
 
 # -- a graph without fsdp from the graph with it (the planner) ------------------------------------
 
-def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor,
-                        layout: StepLayout, sharded: torch.fx.GraphModule, fsdp_group: str):
+
+def derive_without_fsdp(
+    mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor, layout: StepLayout, sharded: torch.fx.GraphModule, fsdp_group: str
+):
     """The planner's graph of `layout`, a mesh without fsdp, from `sharded`: the graph (profiler calls
     dropped, plain collectives) of a mesh with the same tensor-parallel degree and an fsdp axis
     (group `fsdp_group`). The forward and backward of the sharded step are the unsharded step's ops
@@ -53,8 +55,11 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
     n_state, n_groups = len(state.optimizer_slots), len(state.param_groups)
     nodes = list(sharded.graph.nodes)
     holders = [n for n in nodes if n.op == "placeholder"]
-    if len(holders) != n_params + n_buffers + n_state + n_groups + len(inputs) + 1 or not n_params \
-            or any(n.op not in ("placeholder", "call_function", "output") for n in nodes):
+    if (
+        len(holders) != n_params + n_buffers + n_state + n_groups + len(inputs) + 1
+        or not n_params
+        or any(n.op not in ("placeholder", "call_function", "output") for n in nodes)
+    ):
         return None
     position = {n: i for i, n in enumerate(nodes)}
 
@@ -85,26 +90,31 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
         view = pad.args[0] if isinstance(pad, torch.fx.Node) and pad.args else None
         wait = only_user(scatter, funcol.wait_tensor.default)
         size = scatter.args[2] if len(scatter.args) > 2 else None
-        if getattr(pad, "target", None) is not aten.slice_backward.default \
-                or getattr(view, "target", None) is not aten.view.default \
-                or wait is None or not isinstance(size, int) or list(pad.args[1]) != [-(-numels[i] // size) * size] \
-                or tuple(pad.args[2:5]) != (0, 0, numels[i]):
+        if (
+            getattr(pad, "target", None) is not aten.slice_backward.default
+            or getattr(view, "target", None) is not aten.view.default
+            or wait is None
+            or not isinstance(size, int)
+            or list(pad.args[1]) != [-(-numels[i] // size) * size]
+            or tuple(pad.args[2:5]) != (0, 0, numels[i])
+        ):
             return None
         scattered.update((view, pad, scatter, wait))
         grads[i] = view.args[0]
     first, last = min(position[n] for n in scattered), max(position[n] for n in scattered)
     start = max(position[n] for n in gathered) + 1
     core = nodes[start:first]
-    if any(n.op != "placeholder" and n not in gathered for n in nodes[:start]) \
-            or any(n not in scattered for n in nodes[first:last + 1]) \
-            or any(n.op != "call_function" or n in gathered or n in scattered for n in core):
+    if (
+        any(n.op != "placeholder" and n not in gathered for n in nodes[:start])
+        or any(n not in scattered for n in nodes[first : last + 1])
+        or any(n.op != "call_function" or n in gathered or n in scattered for n in core)
+    ):
         return None
     inside = set(core)
-    readable = inside | set(whole) | set(holders[n_params:n_params + n_buffers]) | set(holders[-1 - len(inputs):])
+    readable = inside | set(whole) | set(holders[n_params : n_params + n_buffers]) | set(holders[-1 - len(inputs) :])
     output = nodes[-1]
     local_loss = output.args[0][0] if output.op == "output" and isinstance(output.args[0], (tuple, list)) else None
-    if any(a not in readable for n in core for a in n.all_input_nodes) or local_loss not in inside \
-            or any(g not in inside for g in grads):
+    if any(a not in readable for n in core for a in n.all_input_nodes) or local_loss not in inside or any(g not in inside for g in grads):
         return None
 
     # the step's end alone, on this layout's whole parameters and on gradients like the backward's
@@ -119,13 +129,17 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
 
     def end(*flat):
         params = list(flat[:n_params])
-        return finish(params, tuple(flat[n_params:2 * n_params]), flat[2 * n_params],
-                      flat[2 * n_params + 1:2 * n_params + 1 + n_state], flat[2 * n_params + 1 + n_state:])
+        return finish(
+            params,
+            tuple(flat[n_params : 2 * n_params]),
+            flat[2 * n_params],
+            flat[2 * n_params + 1 : 2 * n_params + 1 + n_state],
+            flat[2 * n_params + 1 + n_state :],
+        )
 
     state_at = n_params + n_buffers
     try:
-        end_args = [*args[:n_params], *(like(g) for g in grads), like(local_loss),
-                    *args[state_at:state_at + n_state + n_groups]]
+        end_args = [*args[:n_params], *(like(g) for g in grads), like(local_loss), *args[state_at : state_at + n_state + n_groups]]
         with optimizer_tracing(), quiet_trace_logs():
             tail = plain_collectives(drop_profiler_calls(trace_for_pricing(end, end_args)))
     except Exception:  # noqa: BLE001  (the unsharded mesh is traced, and reports any error)
@@ -144,7 +158,7 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
         env[source] = node
         return node
 
-    rest = [*holders[n_params:n_params + n_buffers], *tail_holders[2 * n_params + 1:], *holders[-1 - len(inputs):]]
+    rest = [*holders[n_params : n_params + n_buffers], *tail_holders[2 * n_params + 1 :], *holders[-1 - len(inputs) :]]
     made = [holder(k, source) for k, source in enumerate([*tail_holders[:n_params], *rest])]
     for i in range(n_params):
         env[whole[i]] = made[i]
@@ -185,11 +199,13 @@ def derive_without_fsdp(mf: ModelFile, state: TrainingState, inputs: list[torch.
     shared += [(tail_holders[n_params + i], grads[i]) for i in range(n_params)]
     shared.append((tail_holders[2 * n_params], local_loss))
     from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+
     with _use_lazy_graph_module(True):
         return _make_graph_module(torch.nn.Module(), graph, "step"), slots, shared
 
 
 # -- tracing for the planner ---------------------------------------------------------------------
+
 
 class _NotRecorded(Exception):
     """Something the lean recorder does not reproduce as make_fx would: trace with make_fx."""
@@ -223,8 +239,7 @@ def _lean_make_fx(step, args: list) -> torch.fx.GraphModule:
     from torch.fx.experimental.proxy_tensor import disable_autocast_cache
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.utils import _pytree as pytree
-    from torch.utils._python_dispatch import (TorchDispatchMode, _push_mode, _unset_infra_mode,
-                                              autograd_would_have_decomposed)
+    from torch.utils._python_dispatch import TorchDispatchMode, _push_mode, _unset_infra_mode, autograd_would_have_decomposed
     from torch.utils.weak import WeakTensorKeyDictionary
 
     aten = torch.ops.aten
@@ -256,7 +271,7 @@ def _lean_make_fx(step, args: list) -> torch.fx.GraphModule:
             out.append(value)
         return out
 
-    decomposes: dict = {}      # (op, device type) -> whether autograd would have decomposed it
+    decomposes: dict = {}  # (op, device type) -> whether autograd would have decomposed it
 
     class Recorder(TorchDispatchMode):
         """make_fx's ProxyTorchDispatchMode, reduced to recording: in the proxy slot of the
@@ -270,7 +285,7 @@ def _lean_make_fx(step, args: list) -> torch.fx.GraphModule:
             self._mode_key = proxy_key
             self.graph = graph
             self.nodes = WeakTensorKeyDictionary()
-            self.objects: dict = {}    # hash of a script object (the profiler's handle) -> node
+            self.objects: dict = {}  # hash of a script object (the profiler's handle) -> node
             self.enter_stack: list = []
 
         @classmethod
@@ -346,8 +361,7 @@ def _lean_make_fx(step, args: list) -> torch.fx.GraphModule:
                         out = func.decompose(*args, **kwargs)
                         if out is not NotImplemented:
                             return out
-            if (func is aten.is_nonzero.default or torch.Tag.data_dependent_output in func.tags
-                    or torch.Tag.dynamic_output_shape in func.tags):
+            if func is aten.is_nonzero.default or torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags:
                 raise _NotRecorded(str(func))
             node_args, node_kwargs = self.node_of(args), self.node_of(kwargs)
             if func is aten.lift_fresh.default:
@@ -358,8 +372,7 @@ def _lean_make_fx(step, args: list) -> torch.fx.GraphModule:
             return out
 
     with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
-        fake_mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=False,
-                                   shape_env=ShapeEnv(), static_shapes=True)
+        fake_mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=False, shape_env=ShapeEnv(), static_shapes=True)
     graph = torch.fx.Graph()
     recorder = Recorder(graph)
     fake_args = []

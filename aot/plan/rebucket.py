@@ -18,7 +18,7 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
     others = [c for c in step.comms if not (c.kind == "all_reduce" and c.members == 1)]
     order = sorted(range(len(singles)), key=lambda i: (singles[i].issue_at, i))
     open_: dict[tuple, list[list[CommSite]]] = {}
-    filling: dict[tuple, tuple] = {}   # (group, dtype) -> the open bucket's bytes, latest issue, first wait
+    filling: dict[tuple, tuple] = {}  # (group, dtype) -> the open bucket's bytes, latest issue, first wait
     for i in order:
         c = singles[i]
         buckets = open_.setdefault((c.group, c.dtype), [[]])
@@ -46,11 +46,23 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
             pre.append(Op(f"cat_{b[0].name}", "cat", bytes=2.0 * total, dtype=dtype))
             post = [Op(f"split_{b[0].name}", "split_with_sizes", kind="view", dtype=dtype)]
             post += [Op(f"unpack_{m.name}", "view", kind="view", dtype=dtype) for m in b]
-            comms.append(CommSite(f"bucket_{b[0].name}", "all_reduce", b[0].group, total, total, dtype,
-                                  issue_at=max(m.issue_at for m in b), wait_at=min(m.wait_at for m in b),
-                                  members=len(b), pre_ops=pre, post_ops=post,
-                                  input_numel=sum(m.input_numel for m in b),
-                                  readers=tuple(sorted(r for m in b for r in m.readers))))
+            comms.append(
+                CommSite(
+                    f"bucket_{b[0].name}",
+                    "all_reduce",
+                    b[0].group,
+                    total,
+                    total,
+                    dtype,
+                    issue_at=max(m.issue_at for m in b),
+                    wait_at=min(m.wait_at for m in b),
+                    members=len(b),
+                    pre_ops=pre,
+                    post_ops=post,
+                    input_numel=sum(m.input_numel for m in b),
+                    readers=tuple(sorted(r for m in b for r in m.readers)),
+                )
+            )
     comms.sort(key=lambda c: (c.issue_at, c.name))
     at_peak = {**step.memory.at_peak, "collective_buffers": step.memory.at_peak.get("collective_buffers", 0) + extra_bytes}
     memory = replace(step.memory, peak_transient=step.memory.peak_transient + extra_bytes, at_peak=at_peak)

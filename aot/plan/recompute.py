@@ -23,13 +23,14 @@ from aot.passes.recompute import Choice, by_budget, by_modules, recompute_activa
 from aot.plan.cost_model import analyze, node_seconds
 from runner.inspect import human
 
-GRID = 10   # a memory budget tries activation budgets 0.9, 0.8, ... down to the smallest feasible
+GRID = 10  # a memory budget tries activation budgets 0.9, 0.8, ... down to the smallest feasible
 
 
 @dataclass(frozen=True)
 class Request:
     """`memory_bytes` (per rank), `fraction` (of saved activation bytes kept) or module
     `patterns` (checkpoint each call; `save_matmuls`: selective); `source` says who asked."""
+
     memory_bytes: int | None = None
     fraction: float | None = None
     patterns: tuple = ()
@@ -48,13 +49,19 @@ def parse_memory(text: str) -> int:
     """`80`, `80GiB`, `512MiB`, `1.5GB` -> bytes (a bare number is GiB)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise AotError(f"--memory-budget must be a positive size such as 70, 70GiB or 512MiB (a bare number is GiB), "
-                       f"got {text!r}")
+        raise AotError(f"--memory-budget must be a positive size such as 70, 70GiB or 512MiB (a bare number is GiB), got {text!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def resolve_request(memory_budget: str | None, activation_budget: float | None, model_globals: dict, name: str,
-                    device_memory: int | None, headroom: float, fraction_source: str = "--activation-budget") -> Request:
+def resolve_request(
+    memory_budget: str | None,
+    activation_budget: float | None,
+    model_globals: dict,
+    name: str,
+    device_memory: int | None,
+    headroom: float,
+    fraction_source: str = "--activation-budget",
+) -> Request:
     """The flags win over the model file's `recompute`; with neither, the profile's device memory
     (less the planner's headroom) is the budget, so a step that fits recomputes nothing."""
     if memory_budget is not None and activation_budget is not None:
@@ -80,8 +87,7 @@ def _model_file_policy(policy, name: str) -> Request:
     if isinstance(policy, (list, tuple)):
         policy = {"modules": list(policy)}
     if not isinstance(policy, dict) or set(policy) - {"modules", "save"}:
-        raise AotError(f'{where} must be a list of module name patterns (["blocks.*"]) or '
-                       f'{{"modules": [...], "save": "matmuls"}}; got {policy!r}')
+        raise AotError(f'{where} must be a list of module name patterns (["blocks.*"]) or {{"modules": [...], "save": "matmuls"}}; got {policy!r}')
     modules = policy.get("modules")
     if not modules or not isinstance(modules, (list, tuple)) or not all(isinstance(p, str) and p for p in modules):
         raise AotError(f'{where}: "modules" must be a non-empty list of module name patterns such as "blocks.*"')
@@ -91,8 +97,9 @@ def _model_file_policy(policy, name: str) -> Request:
     return Request(patterns=tuple(modules), save_matmuls=save == "matmuls", source="model file")
 
 
-def apply_request(gm: torch.fx.GraphModule, slots: list, request: Request, compute,
-                  finish: Callable[[torch.fx.GraphModule], torch.fx.GraphModule]) -> tuple[torch.fx.GraphModule, dict]:
+def apply_request(
+    gm: torch.fx.GraphModule, slots: list, request: Request, compute, finish: Callable[[torch.fx.GraphModule], torch.fx.GraphModule]
+) -> tuple[torch.fx.GraphModule, dict]:
     """The step with `request`'s recomputation and the other passes (`finish`) applied, and what
     was chosen (the manifest's `memory.recompute`)."""
     cost = lambda n: node_seconds(n, compute)
@@ -101,14 +108,18 @@ def apply_request(gm: torch.fx.GraphModule, slots: list, request: Request, compu
     if request.patterns:
         choice = by_modules(gm.graph, request.patterns, request.save_matmuls, cost)
         if not choice.values:
-            raise AotError(f"recompute {list(request.patterns)}: no module call matching these patterns keeps a value "
-                           f"backward reads (module names are dotted paths from the model, e.g. blocks.*)")
+            raise AotError(
+                f"recompute {list(request.patterns)}: no module call matching these patterns keeps a value "
+                f"backward reads (module names are dotted paths from the model, e.g. blocks.*)"
+            )
         return finish(recompute_activations(gm, choice)), _summary(request, choice)
     if request.fraction is not None:
         choice = by_budget(gm.graph, request.fraction, cost)
         if choice.kept_bytes > request.fraction * choice.saved_bytes:
-            raise AotError(f"--activation-budget {request.fraction:g} is below what recomputation can reach here: the smallest "
-                           f"feasible is {smallest_fraction(choice.fraction):.3f} (the step's inputs, layer boundaries and random draws stay saved)")
+            raise AotError(
+                f"--activation-budget {request.fraction:g} is below what recomputation can reach here: the smallest "
+                f"feasible is {smallest_fraction(choice.fraction):.3f} (the step's inputs, layer boundaries and random draws stay saved)"
+            )
         return finish(recompute_activations(gm, choice)), _summary(request, choice)
     return _fit(gm, slots, request, cost, finish)
 
@@ -136,17 +147,22 @@ def _fit(gm, slots, request: Request, cost, finish):
         tried.append((trial, choice, candidate))
     if request.source == "device memory":  # not the user's demand: build the smallest peak there is, and say so
         trial, choice, candidate = min(tried, key=lambda t: t[2])
-        return trial, {**_summary(request, choice), "peak_without_recompute": peak, "fits": False,
-                       "warning": f"the step needs {human(candidate)} per rank even recomputing activations (without: "
-                                  f"{human(peak)}), more than the device's {human(budget)} after headroom: it may run out "
-                                  f"of memory; use more ranks, fsdp, or a smaller batch"}
-    raise AotError(f"--memory-budget {human(budget)} is below the smallest peak recomputation reaches for this step, "
-                   f"{human(smallest)} per rank (without recomputation: {human(peak)})")
+        return trial, {
+            **_summary(request, choice),
+            "peak_without_recompute": peak,
+            "fits": False,
+            "warning": f"the step needs {human(candidate)} per rank even recomputing activations (without: "
+            f"{human(peak)}), more than the device's {human(budget)} after headroom: it may run out "
+            f"of memory; use more ranks, fsdp, or a smaller batch",
+        }
+    raise AotError(
+        f"--memory-budget {human(budget)} is below the smallest peak recomputation reaches for this step, "
+        f"{human(smallest)} per rank (without recomputation: {human(peak)})"
+    )
 
 
 def _summary(request: Request, choice: Choice | None) -> dict:
-    summary = {"policy": "none" if choice is None else "modules" if request.patterns else "budget",
-               "source": request.source}
+    summary = {"policy": "none" if choice is None else "modules" if request.patterns else "budget", "source": request.source}
     if request.memory_bytes is not None:
         summary["memory_budget_bytes"] = request.memory_bytes
     if request.fraction is not None:
@@ -155,9 +171,13 @@ def _summary(request: Request, choice: Choice | None) -> dict:
         summary["modules"] = list(request.patterns)
         summary["save"] = "matmuls" if request.save_matmuls else "nothing"
     if choice is not None:
-        summary.update(saved_activation_bytes=choice.saved_bytes, kept_activation_bytes=choice.kept_bytes,
-                       recomputed_values=choice.values, recomputed_ops=len(choice.nodes),
-                       predicted_recompute_s=choice.cost_s)
+        summary.update(
+            saved_activation_bytes=choice.saved_bytes,
+            kept_activation_bytes=choice.kept_bytes,
+            recomputed_values=choice.values,
+            recomputed_ops=len(choice.nodes),
+            predicted_recompute_s=choice.cost_s,
+        )
     return summary
 
 

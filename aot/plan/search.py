@@ -34,7 +34,7 @@ from aot.plan.placement import Placement, identity, place
 
 BUCKET_MB_CANDIDATES = (1.0, 4.0, 25.0, 100.0)
 DEFAULT_BUCKET_MB = 25.0
-MEMORY_HEADROOM = 0.9      # of device memory: the CUDA context, allocator caching and fragmentation take the rest
+MEMORY_HEADROOM = 0.9  # of device memory: the CUDA context, allocator caching and fragmentation take the rest
 TIMELINE_FILE = "plan/timeline.json"
 MiB = 2**20
 
@@ -53,8 +53,8 @@ class Plan:
     fits: bool
     nccl_algo: str | None = None
     notes: list[str] = field(default_factory=list)
-    recompute: float | None = None   # the activation budget recomputation was priced at (None: none)
-    pipeline: dict | None = None     # pp plans: microbatches, schedule, bubble_s
+    recompute: float | None = None  # the activation budget recomputation was priced at (None: none)
+    pipeline: dict | None = None  # pp plans: microbatches, schedule, bubble_s
 
     @property
     def strategy(self) -> str:
@@ -66,18 +66,30 @@ class Plan:
 
     def row(self) -> dict:
         p = self.prediction
-        return {"strategy": self.strategy, "bucket_mb": self.bucket_mb, "recompute": self.recompute, "fits": self.fits,
-                **p.to_json(), "placement": self.placement.to_json(), "nccl_algo": self.nccl_algo,
-                **({"pipeline": self.pipeline} if self.pipeline else {})}
+        return {
+            "strategy": self.strategy,
+            "bucket_mb": self.bucket_mb,
+            "recompute": self.recompute,
+            "fits": self.fits,
+            **p.to_json(),
+            "placement": self.placement.to_json(),
+            "nccl_algo": self.nccl_algo,
+            **({"pipeline": self.pipeline} if self.pipeline else {}),
+        }
 
 
 class Planner:
     """Prices plans for one machine. `step_graph(axes, shape)` gives the unbucketed step graph of
     one rank for a mesh (raising Unsupported when the build cannot trace it)."""
 
-    def __init__(self, machine: Machine, step_graph: Callable[[tuple, tuple], StepGraph], hierarchical: str = "auto",
-                 recomputing: Callable[[tuple, tuple], list[tuple[float, StepGraph]]] | None = None,
-                 pipeline: Callable | None = None):
+    def __init__(
+        self,
+        machine: Machine,
+        step_graph: Callable[[tuple, tuple], StepGraph],
+        hierarchical: str = "auto",
+        recomputing: Callable[[tuple, tuple], list[tuple[float, StepGraph]]] | None = None,
+        pipeline: Callable | None = None,
+    ):
         self.machine = machine
         # (axes, shape, microbatches) -> (programs, their analyses), one per pipeline rank (ModelSteps.pipeline)
         self._pipeline = pipeline
@@ -169,11 +181,22 @@ class Planner:
                         if hierarchical == "always" or seconds < cache[key][1]:
                             cache[key] = ("hierarchical", seconds)
             return cache[key]
+
         return cost, nccl
 
     # -- one plan ---------------------------------------------------------------------------
-    def evaluate(self, axes, shape, bucket_mb: float, *, step: StepGraph | None = None, bucketed: bool = False,
-                 placement: Placement | None = None, trace: bool = False, as_built: bool = False) -> Plan:
+    def evaluate(
+        self,
+        axes,
+        shape,
+        bucket_mb: float,
+        *,
+        step: StepGraph | None = None,
+        bucketed: bool = False,
+        placement: Placement | None = None,
+        trace: bool = False,
+        as_built: bool = False,
+    ) -> Plan:
         """Price one plan. `as_built`: the graph is the build's, whose all_reduces were already
         split where hierarchical pays (aot/passes/hierarchical.py): price them as they are."""
         base = step if step is not None else self.step_graph(axes, shape)
@@ -249,23 +272,27 @@ class Planner:
         if placement.order[0] != "pp" and size["pp"] < self.machine.world_size:
             placement = identity(order, ordered)
         best, last = None, None
-        for microbatches, schedule, virtual in [(k * size["pp"], schedule, virtual) for k in (1, 2, 4)
-                                                for schedule, virtual in (("1f1b", 1), ("interleaved-1f1b", 2))]:
+        for microbatches, schedule, virtual in [
+            (k * size["pp"], schedule, virtual) for k in (1, 2, 4) for schedule, virtual in (("1f1b", 1), ("interleaved-1f1b", 2))
+        ]:
             try:
                 programs, analyses = self._pipeline(order, ordered, microbatches, schedule, virtual)
             except Unsupported as e:
-                last = last or e   # the first reason: the fewest microbatches, 1f1b
+                last = last or e  # the first reason: the fewest microbatches, 1f1b
                 continue
             timeline = simulate_pipeline(programs, self, placement, Mesh.group_name("pp"))
             busiest = max(range(len(programs)), key=lambda r: timeline.busy_s[r])
-            plan = self.evaluate(order, ordered, DEFAULT_BUCKET_MB, step=analyses[busiest], bucketed=True,
-                                 placement=placement, as_built=True)
+            plan = self.evaluate(order, ordered, DEFAULT_BUCKET_MB, step=analyses[busiest], bucketed=True, placement=placement, as_built=True)
             memory = max((a.memory for a in analyses), key=lambda m: m.peak)
             plan.prediction = replace(plan.prediction, step_s=timeline.step_s, memory=memory)
             limit = self.machine.memory_bytes
             plan.fits = limit is None or memory.peak <= MEMORY_HEADROOM * limit
-            plan.pipeline = {"microbatches": microbatches, "schedule": schedule, "stages_per_rank": virtual,
-                             "bubble_s": timeline.step_s - timeline.busy_s[busiest]}
+            plan.pipeline = {
+                "microbatches": microbatches,
+                "schedule": schedule,
+                "stages_per_rank": virtual,
+                "bubble_s": timeline.step_s - timeline.busy_s[busiest],
+            }
             if best is None or rank_key(plan) < rank_key(best):
                 best = plan
         if best is None:
@@ -278,8 +305,10 @@ class Planner:
         variants = self._recomputing(tuple(axes), tuple(shape))
         out = []
         for plan in over:
-            priced = [self.evaluate(axes, shape, plan.bucket_mb, step=rebucket(graph, int(plan.bucket_mb * MiB)),
-                                    bucketed=True, placement=plan.placement) for _, graph in variants]
+            priced = [
+                self.evaluate(axes, shape, plan.bucket_mb, step=rebucket(graph, int(plan.bucket_mb * MiB)), bucketed=True, placement=plan.placement)
+                for _, graph in variants
+            ]
             for variant, (fraction, _) in zip(priced, variants):
                 variant.recompute = fraction
             if priced:
@@ -291,8 +320,9 @@ class Planner:
 class MemoryLimit:
     """What a rank may hold (MEMORY_HEADROOM of the device's memory), as ModelSteps asks it of a
     step graph before pricing it recomputing activations."""
+
     bytes: float
-    bucket_mbs: tuple | None = None   # the bucket sizes the search was given (None: its own)
+    bucket_mbs: tuple | None = None  # the bucket sizes the search was given (None: its own)
 
     def over(self, step: StepGraph) -> bool:
         """Whether a plan read from `step` may not fit: at any bucket size the search tries, or with
@@ -347,10 +377,21 @@ def _bucket_candidates(step: StepGraph, given) -> list[float]:
     return sorted(sizes)
 
 
-def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int, *, seed: int = 0,
-               bucket_mbs: tuple[float, ...] | None = None, axes: tuple[str, ...] | None = None,
-               sequence_parallel: bool = False, hierarchical: str = "auto", precision: str | None = None,
-               reduce_dtype: str | None = None, reuse: ModelSteps | None = None):
+def plan_model(
+    model_path: Path,
+    profile: dict,
+    world_size: int,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    bucket_mbs: tuple[float, ...] | None = None,
+    axes: tuple[str, ...] | None = None,
+    sequence_parallel: bool = False,
+    hierarchical: str = "auto",
+    precision: str | None = None,
+    reduce_dtype: str | None = None,
+    reuse: ModelSteps | None = None,
+):
     """(ranked plans, skipped meshes, planner, model steps) for a model file on a profile.
     `hierarchical`: all_reduces over groups spanning nodes in two levels where cheaper ("auto"),
     wherever they can ("always") or never, as `aot build --hierarchical` builds them. `reuse`: the
@@ -377,12 +418,29 @@ def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int
         machine = Machine(profile, world_size)
         memory_limit = MemoryLimit(MEMORY_HEADROOM * machine.memory_bytes, bucket_mbs) if machine.memory_bytes else None
         if reuse is not None and reuse.request == (Path(model_path), batch_size, seed, sequence_parallel):
-            steps = reuse.retargeted(profile, world_size=world_size, max_tp=machine.per_node, precision=precision,
-                                     reduce_dtype=reduce_dtype, memory_limit=memory_limit, compute=machine.compute)
+            steps = reuse.retargeted(
+                profile,
+                world_size=world_size,
+                max_tp=machine.per_node,
+                precision=precision,
+                reduce_dtype=reduce_dtype,
+                memory_limit=memory_limit,
+                compute=machine.compute,
+            )
         else:
-            steps = ModelSteps(model_path, batch_size, seed, world_size, max_tp=machine.per_node,
-                               sequence_parallel=sequence_parallel, precision=precision, reduce_dtype=reduce_dtype,
-                               profile=profile, compute=machine.compute, memory_limit=memory_limit)
+            steps = ModelSteps(
+                model_path,
+                batch_size,
+                seed,
+                world_size,
+                max_tp=machine.per_node,
+                sequence_parallel=sequence_parallel,
+                precision=precision,
+                reduce_dtype=reduce_dtype,
+                profile=profile,
+                compute=machine.compute,
+                memory_limit=memory_limit,
+            )
         planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing, pipeline=steps.pipeline)
         searched = tuple(axes or SUPPORTED_AXES)
         steps.prefetch(searched)
@@ -394,18 +452,20 @@ def plan_model(model_path: Path, profile: dict, world_size: int, batch_size: int
 
 # -- into the artifact ----------------------------------------------------------------------------
 
-def time_entry(machine: Machine, mesh: Mesh, placement: Placement, built: StepGraph, bucket_mb: float,
-               recompute_s: float = 0.0) -> dict:
+
+def time_entry(machine: Machine, mesh: Mesh, placement: Placement, built: StepGraph, bucket_mb: float, recompute_s: float = 0.0) -> dict:
     """The manifest's `time` entry of every build: the cost model's step time for the program
     exactly as built (its buckets, overlap and recomputation) on the profile it was built for,
     which `aot inspect --profile` sets beside a measurement."""
     planner = Planner(machine, step_graph=None)
     plan = planner.evaluate(mesh.axes, mesh.shape, bucket_mb, step=built, bucketed=True, placement=placement, as_built=True)
     p = plan.prediction
-    return {"predicted": {"step_s": p.step_s, "compute_s": p.compute_s, "comm_s": p.comm_s,
-                          "exposed_comm_s": p.exposed_comm_s, "recompute_s": recompute_s},
-            "topology": machine.name, "calibrated": bool(machine.calibration) or machine.compute.calibrated,
-            "overlap": planner.overlaps}
+    return {
+        "predicted": {"step_s": p.step_s, "compute_s": p.compute_s, "comm_s": p.comm_s, "exposed_comm_s": p.exposed_comm_s, "recompute_s": recompute_s},
+        "topology": machine.name,
+        "calibrated": bool(machine.calibration) or machine.compute.calibrated,
+        "overlap": planner.overlaps,
+    }
 
 
 def manifest_entry(planner: Planner, chosen: Plan, graph, slots, ranked: list[Plan], batch_size: int) -> tuple[dict, dict[str, bytes]]:
@@ -416,8 +476,7 @@ def manifest_entry(planner: Planner, chosen: Plan, graph, slots, ranked: list[Pl
     from aot.plan.timeline import chrome_trace
 
     built = analyze(graph, slots)
-    final = planner.evaluate(chosen.axes, chosen.shape, chosen.bucket_mb, step=built, bucketed=True,
-                             placement=chosen.placement, trace=True, as_built=True)
+    final = planner.evaluate(chosen.axes, chosen.shape, chosen.bucket_mb, step=built, bucketed=True, placement=chosen.placement, trace=True, as_built=True)
     machine = planner.machine
     trace = chrome_trace(final.prediction, title=f"{chosen.strategy}, bucket {chosen.bucket_mb:g} MiB on {machine.describe()}")
     entry = {
@@ -430,12 +489,19 @@ def manifest_entry(planner: Planner, chosen: Plan, graph, slots, ranked: list[Pl
         "overlap": planner.overlaps,
         "placement": chosen.placement.to_json(),
         "nccl_algo": final.nccl_algo,
-        "predicted": {**final.prediction.to_json(), "fits": final.fits,
-                      "device_memory_bytes": machine.memory_bytes},
-        "candidates": [{"strategy": p.strategy, "bucket_mb": p.bucket_mb, "step_s": p.prediction.step_s,
-                        "peak_memory_bytes": p.prediction.memory.peak, "collectives_per_step": p.prediction.collectives,
-                        "fits": p.fits, **({"recompute": p.recompute} if p.recompute is not None else {})}
-                       for p in ranked[:16]],
+        "predicted": {**final.prediction.to_json(), "fits": final.fits, "device_memory_bytes": machine.memory_bytes},
+        "candidates": [
+            {
+                "strategy": p.strategy,
+                "bucket_mb": p.bucket_mb,
+                "step_s": p.prediction.step_s,
+                "peak_memory_bytes": p.prediction.memory.peak,
+                "collectives_per_step": p.prediction.collectives,
+                "fits": p.fits,
+                **({"recompute": p.recompute} if p.recompute is not None else {}),
+            }
+            for p in ranked[:16]
+        ],
         "timeline": TIMELINE_FILE,
     }
     if chosen.recompute is not None:  # the activation budget the plan was priced at, which the build applied
@@ -447,11 +513,12 @@ def manifest_entry(planner: Planner, chosen: Plan, graph, slots, ranked: list[Pl
 @dataclass
 class BuildPlan:
     """The plan `aot build --strategy auto` builds, and how to describe it in the artifact."""
+
     planner: Planner
     chosen: Plan
     ranked: list[Plan]
     batch_size: int
-    model_recompute: bool = False   # the model file names its own `recompute` policy
+    model_recompute: bool = False  # the model file names its own `recompute` policy
 
     @property
     def strategy(self) -> str:
@@ -485,17 +552,25 @@ def plan_for_build(options, profile: dict, progress) -> BuildPlan:
     placement it was priced with (`chosen.placement`), which the build applies."""
     progress.total += 1
     with progress.stage(f"planning: pricing strategies and bucket sizes on topology {profile['name']!r}"):
-        plans, skipped, planner, steps = plan_model(options.model_path, profile, options.world_size, options.batch_size,
-                                                    seed=options.seed, sequence_parallel=options.sequence_parallel,
-                                                    hierarchical=options.hierarchical, precision=options.precision,
-                                                    reduce_dtype=options.reduce_dtype)
+        plans, skipped, planner, steps = plan_model(
+            options.model_path,
+            profile,
+            options.world_size,
+            options.batch_size,
+            seed=options.seed,
+            sequence_parallel=options.sequence_parallel,
+            hierarchical=options.hierarchical,
+            precision=options.precision,
+            reduce_dtype=options.reduce_dtype,
+        )
         chosen = best_plan(plans)
     p = chosen.prediction
     recompute = f" --activation-budget {chosen.recompute:g}" if chosen.recompute is not None else ""
-    progress.note(f"plan: --strategy {chosen.strategy} --bucket-mb {chosen.bucket_mb:g}{recompute}, predicted "
-                  f"{p.step_s * 1e3:.3g} ms per step, {p.memory.peak / 2**20:.1f} MiB per rank (best of {len(plans)} candidates)")
-    return BuildPlan(planner, chosen, plans, options.batch_size,
-                     model_recompute=steps.mf.globals.get("recompute") is not None)
+    progress.note(
+        f"plan: --strategy {chosen.strategy} --bucket-mb {chosen.bucket_mb:g}{recompute}, predicted "
+        f"{p.step_s * 1e3:.3g} ms per step, {p.memory.peak / 2**20:.1f} MiB per rank (best of {len(plans)} candidates)"
+    )
+    return BuildPlan(planner, chosen, plans, options.batch_size, model_recompute=steps.mf.globals.get("recompute") is not None)
 
 
 def best_plan(plans: list[Plan]) -> Plan:
@@ -503,8 +578,15 @@ def best_plan(plans: list[Plan]) -> Plan:
     if not fitting:
         smallest = min(plans, key=lambda p: p.prediction.memory.peak) if plans else None
         from runner.inspect import human
-        need = (f" (the smallest needs {human(smallest.prediction.memory.peak)} per rank"
-                + (", recomputing activations" if smallest.recompute is not None else "") + ")") if smallest else ""
+
+        need = (
+            (
+                f" (the smallest needs {human(smallest.prediction.memory.peak)} per rank"
+                + (", recomputing activations" if smallest.recompute is not None else "")
+                + ")"
+            )
+            if smallest
+            else ""
+        )
         raise AotError(f"no plan fits the device memory{need}")
     return fitting[0]
-

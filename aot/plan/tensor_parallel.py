@@ -32,13 +32,54 @@ _aten = torch.ops.aten
 # Operations that compute each output element from the same position of their inputs (or move
 # elements without mixing features), so they may run on a shard of the features as on the whole.
 _SHARD_LOCAL = {
-    _aten.add, _aten.sub, _aten.mul, _aten.div, _aten.neg, _aten.relu, _aten.gelu, _aten.silu, _aten.sigmoid,
-    _aten.tanh, _aten.exp, _aten.log, _aten.pow, _aten.sqrt, _aten.rsqrt, _aten.abs, _aten.square, _aten.erf,
-    _aten.masked_fill, _aten.where, _aten.dropout, _aten.native_dropout, _aten.clone, _aten.contiguous,
-    _aten._to_copy, _aten.to, _aten.type_as, _aten.leaky_relu, _aten.elu, _aten.hardtanh, _aten.softplus,
-    _aten.view, _aten.reshape, _aten._unsafe_view, _aten.transpose, _aten.permute, _aten.unsqueeze,
-    _aten.squeeze, _aten.expand, _aten.flatten, _aten.split, _aten.split_with_sizes, _aten.chunk,
-    _aten.matmul, _aten.bmm, _aten.softmax, _aten._softmax, _aten.scaled_dot_product_attention,
+    _aten.add,
+    _aten.sub,
+    _aten.mul,
+    _aten.div,
+    _aten.neg,
+    _aten.relu,
+    _aten.gelu,
+    _aten.silu,
+    _aten.sigmoid,
+    _aten.tanh,
+    _aten.exp,
+    _aten.log,
+    _aten.pow,
+    _aten.sqrt,
+    _aten.rsqrt,
+    _aten.abs,
+    _aten.square,
+    _aten.erf,
+    _aten.masked_fill,
+    _aten.where,
+    _aten.dropout,
+    _aten.native_dropout,
+    _aten.clone,
+    _aten.contiguous,
+    _aten._to_copy,
+    _aten.to,
+    _aten.type_as,
+    _aten.leaky_relu,
+    _aten.elu,
+    _aten.hardtanh,
+    _aten.softplus,
+    _aten.view,
+    _aten.reshape,
+    _aten._unsafe_view,
+    _aten.transpose,
+    _aten.permute,
+    _aten.unsqueeze,
+    _aten.squeeze,
+    _aten.expand,
+    _aten.flatten,
+    _aten.split,
+    _aten.split_with_sizes,
+    _aten.chunk,
+    _aten.matmul,
+    _aten.bmm,
+    _aten.softmax,
+    _aten._softmax,
+    _aten.scaled_dot_product_attention,
 }
 
 
@@ -61,8 +102,7 @@ def check_degree(mf, model: nn.Module, tp: int) -> None:
             if heads is None and isinstance(value, int) and not isinstance(value, bool):
                 heads = (f"{path or 'model'}.{name}", value)
     if heads and heads[1] % tp:
-        raise AotError(f"--strategy tp={tp}: the tensor-parallel degree must divide the attention heads "
-                       f"({heads[0]} = {heads[1]})")
+        raise AotError(f"--strategy tp={tp}: the tensor-parallel degree must divide the attention heads ({heads[0]} = {heads[1]})")
 
 
 def user_plan(mf, model: nn.Module) -> dict[str, str] | None:
@@ -73,16 +113,15 @@ def user_plan(mf, model: nn.Module) -> dict[str, str] | None:
     if callable(plan):
         plan = plan()
     if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
-        raise AotError(f"{mf.path.name}: tp_plan must map module names to \"colwise\" or \"rowwise\"")
+        raise AotError(f'{mf.path.name}: tp_plan must map module names to "colwise" or "rowwise"')
     modules = dict(model.named_modules())
     for name, style in plan.items():
         if name not in modules:
             raise AotError(f"{mf.path.name}: tp_plan names module {name!r}, which the model does not have")
         if style not in STYLES:
-            raise AotError(f"{mf.path.name}: tp_plan[{name!r}] is {style!r}; expected \"colwise\" or \"rowwise\"")
+            raise AotError(f'{mf.path.name}: tp_plan[{name!r}] is {style!r}; expected "colwise" or "rowwise"')
         if not isinstance(modules[name], nn.Linear):
-            raise AotError(f"{mf.path.name}: tp_plan names {name!r}, a {type(modules[name]).__name__}; "
-                           f"only Linear layers can be sharded")
+            raise AotError(f"{mf.path.name}: tp_plan names {name!r}, a {type(modules[name]).__name__}; only Linear layers can be sharded")
     return dict(plan)
 
 
@@ -92,8 +131,7 @@ def check_divisible(plan: dict[str, str], model: nn.Module, tp: int, where: str)
         linear = modules[name]
         features, which = (linear.out_features, "output") if style == "colwise" else (linear.in_features, "input")
         if features % tp:
-            raise AotError(f"--strategy tp={tp}: {where} shards {name!r} {style}, but its {features} {which} "
-                           f"features do not divide by {tp}")
+            raise AotError(f"--strategy tp={tp}: {where} shards {name!r} {style}, but its {features} {which} features do not divide by {tp}")
 
 
 def find_plan(model: nn.Module, inputs: list[torch.Tensor]) -> dict[str, str]:
@@ -108,8 +146,10 @@ def find_plan(model: nn.Module, inputs: list[torch.Tensor]) -> dict[str, str]:
         with quiet_trace_logs(), contextlib.redirect_stderr(io.StringIO()):
             ep = torch.export.export(model, tuple(inputs), strict=False)
     except Exception as e:
-        raise AotError(f"tensor parallel: the forward could not be traced to find the plan "
-                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); give a tp_plan in the model file") from e
+        raise AotError(
+            f"tensor parallel: the forward could not be traced to find the plan "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); give a tp_plan in the model file"
+        ) from e
     graph = ep.graph
     linears = [n for n in graph.nodes if n.op == "call_function" and n.target == _aten.linear.default]
     module_of = {n: list(n.meta["nn_module_stack"].values())[-1][0] for n in linears}
@@ -297,22 +337,23 @@ def sequence_parallel_layout(model: nn.Module, plan: dict[str, str], where: str)
     # Merge regions that are ancestors of one another (a plan naming modules at several depths).
     regions = {r for r in regions if not any(r != o and r.startswith(o + ".") for o in regions)}
     if "" in regions:
-        raise AotError(f"--sequence-parallel: {where} splits layers at the top of the model; sequence "
-                       f"parallelism needs them inside blocks (attention, MLP modules)")
+        raise AotError(
+            f"--sequence-parallel: {where} splits layers at the top of the model; sequence parallelism needs them inside blocks (attention, MLP modules)"
+        )
     blocks = sorted({r.rpartition(".")[0] for r in regions})
     containers = {b.rpartition(".")[0] for b in blocks}
     modules = dict(model.named_modules())
     if len(containers) != 1 or "" in blocks:
-        raise AotError(f"--sequence-parallel: the split layers are not inside one stack of blocks "
-                       f"(found {', '.join(blocks) or 'none'})")
+        raise AotError(f"--sequence-parallel: the split layers are not inside one stack of blocks (found {', '.join(blocks) or 'none'})")
     container = containers.pop()
     order = [f"{container}.{child}" if container else child for child, _ in modules[container].named_children()]
     positions = sorted(order.index(b) for b in blocks)
     if positions != list(range(positions[0], positions[0] + len(positions))):
         raise AotError(f"--sequence-parallel: blocks {', '.join(blocks)} are not consecutive in {container!r}")
     blocks = [order[i] for i in positions]
-    norms = sorted(n for b in blocks for n, m in modules[b].named_modules(prefix=b)
-                   if isinstance(m, _NORMS) and not any(n.startswith(r + ".") or n == r for r in regions))
+    norms = sorted(
+        n for b in blocks for n, m in modules[b].named_modules(prefix=b) if isinstance(m, _NORMS) and not any(n.startswith(r + ".") or n == r for r in regions)
+    )
     return {"regions": sorted(regions), "norms": norms, "blocks": blocks}
 
 

@@ -20,16 +20,26 @@ def chrome_trace(prediction: Prediction, title: str = "") -> dict:
         {"ph": "M", "pid": 0, "tid": COMM_TID, "name": "thread_name", "args": {"name": "communication"}},
     ]
     for lane, name, what, start, seconds, args in prediction.events or ():
-        events.append({
-            "ph": "X", "pid": 0, "tid": COMPUTE_TID if lane == "compute" else COMM_TID,
-            "name": f"{what}" if lane == "comm" else name, "cat": lane,
-            "ts": round(start * 1e6, 3), "dur": round(seconds * 1e6, 3),
-            "args": {"node": name, "op": what, **{k: v for k, v in args.items() if v}},
-        })
+        events.append(
+            {
+                "ph": "X",
+                "pid": 0,
+                "tid": COMPUTE_TID if lane == "compute" else COMM_TID,
+                "name": f"{what}" if lane == "comm" else name,
+                "cat": lane,
+                "ts": round(start * 1e6, 3),
+                "dur": round(seconds * 1e6, 3),
+                "args": {"node": name, "op": what, **{k: v for k, v in args.items() if v}},
+            }
+        )
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
-        "otherData": {"predicted_step_s": prediction.step_s, "compute_s": prediction.compute_s,
-                      "comm_s": prediction.comm_s, "exposed_comm_s": prediction.exposed_comm_s,
-                      "peak_memory_bytes": prediction.memory.peak},
+        "otherData": {
+            "predicted_step_s": prediction.step_s,
+            "compute_s": prediction.compute_s,
+            "comm_s": prediction.comm_s,
+            "exposed_comm_s": prediction.exposed_comm_s,
+            "peak_memory_bytes": prediction.memory.peak,
+        },
     }

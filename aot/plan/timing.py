@@ -28,8 +28,10 @@ def timed(fn, device, reps: int) -> list[float]:
 def per_call(fn, device, reps: int, inner: int) -> float:
     """Median seconds of one call of `fn`, timed over `inner` calls in a row (one warm-up first):
     a single call of a small kernel is shorter than the timer's own noise."""
+
     def run():
         for _ in range(inner):
             fn()
+
     run()
     return statistics.median(timed(run, device, reps)) / inner

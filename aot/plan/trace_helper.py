@@ -27,7 +27,7 @@ from dataclasses import asdict
 from aot.errors import AotError
 from aot.plan.cost_model import CommSite, Memory, Op, StepGraph
 
-HELPER_SILENCE_S = 300.0   # no line from the copy for this long: it is stopped, its graphs traced here
+HELPER_SILENCE_S = 300.0  # no line from the copy for this long: it is stopped, its graphs traced here
 
 # Relative cost of making a graph, for sharing the work (measured on the GPT example: a tp or
 # fsdp graph has more nodes; a derived graph traces only the optimizer; finding the tp plan exports
@@ -56,6 +56,7 @@ def split(jobs: list[tuple], derived: dict, find_plan: bool) -> tuple[list[tuple
     """(jobs for this process, jobs for the copy): longest first to whichever side is done sooner,
     the copy starting with the tp plan. jobs: [(key (dp>1, fsdp, tp), mesh)]; derived: key ->
     the graphs derived from it (made by whoever traces the key)."""
+
     def cost(key) -> float:
         c = _COST["trace"] * (_COST["tp"] if key[2] > 1 else 1.0) * (_COST["fsdp"] if key[1] > 1 else 1.0)
         return c + _COST["derived"] * len(derived.get(key, ()))
@@ -80,14 +81,17 @@ def graph_from_json(data: dict) -> StepGraph:
         return Op(**{**d, "tensors": tuple(tuple(t) for t in d["tensors"])})
 
     def comm(d: dict) -> CommSite:
-        return CommSite(**{**d, "pre_ops": [op(o) for o in d["pre_ops"]], "post_ops": [op(o) for o in d["post_ops"]],
-                           "readers": tuple(d["readers"])})
+        return CommSite(**{**d, "pre_ops": [op(o) for o in d["pre_ops"]], "post_ops": [op(o) for o in d["post_ops"]], "readers": tuple(d["readers"])})
 
     memory = data["memory"]
-    return StepGraph(ops=[op(o) for o in data["ops"]], comms=[comm(c) for c in data["comms"]],
-                     memory=Memory(**{**memory, "resident_tensors": tuple(tuple(t) for t in memory["resident_tensors"]),
-                                      "intervals": tuple(tuple(t) for t in memory["intervals"])}),
-                     graph_nodes=data["graph_nodes"])
+    return StepGraph(
+        ops=[op(o) for o in data["ops"]],
+        comms=[comm(c) for c in data["comms"]],
+        memory=Memory(
+            **{**memory, "resident_tensors": tuple(tuple(t) for t in memory["resident_tensors"]), "intervals": tuple(tuple(t) for t in memory["intervals"])}
+        ),
+        graph_nodes=data["graph_nodes"],
+    )
 
 
 class Helper:
@@ -100,7 +104,7 @@ class Helper:
         self.folder = tempfile.mkdtemp(prefix="aot-plan-")
         self.jobs = {key for key, _ in jobs} | {other for key, _ in jobs for other, _ in steps._derived.get(key, ())}
         self.find_plan = find_plan
-        self.lines: dict[str, dict] = {}   # what the copy announced, by what it is ("plan" or a key)
+        self.lines: dict[str, dict] = {}  # what the copy announced, by what it is ("plan" or a key)
         self._pending = b""
         read, write = os.pipe()
         for stream in (sys.stdout, sys.stderr):  # else the copy writes this process's buffered output again
@@ -129,11 +133,11 @@ class Helper:
         import torch
 
         torch.set_num_threads(1)  # as DataLoader workers do: the parent's thread pool is not the copy's
-        gc.freeze()               # what the copy inherited: no collection walks (and so copies) those pages
+        gc.freeze()  # what the copy inherited: no collection walks (and so copies) those pages
 
         def announce(what: str, **fields) -> None:
             line = (json.dumps({"what": what, **fields}) + "\n").encode()
-            os.write(fd, line)    # one short line: written whole
+            os.write(fd, line)  # one short line: written whole
 
         if self.find_plan:
             try:
@@ -150,9 +154,11 @@ class Helper:
                 path = None
                 if graphs.get(k) is not None:
                     path = os.path.join(self.folder, f"{'-'.join(str(int(v)) for v in k)}.json")
-                    made = {"graph": graph_to_json(graphs[k]),
-                            "recompute": [[f, graph_to_json(g)] for f, g in steps.recomputed.get(k, ())],
-                            "recompute_failed": steps.recompute_failed.get(k)}
+                    made = {
+                        "graph": graph_to_json(graphs[k]),
+                        "recompute": [[f, graph_to_json(g)] for f, g in steps.recomputed.get(k, ())],
+                        "recompute_failed": steps.recompute_failed.get(k),
+                    }
                     with open(path + ".part", "w") as f:
                         json.dump(made, f)
                     os.replace(path + ".part", path)

@@ -14,6 +14,7 @@ and the first rows of `batch(n)` are the rows of `batch(m)` for m < n.
 Contract names: model, batch, loss (gpt.py's cross-entropy), optimizer (AdamW, GPT-2-style
 betas and weight decay, constant lr: no scheduler), max_grad_norm.
 """
+
 import importlib.util
 import sys
 from pathlib import Path

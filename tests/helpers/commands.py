@@ -33,8 +33,7 @@ def aot(*args, env: dict | None = None) -> subprocess.CompletedProcess:
     process of its own, forked from a server that has imported torch (helpers/fork_server.py)."""
     args, env = [str(a) for a in args], {**clean_env(), **(env or {})}
     if os.environ.get("AOT_TEST_FRESH") == "1":
-        return subprocess.run([sys.executable, "-m", "aot", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=TIMEOUT)
+        return subprocess.run([sys.executable, "-m", "aot", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     return _forked("aot", args, env)
 
 
@@ -50,9 +49,14 @@ def _server_socket() -> str:
 
             folder = tempfile.mkdtemp(prefix="aot-fork-server-")
             path = os.path.join(folder, "socket")
-            process = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "fork_server.py"), path],
-                                       cwd=REPO, env=clean_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       text=True)
+            process = subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "helpers" / "fork_server.py"), path],
+                cwd=REPO,
+                env=clean_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             assert process.stdout.readline().strip() == "ready", "the fork server did not start"
             atexit.register(lambda: (process.kill(), process.wait(), shutil.rmtree(folder, ignore_errors=True)))
             _server.update(path=path, folder=folder)
@@ -67,11 +71,11 @@ def _forked(module: str, args: list[str], env: dict) -> subprocess.CompletedProc
     import tempfile
 
     path = _server_socket()
-    with tempfile.TemporaryDirectory(dir=_server["folder"]) as out, \
-            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+    with tempfile.TemporaryDirectory(dir=_server["folder"]) as out, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(path)
-        conn.sendall(json.dumps({"module": module, "args": args, "env": env, "cwd": str(REPO), "stdout": f"{out}/stdout",
-                                 "stderr": f"{out}/stderr"}).encode() + b"\n")
+        conn.sendall(
+            json.dumps({"module": module, "args": args, "env": env, "cwd": str(REPO), "stdout": f"{out}/stdout", "stderr": f"{out}/stderr"}).encode() + b"\n"
+        )
         conn.settimeout(TIMEOUT)
         replies = conn.makefile()
         pid = json.loads(replies.readline())["pid"]
@@ -100,8 +104,9 @@ def torchrun(nproc: int, *args, module: str | None = "aot") -> subprocess.Comple
     With module=None, ARGS start with a script path instead."""
     launcher_args = ["--standalone", "--nproc-per-node", str(nproc), *(["-m", module] if module else []), *map(str, args)]
     if os.environ.get("AOT_TEST_FRESH") == "1":
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", *launcher_args], cwd=REPO, env=clean_env(),
-                              capture_output=True, text=True, timeout=TIMEOUT)
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", *launcher_args], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT
+        )
     return _forked("torch.distributed.run", launcher_args, clean_env())
 
 

@@ -75,8 +75,7 @@ def average_gradients():
 
 
 scaler = torch.amp.GradScaler("cpu", **getattr(user, "grad_scaler", {})) if args.precision == "fp16" else None
-autocast = (lambda: torch.autocast("cpu", dtype=DTYPES[args.precision])) if args.precision != "fp32" else \
-    (lambda: contextlib.nullcontext())
+autocast = (lambda: torch.autocast("cpu", dtype=DTYPES[args.precision])) if args.precision != "fp32" else (lambda: contextlib.nullcontext())
 scales, skipped = [], []
 params = list(model.parameters())
 opt = user.optimizer(params) if hasattr(user, "optimizer") else torch.optim.AdamW(params, lr=1e-3)

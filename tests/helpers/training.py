@@ -35,47 +35,81 @@ def degree(strategy: str | None, axis: str) -> int:
     return int(degrees.get(axis, 1))
 
 
-def train_both(model_file, world, tmp_path, data=None, batch_size=4, strategy=None, build_args=(), run_args=(),
-               init_from=None, reference_init=None, reference_args=()):
+def train_both(
+    model_file, world, tmp_path, data=None, batch_size=4, strategy=None, build_args=(), run_args=(), init_from=None, reference_init=None, reference_args=()
+):
     """(losses, reference losses, merged weights, reference weights) after STEPS steps of each.
     `init_from`: the artifact starts from these weights (`aot run --init-from`), and the
     reference from `reference_init` (a safetensors state_dict; default: the same path).
     `reference_args`: more ddp_reference.py options (its mixed precision: --precision, ...)."""
     art, ckpt = tmp_path / "art", tmp_path / "ckpt"
     # --no-onnx: the inference export has its own tests (test_onnx.py); this compares training only
-    ok(aot("build", model_file, "--world-size", world, "--batch-size", batch_size, "-o", art, "--quiet", "--no-onnx",
-           *(["--strategy", strategy] if strategy else []), *build_args))
+    ok(
+        aot(
+            "build",
+            model_file,
+            "--world-size",
+            world,
+            "--batch-size",
+            batch_size,
+            "-o",
+            art,
+            "--quiet",
+            "--no-onnx",
+            *(["--strategy", strategy] if strategy else []),
+            *build_args,
+        )
+    )
     metrics = tmp_path / "metrics.jsonl"
-    args = ["run", art, "--steps", STEPS, "--metrics", metrics, "--save", ckpt, "--quiet", *run_args,
-            *(["--init-from", init_from] if init_from is not None else [])]
+    args = [
+        "run",
+        art,
+        "--steps",
+        STEPS,
+        "--metrics",
+        metrics,
+        "--save",
+        ckpt,
+        "--quiet",
+        *run_args,
+        *(["--init-from", init_from] if init_from is not None else []),
+    ]
     if data is not None:
         args += ["--data", data]
     ok(torchrun(world, *args))
     data_file = data if data is not None else art / "data" / "example_batch.safetensors"
     # Tensor-parallel ranks and pipeline stages share a batch: the reference has one process per
     # data-parallel rank.
-    ref = reference(model_file, data_file, world // tp_degree(strategy) // degree(strategy, "pp"), batch_size, tmp_path,
-                    reference_init or init_from, reference_args)
+    ref = reference(
+        model_file, data_file, world // tp_degree(strategy) // degree(strategy, "pp"), batch_size, tmp_path, reference_init or init_from, reference_args
+    )
     merge_checkpoint(ckpt, tmp_path / "merged.safetensors")  # what `aot checkpoint merge` runs (tested on its own)
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    return losses, json.loads((ref / "losses.json").read_text()), load_file(tmp_path / "merged.safetensors"), \
-        load_file(ref / "state_dict.safetensors")
+    return losses, json.loads((ref / "losses.json").read_text()), load_file(tmp_path / "merged.safetensors"), load_file(ref / "state_dict.safetensors")
 
 
-def reference(model_file, data_file, world: int, batch_size: int, tmp_path: Path, init_from=None,
-              extra_args=(), steps: int = STEPS) -> Path:
+def reference(model_file, data_file, world: int, batch_size: int, tmp_path: Path, init_from=None, extra_args=(), steps: int = STEPS) -> Path:
     """The folder of eager DDP's run (losses.json, state_dict.safetensors) on `world` ranks; run
     once per session for each model file, data content, initial weights, world and batch size."""
     start = Path(init_from).read_bytes() if init_from is not None else b""
-    digest = hashlib.sha256(Path(model_file).read_bytes() + Path(data_file).read_bytes() + start
-                            + " ".join(map(str, extra_args)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(Path(model_file).read_bytes() + Path(data_file).read_bytes() + start + " ".join(map(str, extra_args)).encode()).hexdigest()[:16]
     # tmp_path's parent is the session's base folder: the cache lives and goes with it
     ref = tmp_path.parent / "ddp-references" / f"{Path(model_file).stem}-{digest}-w{world}-b{batch_size}-s{steps}"
     if not (ref / "state_dict.safetensors").is_file():
         staging = ref.with_name(ref.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
-        args = (REFERENCE, model_file, data_file, staging, "--steps", steps, "--batch-size", batch_size,
-                *(["--init-from", init_from] if init_from is not None else []), *extra_args)
+        args = (
+            REFERENCE,
+            model_file,
+            data_file,
+            staging,
+            "--steps",
+            steps,
+            "--batch-size",
+            batch_size,
+            *(["--init-from", init_from] if init_from is not None else []),
+            *extra_args,
+        )
         r = torchrun(world, *args, module=None)
         if r.returncode != 0 and "Signal 6 (SIGABRT)" in r.stderr:
             # eager FSDP2 under gloo once aborted in teardown ("terminate called without an active

@@ -3,6 +3,7 @@
 Tracing and export succeed; writing the weights fails (safetensors refuses tensors that share
 memory), so the failure happens inside the artifact's staged write.
 """
+
 import torch
 from torch import nn
 

@@ -1,6 +1,7 @@
 """Bad model file for tests/test_bad_input.py: a parameter made from a big tensor the constructor
 got outside torch's factory functions (numpy here; a file read works the same way). An artifact
 records how weights are made, not their values: such weights belong to `aot run --init-from`."""
+
 import numpy as np
 import torch
 from torch import nn

@@ -1,5 +1,6 @@
 """Bad model file for tests/test_bad_input.py: the constructor branches on a tensor's value,
 which the build cannot know (it records model() on fake tensors, never running it for real)."""
+
 import torch
 from torch import nn
 

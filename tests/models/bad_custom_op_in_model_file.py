@@ -1,4 +1,5 @@
 """Defines its custom operator in the model file itself: the runner never imports model code."""
+
 import torch
 from torch import nn
 

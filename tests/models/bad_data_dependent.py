@@ -1,5 +1,6 @@
 """Bad model file for tests/test_bad_input.py: Python control flow on a tensor's value,
 which a static graph cannot hold."""
+
 import torch
 from torch import nn
 

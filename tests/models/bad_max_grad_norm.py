@@ -1,4 +1,5 @@
 """Bad model file for tests/test_bad_input.py: max_grad_norm is a string."""
+
 import torch
 from torch import nn
 

@@ -1,4 +1,5 @@
 """Bad model file for tests/test_bad_input.py: model() raises."""
+
 import torch
 from torch import nn
 

@@ -1,4 +1,5 @@
 """Bad model file for tests/test_bad_input.py: defines model() but no batch()."""
+
 from torch import nn
 
 

@@ -1,4 +1,5 @@
 """Bad model file for tests/test_bad_input.py: defines batch() but no model()."""
+
 import torch
 
 

@@ -1,4 +1,5 @@
 """Bad model file for tests/test_bad_input.py: batch() inputs have 4 features, the model takes 5."""
+
 import torch
 from torch import nn
 

@@ -1,4 +1,5 @@
 """tp_plan names a module the model does not have (the MLP's layers are 0, 2 and 4)."""
+
 import torch
 from torch import nn
 

@@ -1,4 +1,5 @@
 """A model with BatchNorm (buffers that change in training), Adam, a step schedule and clipping."""
+
 import torch
 from torch import nn
 

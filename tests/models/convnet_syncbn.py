@@ -1,4 +1,5 @@
 """convnet_bn.py with its BatchNorm layers made SyncBatchNorm in the model file itself."""
+
 from torch import nn
 
 import convnet_bn

@@ -1,4 +1,5 @@
 """examples/custom_op.py without `onnx_translations`: trains, but its forward has no ONNX export."""
+
 import torch
 from torch import nn
 

@@ -4,11 +4,12 @@ The initial scale (2^19) is too large for this model's fp16 gradients, so the fi
 and are skipped while the scale halves; growth_interval=2 then doubles it after two clean steps,
 which overflows again. A step schedule shows whether skipped steps hold the learning rate back.
 """
+
 import torch
 from torch import nn
 
 precision = "fp16"
-grad_scaler = {"init_scale": 2.0 ** 19, "growth_interval": 2}
+grad_scaler = {"init_scale": 2.0**19, "growth_interval": 2}
 
 
 def model():

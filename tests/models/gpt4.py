@@ -1,4 +1,5 @@
 """examples/gpt.py with 4 blocks: enough layers for an interleaved pipeline of 2 ranks x 2 stages."""
+
 import importlib.util
 from pathlib import Path
 

@@ -1,5 +1,6 @@
 """examples/gpt.py with dropout 0.1 (after attention's softmax and on each residual branch): the
 model file recomputation tests train, where recomputed ops must read the same random draws."""
+
 import importlib.util
 from pathlib import Path
 

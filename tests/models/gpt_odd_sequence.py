@@ -1,4 +1,5 @@
 """examples/gpt.py with 63-token sequences: sequence parallelism over 2 ranks cannot split them."""
+
 import sys
 from pathlib import Path
 

@@ -1,6 +1,7 @@
 """Two Megatron pairs (Linear column-wise -> GELU -> Linear row-wise) with dropout between them,
 where tensor-parallel ranks hold the whole activation: their masks must be the same on every tp
 rank and the same as eager PyTorch's with the runner's per-step seed (artifacts/FORMAT.md)."""
+
 import torch
 from torch import nn
 
@@ -9,9 +10,13 @@ n_in, n_hidden, n_classes = 32, 64, 10
 
 def model():
     return nn.Sequential(
-        nn.Linear(n_in, n_hidden), nn.GELU(), nn.Linear(n_hidden, n_in),
+        nn.Linear(n_in, n_hidden),
+        nn.GELU(),
+        nn.Linear(n_hidden, n_in),
         nn.Dropout(0.2),
-        nn.Linear(n_in, n_hidden), nn.GELU(), nn.Linear(n_hidden, n_classes),
+        nn.Linear(n_in, n_hidden),
+        nn.GELU(),
+        nn.Linear(n_hidden, n_classes),
     )
 
 

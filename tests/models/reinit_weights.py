@@ -1,6 +1,7 @@
 """A model built nanoGPT's way, for tests/test_init_program.py: its Linears are initialized by
 their constructors, then every weight is drawn again by `_init_weights` after the whole model
 exists; plus a causal mask buffer that no state_dict holds."""
+
 import torch
 from torch import nn
 
