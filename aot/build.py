@@ -24,7 +24,17 @@ from aot.plan.mesh import DATA_AXES, Mesh
 from aot.plan.placement import Placement, place
 from aot.plan.recompute import apply_request, resolve_request
 from aot.plan.search import MEMORY_HEADROOM, time_entry
-from aot.plan.tensor_parallel import check_degree, check_divisible, check_sequence_length, find_plan, sequence_parallel_layout, user_plan
+from aot.plan.tensor_parallel import (
+    check_degree,
+    check_divisible,
+    check_sequence_length,
+    explain_plan,
+    sequence_parallel_layout,
+    summarize,
+    summarize_whole,
+    unsplit_weights,
+    user_plan,
+)
 from aot.progress import Progress
 from runner.data import split_batch_tensors
 from runner.inspect import describe_batchnorm, describe_time, human
@@ -84,19 +94,25 @@ def _stored_example(mf, batch_size: int, data_ranks: int, progress: Progress) ->
 
 
 def _tensor_parallel_plan(mf, model, inputs, tp: int, progress: Progress) -> dict[str, str]:
-    """The model file's tp_plan, or the column/row-wise pairs found in its forward (aot.plan.tensor_parallel)."""
+    """The model file's tp_plan, or the column/row-wise pairs found in its forward
+    (aot.plan.tensor_parallel); says which layers it splits and which it leaves whole, and why."""
     check_degree(mf, model, tp)
     plan = user_plan(mf, model)
-    where = f"tp_plan in {mf.path.name}"
+    where, whole = f"tp_plan in {mf.path.name}", {}
     if plan is None:
-        plan = find_plan(model, inputs)
-        where = "the found plan"
+        found = explain_plan(model, inputs)
+        plan, whole, where = found.plan, found.whole, "the found plan"
         if not plan:
-            raise AotError(f"--strategy tp={tp}: no Linear pair in {mf.path.name} can be split (see README: tensor parallel); name the layers in a tp_plan")
+            reasons = "; ".join(summarize_whole(whole)[:3])
+            raise AotError(
+                f"--strategy tp={tp}: no Linear pair in {mf.path.name} can be split ({reasons}); name the layers in a tp_plan (see README: Strategies)"
+            )
     check_divisible(plan, model, tp, where)
-    cols = sorted(n for n, s in plan.items() if s == "colwise")
-    rows = sorted(n for n, s in plan.items() if s == "rowwise")
-    progress.note(f"tensor parallel over {tp} ranks: {len(cols)} column-wise ({', '.join(cols)}), {len(rows)} row-wise ({', '.join(rows)})")
+    cols = [n for n, s in plan.items() if s == "colwise"]
+    rows = [n for n, s in plan.items() if s == "rowwise"]
+    progress.note(f"tensor parallel over {tp} ranks: {len(cols)} column-wise ({summarize(cols)}), {len(rows)} row-wise ({summarize(rows)})")
+    for line in summarize_whole(whole) + unsplit_weights(model, {**plan, **whole}):
+        progress.note(f"  left whole: {line}")
     return plan
 
 

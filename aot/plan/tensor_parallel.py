@@ -19,6 +19,7 @@ shape the code cannot take fails the trace with one line.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from aot.errors import AotError
 
 STYLES = ("colwise", "rowwise")
 _HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
+_KV_HEAD_COUNT_NAMES = ("n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
 
 _aten = torch.ops.aten
 # Operations that compute each output element from the same position of their inputs (or move
@@ -75,6 +77,19 @@ _SHARD_LOCAL = {
     _aten.split,
     _aten.split_with_sizes,
     _aten.chunk,
+    _aten.unbind,
+    _aten.slice,
+    _aten.narrow,
+    _aten.select,
+    _aten.index_select,
+    _aten.cat,
+    _aten.stack,
+    _aten.alias,
+    _aten.detach,
+    _aten.sum,
+    _aten.mean,
+    _aten.amax,
+    _aten.amin,
     _aten.matmul,
     _aten.bmm,
     _aten.softmax,
@@ -83,26 +98,37 @@ _SHARD_LOCAL = {
 }
 
 
-def head_count(mf) -> tuple[str, int] | None:
-    """The model's attention head count, where it states one: a module-level `n_head` (or
-    n_heads, num_heads, num_attention_heads) in the model file, else such an attribute on a module."""
-    for name in _HEAD_COUNT_NAMES:
-        value = (mf.globals or {}).get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return f"{name} in {mf.path.name}", value
-    return None
+def head_counts(mf, model: nn.Module) -> dict[str, tuple[str, int]]:
+    """The attention head counts the model states: {"heads": (where, n), "kv heads": (where, n)}.
+    Read from module-level names in the model file (n_head, n_kv_heads ...), else from attributes
+    of its modules or of their `config` (transformers' models keep num_attention_heads and
+    num_key_value_heads there)."""
+    found: dict[str, tuple[str, int]] = {}
+    places = [(mf.path.name, mf.globals or {})]
+    for path, module in model.named_modules():
+        places.append((f"{path or 'model'}", vars(module)))
+        config = getattr(module, "config", None)
+        if config is not None and not isinstance(config, (dict, list, tuple)):
+            places.append((f"{path + '.' if path else ''}config", vars(config)))
+    for kind, names in (("heads", _HEAD_COUNT_NAMES), ("kv heads", _KV_HEAD_COUNT_NAMES)):
+        for where, values in places:
+            name = next((n for n in names if _is_count(values.get(n))), None)
+            if name is not None:
+                found[kind] = (f"{name} in {where}" if where == mf.path.name else f"{where}.{name}", values[name])
+                break
+    return found
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def check_degree(mf, model: nn.Module, tp: int) -> None:
-    """Refuse, before any tracing, a tensor-parallel degree the model's heads cannot take."""
-    heads = head_count(mf)
-    for path, module in model.named_modules():
-        for name in _HEAD_COUNT_NAMES:
-            value = getattr(module, name, None)
-            if heads is None and isinstance(value, int) and not isinstance(value, bool):
-                heads = (f"{path or 'model'}.{name}", value)
-    if heads and heads[1] % tp:
-        raise AotError(f"--strategy tp={tp}: the tensor-parallel degree must divide the attention heads ({heads[0]} = {heads[1]})")
+    """Refuse, before any tracing, a tensor-parallel degree the model's heads (and, with grouped-
+    query attention, its key/value heads) cannot take: each rank computes whole heads."""
+    for kind, (where, count) in head_counts(mf, model).items():
+        if count % tp:
+            raise AotError(f"--strategy tp={tp}: the tensor-parallel degree must divide the attention {kind} ({where} = {count})")
 
 
 def user_plan(mf, model: nn.Module) -> dict[str, str] | None:
@@ -134,8 +160,21 @@ def check_divisible(plan: dict[str, str], model: nn.Module, tp: int, where: str)
             raise AotError(f"--strategy tp={tp}: {where} shards {name!r} {style}, but its {features} {which} features do not divide by {tp}")
 
 
+@dataclass
+class Finding:
+    """The found plan, and why each Linear it leaves whole stays whole."""
+
+    plan: dict[str, str]
+    whole: dict[str, str]  # Linear module name -> why (the op that stopped it, as op and module)
+
+
 def find_plan(model: nn.Module, inputs: list[torch.Tensor]) -> dict[str, str]:
     """The Megatron-style plan read from the forward graph (see the module docstring)."""
+    return explain_plan(model, inputs).plan
+
+
+def explain_plan(model: nn.Module, inputs: list[torch.Tensor]) -> Finding:
+    """find_plan, with the reason each Linear left out stays whole."""
     import contextlib
     import io
 
@@ -152,28 +191,100 @@ def find_plan(model: nn.Module, inputs: list[torch.Tensor]) -> dict[str, str]:
         ) from e
     graph = ep.graph
     linears = [n for n in graph.nodes if n.op == "call_function" and n.target == _aten.linear.default]
-    module_of = {n: list(n.meta["nn_module_stack"].values())[-1][0] for n in linears}
+    module_of = {n: _module_of(n) for n in linears}
     activations = _activation_nodes(graph, set(ep.graph_signature.user_inputs))
+    calls: dict[str, int] = {}
+    for n in linears:
+        calls[module_of[n]] = calls.get(module_of[n], 0) + 1
 
+    modules = dict(model.named_modules())
     walks = {a: _walk(a) for a in linears}
     plan: dict[str, str] = {}
+    whole: dict[str, str] = {}
     for start in linears:
         if module_of[start] in plan:
             continue
-        group = _group(start, walks)
-        if group is None:
-            continue
-        colwise, rowwise, region = group
+        colwise, rowwise, region, why = _group(start, walks)
         names = [module_of[n] for n in colwise | rowwise]
-        if len(set(names)) != len(names) or any(n in plan for n in names):
-            continue  # a module called twice, or one already taken by another pair
-        if any(_foreign_operand(node, region | colwise, activations) for node in region | rowwise):
-            continue
-        if not _features_stay_split(graph, colwise, rowwise, region):
+        if why is None and any(not isinstance(modules.get(n), nn.Linear) for n in names):
+            odd = next(n for n in names if not isinstance(modules.get(n), nn.Linear))
+            why = f"{odd} is a {type(modules.get(odd)).__name__}, not an nn.Linear (calls F.linear itself)"
+        if why is None and any(calls[n] > 1 for n in names):
+            why = f"{next(n for n in names if calls[n] > 1)} is called more than once in the forward"
+        if why is None and any(n in plan for n in names):
+            continue  # taken by another pair already
+        if why is None:
+            foreign = next((node for node in region | rowwise if _foreign_operand(node, region | colwise, activations)), None)
+            if foreign is not None:
+                why = f"{_op_at(foreign)} also takes activations from outside the split layers (a residual stream)"
+        if why is None:
+            mixed = _features_stay_split(graph, colwise, rowwise, region)
+            if mixed is not None:
+                why = f"{_op_at(mixed)} would mix the split features"
+        if why is not None:
+            for name in names:
+                whole.setdefault(name, why)
             continue
         plan.update({module_of[n]: "colwise" for n in colwise})
         plan.update({module_of[n]: "rowwise" for n in rowwise})
-    return plan
+    in_order = {module_of[n]: plan[module_of[n]] for n in linears if module_of[n] in plan}
+    return Finding(in_order, {name: why for name, why in whole.items() if name not in plan})
+
+
+def _module_of(node) -> str:
+    """The module a node of the exported forward was called from ("the model" at the top)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return (list(stack.values())[-1][0] if stack else "") or "the model"
+
+
+def _op_at(node) -> str:
+    """An op of the forward as a user finds it: `aten.mean in model.layers.0.post_attention_layernorm`."""
+    if node.op == "output":
+        return "the model's output"
+    packet = getattr(node.target, "overloadpacket", node.target)
+    return f"{getattr(packet, '__name__', str(packet)).replace('.default', '')} in {_module_of(node)}"
+
+
+def _fold(text: str) -> str:
+    """Layer numbers in module paths replaced by `*`: `layers.3.mlp` -> `layers.*.mlp`."""
+    import re
+
+    return re.sub(r"\.\d+(?=\.|\s|$)", ".*", text)
+
+
+def _counted(items) -> dict:
+    """Each distinct item with how often it occurs, in first-seen order."""
+    counts: dict = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return counts
+
+
+def summarize(names) -> str:
+    """Module names with their layer numbers folded: `layers.*.mlp.up_proj (x32)`."""
+    return ", ".join(f"{p} (x{c})" if c > 1 else p for p, c in _counted(_fold(n) for n in names).items())
+
+
+def summarize_whole(whole: dict[str, str]) -> list[str]:
+    """One line per kind of Linear left whole and its reason, layer numbers folded."""
+    groups = _counted((_fold(name), _fold(why)) for name, why in whole.items())
+    return [f"{name}{f' (x{c})' if c > 1 else ''}: {why}" for (name, why), c in groups.items()]
+
+
+def unsplit_weights(model: nn.Module, plan: dict[str, str]) -> list[str]:
+    """Lines for the matrices tensor parallelism cannot split because no Linear holds them
+    (mixture-of-experts weights kept as one 3-d tensor per projection, say), layer numbers folded.
+    Embeddings are not listed: every rank keeps the whole vocabulary by design."""
+    found = {}
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)) or path in plan:
+            continue
+        weights = [n for n, p in module.named_parameters(recurse=False) if p.dim() >= 2]
+        if weights:
+            experts = "expert" in (path + type(module).__name__).lower()
+            kind = "mixture-of-experts weights" if experts else f"weights of a {type(module).__name__}, not a Linear"
+            found[path or "the model"] = f"{kind} ({', '.join(weights)}) stay whole on every tp rank"
+    return summarize_whole(found)
 
 
 def _activation_nodes(graph, user_inputs: set[str]) -> set:
@@ -185,8 +296,22 @@ def _activation_nodes(graph, user_inputs: set[str]) -> set:
     return result
 
 
-def _walk(linear):
-    """(nodes between, Linears reached through their input, ok) following `linear`'s output."""
+@dataclass
+class _Walk:
+    region: set  # the nodes between the Linear and the Linears it reaches
+    reached: set  # Linears that take the walked values as their input
+    stop: object  # the node that ended the walk (an output, a reduction...), or None
+
+    @property
+    def why(self) -> str | None:
+        """What ended the walk, as "output reaches ..." (None where it reached Linears)."""
+        if self.stop is not None:
+            return f"output reaches {_op_at(self.stop)}"
+        return None if self.reached else "output reaches no other Linear"
+
+
+def _walk(linear) -> _Walk:
+    """Follow `linear`'s output through shard-local ops to the Linears that take it as input."""
     region, reached, todo = set(), set(), list(linear.users)
     while todo:
         node = todo.pop()
@@ -195,36 +320,40 @@ def _walk(linear):
         if node.op == "call_function" and node.target == _aten.linear.default and node.args[0] in region | {linear}:
             reached.add(node)
             continue
+        if node.op == "call_function" and node.target is _aten._assert_tensor_metadata.default:
+            continue  # export's dtype checks on the values: no result, nothing computed
         packet = getattr(node.target, "overloadpacket", None)
         if node.op == "call_function" and (packet in _SHARD_LOCAL or node.target.__name__ == "getitem"):
             region.add(node)
             todo.extend(node.users)
             continue
-        return region, reached, False  # an output, a reduction over features, another layer's weight...
-    return region, reached, bool(reached)
+        return _Walk(region, reached, node)  # an output, a reduction over features, another layer's weight...
+    return _Walk(region, reached, None)
 
 
-def _group(start, walks):
-    """Close `start` over the Linears that feed the same row-wise layers; None if any walk fails."""
+def _group(start, walks: dict) -> tuple[set, set, set, str | None]:
+    """Close `start` over the Linears that feed the same row-wise layers: (column-wise, row-wise,
+    the nodes between, None), or the reason it cannot be split as the last item."""
     colwise, rowwise, region = {start}, set(), set()
     changed = True
     while changed:
         changed = False
         for a in list(colwise):
-            walked_region, reached, ok = walks[a]
-            if not ok:
-                return None
-            region |= walked_region
-            if not reached <= rowwise:
-                rowwise |= reached
+            walk = walks[a]
+            if walk.why is not None:
+                return colwise, rowwise, region, (f"its {walk.why}" if a is start else f"{_module_of(a)}'s {walk.why}")
+            region |= walk.region
+            if not walk.reached <= rowwise:
+                rowwise |= walk.reached
                 changed = True
-        for a, (_, reached, _ok) in walks.items():
-            if a not in colwise and reached & rowwise:
+        for a, walk in walks.items():
+            if a not in colwise and walk.reached & rowwise:
                 colwise.add(a)
                 changed = True
     if colwise & rowwise:
-        return None
-    return colwise, rowwise, region
+        layer = _module_of(next(iter(colwise & rowwise)))
+        return colwise, rowwise, region, f"{layer} would be both column- and row-wise"
+    return colwise, rowwise, region, None
 
 
 def _foreign_operand(node, region: set, activations: set) -> bool:
@@ -234,19 +363,20 @@ def _foreign_operand(node, region: set, activations: set) -> bool:
     return any(i in activations and i not in region for i in inputs)
 
 
-def _features_stay_split(graph, colwise: set, rowwise: set, region: set) -> bool:
+def _features_stay_split(graph, colwise: set, rowwise: set, region: set):
     """Follow which dimension holds the split features, from the column-wise outputs (the last
     dimension) through the region: every operation must keep them apart (never reduce, normalize
     or contract over them, never split them), and they must arrive at each row-wise layer as its
-    input's last dimension. Shapes are the forward's full ones (node.meta["val"])."""
+    input's last dimension. Shapes are the forward's full ones (node.meta["val"]). Returns the
+    first node that would mix them, None where they stay split."""
     split: dict = {c: c.meta["val"].dim() - 1 for c in colwise}
     for node in graph.nodes:
         if node in region:
             dim = _split_dim(node, split)
             if dim is None:
-                return False
+                return node
             split[node] = dim
-    return all(split.get(b.args[0]) == b.args[0].meta["val"].dim() - 1 for b in rowwise)
+    return next((b for b in rowwise if split.get(b.args[0]) != b.args[0].meta["val"].dim() - 1), None)
 
 
 def _shape(node):
@@ -272,6 +402,32 @@ def _split_dim(node, split: dict) -> int | None:
         return None if norm(arg(2, 0)) == dim else dim
     if packet in (_aten.softmax, _aten._softmax):
         return None if norm(arg(1)) == dim else dim
+    if packet in (_aten.slice, _aten.narrow, _aten.index_select):
+        # within a head or feature the split keeps whole (RoPE's rotate_half); a slice of the
+        # split dimension itself only where it takes all of it
+        return dim if norm(arg(1, 0)) != dim or (packet is not _aten.index_select and out_shape[dim] == in_shape[dim]) else None
+    if packet in (_aten.sum, _aten.mean, _aten.amax, _aten.amin):
+        # a reduction over other dimensions (a stack's, a sequence's); over the split one, or all,
+        # it would sum shards
+        reduced = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        reduced = [norm(d) for d in ([reduced] if isinstance(reduced, int) else reduced or [])]
+        if not reduced or dim in reduced:
+            return None
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        return dim if keepdim else dim - sum(d < dim for d in reduced)
+    if packet in (_aten.select, _aten.unbind):
+        taken = norm(arg(1, 0))
+        return None if taken == dim else dim - 1 if taken < dim else dim
+    if packet in (_aten.cat, _aten.stack):
+        tensors = node.args[0]
+        rels = {split[t] - len(_shape(t)) if t in split else None for t in tensors}
+        if len(rels) != 1 or None in rels:
+            return None  # a whole tensor joined to shards, or shards split along different dimensions
+        at = rank + rels.pop()
+        joined = arg(1, 0) % (rank + (packet is _aten.stack))
+        if packet is _aten.cat:
+            return None if joined == at else at
+        return at + 1 if joined <= at else at
     if packet is _aten.transpose:
         a, b = norm(node.args[1]), norm(node.args[2])
         return b if dim == a else a if dim == b else dim

@@ -1,0 +1,109 @@
+"""Tensor parallelism on transformers' own models: the finder splits their attention (RoPE's
+slice and cat, grouped-query heads) and MLPs as Megatron does, training equals eager DDP, and the
+build says what it left whole and why.
+
+The models are transformers' LlamaForCausalLM, Qwen2ForCausalLM and MixtralForCausalLM at tiny
+sizes (tests/models/hf_*.py), traced as transformers writes them. The references are eager DDP
+over the data-parallel ranks (tests/helpers/ddp_reference.py), as for every tp test.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers.commands import MODELS, aot, ok, show
+from helpers.training import TOL, assert_same_training, train_both
+
+LAYERS = 2
+
+
+def attention_and_mlp_plan(prefix: str = "model.model.layers") -> dict[str, str]:
+    """What Megatron splits in a Llama-family decoder layer: q, k, v and the MLP's gate and up
+    projections column-wise, the attention output and the MLP's down projection row-wise."""
+    plan = {}
+    for i in range(LAYERS):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{prefix}.{i}.{name}"] = "colwise"
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"{prefix}.{i}.{name}"] = "rowwise"
+    return plan
+
+
+@pytest.mark.parametrize(
+    "model,strategy,world",
+    [
+        ("hf_llama.py", "tp=2", 2),
+        ("hf_qwen2.py", "dp=2,tp=2", 4),
+        pytest.param("hf_llama.py", "dp=2,tp=2", 4, marks=pytest.mark.slow),
+        pytest.param("hf_qwen2.py", "tp=2", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_attention_is_split_and_training_matches_ddp(model, strategy, world, tmp_path):
+    losses, ref_losses, weights, ref_weights = train_both(MODELS / model, world, tmp_path, strategy=strategy)
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert manifest["tensor_parallel"]["plan"] == attention_and_mlp_plan()
+    # k and v have 2 heads of 16 features: each rank holds one key/value head
+    params = manifest["tensor_parallel"]["params"]
+    assert params["model.model.layers.0.self_attn.k_proj.weight"] == 0 and params["model.model.layers.0.self_attn.o_proj.weight"] == 1
+    # a last-bit difference of split matmuls, magnified by AdamW on near-zero gradients (see
+    # tests/test_train_matches_ddp.py); losses stay within TOL
+    assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=2 * TOL)
+
+
+def test_build_says_what_tensor_parallel_left_whole(tmp_path):
+    """Mixtral: attention split; the router (a top-k) and the experts' 3-d weights stay whole, each
+    named with its reason; the lm_head's output is the model's."""
+    r = ok(aot("build", MODELS / "hf_mixtral.py", "--world-size", 2, "--strategy", "tp=2", "--no-onnx", "-o", tmp_path / "art"))
+    out = r.stdout + r.stderr
+    assert "6 column-wise (model.model.layers.*.self_attn.q_proj (x2), model.model.layers.*.self_attn.k_proj (x2), " in out, out
+    assert "left whole: model.model.layers.*.mlp.gate (x2): its output reaches topk in model.model.layers.*.mlp.gate" in out, out
+    assert "left whole: model.model.layers.*.mlp.experts (x2): mixture-of-experts weights (gate_up_proj, down_proj) stay whole on every tp rank" in out
+    assert "left whole: model.lm_head: its output reaches the model's output" in out
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    split = {n for n in manifest["tensor_parallel"]["plan"]}
+    assert split == {f"model.model.layers.{i}.self_attn.{p}_proj" for i in range(LAYERS) for p in "qkvo"}
+
+
+def test_tp_must_divide_the_key_value_heads(tmp_path):
+    """4 query heads share 2 key/value heads: tp=4 would split a key/value head. Refused before tracing."""
+    r = aot("build", MODELS / "hf_llama.py", "--world-size", 4, "--strategy", "tp=4", "--no-onnx", "-o", tmp_path / "art")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, show(r)
+    assert r.stderr.strip().splitlines()[-1] == (
+        "aot: error: --strategy tp=4: the tensor-parallel degree must divide the attention kv heads (model.config.num_key_value_heads = 2)"
+    )
+    assert not (tmp_path / "art").exists()
+
+
+def test_finder_follows_slices_within_heads_but_not_across_them():
+    """In-process: a slice inside each head (RoPE's halves) keeps q/k/v splittable; a slice of the
+    projected features themselves (across heads) leaves the layers whole, saying which op."""
+    from torch import nn
+
+    from aot.plan.tensor_parallel import explain_plan
+
+    class Attention(nn.Module):
+        def __init__(self, across: bool):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+            self.across = across
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q = self.q(x)
+            if self.across:
+                q = torch.cat([q[..., 16:], q[..., :16]], dim=-1)  # moves features between heads
+            q, k, v = (y.view(b, t, 4, 8).transpose(1, 2) for y in (q, self.k(x), self.v(x)))
+            half = torch.cat([-q[..., 4:], q[..., :4]], dim=-1)  # rotate_half within each head
+            q = q + torch.stack([half, half], dim=0).sum(0)
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o(y.transpose(1, 2).reshape(b, t, 32))
+
+    x = [torch.randn(2, 5, 32)]
+    found = explain_plan(Attention(across=False), x)
+    assert found.plan == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
+    found = explain_plan(Attention(across=True), x)
+    assert found.plan == {}
+    assert found.whole["q"] == "slice in the model would mix the split features", found.whole
