@@ -1,18 +1,18 @@
 """Benchmark: how long `aot plan` takes for a large machine.
 
     python bench/plan_scale.py [--model examples/gpt.py] [--topology dgx_a100] [--nodes 128] [--repeats 3] [--axes dp,fsdp]
-                               [--workers N] [--code DIR] [--quiet-patience S]
+                               [--code DIR] [--quiet-patience S]
 
 Runs `aot plan MODEL --topology T --nodes N --json` as a fresh process `--repeats` times and
 reports its wall time (process start to exit, interpreter and torch import included), the time the
 command itself reports (`seconds`: from the command's start, after torch is imported), the CPU time
-it used (its own and its helper process's: on a machine other processes keep busy, the wall time
-is at least this over the cores left), how many candidate plans it priced and the best one. The
-foreign CPU load during each run is recorded as in bench/plan_accuracy.py.
+it used (on a machine other processes keep busy, the wall time is at least this over the cores
+left), how many candidate plans it priced and the best one. The foreign CPU load during each run
+is recorded as in bench/plan_accuracy.py.
 
---workers sets AOT_PLAN_WORKERS (1: everything in one process). --code runs the aot of another
-checkout (e.g. `git clone` of the previous commit) with the same interpreter, for figures side by
-side. --quiet-patience waits (up to that long) for a quiet machine before each run.
+--code runs the aot of another checkout (e.g. `git clone` of the previous commit) with the same
+interpreter, for figures side by side. --quiet-patience waits (up to that long) for a quiet
+machine before each run.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--axes", default=None, help="passed to `aot plan --axes` (default: the command's own)")
-    ap.add_argument("--workers", type=int, default=None, help="AOT_PLAN_WORKERS for the command (default: unset)")
     ap.add_argument("--code", type=Path, default=None, help="the checkout whose aot to run (default: this one)")
     ap.add_argument(
         "--quiet-patience", type=float, default=0.0, help="before each run, wait up to this many seconds for other processes to use at most 0.2 cores"
@@ -49,8 +48,6 @@ def main() -> None:
     if args.axes:
         cmd += ["--axes", args.axes]
     environment = env()
-    if args.workers is not None:
-        environment["AOT_PLAN_WORKERS"] = str(args.workers)
     runs = []
     for _ in range(args.repeats):
         if args.quiet_patience > 0:

@@ -1,12 +1,11 @@
 """The graphs the planner prices are the build's graphs, however it gets them.
 
-- Traced for pricing (capture_step(tracer=trace_for_pricing), a lean recorder in make_fx's place): the same
+- Traced for pricing (capture_step(tracer=trace_for_pricing): make_fx without generating code): the same
   graph as the build's make_fx trace, node for node, and the same cost-model reading of it.
 - Derived without fsdp from the graph with fsdp=2 (aot.plan.pricing.derive_without_fsdp: its forward and
   backward, then the step's end traced alone): the trace of that mesh, node for node.
-- Traced ahead of the search (ModelSteps.prefetch, which derives what it can, with part of the
-  graphs traced in a forked helper that sends them back as JSON): the same graphs as the search
-  traces one by one.
+- Traced ahead of the search (ModelSteps.prefetch, which derives what it can): the same graphs as
+  the search traces one by one.
 - Derived instead of traced by the cost model (a wider fsdp axis re-read from the fsdp=2 graph,
   fsdp without dp from the dp x fsdp graph): the same predicted step time and FLOPs as the traced
   graph of that mesh, within 1% (collective bytes and peak memory too, on the GPT).
@@ -14,8 +13,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,6 @@ import aot.plan.pricing as pricing
 from aot.capture.step import capture_step
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 from aot.plan.cost_model import analyze, storage_key
-from aot.plan import trace_helper
 from aot.plan.machine import Machine
 from aot.plan.model_steps import ModelSteps, Unsupported, factorizations
 from aot.plan.search import Planner
@@ -58,19 +54,6 @@ def _facts(step) -> tuple:
     )
 
 
-def _lean_calls(monkeypatch) -> list:
-    calls = []
-    lean = pricing._lean_make_fx
-
-    def counted(step, args):
-        graph = lean(step, args)
-        calls.append(1)
-        return graph
-
-    monkeypatch.setattr(pricing, "_lean_make_fx", counted)
-    return calls
-
-
 def _variant(tmp_path: Path, name: str, extra: str) -> Path:
     """examples/mlp.py with its model wrapped as `extra` (a class Wrapped taking the MLP) says."""
     path = tmp_path / f"{name}.py"
@@ -86,9 +69,8 @@ def _variant(tmp_path: Path, name: str, extra: str) -> Path:
         (GPT, True, [(2, 2, 2)]),
     ],
 )
-def test_pricing_trace_is_the_build_trace(monkeypatch, model, sequence, meshes):
+def test_pricing_trace_is_the_build_trace(model, sequence, meshes):
     steps = ModelSteps(model, 8, world_size=8, sequence_parallel=sequence)
-    lean = _lean_calls(monkeypatch)
     for mesh in meshes:
         layout = steps.layout(*mesh)
         graphs = [
@@ -100,11 +82,10 @@ def test_pricing_trace_is_the_build_trace(monkeypatch, model, sequence, meshes):
         assert priced.slots == built.slots
         facts = [_facts(analyze(plain_collectives(drop_profiler_calls(g.graph)), g.slots)) for g in graphs]
         assert facts[0] == facts[1], mesh
-    assert len(lean) == len(meshes)  # recorded leanly, not by the fallback
 
 
-def test_pricing_trace_falls_back_to_make_fx(monkeypatch, tmp_path):
-    # a tensor constant in the forward: make_fx interns it, the lean recorder hands over
+def test_pricing_trace_keeps_tensor_constants(tmp_path):
+    # a tensor constant in the forward: make_fx interns it as an attribute
     path = _variant(
         tmp_path,
         "mlp_constant",
@@ -120,13 +101,12 @@ class Wrapped(nn.Module):
 """,
     )
     steps = ModelSteps(path, 8, world_size=2)
-    lean = _lean_calls(monkeypatch)
     layout = steps.layout(2, 1, 1)
     built, priced = (
         capture_step(steps.mf, steps.state, steps.inputs, steps.targets, layout, check_ranks=False, tracer=t) for t in (None, pricing.trace_for_pricing)
     )
     assert _nodes(priced.graph) == _nodes(built.graph)
-    assert any(n.op == "get_attr" for n in priced.graph.graph.nodes) and not lean
+    assert any(n.op == "get_attr" for n in priced.graph.graph.nodes)
 
 
 @pytest.mark.parametrize(
@@ -193,47 +173,21 @@ def _search_all(steps: ModelSteps, world: int, axes=("dp", "fsdp", "tp")) -> Non
 
 # mlp on 8 ranks: fsdp 1 and 2 at tp 1, 2 and 4, fsdp 1 at tp 8; gpt on 4 ranks, tp up to 2
 @pytest.mark.parametrize("model,world,max_tp,keys,derived", [(MLP, 8, 8, 7, 3), (GPT, 4, 2, 4, 2)])
-def test_prefetch_gives_the_graphs_traced_one_by_one(monkeypatch, model, world, max_tp, keys, derived):
-    """prefetch makes every graph the search asks for, deriving the meshes without fsdp, in one
-    process or with a forked helper tracing part of them; each is what the search traces one by
-    one without it."""
+def test_prefetch_gives_the_graphs_traced_one_by_one(model, world, max_tp, keys, derived):
+    """prefetch makes every graph the search asks for, deriving the meshes without fsdp; each is
+    what the search traces one by one without it."""
     axes = ("dp", "fsdp", "tp")
     lazy = ModelSteps(model, 8, world_size=world, max_tp=max_tp)
     _search_all(lazy, world)
     assert not lazy._derived
-    for workers in ("1", "2"):
-        monkeypatch.setenv("AOT_PLAN_WORKERS", workers)
-        ahead = ModelSteps(model, 8, world_size=world, max_tp=max_tp)
-        calls = _lean_calls(monkeypatch)
-        ahead.prefetch(axes)
-        assert ahead._helper is None and len(ahead.traced) == keys
-        assert sum(len(v) for v in ahead._derived.values()) == derived
-        if workers == "2":  # the helper traced some: fewer traces here
-            assert len(calls) < keys
-        assert ahead._tp_plan == lazy._tp_plan
-        assert sorted(lazy.traced) == sorted(ahead.traced)
-        for key in ahead.traced:
-            assert _facts(ahead.traced[key]) == _facts(lazy.traced[key]), (workers, key)
-
-
-def test_a_failed_helper_leaves_the_graphs_to_this_process(monkeypatch):
-    """A helper that dies delivers nothing; the planning process traces its graphs itself."""
-    monkeypatch.setenv("AOT_PLAN_WORKERS", "2")
-    monkeypatch.setattr(trace_helper.Helper, "_serve", lambda self, steps, jobs, fd: os._exit(3))
-    broken = ModelSteps(MLP, 8, world_size=4, max_tp=4)
-    broken.prefetch(("dp", "fsdp", "tp"))
-    monkeypatch.setenv("AOT_PLAN_WORKERS", "1")
-    serial = ModelSteps(MLP, 8, world_size=4, max_tp=4)
-    serial.prefetch(("dp", "fsdp", "tp"))
-    assert broken._tp_plan == serial._tp_plan
-    assert {k: _facts(g) for k, g in broken.traced.items()} == {k: _facts(g) for k, g in serial.traced.items()}
-
-
-def test_graphs_cross_the_process_boundary_as_json_unchanged():
-    steps = ModelSteps(GPT, 8, world_size=4, max_tp=2)
-    graph = steps.capture(2, 2, 2)
-    text = json.dumps(trace_helper.graph_to_json(graph))
-    assert _facts(trace_helper.graph_from_json(json.loads(text))) == _facts(graph)
+    ahead = ModelSteps(model, 8, world_size=world, max_tp=max_tp)
+    ahead.prefetch(axes)
+    assert len(ahead.traced) == keys
+    assert sum(len(v) for v in ahead._derived.values()) == derived
+    assert ahead._tp_plan == lazy._tp_plan
+    assert sorted(lazy.traced) == sorted(ahead.traced)
+    for key in ahead.traced:
+        assert _facts(ahead.traced[key]) == _facts(lazy.traced[key]), key
 
 
 def _derived_and_traced(model: Path, topology: str, world: int = 8):

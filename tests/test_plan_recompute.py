@@ -117,9 +117,8 @@ def test_build_strategy_auto_recomputes_as_planned(tight, tmp_path):
     assert plan["predicted"]["fits"]
 
 
-def test_the_recomputing_graphs_priced_are_the_builds(monkeypatch):
-    """Every recomputing variant the planner prices (traced, derived without fsdp, with tp; made in
-    this process and in the forked helper, which share the graphs) is the build's graph of that mesh
+def test_the_recomputing_graphs_priced_are_the_builds():
+    """Every recomputing variant the planner prices (traced, derived without fsdp, with tp) is the build's graph of that mesh
     with aot.passes.recompute.by_budget applied at that activation budget before the other passes."""
     from aot.capture.step import capture_step
     from aot.passes.cleanup import drop_profiler_calls, plain_collectives
@@ -131,7 +130,6 @@ def test_the_recomputing_graphs_priced_are_the_builds(monkeypatch):
     from runner.topology import for_nodes
     from test_plan_derived_graphs import _facts
 
-    monkeypatch.setenv("AOT_PLAN_WORKERS", "2")
     profile = for_nodes(load_profile("dgx_a100"), None, 2)
     machine = Machine(profile, 2)
 

@@ -41,15 +41,15 @@ class ModelSteps:
     fsdp=2 is traced alone. tp is priced only within a node (`max_tp`, the ranks per node) and where
     the model can take it (heads and split features divide, aot.plan.tensor_parallel).
 
-    Tracing is most of a search's time. Three things make it cheaper, each giving the very graph
-    the build traces for that mesh (tests/test_plan_derived_graphs.py):
-    - each trace is recorded without make_fx's bookkeeping (capture_step(tracer=trace_for_pricing), about
-      half the time);
-    - the (dp, fsdp=1) graph is derived from the (dp, fsdp=2) one of its tp degree: the same forward
-      and backward, then the step's end (averaging, clipping, the optimizer) traced alone
-      (aot.plan.pricing.derive_without_fsdp; traced in full where the graph is not of that form);
-    - `prefetch` makes, before the search, the graphs it will ask for, on two cores where there are
-      two (aot.plan.trace_helper).
+    Tracing is most of a search's time, so graphs are cached by layout: one trace per layout class
+    (key (dp > 1, fsdp, tp): whether there is a dp group, fsdp 1 or 2, the tp degree), whatever the
+    ranks, and read for every mesh of that class. Each trace is make_fx's, as the build's
+    (capture_step(tracer=aot.plan.pricing.trace_for_pricing): without generating code), and the
+    (dp, fsdp=1) graph is derived from the (dp, fsdp=2) one of its tp degree: the same forward and
+    backward, then the step's end (averaging, clipping, the optimizer) traced alone
+    (aot.plan.pricing.derive_without_fsdp; traced in full where the graph is not of that form), each
+    the very graph the build traces for that mesh (tests/test_plan_derived_graphs.py). `prefetch`
+    makes, before the search, the graphs it will ask for.
 
     Recomputation (`recomputing`): a graph (traced or derived) from which a plan may not fit device
     memory (`memory_limit`) is also rewritten as the build would recompute it
@@ -111,7 +111,6 @@ class ModelSteps:
         self.traced: dict[tuple, StepGraph] = {}
         self._failed: dict[tuple, Exception] = {}  # key -> what tracing it raised (raised again when asked)
         self._derived: dict[tuple, list] = {}  # traced key -> [(key, mesh)] derived from its graph (`prefetch`)
-        self._helper = None  # aot.plan.trace_helper.Helper while it traces (`prefetch`)
         # graphs from which a plan may not fit device memory (`memory_limit`: the planner's
         # aot.plan.search.MemoryLimit) also get recomputing variants, their choices priced on
         # `compute` (the device model, aot.plan.device_model: the build's, for the same profile)
@@ -128,8 +127,6 @@ class ModelSteps:
             raise Unsupported(f"tp={tp} would span nodes ({self.max_tp} ranks per node)")
         try:
             check_degree(self.mf, self.state.model, tp)
-            if self._tp_plan is None and self._helper is not None:
-                self._tp_plan = self._helper.plan()  # None where it failed: found here, with its error
             if self._tp_plan is None:
                 self._tp_plan = self._find_plan()
             if not self._tp_plan:
@@ -286,15 +283,7 @@ class ModelSteps:
         if key in self._failed:
             raise self._failed[key]
         if key not in self.traced:
-            graph = self._helper.take(key) if self._helper is not None else None
-            if graph is not None:
-                self.traced[key] = graph
-                for other, _ in self._derived.get(key, ()):  # made with it; traced when asked where not
-                    derived = self._helper.take(other) if self._helper is not None else None
-                    if derived is not None:
-                        self.traced[other] = derived
-            else:
-                self.traced.update(self._trace(key, (dp, fsdp, tp)))
+            self.traced.update(self._trace(key, (dp, fsdp, tp)))
         if key in self._failed:
             raise self._failed[key]
         return self.traced[key]
@@ -402,12 +391,9 @@ class ModelSteps:
         return list(first.items())
 
     def prefetch(self, axes: tuple) -> None:
-        """Trace, before a search over `axes`, the graphs it will ask for: each graph without fsdp
-        derived from the fsdp=2 graph of its tp degree where the search needs that one too, and,
-        where a second core is free, part of them in a forked copy of this process
-        (aot.plan.trace_helper). What a trace raises is raised again when the search asks for it."""
-        from aot.plan import trace_helper
-
+        """Trace, before a search over `axes`, the graphs it will ask for, each graph without fsdp
+        derived from the fsdp=2 graph of its tp degree where the search needs that one too. What a
+        trace raises is raised again when the search asks for it."""
         if self.world_size is None:
             return
         todo = [(key, source) for key, source in self.needed(axes) if key not in self.traced and key not in self._failed]
@@ -417,25 +403,13 @@ class ModelSteps:
         for key, source in todo:
             if key[1] == 1 and key[2] in sharded:
                 self._derived.setdefault(sharded[key[2]], []).append((key, source))
-        jobs = [job for job in todo if not (job[0][1] == 1 and job[0][2] in sharded)]
-        mine = sorted(jobs, key=lambda job: job[0][1] != 2)
-        find_plan = self._tp_plan is None and any(key[2] > 1 for key, _ in jobs)
-        if len(jobs) > 1 and trace_helper.workers() > 1:
-            mine, theirs = trace_helper.split(jobs, self._derived, find_plan)
+        for key, source in sorted(todo, key=lambda job: job[0][1] != 2):  # the graphs others are derived from first
+            if key[1] == 1 and key[2] in sharded:
+                continue  # made with the fsdp=2 graph it is derived from
             try:
-                self._helper = trace_helper.Helper(self, theirs, find_plan)
-            except OSError:  # no fork here: everything in this process
-                mine = jobs
-        try:
-            for key, source in [*mine, *(job for job in jobs if job not in mine)]:
-                try:
-                    self._traced(*source)
-                except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
-                    self._failed[key] = e
-        finally:
-            if self._helper is not None:
-                self._helper.close()
-                self._helper = None
+                self._traced(*source)
+            except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
+                self._failed[key] = e
 
 
 RECOMPUTE_FRACTION = 0.5  # the activation budget a graph that does not fit is priced at first

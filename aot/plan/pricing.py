@@ -1,11 +1,7 @@
-"""Traces the planner prices, made faster than the build's (aot/capture/step.py) and equal to them.
+"""Traces the planner prices: the build's (aot/capture/step.py), made where the planner can make them cheaper.
 
-- `trace_for_pricing`: make_fx's graph of the step, recorded by a lean recorder in make_fx's
-  place: the same fake tensors and the same dispatch (the recorder sits in the proxy slot of the
-  dispatch stack, so every layer below it sees a trace in progress), the same graph node for node,
-  without make_fx's bookkeeping for the code it generates (about half the time). Anything the
-  recorder does not handle (tensor constants, data-dependent ops, higher-order ops) falls back to
-  make_fx.
+- `trace_for_pricing`: make_fx's graph of the step on fake tensors, as the build traces it, without
+  generating the graph's Python code (the planner reads graphs, never runs them).
 - `derive_without_fsdp`: the graph of a mesh without fsdp, read from the graph of the same mesh
   with fsdp=2 plus a trace of the step's end alone.
 
@@ -124,7 +120,7 @@ def derive_without_fsdp(
     def like(node):
         v = node.meta.get("val")
         if not isinstance(v, torch.Tensor) or v.storage_offset() != 0:
-            raise _NotRecorded("gradient layout")
+            raise _NotDerivable("gradient layout")
         return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
 
     def end(*flat):
@@ -175,7 +171,7 @@ def derive_without_fsdp(
         elif target is operator.getitem:
             name = None
         else:
-            raise _NotRecorded(str(target))
+            raise _NotDerivable(str(target))
         new = graph.create_node("call_function", target, mapped(node.args), mapped(node.kwargs), name=name)
         new.meta["val"] = node.meta.get("val")
         if "custom" in node.meta:  # the module calls it comes from (aot.capture.module_calls)
@@ -192,7 +188,7 @@ def derive_without_fsdp(
             if node.op == "call_function":
                 copy(node)
         graph.create_node("output", "output", (mapped(tail_nodes[-1].args[0]),), {})
-    except (KeyError, _NotRecorded):
+    except (KeyError, _NotDerivable):
         return None
 
     shared = [(buffers[i], tail_holders[i]) for i in range(n_params)]
@@ -207,190 +203,14 @@ def derive_without_fsdp(
 # -- tracing for the planner ---------------------------------------------------------------------
 
 
-class _NotRecorded(Exception):
-    """Something the lean recorder does not reproduce as make_fx would: trace with make_fx."""
+class _NotDerivable(Exception):
+    """A node derive_without_fsdp cannot copy as the trace of the mesh would make it: that mesh is traced."""
 
 
 def trace_for_pricing(step, args: list) -> torch.fx.GraphModule:
-    """make_fx(step, tracing_mode="fake")(*args)'s graph, recorded leanly (see the module docstring);
-    make_fx itself where the recorder cannot follow, without generating the graph's code."""
+    """make_fx(step, tracing_mode="fake")(*args), the build's trace, as a lazy graph module: its
+    Python code is generated only if something calls it (about a tenth of a trace's time saved)."""
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
-    try:
-        return _lean_make_fx(step, args)
-    except Exception:  # noqa: BLE001  (make_fx reports the step's own errors)
-        pass
     with _use_lazy_graph_module(True):
-        return make_fx(step, tracing_mode="fake", _disable_torch_fn_metadata_mode=True)(*args)
-
-
-def _lean_make_fx(step, args: list) -> torch.fx.GraphModule:
-    import copy
-    import operator
-
-    import torch._dynamo  # noqa: F401  (make_fx imports it before tracing, for the same reason)
-    import torch._functorch.config as functorch_config
-    import torch.fx._symbolic_trace as symbolic_trace
-    import torch.fx.traceback as fx_traceback
-    from torch._dynamo.source import ConstantSource
-    from torch._subclasses.fake_impls import fast_detach
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
-    from torch.fx.experimental.proxy_tensor import disable_autocast_cache
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from torch.utils import _pytree as pytree
-    from torch.utils._python_dispatch import TorchDispatchMode, _push_mode, _unset_infra_mode, autograd_would_have_decomposed
-    from torch.utils.weak import WeakTensorKeyDictionary
-
-    aten = torch.ops.aten
-    proxy_key = torch._C._TorchDispatchModeKey.PROXY
-    handled = (torch.Tensor, torch.nn.Parameter, FakeTensor)
-    accessors = (aten.size.default, aten.stride.default, aten.storage_offset.default)
-    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
-
-    def value_of(value):
-        # node.meta["val"], as make_fx stores it: a detached alias (the result itself would hold a
-        # reference that changes what autograd does: it steals a gradient only nobody else holds)
-        if isinstance(value, FakeTensor):
-            return fast_detach(value.fake_mode, value)
-        if isinstance(value, (list, tuple)):
-            return value.__class__([value_of(v) for v in value])
-        if isinstance(value, (torch.Tensor, *symbolic)):
-            raise _NotRecorded(type(value).__name__)
-        return value
-
-    def leaves(value, out: list) -> list:
-        # the tensors (and symbolic values) among an op's arguments; tuples, lists and dicts opened
-        if type(value) in (tuple, list):
-            for v in value:
-                leaves(v, out)
-        elif type(value) is dict:
-            for v in value.values():
-                leaves(v, out)
-        elif isinstance(value, (torch.Tensor, *symbolic)):
-            out.append(value)
-        return out
-
-    decomposes: dict = {}  # (op, device type) -> whether autograd would have decomposed it
-
-    class Recorder(TorchDispatchMode):
-        """make_fx's ProxyTorchDispatchMode, reduced to recording: in the proxy slot of the
-        dispatch stack (collectives, DTensor and fake tensors see a trace), each op it is handed
-        becomes one call_function node named as make_fx names it, each result it returns is that
-        node's meta["val"] (a getitem node per element of a list or tuple), and composite ops are
-        decomposed where autograd would have decomposed them."""
-
-        def __init__(self, graph: torch.fx.Graph):
-            super().__init__()
-            self._mode_key = proxy_key
-            self.graph = graph
-            self.nodes = WeakTensorKeyDictionary()
-            self.objects: dict = {}  # hash of a script object (the profiler's handle) -> node
-            self.enter_stack: list = []
-
-        @classmethod
-        def is_infra_mode(cls) -> bool:
-            return True
-
-        def __enter__(self):
-            self.enter_stack.append(_unset_infra_mode(proxy_key))
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            result = super().__exit__(*exc)
-            previous = self.enter_stack.pop()
-            if previous is not None:
-                _push_mode(previous)
-            return result
-
-        def node_of(self, value):
-            if type(value) in (tuple, list):
-                return value.__class__([self.node_of(v) for v in value])
-            if type(value) is dict:
-                return {k: self.node_of(v) for k, v in value.items()}
-            if isinstance(value, torch.Tensor):
-                node = self.nodes.get(value)
-                if node is None:  # a constant: make_fx interns it as an attribute
-                    raise _NotRecorded("tensor constant")
-                return node
-            if isinstance(value, torch.ScriptObject):
-                return self.objects[hash(value)]
-            if isinstance(value, symbolic):
-                raise _NotRecorded("symbolic value")
-            return value
-
-        def create(self, target, args, kwargs, name=None) -> torch.fx.Node:
-            node = self.graph.create_node("call_function", target, args, kwargs, name=name)
-            if fx_traceback.has_preserved_node_meta():  # the annotations make_fx's tracer copies that aot reads
-                custom = fx_traceback.get_current_meta().get("custom")
-                if custom is not None:
-                    node.meta["custom"] = copy.copy(custom)
-            return node
-
-        def track(self, value, node) -> None:
-            if isinstance(value, torch.Tensor):
-                self.nodes[value] = node
-                node.meta["val"] = value_of(value)
-            elif isinstance(value, (list, tuple)):
-                node.meta["val"] = value_of(value)
-                for i, item in enumerate(value):
-                    self.track(item, self.create(operator.getitem, (node, i), {}))
-            elif isinstance(value, torch.ScriptObject):
-                self.objects[hash(value)] = node
-                node.meta["val"] = value
-            elif value is not None and not isinstance(value, (bool, int, float)):
-                raise _NotRecorded(type(value).__name__)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func == torch.ops.prim.device.default:
-                return func(*args, **kwargs)
-            flat = leaves(kwargs, leaves(args, []))
-            for x in flat:
-                if isinstance(x, torch.Tensor) and type(x) not in handled and x not in self.nodes:
-                    return NotImplemented  # a tensor subclass (DTensor) dispatches first
-            if not isinstance(func, torch._ops.OpOverload):
-                raise _NotRecorded(str(func))
-            if func not in accessors:
-                # it looks at the first tensor's device only
-                key = (func, next((x.device.type for x in flat if isinstance(x, torch.Tensor)), None))
-                if key not in decomposes:
-                    decomposes[key] = autograd_would_have_decomposed(func, flat)
-                if decomposes[key]:
-                    with self:
-                        out = func.decompose(*args, **kwargs)
-                        if out is not NotImplemented:
-                            return out
-            if func is aten.is_nonzero.default or torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags:
-                raise _NotRecorded(str(func))
-            node_args, node_kwargs = self.node_of(args), self.node_of(kwargs)
-            if func is aten.lift_fresh.default:
-                func = aten.lift_fresh_copy.default
-            node = self.create(func, node_args, node_kwargs, name=self.graph._target_to_str(func.overloadpacket.__name__))
-            out = func(*args, **kwargs)
-            self.track(out, node)
-            return out
-
-    with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
-        fake_mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=False, shape_env=ShapeEnv(), static_shapes=True)
-    graph = torch.fx.Graph()
-    recorder = Recorder(graph)
-    fake_args = []
-    for i, a in enumerate(args):
-        name = f"arg{i}_1"
-        node = graph.create_node("placeholder", name, (), {}, name=name)
-        if isinstance(a, torch.Tensor):
-            a = fake_mode.from_tensor(a, source=ConstantSource(f"input{len(recorder.nodes)}"))
-            recorder.nodes[a] = node
-            node.meta["val"] = fast_detach(fake_mode, a, include_real=True)
-        fake_args.append(a)
-    previous_flag = symbolic_trace._is_fx_tracing_flag
-    symbolic_trace._is_fx_tracing_flag = True  # as inside make_fx (FX's tracer is running there)
-    try:
-        with fake_mode, recorder, disable_autocast_cache():
-            out = step(*fake_args)
-    finally:
-        symbolic_trace._is_fx_tracing_flag = previous_flag
-    graph.create_node("output", "output", (pytree.tree_map_only(torch.Tensor, recorder.node_of, out),), {})
-    with _use_lazy_graph_module(True):
-        return _make_graph_module(torch.nn.Module(), graph, "step")
+        return make_fx(step, tracing_mode="fake")(*args)

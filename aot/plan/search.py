@@ -4,7 +4,7 @@ A plan is a mesh (degrees of the axes the build supports, aot.plan.mesh.SUPPORTE
 gradient bucket size, and a placement of the mesh on the machine. The model is traced once per
 tensor-parallel degree, whatever the world size (aot/plan/model_steps.py: dp x fsdp=2, from which every other
 fsdp degree is derived, and dp alone, whose forward and backward are that trace's with the step's
-end traced alone), on two cores where there are two; bucket sizes are applied analytically
+end traced alone); bucket sizes are applied analytically
 (aot.plan.rebucket) and every candidate is priced by cost_model.simulate, so a search over 1024
 GPUs costs a handful of traces.
 
