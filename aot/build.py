@@ -37,7 +37,7 @@ from aot.plan.tensor_parallel import (
 )
 from aot.progress import Progress
 from runner.data import split_batch_tensors
-from runner.inspect import describe_batchnorm, describe_time, human
+from runner.inspect import describe_batchnorm, describe_time, human, tp_layer
 from runner.integrity import check_writable_target
 from runner.nvml_probe import live_profile
 from runner.topology import for_nodes, load_profile
@@ -108,7 +108,7 @@ def _tensor_parallel_plan(mf, model, inputs, tp: int, progress: Progress) -> dic
                 f"--strategy tp={tp}: no Linear pair in {mf.path.name} can be split ({reasons}); name the layers in a tp_plan (see README: Strategies)"
             )
     check_divisible(plan, model, tp, where)
-    cols = [n for n, s in plan.items() if s == "colwise"]
+    cols = [tp_layer(n, s) for n, s in plan.items() if s != "rowwise"]
     rows = [n for n, s in plan.items() if s == "rowwise"]
     progress.note(f"tensor parallel over {tp} ranks: {len(cols)} column-wise ({summarize(cols)}), {len(rows)} row-wise ({summarize(rows)})")
     for line in summarize_whole(whole) + unsplit_weights(model, {**plan, **whole}):

@@ -19,7 +19,7 @@ from runner.errors import AotError
 from runner.integrity import canonical_json, content_problem, read_verified, sha256_bytes
 
 FORMAT_NAME = "aot-artifact"
-FORMAT_VERSION = 5  # 5: pipeline stages (pipeline, a program per stage, p2p transfers); 4: mixed precision
+FORMAT_VERSION = 6  # 6: fused tensor-parallel layers (tensor_parallel.fused); 5: pipeline stages (pipeline, a program per stage, p2p transfers)
 READABLE_VERSIONS = (FORMAT_VERSION - 1, FORMAT_VERSION)  # this version and the one before it
 MANIFEST = "manifest.json"
 
@@ -234,8 +234,7 @@ def _check_structure(m: dict, where: str) -> None:
 
     try:
         _conform(m, INIT_SCHEMA, "")
-        if m["format_version"] >= 4 or m.get("precision") is not None:
-            _conform(m, PRECISION_SCHEMA, "")
+        _conform(m, PRECISION_SCHEMA, "")
     except AotError as e:
         raise AotError(f"{where}: {e}") from None
     expect(isinstance(m["build"].get("seed", 0), int) and not isinstance(m["build"].get("seed", 0), bool), "build.seed must be an integer")
@@ -302,12 +301,18 @@ def _check_structure(m: dict, where: str) -> None:
             raise AotError(f"{where}: {e}") from None
         tp = m["tensor_parallel"]
         expect(tp["group"] in m["process_groups"], "tensor_parallel.group names no process group")
+        fused = tp.get("fused", {}) if m["format_version"] >= 6 else {}
+        expect(m["format_version"] >= 6 or "fused" not in tp, "tensor_parallel.fused is version 6; this manifest says version 5")
+        counts = fused.values() if isinstance(fused, dict) else [None]
+        expect(all(isinstance(k, int) and not isinstance(k, bool) and k > 1 for k in counts), "tensor_parallel.fused must map parameters to counts above 1")
+        expect(set(fused) <= set(tp["params"]), "tensor_parallel.fused names a parameter tensor_parallel.params does not split")
         for name, dim in tp["params"].items():
             shape = m["state"]["params"].get(name, [None])[0]
             expect(shape is not None, f"tensor_parallel.params names unknown parameter {name!r}")
             expect(
-                0 <= dim < len(shape) and shape[dim] % tp["size"] == 0,
-                f"tensor_parallel.params: {name!r} cannot be split {tp['size']} ways along dimension {dim}",
+                0 <= dim < len(shape) and shape[dim] % (tp["size"] * fused.get(name, 1)) == 0,
+                f"tensor_parallel.params: {name!r} cannot be split {tp['size']} ways along dimension {dim}"
+                + (f" in each of its {fused[name]} parts" if name in fused else ""),
             )
     for key, schema in (
         ("inference", INFERENCE_SCHEMA),

@@ -27,7 +27,8 @@ from runner.sharding import assemble, shard_count
 
 INDEX = "checkpoint.json"
 FORMAT_NAME = "aot-checkpoint"
-FORMAT_VERSION = 2  # 2: tensor_parallel and tp-major shard numbering
+FORMAT_VERSION = 3  # 3: tensor_parallel.fused (fused layers' slices); 2: tensor_parallel and tp-major shard numbering
+READABLE_VERSIONS = (FORMAT_VERSION - 1, FORMAT_VERSION)  # a version-2 index reads as version 3 without fused layers
 
 
 def optimizer_key(param: str, key: str) -> str:
@@ -125,8 +126,8 @@ def read_index(folder: Path) -> dict:
         raise AotError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
         raise AotError(f"{path}: not an aot checkpoint index")
-    if index.get("format_version") != FORMAT_VERSION:
-        raise AotError(f"{path}: checkpoint format version {index.get('format_version')}, this runner reads {FORMAT_VERSION}")
+    if index.get("format_version") not in READABLE_VERSIONS:
+        raise AotError(f"{path}: checkpoint format version {index.get('format_version')}, this runner reads {' and '.join(map(str, READABLE_VERSIONS))}")
     shards = index.get("shards")
     if not (
         isinstance(shards, list)

@@ -94,7 +94,7 @@ def _plan_fields(m: dict, s: dict) -> dict:
         and {
             "size": tp["size"],
             "sequence_parallel": tp.get("sequence_parallel"),
-            "colwise": sorted(n for n, st in tp["plan"].items() if st == "colwise"),
+            "colwise": sorted(n if st == "colwise" else f"{n} ({st})" for n, st in tp["plan"].items() if st.startswith("colwise")),
             "rowwise": sorted(n for n, st in tp["plan"].items() if st == "rowwise"),
         },
         "pipeline": pipeline

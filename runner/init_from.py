@@ -20,7 +20,8 @@ from safetensors import safe_open
 from runner.checkpoint import INDEX as CHECKPOINT_INDEX
 from runner.data import dtype_name, dtype_of
 from runner.errors import AotError
-from runner.sharding import axis_index, shard_numel
+from runner.sharding import axis_index, shard_numel, tp_fused, tp_slice
+from runner.sharding import shard as fsdp_shard
 
 SINGLE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -245,6 +246,12 @@ def rank_weights(init: InitFrom, coords: dict[str, int]) -> dict[str, torch.Tens
             for name in names:
                 src = init.sources[name]
                 dim = tp.get("params", {}).get(name) if tp_size > 1 else None
+                if dim is not None and tp_fused(tp, name) > 1:
+                    # a fused projection's slice is a piece of each part: read whole, then cut
+                    whole = _read(f, src.key, [(0, n) for n in src.shape])
+                    piece = _copy(tp_slice(whole, dim, tp_size, tp_index, tp_fused(tp, name)), init.dtypes[name])
+                    out[name] = fsdp_shard(piece, fsdp_size, fsdp_index) if name in fsdp.get("params", {}) else piece
+                    continue
                 region = _tp_region(src.shape, dim, tp_size, tp_index)
                 if name in fsdp.get("params", {}):
                     out[name] = _fsdp_piece(f, src.key, region, fsdp_size, fsdp_index, init.dtypes[name])

@@ -30,7 +30,7 @@ from runner.data import dtype_of
 from runner.errors import AotError
 from runner.graph_loader import load_graph_module
 from runner.program import decode_program
-from runner.sharding import axis_index, shard, tp_slice
+from runner.sharding import axis_index, shard, tp_fused, tp_slice
 
 _aten = torch.ops.aten
 # In-place ops that write every element of their first argument without reading it.
@@ -229,7 +229,7 @@ def piece_keeper(manifest: dict, coords: dict[str, int]) -> Callable[[str, torch
     def keep(name: str, t: torch.Tensor) -> torch.Tensor:
         if name not in params:
             return t
-        piece = tp_slice(t, tp.get("params", {}).get(name), tp.get("size", 1), tp_index)
+        piece = tp_slice(t, tp.get("params", {}).get(name), tp.get("size", 1), tp_index, tp_fused(tp, name))
         if name in sharding.get("params", {}):
             piece = shard(piece, sharding["size"], coords[sharding["axis"]])
         return piece

@@ -6,7 +6,7 @@ import math
 from collections import Counter
 
 from runner.artifact import Artifact
-from runner.sharding import shard_number, shard_numel, tp_slice_shape
+from runner.sharding import shard_number, shard_numel, tp_slice_shape, tp_style
 
 
 def _bytes(shape_dtype: list) -> int:
@@ -256,6 +256,12 @@ def describe_memory(memory: dict | None) -> list[str]:
     return lines
 
 
+def tp_layer(name: str, style: str) -> str:
+    """A tensor-parallel layer as `aot build` and `aot inspect` name it: a fused one with its parts."""
+    parts = tp_style(style)[1]
+    return f"{name} ({parts} fused parts)" if parts > 1 else name
+
+
 def describe_time(time: dict | None) -> str:
     """The manifest's `time`: the predicted step of one rank on the profile it was built for."""
     if not time:
@@ -332,7 +338,7 @@ def render(summary: dict) -> str:
             lines.append(f"    {count} x {kind} over {group} ({dtype}), {human(size)} in all")
     tp = summary.get("tensor_parallel")
     if tp:
-        cols = sorted(n for n, style in tp["plan"].items() if style == "colwise")
+        cols = sorted(tp_layer(n, style) for n, style in tp["plan"].items() if style != "rowwise")
         rows = sorted(n for n, style in tp["plan"].items() if style == "rowwise")
         lines.append(f"tensor parallel over {tp['size']} ranks ({tp['group']}): column-wise {', '.join(cols)}; row-wise {', '.join(rows)}")
     lines.extend(describe_pipeline(summary.get("pipeline")))

@@ -63,12 +63,37 @@ def tp_slice_shape(shape: list[int], dim: int | None, parts: int) -> list[int]:
     return shape
 
 
-def tp_slice(t: torch.Tensor, dim: int | None, parts: int, index: int) -> torch.Tensor:
+def tp_style(style: str) -> tuple[str, int]:
+    """A tensor-parallel plan entry's kind ("colwise" or "rowwise") and the number of equal parts
+    its output features form: "colwise:3" is a fused q/k/v projection (see `tp_slice`), 1 otherwise."""
+    kind, _, parts = style.partition(":")
+    return kind, int(parts) if parts else 1
+
+
+def tp_fused(tensor_parallel: dict | None, name: str) -> int:
+    """K where a manifest's `tensor_parallel.fused` says parameter `name`'s split dimension holds K
+    equal parts (1 otherwise)."""
+    return ((tensor_parallel or {}).get("fused") or {}).get(name, 1)
+
+
+def tp_slice(t: torch.Tensor, dim: int | None, parts: int, index: int, fused: int = 1) -> torch.Tensor:
     """Slice `index` of `t` split evenly along `dim` (the whole tensor when `dim` is None): what
-    tensor-parallel rank `index` holds. `assemble` is its inverse."""
+    tensor-parallel rank `index` holds. Where `dim` holds `fused` equal parts (GPT-2's c_attn:
+    q, k and v side by side), the rank holds slice `index` of each part, concatenated, so that its
+    output's parts are its heads of q, of k and of v. `join_tp_slices` is its inverse."""
     if dim is None or parts == 1:
         return t.detach().clone()
+    if fused > 1:
+        return torch.cat([part.chunk(parts, dim)[index] for part in t.detach().chunk(fused, dim)], dim)
     return t.detach().chunk(parts, dim)[index].clone()
+
+
+def join_tp_slices(slices: list[torch.Tensor], dim: int, fused: int = 1) -> torch.Tensor:
+    """The whole tensor from every tensor-parallel rank's slice, in rank order (`tp_slice` inverted)."""
+    if fused == 1:
+        return torch.cat(slices, dim)
+    parts = [s.chunk(fused, dim) for s in slices]
+    return torch.cat([parts[t][k] for k in range(fused) for t in range(len(slices))], dim)
 
 
 def assemble(
@@ -97,5 +122,5 @@ def assemble(
         for t in range(tp if dim is not None else 1):
             group = pieces[t * fsdp : (t + 1) * fsdp]
             slices.append(unshard([p[name] for p in group], slice_shape) if sharding else group[0][name])
-        full[name] = torch.cat(slices, dim) if dim is not None else slices[0]
+        full[name] = join_tp_slices(slices, dim, tp_fused(tensor_parallel, name)) if dim is not None else slices[0]
     return full

@@ -30,7 +30,7 @@ from runner.memory_tracking import measure_step
 from runner.p2p import install_send_kernel
 from runner.program import decode_program
 from runner.binding import bind_rank
-from runner.sharding import shard_number, tp_slice_shape, unshard
+from runner.sharding import join_tp_slices, shard_number, tp_fused, tp_slice_shape, unshard
 from runner.topology_check import verify_live
 
 
@@ -441,7 +441,7 @@ class Trainer:
                     continue
                 slices = [torch.empty_like(full[name]) for _ in range(tp["size"])]
                 dist.all_gather(slices, full[name].contiguous(), group=group)
-                full[name] = torch.cat(slices, dim)
+                full[name] = join_tp_slices(slices, dim, tp_fused(tp, name))
         return full
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:

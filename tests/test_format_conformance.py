@@ -3,8 +3,8 @@
 Every manifest the build writes for a small matrix of strategies validates against the schema,
 and the schema is not vacuous: each field the runner's own structural check requires, removed
 or given a wrong type, fails the schema and is refused by the runner (runner.artifact.Artifact),
-which names the place. The golden artifact (tests/fixtures/artifact_v4_mlp, built by the aot of
-format 4) loads in the current runner, validates, and trains to the losses written below, the
+which names the place. The golden artifact (tests/fixtures/artifact_v5_mlp, built by the aot of
+format 5) loads in the current runner, validates, and trains to the losses written below, the
 same as eager PyTorch in the same test.
 """
 
@@ -55,8 +55,10 @@ BUILDS = {  # name -> aot build arguments (--quiet and -o added); one keeps the 
     # as tests/test_mixed_precision.py builds it on the CPU
     "mlp-bf16": (EXAMPLES / "mlp.py", "--topology", "cpu", "--precision", "bf16", "--no-onnx"),
     "convnet-syncbn-dp2": (MODELS / "convnet_syncbn.py", "--world-size", 2, "--strategy", "dp=2", "--batch-size", 4, "--no-onnx"),
+    # fused tensor-parallel layers (tensor_parallel.fused, format 6): GPT-2's c_attn
+    "hf-gpt2-tp2": (MODELS / "hf_gpt2.py", "--world-size", 2, "--strategy", "tp=2", "--no-onnx"),
 }
-GOLDEN = FIXTURES / "artifact_v4_mlp"
+GOLDEN = FIXTURES / "artifact_v5_mlp"
 # What eager PyTorch computed on examples/mlp.py (torch.manual_seed(0), the example batch) for
 # the first 5 steps, measured once with torch 2.13.0 on the CPU; the artifact gave the same bits.
 GOLDEN_LOSSES = [2.2685635089874268, 2.1776123046875, 2.0583415031433105, 1.9123334884643555, 1.7299028635025024]
@@ -193,8 +195,8 @@ def runner_field_mutations(manifest: dict) -> list[tuple[tuple, tuple, object]]:
 # Fields the runner checks inline rather than in a *_SCHEMA dict, and the version bounds (each
 # applied where its parent exists in the manifest).
 HAND_MUTATIONS = [
-    (("format_version",), 3),
-    (("format_version",), 6),
+    (("format_version",), spec.READABLE_VERSIONS[0] - 1),
+    (("format_version",), spec.FORMAT_VERSION + 1),
     (("format",), "aot-checkpoint"),
     (("torch_version",), REMOVE),
     (("digest",), REMOVE),
@@ -260,21 +262,24 @@ def test_the_schema_and_the_runner_refuse_the_same_broken_manifests(built, tmp_p
     assert not failures, "\n".join(failures)
 
 
-def test_a_version_4_manifest_has_no_pipeline(built):
-    """FORMAT.md "Version 4": a version-4 artifact has no pipeline entry; the schema says so."""
-    manifest = json.loads((built / "gpt4-pp2" / "manifest.json").read_text())
-    assert any("pipeline" in e for e in schema_errors({**manifest, "format_version": 4}))
-    assert schema_errors({**manifest, "format_version": 4, "pipeline": None}) == []
+def test_a_version_5_manifest_has_no_fused_layers(built):
+    """FORMAT.md "Version 5": a version-5 artifact's tensor_parallel has no `fused`; the schema and
+    the runner say so."""
+    manifest = json.loads((built / "gpt-tp2" / "manifest.json").read_text())
+    assert manifest["tensor_parallel"]["fused"] == {}
+    assert any("fused" in e for e in schema_errors({**manifest, "format_version": 5}))
+    old = {**manifest, "format_version": 5, "tensor_parallel": {k: v for k, v in manifest["tensor_parallel"].items() if k != "fused"}}
+    assert schema_errors(old) == []
 
 
-def test_the_golden_format_4_artifact_loads_validates_and_trains_to_known_losses():
-    """An artifact built by the aot of format 4 runs in this runner (the compatibility window),
+def test_the_golden_format_5_artifact_loads_validates_and_trains_to_known_losses():
+    """An artifact built by the aot of format 5 runs in this runner (the compatibility window),
     its manifest conforms, and its training is what it was: the losses eager PyTorch gave when the
     test was written, and eager PyTorch now. (tests/test_artifact_and_runner.py checks the Python
-    API the same way on a freshly built format-5 artifact.)"""
+    API the same way on a freshly built format-6 artifact.)"""
     manifest = json.loads((GOLDEN / "manifest.json").read_text())
     # a format bump moves the window: replace the fixture with an artifact of the version before
-    assert manifest["format_version"] == spec.READABLE_VERSIONS[0] == 4, "rebuild the golden artifact"
+    assert manifest["format_version"] == spec.READABLE_VERSIONS[0] == 5, "rebuild the golden artifact"
     assert schema_errors(manifest) == []
     trainer = runner.load(GOLDEN, rank=0, world_size=1)
     assert trainer.artifact.manifest == manifest

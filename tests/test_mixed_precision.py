@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 
 from helpers.commands import EXAMPLES, MODELS, aot, ok, torchrun
 from helpers.training import STEPS, reference, train_both
+from runner.artifact import FORMAT_VERSION
 from runner.checkpoint import merge_checkpoint
 
 
@@ -208,7 +209,7 @@ def test_cuda_profile_traces_cudas_autocast_rules(tmp_path):
     assert _softmax_dtypes(cuda_tp) == {torch.float32}
     assert _softmax_dtypes(cpu) == {torch.bfloat16}
     manifest = json.loads((cuda / "manifest.json").read_text())
-    assert manifest["precision"]["autocast_rules"] == "cuda" and manifest["format_version"] == 5
+    assert manifest["precision"]["autocast_rules"] == "cuda" and manifest["format_version"] == FORMAT_VERSION
     ok(aot("run", cuda, "--steps", 2, "--allow-topology-mismatch", "--quiet"))
     ok(torchrun(2, "run", cuda_tp, "--steps", 2, "--allow-topology-mismatch", "--quiet"))
 

@@ -2,9 +2,12 @@
 slice and cat, grouped-query heads) and MLPs as Megatron does, training equals eager DDP, and the
 build says what it left whole and why.
 
-The models are transformers' LlamaForCausalLM, Qwen2ForCausalLM and MixtralForCausalLM at tiny
-sizes (tests/models/hf_*.py), traced as transformers writes them. The references are eager DDP
-over the data-parallel ranks (tests/helpers/ddp_reference.py), as for every tp test.
+The models are transformers' LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel and
+MixtralForCausalLM at tiny sizes (tests/models/hf_*.py), traced as transformers writes them. The
+references are eager DDP over the data-parallel ranks (tests/helpers/ddp_reference.py), as for
+every tp test. GPT-2's q, k and v come from one fused Conv1D (`c_attn`, weight stored (in, out))
+whose output the attention splits in three: each rank holds its slice of each third (format 6,
+`tensor_parallel.fused`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import json
 
 import pytest
 import torch
+
+from safetensors.torch import save_file
 
 from helpers.commands import MODELS, aot, ok, show
 from helpers.training import TOL, assert_same_training, train_both
@@ -51,6 +56,48 @@ def test_attention_is_split_and_training_matches_ddp(model, strategy, world, tmp
     # a last-bit difference of split matmuls, magnified by AdamW on near-zero gradients (see
     # tests/test_train_matches_ddp.py); losses stay within TOL
     assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=2 * TOL)
+
+
+def gpt2_plan() -> dict[str, str]:
+    """Megatron's split of GPT-2: the fused q/k/v projection column-wise per third, c_fc
+    column-wise, both c_proj row-wise."""
+    plan = {}
+    for i in range(LAYERS):
+        prefix = f"model.transformer.h.{i}"
+        plan.update(
+            {f"{prefix}.attn.c_attn": "colwise:3", f"{prefix}.attn.c_proj": "rowwise", f"{prefix}.mlp.c_fc": "colwise", f"{prefix}.mlp.c_proj": "rowwise"}
+        )
+    return plan
+
+
+def _gpt2_weights(seed: int, path):
+    """tests/models/hf_gpt2.py's state_dict under another seed, as a weights file for --init-from."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_gpt2_init_from", MODELS / "hf_gpt2.py")
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    torch.manual_seed(seed)
+    save_file({k: v.clone().contiguous() for k, v in user.model().state_dict().items()}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "strategy,world,init_from",
+    [("tp=2", 2, True), pytest.param("fsdp=2,tp=2", 4, False, marks=pytest.mark.slow), pytest.param("dp=2,tp=2", 4, False, marks=pytest.mark.slow)],
+)
+def test_gpt2_fused_attention_is_split_and_training_matches_ddp(strategy, world, init_from, tmp_path):
+    """The fused c_attn's slices are cut per third everywhere a rank's piece is made or joined: the
+    init program, --init-from (read from the user's file), the checkpoint merge."""
+    weights = _gpt2_weights(7, tmp_path / "weights.safetensors") if init_from else None
+    losses, ref_losses, merged, ref_weights = train_both(MODELS / "hf_gpt2.py", world, tmp_path, strategy=strategy, init_from=weights)
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert manifest["tensor_parallel"]["plan"] == gpt2_plan()
+    assert manifest["tensor_parallel"]["fused"] == {f"model.transformer.h.{i}.attn.c_attn.{p}": 3 for i in range(LAYERS) for p in ("weight", "bias")}
+    # Conv1D weights are (in, out): column-wise splits dimension 1
+    assert manifest["tensor_parallel"]["params"]["model.transformer.h.0.attn.c_attn.weight"] == 1
+    assert manifest["tensor_parallel"]["params"]["model.transformer.h.0.mlp.c_proj.weight"] == 0
+    assert_same_training(losses, ref_losses, merged, ref_weights, weight_tol=2 * TOL)
 
 
 def test_build_says_what_tensor_parallel_left_whole(tmp_path):

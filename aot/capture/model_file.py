@@ -4,7 +4,7 @@ Required: `model() -> nn.Module` and `batch(batch_size) -> (inputs, targets)`.
 Optional: `loss(outputs, targets)`, `optimizer(params)`, `scheduler(optimizer)`, `max_grad_norm`,
 `custom_op_modules` (modules that register custom operators; see aot/capture/custom_ops.py) and
 `onnx_translations` (custom operator -> ONNX translation; see aot/emit/onnx_export.py) and
-`tp_plan` (module name -> "colwise" | "rowwise"; see aot/plan/tensor_parallel.py).
+`tp_plan` (module name -> "colwise" | "rowwise" | "colwise:K"; see aot/plan/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class ModelFile:
     custom_op_modules: tuple[str, ...] = ()
     onnx_translations: object = None  # a dict, or a function returning one (read only when exporting)
     module_name: str = ""  # the name the model file was imported under
-    tp_plan: object = None  # module name -> "colwise" | "rowwise" (see aot/plan/tensor_parallel.py)
+    tp_plan: object = None  # module name -> "colwise" | "rowwise" | "colwise:K" (see aot/plan/tensor_parallel.py)
     globals: dict = None  # the model file's other module-level names (head counts, say)
 
     def example_batch(self, rows: int) -> dict[str, torch.Tensor]:

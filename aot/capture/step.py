@@ -25,7 +25,7 @@ from aot.capture.module_calls import annotate_module_calls
 from aot.capture.precision import Precision
 from aot.capture.sync_batchnorm import sync_batchnorm_in_graph
 from aot.capture.target_autocast import TargetAutocast
-from aot.capture.tensor_parallel import TensorParallel, rename_group, tensor_parallel
+from aot.capture.tensor_parallel import TensorParallel, rename_group, tensor_parallel, transposed_linear
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
@@ -33,7 +33,7 @@ from runner.checkpoint import optimizer_key
 from runner.data import dtype_name
 from runner.artifact import SCALER_KEYS
 from runner.init_program import initial_scaler_state
-from runner.sharding import shard, tp_slice, tp_slice_shape
+from runner.sharding import shard, tp_slice, tp_slice_shape, tp_style
 
 _funcol = torch.ops._c10d_functional
 
@@ -51,7 +51,7 @@ class StepLayout:
     """How the plan distributes the step: gradients (and the reported loss) are averaged over
     `dp` (replicas) and `fsdp` (shards); with `fsdp`, every parameter and its optimizer state
     arrive as this rank's flat-padded shard and are all-gathered for use. With `tp`, the Linear
-    layers `tp_plan` names (module -> "colwise" | "rowwise") hold a slice of their weights, and
+    layers `tp_plan` names (module -> "colwise" | "rowwise" | "colwise:K") hold a slice of their weights, and
     fsdp shards that slice."""
 
     dp: Group | None = None
@@ -71,19 +71,31 @@ class StepLayout:
     def tp_dims(self, state: TrainingState) -> dict[str, int]:
         """Parameter name -> the dimension tensor parallelism splits it along (torch's
         ColwiseParallel splits weight and bias along the output features, RowwiseParallel the
-        weight along the input features and keeps the bias whole)."""
+        weight along the input features and keeps the bias whole; transformers' Conv1D stores its
+        weight (in, out), so there the weight's dimensions swap)."""
+        return {name: dim for name, (dim, _fused) in self._tp_split(state).items()}
+
+    def tp_fused(self, state: TrainingState) -> dict[str, int]:
+        """Parameter name -> K for the parameters of fused column-wise layers ("colwise:K"), whose
+        split dimension holds K equal parts (runner.sharding.tp_slice)."""
+        return {name: fused for name, (_dim, fused) in self._tp_split(state).items() if fused > 1}
+
+    def _tp_split(self, state: TrainingState) -> dict[str, tuple[int, int]]:
         if self.tp is None:
             return {}
-        dims = {}
+        modules = dict(state.model.named_modules())
+        split = {}
         for module, style in self.tp_plan:
-            entries = {"weight": 0, "bias": 0} if style == "colwise" else {"weight": 1}
+            kind, fused = tp_style(style)
+            out_dim = 1 if transposed_linear(modules.get(module)) else 0
+            entries = {"weight": out_dim, "bias": 0} if kind == "colwise" else {"weight": 1 - out_dim}
             for leaf, dim in entries.items():
                 name = f"{module}.{leaf}"
                 if name in state.aliases or any(v == name for v in state.aliases.values()):
                     raise AotError(f"tensor parallel: {name} is tied to another parameter; a tied weight cannot be split (leave {module!r} out of tp_plan)")
                 if name in state.params:
-                    dims[name] = dim
-        return dims
+                    split[name] = (dim, fused)
+        return split
 
     def local_shapes(self, state: TrainingState) -> dict[str, torch.Size]:
         """Every parameter's shape on one rank before fsdp sharding (its tensor-parallel slice)."""
@@ -392,12 +404,12 @@ def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp
     """The parameters and optimizer state one rank holds: its tensor-parallel slice of every
     parameter `tp_plan` splits (whole otherwise), then its fsdp shard of that; optimizer state
     shaped like its parameter follows the parameter, 0-dim state (step counters) is replicated."""
-    dims = layout.tp_dims(state)
+    dims, fused = layout.tp_dims(state), layout.tp_fused(state)
     tp_size = layout.tp.size if layout.tp else 1
     parts = layout.fsdp.size if layout.fsdp else 1
 
     def place(name: str, value: torch.Tensor) -> torch.Tensor:
-        piece = tp_slice(value, dims.get(name), tp_size, tp_index)
+        piece = tp_slice(value, dims.get(name), tp_size, tp_index, fused.get(name, 1))
         return piece if parts == 1 else shard(piece, parts, fsdp_index)
 
     params = {n: place(n, p) for n, p in state.params.items()}

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from aot.errors import AotError
+from runner.sharding import tp_style
 
 _funcol = torch.ops._c10d_functional
 
@@ -51,25 +53,147 @@ class TensorParallel:
         return result
 
 
-def _styles(plan: dict[str, str], sequence: dict | None) -> dict:
+def transposed_linear(module) -> bool:
+    """transformers' Conv1D (GPT-2's layers): a Linear whose weight is stored (in, out) and applied
+    as addmm(bias, x, weight). Recognized by its name and shape: aot does not import transformers."""
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2 and hasattr(module, "nf")
+
+
+class FusedSplits:
+    """The local output of each fused column-wise layer ("colwise:K", GPT-2's c_attn) and its K.
+
+    The model's own code cuts that output into its K parts with the whole layer's sizes
+    (`.split(n_embd, dim=2)`); on a rank, which holds a slice of every part (runner.sharding.tp_slice),
+    the same cut must take the slice's sizes. While the capture runs, `split` calls on a registered
+    output have their sizes divided by the tp degree (chunk(K) needs nothing: it counts parts)."""
+
+    def __init__(self, size: int):
+        from torch.utils.weak import WeakTensorKeyDictionary
+
+        self.size = size
+        self.outputs = WeakTensorKeyDictionary()
+
+    def register(self, local: torch.Tensor, parts: int) -> None:
+        self.outputs[local] = parts
+
+    def mode(self):
+        from torch.overrides import TorchFunctionMode
+
+        splits = self
+
+        class LocalSplitSizes(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in (torch.Tensor.split, torch.split) and args and isinstance(args[0], torch.Tensor) and args[0] in splits.outputs:
+                    args, kwargs = splits._local(args, kwargs)
+                return func(*args, **kwargs)
+
+        return LocalSplitSizes()
+
+    def _local(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        tensor, parts = args[0], self.outputs[args[0]]
+        key = next((k for k in ("split_size", "split_size_or_sections") if k in kwargs), None)
+        sizes = kwargs[key] if key else args[1]
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+        whole = tensor.shape[dim] * self.size
+        if isinstance(sizes, int) and sizes * parts == whole:
+            sizes = sizes // self.size
+        elif isinstance(sizes, (list, tuple)) and len(sizes) == parts and all(n * parts == whole for n in sizes):
+            sizes = [n // self.size for n in sizes]
+        else:
+            raise AotError(f"tensor parallel: a fused layer's output ({parts} parts of {whole // parts}) is split by {sizes}, not into its parts")
+        if key:
+            return args, {**kwargs, key: sizes}
+        return (tensor, sizes, *args[2:]), kwargs
+
+
+def _styles(plan: dict[str, str], sequence: dict | None, splits: FusedSplits) -> dict:
     """torch's parallel styles for each module. Without sequence parallelism: column-wise and
-    row-wise Linears (row-wise outputs all-reduced). With it (`sequence`, from
+    row-wise layers (row-wise outputs all-reduced). With it (`sequence`, from
     aot.plan.tensor_parallel.sequence_parallel_layout): the first block takes its input's
     sequence slice, the last block's output is all-gathered whole, each attention or MLP module
     all-gathers its input along the sequence and its row-wise layer reduce-scatters its output
     back, and the blocks' norms run on their slice of the tokens (SequenceParallel). Entering and
     leaving the split stream (first block's input, last block's output) are `_stream_hooks`."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
+    styles = {}
+    for name, style in plan.items():
+        kind, parts = tp_style(style)
+        if kind == "colwise":
+            styles[name] = _Colwise(parts, splits)
+        else:
+            styles[name] = _Rowwise() if sequence is None else _Rowwise(output_layouts=Shard(1))
     if sequence is None:
-        return {name: ColwiseParallel() if style == "colwise" else RowwiseParallel() for name, style in plan.items()}
-    styles = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=Shard(1)) for name, style in plan.items()}
+        return styles
     for region in sequence["regions"]:
         styles[region] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for norm in sequence["norms"]:
         styles[norm] = SequenceParallel()
     return styles
+
+
+def _distribute(module: nn.Module, placements: dict[str, object], mesh) -> None:
+    """Each of the module's own parameters as a DTensor with its placement."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for name, placement in placements.items():
+        param = getattr(module, name, None)
+        if param is not None:
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [placement]), requires_grad=param.requires_grad))
+
+
+class _Colwise(ColwiseParallel):
+    """torch's ColwiseParallel, also for transformers' Conv1D (weight split along dim 1, its
+    output features) and for fused layers, whose local outputs `splits` learns."""
+
+    def __init__(self, parts: int, splits: FusedSplits):
+        super().__init__()
+        self.parts, self.splits = parts, splits
+
+    def _apply(self, module: nn.Module, device_mesh):
+        from functools import partial
+
+        from torch.distributed.tensor import Shard, distribute_module
+
+        if not transposed_linear(module) and self.parts == 1:
+            return super()._apply(module, device_mesh)
+        placements = {"weight": Shard(1), "bias": Shard(0)} if transposed_linear(module) else {"weight": Shard(0), "bias": Shard(0)}
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda name, m, mesh: _distribute(m, placements, mesh),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            self._output,
+        )
+
+    def _output(self, module, outputs, device_mesh):
+        local = self._prepare_output_fn(self.output_layouts, self.use_local_output, module, outputs, device_mesh)
+        if self.parts > 1:
+            self.splits.register(local, self.parts)
+        return local
+
+
+class _Rowwise(RowwiseParallel):
+    """torch's RowwiseParallel, also for transformers' Conv1D (weight split along dim 0, its input features)."""
+
+    def _apply(self, module: nn.Module, device_mesh):
+        from functools import partial
+
+        from torch.distributed.tensor import Replicate, Shard, distribute_module
+
+        if not transposed_linear(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda name, m, mesh: _distribute(m, {"weight": Shard(0), "bias": Replicate()}, mesh),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 # Entering and leaving the sequence-split stream. DTensor's Replicate -> Shard(1) takes "this
@@ -123,7 +247,8 @@ def tensor_parallel(model: nn.Module, plan: dict[str, str], size: int, group: st
         # A copy of the modules that shares their (fake) tensors: parallelize_module swaps the copy's
         # parameters for DTensors and leaves the model's own; fake tensors cannot be deep-copied.
         parallel = copy.deepcopy(model, memo={id(t): t for t in [*model.parameters(), *model.buffers()]})
-        parallelize_module(parallel, mesh, _styles(plan, sequence))
+        splits = FusedSplits(size)
+        parallelize_module(parallel, mesh, _styles(plan, sequence, splits))
         if sequence is not None:
             _stream_hooks(parallel, sequence, size, mesh.get_group().group_name)
         dims, placements = {}, {}
@@ -133,7 +258,8 @@ def tensor_parallel(model: nn.Module, plan: dict[str, str], size: int, group: st
                 sharded = [p.dim for p in param.placements if p.is_shard()]
                 if sharded:
                     dims[name] = sharded[0]
-        yield TensorParallel(parallel, mesh, size, group, dims, placements)
+        with splits.mode():
+            yield TensorParallel(parallel, mesh, size, group, dims, placements)
     finally:
         dist.destroy_process_group()
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from runner.sharding import tp_style
+
 _funcol = torch.ops._c10d_functional
 
 
@@ -59,7 +61,7 @@ def differentiable_regions(graph: torch.fx.GraphModule, plan: dict[str, str], gr
             derived[node] = set().union(*(derived[a] for a in node.all_input_nodes))
     for node in list(g.nodes):
         calls = {name for name, _ in node.meta.get("custom", {}).get("aot_module_calls", ())}
-        styles = {plan[c] for c in calls if c in plan}
+        styles = {tp_style(plan[c])[0] for c in calls if c in plan}  # "colwise:K" is column-wise
         if node.op != "call_function" or not styles:
             continue
         for a in node.all_input_nodes:

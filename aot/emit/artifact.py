@@ -180,6 +180,7 @@ def emit_artifact(
                 "size": layout.tp.size,
                 "plan": dict(layout.tp_plan),
                 "params": tp_dims,
+                "fused": layout.tp_fused(state),
                 "sequence_parallel": layout.sequence is not None,
             },
             "state": {

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from aot.capture.tensor_parallel import transposed_linear
 from aot.errors import AotError
+from runner.sharding import tp_style
 
 STYLES = ("colwise", "rowwise")
 _HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
@@ -132,7 +134,9 @@ def check_degree(mf, model: nn.Module, tp: int) -> None:
 
 
 def user_plan(mf, model: nn.Module) -> dict[str, str] | None:
-    """The model file's `tp_plan`, checked: module names that exist and are Linear, known styles."""
+    """The model file's `tp_plan`, checked: module names that exist and are Linear (or
+    transformers' Conv1D), known styles ("colwise", "rowwise", "colwise:K" for a layer whose
+    output is K equal parts, each split: a fused q/k/v projection)."""
     plan = mf.tp_plan
     if plan is None:
         return None
@@ -144,20 +148,38 @@ def user_plan(mf, model: nn.Module) -> dict[str, str] | None:
     for name, style in plan.items():
         if name not in modules:
             raise AotError(f"{mf.path.name}: tp_plan names module {name!r}, which the model does not have")
-        if style not in STYLES:
-            raise AotError(f'{mf.path.name}: tp_plan[{name!r}] is {style!r}; expected "colwise" or "rowwise"')
-        if not isinstance(modules[name], nn.Linear):
+        if not _known_style(style):
+            raise AotError(f'{mf.path.name}: tp_plan[{name!r}] is {style!r}; expected "colwise", "rowwise" or "colwise:K" (K equal fused parts)')
+        if not splittable(modules[name]):
             raise AotError(f"{mf.path.name}: tp_plan names {name!r}, a {type(modules[name]).__name__}; only Linear layers can be sharded")
     return dict(plan)
+
+
+def _known_style(style: str) -> bool:
+    kind, _, parts = style.partition(":")
+    return kind in STYLES and (not parts or (kind == "colwise" and parts.isdigit() and int(parts) > 1))
+
+
+def _features(module) -> tuple[int, int]:
+    """(input, output) features of a Linear or of transformers' Conv1D (weight stored (in, out))."""
+    if transposed_linear(module):
+        return tuple(module.weight.shape)
+    return module.in_features, module.out_features
 
 
 def check_divisible(plan: dict[str, str], model: nn.Module, tp: int, where: str) -> None:
     modules = dict(model.named_modules())
     for name, style in plan.items():
-        linear = modules[name]
-        features, which = (linear.out_features, "output") if style == "colwise" else (linear.in_features, "input")
-        if features % tp:
-            raise AotError(f"--strategy tp={tp}: {where} shards {name!r} {style}, but its {features} {which} features do not divide by {tp}")
+        kind, parts = tp_style(style)
+        inputs, outputs = _features(modules[name])
+        if kind == "rowwise":
+            features, which = inputs, "input features"
+        elif parts == 1:
+            features, which = outputs, "output features"
+        else:
+            features, which = (outputs // parts if outputs % parts == 0 else outputs), f"output features in each of its {parts} parts"
+        if features % tp or (kind == "colwise" and outputs % parts):
+            raise AotError(f"--strategy tp={tp}: {where} shards {name!r} {style}, but its {features} {which} do not divide by {tp}")
 
 
 @dataclass
@@ -190,15 +212,16 @@ def explain_plan(model: nn.Module, inputs: list[torch.Tensor]) -> Finding:
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); give a tp_plan in the model file"
         ) from e
     graph = ep.graph
-    linears = [n for n in graph.nodes if n.op == "call_function" and n.target == _aten.linear.default]
+    modules = dict(model.named_modules())
+    projections = _projections(graph, modules)
+    linears = list(projections)
     module_of = {n: _module_of(n) for n in linears}
     activations = _activation_nodes(graph, set(ep.graph_signature.user_inputs))
     calls: dict[str, int] = {}
     for n in linears:
         calls[module_of[n]] = calls.get(module_of[n], 0) + 1
 
-    modules = dict(model.named_modules())
-    walks = {a: _walk(a) for a in linears}
+    walks = {a: _walk(a, projections) for a in linears}
     plan: dict[str, str] = {}
     whole: dict[str, str] = {}
     for start in linears:
@@ -206,26 +229,27 @@ def explain_plan(model: nn.Module, inputs: list[torch.Tensor]) -> Finding:
             continue
         colwise, rowwise, region, why = _group(start, walks)
         names = [module_of[n] for n in colwise | rowwise]
-        if why is None and any(not isinstance(modules.get(n), nn.Linear) for n in names):
-            odd = next(n for n in names if not isinstance(modules.get(n), nn.Linear))
+        if why is None and any(not splittable(modules.get(n)) for n in names):
+            odd = next(n for n in names if not splittable(modules.get(n)))
             why = f"{odd} is a {type(modules.get(odd)).__name__}, not an nn.Linear (calls F.linear itself)"
         if why is None and any(calls[n] > 1 for n in names):
             why = f"{next(n for n in names if calls[n] > 1)} is called more than once in the forward"
         if why is None and any(n in plan for n in names):
             continue  # taken by another pair already
         if why is None:
-            foreign = next((node for node in region | rowwise if _foreign_operand(node, region | colwise, activations)), None)
+            foreign = next((node for node in region | rowwise if _foreign_operand(node, region | colwise, activations, projections)), None)
             if foreign is not None:
                 why = f"{_op_at(foreign)} also takes activations from outside the split layers (a residual stream)"
+        fused: dict = {}
         if why is None:
-            mixed = _features_stay_split(graph, colwise, rowwise, region)
+            mixed = _features_stay_split(graph, colwise, rowwise, region, projections, fused)
             if mixed is not None:
                 why = f"{_op_at(mixed)} would mix the split features"
         if why is not None:
             for name in names:
                 whole.setdefault(name, why)
             continue
-        plan.update({module_of[n]: "colwise" for n in colwise})
+        plan.update({module_of[n]: f"colwise:{fused[n]}" if n in fused else "colwise" for n in colwise})
         plan.update({module_of[n]: "rowwise" for n in rowwise})
     in_order = {module_of[n]: plan[module_of[n]] for n in linears if module_of[n] in plan}
     return Finding(in_order, {name: why for name, why in whole.items() if name not in plan})
@@ -310,14 +334,33 @@ class _Walk:
         return None if self.reached else "output reaches no other Linear"
 
 
-def _walk(linear) -> _Walk:
-    """Follow `linear`'s output through shard-local ops to the Linears that take it as input."""
+def _projections(graph, modules: dict) -> dict:
+    """The forward's projections (node -> the argument index of its input): `aten.linear` calls,
+    and the `aten.addmm` of transformers' Conv1D (GPT-2's Linear with its weight stored (in, out))."""
+    found = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target == _aten.linear.default:
+            found[node] = 0
+        elif node.target == _aten.addmm.default and transposed_linear(modules.get(_module_of(node))):
+            found[node] = 1
+    return found
+
+
+def splittable(module) -> bool:
+    """A layer tensor parallelism can split: an nn.Linear, or transformers' Conv1D."""
+    return isinstance(module, nn.Linear) or transposed_linear(module)
+
+
+def _walk(linear, projections: dict) -> _Walk:
+    """Follow `linear`'s output through shard-local ops to the projections taking it as input."""
     region, reached, todo = set(), set(), list(linear.users)
     while todo:
         node = todo.pop()
         if node in region or node in reached:
             continue
-        if node.op == "call_function" and node.target == _aten.linear.default and node.args[0] in region | {linear}:
+        if node in projections and node.args[projections[node]] in region | {linear}:
             reached.add(node)
             continue
         if node.op == "call_function" and node.target is _aten._assert_tensor_metadata.default:
@@ -356,27 +399,65 @@ def _group(start, walks: dict) -> tuple[set, set, set, str | None]:
     return colwise, rowwise, region, None
 
 
-def _foreign_operand(node, region: set, activations: set) -> bool:
+def _foreign_operand(node, region: set, activations: set, projections: dict) -> bool:
     """Whether `node` also takes batch-dependent values from outside the sharded region (a
     residual stream, say): those are whole while the region's are shards."""
-    inputs = node.all_input_nodes[:1] if node.target == _aten.linear.default else node.all_input_nodes
+    inputs = [node.args[projections[node]]] if node in projections else node.all_input_nodes
     return any(i in activations and i not in region for i in inputs)
 
 
-def _features_stay_split(graph, colwise: set, rowwise: set, region: set):
+def _features_stay_split(graph, colwise: set, rowwise: set, region: set, projections: dict, fused: dict):
     """Follow which dimension holds the split features, from the column-wise outputs (the last
     dimension) through the region: every operation must keep them apart (never reduce, normalize
     or contract over them, never split them), and they must arrive at each row-wise layer as its
     input's last dimension. Shapes are the forward's full ones (node.meta["val"]). Returns the
-    first node that would mix them, None where they stay split."""
+    first node that would mix them, None where they stay split.
+
+    One exception: a column-wise output cut into K equal parts along its features (GPT-2's fused
+    q, k, v: `c_attn(x).split(n_embd, dim=2)`) keeps each part split when each rank holds the same
+    slice of every part (`fused`: column-wise node -> K; the build shards such a weight per part,
+    runner/sharding.py tp_slice)."""
     split: dict = {c: c.meta["val"].dim() - 1 for c in colwise}
     for node in graph.nodes:
         if node in region:
             dim = _split_dim(node, split)
             if dim is None:
-                return node
+                parts = _equal_parts(node, split)
+                source = _only_source(node.args[0], colwise) if parts else None
+                if source is None or fused.setdefault(source, parts) != parts:
+                    return node
+                dim = split[node.args[0]]
             split[node] = dim
-    return next((b for b in rowwise if split.get(b.args[0]) != b.args[0].meta["val"].dim() - 1), None)
+    inputs = {b: b.args[projections[b]] for b in rowwise}
+    return next((b for b, i in inputs.items() if split.get(i) != i.meta["val"].dim() - 1), None)
+
+
+def _equal_parts(node, split: dict) -> int | None:
+    """K where `node` cuts its input's split dimension into K > 1 equal parts (split, chunk)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet not in (_aten.split, _aten.split_with_sizes, _aten.chunk) or node.args[0] not in split:
+        return None
+    shape, dim = _shape(node.args[0]), split[node.args[0]]
+    axis = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    if shape is None or axis % len(shape) != dim:
+        return None
+    size, how = shape[dim], node.args[1]
+    if packet is _aten.chunk:
+        parts = how if size % how == 0 else None
+    elif packet is _aten.split:
+        parts = size // how if size % how == 0 else None
+    else:
+        parts = len(how) if len(set(how)) == 1 else None
+    return parts if parts and parts > 1 else None
+
+
+def _only_source(node, colwise: set):
+    """The column-wise projection whose output `node` is, through reshapes nothing else reads."""
+    while node not in colwise:
+        if getattr(node.target, "overloadpacket", None) not in (_aten.view, _aten.reshape, _aten._unsafe_view) or len(node.users) != 1:
+            return None
+        node = node.args[0]
+    return node if len(node.users) == 1 else None
 
 
 def _shape(node):
