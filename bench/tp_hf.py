@@ -26,9 +26,15 @@ REPO = Path(__file__).resolve().parents[1]
 MODELS = ("hf_llama.py", "hf_qwen2.py", "hf_gpt2.py", "hf_mixtral.py")
 
 
+class Refused(Exception):
+    """`aot build` refused the model (its one-line error)."""
+
+
 def aot(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-m", "aot", *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO)
+    if r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("aot: error: "):
+        raise Refused(r.stderr.strip().splitlines()[-1].removeprefix("aot: error: "))
     if r.returncode != 0:
         sys.exit(f"failed: aot {' '.join(map(str, args))}\n{r.stderr[-2000:]}")
     return r
@@ -36,7 +42,10 @@ def aot(*args) -> subprocess.CompletedProcess:
 
 def measure(model: str, tp: int, folder: Path) -> dict:
     art = folder / model.removesuffix(".py")
-    aot("build", REPO / "tests" / "models" / model, "--world-size", tp, "--strategy", f"tp={tp}", "--no-onnx", "--quiet", "-o", art)
+    try:
+        aot("build", REPO / "tests" / "models" / model, "--world-size", tp, "--strategy", f"tp={tp}", "--no-onnx", "--quiet", "-o", art)
+    except Refused as e:
+        return {"model": model, "refused": str(e)}
     summary = json.loads(aot("inspect", art, "--json").stdout)
     manifest = json.loads((art / "manifest.json").read_text())
     total = sum(math.prod(shape) for shape, _ in manifest["state"]["params"].values())
@@ -67,6 +76,9 @@ def main() -> None:
     print(f"| model (tp={args.tp}) | parameters | per rank | per rank / total | layers split | attention split | collectives per step |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        if "refused" in r:
+            print(f"| {r['model']} | refused: {r['refused']} | | | | | |")
+            continue
         fused = f" ({r['fused_layers']} fused)" if r["fused_layers"] else ""
         print(
             f"| {r['model']} | {r['parameters']:,} | {r['per_rank']:,} | {r['per_rank'] / r['parameters']:.2f} | {r['split_layers']}{fused} | "
