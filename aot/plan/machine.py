@@ -33,6 +33,10 @@ Defaults for what a profile does not say (documented with their source):
 
 from __future__ import annotations
 
+from collections import Counter
+
+import numpy as np
+
 from aot.errors import AotError
 from aot.plan.collectives import Link, Span
 from aot.plan.device_model import DeviceModel
@@ -92,6 +96,7 @@ class Machine:
         self.memory_bytes = min((g.get("memory_bytes") or 0 for g in self.gpus), default=0) or None
         self._links = _pair_links(profile)
         self._pair_cache: dict[tuple[int, int], tuple[str, Link]] = {}
+        self._device_order: list[int] | None = None
         self._span_cache: dict[tuple, Span] = {}
 
     # -- compute ----------------------------------------------------------------------------
@@ -176,27 +181,41 @@ class Machine:
 
         Inside a node the slowest pair bounds a ring; across nodes each node's share of the rails
         is its ranks' share of the node (all groups of one mesh axis communicate at once)."""
-        by_node: dict[int, list[int]] = {}
-        for r in ranks:
-            by_node.setdefault(self.node_of(r), []).append(self.local_of(r))
         # The span depends only on which local devices each node contributes: the groups of one
         # mesh axis are mostly translates of each other, so a search over 1024 ranks prices a few.
-        key = (kind, tuple(sorted(tuple(sorted(v)) for v in by_node.values())))
+        key = (kind, self.contributions(ranks))
         if key not in self._span_cache:
-            self._span_cache[key] = self._span(len(ranks), by_node, kind)
+            self._span_cache[key] = self._span(len(ranks), key[1], kind)
         return self._span_cache[key]
+
+    def contributions(self, ranks: list[int]) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """((local devices, how many nodes contribute just those), ...) for a group of ranks,
+        sorted. numpy where a node's devices fit in a bit mask: a group of a mesh over 16,384 ranks
+        is walked a few thousand times in a search."""
+        per = self.per_node
+        if per > 62:
+            by_node: dict[int, list[int]] = {}
+            for r in ranks:
+                by_node.setdefault(self.node_of(r), []).append(self.local_of(r))
+            return tuple(sorted(Counter(tuple(sorted(v)) for v in by_node.values()).items()))
+        node, local = np.divmod(np.asarray(ranks, dtype=np.int64), per)
+        order = np.argsort(node, kind="stable")
+        node = node[order]
+        starts = np.flatnonzero(np.concatenate(([True], node[1:] != node[:-1])))
+        masks, counts = np.unique(np.bitwise_or.reduceat(np.left_shift(1, local[order]), starts), return_counts=True)
+        return tuple(sorted((tuple(i for i in range(per) if int(m) >> i & 1), int(c)) for m, c in zip(masks, counts)))
 
     @property
     def uniform(self) -> bool:
         """Whether every two ranks of a node talk over the same link (CPU ranks: loopback)."""
         return self.device_kind != "cuda" or not self.gpus
 
-    def _span(self, p: int, by_node: dict[int, list[int]], kind: str | None) -> Span:
-        nodes = len(by_node)
-        per_node = max(len(v) for v in by_node.values())
+    def _span(self, p: int, contributions: tuple, kind: str | None) -> Span:
+        nodes = sum(count for _, count in contributions)
+        per_node = max(len(devices) for devices, _ in contributions)
         worst_cls, worst = None, None
         # one link inside a node: no need to look at every pair (a cpu profile of 1024 ranks has 500k)
-        pairs = by_node.values() if not self.uniform else [[0, 1]] if per_node > 1 else []
+        pairs = [devices for devices, _ in contributions] if not self.uniform else [[0, 1]] if per_node > 1 else []
         for locals_ in pairs:
             for i in range(len(locals_)):
                 for j in range(i + 1, len(locals_)):
@@ -216,6 +235,11 @@ class Machine:
     def device_order(self) -> list[int]:
         """Physical ranks ordered so that every island (devices joined by links at least as fast as
         some rate) is contiguous, fastest islands innermost, node by node."""
+        if self._device_order is None:
+            self._device_order = self._find_device_order()
+        return list(self._device_order)
+
+    def _find_device_order(self) -> list[int]:
         local = list(range(self.per_node))
         if self.uniform:  # one island: every pair of a node talks over the same link
             return list(range(self.world_size))

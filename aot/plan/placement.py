@@ -44,8 +44,11 @@ class Placement:
     physical: tuple[int, ...]  # mesh rank (row-major over `axes`) -> physical rank
 
     def __post_init__(self):
-        object.__setattr__(self, "_mesh_rank_of", {p: m for m, p in enumerate(self.physical)})
-        object.__setattr__(self, "_groups", {})
+        object.__setattr__(self, "_cache", {})  # what the methods below computed, by what they were asked
+        object.__setattr__(self, "_hash", hash((self.axes, self.shape, self.order, self.physical)))
+
+    def __hash__(self) -> int:  # a search keys its caches by placement: hash 16,384 ranks once
+        return self._hash
 
     @property
     def world_size(self) -> int:
@@ -59,31 +62,47 @@ class Placement:
 
     def coords(self, physical_rank: int) -> dict[str, int]:
         """Mesh coordinates of the GPU torchrun numbers `physical_rank`."""
-        return self.mesh_coords(self._mesh_rank_of[physical_rank])
+        if "mesh_rank_of" not in self._cache:
+            self._cache["mesh_rank_of"] = {p: m for m, p in enumerate(self.physical)}
+        return self.mesh_coords(self._cache["mesh_rank_of"][physical_rank])
 
     def distinct_groups(self, axis: str, per_node: int) -> list[list[int]]:
         """One group of each shape along `axis`: groups holding the same local devices of other
         nodes cross the same links, so pricing one of them prices all (a mesh axis of 1024 ranks
         has a handful of shapes, not hundreds of groups)."""
         key = ("distinct", axis, per_node)
-        if key not in self._groups:
-            self._groups[key] = distinct_groups(self.groups(axis), per_node)
-        return self._groups[key]
+        if key not in self._cache:
+            self._cache[key] = distinct_groups(self.group_array(axis), per_node)
+        return self._cache[key]
 
     def groups(self, axis: str) -> list[list[int]]:
         """Physical ranks of every group along `axis`, in coordinate order (groups ordered by
         their other coordinates, row-major). Computed once per axis: a search asks often."""
-        if axis not in self._groups:
+        if axis not in self._cache:
+            self._cache[axis] = self.group_array(axis).tolist()
+        return self._cache[axis]
+
+    def grid(self) -> np.ndarray:
+        """The physical ranks as an array over the mesh (read-only: shared by every caller)."""
+        if "grid" not in self._cache:
+            grid = np.asarray(self.physical, dtype=np.int64).reshape(self.shape)
+            grid.flags.writeable = False
+            self._cache["grid"] = grid
+        return self._cache["grid"]
+
+    def group_array(self, axis: str) -> np.ndarray:
+        """`groups(axis)` as an array, one row per group."""
+        key = ("array", axis)
+        if key not in self._cache:
             if axis not in self.axes:
-                groups = [[p] for p in self.physical]
+                array = self.grid().reshape(-1, 1)
             else:
                 # the rank map as an array over the mesh, `axis` last: each row is one group, the
                 # rows in row-major order of the other coordinates
                 i = self.axes.index(axis)
-                array = np.asarray(self.physical).reshape(self.shape)
-                groups = np.moveaxis(array, i, -1).reshape(-1, self.shape[i]).tolist()
-            self._groups[axis] = groups
-        return self._groups[axis]
+                array = np.moveaxis(self.grid(), i, -1).reshape(-1, self.shape[i])
+            self._cache[key] = array
+        return self._cache[key]
 
     @property
     def identity(self) -> bool:
@@ -94,7 +113,7 @@ class Placement:
         """Whether along every axis each group's ranks ascend with the coordinate, as torch orders a
         group's members (new_group sorts its ranks): only then does every collective exchange
         pieces in coordinate order."""
-        grid = np.asarray(self.physical).reshape(self.shape)
+        grid = self.grid()
         return all(bool(np.all(np.diff(grid, axis=i) > 0)) for i, d in enumerate(self.shape) if d > 1)
 
     def reordered(self, axes: tuple[str, ...], shape: tuple[int, ...]) -> "Placement":
@@ -118,33 +137,33 @@ class Placement:
         return out
 
 
-def distinct_groups(groups: list[list[int]], per_node: int) -> list[list[int]]:
-    """One of each set of equal-sized groups that differ only by whole nodes (the same local
-    devices of other nodes: they cross the same links), in their first order."""
-    shapes: dict[tuple, list[int]] = {}
-    for group in groups:
-        base = group[0] // per_node * per_node
-        shapes.setdefault((len(group), *(r - base for r in group)), group)
-    return list(shapes.values())
+def distinct_groups(groups: np.ndarray, per_node: int) -> list[list[int]]:
+    """One of each set of groups (rows of one size: an axis's, a level's) that differ only by whole
+    nodes (the same local devices of other nodes: they cross the same links), in their first
+    order. No per-group Python work: a mesh axis over 16,384 ranks is walked often."""
+    shifted = groups - groups[:, :1] // per_node * per_node
+    order = np.lexsort(shifted.T[::-1])  # equal rows next to each other, each run in first order
+    ordered = shifted[order]
+    starts = np.flatnonzero(np.concatenate(([True], np.any(ordered[1:] != ordered[:-1], axis=1))))
+    return groups[np.sort(np.minimum.reduceat(order, starts))].tolist()
 
 
 def layout(machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...], order: tuple[str, ...], devices: list[int] | None = None) -> Placement:
     """Coordinates row-major over `order` (last fastest), laid onto `devices` (default: the
     machine's device order, islands contiguous)."""
-    devices = machine.device_order() if devices is None else list(devices)
+    devices = np.asarray(machine.device_order() if devices is None else list(devices), dtype=np.int64)
     size = dict(zip(axes, shape))
     stride, step = {}, 1
     for axis, degree in reversed(list(zip(axes, shape))):
         stride[axis], step = step, step * degree
     # mesh ranks in the order `order` enumerates coordinates (row-major, last fastest); a search
-    # over 1024 ranks lays out a hundred candidates, so no per-coordinate Python work
-    ranks = [0]
+    # over 16,384 ranks lays out a hundred candidates, so no per-coordinate Python work
+    ranks = np.zeros(1, dtype=np.int64)
     for axis in order:
-        ranks = [r + i * stride[axis] for r in ranks for i in range(size[axis])]
-    physical = [0] * math.prod(shape)
-    for k, rank in enumerate(ranks):
-        physical[rank] = devices[k]
-    return Placement(tuple(axes), tuple(shape), tuple(order), tuple(physical))
+        ranks = (ranks[:, None] + np.arange(size[axis], dtype=np.int64) * stride[axis]).reshape(-1)
+    physical = np.zeros(math.prod(shape), dtype=np.int64)
+    physical[ranks] = devices[: len(ranks)]
+    return Placement(tuple(axes), tuple(shape), tuple(order), tuple(physical.tolist()))
 
 
 def axis_cost(machine: Machine, placement: Placement, axis: str, nbytes: float) -> float:
