@@ -233,15 +233,17 @@ def _cast_notes(path: Path, sources: dict[str, Source], specs: dict) -> list[str
 # -- this rank's tensors (lazy slices) -----------------------------------------------------------
 
 
-def rank_weights(init: InitFrom, coords: dict[str, int]) -> dict[str, torch.Tensor]:
-    """This rank's piece of every parameter and persistent buffer, keyed by canonical name:
-    contiguous, in the manifest's dtype, on the CPU, in the layout runner.sharding defines (tp
-    slice, then the flat-padded fsdp piece). Reads only the rows each piece needs."""
+def rank_weights(init: InitFrom, coords: dict[str, int], only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's piece of every parameter and persistent buffer (`only`: of those named, a
+    pipeline rank's), keyed by canonical name: contiguous, in the manifest's dtype, on the CPU, in
+    the layout runner.sharding defines (tp slice, then the flat-padded fsdp piece). Reads only the
+    rows each piece needs."""
     tp, fsdp = init.tensor_parallel or {}, init.sharding or {}
     tp_index, tp_size = axis_index(coords, tp), tp.get("size", 1)
     fsdp_index, fsdp_size = axis_index(coords, fsdp), fsdp.get("size", 1)
     out = {}
-    for file, names in _by_file(init.sources).items():
+    sources = init.sources if only is None else {n: src for n, src in init.sources.items() if n in only}
+    for file, names in _by_file(sources).items():
         with safe_open(str(file), framework="pt") as f:
             for name in names:
                 src = init.sources[name]

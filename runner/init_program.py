@@ -286,15 +286,17 @@ def initial_state(artifact, coords: dict[str, int], init_from=None) -> tuple[dic
     graph = load_init_graph(artifact.read(init["file"]), artifact.read(init["constants"]) if init.get("constants") else None)
     keep = piece_keeper(manifest, coords)
     seed = int(manifest["build"].get("seed", 0))
-    if init_from is None:
-        weights = replay(graph, init["outputs"], seed, keep)
-    else:
-        weights = rank_weights(init_from, coords)
-        constants = set(spec["buffers"]) - set(spec["persistent_buffers"])
-        weights.update(replay(graph, init["outputs"], seed, keep, only=constants) if constants else {})
+    # A pipeline rank holds its stages' parameters and buffers only: the replay still draws every
+    # random number in order (other stages' draws move the generator), but keeps none of the other
+    # stages' tensors past their last use, so a rank's memory at start-up is its stages', not the model's.
     held = stage_tensors(manifest, coords)
-    if held is not None:  # a pipeline rank holds its stages' parameters and buffers only
-        weights = {k: v for k, v in weights.items() if k in held}
+    if init_from is None:
+        weights = replay(graph, init["outputs"], seed, keep, only=held)
+    else:
+        weights = rank_weights(init_from, coords, only=held)
+        constants = set(spec["buffers"]) - set(spec["persistent_buffers"])
+        constants &= held if held is not None else constants
+        weights.update(replay(graph, init["outputs"], seed, keep, only=constants) if constants else {})
     optimizer = initial_optimizer_state({k: v for k, v in spec["optimizer_init"].items() if k.rpartition(":")[0] in weights}, weights)
     scaler = (artifact.manifest.get("precision") or {}).get("grad_scaler")
     if scaler is not None:

@@ -45,3 +45,23 @@ def test_only_the_constant_buffers_replay_without_the_random_draws():
     eager = mf.model()
     got = replay(graph, names, 0, only={"mask"})
     assert list(got) == ["mask"] and torch.equal(got["mask"], eager.mask)
+
+
+def test_a_pipeline_rank_keeps_only_its_stage():
+    """A pipeline rank's replay (`only`: its stages' tensors) still draws every random number in
+    order, so its tensors are eager's bit for bit, but holds no other stage's tensor past its last
+    use: its peak is its own tensors plus the largest parameter, not the whole model."""
+    mf, graph, names = _init_graph(MODELS / "reinit_weights.py")
+    torch.manual_seed(5)
+    eager = dict(mf.model().named_parameters())
+    ordered = list(eager)
+    stage = set(ordered[len(ordered) // 2 :])  # the second half: the draws before it must still happen
+    peak = []
+    mine = replay(graph, names, 5, only=stage, peak=peak)
+    assert set(mine) == stage
+    for name in stage:
+        assert torch.equal(mine[name], eager[name].detach()), name
+    whole = sum(p.numel() * p.element_size() for p in eager.values())
+    kept = sum(t.numel() * t.element_size() for t in mine.values())
+    largest = max(p.numel() * p.element_size() for p in eager.values())
+    assert peak[0] <= kept + largest + 64 * 1024 and kept < whole, (peak[0], kept, largest, whole)
