@@ -14,6 +14,7 @@ EXAMPLES = REPO / "examples"
 MODELS = REPO / "tests" / "models"
 FIXTURES = REPO / "tests" / "fixtures"
 REFERENCE = REPO / "tests" / "helpers" / "ddp_reference.py"
+FORK_RANK = REPO / "tests" / "helpers" / "fork_rank.py"
 TIMEOUT = 300
 _lock = threading.Lock()
 
@@ -101,13 +102,21 @@ def aot_each(*commands: tuple) -> list[subprocess.CompletedProcess]:
 
 def torchrun(nproc: int, *args, module: str | None = "aot") -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node N -m aot ARGS` (--standalone: a free port).
-    With module=None, ARGS start with a script path instead."""
-    launcher_args = ["--standalone", "--nproc-per-node", str(nproc), *(["-m", module] if module else []), *map(str, args)]
+    With module=None, ARGS start with a script path instead. The launcher and its ranks are forked
+    from the server (AOT_TEST_FRESH=1: new interpreters)."""
+    launcher_args = ["--standalone", "--nproc-per-node", str(nproc)]
+    command = [*(["-m", module] if module else []), *map(str, args)]
     if os.environ.get("AOT_TEST_FRESH") == "1":
         return subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", *launcher_args], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT
+            [sys.executable, "-m", "torch.distributed.run", *launcher_args, *command],
+            cwd=REPO,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
         )
-    return _forked("torch.distributed.run", launcher_args, clean_env())
+    # each rank forked from the server as well (helpers/fork_rank.py), not a new interpreter
+    return _forked("torch.distributed.run", [*launcher_args, str(FORK_RANK), *command], {**clean_env(), "AOT_FORK_SERVER": _server_socket()})
 
 
 def show(r: subprocess.CompletedProcess) -> str:
