@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from helpers.artifacts import ArtifactCache
 from helpers.commands import EXAMPLES, ok
 
 
@@ -16,3 +17,12 @@ def gpt_data(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "gpt.safetensors"
     ok(subprocess.run([sys.executable, str(EXAMPLES / "prepare_data.py"), "--samples", "96", "-o", str(path)], capture_output=True, text=True))
     return path
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """built(model, *build args) -> a read-only artifact folder, each distinct build made once per
+    session (helpers/artifacts.py); copy one with helpers.artifacts.writable_copy to alter it."""
+    cache = ArtifactCache(tmp_path_factory.mktemp("built"))
+    yield cache
+    cache.close()

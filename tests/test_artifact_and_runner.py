@@ -12,34 +12,36 @@ import torch
 from safetensors.torch import load_file
 
 import runner
-from helpers.commands import EXAMPLES, aot, aot_each, ok, torchrun
+from helpers.commands import EXAMPLES, aot, ok, torchrun
 from helpers.training import eager_single_process
 from runner.artifact import FORMAT_VERSION, Artifact
 from runner.init_program import initial_state
 
 
 @pytest.fixture(scope="module")
-def mlp1(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mlp1") / "art"
-    ok(aot("build", EXAMPLES / "mlp.py", "-o", out, "--quiet"))
-    return out
+def mlp1(built):
+    """examples/mlp.py for one rank, with its ONNX export (the session's build: read-only)."""
+    return built(EXAMPLES / "mlp.py")
 
 
 @pytest.fixture(scope="module")
-def gpt2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpt2") / "art"
-    ok(aot("build", EXAMPLES / "gpt.py", "--world-size", "2", "--batch-size", "4", "-o", out, "--quiet"))
-    return out
+def gpt2(built):
+    return built(EXAMPLES / "gpt.py", "--world-size", 2, "--batch-size", 4, "--no-onnx")
 
 
-def test_no_file_is_a_pickle_and_every_file_is_hashed(gpt2):
-    manifest = json.loads((gpt2 / "manifest.json").read_text())
-    on_disk = {str(p.relative_to(gpt2)) for p in gpt2.rglob("*") if p.is_file()} - {"manifest.json"}
+@pytest.mark.parametrize("name", ["gpt2", "mlp1"])
+def test_no_file_is_a_pickle_and_every_file_is_hashed(name, request):
+    art = request.getfixturevalue(name)
+    manifest = json.loads((art / "manifest.json").read_text())
+    on_disk = {str(p.relative_to(art)) for p in art.rglob("*") if p.is_file()} - {"manifest.json"}
     assert on_disk == set(manifest["files"])
+    assert (name == "mlp1") == ("inference/model.onnx" in on_disk)  # the ONNX export is checked too
     for rel in on_disk:
-        data = (gpt2 / rel).read_bytes()
-        assert not data.startswith(b"\x80"), f"{rel} looks like a pickle"
-        assert not zipfile.is_zipfile(gpt2 / rel), f"{rel} is a zip (torch.save / torch.export.save format)"
+        data = (art / rel).read_bytes()
+        # a pickle (protocol 2 to 5) opens with PROTO and its number; a safetensors file with the
+        # length of its header, which may be 0x80 bytes but then never exceeds 255 (8 bytes, little-endian)
+        assert not (data[:1] == b"\x80" and data[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")), f"{rel} looks like a pickle"
+        assert not zipfile.is_zipfile(art / rel), f"{rel} is a zip (torch.save / torch.export.save format)"
         if rel.endswith(".json"):
             json.loads(data)
         elif rel.endswith(".onnx"):  # the inference export: ONNX protobuf
@@ -48,7 +50,7 @@ def test_no_file_is_a_pickle_and_every_file_is_hashed(gpt2):
             onnx.load_from_string(data)
         else:
             assert rel.endswith(".safetensors")
-            load_file(gpt2 / rel)
+            load_file(art / rel)
 
 
 def test_loading_never_calls_torch_load(mlp1, monkeypatch):
@@ -163,9 +165,8 @@ def test_inspect_reports_collectives_per_step(gpt2):
     assert "1 collectives per step" in text and "programs/train.json" in text
 
 
-def test_small_buckets_give_more_collectives(tmp_path):
-    out = tmp_path / "art"
-    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", "2", "--bucket-mb", "0.01", "-o", out, "--quiet", "--no-onnx"))
+def test_small_buckets_give_more_collectives(built):
+    out = built(EXAMPLES / "mlp.py", "--world-size", 2, "--bucket-mb", 0.01, "--no-onnx")
     summary = json.loads(ok(aot("inspect", out, "--json")).stdout)
     assert summary["programs"]["train"]["collectives_per_step"] > 1
 
@@ -182,26 +183,24 @@ def test_verify_passes_on_a_good_artifact_and_fails_on_a_wrong_model(gpt2, tmp_p
 def test_builds_for_many_ranks_on_one_machine(tmp_path):
     """A laptop builds for a large cluster: 1024 ranks, one program, no real collective."""
     out = tmp_path / "big"
-    summary = json.loads(ok(aot("build", EXAMPLES / "mlp.py", "--world-size", "1024", "-o", out, "--json")).stdout)
+    summary = json.loads(ok(aot("build", EXAMPLES / "mlp.py", "--world-size", "1024", "--no-onnx", "-o", out, "--json")).stdout)
     assert summary["world_size"] == 1024 and summary["programs"] == 1
     manifest = json.loads((out / "manifest.json").read_text())
-    # the step and init programs, the example batch and the ONNX inference export: nothing per rank, no weights
-    assert len(manifest["ranks"]) == 1024 and len(manifest["files"]) == 4
+    # the step and init programs and the example batch: nothing per rank, no weights
+    assert len(manifest["ranks"]) == 1024 and sorted(manifest["files"]) == ["data/example_batch.safetensors", "programs/init.json", "programs/train.json"]
 
 
-def test_fsdp_shards_parameters_and_optimizer_state(tmp_path):
+def test_fsdp_shards_parameters_and_optimizer_state(built, tmp_path):
     """Per-rank parameters + optimizer state, measured on the runner's live tensors, are about
     1/N of data parallel's; resuming a sharded run is exact."""
     sizes = {}
     strategies = ("dp=4", "fsdp=4")
     # the resume below runs the small model: the same sharded checkpoint code, a quarter of the time
-    resumable = tmp_path / "mlp-fsdp=4"
-    builds = [("build", EXAMPLES / "gpt.py", "--strategy", s, "--batch-size", "2", "-o", tmp_path / s) for s in strategies]
-    builds.append(("build", EXAMPLES / "mlp.py", "--strategy", "fsdp=4", "-o", resumable))
-    for r in aot_each(*(b + ("--quiet", "--no-onnx") for b in builds)):
-        ok(r)
-    for strategy in strategies:
-        out = tmp_path / strategy
+    *arts, resumable = built.many(
+        *((EXAMPLES / "gpt.py", "--strategy", s, "--batch-size", 2, "--no-onnx") for s in strategies),
+        (EXAMPLES / "mlp.py", "--strategy", "fsdp=4", "--no-onnx"),
+    )
+    for strategy, out in zip(strategies, arts):
         manifest = json.loads((out / "manifest.json").read_text())
         per_rank = []
         for rank in range(4):
@@ -226,11 +225,10 @@ def test_fsdp_shards_parameters_and_optimizer_state(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["dp=2,fsdp=2,tp=2", "fsdp=2,tp=4"])
-def test_tensor_parallel_meshes_build_for_8_ranks(strategy, tmp_path):
+def test_tensor_parallel_meshes_build_for_8_ranks(strategy, built):
     """Built on this 2-core machine for 8 ranks: one state shard per (tp, fsdp) position, each
     rank creating its slice of the split layers and its fsdp shard of everything."""
-    out = tmp_path / "art"
-    ok(aot("build", EXAMPLES / "gpt.py", "--world-size", 8, "--strategy", strategy, "--no-onnx", "-o", out, "--quiet"))
+    out = built(EXAMPLES / "gpt.py", "--world-size", 8, "--strategy", strategy, "--no-onnx")
     manifest = json.loads((out / "manifest.json").read_text())
     degrees = dict(zip(manifest["mesh"]["axes"], manifest["mesh"]["shape"]))
     tp, fsdp = degrees["tp"], degrees["fsdp"]
@@ -246,10 +244,9 @@ def test_tensor_parallel_meshes_build_for_8_ranks(strategy, tmp_path):
     assert summary["ranks"][5]["parameters"] < full / fsdp
 
 
-def test_tensor_parallel_2d_resume_is_exact(tmp_path):
+def test_tensor_parallel_2d_resume_is_exact(built, tmp_path):
     """fsdp=2,tp=2 at 4 ranks: 3 steps straight == 1 step, save, resume, 2 steps (bit for bit)."""
-    out = tmp_path / "art"
-    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", 4, "--strategy", "fsdp=2,tp=2", "--no-onnx", "-o", out, "--quiet"))
+    out = built(EXAMPLES / "mlp.py", "--world-size", 4, "--strategy", "fsdp=2,tp=2", "--no-onnx")
     full, first, resumed = tmp_path / "full", tmp_path / "first", tmp_path / "resumed"
     ok(torchrun(4, "run", out, "--steps", "3", "--save", full, "--quiet"))
     ok(torchrun(4, "run", out, "--steps", "1", "--save", first, "--quiet"))

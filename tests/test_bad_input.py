@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from runner.artifact import FORMAT_VERSION, manifest_digest
+from helpers.artifacts import writable_copy
 from helpers.commands import EXAMPLES, MODELS, REPO, TIMEOUT, aot, aot_each, clean_env, show, torchrun
 
 MLP = REPO / "examples" / "mlp.py"
@@ -95,26 +96,19 @@ def staging_folders(folder: Path) -> list[Path]:
     return list(folder.glob(".staging-*")) if folder.is_dir() else []
 
 
-# -- shared artifacts ------------------------------------------------------------------------
-
-
-def _build(folder: Path, model: Path, *options) -> Path:
-    r = aot("build", model, "-o", folder, "--quiet", *options)
-    assert r.returncode == 0, show(r)
-    assert (folder / "manifest.json").is_file()
-    return folder
+# -- shared artifacts (the session's: read-only) -------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def artifact1(tmp_path_factory) -> Path:
+def artifact1(built) -> Path:
     """examples/mlp.py built for world size 1 (runs without torchrun). Do not alter: copy it."""
-    return _build(tmp_path_factory.mktemp("ws1") / "artifact", MLP, "--world-size", "1")
+    return built(MLP, "--world-size", 1, "--no-onnx")
 
 
 @pytest.fixture(scope="module")
-def artifact2(tmp_path_factory) -> Path:
+def artifact2(built) -> Path:
     """examples/mlp.py built for world size 2."""
-    return _build(tmp_path_factory.mktemp("ws2") / "artifact", MLP, "--world-size", "2")
+    return built(MLP, "--world-size", 2, "--no-onnx")
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +124,7 @@ def checkpoint(artifact1, tmp_path_factory) -> Path:
 @pytest.fixture
 def copy1(artifact1, tmp_path) -> Path:
     """A private copy of the world-size-1 artifact that a test may alter."""
-    return Path(shutil.copytree(artifact1, tmp_path / "artifact"))
+    return writable_copy(artifact1, tmp_path / "artifact")
 
 
 # -- 1. model files that break the model-file contract --------------------------------------
@@ -386,12 +380,12 @@ def test_failure_while_writing_keeps_the_good_artifact(copy1, tmp_path):
     step): the artifact already there stays as it was, and nothing half-written is left."""
     bad_key = tmp_path / "not_a.key"
     bad_key.write_text("not a PEM key\n")
-    before = (copy1 / "manifest.json").read_bytes()
+    before, names = (copy1 / "manifest.json").read_bytes(), sorted(p.name for p in copy1.iterdir())
     r = aot("build", EXAMPLES / "mlp.py", "--no-onnx", "--sign", bad_key, "-o", copy1, "--quiet")
     assert_user_error(r, "not_a.key", "PEM")
     assert (copy1 / "manifest.json").read_bytes() == before
     assert not staging_folders(copy1)
-    assert sorted(p.name for p in copy1.iterdir()) == ["data", "inference", "manifest.json", "programs"]
+    assert sorted(p.name for p in copy1.iterdir()) == names == ["data", "manifest.json", "programs"]
     inspect = aot("inspect", copy1)
     assert inspect.returncode == 0, show(inspect)
 

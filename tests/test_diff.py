@@ -3,28 +3,21 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-from helpers.commands import EXAMPLES, aot, aot_each, ok, show
+from helpers.artifacts import writable_copy
+from helpers.commands import EXAMPLES, aot, show
 from helpers.inference import load_user
 from runner.artifact import manifest_digest
 from runner.inspect import human
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    """examples/mlp.py built for two ranks as dp=2 and as fsdp=2."""
-    root = tmp_path_factory.mktemp("diff")
-    for r in aot_each(
-        *(
-            ("build", EXAMPLES / "mlp.py", "--strategy", strategy, "--no-onnx", "--quiet", "-o", root / name)
-            for name, strategy in (("dp", "dp=2"), ("fsdp", "fsdp=2"))
-        )
-    ):
-        ok(r)
-    return root
+def builds(built):
+    """examples/mlp.py built for two ranks as dp=2 and as fsdp=2 (the session's builds: read-only)."""
+    dp, fsdp = built.many(*((EXAMPLES / "mlp.py", "--strategy", strategy, "--no-onnx") for strategy in ("dp=2", "fsdp=2")))
+    return {"dp": dp, "fsdp": fsdp}
 
 
 def _parameters():
@@ -33,7 +26,7 @@ def _parameters():
 
 
 def test_dp_to_fsdp_names_the_changed_collectives(builds):
-    r = aot("diff", builds / "dp", builds / "fsdp")
+    r = aot("diff", builds["dp"], builds["fsdp"])
     assert r.returncode == 1, show(r)
     numel = _parameters()
     # dp: one bucket of every fp32 gradient and the 4-byte global loss; fsdp: a reduce_scatter of
@@ -54,7 +47,7 @@ def test_dp_to_fsdp_names_the_changed_collectives(builds):
 
 
 def test_json_holds_the_same_facts(builds):
-    r = aot("diff", builds / "dp", builds / "fsdp", "--json")
+    r = aot("diff", builds["dp"], builds["fsdp"], "--json")
     assert r.returncode == 1, show(r)
     d = json.loads(r.stdout)
     numel = _parameters()
@@ -82,11 +75,11 @@ def test_json_holds_the_same_facts(builds):
 
 
 def test_a_byte_copy_is_identical(builds, tmp_path):
-    shutil.copytree(builds / "fsdp", tmp_path / "copy")
-    r = aot("diff", builds / "fsdp", tmp_path / "copy")
+    writable_copy(builds["fsdp"], tmp_path / "copy")
+    r = aot("diff", builds["fsdp"], tmp_path / "copy")
     assert r.returncode == 0, show(r)
     assert r.stdout.startswith("identical: ") and r.stdout.count("\n") == 1, show(r)
-    d = json.loads(aot("diff", builds / "fsdp", tmp_path / "copy", "--json").stdout)
+    d = json.loads(aot("diff", builds["fsdp"], tmp_path / "copy", "--json").stdout)
     assert d["identical"] is True and d["build"] == d["plan"]["changed"] == d["files"] == []
     assert all(not p["collectives"] and not p["ops"] for p in d["programs"])
 
@@ -94,12 +87,12 @@ def test_a_byte_copy_is_identical(builds, tmp_path):
 def test_another_torch_release_is_compared_not_refused(builds, tmp_path):
     # an artifact rebuilt for a torch upgrade: `aot run` refuses it here, `aot diff` shows it
     copy = tmp_path / "copy"
-    shutil.copytree(builds / "dp", copy)
+    writable_copy(builds["dp"], copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["torch_version"] = "2.12.0+cpu"
     manifest["digest"] = manifest_digest(manifest)
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    r = aot("diff", copy, builds / "dp")
+    r = aot("diff", copy, builds["dp"])
     assert r.returncode == 1, show(r)
     assert "torch_version              2.12.0+cpu -> 2." in r.stdout, show(r)
     assert "ranks 0-1: train, same collectives (1 per step) and ops" in r.stdout, show(r)
@@ -114,14 +107,14 @@ def _one_error_line(r) -> str:
 
 
 def test_diff_with_a_missing_artifact(builds, tmp_path):
-    line = _one_error_line(aot("diff", builds / "dp", tmp_path / "missing"))
+    line = _one_error_line(aot("diff", builds["dp"], tmp_path / "missing"))
     assert "no such artifact folder" in line and "missing" in line
 
 
 def test_diff_with_an_altered_artifact(builds, tmp_path):
     copy = tmp_path / "copy"
-    shutil.copytree(builds / "dp", copy)
+    writable_copy(builds["dp"], copy)
     with open(copy / "data" / "example_batch.safetensors", "ab") as f:
         f.write(b"\0")
-    line = _one_error_line(aot("diff", builds / "dp", copy))
+    line = _one_error_line(aot("diff", builds["dp"], copy))
     assert "sha256 does not match" in line and "example_batch.safetensors" in line

@@ -13,16 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.commands import EXAMPLES, REPO, aot, clean_env, ok, torchrun
+from helpers.commands import EXAMPLES, REPO, clean_env, ok, torchrun
 
 STEPS, EVERY = 160, 20
 
 
 @pytest.fixture(scope="module")
-def gpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fault") / "art"
-    ok(aot("build", EXAMPLES / "gpt.py", "--world-size", "2", "--batch-size", "4", "-o", out, "--quiet", "--no-onnx"))
-    return out
+def gpt(built):
+    return built(EXAMPLES / "gpt.py", "--world-size", 2, "--batch-size", 4, "--no-onnx")
 
 
 def launch(*args, restarts=0):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save as save_safetensors
 
-from helpers.commands import EXAMPLES, aot, ok
+from helpers.artifacts import writable_copy
+from helpers.commands import EXAMPLES
 from runner.artifact import Artifact, manifest_digest
 from runner.data import DataSource
 from runner.errors import AotError
@@ -23,10 +23,9 @@ FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 
 
 @pytest.fixture(scope="module")
-def artifact_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fuzz") / "art"
-    ok(aot("build", EXAMPLES / "mlp.py", "-o", out, "--quiet"))
-    return out
+def artifact_dir(built):
+    """examples/mlp.py for one rank, with its ONNX export (the manifest's inference entry is fuzzed too)."""
+    return built(EXAMPLES / "mlp.py")
 
 
 json_values = st.recursive(
@@ -62,8 +61,7 @@ def test_damaged_manifests_give_one_line_errors(artifact_dir, tmp_path_factory, 
     else:
         parent[path[-1]] = data.draw(json_values)
     broken["digest"] = manifest_digest(broken)  # consistent, so the structure checks are reached
-    folder = tmp_path_factory.mktemp("m")
-    shutil.copytree(artifact_dir, folder, dirs_exist_ok=True)
+    folder = writable_copy(artifact_dir, tmp_path_factory.mktemp("m"))
     (folder / "manifest.json").write_text(json.dumps(broken))
     try:
         artifact = Artifact(folder)

@@ -18,11 +18,9 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory) -> Path:
-    """examples/mlp.py built for dp=2."""
-    out = tmp_path_factory.mktemp("dp2") / "artifact"
-    ok(aot("build", EXAMPLES / "mlp.py", "--world-size", "2", "--strategy", "dp=2", "--no-onnx", "--quiet", "-o", out))
-    return out
+def artifact(built) -> Path:
+    """examples/mlp.py built for dp=2 (the session's build: read-only)."""
+    return built(EXAMPLES / "mlp.py", "--world-size", 2, "--strategy", "dp=2", "--no-onnx")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.fx
 
-from helpers.commands import EXAMPLES, aot, aot_each, ok, torchrun
+from helpers.commands import EXAMPLES, aot, ok, torchrun
 from runner.artifact import Artifact
 from runner.inspect import compare_profile, render, summarize
 from runner.memory_tracking import ALLOCATOR, TRACKED, LiveBytes, measure_step
@@ -86,14 +86,9 @@ def test_allocator_events_measure_the_same_peak():
 
 
 @pytest.fixture(scope="module")
-def mlp_builds(tmp_path_factory):
-    root = tmp_path_factory.mktemp("measured-memory")
-    two, one = root / "mlp2", root / "mlp1"
-    for r in aot_each(
-        ("build", EXAMPLES / "mlp.py", "--world-size", 2, "--no-onnx", "-o", two, "--quiet"), ("build", EXAMPLES / "mlp.py", "--no-onnx", "-o", one, "--quiet")
-    ):
-        ok(r)
-    return two, one
+def mlp_builds(built):
+    """examples/mlp.py for two ranks and for one (the session's builds: read-only)."""
+    return built.many((EXAMPLES / "mlp.py", "--world-size", 2, "--no-onnx"), (EXAMPLES / "mlp.py", "--world-size", 1, "--no-onnx"))
 
 
 def _resident_state(inspected: dict, rank: int) -> int:
