@@ -22,6 +22,7 @@ from aot.plan.pipeline import bubble_fraction, chunks_of
 from aot.plan.pipeline_programs import pipeline_programs
 from aot.plan.pipeline_timeline import simulate_pipeline
 from aot.plan.search import Planner, time_entry
+from runner.inspect import human
 
 PROGRAM_PREFIX = "train.pp"
 TIMELINE_FILE = "pipeline/timeline.json"
@@ -58,33 +59,70 @@ def check_options(options, pp: int, model_globals: dict, model, name: str) -> tu
     return virtual, microbatches
 
 
+def stage_recompute_entry(request, recomputed: bool, plain: dict | None) -> dict:
+    """The manifest's `memory.recompute` for a pipeline: policy "stages" where every stage's
+    forward runs again in its backward, else "none"; `plain`: the programs' analyses without
+    recomputation, where they were made (their peak is then recorded)."""
+    entry: dict = {"policy": "stages" if recomputed else "none", "source": request.source if not request.none else "none"}
+    if request.memory_bytes is not None:
+        entry["memory_budget_bytes"] = request.memory_bytes
+    if request.fraction is not None:
+        entry["activation_budget"] = request.fraction
+    if recomputed and plain is not None:
+        entry["peak_without_recompute"] = max(a.memory.peak for a in plain.values())
+    return entry
+
+
 def build_programs(options, mf, state, layout: StepLayout, mesh, placement, machine, group: Group, inputs, targets, request, finish, progress) -> PipelineBuild:
     pp = group.size
-    if not request.none and request.source not in ("device memory",):
-        raise AotError(f"{request.source}: recomputing activations is not supported with pp yet")
     virtual, microbatches = check_options(options, pp, mf.globals, state.model, mf.path.name)
     size = options.batch_size // microbatches
-    made = pipeline_programs(
-        mf,
-        state,
-        layout,
-        group,
-        inputs,
-        targets,
-        microbatches=microbatches,
-        schedule=options.pp_schedule,
-        virtual=virtual,
-        compute=machine.compute,
-        finish=finish,
-        stage=progress.stage,
-        note=progress.note,
-    )
+    always = request.patterns or (request.fraction is not None and request.fraction < 1.0)
+
+    def programs(recompute: bool, notes: bool):
+        made = pipeline_programs(
+            mf,
+            state,
+            layout,
+            group,
+            inputs,
+            targets,
+            microbatches=microbatches,
+            schedule=options.pp_schedule,
+            virtual=virtual,
+            compute=machine.compute,
+            finish=finish,
+            stage=progress.stage,
+            note=progress.note if notes else (lambda line: None),
+            recompute=recompute,
+        )
+        captures = {f"{PROGRAM_PREFIX}{r}": c for r, c in enumerate(made.captures)}
+        return made, captures, {name: analyze(c.graph, c.slots) for name, c in captures.items()}
+
+    made, captures, analyses = programs(bool(always), notes=True)
+    recompute = stage_recompute_entry(request, bool(always), None)
+    budget = request.memory_bytes
+    if not always and budget is not None and max(a.memory.peak for a in analyses.values()) > budget:
+        # over the budget: every stage's forward again in its backward (the one recomputation pp has)
+        plain = analyses
+        made, captures, analyses = programs(True, notes=False)
+        recompute = stage_recompute_entry(request, True, plain)
+        smallest = max(a.memory.peak for a in analyses.values())
+        if smallest > budget:
+            if request.source != "device memory":
+                raise AotError(
+                    f"{request.source} {human(budget)}: with pp the smallest predicted peak is {human(smallest)} per rank "
+                    f"(every stage's forward recomputed); use more pipeline or fsdp ranks"
+                )
+            recompute["fits"] = False
+            recompute["warning"] = f"the predicted peak {human(smallest)} per rank exceeds the device's memory {human(budget)} even recomputing every stage"
+    if recompute["policy"] == "stages":
+        before = f" (predicted peak {human(recompute['peak_without_recompute'])} without)" if "peak_without_recompute" in recompute else ""
+        progress.note(f"recomputing every stage's forward in its backward, as {request.source} asks{before}")
     stages, actions = made.stages, made.actions
     tied = tied_params(stages, pp)
     if tied:
         progress.note(f"tied across stages (gradients summed over the pipeline group): {', '.join(tied)}")
-    captures = {f"{PROGRAM_PREFIX}{r}": c for r, c in enumerate(made.captures)}
-    analyses = {name: analyze(c.graph, c.slots) for name, c in captures.items()}
     peak = max(analyses, key=lambda n: analyses[n].memory.peak)
     times = {name: time_entry(machine, mesh, placement, a, options.bucket_mb) for name, a in analyses.items()}
     # the programs side by side: where each waits for another is the bubble
@@ -118,6 +156,5 @@ def build_programs(options, mf, state, layout: StepLayout, mesh, placement, mach
         },
         "timeline": TIMELINE_FILE,
     }
-    recompute = {"policy": "none", "source": request.source if not request.none else "none"}
     files = {TIMELINE_FILE: (json.dumps(timeline.trace, separators=(",", ":")) + "\n").encode()}
     return PipelineBuild(captures, analyses[peak].memory, time, recompute, entry, lambda coords: f"{PROGRAM_PREFIX}{coords.get('pp', 0)}", files)

@@ -241,6 +241,10 @@ def describe_memory(memory: dict | None) -> list[str]:
         f"batch {human(resident.get('batch', 0))}; at the peak " + ", ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in at_peak.items())
     ]
     policy = rc.get("policy", "none")
+    if policy == "stages":  # a pipeline's: each stage's forward again in its backward
+        before = f"; predicted peak {human(rc['peak_without_recompute'])} without" if "peak_without_recompute" in rc else ""
+        lines.append(f"  recompute  every stage's forward again in its backward (asked by {rc.get('source')}{before})")
+        return lines
     if policy == "none" or not rc.get("recomputed_values"):
         lines.append(f"  recompute  nothing ({'the step fits ' + human(rc['memory_budget_bytes']) if 'memory_budget_bytes' in rc else 'no budget given'})")
         return lines

@@ -17,7 +17,7 @@ import pytest
 
 from aot.errors import AotError
 from aot.plan.pipeline import SCHEDULES, balance, bubble_fraction, check, schedule_actions
-from helpers.commands import EXAMPLES, aot, ok
+from helpers.commands import EXAMPLES, MODELS, aot, ok, show
 from helpers.training import assert_same_training, train_both
 from runner.program import decode_program
 
@@ -141,6 +141,31 @@ def test_pipeline_training_matches_eager_ddp(tmp_path, model, strategy, args):
     losses, ref_losses, weights, ref_weights = train_both(EXAMPLES / model, world, tmp_path, strategy=strategy, build_args=args)
     # tensor parallelism's bound for gpt.py (tests/test_train_matches_ddp.py): its split matmuls sum in another order
     assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=2e-5 if "tp" in strategy else 1e-5)
+
+
+def test_recomputing_stages_matches_eager_ddp_and_lowers_the_peak(tmp_path):
+    """`--activation-budget 0` with pp: every stage's forward runs again inside its backward
+    (torch.utils.checkpoint in the trace), so 1F1B's in-flight microbatches hold their inputs only.
+    The numbers are eager DDP's; the predicted peak is below the same build's without; a stage that
+    draws random numbers (dropout) and a memory budget under the smallest peak are refused."""
+    args = ("--microbatches", 4, "--batch-size", 8)
+    plain = tmp_path / "plain"
+    ok(aot("build", MODELS / "gpt4.py", "--world-size", 2, "--strategy", "pp=2", *args, "--no-onnx", "--quiet", "-o", plain))
+    losses, ref_losses, weights, ref_weights = train_both(
+        MODELS / "gpt4.py", 2, tmp_path, strategy="pp=2", batch_size=8, build_args=("--microbatches", 4, "--activation-budget", 0)
+    )
+    assert_same_training(losses, ref_losses, weights, ref_weights)
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    without = json.loads((plain / "manifest.json").read_text())
+    assert manifest["memory"]["recompute"]["policy"] == "stages"
+    assert manifest["memory"]["predicted"]["peak"] < 0.85 * without["memory"]["predicted"]["peak"]
+    r = aot("build", MODELS / "gpt4.py", "--world-size", 2, "--strategy", "pp=2", *args, "--no-onnx", "--memory-budget", "1MiB", "-o", tmp_path / "x")
+    refusal = "aot: error: --memory-budget 1.0 MiB: with pp the smallest predicted peak is "
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(refusal), show(r)
+    r = aot("build", MODELS / "gpt_dropout.py", "--world-size", 2, "--strategy", "pp=2", "--no-onnx", "--activation-budget", 0, "-o", tmp_path / "y")
+    assert r.returncode == 1 and "draws random numbers (bernoulli_, dropout?)" in r.stderr.strip().splitlines()[-1], show(r)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert "recompute  every stage's forward again in its backward" in ok(aot("inspect", tmp_path / "art")).stdout
 
 
 def test_an_8_rank_pipeline_of_fsdp_and_tensor_parallel_stages_builds_and_inspects(tmp_path):

@@ -42,13 +42,15 @@ def tag(microbatch: int, producer: int, consumer: int, output: int, backward: bo
 class Pipeline:
     """The pipeline a rank's program runs: `pp` ranks over group `group`, `stages` in all (v per
     rank, stage c * pp + r on rank r), `microbatches` per step and the rank's `actions`
-    (aot.plan.pipeline.Action: kind "F" or "B", microbatch, chunk)."""
+    (aot.plan.pipeline.Action: kind "F" or "B", microbatch, chunk). `recompute`: each stage's
+    forward keeps only its inputs and runs again in its backward (see `recompute_stages`)."""
 
     group: Group
     rank: int
     stages: tuple
     microbatches: int
     actions: tuple
+    recompute: bool = False
 
     @property
     def held(self) -> list:
@@ -113,6 +115,29 @@ def capture_pipeline(
     except Exception as e:
         raise AotError(f"{mf.path.name}: pipeline rank {pipeline.rank}'s step cannot be traced: {_describe_trace_error(e, mf)}") from e
     return CapturedStep(graph=graph, slots=slots, example_args=[a.detach() for a in args])
+
+
+def run_stage(module: torch.fx.GraphModule, values: list, recompute: bool):
+    """A stage's forward of one microbatch. Recomputing, it runs under torch.utils.checkpoint:
+    autograd keeps the stage's inputs only, and the trace records the forward again inside the
+    stage's backward action, where its activations are needed. Between a microbatch's forward and
+    its backward (1F1B holds up to pp microbatches in flight) the rank then holds their inputs,
+    not their activations: GPipe's recomputation."""
+    if not recompute:
+        return module(*values)
+    from torch.utils.checkpoint import checkpoint
+
+    # preserve_rng_state would restore the generator outside the graph; stages that draw random
+    # numbers are refused before tracing (draws_random)
+    return checkpoint(module, *values, use_reentrant=False, preserve_rng_state=False)
+
+
+def draws_random(module: torch.fx.GraphModule) -> str | None:
+    """The first op of a stage that draws random numbers (dropout), or None."""
+    for node in module.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+            return str(node.target.overloadpacket.__name__)
+    return None
 
 
 def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n_inputs: int, finish, tied: dict):
@@ -182,7 +207,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
                             x = x.detach().requires_grad_()
                             received.append((source, x))
                         values.append(x)
-                outputs = s.module(*values)
+                outputs = run_stage(s.module, values, pipeline.recompute)
                 for j, readers in enumerate(s.readers):
                     for reader in readers:
                         send(outputs[j].detach(), reader, tag(mb, s.index, reader, j, False))

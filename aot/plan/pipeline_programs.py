@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aot.capture.module_calls import layer_of
-from aot.capture.pipeline import Pipeline, capture_pipeline
+from aot.capture.pipeline import Pipeline, capture_pipeline, draws_random
 from aot.capture.stages import Stage, cut, trace_forward
 from aot.capture.step import CapturedStep, Group, StepLayout
 from aot.errors import AotError
@@ -38,8 +38,10 @@ def pipeline_programs(
     finish,
     stage=None,
     note=lambda line: None,
+    recompute: bool = False,
 ) -> PipelinePrograms:
-    """`finish(gm)`: the graph passes; `stage(title)`: a progress context per part (None: none)."""
+    """`finish(gm)`: the graph passes; `stage(title)`: a progress context per part (None: none);
+    `recompute`: every stage's forward runs again in its backward (aot.capture.pipeline.run_stage)."""
     from contextlib import nullcontext
 
     stage = stage or (lambda title: nullcontext())
@@ -66,12 +68,21 @@ def pipeline_programs(
             )
     for s in stages:
         note(f"stage {s.index} on pipeline rank {s.index % pp}: {_span(s.layers)}, {sum(state.params[n].numel() for n in s.params):,} parameters")
+    if recompute:
+        for s in stages:
+            drawn = draws_random(s.module)
+            if drawn is not None:
+                raise AotError(
+                    f"recomputing stages with pp: stage {s.index} ({_span(s.layers)}) draws random numbers ({drawn}, dropout?), "
+                    f"which a recomputed forward would draw again differently; disable dropout or do not recompute"
+                )
     actions = schedule_actions(schedule, pp, microbatches, virtual)
     check(actions, microbatches, virtual)
     captures = []
     for r in range(pp):
         with stage(f"capturing pipeline rank {r}'s step ({len(actions[r])} forward and backward actions) and running graph passes"):
-            captured = capture_pipeline(mf, state, Pipeline(group, r, tuple(stages), microbatches, tuple(actions[r])), layout, inputs, targets)
+            pipeline = Pipeline(group, r, tuple(stages), microbatches, tuple(actions[r]), recompute)
+            captured = capture_pipeline(mf, state, pipeline, layout, inputs, targets)
             captured.graph = finish(captured.graph)
         captures.append(captured)
     return PipelinePrograms(stages, actions, captures)
