@@ -1,12 +1,13 @@
 """The compiled tier: `aot build --compile aoti` packages, and `aot run` choosing between tiers.
 
-Real builds and real 2-rank torchrun runs on CPU with gloo: the AOTInductor package of a program
-with all_reduce, all_gather and reduce_scatter trains to the same losses and weights as the portable
-program (1e-5). A run that cannot use the package (another device kind, a CPU below the package's
-level, another torch) falls back with one notice line, or fails in one line when --tier compiled
-insists, before any process group starts. Packages are checked entry by entry before they are
-loaded: no pickle is ever read. Each strategy compiles once per module (about 30-40 s on 2 cores).
-A bf16 build's package (one attention layer, one rank) trains like its portable program too.
+Real builds and real torchrun runs on CPU with gloo: the AOTInductor packages of a data-parallel
+program (bucketed gradients all_reduced) and of a 2-D fsdp x tp program (all_gather, reduce_scatter
+and tp's all_reduce) train to the same losses and weights as the portable programs (1e-5). A run
+that cannot use the package (another device kind, a CPU below the package's level, another torch)
+falls back with one notice line, or fails in one line when --tier compiled insists, before any
+process group starts. Packages are checked entry by entry before they are loaded: no pickle is ever
+read. A bf16 build's package (one attention layer, one rank) trains like its portable program too.
+The three packages compile once per module, two at a time (about 20-40 s each on 2 cores).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.commands import EXAMPLES, REPO, TIMEOUT, aot, clean_env, ok, show
+from helpers.commands import EXAMPLES, REPO, TIMEOUT, aot, clean_env, ok, show, torchrun
 from runner.artifact import Artifact, manifest_digest
 from runner.checkpoint import merge_checkpoint
 from runner.compiled import choose_tier, live_device, load_compiled, mismatch, package_problem, x86_target
@@ -40,25 +41,36 @@ AOT_FRAME = re.compile(r'File "[^"]*[/\\](aot|runner)[/\\][^"]*\.py", line \d+')
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None, reason="AOTInductor needs a C++ compiler")
 
 
-def torchrun(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node 2 -m aot ARGS`, with extra environment variables."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "aot", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **(env or {})}, capture_output=True, text=True, timeout=TIMEOUT)
+# examples/mlp.py data parallel, and fsdp x tp: every collective kind of a step in one package; tp's
+# weight gradients are bare matmuls feeding SGD's weight decay (see aot.emit.aoti.ExplicitAlpha)
+STRATEGIES = ("dp=2", "fsdp=2,tp=2")
+
+
+def world_of(strategy: str) -> int:
+    return math.prod(int(part.split("=")[1]) for part in strategy.split(","))
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    """strategy -> examples/mlp.py built with --compile aoti for 2 ranks. Two builds run at a
-    time: compiling is mostly one core's work, and the machine has two."""
+def packages(tmp_path_factory) -> dict[str, Path]:
+    """STRATEGIES' builds of examples/mlp.py and ATTENTION's bf16 build (one CPU rank, batch 2),
+    each with --compile aoti. Two builds run at a time: compiling is mostly one core's work, and the
+    machine has two."""
     root = tmp_path_factory.mktemp("aoti")
-    strategies = ("dp=2", "fsdp=2", "tp=2")
+    (root / "attention.py").write_text(ATTENTION)
+    builds = {s: (MLP, "--strategy", s) for s in STRATEGIES}
+    builds["bf16"] = (root / "attention.py", "--precision", "bf16", "--topology", "cpu", "--batch-size", 2)
+    out = {name: root / name.replace("=", "").replace(",", "-") for name in builds}
     with ThreadPoolExecutor(2) as pool:
-        results = pool.map(
-            lambda s: aot("build", MLP, "--strategy", s, "--no-onnx", "--compile", "aoti", "-o", root / s.replace("=", ""), "--quiet"), strategies
-        )
+        results = pool.map(lambda name: aot("build", *builds[name], "--no-onnx", "--compile", "aoti", "-o", out[name], "--quiet"), builds)
         for r in results:
             ok(r)
-    return lambda strategy: root / strategy.replace("=", "")
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled(packages):
+    """strategy -> its examples/mlp.py artifact built with --compile aoti."""
+    return lambda strategy: packages[strategy]
 
 
 # One causal self-attention layer in bf16 (--precision bf16): its `k.transpose(-2, -1)` copy is what
@@ -112,43 +124,23 @@ def optimizer(params):
 
 
 @pytest.fixture(scope="module")
-def bf16_attention(tmp_path_factory):
-    """ATTENTION built with --precision bf16 --compile aoti for one CPU rank (about 25 s)."""
-    root = tmp_path_factory.mktemp("aoti_bf16")
-    (root / "attention.py").write_text(ATTENTION)
-    ok(
-        aot(
-            "build",
-            root / "attention.py",
-            "--precision",
-            "bf16",
-            "--topology",
-            "cpu",
-            "--batch-size",
-            2,
-            "--no-onnx",
-            "--compile",
-            "aoti",
-            "-o",
-            root / "art",
-            "--quiet",
-        )
-    )
-    return root / "art"
+def bf16_attention(packages):
+    """ATTENTION built with --precision bf16 --compile aoti for one CPU rank."""
+    return packages["bf16"]
 
 
-def train(art: Path, tier: str, folder: Path) -> tuple[list[dict], dict[str, torch.Tensor], str]:
-    """3 steps at 2 ranks: (metrics records, merged final weights, stderr)."""
+def train(art: Path, world: int, tier: str, folder: Path) -> tuple[list[dict], dict[str, torch.Tensor], str]:
+    """3 steps at `world` ranks: (metrics records, merged final weights, stderr)."""
     folder.mkdir(parents=True)
-    r = ok(torchrun("run", art, "--steps", "3", "--tier", tier, "--metrics", folder / "m.jsonl", "--save", folder / "ck"))
+    r = ok(torchrun(world, "run", art, "--steps", "3", "--tier", tier, "--metrics", folder / "m.jsonl", "--save", folder / "ck"))
     merge_checkpoint(folder / "ck", folder / "w.safetensors")  # what `aot checkpoint merge` runs
     records = [json.loads(line) for line in (folder / "m.jsonl").read_text().splitlines()]
     return records, load_file(folder / "w.safetensors"), r.stderr
 
 
-@pytest.mark.parametrize("strategy", ["dp=2", "fsdp=2", "tp=2"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_compiled_tier_trains_like_the_portable_tier(compiled, strategy, tmp_path):
-    """tp=2: each weight's gradient is a bare matmul feeding SGD's weight decay
+    """With tp, each weight's gradient is a bare matmul feeding SGD's weight decay
     (`grad.add(param, alpha=wd)`), which inductor's add+mm -> addmm fusion computed without alpha
     before aot.emit.aoti.ExplicitAlpha."""
     art = compiled(strategy)
@@ -158,10 +150,10 @@ def test_compiled_tier_trains_like_the_portable_tier(compiled, strategy, tmp_pat
     package = entry["programs"]["train"]["file"]
     assert package in manifest["files"] and (art / package).is_file()
     kinds = {c["kind"] for c in manifest["programs"]["train"]["collectives"]}
-    assert "all_reduce" in kinds and (strategy != "fsdp=2" or {"all_gather_into_tensor", "reduce_scatter_tensor"} <= kinds)
-    assert (strategy == "tp=2") == bool(manifest.get("tensor_parallel"))
+    assert "all_reduce" in kinds and ("fsdp" not in strategy or {"all_gather_into_tensor", "reduce_scatter_tensor"} <= kinds)
+    assert ("tp=" in strategy) == bool(manifest.get("tensor_parallel"))
 
-    runs = {tier: train(art, tier, tmp_path / tier) for tier in ("compiled", "portable")}
+    runs = {tier: train(art, world_of(strategy), tier, tmp_path / tier) for tier in ("compiled", "portable")}
     (c_records, c_weights, c_err), (p_records, p_weights, p_err) = runs["compiled"], runs["portable"]
     assert [r["tier"] for r in c_records] == ["compiled"] * 3 and [r["tier"] for r in p_records] == ["portable"] * 3
     assert "compiled tier" in c_err and "portable tier" in p_err and "notice:" not in c_err
@@ -274,13 +266,13 @@ def test_cpu_below_the_package_level_falls_back_with_one_notice(compiled, tmp_pa
     assert device["features"] == device["isa"].split() and device["capability"] == x86_target(device["features"])[1]
     assert device["capability"] != "DEFAULT"  # this machine has AVX2 at least, and inductor used it
     baseline = {"ATEN_CPU_CAPABILITY": "default"}
-    r = ok(torchrun("run", art, "--steps", "1", "--metrics", tmp_path / "m.jsonl", env=baseline))
+    r = ok(torchrun(2, "run", art, "--steps", "1", "--metrics", tmp_path / "m.jsonl", env=baseline))
     notices = [line for line in r.stderr.splitlines() if line.startswith("notice:")]
     assert len(notices) == 1, show(r)
     assert "compiled package needs" in notices[0] and notices[0].endswith("using the portable program"), show(r)
     assert json.loads((tmp_path / "m.jsonl").read_text())["tier"] == "portable"
 
-    r = torchrun("run", art, "--steps", "1", "--tier", "compiled", env=baseline)
+    r = torchrun(2, "run", art, "--steps", "1", "--tier", "compiled", env=baseline)
     assert r.returncode != 0 and not AOT_FRAME.search(r.stderr), show(r)  # torchrun's own traceback is torch's
     errors = [line for line in r.stderr.splitlines() if line.startswith("aot: error: ")]
     assert len(errors) == 2 and all("compiled package needs" in e and "--tier auto" in e for e in errors), show(r)
@@ -291,17 +283,9 @@ def test_tier_is_chosen_before_the_process_group_starts(compiled):
     as one of 2 with no rendezvous set (no MASTER_ADDR) reports the tier error with --tier
     compiled, and with --tier auto prints rank 0's notice before failing on the rendezvous."""
     art = compiled("dp=2")
-    env = {**clean_env(), "ATEN_CPU_CAPABILITY": "default", "WORLD_SIZE": "2"}
 
     def run_rank(rank: int, tier: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "aot", "run", str(art), "--steps", "1", "--tier", tier],
-            cwd=REPO,
-            env={**env, "RANK": str(rank)},
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-        )
+        return aot("run", art, "--steps", "1", "--tier", tier, env={"ATEN_CPU_CAPABILITY": "default", "WORLD_SIZE": "2", "RANK": str(rank)})
 
     r = run_rank(0, "compiled")
     lines = r.stderr.strip().splitlines()

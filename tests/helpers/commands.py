@@ -38,20 +38,26 @@ def aot(*args, env: dict | None = None) -> subprocess.CompletedProcess:
     return _forked("aot", args, env)
 
 
-_server: dict = {}
+# What each fork server imports before it forks: commands (builds trace with make_fx, which imports
+# torch._dynamo), and torchrun's ranks, which get what a new `python -m aot run` has when it starts
+# (torch._dynamo imported beforehand changes how a rank runs: a compiled-tier fsdp x tp step then
+# deadlocked on gloo's thread waiting for the GIL, which fresh ranks never do).
+_PRELOADS = {"commands": ("torch", "torch._dynamo"), "ranks": ("torch",)}
+_servers: dict[str, dict] = {}
 
 
-def _server_socket() -> str:
-    """The fork server's socket, started on first use and stopped when the test session ends."""
+def _server_socket(kind: str = "commands") -> str:
+    """The socket of the fork server of `kind` (_PRELOADS), started on first use and stopped when
+    the test session ends."""
     with _lock:
-        if "path" not in _server:
+        if kind not in _servers:
             import atexit
             import tempfile
 
             folder = tempfile.mkdtemp(prefix="aot-fork-server-")
             path = os.path.join(folder, "socket")
             process = subprocess.Popen(
-                [sys.executable, str(REPO / "tests" / "helpers" / "fork_server.py"), path],
+                [sys.executable, str(REPO / "tests" / "helpers" / "fork_server.py"), path, *_PRELOADS[kind]],
                 cwd=REPO,
                 env=clean_env(),
                 stdin=subprocess.DEVNULL,
@@ -60,8 +66,8 @@ def _server_socket() -> str:
             )
             assert process.stdout.readline().strip() == "ready", "the fork server did not start"
             atexit.register(lambda: (process.kill(), process.wait(), shutil.rmtree(folder, ignore_errors=True)))
-            _server.update(path=path, folder=folder)
-        return _server["path"]
+            _servers[kind] = {"path": path, "folder": folder}
+        return _servers[kind]["path"]
 
 
 def _forked(module: str, args: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -72,7 +78,7 @@ def _forked(module: str, args: list[str], env: dict) -> subprocess.CompletedProc
     import tempfile
 
     path = _server_socket()
-    with tempfile.TemporaryDirectory(dir=_server["folder"]) as out, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+    with tempfile.TemporaryDirectory(dir=_servers["commands"]["folder"]) as out, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(path)
         conn.sendall(
             json.dumps({"module": module, "args": args, "env": env, "cwd": str(REPO), "stdout": f"{out}/stdout", "stderr": f"{out}/stderr"}).encode() + b"\n"
@@ -100,23 +106,19 @@ def aot_each(*commands: tuple) -> list[subprocess.CompletedProcess]:
         return list(pool.map(lambda args: aot(*args), commands))
 
 
-def torchrun(nproc: int, *args, module: str | None = "aot") -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args, module: str | None = "aot", env: dict | None = None) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node N -m aot ARGS` (--standalone: a free port).
-    With module=None, ARGS start with a script path instead. The launcher and its ranks are forked
-    from the server (AOT_TEST_FRESH=1: new interpreters)."""
+    With module=None, ARGS start with a script path instead; `env`: variables to add. The launcher
+    and its ranks are forked from the server (AOT_TEST_FRESH=1: new interpreters)."""
     launcher_args = ["--standalone", "--nproc-per-node", str(nproc)]
     command = [*(["-m", module] if module else []), *map(str, args)]
+    env = {**clean_env(), **(env or {})}
     if os.environ.get("AOT_TEST_FRESH") == "1":
         return subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", *launcher_args, *command],
-            cwd=REPO,
-            env=clean_env(),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
+            [sys.executable, "-m", "torch.distributed.run", *launcher_args, *command], cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT
         )
     # each rank forked from the server as well (helpers/fork_rank.py), not a new interpreter
-    return _forked("torch.distributed.run", [*launcher_args, str(FORK_RANK), *command], {**clean_env(), "AOT_FORK_SERVER": _server_socket()})
+    return _forked("torch.distributed.run", [*launcher_args, str(FORK_RANK), *command], {**env, "AOT_FORK_SERVER": _server_socket("ranks")})
 
 
 def show(r: subprocess.CompletedProcess) -> str:

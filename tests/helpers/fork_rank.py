@@ -5,7 +5,8 @@ interpreter that imports torch again: `torchrun ... tests/helpers/fork_rank.py -
 This process is what torchrun starts and watches: it imports nothing heavy, hands the server its
 environment (as torchrun set it for this rank), working folder and standard streams, passes on the
 signals torchrun sends (SIGTERM when another rank failed), and exits with the rank's status, or
-dies of SIGKILL when the rank died without one (killed, crashed). The server's socket is named by
+dies of SIGKILL when the rank died without one (killed, crashed). It dies with torchrun, and the
+rank with it (helpers/fork_server.py). The server's socket is named by
 AOT_FORK_SERVER, which helpers/commands.py sets for torchrun and which the rank does not see.
 """
 
@@ -18,7 +19,18 @@ import socket
 import sys
 
 
+def _die_with_launcher() -> None:
+    """SIGKILL when torchrun ends (killed by a test's timeout, say), so no rank outlives its launch."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # torchrun already gone
+        os._exit(1)
+
+
 def main(argv: list[str]) -> int:
+    _die_with_launcher()
     env = dict(os.environ)
     path = env.pop("AOT_FORK_SERVER")
     if argv[0] == "-m":

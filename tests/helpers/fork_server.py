@@ -4,15 +4,16 @@ Every `aot` command a test runs is a real process running the real command line 
 stdout and stderr as a user sees them), but most of its time on this 2-core machine was importing
 torch and torch._dynamo (3 to 4 s of a 6 s build). This server imports them once, then forks one
 child per command: the child takes the command's environment, working folder and output files,
-runs the module as `python -m` does (`aot`, or torchrun's launcher `torch.distributed.run`, whose
-ranks are then new processes as always) and exits with its status. Nothing of one command
-survives into the next (each child is a fresh copy of the server, which never runs a command).
+runs the module as `python -m` does (`aot`, or torchrun's launcher `torch.distributed.run`) and
+exits with its status. Nothing of one command survives into the next (each child is a fresh copy
+of the server, which never runs a command). `fork_server.py SOCKET MODULE...` imports the MODULEs.
 
-The ranks torchrun starts come from here too (helpers/fork_rank.py): torchrun, the real launcher,
-starts a small client per rank (no torch import), which hands the server its environment (RANK,
-MASTER_PORT, OMP_NUM_THREADS=1, ... as torchrun set them) and its standard streams; the forked
-child runs `python -u -m aot ...` (or the reference script) on them, and the client exits with its
-status and passes on torchrun's signals. A rank then costs its own work, not 3 s of imports.
+The ranks torchrun starts come from a second server, which imports torch alone as a rank's own
+`python -m aot run` does first (helpers/fork_rank.py): torchrun, the real launcher, starts a small
+client per rank (no torch import), which hands the server its environment (RANK, MASTER_PORT,
+OMP_NUM_THREADS=1, ... as torchrun set them) and its standard streams; the forked child runs
+`python -u -m aot ...` (or the reference script) on them, and the client exits with its status and
+passes on torchrun's signals. A rank then costs its own work, not 3 s of imports.
 
 The server never imports the project itself (a child imports what its command needs, as
 `python -m aot` would), only torch: a test that checks what a command imports still sees the
@@ -110,11 +111,11 @@ def _die_with_client(conn: socket.socket) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def serve(path: str) -> None:
+def serve(path: str, preload: list[str]) -> None:
     import importlib
 
     # the point of the server: imported once (make_fx imports torch._dynamo on every build)
-    for module in ("torch", "torch._dynamo"):
+    for module in preload:
         importlib.import_module(module)
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
@@ -141,4 +142,4 @@ def serve(path: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2:])
