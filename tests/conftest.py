@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers.artifacts import ArtifactCache
+from helpers.artifacts import open_session
 from helpers.commands import EXAMPLES, ok
 
 
@@ -19,10 +19,11 @@ def gpt_data(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def built(tmp_path_factory):
     """built(model, *build args) -> a read-only artifact folder, each distinct build made once per
-    session (helpers/artifacts.py); copy one with helpers.artifacts.writable_copy to alter it."""
-    cache = ArtifactCache(tmp_path_factory.mktemp("built"))
+    session (helpers/artifacts.py); copy one with helpers.artifacts.writable_copy to alter it.
+    Opened for every session: helpers.training.train_both builds through it too."""
+    cache = open_session(tmp_path_factory.mktemp("built"))
     yield cache
     cache.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from importlib import resources
 
 import jsonschema
@@ -22,7 +21,8 @@ from referencing import Registry
 from referencing.jsonschema import DRAFT202012
 
 import runner
-from helpers.commands import EXAMPLES, FIXTURES, MODELS, aot_each, ok
+from helpers.artifacts import writable_copy
+from helpers.commands import EXAMPLES, FIXTURES, MODELS
 from helpers.training import eager_single_process
 from runner import artifact as spec
 from runner.artifact import Artifact, manifest_digest
@@ -65,11 +65,9 @@ GOLDEN_LOSSES = [2.2685635089874268, 2.1776123046875, 2.0583415031433105, 1.9123
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("conformance")
-    for r in aot_each(*(("build", *args, "-o", root / name, "--quiet") for name, args in BUILDS.items())):
-        ok(r)
-    return root
+def matrix(built) -> dict:
+    """name -> BUILDS' artifact (the session's builds, shared with the files that build the same)."""
+    return dict(zip(BUILDS, built.many(*BUILDS.values())))
 
 
 def schema_errors(manifest: dict) -> list[str]:
@@ -93,8 +91,8 @@ def test_the_schema_is_a_valid_draft_2020_12_schema():
 
 
 @pytest.mark.parametrize("name", BUILDS)
-def test_every_built_manifest_validates(built, name):
-    manifest = json.loads((built / name / "manifest.json").read_text())
+def test_every_built_manifest_validates(matrix, name):
+    manifest = json.loads((matrix[name] / "manifest.json").read_text())
     assert manifest["format_version"] == spec.FORMAT_VERSION
     assert schema_errors(manifest) == []
     # each optional entry this matrix is meant to cover is really there
@@ -235,12 +233,11 @@ def runner_refusal(folder, manifest: dict) -> str | None:
     return None
 
 
-def test_the_schema_and_the_runner_refuse_the_same_broken_manifests(built, tmp_path):
+def test_the_schema_and_the_runner_refuse_the_same_broken_manifests(matrix, tmp_path):
     """Each mutation once, on the smallest manifest of the matrix that has the field."""
     done, failures = set(), []
-    for name in sorted(BUILDS, key=lambda name: (built / name / "manifest.json").stat().st_size):
-        folder = tmp_path / name
-        shutil.copytree(built / name, folder)
+    for name in sorted(BUILDS, key=lambda name: (matrix[name] / "manifest.json").stat().st_size):
+        folder = writable_copy(matrix[name], tmp_path / name)
         manifest = json.loads((folder / "manifest.json").read_text())
         assert runner_refusal(folder, manifest) is None  # the copy, digest rewritten, loads as built
         cases = runner_field_mutations(manifest)
@@ -262,10 +259,10 @@ def test_the_schema_and_the_runner_refuse_the_same_broken_manifests(built, tmp_p
     assert not failures, "\n".join(failures)
 
 
-def test_a_version_5_manifest_has_no_fused_layers(built):
+def test_a_version_5_manifest_has_no_fused_layers(matrix):
     """FORMAT.md "Version 5": a version-5 artifact's tensor_parallel has no `fused`; the schema and
     the runner say so."""
-    manifest = json.loads((built / "gpt-tp2" / "manifest.json").read_text())
+    manifest = json.loads((matrix["gpt-tp2"] / "manifest.json").read_text())
     assert manifest["tensor_parallel"]["fused"] == {}
     assert any("fused" in e for e in schema_errors({**manifest, "format_version": 5}))
     old = {**manifest, "format_version": 5, "tensor_parallel": {k: v for k, v in manifest["tensor_parallel"].items() if k != "fused"}}

@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.commands import EXAMPLES, MODELS, aot, ok, torchrun
+from helpers.commands import EXAMPLES, MODELS, aot, aot_each, ok, torchrun
 from helpers.training import STEPS, reference, train_both
 from runner.artifact import FORMAT_VERSION
 from runner.checkpoint import merge_checkpoint
@@ -179,32 +179,16 @@ def _softmax_dtypes(artifact) -> set[torch.dtype]:
     }
 
 
-def test_cuda_profile_traces_cudas_autocast_rules(tmp_path):
+def test_cuda_profile_traces_cudas_autocast_rules(built):
     """On this CPU-only machine, a bf16 build for an A100 profile carries CUDA's policy (attention's
     softmax upcast to fp32) where the CPU profile's carries CPU's (softmax in bf16), under tensor
     parallelism too, and it runs: every device its program names follows the runner's."""
-    cuda, cpu, cuda_tp = tmp_path / "cuda", tmp_path / "cpu", tmp_path / "cuda_tp"
-    for art, topology, world, strategy in ((cuda, "dgx_a100", 1, "dp=1"), (cpu, "cpu", 1, "dp=1"), (cuda_tp, "dgx_a100", 2, "tp=2")):
-        ok(
-            aot(
-                "build",
-                EXAMPLES / "gpt.py",
-                "--topology",
-                topology,
-                "--world-size",
-                world,
-                "--strategy",
-                strategy,
-                "--precision",
-                "bf16",
-                "--batch-size",
-                2,
-                "-o",
-                art,
-                "--quiet",
-                "--no-onnx",
-            )
+    cuda, cpu, cuda_tp = built.many(
+        *(
+            (EXAMPLES / "gpt.py", "--topology", topology, "--world-size", world, "--strategy", strategy, "--precision", "bf16", "--batch-size", 2, "--no-onnx")
+            for topology, world, strategy in (("dgx_a100", 1, "dp=1"), ("cpu", 1, "dp=1"), ("dgx_a100", 2, "tp=2"))
         )
+    )
     assert _softmax_dtypes(cuda) == {torch.float32}
     assert _softmax_dtypes(cuda_tp) == {torch.float32}
     assert _softmax_dtypes(cpu) == {torch.bfloat16}
@@ -214,27 +198,23 @@ def test_cuda_profile_traces_cudas_autocast_rules(tmp_path):
     ok(torchrun(2, "run", cuda_tp, "--steps", 2, "--allow-topology-mismatch", "--quiet"))
 
 
-def _plans(*args, env=None) -> dict[str, dict]:
-    r = ok(aot("plan", *args, "--json", env=env))
-    return {p["strategy"]: p for p in json.loads(r.stdout)["plans"] if p["bucket_mb"] == 25}
+def _plans(r) -> dict[str, dict]:
+    """strategy -> plan at 25 MB buckets, of an `aot plan --json` that ran."""
+    return {p["strategy"]: p for p in json.loads(ok(r).stdout)["plans"] if p["bucket_mb"] == 25}
 
 
 def test_planner_prices_bf16(tmp_path):
     """bf16 halves the activations the planner sees and fsdp's all-gathers; on a model whose step
     is matmuls (Llama 1B on A100s), the step is priced at the bf16 rate. (On gpt.py, whose step is
     launch-bound on a GPU, bf16's casts make it slower: the planner says so.)"""
-    small = {
-        p: _plans(EXAMPLES / "gpt.py", "--topology", "dgx_a100", "--world-size", 8, "--axes", "dp,fsdp", "--batch-size", 64, "--precision", p)
-        for p in ("fp32", "bf16")
-    }
+    gpt = ("plan", EXAMPLES / "gpt.py", "--topology", "dgx_a100", "--world-size", 8, "--axes", "dp,fsdp", "--batch-size", 64, "--json")
+    small = {p: _plans(r) for p, r in zip(("fp32", "bf16"), aot_each(*((*gpt, "--precision", p) for p in ("fp32", "bf16"))))}
     for strategy, plan in small["bf16"].items():
         fp32 = small["fp32"][strategy]
         assert plan["memory_bytes"]["peak"] < 0.9 * fp32["memory_bytes"]["peak"], strategy
         if "fsdp" in strategy:
             assert plan["collective_bytes_per_step"] < 0.8 * fp32["collective_bytes_per_step"], strategy
-    env = {"AOT_SIZE": "1b"}
-    big = {
-        p: _plans(EXAMPLES / "llama.py", "--topology", "dgx_a100", "--world-size", 8, "--axes", "fsdp", "--batch-size", 1, "--precision", p, env=env)
-        for p in ("fp32", "bf16")
-    }
+    llama = ("plan", EXAMPLES / "llama.py", "--topology", "dgx_a100", "--world-size", 8, "--axes", "fsdp", "--batch-size", 1, "--json")
+    runs = aot_each(*((*llama, "--precision", p) for p in ("fp32", "bf16")), env={"AOT_SIZE": "1b"})
+    big = {p: _plans(r) for p, r in zip(("fp32", "bf16"), runs)}
     assert big["bf16"]["fsdp=8"]["step_s"] < 0.5 * big["fp32"]["fsdp=8"]["step_s"]

@@ -189,7 +189,7 @@ def test_an_8_rank_pipeline_of_fsdp_and_tensor_parallel_stages_builds_and_inspec
     assert "pipeline   pp=2 1f1b" in text and "tensor parallel over 2 ranks (aot.tp)" in text
 
 
-def test_pipeline_resume_is_exact_and_verify_passes(tmp_path):
+def test_pipeline_resume_is_exact_and_verify_passes(built, tmp_path):
     """gpt.py at pp=2: 3 steps straight == 1 step, save, resume, 2 steps, bit for bit, in every
     stage's shard; `aot verify` runs both stages beside eager DDP."""
     import torch
@@ -197,8 +197,7 @@ def test_pipeline_resume_is_exact_and_verify_passes(tmp_path):
 
     from helpers.commands import torchrun
 
-    art = tmp_path / "art"
-    ok(aot("build", EXAMPLES / "gpt.py", "--strategy", "pp=2", "--batch-size", 4, "--no-onnx", "-o", art, "--quiet"))
+    art = built(EXAMPLES / "gpt.py", "--strategy", "pp=2", "--batch-size", 4, "--no-onnx")  # as the training test's
     full, first, resumed = tmp_path / "full", tmp_path / "first", tmp_path / "resumed"
     ok(torchrun(2, "run", art, "--steps", "3", "--save", full, "--quiet"))
     ok(torchrun(2, "run", art, "--steps", "1", "--save", first, "--quiet"))

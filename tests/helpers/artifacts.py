@@ -91,3 +91,18 @@ class ArtifactCache:
         for folder in self.root.iterdir():
             if folder.is_dir() and not os.access(folder, os.W_OK):
                 _set_read_only(folder, False)
+
+
+_session: ArtifactCache | None = None
+
+
+def open_session(root: Path) -> ArtifactCache:
+    """The test session's cache (conftest.py's `built`), kept for helpers that build too."""
+    global _session
+    _session = ArtifactCache(root)
+    return _session
+
+
+def session_cache() -> ArtifactCache:
+    assert _session is not None, "the session's artifact cache opens with conftest.py's `built` fixture"
+    return _session

@@ -97,13 +97,13 @@ def _forked(module: str, args: list[str], env: dict) -> subprocess.CompletedProc
         return subprocess.CompletedProcess([module, *args], status, read("stdout"), read("stderr"))
 
 
-def aot_each(*commands: tuple) -> list[subprocess.CompletedProcess]:
-    """`aot(*args)` for each tuple of arguments, two at a time (a build is mostly one core's work,
-    and the machine has two); results in the order given."""
+def aot_each(*commands: tuple, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """`aot(*args, env=env)` for each tuple of arguments, two at a time (a build is mostly one
+    core's work, and the machine has two); results in the order given."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(lambda args: aot(*args), commands))
+        return list(pool.map(lambda args: aot(*args, env=env), commands))
 
 
 def torchrun(nproc: int, *args, module: str | None = "aot", env: dict | None = None) -> subprocess.CompletedProcess:

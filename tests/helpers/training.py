@@ -1,7 +1,8 @@
 """Train a model file twice, as a built artifact under torchrun and as eager DDP, and compare.
 
 `train_both` builds the model file (extra `aot build` / `aot run` arguments allowed: a topology
-profile, the --allow-topology-mismatch a GPU profile needs on this CPU machine), trains it under
+profile, the --allow-topology-mismatch a GPU profile needs on this CPU machine; the build is the
+session's, helpers/artifacts.py, shared with every test that builds the same), trains it under
 torchrun, and trains the same model file with plain DDP (tests/helpers/ddp_reference.py) on the
 same data. A reference run depends only on the model file, the data, the number of data-parallel
 ranks and the batch size, so each distinct one runs once per test session and is shared: the
@@ -18,7 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from helpers.commands import REFERENCE, aot, ok, torchrun
+from helpers.artifacts import session_cache
+from helpers.commands import REFERENCE, ok, torchrun
 from helpers.inference import load_user
 from runner.checkpoint import merge_checkpoint
 
@@ -43,23 +45,10 @@ def train_both(
     reference from `reference_init` (a safetensors state_dict; default: the same path).
     `reference_args`: more ddp_reference.py options (its mixed precision: --precision, ...)."""
     art, ckpt = tmp_path / "art", tmp_path / "ckpt"
-    # --no-onnx: the inference export has its own tests (test_onnx.py); this compares training only
-    ok(
-        aot(
-            "build",
-            model_file,
-            "--world-size",
-            world,
-            "--batch-size",
-            batch_size,
-            "-o",
-            art,
-            "--quiet",
-            "--no-onnx",
-            *(["--strategy", strategy] if strategy else []),
-            *build_args,
-        )
-    )
+    # the session's build (read-only), linked as tmp_path/art for the caller to read; --no-onnx: the
+    # inference export has its own tests (test_onnx.py), this compares training only
+    build = ("--world-size", world, "--batch-size", batch_size, "--no-onnx", *(["--strategy", strategy] if strategy else []), *build_args)
+    art.symlink_to(session_cache()(model_file, *build))
     metrics = tmp_path / "metrics.jsonl"
     args = [
         "run",
