@@ -165,7 +165,7 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
         f"batch {batch_size} per data-parallel rank, "
         f"{world_size} rank(s) on {machine.describe()} ({calibrated})"
     )
-    click.echo(render_table(rows[:top], header))
+    click.echo(render_table(rows[:top], header, batch_size))
     if len(rows) > top:
         click.echo(f"... {len(rows) - top} more (--top, --json)")
     for line in skipped:

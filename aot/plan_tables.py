@@ -8,7 +8,12 @@ def ms(s: float) -> str:
     return f"{s * 1e3:.3f}"
 
 
-def render_table(rows: list[dict], header: str) -> str:
+def samples_per_s(row: dict, batch_size: int) -> str:
+    """A plan's predicted throughput: `batch_size` samples per data-parallel rank per step."""
+    return f"{row['data_ranks'] * batch_size / row['step_s']:,.0f}" if row["step_s"] > 0 else "-"
+
+
+def render_table(rows: list[dict], header: str, batch_size: int) -> str:
     from runner.inspect import human
 
     cols = [
@@ -17,6 +22,7 @@ def render_table(rows: list[dict], header: str) -> str:
         "bucket MiB",
         "recompute",
         "step ms",
+        "samples/s",
         "compute ms",
         "exposed comm ms",
         "memory/rank",
@@ -37,6 +43,7 @@ def render_table(rows: list[dict], header: str) -> str:
                 f"{r['bucket_mb']:g}",
                 recompute,
                 ms(r["step_s"]),
+                samples_per_s(r, batch_size),
                 ms(r["compute_s"]),
                 ms(r["exposed_comm_s"]),
                 human(r["memory_bytes"]["peak"]),

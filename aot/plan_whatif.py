@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from aot.plan_tables import aligned, ms, strategy_label
+from aot.plan_tables import aligned, ms, samples_per_s, strategy_label
 
 
 def what_if(model_file: Path, targets: list[tuple[str, tuple[dict, int]]], batch_size: int, options: dict, as_json: bool) -> None:
@@ -44,7 +44,7 @@ def what_if(model_file: Path, targets: list[tuple[str, tuple[dict, int]]], batch
         f"{Path(model_file).name}: {steps.params:,} parameters, {steps.precision.compute}, "
         f"batch {batch_size} per data-parallel rank; the best plan on each of {len(entries)} topologies"
     )
-    click.echo(render(entries, header))
+    click.echo(render(entries, header, batch_size))
     first = entries[0]
     if first["best"] is not None and first["best"]["fits"]:
         click.echo(
@@ -64,17 +64,31 @@ def rank_key(entry: dict) -> tuple:
     return (best is None, best is not None and not best["fits"], best["step_s"] if best else 0.0)
 
 
-def render(entries: list[dict], header: str) -> str:
+def render(entries: list[dict], header: str, batch_size: int) -> str:
     from runner.inspect import human
 
-    cols = ["#", "topology", "ranks", "strategy", "recompute", "step ms", "vs fastest", "compute ms", "exposed comm ms", "memory/rank", "device memory", "fits"]
+    cols = [
+        "#",
+        "topology",
+        "ranks",
+        "strategy",
+        "recompute",
+        "step ms",
+        "samples/s",
+        "vs fastest",
+        "compute ms",
+        "exposed comm ms",
+        "memory/rank",
+        "device memory",
+        "fits",
+    ]
     table = [cols]
     fastest = next((e["best"]["step_s"] for e in entries if e["best"]), None)
     for i, e in enumerate(entries, 1):
         best = e["best"]
         device = human(e["device_memory_bytes"]) if e["device_memory_bytes"] else "-"
         if best is None:
-            table.append([str(i), e["name"], str(e["world_size"]), "no plan priced", *["-"] * 6, device, "-"])
+            table.append([str(i), e["name"], str(e["world_size"]), "no plan priced", *["-"] * 7, device, "-"])
             continue
         recompute = "-" if best.get("recompute") is None else f"{best['recompute']:g}"
         table.append(
@@ -85,6 +99,7 @@ def render(entries: list[dict], header: str) -> str:
                 strategy_label(best),
                 recompute,
                 ms(best["step_s"]),
+                samples_per_s(best, batch_size),
                 f"{best['step_s'] / fastest:.2f}x" if fastest else "-",
                 ms(best["compute_s"]),
                 ms(best["exposed_comm_s"]),

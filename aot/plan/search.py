@@ -57,6 +57,12 @@ class Plan:
     pipeline: dict | None = None  # pp plans: microbatches, schedule, bubble_s
 
     @property
+    def data_ranks(self) -> int:
+        """Ranks that take a batch of their own (dp x fsdp): a step trains on that many batches."""
+        size = dict(zip(self.axes, self.shape))
+        return size.get("dp", 1) * size.get("fsdp", 1)
+
+    @property
     def strategy(self) -> str:
         """The --strategy that builds this plan: axes with degree > 1, outermost first (the build
         applies the plan's placement to the mesh written in this order)."""
@@ -71,6 +77,7 @@ class Plan:
             "bucket_mb": self.bucket_mb,
             "recompute": self.recompute,
             "fits": self.fits,
+            "data_ranks": self.data_ranks,
             **p.to_json(),
             "placement": self.placement.to_json(),
             "nccl_algo": self.nccl_algo,
@@ -347,6 +354,10 @@ class MemoryLimit:
 
 
 def rank_key(plan: Plan):
+    """Plans that fit first, then by predicted step time. (`--batch-size` is per data-parallel rank,
+    so a plan with fewer data ranks trains on fewer samples per step: `aot plan` shows samples/s
+    beside the step time. Ranking by it waits on the bucket-buffer memory the planner prices
+    against the build's, which differ under recomputation; see issue #24's notes.)"""
     p = plan.prediction
     return (not plan.fits, round(p.step_s, 12), p.memory.peak, p.collectives, abs(plan.bucket_mb - DEFAULT_BUCKET_MB))
 
