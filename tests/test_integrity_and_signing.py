@@ -28,18 +28,21 @@ class Exploit:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def signed(tmp_path_factory):
+    """A folder with two key pairs (keys/builder, keys/stranger) and examples/mlp.py built and
+    signed with the builder's key (art; without the ONNX export, which test_infer_trusted_key.py
+    checks signed)."""
     root = tmp_path_factory.mktemp("integrity")
     ok(aot("keygen", "-o", root / "keys" / "builder"))
     ok(aot("keygen", "-o", root / "keys" / "stranger"))
-    ok(aot("build", EXAMPLES / "mlp.py", "-o", root / "art", "--sign", root / "keys" / "builder", "--quiet"))
+    ok(aot("build", EXAMPLES / "mlp.py", "-o", root / "art", "--sign", root / "keys" / "builder", "--no-onnx", "--quiet"))
     return root
 
 
 @pytest.fixture
-def art(built, tmp_path):
+def art(signed, tmp_path):
     copy = tmp_path / "art"
-    shutil.copytree(built / "art", copy)
+    shutil.copytree(signed / "art", copy)
     return copy
 
 
@@ -61,17 +64,17 @@ def run(art, *extra):
     return aot("run", art, "--steps", "1", "--quiet", *extra)
 
 
-def test_signed_artifact_runs_with_its_key(built, art):
-    ok(run(art, "--trusted-key", built / "keys" / "builder.pub"))
+def test_signed_artifact_runs_with_its_key(signed, art):
+    ok(run(art, "--trusted-key", signed / "keys" / "builder.pub"))
 
 
 @pytest.mark.parametrize("case", ["stranger", "altered", "unsigned"])
-def test_untrusted_artifacts_are_refused(built, art, case):
+def test_untrusted_artifacts_are_refused(signed, art, case):
     if case == "altered":
         rewrite_manifest(art, lambda m: m["build"].__setitem__("seed", 1))
     if case == "unsigned":
         (art / "signature.json").unlink()
-    key = built / "keys" / ("stranger.pub" if case == "stranger" else "builder.pub")
+    key = signed / "keys" / ("stranger.pub" if case == "stranger" else "builder.pub")
     r = run(art, "--trusted-key", key)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     expected = {"stranger": "not among the trusted keys", "altered": "altered after signing", "unsigned": "not signed"}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
+from concurrent.futures import ThreadPoolExecutor
 
-from helpers.commands import EXAMPLES, REPO, TIMEOUT, aot, clean_env, ok, show, torchrun
+from helpers.commands import EXAMPLES, aot, ok, torchrun
 
 
 def test_two_nodes_train_like_one(tmp_path):
@@ -19,37 +19,16 @@ def test_two_nodes_train_like_one(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     metrics = [tmp_path / f"node{i}.jsonl" for i in range(2)]
-    agents = []
-    for node in range(2):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            "--node-rank",
-            str(node),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv-id",
-            "aot-two-nodes",
-            "-m",
-            "aot",
-            "run",
-            str(art),
-            "--steps",
-            "3",
-            "--metrics",
-            str(metrics[node]),
-        ]
-        agents.append(subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for agent in agents:
-        out, err = agent.communicate(timeout=TIMEOUT)
-        assert agent.returncode == 0, show(subprocess.CompletedProcess(agent.args, agent.returncode, out, err))
+
+    def agent(node: int) -> subprocess.CompletedProcess:
+        """One node's torchrun agent, meeting the other at the c10d rendezvous."""
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "aot-two-nodes"]
+        launcher = ["--nnodes", 2, "--nproc-per-node", 1, "--node-rank", node, *rendezvous]
+        return torchrun(1, "run", art, "--steps", 3, "--metrics", metrics[node], launcher=launcher)
+
+    with ThreadPoolExecutor(2) as pool:
+        for r in pool.map(agent, range(2)):
+            ok(r)
     written = [m for m in metrics if m.exists()]
     assert len(written) == 1  # rank 0 alone writes metrics
     two_nodes = [json.loads(line)["loss"] for line in written[0].read_text().splitlines()]

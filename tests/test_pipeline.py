@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -143,27 +144,36 @@ def test_pipeline_training_matches_eager_ddp(tmp_path, model, strategy, args):
     assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=2e-5 if "tp" in strategy else 1e-5)
 
 
-def test_recomputing_stages_matches_eager_ddp_and_lowers_the_peak(tmp_path):
+def test_recomputing_stages_matches_eager_ddp_and_lowers_the_peak(built, tmp_path):
     """`--activation-budget 0` with pp: every stage's forward runs again inside its backward
     (torch.utils.checkpoint in the trace), so 1F1B's in-flight microbatches hold their inputs only.
     The numbers are eager DDP's; the predicted peak is below the same build's without; a stage that
     draws random numbers (dropout) and a memory budget under the smallest peak are refused."""
     args = ("--microbatches", 4, "--batch-size", 8)
-    plain = tmp_path / "plain"
-    ok(aot("build", MODELS / "gpt4.py", "--world-size", 2, "--strategy", "pp=2", *args, "--no-onnx", "--quiet", "-o", plain))
+    gpt4 = (MODELS / "gpt4.py", "--world-size", 2, "--strategy", "pp=2", *args, "--no-onnx")
+    with ThreadPoolExecutor(2) as pool:  # the four builds two at a time; the recomputing one is train_both's below
+        trained = pool.submit(built, *gpt4, "--activation-budget", 0)
+        plain, tight, dropout = pool.map(
+            lambda command: aot(*command),
+            [
+                ("build", *gpt4, "--quiet", "-o", tmp_path / "plain"),
+                ("build", *gpt4, "--memory-budget", "1MiB", "-o", tmp_path / "x"),
+                ("build", MODELS / "gpt_dropout.py", "--world-size", 2, "--strategy", "pp=2", "--no-onnx", "--activation-budget", 0, "-o", tmp_path / "y"),
+            ],
+        )
+        trained.result()
+    ok(plain)
     losses, ref_losses, weights, ref_weights = train_both(
         MODELS / "gpt4.py", 2, tmp_path, strategy="pp=2", batch_size=8, build_args=("--microbatches", 4, "--activation-budget", 0)
     )
     assert_same_training(losses, ref_losses, weights, ref_weights)
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
-    without = json.loads((plain / "manifest.json").read_text())
+    without = json.loads((tmp_path / "plain" / "manifest.json").read_text())
     assert manifest["memory"]["recompute"]["policy"] == "stages"
     assert manifest["memory"]["predicted"]["peak"] < 0.85 * without["memory"]["predicted"]["peak"]
-    r = aot("build", MODELS / "gpt4.py", "--world-size", 2, "--strategy", "pp=2", *args, "--no-onnx", "--memory-budget", "1MiB", "-o", tmp_path / "x")
     refusal = "aot: error: --memory-budget 1.0 MiB: with pp the smallest predicted peak is "
-    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(refusal), show(r)
-    r = aot("build", MODELS / "gpt_dropout.py", "--world-size", 2, "--strategy", "pp=2", "--no-onnx", "--activation-budget", 0, "-o", tmp_path / "y")
-    assert r.returncode == 1 and "draws random numbers (bernoulli_, dropout?)" in r.stderr.strip().splitlines()[-1], show(r)
+    assert tight.returncode == 1 and tight.stderr.strip().splitlines()[-1].startswith(refusal), show(tight)
+    assert dropout.returncode == 1 and "draws random numbers (bernoulli_, dropout?)" in dropout.stderr.strip().splitlines()[-1], show(dropout)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     assert "recompute  every stage's forward again in its backward" in ok(aot("inspect", tmp_path / "art")).stdout
 

@@ -106,11 +106,12 @@ def aot_each(*commands: tuple, env: dict | None = None) -> list[subprocess.Compl
         return list(pool.map(lambda args: aot(*args, env=env), commands))
 
 
-def torchrun(nproc: int, *args, module: str | None = "aot", env: dict | None = None) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args, module: str | None = "aot", env: dict | None = None, launcher: list | None = None) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node N -m aot ARGS` (--standalone: a free port).
-    With module=None, ARGS start with a script path instead; `env`: variables to add. The launcher
-    and its ranks are forked from the server (AOT_TEST_FRESH=1: new interpreters)."""
-    launcher_args = ["--standalone", "--nproc-per-node", str(nproc)]
+    With module=None, ARGS start with a script path instead; `env`: variables to add; `launcher`:
+    torchrun's options in place of --standalone --nproc-per-node N. The launcher and its ranks are
+    forked from the server (AOT_TEST_FRESH=1: new interpreters)."""
+    launcher_args = [str(a) for a in launcher] if launcher else ["--standalone", "--nproc-per-node", str(nproc)]
     command = [*(["-m", module] if module else []), *map(str, args)]
     env = {**clean_env(), **(env or {})}
     if os.environ.get("AOT_TEST_FRESH") == "1":
