@@ -13,12 +13,13 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.commands import REPO, TIMEOUT, aot, clean_env, ok, show, torchrun
+from helpers.commands import REPO, aot, clean_env, ok, show, torchrun
 from runner.topology_check import TopologyRefusal
 
 AOT_FRAME = re.compile(r'File "[^"]*[/\\](aot|runner)[/\\][^"]*\.py", line \d+')
@@ -106,32 +107,10 @@ def test_node_count_is_checked_across_nodes(dgx_artifact):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        "--rdzv-id",
-        "aot-topology-test",
-        "-m",
-        "aot",
-        "run",
-        str(dgx_artifact),
-        "--steps",
-        "1",
-    ]
-    agents = [subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    results = []
-    for agent in agents:
-        out, err = agent.communicate(timeout=TIMEOUT)
-        results.append(subprocess.CompletedProcess(cmd, agent.returncode, out, err))
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "aot-topology-test"]
+    launcher = ["--nnodes", 2, "--nproc-per-node", 1, *rendezvous]
+    with ThreadPoolExecutor(2) as pool:  # one agent per node, each torchrun forked as the tests' are
+        results = list(pool.map(lambda _: torchrun(1, "run", dgx_artifact, "--steps", 1, launcher=launcher), range(2)))
     for r in results:
         mismatches, errors = refused(r)
         # each node's local rank 0 reports; the node count comes first
