@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from helpers.commands import MODELS, aot, ok, show
-from helpers.training import TOL, assert_same_training, train_both
+from helpers.training import STEPS, TOL, assert_same_training, train_both
 
 LAYERS = 2
 
@@ -90,6 +90,17 @@ def test_gpt2_fused_attention_is_split_and_training_matches_ddp(strategy, world,
     # Conv1D weights are (in, out): column-wise splits dimension 1
     assert manifest["tensor_parallel"]["params"]["model.transformer.h.0.attn.c_attn.weight"] == 1
     assert manifest["tensor_parallel"]["params"]["model.transformer.h.0.mlp.c_proj.weight"] == 0
+    # The key projection's bias has no gradient in exact arithmetic (softmax ignores a constant
+    # added to every score of a query), so its computed gradient is rounding noise, which AdamW
+    # normalizes into full-size steps of either sign: the two runs' noise differs with the
+    # reduction order. It may move at most lr per step (AdamW, lr 1e-3); every other element keeps
+    # the tp bound.
+    embed = merged["model.transformer.h.0.attn.c_attn.bias"].numel() // 3
+    for i in range(LAYERS):
+        name = f"model.transformer.h.{i}.attn.c_attn.bias"
+        keys, ref_keys = merged[name][embed : 2 * embed], ref_weights[name][embed : 2 * embed]
+        assert (keys - ref_keys).abs().max() <= 2 * STEPS * 1e-3
+        merged[name][embed : 2 * embed] = ref_keys
     assert_same_training(losses, ref_losses, merged, ref_weights, weight_tol=2 * TOL)
 
 
