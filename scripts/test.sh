@@ -10,8 +10,8 @@ python -m ruff format --check --quiet .
 # types of the runtime package that ships to clusters (pyproject.toml [tool.mypy]; a few seconds)
 python -m mypy
 # Scenarios marked slow (more strategies on the second example model, a second placed mesh) run
-# in CI (.ci/run sets AOT_TEST_LONG=1) or when you set it (CI's whole run: 18.6 and 22.2 minutes
-# in two runs on 2 cores on 2026-12-03).
+# in CI (.ci/run sets AOT_TEST_LONG=1) or when you set it (CI's whole run: 12.5 minutes on 2
+# cores on 2026-12-04, 11.4 of them tests).
 if [ "${AOT_TEST_LONG:-0}" = "1" ]; then
   python -m pytest -q -p no:cacheprovider --durations=15 "$@"
 else
