@@ -24,12 +24,11 @@ from aot.plan.mesh import DATA_AXES, Mesh
 from aot.plan.placement import Placement, place
 from aot.plan.recompute import apply_request, resolve_request
 from aot.plan.search import MEMORY_HEADROOM, time_entry
+from aot.plan.sequence_parallel import check_sequence_length, sequence_parallel_layout
 from aot.plan.tensor_parallel import (
     check_degree,
     check_divisible,
-    check_sequence_length,
     explain_plan,
-    sequence_parallel_layout,
     summarize,
     summarize_whole,
     unsplit_weights,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from runner.artifact import Artifact
 from runner.errors import AotError
-from runner.inspect import human, rank_ranges, predicted_memory, predicted_time, summarize
+from runner.inspect import human, predicted_memory, predicted_time, rank_ranges, summarize, tp_layer
 from runner.integrity import read_verified
 
 # build arguments the plan level shows (with what the build made of them)
@@ -94,7 +94,7 @@ def _plan_fields(m: dict, s: dict) -> dict:
         and {
             "size": tp["size"],
             "sequence_parallel": tp.get("sequence_parallel"),
-            "colwise": sorted(n if st == "colwise" else f"{n} ({st})" for n, st in tp["plan"].items() if st.startswith("colwise")),
+            "colwise": sorted(tp_layer(n, st) for n, st in tp["plan"].items() if st != "rowwise"),
             "rowwise": sorted(n for n, st in tp["plan"].items() if st == "rowwise"),
         },
         "pipeline": pipeline

@@ -58,7 +58,7 @@ class StepLayout:
     fsdp: Group | None = None
     tp: Group | None = None
     tp_plan: tuple[tuple[str, str], ...] = ()
-    sequence: dict | None = None  # sequence parallelism (aot.plan.tensor_parallel.sequence_parallel_layout)
+    sequence: dict | None = None  # sequence parallelism (aot.plan.sequence_parallel.sequence_parallel_layout)
     # The dtypes the step computes and reduces in (aot/capture/precision.py): part of the layout
     # because it changes what each collective carries, which the planner prices.
     precision: Precision = Precision()

@@ -111,7 +111,7 @@ class FusedSplits:
 def _styles(plan: dict[str, str], sequence: dict | None, splits: FusedSplits) -> dict:
     """torch's parallel styles for each module. Without sequence parallelism: column-wise and
     row-wise layers (row-wise outputs all-reduced). With it (`sequence`, from
-    aot.plan.tensor_parallel.sequence_parallel_layout): the first block takes its input's
+    aot.plan.sequence_parallel.sequence_parallel_layout): the first block takes its input's
     sequence slice, the last block's output is all-gathered whole, each attention or MLP module
     all-gathers its input along the sequence and its row-wise layer reduce-scatters its output
     back, and the blocks' norms run on their slice of the tokens (SequenceParallel). Entering and

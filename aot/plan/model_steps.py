@@ -151,7 +151,7 @@ class ModelSteps:
 
     def sequence_layout(self, plan: dict[str, str], tp: int) -> dict:
         """The build's sequence-parallel layout at this degree; Unsupported where the build would refuse."""
-        from aot.plan.tensor_parallel import check_sequence_length, sequence_parallel_layout
+        from aot.plan.sequence_parallel import check_sequence_length, sequence_parallel_layout
 
         try:
             sequence = sequence_parallel_layout(self.state.model, plan, "the plan")
