@@ -130,11 +130,40 @@ def eager_single_process(model_file, batches, seed: int = 0) -> tuple[list[float
     return losses, model.state_dict()
 
 
-def assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=TOL):
+# At most this share of a model's elements may leave the weight bound when AdamW meets split
+# matmuls (assert_same_training's adamw_lr); a wrong split moves whole rows, columns or heads.
+ADAMW_OUTLIERS = 1 / 2000
+
+
+def adamw_lr(model_file) -> float:
+    """The base learning rate of the model file's optimizer (aot's default AdamW when it has none)."""
+    from aot.capture.model_file import default_optimizer
+
+    make = getattr(load_user(Path(model_file)), "optimizer", default_optimizer)
+    return make([torch.zeros(1, requires_grad=True)]).defaults["lr"]
+
+
+def assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=TOL, adamw_lr=None):
+    """Losses within TOL at every step and every weight within `weight_tol` of the reference.
+
+    `adamw_lr`: the run's AdamW learning rate, for builds whose matmuls sum in another order than
+    eager's (tp splits them). The last-bit difference is harmless except where an element's
+    gradient is itself near zero, a difference of rounding noise: AdamW divides each gradient by
+    its own running size and turns that noise into a step of up to lr. Which elements those are
+    depends on the data and on how each machine's BLAS splits its sums (CI once saw 1 element of
+    90,432 in a Llama MLP 2.6e-5 off, the rest within 1e-5). Then at most ADAMW_OUTLIERS of the
+    elements may exceed `weight_tol`, each by no more than AdamW can move it in STEPS steps."""
     assert len(losses) == len(ref_losses) == STEPS
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL, (losses, ref_losses)
     assert sorted(weights) == sorted(ref_weights)
-    worst = max((weights[k].double() - ref_weights[k].double()).abs().max().item() for k in ref_weights)
-    assert worst <= weight_tol, worst
+    diffs = {k: (weights[k].double() - ref_weights[k].double()).abs() for k in ref_weights}
+    worst, name = max((d.max().item(), k) for k, d in diffs.items())
+    if adamw_lr is None:
+        assert worst <= weight_tol, f"{name} differs by {worst:.3g} (bound {weight_tol:g})"
+    else:
+        outside = {k: int((d > weight_tol).sum()) for k, d in diffs.items() if (d > weight_tol).any()}
+        elements = sum(d.numel() for d in diffs.values())
+        assert sum(outside.values()) <= max(1, elements * ADAMW_OUTLIERS), f"{outside} elements beyond {weight_tol:g} of {elements}"
+        assert worst <= 2 * adamw_lr * STEPS, f"{name} differs by {worst:.3g}, more than AdamW's steps can move it"
     # the run really trained: weights moved away from their initial values and the loss fell
     assert losses[-1] < losses[0]
