@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -43,10 +43,10 @@ class ModelFile:
     scheduler: Callable | None
     max_grad_norm: float | None
     custom_op_modules: tuple[str, ...] = ()
-    onnx_translations: object = None  # a dict, or a function returning one (read only when exporting)
+    onnx_translations: dict | Callable[[], object] | None = None  # a dict, or a function returning one (read only when exporting)
     module_name: str = ""  # the name the model file was imported under
     tp_plan: object = None  # module name -> "colwise" | "rowwise" | "colwise:K" (see aot/plan/tensor_parallel.py)
-    globals: dict = None  # the model file's other module-level names (head counts, say)
+    globals: dict = field(default_factory=dict)  # the model file's other module-level names (head counts, say)
 
     def example_batch(self, rows: int) -> dict[str, torch.Tensor]:
         """The user's batch(rows) as the safetensors mapping the runner reads (`inputs`, `targets`)."""
@@ -86,6 +86,10 @@ def load_model_file(path: str | Path) -> ModelFile:
     if not path.is_file():
         raise AotError(f"{path}: no such model file")
     spec = importlib.util.spec_from_file_location(f"aot_user_model_{path.stem}", path)
+    if spec is None:  # no import machinery takes a file of this suffix (model.txt, model)
+        raise AotError(f"{path.name}: Python cannot import this file; a model file's name ends in .py")
+    # a spec made from a file location carries the loader that reads the file
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.parent))  # the model file may import its neighbours
     try:
