@@ -159,7 +159,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
         opt_state = flat[n_params + n_buffers : n_params + n_buffers + n_state]
         at = n_params + n_buffers + n_state
         lrs = flat[at : at + n_groups]
-        scaling = LossScaling(precision.scaler, *flat[at + n_groups : at + n_groups + n_scaler]) if n_scaler else None
+        scaling = LossScaling(precision.scaler, *flat[at + n_groups : at + n_groups + n_scaler]) if precision.scaler else None
         batch_inputs, batch_targets = flat[-1 - n_inputs : -1], flat[-1]
         size = batch_targets.shape[0] // m
         by_name = dict(zip(param_names, params))
@@ -225,9 +225,9 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
                         if not readers or not s.outputs[j][2]:
                             continue
                         shape, dtype, _ = s.outputs[j]
-                        grads = [receive(shape, dtype, r, tag(mb, s.index, r, j, True)) for r in readers]
+                        incoming = [receive(shape, dtype, r, tag(mb, s.index, r, j, True)) for r in readers]
                         roots.append(outputs[j])
-                        seeds.append(sum(grads[1:], grads[0]))
+                        seeds.append(sum(incoming[1:], incoming[0]))
                 wrt_params = [n for n in s.params if n in leaves and leaves[n].requires_grad]
                 wrt = [leaves[n] for n in wrt_params] + [x for _, x in received]
                 grads = torch.autograd.grad(roots, wrt, seeds, allow_unused=True) if roots else [None] * len(wrt)

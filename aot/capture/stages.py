@@ -159,7 +159,7 @@ def cut(graph: torch.fx.GraphModule, sources: list[Source], stage_of_layer: dict
         raise AotError(f"pipeline: stage(s) {missing} would compute nothing; use fewer stages")
     # partitions in dependency order (a stage's nodes need not come before the next stage's in the
     # graph: a tensor-parallel weight slice's view is made at the top, where DTensor unwraps it)
-    split = split_module(graph, None, lambda n: stage[n])
+    split = split_module(graph, graph, lambda n: stage[n])  # root_m "Not currently used" (torch 2.13's docstring)
     return _stages(split, source_of, stages)
 
 
@@ -173,6 +173,7 @@ def _carries_gradient(module: torch.fx.GraphModule, inputs: list[bool]) -> list[
             if not isinstance(val, torch.Tensor) or val.is_floating_point():
                 found.add(node)
     values = module.graph.output_node().args[0]
+    assert isinstance(values, (list, tuple))  # _stages makes every stage return a tuple
     return [v in found for v in values]
 
 
@@ -209,7 +210,7 @@ def _stages(split: torch.fx.GraphModule, source_of: dict, count: int) -> list[St
             buffers=[s.name for s in sources if s.kind == "buffer"],
         )
         stage.layers = sorted(
-            {layer_of(n) for n in module.graph.nodes if n.op == "call_function" and layer_of(n) is not None},
+            {layer for n in module.graph.nodes if n.op == "call_function" and (layer := layer_of(n)) is not None},
             key=lambda name: [int(p) if p.isdigit() else p for p in name.split(".")],
         )
         for user in node.users:

@@ -100,7 +100,7 @@ class StepLayout:
     def local_shapes(self, state: TrainingState) -> dict[str, torch.Size]:
         """Every parameter's shape on one rank before fsdp sharding (its tensor-parallel slice)."""
         dims, parts = self.tp_dims(state), self.tp.size if self.tp else 1
-        return {name: torch.Size(tp_slice_shape(p.shape, dims.get(name), parts)) for name, p in state.params.items()}
+        return {name: torch.Size(tp_slice_shape(list(p.shape), dims.get(name), parts)) for name, p in state.params.items()}
 
 
 @dataclass
@@ -162,6 +162,7 @@ def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm:
     whole = [g for g, s, c in zip(grads, tp_split, counted) if not s and c]
     total = _squares(whole) if whole else grads[0].new_zeros(())
     if split:
+        assert layout.tp is not None  # only tensor parallelism splits a gradient
         total = total + _funcol.wait_tensor(_funcol.all_reduce(_squares(split), "sum", layout.tp.name))
     if layout.fsdp is not None:
         total = _funcol.wait_tensor(_funcol.all_reduce(total, "sum", layout.fsdp.name))
@@ -199,6 +200,7 @@ def _foreach_as_on_gpus(optimizer: torch.optim.Optimizer) -> None:
 def _slot(kind: str, tensor: torch.Tensor | None = None, **fields) -> dict:
     slot = {"kind": kind, **fields}
     if kind in ("input", "target"):
+        assert tensor is not None  # the batch's slots describe their tensor
         slot.update(shape=list(tensor.shape), dtype=dtype_name(tensor.dtype))
     return slot
 
@@ -285,6 +287,7 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
         if scaling is None:
             optimizer.step()
             return local_loss, global_loss
+        assert found_inf is not None  # set above with the loss scaling
         scaling.step_unless(found_inf, [*params, *opt_state], optimizer.step)
         scaling.update(found_inf)
         return local_loss, global_loss, found_inf
@@ -301,7 +304,7 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
         opt_state = flat[n_params + n_buffers : n_params + n_buffers + n_state]
         at = n_params + n_buffers + n_state
         lrs = flat[at : at + n_groups]
-        scaling = LossScaling(precision.scaler, *flat[at + n_groups : at + n_groups + n_scaler]) if n_scaler else None
+        scaling = LossScaling(precision.scaler, *flat[at + n_groups : at + n_groups + n_scaler]) if precision.scaler else None
         batch_inputs, batch_targets = flat[-1 - n_inputs : -1], flat[-1]
         by_name = dict(zip(param_names, params))
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  (registers the all_reduce's autograd)
@@ -54,16 +55,31 @@ def _sum_over(t: torch.Tensor, groups) -> torch.Tensor:
     return t
 
 
+class _RunningStats(NamedTuple):
+    mean: torch.Tensor
+    var: torch.Tensor
+    batches: torch.Tensor  # num_batches_tracked
+
+
+def _running_stats(module: nn.SyncBatchNorm) -> _RunningStats | None:
+    """The buffers the layer updates in training mode, if it tracks running statistics."""
+    if not (module.track_running_stats and module.running_mean is not None):
+        return None
+    # _BatchNorm registers running_var and num_batches_tracked together with running_mean
+    assert module.running_var is not None and module.num_batches_tracked is not None
+    return _RunningStats(module.running_mean, module.running_var, module.num_batches_tracked)
+
+
 def _forward(module: nn.SyncBatchNorm, groups, input: torch.Tensor) -> torch.Tensor:
     """SyncBatchNorm.forward in training mode over `groups` (each with .name and .size)."""
     module._check_input_dim(input)
     module._check_non_zero_input_channels(input)
-    track = module.track_running_stats and module.running_mean is not None
-    factor = module.momentum
-    if track:
-        module.num_batches_tracked.add_(1)
-        if module.momentum is None:  # cumulative moving average
-            factor = 1.0 / module.num_batches_tracked
+    running = _running_stats(module)
+    factor: float | torch.Tensor = 0.0  # read only with running statistics
+    if running is not None:
+        running.batches.add_(1)
+        # momentum None: cumulative moving average
+        factor = 1.0 / running.batches if module.momentum is None else module.momentum
     channels = input.shape[1]
     dims = [0, *range(2, input.dim())]
     shape = [1, channels] + [1] * (input.dim() - 2)
@@ -71,16 +87,16 @@ def _forward(module: nn.SyncBatchNorm, groups, input: torch.Tensor) -> torch.Ten
     count = input.numel() // channels * math.prod(g.size for g in groups)
     if count <= 1:
         raise AotError(f"SyncBatchNorm: expected more than 1 value per channel over the data-parallel ranks, got input of size {list(input.shape)}")
-    shift = module.running_mean.detach().clone().float() if track else x.new_zeros(channels)
+    shift = running.mean.detach().clone().float() if running is not None else x.new_zeros(channels)
     centered = x - shift.view(shape)
     sums = _sum_over(torch.cat([centered.sum(dims), (centered * centered).sum(dims)]), groups)
     mean_shifted, square_mean = sums[:channels] / count, sums[channels:] / count
     var = torch.clamp(square_mean - mean_shifted * mean_shifted, min=0.0)  # biased: what normalizes
-    if track:
+    if running is not None:
         with torch.no_grad():
-            mean, unbiased = (mean_shifted + shift).to(module.running_mean.dtype), var * (count / (count - 1))
-            module.running_mean.mul_(1 - factor).add_(mean * factor)
-            module.running_var.mul_(1 - factor).add_(unbiased.to(module.running_var.dtype) * factor)
+            mean, unbiased = (mean_shifted + shift).to(running.mean.dtype), var * (count / (count - 1))
+            running.mean.mul_(1 - factor).add_(mean * factor)
+            running.var.mul_(1 - factor).add_(unbiased.to(running.var.dtype) * factor)
     out = (centered - mean_shifted.view(shape)) * torch.rsqrt(var + module.eps).view(shape)
     if module.weight is not None:
         out = out * module.weight.view(shape) + module.bias.view(shape)
@@ -105,7 +121,8 @@ def sync_batchnorm_in_graph(model: nn.Module, groups):
 
     for module in model.modules():
         if isinstance(module, nn.SyncBatchNorm):
-            module.forward = forward_of(module)
+            # an instance attribute in front of the class's forward; `del` below uncovers it again
+            module.forward = forward_of(module)  # type: ignore[method-assign]
             patched.append(module)
     try:
         yield

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from aot.errors import AotError
 from runner.sharding import tp_style
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 _funcol = torch.ops._c10d_functional
 
@@ -33,7 +40,7 @@ class TensorParallel:
     """The parallelized model copy and, per sharded parameter, the dimension it is split along."""
 
     model: nn.Module
-    mesh: object  # torch.distributed.device_mesh.DeviceMesh
+    mesh: DeviceMesh
     size: int
     group: str  # the canonical name the graph will carry
     dims: dict[str, int]  # parameter name -> sharded dimension
@@ -108,7 +115,7 @@ class FusedSplits:
         return (tensor, sizes, *args[2:]), kwargs
 
 
-def _styles(plan: dict[str, str], sequence: dict | None, splits: FusedSplits) -> dict:
+def _styles(plan: dict[str, str], sequence: dict | None, splits: FusedSplits) -> dict[str, ParallelStyle]:
     """torch's parallel styles for each module. Without sequence parallelism: column-wise and
     row-wise layers (row-wise outputs all-reduced). With it (`sequence`, from
     aot.plan.sequence_parallel.sequence_parallel_layout): the first block takes its input's
@@ -119,7 +126,7 @@ def _styles(plan: dict[str, str], sequence: dict | None, splits: FusedSplits) ->
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
-    styles = {}
+    styles: dict[str, ParallelStyle] = {}
     for name, style in plan.items():
         kind, parts = tp_style(style)
         if kind == "colwise":
@@ -135,7 +142,7 @@ def _styles(plan: dict[str, str], sequence: dict | None, splits: FusedSplits) ->
     return styles
 
 
-def _distribute(module: nn.Module, placements: dict[str, object], mesh) -> None:
+def _distribute(module: nn.Module, placements: Mapping[str, Placement], mesh) -> None:
     """Each of the module's own parameters as a DTensor with its placement."""
     from torch.distributed.tensor import distribute_tensor
 
@@ -235,7 +242,7 @@ def tensor_parallel(model: nn.Module, plan: dict[str, str], size: int, group: st
     """Yield a TensorParallel for `model` under `plan` (and the sequence-parallel layout, if any);
     the fake process group lives as long as the context, so capture happens inside it."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -255,7 +262,7 @@ def tensor_parallel(model: nn.Module, plan: dict[str, str], size: int, group: st
         for name, param in parallel.named_parameters(remove_duplicate=False):
             if isinstance(param, DTensor):
                 placements[name] = tuple(param.placements)
-                sharded = [p.dim for p in param.placements if p.is_shard()]
+                sharded = [p.dim for p in param.placements if isinstance(p, Shard)]  # is_shard()'s test, which also types p.dim
                 if sharded:
                     dims[name] = sharded[0]
         with splits.mode():

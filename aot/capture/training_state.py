@@ -195,6 +195,7 @@ def _check_recordable(mf: ModelFile, graph: torch.fx.GraphModule, names: list[st
                 continue
             seen.add(n)
             if n.op == "get_attr":
+                assert isinstance(n.target, str)  # a get_attr node's target is the attribute's name
                 value = getattr(graph, n.target)
                 size = value.numel() * value.element_size()
                 if size > MAX_INIT_CONSTANT_BYTES:
@@ -233,13 +234,14 @@ def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingSt
     program is replayed after torch.manual_seed(seed)); it does not change what is recorded."""
     model, graph, n_params, n_buffers = _record_init(mf)
     model.train()
-    params = dict(model.named_parameters())
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
     if not params:
         raise AotError(f"{mf.path.name}: the model has no parameters to train")
     buffers = dict(model.named_buffers())
     _check_no_shared_storage(params, buffers, mf.path.name)
     _check_recordable(mf, graph, [*params, *buffers], n_params)
     fake_mode = torch._guards.detect_fake_mode(list(params.values()))
+    assert fake_mode is not None  # _record_init builds the model on fake tensors
     names = {id(p): n for n, p in params.items()}
     with fake_mode:
         opt = call_user(mf.optimizer, "optimizer(params)", mf.path, list(params.values()))
