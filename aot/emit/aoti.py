@@ -170,6 +170,7 @@ def _fake_groups(groups: dict[str, int], world_size: int):
     """A fake process group of `world_size` with a group of each size registered under each graph
     name, for as long as the compile runs; nothing is communicated."""
     from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+    from torch.distributed.distributed_c10d import GroupName
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -178,12 +179,13 @@ def _fake_groups(groups: dict[str, int], world_size: int):
     try:
         for name, size in groups.items():
             group = dist.group.WORLD if size == world_size else dist.new_group(list(range(size)))
-            _register_process_group(name, group)
+            assert group is not None  # rank 0 of the world initialized above is in every group
+            _register_process_group(GroupName(name), group)
         yield
     finally:
         for name in groups:
             with contextlib.suppress(Exception):
-                _unregister_process_group(name)
+                _unregister_process_group(GroupName(name))
         dist.destroy_process_group()
 
 
@@ -203,10 +205,13 @@ def _contiguous_inputs(ep: torch.export.ExportedProgram):
     one longer window gives (T + 1, 1)), while the runner's data is contiguous: such a package read
     past its inputs' rows. Compiled for contiguous inputs, it is given contiguous ones
     (runner.compiled.CompiledProgram copies any other); the program itself is left as it was."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     saved = {}
     for node in ep.graph.nodes:
         value = node.meta.get("val") if node.op == "placeholder" else None
         if isinstance(value, torch.Tensor) and not value.is_contiguous():
+            assert isinstance(value, FakeTensor)  # an exported program's placeholders hold fake values
             saved[node] = value
             with value.fake_mode:
                 node.meta["val"] = torch.empty(value.shape, dtype=value.dtype, device=value.device)

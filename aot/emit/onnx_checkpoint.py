@@ -129,7 +129,7 @@ def save_onnx(
                     del t.external_data[:]
                     for key, value in (("location", data_path.name), ("offset", str(offset)), ("length", str(raw.numel()))):
                         t.external_data.add(key=key, value=value)
-                    view = memoryview(raw.numpy())
+                    view = raw.numpy().data
                     f.write(view)
                     sha.update(view)
                     offset += raw.numel()
@@ -175,7 +175,8 @@ def in_precision(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
                     continue
                 if id(t) not in done:
                     done[id(t)] = torch.nn.Parameter(t.detach().to(dtype), requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else t.to(dtype)
-                store[name] = done[id(t)]
+                # a Parameter's copy is a Parameter (done keeps the kind), which _parameters needs
+                store[name] = done[id(t)]  # type: ignore[assignment]
     tree_map = torch.utils._pytree.tree_map
     model.register_forward_pre_hook(lambda m, args: tree_map(lambda t: cast(t, dtype), args))
     model.register_forward_hook(lambda m, args, out: tree_map(lambda t: cast(t, torch.float32), out))

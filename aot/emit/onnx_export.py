@@ -302,6 +302,7 @@ def _export_graph(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tens
             )
     except Exception as e:
         raise OnnxUnsupported(f"torch.onnx.export failed: {_first_line(e)}") from e
+    assert program is not None  # dynamo=True returns the ONNXProgram (None is the legacy exporter's)
 
     import onnx
     import onnx_ir as ir
@@ -309,11 +310,13 @@ def _export_graph(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tens
     graph = program.model.graph
     canonical = _canonical_names(model)
     stored = {*sig.inputs_to_parameters.values(), *sig.inputs_to_buffers.values()}
-    weights = {}  # ir.Value -> (state name, byte length, dtype, shape)
+    weights: dict[ir.Value, tuple[str, int, ir.DataType, ir.Shape]] = {}  # (state name, byte length, dtype, shape)
     for name, value in list(graph.initializers.items()):
-        tensor = getattr(value.const_value, "raw", None)
-        if name in stored and name in canonical and isinstance(tensor, torch.Tensor):
-            weights[value] = (canonical[name], _nbytes(tensor), value.const_value.dtype, value.const_value.shape)
+        const = value.const_value
+        tensor = getattr(const, "raw", None)
+        if const is not None and name in stored and name in canonical and isinstance(tensor, torch.Tensor):
+            assert isinstance(const.shape, ir.Shape)  # the exporter's tensors are onnx_ir's own
+            weights[value] = (canonical[name], _nbytes(tensor), const.dtype, const.shape)
             value.const_value = None  # hidden from the optimizer: nothing is folded into a weight
         elif not _is_real(tensor):
             raise OnnxUnsupported(
@@ -333,6 +336,7 @@ def _export_graph(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tens
         if value not in weights:
             raise OnnxUnsupported(f"the ONNX graph has an initializer {value.name!r} without values that is no parameter or buffer of the model")
         state, length, dtype, shape = weights[value]
+        assert value.name is not None  # ir.Graph keys its initializers by their names
         value.const_value = ir.ExternalTensor(WEIGHTS_LOCATION, offset, length, dtype, shape=shape, name=value.name)
         initializers[value.name] = state
         offset += _aligned(length)
@@ -346,8 +350,8 @@ def _export_graph(mf: ModelFile, model: torch.nn.Module, inputs: list[torch.Tens
         for node in function.node:
             del node.metadata_props[:]
     del proto.metadata_props[:]
-    for key, value in {"aot.version": runner.__version__, "aot.model_sha256": mf.sha256, **metadata}.items():
-        proto.metadata_props.add(key=key, value=value)
+    for key, text in {"aot.version": runner.__version__, "aot.model_sha256": mf.sha256, **metadata}.items():
+        proto.metadata_props.add(key=key, value=text)
     try:
         onnx.checker.check_model(_without_weights(proto), full_check=True)
     except Exception as e:
