@@ -28,7 +28,7 @@ def shard_gathers(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.No
     """FSDP's parameter gathers: all_gathers of a graph input (a parameter's shard) or of its cast
     to the compute dtype (mixed precision, FSDP's param_dtype), each with the cast it needs, if
     any ([] or [cast]), which moves and is recomputed with it."""
-    found = {}
+    found: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in graph.nodes:
         if not is_call(node, {ALL_GATHER}):
             continue
@@ -48,7 +48,8 @@ def loss_node(graph: torch.fx.Graph) -> torch.fx.Node | None:
     first = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else None
     if not isinstance(first, torch.fx.Node):
         return None
-    return first.args[0] if first.target == torch.ops.aten.detach.default else first
+    loss = first.args[0] if first.target == torch.ops.aten.detach.default else first
+    return loss if isinstance(loss, torch.fx.Node) else None
 
 
 def fresh_value(node: torch.fx.Node) -> None:
@@ -62,6 +63,8 @@ def fresh_value(node: torch.fx.Node) -> None:
     if mode is None:
         return
     as_value = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a
+    # the passes copy only call_function nodes (aten ops), whose target is the op to call
+    assert callable(node.target), node.format_node()
     with mode:
         node.meta["val"] = node.target(*torch.fx.node.map_aggregate(node.args, as_value), **torch.fx.node.map_aggregate(node.kwargs, as_value))
 

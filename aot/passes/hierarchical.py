@@ -44,6 +44,7 @@ def _with_val(node: torch.fx.Node, val) -> torch.fx.Node:
 
 def _split(graph: torch.fx.Graph, reduce: torch.fx.Node, wait: torch.fx.Node, levels: SubGroups) -> None:
     x, op = reduce.args[0], reduce.args[1]
+    assert isinstance(x, torch.fx.Node), reduce.format_node()  # an all_reduce reduces a graph value
     val = x.meta["val"]
     numel, g = val.numel(), levels.intra_size
     padded = -(-numel // g) * g

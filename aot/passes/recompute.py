@@ -158,13 +158,14 @@ def by_budget(graph: torch.fx.Graph, fraction: float, cost: Callable) -> Choice:
     result is the most this can recompute: its `fraction` is the smallest feasible budget."""
     fwd = Forward(graph)
     layers = _layers(fwd)
-    best = None
+    best: Choice | None = None
     for k in range(len(layers) + 1):
         choice = _layers_and_values(fwd, set(layers[:k]), fraction, cost)
         if choice.kept_bytes <= fraction * choice.saved_bytes:
             return choice
         if best is None or choice.kept_bytes < best.kept_bytes:
             best = choice
+    assert best is not None  # the loop runs at least once (k = 0)
     return best
 
 
