@@ -109,8 +109,8 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
         return for_nodes(profile, None, ranks), ranks
 
     # every profile loaded before any is planned: a wrong name in a list fails at once
-    names = [name.strip() for name in topology.split(",")] if topology else [None]
-    targets = [target(name) for name in names]
+    names = [name.strip() for name in topology.split(",")] if topology else []
+    targets = [target(name) for name in names] or [target(None)]  # none named: this machine's own
     searched = tuple(a.strip() for a in axes.split(",") if a.strip())
     unknown = [a for a in searched if a not in BUILD_AXES]
     if unknown or not searched:

@@ -36,6 +36,7 @@ def what_if(model_file: Path, targets: list[tuple[str, tuple[dict, int]]], batch
                 "best": plans[0].row() if plans else None,
             }
         )
+    assert steps is not None  # planned at least once: `aot plan` calls this with two or more targets
     entries.sort(key=rank_key)
     if as_json:
         click.echo(json.dumps(entries, indent=1))

@@ -143,14 +143,15 @@ def render(profile: dict) -> str:
             elif link.get("p2p") is False:
                 row.append("host")
             else:
-                bws = [_pcie_gb_per_s(gi.get("pcie")), _pcie_gb_per_s(gj.get("pcie"))]
-                row.append("?" if None in bws else f"{min(bws):.4g}")
+                bws = [bw for bw in (_pcie_gb_per_s(gi.get("pcie")), _pcie_gb_per_s(gj.get("pcie"))) if bw is not None]
+                row.append(f"{min(bws):.4g}" if len(bws) == 2 else "?")
         rows.append(row)
     out += _table(rows)
 
     out += ["", "GPUs:"]
     rows = []
     for i, (bus, g) in enumerate(gpus):
+        assert bus is not None  # a version-2 profile keys its GPUs by bus id (version 1 returned above)
         cc = g.get("compute_capability")
         tf = g.get("peak_tflops") or {}
         flops = " / ".join(f"{d} {tf[d]:g}" for d in ("fp8", "bf16", "tf32", "fp32") if d in tf)
