@@ -104,6 +104,24 @@ def test_plan_for_128_dgx_a100_nodes_prices_tensor_parallel_within_a_node():
     assert with_tp["plans"][0]["fits"]
 
 
+def test_every_plans_peak_memory_is_its_builds(tmp_path):
+    """The planner's peak per rank is the build's prediction for the same mesh and bucket size,
+    byte for byte: buckets packed analytically live as the built step holds them (each member's
+    gradient until packed, the bucket until its last member's result is read, through backward
+    since the overlap pass issues it early), and fsdp gathers one parameter ahead as built."""
+    out = _plan(GPT, "--topology", "dgx_a100", "--world-size", "4")
+    rows = {(p["strategy"], p["bucket_mb"]): p for p in out["plans"]}
+    picked = [("dp=4", 0.05), ("dp=4", 25.0), ("dp=2,fsdp=2", 0.05), ("fsdp=4", 25.0), ("dp=2,tp=2", 25.0)]
+    assert set(picked) <= set(rows), sorted(rows)
+    for strategy, bucket in picked:
+        art = tmp_path / f"{strategy}-{bucket}"
+        args = ["build", GPT, "--topology", "dgx_a100", "--world-size", "4", "--strategy", strategy, "--bucket-mb", str(bucket), "--no-onnx", "--quiet"]
+        result = CliRunner().invoke(cli, [*args, "-o", str(art)], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        built = Artifact(art).manifest["memory"]["predicted"]
+        assert rows[(strategy, bucket)]["memory_bytes"]["peak"] == built["peak"], (strategy, bucket, rows[(strategy, bucket)]["memory_bytes"], built)
+
+
 def test_build_strategy_auto_records_the_plan_and_its_timeline(tmp_path):
     art = tmp_path / "art"
     result = CliRunner().invoke(

@@ -40,21 +40,27 @@ def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node], order: dict) -> N
     sizes = [x.meta["val"].numel() for x in inputs]
     with graph.inserting_after(waited):
         parts = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
+    # Fake values as the step runs them, for the memory analysis (aot.plan.cost_model): the packed
+    # bucket is a new buffer, the all_reduce's result another (functional collectives do not
+    # write their input), and each member's result a view of that result, so a member's gradient
+    # is free once packed while the bucket lives until its last member's result is read.
+    for n, x in zip(flats, inputs):
+        n.meta["val"] = x.meta["val"].reshape(-1)
+    packed.meta["val"] = torch.cat([f.meta["val"] for f in flats])
+    reduced.meta["val"] = waited.meta["val"] = torch.empty_like(packed.meta["val"])
+    parts.meta["val"] = list(torch.split(waited.meta["val"], sizes))
     cursor = parts
     for i, (member, x) in enumerate(zip(members, inputs)):
         with graph.inserting_after(cursor):
             part = graph.call_function(operator.getitem, (parts, i))
         with graph.inserting_after(part):
             cursor = graph.call_function(aten.view.default, (part, list(x.meta["val"].shape)))
-        cursor.meta["val"] = x.meta["val"]
+        part.meta["val"] = parts.meta["val"][i]
+        cursor.meta["val"] = part.meta["val"].view(x.meta["val"].shape)
         wait = next(iter(member.users))
         wait.replace_all_uses_with(cursor)
         graph.erase_node(wait)
         graph.erase_node(member)
-    for n, x in zip(flats, inputs):
-        n.meta["val"] = x.meta["val"].reshape(-1)
-    packed.meta["val"] = torch.cat([f.meta["val"] for f in flats])
-    reduced.meta["val"] = waited.meta["val"] = packed.meta["val"]
 
 
 def bucket_all_reduces(gm: torch.fx.GraphModule, bucket_bytes: int) -> torch.fx.GraphModule:

@@ -22,6 +22,7 @@ collective ends. The step time is when the last op (or collective) finishes.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -72,6 +73,9 @@ class CommSite:
     input_numel: int = 0
     group_size: int = 1
     readers: tuple = ()  # indices of the ops that read the result
+    # (input, result): indices into the step's memory.intervals of the storages the collective
+    # reads and makes (-1: resident, or none), so a pass that packs collectives re-times them
+    buffers: tuple = (-1, -1)
 
 
 # What a transient storage is, by where the graph makes it: forward (up to the loss) makes
@@ -91,7 +95,9 @@ class Memory:
     at_peak: dict = field(default_factory=dict)  # peak_transient by TRANSIENT_PARTS
     activations_peak: int = 0  # the most bytes of forward-made storages live at any point
     resident_tensors: tuple = ()  # (part, numel, element size) of every resident storage
-    intervals: tuple = ()  # (first op, last op, numel, element size, part) of every transient storage
+    intervals: tuple = ()  # (first node, last node, numel, element size, part) of every transient storage
+    length: int = 0  # the graph's nodes: intervals lie in [0, length]
+    scale: Callable | None = None  # numel -> numel of a rescaled graph (rescale); intervals keep the traced sizes
 
     @property
     def resident(self) -> int:
@@ -292,7 +298,19 @@ def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None 
             readers=tuple(sorted(op_of[r] for r in readers if r in op_of)),
         )
         comms.append(_sized(site, elsize))
-    return StepGraph(ops=ops, comms=comms, memory=_memory(nodes, slots, aliases or {}), graph_nodes=len(nodes))
+    memory, interval_of = _memory(nodes, slots, aliases or {})
+    for node, site in zip(comm_nodes, comms):
+        site.buffers = (_interval_of_value(node.args[0], interval_of, aliases), _interval_of_value(node, interval_of, aliases))
+    return StepGraph(ops=ops, comms=comms, memory=memory, graph_nodes=len(nodes))
+
+
+def _interval_of_value(node, interval_of: dict, aliases: dict | None) -> int:
+    """The index in memory.intervals of the storage `node`'s value lives in; -1 if resident or none."""
+    values = _tensors(_val(node)) if isinstance(node, torch.fx.Node) else []
+    if len(values) != 1:
+        return -1
+    key = storage_key(values[0])
+    return interval_of.get((aliases or {}).get(key, key), -1)
 
 
 def _sized(site: CommSite, elsize: int) -> CommSite:
@@ -316,7 +334,8 @@ def _storage_bytes(t: torch.Tensor) -> int:
 _PARTS = {"param": "params", "buffer": "buffers", "optim": "optimizer", "lr": "batch", "input": "batch", "target": "batch"}
 
 
-def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) -> Memory:
+def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) -> tuple[Memory, dict]:
+    """The graph's memory, and each transient storage's index in its intervals (by storage key)."""
     aliases = aliases or {}
 
     def key_of_storage(t: torch.Tensor):
@@ -367,7 +386,7 @@ def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) 
                 last.setdefault(key, i)
         key_of[node] = keys
     intervals = tuple((start, last.get(key, start), numel, elsize, part) for key, (start, numel, elsize, part) in born.items())
-    return _memory_of(tuple(resident), intervals, len(nodes))
+    return memory_of(tuple(resident), intervals, len(nodes)), {key: i for i, key in enumerate(born)}
 
 
 def _transient_part(node, index: int, turn: int) -> str:
@@ -376,9 +395,11 @@ def _transient_part(node, index: int, turn: int) -> str:
     return "activations" if index <= turn else "gradients"
 
 
-def _memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Memory:
+def memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Memory:
+    """Memory of resident tensors (part, numel, element size) and transient `intervals`, the
+    peak found by sweeping the graph's `length` nodes."""
+    mem = Memory(resident_tensors=resident, intervals=intervals, length=length, scale=scale)
     scale = scale or (lambda n: n)
-    mem = Memory(resident_tensors=resident, intervals=intervals)
     for part, numel, elsize in resident:
         setattr(mem, part, getattr(mem, part) + numel * elsize)
     delta = {part: [0] * (length + 2) for part in TRANSIENT_PARTS}
@@ -467,7 +488,7 @@ def rescale(step: StepGraph, scale: ShardScale, group: str, degree: int) -> Step
         )
         comms.append(_sized(c, elsize))
     resident = tuple((part, scale.shard(n) if part in ("params", "optimizer") else n, e) for part, n, e in step.memory.resident_tensors)
-    memory = _memory_of(resident, step.memory.intervals, max((iv[1] for iv in step.memory.intervals), default=0) + 1, scale)
+    memory = memory_of(resident, step.memory.intervals, step.memory.length, scale)
     return StepGraph(ops=ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes)
 
 

@@ -190,8 +190,9 @@ class ModelSteps:
                 if got is not None:
                     derived_gm, derived_slots, shared = got
                     aliases = {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
-                    derived = analyze(derived_gm, derived_slots, aliases)
-                    self._recompute(other, derived_gm, derived_slots, derived, aliases)
+                    kept = self._kept(derived_gm)
+                    derived = _priced(derived_gm, derived_slots, aliases)
+                    self._recompute(other, kept, derived_slots, derived, aliases)
             except Exception:  # noqa: BLE001  (traced instead)
                 derived = None
             try:
@@ -206,14 +207,17 @@ class ModelSteps:
 
     def _priced(self, key: tuple, gm, slots) -> StepGraph:
         """_priced(gm, slots), and the recomputing variants of `key` where it does not fit."""
-        from aot.passes.graph_utils import copy_graph, shard_gathers
-
-        # regathering (in _priced) changes `gm`; a graph with fsdp gathers is kept as traced for
-        # recomputation, which the build applies before it (a graph without them is unchanged)
-        kept = copy_graph(gm) if self.memory_limit is not None and shard_gathers(gm.graph) else gm
+        kept = self._kept(gm)
         graph = _priced(gm, slots)
         self._recompute(key, kept, slots, graph)
         return graph
+
+    def _kept(self, gm):
+        """`gm` as traced, for recomputation (which the build applies before the passes that
+        _priced applies to `gm` in place), where variants may be needed."""
+        from aot.passes.graph_utils import copy_graph
+
+        return copy_graph(gm) if self.memory_limit is not None else gm
 
     def _recompute(self, key: tuple, gm, slots, graph: StepGraph, aliases: dict | None = None) -> None:
         """Where plans read from `graph` (the analyzed `gm`) may not fit, its variants recomputing
@@ -226,7 +230,6 @@ class ModelSteps:
         from aot.passes.graph_utils import copy_graph
         from aot.passes.recompute import by_budget, recompute_activations
         from aot.plan.recompute import smallest_fraction
-        from aot.passes.regather import regather_in_backward
         from aot.plan.cost_model import node_seconds
 
         cost = lambda n: node_seconds(n, self.compute)  # noqa: E731
@@ -236,7 +239,7 @@ class ModelSteps:
             choice = by_budget(trial.graph, fraction, cost)
             if not choice.nodes or choice.kept_bytes > fraction * choice.saved_bytes:
                 return None  # nothing to recompute, or the budget is below the smallest feasible
-            return fraction, analyze(regather_in_backward(recompute_activations(trial, choice)), slots, aliases)
+            return fraction, _priced(recompute_activations(trial, choice), slots, aliases)
 
         variants = []
         try:
@@ -415,12 +418,16 @@ class ModelSteps:
 RECOMPUTE_FRACTION = 0.5  # the activation budget a graph that does not fit is priced at first
 
 
-def _priced(gm, slots) -> StepGraph:
-    """The analyzed graph of a captured step as the build's passes leave it where that changes
-    the collectives: with fsdp, every parameter gathered again for backward
-    (aot.passes.regather; without it examples/gpt.py's fsdp=2 step was priced with 74 of its 97
-    collectives). Bucketing is priced analytically (aot.plan.rebucket) and the overlap of issue
-    and wait is how analyze reads any graph."""
+def _priced(gm, slots, aliases: dict | None = None) -> StepGraph:
+    """The analyzed graph of a captured step as the build's passes leave it, but for bucketing
+    (priced analytically by aot.plan.rebucket): collectives issued early and waited for late
+    (aot.passes.overlap: their buffers live through backward, which the peak memory must see) and,
+    with fsdp, every parameter gathered again for backward (aot.passes.regather; without it
+    examples/gpt.py's fsdp=2 step was priced with 74 of its 97 collectives) and gathered one
+    parameter ahead (aot.passes.prefetch, the build's default). Peak memory then equals the
+    build's prediction for the same mesh, bucket size and recomputation."""
+    from aot.passes.overlap import issue_early_wait_late
+    from aot.passes.prefetch import prefetch_parameter_gathers
     from aot.passes.regather import regather_in_backward
 
-    return analyze(regather_in_backward(gm), slots)
+    return analyze(prefetch_parameter_gathers(regather_in_backward(issue_early_wait_late(gm))), slots, aliases)

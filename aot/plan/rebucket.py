@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from aot.plan.cost_model import CommSite, Op, StepGraph
+from aot.plan.cost_model import CommSite, Op, StepGraph, memory_of
 
 
 def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
@@ -13,7 +11,11 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
     inputs are produced, per (group, dtype), a new bucket once the open one holds `bucket_bytes`
     or once a member would need another member's result. A bucket is issued when its last member's
     input exists and waited for before its first member's result is read; packing (a view per
-    member and a cat) and unpacking (a split and a view per member) are ops of their own."""
+    member and a cat) and unpacking (a split and a view per member) are ops of their own.
+
+    Memory is re-timed as the build's passes leave it (`step` analyzed after aot.passes.overlap):
+    each member's gradient lives until the bucket is packed, and the bucket from then until the
+    last read of any member's result, since the unpacked results are views of it."""
     singles = [c for c in step.comms if c.kind == "all_reduce" and c.members == 1]
     others = [c for c in step.comms if not (c.kind == "all_reduce" and c.members == 1)]
     order = sorted(range(len(singles)), key=lambda i: (singles[i].issue_at, i))
@@ -33,14 +35,14 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
         b.append(c)
         filling[(c.group, c.dtype)] = (size + c.input_bytes, max(issue, c.issue_at), min(wait, c.wait_at))
     comms = list(others)
-    extra_bytes = 0
+    intervals = list(step.memory.intervals)
     for buckets in open_.values():
         for b in buckets:
             if len(b) == 1:
                 comms.append(b[0])
                 continue
             total = sum(m.input_bytes for m in b)
-            extra_bytes = max(extra_bytes, total)
+            _retime(intervals, b)
             dtype = b[0].dtype
             pre = [Op(f"view_{m.name}", "view", kind="view", dtype=dtype) for m in b]
             pre.append(Op(f"cat_{b[0].name}", "cat", bytes=2.0 * total, dtype=dtype))
@@ -64,6 +66,22 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
                 )
             )
     comms.sort(key=lambda c: (c.issue_at, c.name))
-    at_peak = {**step.memory.at_peak, "collective_buffers": step.memory.at_peak.get("collective_buffers", 0) + extra_bytes}
-    memory = replace(step.memory, peak_transient=step.memory.peak_transient + extra_bytes, at_peak=at_peak)
+    m = step.memory
+    memory = memory_of(m.resident_tensors, tuple(intervals), m.length, m.scale)
     return StepGraph(ops=step.ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes)
+
+
+def _retime(intervals: list, bucket: list[CommSite]) -> None:
+    """The storages of `bucket`'s members as one bucket holds them: packed (the cat) once the last
+    member's result would have been made, the bucket alive until the last read of any result. The
+    bucket stays one interval per member so a rescaled graph's sizes still apply per tensor."""
+    if any(m.buffers[1] < 0 for m in bucket):
+        return  # a result analyze could not place (not one tensor): priced as traced
+    results = [intervals[m.buffers[1]] for m in bucket]
+    packed = max(start for start, *_ in results)
+    last = max(end for _, end, *_ in results)
+    for m, (_, _, numel, elsize, part) in zip(bucket, results):
+        intervals[m.buffers[1]] = (packed, last, numel, elsize, part)
+        if m.buffers[0] >= 0:
+            start, end, *rest = intervals[m.buffers[0]]
+            intervals[m.buffers[0]] = (start, max(end, packed), *rest)
