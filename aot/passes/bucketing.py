@@ -23,10 +23,16 @@ def _reducible(node: torch.fx.Node) -> bool:
     return is_call(node, {ALL_REDUCE}) and len(users) == 1 and is_call(users[0], {WAIT}) and node.args[2] not in PER_PROGRAM_GROUPS
 
 
+def _reduced(member: torch.fx.Node) -> torch.fx.Node:
+    x = member.args[0]
+    assert isinstance(x, torch.fx.Node), member.format_node()  # an all_reduce reduces a graph value
+    return x
+
+
 def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node], order: dict) -> None:
     """Replace the members by view -> cat -> all_reduce -> wait -> split -> view, placed right
     after the last member input (the overlap pass moves the wait later)."""
-    inputs = [m.args[0] for m in members]
+    inputs = [_reduced(m) for m in members]
     anchor = max(inputs, key=lambda n: order[n])
     op, group = members[0].args[1], members[0].args[2]
     with graph.inserting_after(anchor):
@@ -77,7 +83,7 @@ def bucket_all_reduces(gm: torch.fx.GraphModule, bucket_bytes: int) -> torch.fx.
         key = (node.args[1], node.args[2], val.dtype, val.device)
         open_buckets = buckets.setdefault(key, [[]])
         bucket = open_buckets[-1]
-        size = sum(tensor_bytes(m.args[0]) for m in bucket)
+        size = sum(tensor_bytes(_reduced(m)) for m in bucket)
         ready = max(order[m.args[0]] for m in [*bucket, node])
         needed = min(first_use[m] for m in [*bucket, node])
         if bucket and (size >= bucket_bytes or ready >= needed):

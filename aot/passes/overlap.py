@@ -46,9 +46,9 @@ def _sink(node: torch.fx.Node) -> None:
     for user in list(node.users):
         if is_call(user, _UNPACKING):
             _sink(user)
-    user = first_user(node)
-    if user is not None and user.prev is not node:
-        user.prepend(node)
+    first = first_user(node)
+    if first is not None and first.prev is not node:
+        first.prepend(node)
 
 
 def issue_early_wait_late(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
