@@ -163,6 +163,15 @@ def test_model_file_that_does_not_exist(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_model_file_whose_name_does_not_end_in_py(tmp_path):
+    # Python's import machinery finds no loader for model.txt (this used to be an internal AttributeError)
+    model = tmp_path / "model.txt"
+    shutil.copy(MLP, model)
+    r = aot("build", model, "-o", tmp_path / "out", "--quiet")
+    assert_user_error(r, "model.txt", "a model file's name ends in .py")
+    assert not (tmp_path / "out").exists()
+
+
 # -- 2. models that cannot be traced --------------------------------------------------------
 
 
