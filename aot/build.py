@@ -269,7 +269,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     with progress.stage("exporting the program" + ("s" if len(captures) > 1 else "")):
         eps = {name: export_step(c) for name, c in captures.items()}
         custom_ops = custom_op_spec(mf, [ep.graph for ep in eps.values()])
-    inference, warnings = None, []
+    inference = None
+    warnings: list[str] = []
     weight_bytes = sum(t.numel() * t.element_size() for t in [*state.params.values(), *state.buffers.values()])
     if options.onnx is None and weight_bytes > CHECK_BUDGET_BYTES:
         # minutes of onnxscript rewriting for a model this size, and no numeric check possible here
@@ -314,7 +315,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files, **pipeline_files, **(compiled.files if compiled else {})} or None,
             extra_fields={
                 "precision": precision.to_json(),
-                "memory": {"predicted": memory.itemized(), "recompute": recompute},
+                # aot.pipeline_build.PipelineBuild.memory is typed object; it holds a cost_model Memory
+                "memory": {"predicted": memory.itemized(), "recompute": recompute},  # type: ignore[attr-defined]
                 **({"pipeline": pipeline_entry} if pipeline_entry else {}),
                 **({"batchnorm": batchnorm} if batchnorm else {}),
                 "time": time,
