@@ -147,6 +147,13 @@ def build(options: BuildOptions, progress: Progress) -> dict:
 
         planned = plan_for_build(options, profile, progress)
         options = replace(options, strategy=planned.strategy, bucket_mb=planned.bucket_mb)
+        if planned.chosen.pipeline:  # a pipeline plan: its schedule and microbatches as priced
+            pipeline = planned.chosen.pipeline
+            virtual = pipeline["stages_per_rank"]
+            options = replace(
+                options, microbatches=pipeline["microbatches"], pp_schedule=pipeline["schedule"], stages_per_rank=virtual if virtual > 1 else None
+            )
+            progress.note(f"pipeline as planned: --pp-schedule {pipeline['schedule']} --microbatches {pipeline['microbatches']}")
         if options.sequence_parallel and "tp=" not in planned.strategy:
             progress.note("the plan has no tp axis: --sequence-parallel does not apply")
             options = replace(options, sequence_parallel=False)
@@ -263,7 +270,13 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             f"hierarchical all_reduce over {', '.join(sorted({g['axis'] for g in subgroups.values()}))}: "
             f"{split} all_reduce(s) split into a node level and a network level"
         )
-    plan_entry, plan_files = planned.finish(captured.graph, captured.slots) if planned else (None, {})
+    plan_files: dict[str, bytes]
+    if planned is None:
+        plan_entry, plan_files = None, {}
+    elif pipeline_entry is not None:
+        plan_entry, plan_files = planned.finish_pipeline(memory, time, pipeline_entry["timeline"]), {}
+    else:
+        plan_entry, plan_files = planned.finish(captured.graph, captured.slots)
     if plan_entry is not None:  # the placement over the mesh as built (its axes in the strategy's order)
         plan_entry["placement"] = placement.to_json()
     with progress.stage("exporting the program" + ("s" if len(captures) > 1 else "")):

@@ -37,13 +37,15 @@ from runner.console import debug_option
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--axes",
-    default="dp,fsdp,tp",
-    show_default=True,
-    help="Parallel axes to search, comma-separated. Each tensor-parallel degree the model takes "
-    "costs one trace of the step and a shorter one of its optimizer (about a second each); "
-    "--axes dp,fsdp searches without tp. Add pp to price pipeline meshes too (pp outermost; 1f1b and "
-    "interleaved-1f1b at 1, 2 and 4 microbatches per pipeline rank; every pipeline rank's program "
-    "is traced, so it takes longer).",
+    default=None,
+    help="Parallel axes to search, comma-separated (default: dp,fsdp,tp,pp, as `aot build --strategy "
+    "auto` searches, with pipeline meshes priced only where they could rank first: where no plan "
+    "without pp fits, or where the step's compute spread over every rank, idle for the smallest "
+    "bubble a schedule leaves, beats the best plan per sample). Each tensor-parallel degree the "
+    "model takes costs one trace of the step and a shorter one of its optimizer (about a second "
+    "each); --axes dp,fsdp searches without tp. Naming pp prices every pipeline mesh (pp outermost; "
+    "1f1b and interleaved-1f1b at 1, 2 and 4 microbatches per pipeline rank; every pipeline rank's "
+    "program is traced, so it takes about ten times longer).",
 )
 @click.option(
     "--sequence-parallel", is_flag=True, help="Price tensor-parallel meshes with sequence parallelism, as `aot build --sequence-parallel` builds them."
@@ -111,9 +113,8 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     # every profile loaded before any is planned: a wrong name in a list fails at once
     names = [name.strip() for name in topology.split(",")] if topology else []
     targets = [target(name) for name in names] or [target(None)]  # none named: this machine's own
-    searched = tuple(a.strip() for a in axes.split(",") if a.strip())
-    unknown = [a for a in searched if a not in BUILD_AXES]
-    if unknown or not searched:
+    searched = tuple(a.strip() for a in axes.split(",") if a.strip()) if axes is not None else None
+    if searched is not None and (not searched or any(a not in BUILD_AXES for a in searched)):
         raise AotError(f"--axes {axes!r}: expected some of {', '.join(BUILD_AXES)}")
     options = dict(
         seed=seed,

@@ -60,9 +60,15 @@ def what_if(model_file: Path, targets: list[tuple[str, tuple[dict, int]]], batch
 
 
 def rank_key(entry: dict) -> tuple:
-    """Profiles whose best plan fits first, then by predicted step time; a profile with no plan last."""
+    """Profiles whose best plan fits first, then by predicted time per sample (the most samples
+    per second: profiles of other world sizes, and plans of fewer data ranks, train on other
+    batches per step); a profile with no plan last."""
     best = entry["best"]
-    return (best is None, best is not None and not best["fits"], best["step_s"] if best else 0.0)
+    return (best is None, best is not None and not best["fits"], per_sample_s(best) if best else 0.0)
+
+
+def per_sample_s(row: dict) -> float:
+    return row["step_s"] / row["data_ranks"]
 
 
 def render(entries: list[dict], header: str, batch_size: int) -> str:
@@ -84,7 +90,7 @@ def render(entries: list[dict], header: str, batch_size: int) -> str:
         "fits",
     ]
     table = [cols]
-    fastest = next((e["best"]["step_s"] for e in entries if e["best"]), None)
+    fastest = next((per_sample_s(e["best"]) for e in entries if e["best"]), None)
     for i, e in enumerate(entries, 1):
         best = e["best"]
         device = human(e["device_memory_bytes"]) if e["device_memory_bytes"] else "-"
@@ -101,7 +107,7 @@ def render(entries: list[dict], header: str, batch_size: int) -> str:
                 recompute,
                 ms(best["step_s"]),
                 samples_per_s(best, batch_size),
-                f"{best['step_s'] / fastest:.2f}x" if fastest else "-",
+                f"{per_sample_s(best) / fastest:.2f}x" if fastest else "-",
                 ms(best["compute_s"]),
                 ms(best["exposed_comm_s"]),
                 human(best["memory_bytes"]["peak"]),

@@ -37,12 +37,12 @@ def test_factorizations_cover_every_mesh():
 
 
 def test_plan_ranks_data_parallel_and_fsdp_candidates_on_cpu_ranks():
-    out = _plan(MLP, "--topology", "cpu", "--world-size", "2")
+    out = _plan(MLP, "--topology", "cpu", "--world-size", "2", "--axes", "dp,fsdp,tp")
     plans = out["plans"]
     assert out["world_size"] == 2 and out["parameters"] == 6922 and not out["calibrated"]
     assert {p["strategy"] for p in plans} == {"dp=2", "fsdp=2", "tp=2"}
-    times = [p["step_s"] for p in plans]
-    assert times == sorted(times) and all(p["fits"] for p in plans)  # a cpu profile has no memory limit
+    per_sample = [p["step_s"] / p["data_ranks"] for p in plans]
+    assert per_sample == sorted(per_sample) and all(p["fits"] for p in plans)  # a cpu profile has no memory limit
     dp = next(p for p in plans if p["strategy"] == "dp=2" and p["bucket_mb"] == 25.0)
     # one bucket: every gradient and the 4-byte loss
     assert dp["collectives_per_step"] == 1 and dp["collective_bytes_per_step"] == MLP_PARAM_BYTES + 4
@@ -69,12 +69,13 @@ def _small_gpus(memory: int) -> dict:
 
 
 def test_plans_that_do_not_fit_are_kept_but_never_chosen(tmp_path):
-    # 90 kB GPUs (90% usable: 81 kB): dp=2 holds 100 kB per rank, fsdp=2 71 kB
+    # 90 kB GPUs (90% usable: 81 kB): dp=2 holds 100 kB per rank, fsdp=2 71 kB; a pipeline stage
+    # holds half the layers but the whole of a microbatch's activations
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(_small_gpus(90_000)))
     out = _plan(MLP, "--topology", str(path), "--world-size", "2")
     fits = {p["strategy"]: p["fits"] for p in out["plans"]}
-    assert fits == {"fsdp=2": True, "tp=2": True, "dp=2": False}
+    assert fits == {"fsdp=2": True, "tp=2": True, "dp=2": False, "pp=2": False}
     assert out["plans"][0]["strategy"] in ("fsdp=2", "tp=2")
     path.write_text(json.dumps(_small_gpus(20_000)))
     result = CliRunner().invoke(
@@ -102,6 +103,46 @@ def test_plan_for_128_dgx_a100_nodes_prices_tensor_parallel_within_a_node():
     assert "tp=8: --strategy tp=8: the tensor-parallel degree must divide the attention heads" in skipped
     assert "tp=16 would span nodes (8 ranks per node)" in skipped
     assert with_tp["plans"][0]["fits"]
+
+
+def test_plans_rank_by_time_per_sample_and_price_pipelines_where_they_could_win():
+    """--batch-size is per data-parallel rank, so plans rank by seconds per sample: on 2 ranks of a
+    DGX A100, tp=2's step is shorter than dp=2's but trains half the samples. Pipeline meshes are
+    searched too, and left unpriced, with a line saying why, where a bound shows none can win."""
+    out = _plan(GPT, "--topology", "dgx_a100", "--world-size", "2")
+    plans = out["plans"]
+    per_sample = [p["step_s"] / p["data_ranks"] for p in plans if p["fits"]]
+    assert per_sample == sorted(per_sample)
+    best = {p["strategy"]: p for p in reversed(plans)}
+    assert best["tp=2"]["step_s"] < best["dp=2"]["step_s"] and plans[0]["strategy"] == "dp=2"
+    assert not any("pp" in p["strategy"] for p in plans)
+    assert any(s.startswith("pp=2 (1 mesh): not priced, since none can beat the best plan without pp") for s in out["skipped"]), out["skipped"]
+
+
+def test_build_strategy_auto_builds_a_pipeline_where_links_are_slow(tmp_path):
+    """With 10 MB/s between the GPUs, dp, fsdp and tp wait on their collectives while a pipeline
+    sends a few activations: the pipeline plan is priced, ranks first, and `--strategy auto` builds
+    it with the schedule and microbatches it was priced at."""
+    profile = copy.deepcopy(load_profile("dgx_a100"))
+    profile["name"] = "dgx_a100_slow_links"
+    for link in profile["node"]["links"]:
+        link["nvlink"]["gb_per_s_per_direction"] = 0.01
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(profile))
+    best = _plan(GPT, "--topology", str(path), "--world-size", "2")["plans"][0]
+    assert best["strategy"] == "pp=2" and best["pipeline"]["schedule"] in ("1f1b", "interleaved-1f1b"), best
+    art = tmp_path / "art"
+    args = ["build", GPT, "--topology", str(path), "--world-size", "2", "--strategy", "auto", "--no-onnx", "-o", str(art)]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    manifest = Artifact(art).manifest  # digest, schema and files check out
+    assert manifest["build"]["strategy"] == "pp=2"
+    assert manifest["pipeline"]["microbatches"] == best["pipeline"]["microbatches"] and manifest["pipeline"]["schedule"] == best["pipeline"]["schedule"]
+    plan = manifest["plan"]
+    assert plan["pipeline"]["microbatches"] == best["pipeline"]["microbatches"] and plan["timeline"] in manifest["files"]
+    # the planner's prediction is the build's: the same programs simulated side by side
+    assert plan["predicted"]["step_s"] == pytest.approx(best["step_s"], rel=1e-9) == manifest["time"]["predicted"]["step_s"]
+    assert plan["predicted"]["memory_bytes"]["peak"] == best["memory_bytes"]["peak"] == manifest["memory"]["predicted"]["peak"]
 
 
 def test_every_plans_peak_memory_is_its_builds(tmp_path):

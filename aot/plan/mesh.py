@@ -16,7 +16,7 @@ from aot.errors import AotError
 from runner.artifact import mesh_coords
 
 SUPPORTED_AXES = ("dp", "fsdp", "tp")
-# Axes a build takes; the planner searches SUPPORTED_AXES (pp is not priced yet)
+# Axes a build takes, and the planner searches (pipeline meshes where they could win: aot.plan.search)
 BUILD_AXES = (*SUPPORTED_AXES, "pp")
 # Axes over which ranks see different data; tensor-parallel ranks see the same batch.
 DATA_AXES = ("dp", "fsdp")

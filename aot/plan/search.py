@@ -14,7 +14,10 @@ activations (`Plan.recompute`: the activation budget, aot.passes.recompute.by_bu
 `aot build --activation-budget` applies): its graph with the recomputation in it, so its step time
 includes the extra ops and its peak the activations no longer kept; the variant that fits and is
 fastest (else the one with the lowest peak) is a candidate of its own. Ranking: plans that fit
-first, then predicted step time, then memory, then the fewest collectives.
+first, then predicted time per sample (`--batch-size` is per data-parallel rank), then memory,
+then the fewest collectives. Pipeline meshes are priced by tracing every pipeline rank's program
+at each schedule, so a default search prices them only where a lower bound says they could rank
+first (Planner.pipeline_may_win) or nothing without pp fits.
 """
 
 from __future__ import annotations
@@ -35,12 +38,22 @@ from aot.plan.placement import Placement, identity, place
 BUCKET_MB_CANDIDATES = (1.0, 4.0, 25.0, 100.0)
 DEFAULT_BUCKET_MB = 25.0
 MEMORY_HEADROOM = 0.9  # of device memory: the CUDA context, allocator caching and fragmentation take the rest
+# What a pipeline mesh is priced at (Planner.pipeline_plan): microbatches per pipeline rank, and
+# (schedule, stages per rank)
+PIPELINE_MICROBATCHES_PER_RANK = (1, 2, 4)
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2))
 TIMELINE_FILE = "plan/timeline.json"
 MiB = 2**20
 
 
 def strategy_string(axes, shape) -> str:
     return ",".join(f"{a}={d}" for a, d in zip(axes, shape))
+
+
+def mesh_name(axes, shape) -> str:
+    """A mesh as --strategy writes it: the axes with degree > 1 (the first axis if none)."""
+    kept = [(a, d) for a, d in zip(axes, shape) if d > 1] or [(axes[0], shape[0])]
+    return strategy_string(*zip(*kept))
 
 
 @dataclass
@@ -225,20 +238,20 @@ class Planner:
         return self.machine.compute.overlaps_communication
 
     # -- the search ---------------------------------------------------------------------------
-    def search(self, axes: tuple[str, ...], bucket_mbs: tuple[float, ...] | None = None) -> tuple[list[Plan], list[str]]:
-        """Every mesh over `axes` for the machine's world size x every distinct bucketing, ranked."""
+    def search(self, axes: tuple[str, ...], bucket_mbs: tuple[float, ...] | None = None, prune_pipelines: bool = False) -> tuple[list[Plan], list[str]]:
+        """Every mesh over `axes` for the machine's world size x every distinct bucketing, ranked.
+        `prune_pipelines`: price a pipeline mesh only where it could rank first (pipeline_may_win)
+        or where nothing without pp fits; its every pipeline rank's program is traced at each
+        schedule, ten times a mesh without pp."""
         plans, skipped = [], []
+        pipelines = [shape for shape in factorizations(self.machine.world_size, axes) if dict(zip(axes, shape)).get("pp", 1) > 1]
         for shape in factorizations(self.machine.world_size, axes):
-            if dict(zip(axes, shape)).get("pp", 1) > 1:
-                try:
-                    plans.append(self.pipeline_plan(axes, shape))
-                except Unsupported as e:
-                    skipped.append(f"{strategy_string(axes, shape)}: {e}")
+            if shape in pipelines:
                 continue
             try:
                 step = self.step_graph(axes, shape)
             except Unsupported as e:
-                skipped.append(f"{strategy_string(axes, shape)}: {e}")
+                skipped.append(f"{mesh_name(axes, shape)}: {e}")
                 continue
             placement = None
             seen = {}
@@ -259,9 +272,45 @@ class Planner:
                 try:
                     plans += self.recomputing(axes, shape, over)
                 except Unsupported as e:
-                    skipped.append(f"{strategy_string(axes, shape)}: {e}")
+                    skipped.append(f"{mesh_name(axes, shape)}: {e}")
+        unpriced: dict[int, int] = {}
+        for shape in pipelines:
+            pp = dict(zip(axes, shape))["pp"]
+            if prune_pipelines and not self.pipeline_may_win(plans, pp):
+                unpriced[pp] = unpriced.get(pp, 0) + 1
+                continue
+            try:
+                plans.append(self.pipeline_plan(axes, shape))
+            except Unsupported as e:
+                skipped.append(f"{mesh_name(axes, shape)}: {e}")
+        for pp, meshes in unpriced.items():
+            skipped.append(
+                f"pp={pp} ({meshes} mesh{'es' if meshes > 1 else ''}): not priced, since none can beat the best plan without pp: "
+                "its step's compute spread over every rank with the smallest bubble a schedule leaves is slower per sample "
+                "(--axes dp,fsdp,tp,pp prices them all)"
+            )
         plans.sort(key=rank_key)
         return plans, skipped
+
+    def pipeline_may_win(self, plans: list[Plan], pp: int) -> bool:
+        """Whether a mesh with `pp` pipeline stages could rank before the best plan in `plans` that
+        fits: true when none fits (the stages split the model's memory), else when its lower bound
+        on time per sample is below that plan's. The bound: a pipeline rank holds 1/pp of the
+        layers (and 1/tp of each), so its step is at least the whole step's compute C (one rank
+        alone, measured on the data-parallel mesh's graph) times data ranks / world size, and 1F1B
+        idles (pp-1)/(v m + pp-1) of it at best (v stages per rank, m microbatches: the largest
+        counts pipeline_plan tries). Per sample: C / world size x (v m + pp - 1) / (v m)."""
+        fitting = [p for p in plans if p.fits]
+        if not fitting:
+            return True
+        world = self.machine.world_size
+        whole = [p for p in plans if p.recompute is None and dict(zip(p.axes, p.shape)).get("dp", 1) == world]
+        if not whole:
+            return True
+        compute = min(p.prediction.compute_s for p in whole)
+        vm = max(v for _, v in PIPELINE_SCHEDULES) * max(PIPELINE_MICROBATCHES_PER_RANK) * pp
+        bound = compute / world * (vm + pp - 1) / vm
+        return min(per_sample_s(p) for p in fitting) > bound
 
     def pipeline_plan(self, axes, shape) -> Plan:
         """A pipeline mesh, priced by simulating its pipeline ranks' programs side by side
@@ -280,7 +329,7 @@ class Planner:
             placement = identity(order, ordered)
         best, last = None, None
         for microbatches, schedule, virtual in [
-            (k * size["pp"], schedule, virtual) for k in (1, 2, 4) for schedule, virtual in (("1f1b", 1), ("interleaved-1f1b", 2))
+            (k * size["pp"], schedule, virtual) for k in PIPELINE_MICROBATCHES_PER_RANK for schedule, virtual in PIPELINE_SCHEDULES
         ]:
             try:
                 programs, analyses = self._pipeline(order, ordered, microbatches, schedule, virtual)
@@ -353,13 +402,17 @@ class MemoryLimit:
         return m.peak > self.bytes and not m.peak - m.at_peak.get("activations", 0) > self.bytes
 
 
+def per_sample_s(plan: Plan) -> float:
+    """Predicted seconds per sample of the batch size: `--batch-size` is per data-parallel rank, so
+    a step trains on data_ranks batches (tp ranks and pipeline stages share one)."""
+    return plan.prediction.step_s / plan.data_ranks
+
+
 def rank_key(plan: Plan):
-    """Plans that fit first, then by predicted step time. (`--batch-size` is per data-parallel rank,
-    so a plan with fewer data ranks trains on fewer samples per step: `aot plan` shows samples/s
-    beside the step time. Ranking by it waits on the bucket-buffer memory the planner prices
-    against the build's, which differ under recomputation; see issue #24's notes.)"""
+    """Plans that fit first, then by predicted time per sample (the most samples per second), then
+    memory, then the fewest collectives."""
     p = plan.prediction
-    return (not plan.fits, round(p.step_s, 12), p.memory.peak, p.collectives, abs(plan.bucket_mb - DEFAULT_BUCKET_MB))
+    return (not plan.fits, round(per_sample_s(plan), 15), p.memory.peak, p.collectives, abs(plan.bucket_mb - DEFAULT_BUCKET_MB))
 
 
 _NCCL_NAMES = {"ring": "ring", "double_binary_tree": "tree"}
@@ -412,7 +465,7 @@ def plan_model(
     import atexit
     import gc
 
-    from aot.plan.mesh import SUPPORTED_AXES
+    from aot.plan.mesh import BUILD_AXES
 
     # When the process ends, Python's last garbage collections walk every object torch, its
     # compiler stack and the traces made, several times over (about a second of `aot plan`'s run).
@@ -453,9 +506,10 @@ def plan_model(
                 memory_limit=memory_limit,
             )
         planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing, pipeline=steps.pipeline)
-        searched = tuple(axes or SUPPORTED_AXES)
+        # every axis the build takes; pipeline meshes only where they could win, unless asked for
+        searched = tuple(axes or BUILD_AXES)
         steps.prefetch(searched)
-        plans, skipped = planner.search(searched, bucket_mbs)
+        plans, skipped = planner.search(searched, bucket_mbs, prune_pipelines=axes is None)
     finally:
         gc.set_threshold(*thresholds)
     return plans, skipped, planner, steps
@@ -490,6 +544,21 @@ def manifest_entry(planner: Planner, chosen: Plan, graph, slots, ranked: list[Pl
     final = planner.evaluate(chosen.axes, chosen.shape, chosen.bucket_mb, step=built, bucketed=True, placement=chosen.placement, trace=True, as_built=True)
     machine = planner.machine
     trace = chrome_trace(final.prediction, title=f"{chosen.strategy}, bucket {chosen.bucket_mb:g} MiB on {machine.describe()}")
+    predicted = {**final.prediction.to_json(), "fits": final.fits, "device_memory_bytes": machine.memory_bytes}
+    entry = _entry(planner, chosen, predicted, final.nccl_algo, ranked, batch_size, TIMELINE_FILE)
+    data = (json.dumps(trace, separators=(",", ":")) + "\n").encode()
+    return entry, {TIMELINE_FILE: data}
+
+
+def pipeline_manifest_entry(planner: Planner, chosen: Plan, memory, time: dict, ranked: list[Plan], batch_size: int, timeline: str) -> dict:
+    """The manifest's `plan` entry of a pipeline plan: the build's own prediction of its programs
+    as built (the pipeline simulation, aot/pipeline_build.py) and its timeline file."""
+    predicted = {**time["predicted"], "memory_bytes": memory.to_json(), "fits": chosen.fits, "device_memory_bytes": planner.machine.memory_bytes}
+    return _entry(planner, chosen, predicted, chosen.nccl_algo, ranked, batch_size, timeline)
+
+
+def _entry(planner: Planner, chosen: Plan, predicted: dict, nccl_algo, ranked: list[Plan], batch_size: int, timeline: str) -> dict:
+    machine = planner.machine
     entry = {
         "source": "aot build --strategy auto",
         "strategy": chosen.strategy,
@@ -499,26 +568,29 @@ def manifest_entry(planner: Planner, chosen: Plan, graph, slots, ranked: list[Pl
         "calibrated": bool(machine.calibration) or machine.compute.calibrated,
         "overlap": planner.overlaps,
         "placement": chosen.placement.to_json(),
-        "nccl_algo": final.nccl_algo,
-        "predicted": {**final.prediction.to_json(), "fits": final.fits, "device_memory_bytes": machine.memory_bytes},
+        "nccl_algo": nccl_algo,
+        "predicted": predicted,
         "candidates": [
             {
                 "strategy": p.strategy,
                 "bucket_mb": p.bucket_mb,
                 "step_s": p.prediction.step_s,
+                "data_ranks": p.data_ranks,
                 "peak_memory_bytes": p.prediction.memory.peak,
                 "collectives_per_step": p.prediction.collectives,
                 "fits": p.fits,
                 **({"recompute": p.recompute} if p.recompute is not None else {}),
+                **({"pipeline": p.pipeline} if p.pipeline else {}),
             }
             for p in ranked[:16]
         ],
-        "timeline": TIMELINE_FILE,
+        "timeline": timeline,
     }
+    if chosen.pipeline:
+        entry["pipeline"] = chosen.pipeline
     if chosen.recompute is not None:  # the activation budget the plan was priced at, which the build applied
         entry["recompute"] = chosen.recompute
-    data = (json.dumps(trace, separators=(",", ":")) + "\n").encode()
-    return entry, {TIMELINE_FILE: data}
+    return entry
 
 
 @dataclass
@@ -556,6 +628,9 @@ class BuildPlan:
 
     def finish(self, graph, slots) -> tuple[dict, dict[str, bytes]]:
         return manifest_entry(self.planner, self.chosen, graph, slots, self.ranked, self.batch_size)
+
+    def finish_pipeline(self, memory, time: dict, timeline: str) -> dict:
+        return pipeline_manifest_entry(self.planner, self.chosen, memory, time, self.ranked, self.batch_size, timeline)
 
 
 def plan_for_build(options, profile: dict, progress) -> BuildPlan:
