@@ -95,6 +95,7 @@ def build_programs(options, mf, state, layout: StepLayout, mesh, placement, mach
             stage=progress.stage,
             note=progress.note if notes else (lambda line: None),
             recompute=recompute,
+            memory_limit=request.memory_bytes,
         )
         captures = {f"{PROGRAM_PREFIX}{r}": c for r, c in enumerate(made.captures)}
         return made, captures, {name: analyze(c.graph, c.slots) for name, c in captures.items()}
@@ -104,18 +105,24 @@ def build_programs(options, mf, state, layout: StepLayout, mesh, placement, mach
     budget = request.memory_bytes
     if not always and budget is not None and max(a.memory.peak for a in analyses.values()) > budget:
         # over the budget: every stage's forward again in its backward (the one recomputation pp has)
-        plain = analyses
+        plain = (made, captures, analyses)
         made, captures, analyses = programs(True, notes=False)
-        recompute = stage_recompute_entry(request, True, plain)
+        recompute = stage_recompute_entry(request, True, plain[2])
         smallest = max(a.memory.peak for a in analyses.values())
         if smallest > budget:
             if request.source != "device memory":
                 raise AotError(
-                    f"{request.source} {human(budget)}: with pp the smallest predicted peak is {human(smallest)} per rank "
-                    f"(every stage's forward recomputed); use more pipeline or fsdp ranks"
+                    f"{request.source} {human(budget)}: with pp the smallest predicted peak is {human(min(smallest, recompute['peak_without_recompute']))} "
+                    f"per rank; use more pipeline or fsdp ranks"
                 )
+            if recompute["peak_without_recompute"] <= smallest:  # recomputing does not help: the plain programs
+                made, captures, analyses = plain
+                recompute = stage_recompute_entry(request, False, None)
+                smallest = max(a.memory.peak for a in analyses.values())
             recompute["fits"] = False
-            recompute["warning"] = f"the predicted peak {human(smallest)} per rank exceeds the device's memory {human(budget)} even recomputing every stage"
+            recompute["warning"] = f"the predicted peak {human(smallest)} per rank exceeds the device's memory {human(budget)}" + (
+                " even recomputing every stage" if recompute["policy"] == "stages" else ", and recomputing every stage would not lower it"
+            )
     if recompute["policy"] == "stages":
         before = f" (predicted peak {human(recompute['peak_without_recompute'])} without)" if "peak_without_recompute" in recompute else ""
         progress.note(f"recomputing every stage's forward in its backward, as {request.source} asks{before}")

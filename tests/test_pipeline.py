@@ -181,6 +181,35 @@ def test_recomputing_stages_matches_eager_ddp_and_lowers_the_peak(built, tmp_pat
     assert "recompute  every stage's forward again in its backward" in ok(aot("inspect", tmp_path / "art")).stdout
 
 
+def test_stages_move_off_the_compute_balance_to_fit_device_memory(tmp_path):
+    """1F1B's first rank holds more microbatches in flight than the last: mlp.py's compute balance
+    (layers 0..3 | 4) peaks on rank 0. On GPUs one byte too small for that peak (after headroom)
+    the build moves the boundary toward the last stage until every rank fits, without recomputing,
+    and trains exactly as eager DDP."""
+    from aot.plan.search import MEMORY_HEADROOM
+    from runner.topology import load_profile
+
+    args = ("--world-size", 2, "--strategy", "pp=2", "--microbatches", 4, "--batch-size", 8, "--no-onnx")
+    ok(aot("build", EXAMPLES / "mlp.py", *args, "--topology", "dgx_a100", "--quiet", "-o", tmp_path / "roomy"))
+    roomy = json.loads((tmp_path / "roomy" / "manifest.json").read_text())
+    highest = roomy["memory"]["predicted"]["peak"]
+    profile = load_profile("dgx_a100")
+    for gpu in profile["node"]["gpus"].values():
+        gpu["memory_bytes"] = int((highest - 1) / MEMORY_HEADROOM)
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(profile))
+    build = ("--microbatches", 4, "--topology", path)
+    losses, ref_losses, weights, ref_weights = train_both(
+        EXAMPLES / "mlp.py", 2, tmp_path, strategy="pp=2", batch_size=8, build_args=build, run_args=("--allow-topology-mismatch",)
+    )
+    assert_same_training(losses, ref_losses, weights, ref_weights)
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    layers = lambda m: [s["layers"] for s in m["pipeline"]["stages"]]  # noqa: E731
+    assert layers(roomy) == [["0", "1", "2", "3"], ["4"]] and len(layers(manifest)[0]) < 4, layers(manifest)
+    assert manifest["memory"]["recompute"]["policy"] == "none"
+    assert manifest["memory"]["predicted"]["peak"] <= MEMORY_HEADROOM * profile["node"]["gpus"][next(iter(profile["node"]["gpus"]))]["memory_bytes"] < highest
+
+
 def test_an_8_rank_pipeline_of_fsdp_and_tensor_parallel_stages_builds_and_inspects(tmp_path):
     """pp=2,fsdp=2,tp=2: two programs, each rank's pipeline stage, fsdp shard and tp slice."""
     art = tmp_path / "art"

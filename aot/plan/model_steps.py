@@ -342,6 +342,7 @@ class ModelSteps:
                     virtual=virtual,
                     compute=compute,
                     finish=lambda gm: run_passes(gm, bucket_bytes=25 * 2**20),
+                    memory_limit=self.memory_limit.bytes if self.memory_limit is not None else None,
                 )
             except AotError as e:
                 raise Unsupported(str(e)) from None

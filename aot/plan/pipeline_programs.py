@@ -12,7 +12,7 @@ from aot.capture.pipeline import Pipeline, capture_pipeline, draws_random
 from aot.capture.stages import Stage, cut, trace_forward
 from aot.capture.step import CapturedStep, Group, StepLayout
 from aot.errors import AotError
-from aot.plan.cost_model import node_seconds
+from aot.plan.cost_model import analyze, node_seconds
 from aot.plan.pipeline import check, schedule_actions, split
 
 
@@ -39,53 +39,112 @@ def pipeline_programs(
     stage=None,
     note=lambda line: None,
     recompute: bool = False,
+    memory_limit: float | None = None,
 ) -> PipelinePrograms:
     """`finish(gm)`: the graph passes; `stage(title)`: a progress context per part (None: none);
-    `recompute`: every stage's forward runs again in its backward (aot.capture.pipeline.run_stage)."""
+    `recompute`: every stage's forward runs again in its backward (aot.capture.pipeline.run_stage).
+
+    `memory_limit`: bytes a pipeline rank may hold. Where the stages balanced by compute peak
+    above it (1F1B's first ranks hold more microbatches in flight, the last holds the loss's
+    logits), their boundaries move, one layer at a time, away from the rank that peaks, each split
+    captured and its peaks read from the programs as built, until every rank fits or no move lowers
+    the highest peak; the split with the lowest highest peak is kept. A model file's `pp_split` is
+    kept as written."""
     from contextlib import nullcontext
 
     stage = stage or (lambda title: nullcontext())
     pp, count = group.size, group.size * virtual
     size = targets.shape[0] // microbatches
+    actions = schedule_actions(schedule, pp, microbatches, virtual)
+    check(actions, microbatches, virtual)
     with stage(f"tracing one microbatch's forward and cutting it into {count} stages"):
         forward, sources = trace_forward(mf, state, layout, [t[:size] for t in inputs], targets[:size])
+        weighted = _weighted_layers(forward, sources)
+    given = mf.globals.get("pp_split")
+
+    def programs(starts: list[str] | None, trial: bool = False) -> tuple[list[Stage], list[CapturedStep], list[int]]:
         stage_of_layer = split(
             forward,
             count,
             lambda n: node_seconds(n, compute),
             layer_of,
-            mf.globals.get("pp_split"),
+            starts if starts is not None else given,
             where=f"{mf.path.name}: pp_split",
-            weighted=_weighted_layers(forward, sources),
+            weighted=weighted,
         )
         stages = cut(forward, sources, stage_of_layer, count)
-    for r in range(pp):
-        if not any(s.params for s in stages if s.index % pp == r):
-            held = [layer for s in stages if s.index % pp == r for layer in s.layers]
-            raise AotError(
-                f"pipeline rank {r} would hold no parameters (layers {', '.join(held)}): use fewer stages, "
-                f"or a pp_split that gives every rank a layer with weights"
-            )
+        for r in range(pp):
+            if not any(s.params for s in stages if s.index % pp == r):
+                held = [layer for s in stages if s.index % pp == r for layer in s.layers]
+                raise AotError(
+                    f"pipeline rank {r} would hold no parameters (layers {', '.join(held)}): use fewer stages, "
+                    f"or a pp_split that gives every rank a layer with weights"
+                )
+        if recompute:
+            for s in stages:
+                drawn = draws_random(s.module)
+                if drawn is not None:
+                    raise AotError(
+                        f"recomputing stages with pp: stage {s.index} ({_span(s.layers)}) draws random numbers ({drawn}, dropout?), "
+                        f"which a recomputed forward would draw again differently; disable dropout or do not recompute"
+                    )
+        captures = []
+        for r in range(pp):
+            # a trial split's captures are the stage's own work, not steps of their own
+            title = f"capturing pipeline rank {r}'s step ({len(actions[r])} forward and backward actions) and running graph passes"
+            with nullcontext() if trial else stage(title):
+                pipeline = Pipeline(group, r, tuple(stages), microbatches, tuple(actions[r]), recompute)
+                captured = capture_pipeline(mf, state, pipeline, layout, inputs, targets)
+                captured.graph = finish(captured.graph)
+            captures.append(captured)
+        peaks = [analyze(c.graph, c.slots).memory.peak for c in captures]
+        if trial:
+            note(f"stages beginning at {', '.join(s.layers[0] for s in stages[1:])}: highest predicted peak {max(peaks) / 2**20:.2f} MiB per rank")
+        return stages, captures, peaks
+
+    made = programs(None)
+    if memory_limit is not None and given is None and virtual == 1 and max(made[2]) > memory_limit:
+        made = _fit_split(programs, made, memory_limit, note)
+    stages, captures, _ = made
     for s in stages:
         note(f"stage {s.index} on pipeline rank {s.index % pp}: {_span(s.layers)}, {sum(state.params[n].numel() for n in s.params):,} parameters")
-    if recompute:
-        for s in stages:
-            drawn = draws_random(s.module)
-            if drawn is not None:
-                raise AotError(
-                    f"recomputing stages with pp: stage {s.index} ({_span(s.layers)}) draws random numbers ({drawn}, dropout?), "
-                    f"which a recomputed forward would draw again differently; disable dropout or do not recompute"
-                )
-    actions = schedule_actions(schedule, pp, microbatches, virtual)
-    check(actions, microbatches, virtual)
-    captures = []
-    for r in range(pp):
-        with stage(f"capturing pipeline rank {r}'s step ({len(actions[r])} forward and backward actions) and running graph passes"):
-            pipeline = Pipeline(group, r, tuple(stages), microbatches, tuple(actions[r]), recompute)
-            captured = capture_pipeline(mf, state, pipeline, layout, inputs, targets)
-            captured.graph = finish(captured.graph)
-        captures.append(captured)
     return PipelinePrograms(stages, actions, captures)
+
+
+def _fit_split(programs, made: tuple, limit: float, note) -> tuple:
+    """Move stage boundaries away from the rank that peaks until every rank fits `limit` or no
+    move lowers the highest peak (one stage per rank): the (stages, captures, peaks) of the split
+    whose highest peak is lowest, `made` (the balanced split's) if none is lower."""
+    stages = made[0]
+    order = [layer for s in stages for layer in s.layers]
+    current = [order.index(s.layers[0]) for s in stages[1:]]  # where stages 1.. begin
+    best, peaks, tried = made, made[2], {tuple(current)}
+    while max(peaks) > limit:
+        r = max(range(len(peaks)), key=peaks.__getitem__)
+        moves = []  # (the receiving neighbour's peak, the new starts)
+        if r > 0:  # the stage's first layer to the stage before
+            moves.append((peaks[r - 1], [*current[: r - 1], current[r - 1] + 1, *current[r:]]))
+        if r < len(current):  # its last layer to the stage after
+            moves.append((peaks[r + 1], [*current[:r], current[r] - 1, *current[r + 1 :]]))
+        for _, move in sorted(moves, key=lambda m: m[0]):  # toward the neighbour with room first
+            bounds = [0, *move, len(order)]
+            if tuple(move) in tried or any(a >= b for a, b in zip(bounds, bounds[1:])):
+                continue
+            tried.add(tuple(move))
+            try:
+                trial = programs([order[i] for i in move], trial=True)
+            except AotError:
+                continue  # a rank left without weights
+            if max(trial[2]) < max(peaks):
+                current, peaks = move, trial[2]
+                if max(peaks) < max(best[2]):
+                    best = trial
+                break
+        else:
+            break  # no move lowers the highest peak
+    if best is not made:
+        note(f"stages moved from the compute balance: the highest predicted peak {max(made[2]) / 2**20:.2f} -> {max(best[2]) / 2**20:.2f} MiB per rank")
+    return best
 
 
 def _span(layers: list[str]) -> str:
@@ -95,12 +154,13 @@ def _span(layers: list[str]) -> str:
 def _weighted_layers(forward, sources) -> set[str]:
     """The layers whose ops read a parameter (directly, or through a view of it made elsewhere)."""
     params = {p for p, src in zip((n for n in forward.graph.nodes if n.op == "placeholder"), sources) if src.kind == "param"}
-    found = set()
+    found: set[str] = set()
     for node in forward.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.all_input_nodes and all(a in params for a in node.all_input_nodes) and layer_of(node) is None:
+        layer = layer_of(node)
+        if node.all_input_nodes and all(a in params for a in node.all_input_nodes) and layer is None:
             params.add(node)  # a weight's view outside any layer (DTensor unwraps slices at the top)
-        elif layer_of(node) is not None and any(a in params for a in node.all_input_nodes):
-            found.add(layer_of(node))
+        elif layer is not None and any(a in params for a in node.all_input_nodes):
+            found.add(layer)
     return found
