@@ -34,6 +34,8 @@ import datetime
 import os
 import statistics
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,7 +74,7 @@ def measure_collectives(
     repeated at least `reps` times and until `min_seconds` of samples are in, at most `max_reps`
     times; every rank sees the same samples (each is the max over ranks), so all stop together."""
     world = dist.get_world_size()
-    group_name = dist.group.WORLD.group_name
+    group_name = _world_group_name()
     results: dict[str, list[tuple[int, float]]] = {k: [] for k in KINDS}
     clock = torch.zeros(1, dtype=torch.float64)
     for kind in KINDS:
@@ -80,7 +82,7 @@ def measure_collectives(
             t, nbytes = _collective_input(kind, n, world, device)
             for _ in range(warmup):
                 _collective(kind, t, group_name, world)
-            samples = []
+            samples: list[float] = []
             while len(samples) < reps or (sum(samples) < min_seconds and len(samples) < max_reps):
                 dist.barrier()
                 sync(device)
@@ -92,6 +94,12 @@ def measure_collectives(
                 samples.append(float(clock[0]))
             results[kind].append((nbytes, _quantile(samples, 0.5 if device.type == "cuda" else 0.25)))
     return results
+
+
+def _world_group_name() -> str:
+    world = dist.group.WORLD
+    assert world is not None  # callers run after init_process_group
+    return world.group_name
 
 
 def _collective_input(kind: str, nbytes: int, world: int, device) -> tuple[torch.Tensor, int]:
@@ -113,7 +121,7 @@ def quantiles(samples: list[float], count: int) -> list[float]:
     return [ordered[min(len(ordered) - 1, int((i + 0.5) * len(ordered) / count))] for i in range(count)]
 
 
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """(a, b) of t = a + b n minimizing the sum of ((t - a - b n) / t)^2; both clipped at 0."""
     if len(points) == 1:
         n, t = points[0]
@@ -230,6 +238,8 @@ def _reference_step(device, width: int, rows: int):
 def measure_compute(device, reps: int = 7) -> dict:
     """This rank's matmul FLOP/s, memory bandwidth (by bytes touched, on CPUs) and per-op cost."""
     from aot.plan.cost_model import analyze
+    from aot.plan.cpu_gloo_model import CpuGlooModel
+    from aot.plan.gpu_model import GpuModel
 
     result: dict = {"flops_per_s": {}}
     dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
@@ -267,13 +277,10 @@ def measure_compute(device, reps: int = 7) -> dict:
         gm, _, args = references[0]
         result["dispatch_s"] = measure_dispatch_seconds(device, gm, args)
     flops = dict(result["flops_per_s"], default=result["flops_per_s"]["float32"])
+    partial: GpuModel | CpuGlooModel
     if device.type == "cuda":  # the device model `aot plan` will read this entry with
-        from aot.plan.gpu_model import GpuModel
-
         partial = GpuModel(flops, result["memory_bytes_per_s"], 0.0, elementwise_flops_per_s=flops["default"])
     else:
-        from aot.plan.cpu_gloo_model import CpuGlooModel
-
         partial = CpuGlooModel(
             flops,
             result["memory_bytes_per_s"],
@@ -284,7 +291,7 @@ def measure_compute(device, reps: int = 7) -> dict:
         )
     rates = result.get("element_seconds") or {}
     view_s = result.get("view_overhead_s")
-    points = []
+    points: list[tuple[float, float, float, int]] = []
     for gm, module, args in references:
         step = analyze(gm)
         computes = [op for op in step.ops if op.kind == "compute"]
@@ -292,6 +299,7 @@ def measure_compute(device, reps: int = 7) -> dict:
         fixed = sum(rates[op.target] * op.elements for op in computes if op.target in rates)
         views = sum(1 for op in step.ops if op.kind == "view")
         if device.type == "cpu":
+            assert isinstance(partial, CpuGlooModel)  # every device but cuda gets one
             fixed += sum(partial.dispatch_seconds(op.target, op.launches) for op in computes)
         if view_s is not None:
             fixed += views * view_s
@@ -353,7 +361,7 @@ def measure_collective_stall(
     `calibrate` now do: runner.groups.yield_gloo_poll_threads)."""
     torch.manual_seed(0)
     pool = [torch.randn(256, device=device) for _ in range(4)]
-    group_name, world = dist.group.WORLD.group_name, dist.get_world_size()
+    group_name, world = _world_group_name(), dist.get_world_size()
     buffers = {kind: _collective_input(kind, STALL_BYTES, world, device)[0] for kind in isolated_s}
 
     def segment(n: int):
@@ -422,7 +430,7 @@ def _median_of(results: list[dict]) -> dict:
     """Each number the median over `results` (the ranks' measurements, or the rounds'); bandwidth_by_bytes
     per size; the reference steps the first's (rank 0's, the first round's)."""
     first = results[0]
-    out = {"flops_per_s": {k: statistics.median(r["flops_per_s"][k] for r in results) for k in first["flops_per_s"]}}
+    out: dict[str, Any] = {"flops_per_s": {k: statistics.median(r["flops_per_s"][k] for r in results) for k in first["flops_per_s"]}}
     for key, value in first.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = statistics.median(r[key] for r in results)

@@ -87,7 +87,7 @@ class Span:
     inter: Link | None = None
     rails: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.per_node is None:
             object.__setattr__(self, "per_node", self.p // max(self.nodes, 1))
         if self.nodes > 1 and self.inter is None:
@@ -97,6 +97,8 @@ class Span:
         """The link a flat (single-level) algorithm sees: its bottleneck."""
         if self.nodes <= 1:
             return self.intra
+        # __post_init__ filled per_node and refused several nodes without an inter-node link
+        assert self.per_node is not None and self.inter is not None
         beta = max(self.intra.beta if self.per_node > 1 else 0.0, self.inter.beta / min(self.rails, self.per_node))
         return Link(alpha=max(self.intra.alpha, self.inter.alpha), beta=beta, gamma=self.intra.gamma)
 
@@ -169,8 +171,10 @@ def hierarchical(kind: str, span: Span, n: float) -> float:
     is the flat ring; with one rank per node, the flat ring over the network.
     """
     g, N = span.per_node, span.nodes
+    assert g is not None  # Span.__post_init__ fills it
     if N <= 1:
         return FLAT[(kind, "ring")](g, n, span.intra)
+    assert span.inter is not None  # Span.__post_init__ refuses several nodes without it
     inter = span.inter.scaled(g / span.rails) if span.rails < g else span.inter
     inter = replace(inter, gamma=span.intra.gamma)
     if kind == "all_reduce":

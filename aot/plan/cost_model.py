@@ -271,17 +271,18 @@ def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None 
     comms = []
     for node in comm_nodes:
         kind = _collective_kind(node)
+        assert kind is not None  # comm_nodes holds the collectives only
         val = _val(node.args[0])
         numel = val.numel() if isinstance(val, torch.Tensor) else 0
         elsize = val.element_size() if isinstance(val, torch.Tensor) else 4
         size = _group_size(node) if kind in ("all_gather", "reduce_scatter") else None
         # issue once the latest input exists (aot.passes.overlap: issue early)
         producers = [a for a in node.all_input_nodes if a.op != "placeholder"]
-        latest = max(producers, key=position.get) if producers else None
+        latest = max(producers, key=position.__getitem__) if producers else None
         issue_at = 0 if latest is None else ops_before[latest] + (1 if latest in op_of else 0)
         # wait before the first op that reads the result (wait late), through the wait node
         readers = [u for w in node.users for u in (w.users if _is_wait(w) else [w])]
-        first = min(readers, key=position.get) if readers else None
+        first = min(readers, key=position.__getitem__) if readers else None
         wait_at = len(ops) if first is None or first.op == "output" else ops_before[first]
         dtype = str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else "float32"
         site = CommSite(
@@ -588,7 +589,7 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
     for c in step.comms:
         issues.setdefault(c.issue_at, []).append(c)
         waits.setdefault(c.wait_at, []).append(c)
-    events = [] if trace else None
+    events: list[tuple] | None = [] if trace else None
     t = comm_free = 0.0
     exposed = comm_total = 0.0
     end: dict[str, float] = {}

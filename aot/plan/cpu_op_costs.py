@@ -9,6 +9,7 @@ fits what a whole step adds beyond them.
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ def measure_dispatch_seconds(device, gm, args, reps: int = 7) -> dict[str, list[
     def copies(value):
         return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
 
-    env = {}
+    env: dict[torch.fx.Node, Any] = {}
     samples: dict[str, list[tuple[float, float]]] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":

@@ -224,6 +224,7 @@ class Machine:
                         worst_cls, worst = cls, link
         if worst is None:  # one rank per node: nothing inside a node
             worst_cls, worst = self.pair(0, 1) if self.per_node > 1 else (LOOPBACK, Link(0.0, 0.0, self._gamma()))
+        assert worst_cls is not None  # set together with worst
         intra = self._measured(worst_cls, kind) or worst
         if nodes == 1:
             return Span(p=p, intra=intra, nodes=1, per_node=per_node)

@@ -30,12 +30,10 @@ class Mesh:
     @classmethod
     def parse(cls, strategy: str | None, world_size: int | None) -> "Mesh":
         """The mesh a strategy names; `world_size` None takes it from the degrees."""
-        if world_size is None:
-            world_size = 1 if not strategy else None
         if world_size is not None and world_size < 1:
             raise AotError(f"--world-size must be at least 1, got {world_size}")
         if not strategy:
-            return cls(("dp",), (world_size,))
+            return cls(("dp",), (1 if world_size is None else world_size,))
         axes, shape = [], []
         for part in strategy.split(","):
             name, sep, degree = part.strip().partition("=")

@@ -129,8 +129,8 @@ def simulate_pipeline(programs: list[torch.fx.GraphModule], planner, placement: 
         if not any(advance(r) for r in range(pp)):
             stuck = ", ".join(f"rank {r} at {c.nodes[c.position].name}" for r, c in enumerate(clocks) if not c.done)
             raise RuntimeError(f"pipeline timeline: the programs wait on each other ({stuck})")
-    step = max(c.t for c in clocks)
-    return PipelineTimeline(step, [c.busy for c in clocks], [c.waiting + step - c.t for c in clocks], _trace(clocks, step))
+    step_s = max(c.t for c in clocks)
+    return PipelineTimeline(step_s, [c.busy for c in clocks], [c.waiting + step_s - c.t for c in clocks], _trace(clocks, step_s))
 
 
 def _run(clock: RankClock, seconds: float) -> None:

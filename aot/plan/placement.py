@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -42,8 +43,10 @@ class Placement:
     shape: tuple[int, ...]
     order: tuple[str, ...]  # the axes from outermost (across nodes) to innermost (inside islands)
     physical: tuple[int, ...]  # mesh rank (row-major over `axes`) -> physical rank
+    _cache: dict[object, Any] = field(init=False, repr=False, compare=False)
+    _hash: int = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "_cache", {})  # what the methods below computed, by what they were asked
         object.__setattr__(self, "_hash", hash((self.axes, self.shape, self.order, self.physical)))
 
@@ -151,7 +154,7 @@ def distinct_groups(groups: np.ndarray, per_node: int) -> list[list[int]]:
 def layout(machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...], order: tuple[str, ...], devices: list[int] | None = None) -> Placement:
     """Coordinates row-major over `order` (last fastest), laid onto `devices` (default: the
     machine's device order, islands contiguous)."""
-    devices = np.asarray(machine.device_order() if devices is None else list(devices), dtype=np.int64)
+    slots = np.asarray(machine.device_order() if devices is None else list(devices), dtype=np.int64)
     size = dict(zip(axes, shape))
     stride, step = {}, 1
     for axis, degree in reversed(list(zip(axes, shape))):
@@ -162,7 +165,7 @@ def layout(machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...], orde
     for axis in order:
         ranks = (ranks[:, None] + np.arange(size[axis], dtype=np.int64) * stride[axis]).reshape(-1)
     physical = np.zeros(math.prod(shape), dtype=np.int64)
-    physical[ranks] = devices[: len(ranks)]
+    physical[ranks] = slots[: len(ranks)]
     return Placement(tuple(axes), tuple(shape), tuple(order), tuple(physical.tolist()))
 
 
@@ -204,6 +207,7 @@ def place(
         # and the identity (last) is there for a machine where no laid-out order qualifies
         if cost < best_cost * (1 - 1e-9):
             best, best_cost = candidate, cost
+    assert best is not None  # the identity always qualifies
     return best
 
 

@@ -64,8 +64,8 @@ def derive_without_fsdp(
         return users[0] if len(users) == 1 and users[0].target is target else None
 
     whole, buffers, gathered = [], [], set()
-    for holder in holders[:n_params]:
-        gathers = [u for u in holder.users if u.target is funcol.all_gather_into_tensor.default and u.args[-1] == fsdp_group]
+    for param in holders[:n_params]:
+        gathers = [u for u in param.users if u.target is funcol.all_gather_into_tensor.default and u.args[-1] == fsdp_group]
         if len(gathers) != 1:
             return None
         chain = [gathers[0]]
@@ -80,7 +80,8 @@ def derive_without_fsdp(
     if len(scatters) != n_params:
         return None
     numels = [s.numel() for s in layout.local_shapes(state).values()]
-    grads, scattered = [None] * n_params, set()
+    grads: list[torch.fx.node.Argument] = [None] * n_params
+    scattered: set[torch.fx.Node] = set()
     for i, scatter in zip(reversed(range(n_params)), scatters):  # newest parameter first
         pad = scatter.args[0]
         view = pad.args[0] if isinstance(pad, torch.fx.Node) and pad.args else None
@@ -88,7 +89,8 @@ def derive_without_fsdp(
         size = scatter.args[2] if len(scatter.args) > 2 else None
         if (
             getattr(pad, "target", None) is not aten.slice_backward.default
-            or getattr(view, "target", None) is not aten.view.default
+            or not isinstance(view, torch.fx.Node)
+            or view.target is not aten.view.default
             or wait is None
             or not isinstance(size, int)
             or list(pad.args[1]) != [-(-numels[i] // size) * size]

@@ -132,6 +132,7 @@ def _fit(gm, slots, request: Request, cost, finish):
         return trial, choice, analyze(trial, slots).memory.peak
 
     budget = request.memory_bytes
+    assert budget is not None  # apply_request comes here only for a memory budget
     trial, _, peak = attempt(None)
     if peak <= budget:
         return trial, {**_summary(request, None), "peak_without_recompute": peak}
@@ -162,7 +163,7 @@ def _fit(gm, slots, request: Request, cost, finish):
 
 
 def _summary(request: Request, choice: Choice | None) -> dict:
-    summary = {"policy": "none" if choice is None else "modules" if request.patterns else "budget", "source": request.source}
+    summary: dict[str, object] = {"policy": "none" if choice is None else "modules" if request.patterns else "budget", "source": request.source}
     if request.memory_bytes is not None:
         summary["memory_budget_bytes"] = request.memory_bytes
     if request.fraction is not None:

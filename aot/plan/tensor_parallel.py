@@ -172,6 +172,7 @@ def check_divisible(plan: dict[str, str], model: nn.Module, tp: int, where: str)
     for name, style in plan.items():
         kind, parts = tp_style(style)
         inputs, outputs = _features(modules[name])
+        features: float
         # each of a fused layer's parts is split alike (parts == 1 otherwise)
         if kind == "rowwise":
             features, which = inputs, "input features"
@@ -354,7 +355,9 @@ def splittable(module) -> bool:
 
 def _walk(linear, projections: dict) -> _Walk:
     """Follow `linear`'s output through shard-local ops to the projections taking it as input."""
-    region, reached, todo = set(), set(), list(linear.users)
+    region: set[torch.fx.Node] = set()
+    reached: set[torch.fx.Node] = set()
+    todo = list(linear.users)
     while todo:
         node = todo.pop()
         if node in region or node in reached:
@@ -376,7 +379,9 @@ def _walk(linear, projections: dict) -> _Walk:
 def _group(start, walks: dict) -> tuple[set, set, set, str | None]:
     """Close `start` over the Linears that feed the same row-wise layers: (column-wise, row-wise,
     the nodes between, None), or the reason it cannot be split as the last item."""
-    colwise, rowwise, region = {start}, set(), set()
+    colwise = {start}
+    rowwise: set[torch.fx.Node] = set()
+    region: set[torch.fx.Node] = set()
     changed = True
     while changed:
         changed = False
@@ -464,6 +469,13 @@ def _shape(node):
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def _ndim(node) -> int:
+    """Dimensions of a split value an op reads: a tensor (a split op's tuple is read through getitem)."""
+    shape = _shape(node)
+    assert shape is not None
+    return len(shape)
+
+
 def _split_dim(node, split: dict) -> int | None:
     """The output dimension holding the split features, or None where the op would mix them."""
     ins = [(i, split[i]) for i in node.all_input_nodes if i in split]
@@ -500,8 +512,8 @@ def _split_dim(node, split: dict) -> int | None:
         return None if taken == dim else dim - 1 if taken < dim else dim
     if packet in (_aten.cat, _aten.stack):
         tensors = node.args[0]
-        rels = {split[t] - len(_shape(t)) if t in split else None for t in tensors}
-        if len(rels) != 1 or None in rels:
+        rels = {split[t] - _ndim(t) for t in tensors if t in split}
+        if len(rels) != 1 or any(t not in split for t in tensors):
             return None  # a whole tensor joined to shards, or shards split along different dimensions
         at = rank + rels.pop()
         joined = arg(1, 0) % (rank + (packet is _aten.stack))
@@ -520,16 +532,16 @@ def _split_dim(node, split: dict) -> int | None:
         dims = set()
         for operand, contracted, _kept in ((a, -1, -2), (b, -2, -1)):
             if operand in split:
-                rel = split[operand] - len(_shape(operand))
+                rel = split[operand] - _ndim(operand)
                 if rel == contracted:
                     return None  # a contraction over split features gives partial sums
                 dims.add(len(out_shape) + rel)
         return dims.pop() if len(dims) == 1 else None
     if packet is _aten.scaled_dot_product_attention:
-        rels = {split[i] - len(_shape(i)) for i in node.args[:3] if i in split}
+        rels = {split[i] - _ndim(i) for i in node.args[:3] if i in split}
         return None if len(rels) != 1 or rels & {-1, -2} else len(out_shape) + rels.pop()
     # elementwise (and expand): dimensions line up from the right; whole operands must broadcast
-    rels = {d - len(_shape(i)) for i, d in ins}
+    rels = {d - _ndim(i) for i, d in ins}
     if len(rels) != 1:
         return None
     rel = rels.pop()
