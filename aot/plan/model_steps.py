@@ -109,6 +109,9 @@ class ModelSteps:
         self.world_size = world_size
         self.max_tp = max_tp
         self.traced: dict[tuple, StepGraph] = {}
+        # `pipeline`'s (programs, analyses), apart from `traced`: their stages are balanced on the
+        # profile's compute, so `retargeted` keeps none of them
+        self.pipelines: dict[tuple, tuple[list, list[StepGraph]]] = {}
         self._failed: dict[tuple, Exception] = {}  # key -> what tracing it raised (raised again when asked)
         self._derived: dict[tuple, list] = {}  # traced key -> [(key, mesh)] derived from its graph (`prefetch`)
         # graphs from which a plan may not fit device memory (`memory_limit`: the planner's
@@ -227,6 +230,7 @@ class ModelSteps:
         if not self._needs_variants(key, graph):
             return
         limit = self.memory_limit
+        assert limit is not None  # _needs_variants: there is one
         from aot.passes.graph_utils import copy_graph
         from aot.passes.recompute import by_budget, recompute_activations
         from aot.plan.recompute import smallest_fraction
@@ -277,7 +281,7 @@ class ModelSteps:
             other.traced = {
                 key: graph
                 for key, graph in self.traced.items()
-                if key[0] != "pp" and key not in self.recomputed and key not in self.recompute_failed and not other._needs_variants(key, graph)
+                if key not in self.recomputed and key not in self.recompute_failed and not other._needs_variants(key, graph)
             }
         return other
 
@@ -326,7 +330,7 @@ class ModelSteps:
         degrees = dict(zip(axes, shape))
         pp, dp, fsdp = degrees["pp"], degrees.get("dp", 1), degrees.get("fsdp", 1)
         key = ("pp", pp, dp > 1, fsdp, degrees.get("tp", 1), microbatches, schedule, virtual)
-        if key not in self.traced:
+        if key not in self.pipelines:
             try:
                 check_microbatches(schedule, pp, microbatches, self.targets.shape[0])
                 compute = self.compute
@@ -346,8 +350,8 @@ class ModelSteps:
                 )
             except AotError as e:
                 raise Unsupported(str(e)) from None
-            self.traced[key] = ([c.graph for c in made.captures], [analyze(c.graph, c.slots) for c in made.captures])
-        return self.traced[key]
+            self.pipelines[key] = ([c.graph for c in made.captures], [analyze(c.graph, c.slots) for c in made.captures])
+        return self.pipelines[key]
 
     def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int]:
         degrees = dict(zip(axes, shape))

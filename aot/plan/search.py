@@ -100,12 +100,13 @@ class Plan:
 
 class Planner:
     """Prices plans for one machine. `step_graph(axes, shape)` gives the unbucketed step graph of
-    one rank for a mesh (raising Unsupported when the build cannot trace it)."""
+    one rank for a mesh (raising Unsupported when the build cannot trace it); without it the
+    planner prices only graphs it is given (`evaluate(step=...)`)."""
 
     def __init__(
         self,
         machine: Machine,
-        step_graph: Callable[[tuple, tuple], StepGraph],
+        step_graph: Callable[[tuple, tuple], StepGraph] | None,
         hierarchical: str = "auto",
         recomputing: Callable[[tuple, tuple], list[tuple[float, StepGraph]]] | None = None,
         pipeline: Callable | None = None,
@@ -127,6 +128,7 @@ class Planner:
     def step_graph(self, axes, shape) -> StepGraph:
         key = tuple((a, d > 1 if a == "dp" else d) for a, d in zip(axes, shape))
         if key not in self._graphs:
+            assert self._step_graph is not None, "this planner prices given graphs only"
             self._graphs[key] = self._step_graph(tuple(axes), tuple(shape))
         return self._graphs[key]
 
@@ -254,7 +256,7 @@ class Planner:
                 skipped.append(f"{mesh_name(axes, shape)}: {e}")
                 continue
             placement = None
-            seen = {}
+            seen: dict[tuple, Plan] = {}
             for mb in _bucket_candidates(step, bucket_mbs):
                 graph = rebucket(step, int(mb * MiB))
                 signature = tuple((c.kind, c.group, c.bytes, c.issue_at, c.wait_at) for c in graph.comms)
@@ -358,6 +360,7 @@ class Planner:
     def recomputing(self, axes, shape, over: list[Plan]) -> list[Plan]:
         """For each plan of one mesh that does not fit, the plan recomputing activations: of the
         activation budgets priced, the fastest that fits, else the one with the lowest peak."""
+        assert self._recomputing is not None  # search calls this only with one
         variants = self._recomputing(tuple(axes), tuple(shape))
         out = []
         for plan in over:
