@@ -328,8 +328,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files, **pipeline_files, **(compiled.files if compiled else {})} or None,
             extra_fields={
                 "precision": precision.to_json(),
-                # aot.pipeline_build.PipelineBuild.memory is typed object; it holds a cost_model Memory
-                "memory": {"predicted": memory.itemized(), "recompute": recompute},  # type: ignore[attr-defined]
+                "memory": {"predicted": memory.itemized(), "recompute": recompute},
                 **({"pipeline": pipeline_entry} if pipeline_entry else {}),
                 **({"batchnorm": batchnorm} if batchnorm else {}),
                 "time": time,

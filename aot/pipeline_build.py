@@ -17,7 +17,7 @@ from typing import Callable
 from aot.capture.pipeline import tied_params
 from aot.capture.step import CapturedStep, Group, StepLayout
 from aot.errors import AotError
-from aot.plan.cost_model import analyze
+from aot.plan.cost_model import Memory, analyze
 from aot.plan.pipeline import bubble_fraction, chunks_of
 from aot.plan.pipeline_programs import pipeline_programs
 from aot.plan.pipeline_timeline import simulate_pipeline
@@ -31,7 +31,7 @@ TIMELINE_FILE = "pipeline/timeline.json"
 @dataclass
 class PipelineBuild:
     captures: dict[str, CapturedStep]  # program name -> its step
-    memory: object  # the predicted memory of the rank that needs most
+    memory: Memory  # the predicted memory of the rank that needs most
     time: dict  # the manifest's `time`, the slowest rank's, with the bubble
     recompute: dict
     entry: dict  # the manifest's `pipeline`
