@@ -7,7 +7,7 @@ source scripts/setup.sh
 # [tool.ruff]; `ruff format .` fixes the layout)
 python -m ruff check --quiet .
 python -m ruff format --check --quiet .
-# types of runner/ and the typed parts of aot/ (pyproject.toml [tool.mypy] files; a few seconds)
+# types of runner/ and aot/ (pyproject.toml [tool.mypy]; a few seconds)
 python -m mypy
 # Scenarios marked slow (more strategies on the second example model, a second placed mesh) run
 # in CI (.ci/run sets AOT_TEST_LONG=1) or when you set it (CI's whole run: 12.5 minutes on 2

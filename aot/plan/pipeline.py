@@ -176,7 +176,8 @@ def split(graph, stages: int, seconds, layer_of, pp_split: list[str] | None = No
     (`seconds(node)`; what comes before the first layer counts with it, what follows the last with
     the last). `weighted`: the layers with parameters; a layer without (an activation of a
     Sequential) stays with the layer before it, so no stage is left without weights."""
-    order, cost = [], {}
+    order: list[str] = []
+    cost: dict[str, float] = {}
     pending = 0.0
     for node in graph.graph.nodes:
         if node.op != "call_function":
