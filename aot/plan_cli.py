@@ -39,9 +39,9 @@ from runner.console import debug_option
     "--axes",
     default=None,
     help="Parallel axes to search, comma-separated (default: dp,fsdp,tp,pp, as `aot build --strategy "
-    "auto` searches, with pipeline meshes priced only where they could rank first: where no plan "
-    "without pp fits, or where the step's compute spread over every rank, idle for the smallest "
-    "bubble a schedule leaves, beats the best plan per sample). Each tensor-parallel degree the "
+    "auto` searches, with pipeline meshes made from the best plans without pp and priced only where "
+    "they could rank first: where no plan without pp fits, or where a lower bound of their time per "
+    "sample beats the best plan's). Each tensor-parallel degree the "
     "model takes costs one trace of the step and a shorter one of its optimizer (about a second "
     "each); --axes dp,fsdp searches without tp. Naming pp prices every pipeline mesh (pp outermost; "
     "1f1b and interleaved-1f1b at 1, 2 and 4 microbatches per pipeline rank; every pipeline rank's "

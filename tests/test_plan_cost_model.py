@@ -17,7 +17,7 @@ from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
 from aot.passes import run_passes
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
-from aot.plan.cost_model import CommSite, Memory, Op, StepGraph, analyze, drop_group, rescale, shard_scale, simulate
+from aot.plan.cost_model import CommSite, Memory, Op, StepGraph, analyze, drop_group, microbatched_seconds, rescale, shard_scale, simulate
 from aot.plan.cpu_gloo_model import CpuGlooModel, median_of_sum
 from aot.plan.gpu_model import GpuModel
 from aot.plan.machine import Machine
@@ -158,6 +158,24 @@ def test_calibrated_call_costs_cover_the_reference_step_and_common_training_ops(
     # _foreach_pow(scalar, tensors) runs one kernel per tensor of its second argument
     pow_op = next(op for op in analyze(gm).ops if op.target == "_foreach_pow")
     assert pow_op.launches == 13
+
+
+def test_microbatched_seconds_run_forward_and_backward_per_microbatch_and_the_step_end_once():
+    """A pipeline's lower bound (aot.plan.search.Planner.pipeline_may_win): on an A100 a large
+    matmul split in 4 costs the same FLOPs, a launch-bound op costs 4 launches, and the step's end
+    (from the first read of a reduced gradient) runs once."""
+    gpu = Machine(load_profile("dgx_a100"), 8).compute
+    n = 8192
+    ops = [
+        Op("mm", "mm", flops=2 * n**3, bytes=3 * n * n * 2, dtype="bfloat16"),
+        Op("tiny", "add", flops=64, bytes=768),
+        Op("adam", "add", flops=64, bytes=768),  # reads the reduced gradient: the step's end
+    ]
+    grad = CommSite("g", "all_reduce", "aot.dp", 256, 256, "float32", 1, 2, input_numel=64)
+    step = StepGraph(ops=ops, comms=[grad], memory=Memory(), graph_nodes=3)
+    mm, tiny = (gpu.op_seconds(op.flops, op.bytes, op.dtype, target=op.target) for op in ops[:2])
+    assert microbatched_seconds(step, gpu, 1) == pytest.approx(mm + 2 * tiny)
+    assert microbatched_seconds(step, gpu, 4) == pytest.approx(mm + 4 * tiny + tiny)
 
 
 def test_graph_reading_counts_flops_bytes_views_and_liveness():

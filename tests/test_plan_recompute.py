@@ -82,10 +82,9 @@ def test_a_plan_that_does_not_fit_is_priced_recomputing_and_ranked_first(tight):
     _, out = tight
     plans = out["plans"]
     assert not any("recomputing" in s for s in out["skipped"]), out["skipped"]
-    # a pipeline (each stage half the model) fits without recomputing, but trains half the samples
-    # of a dp=2 step in a longer one: it ranks after
+    # (a pipeline, each stage half the model, would fit without recomputing; the planner prices it
+    # only where it could rank first)
     assert all(not p["fits"] for p in plans if p["recompute"] is None and "pipeline" not in p)
-    assert [p["strategy"] for p in plans if "pipeline" in p] == ["pp=2"] and plans.index(next(p for p in plans if "pipeline" in p)) > 0
     best = plans[0]
     assert best["fits"] and best["recompute"] is not None and 0 < best["recompute"] < 1
     assert best["memory_bytes"]["peak"] <= MEMORY_HEADROOM * out["device_memory_bytes"]

@@ -549,6 +549,18 @@ def op_seconds(step: StepGraph, compute: DeviceModel) -> list[float]:
     return [_op_s(op, compute) for op in step.ops]
 
 
+def microbatched_seconds(step: StepGraph, compute: DeviceModel, parts: int) -> float:
+    """Seconds of a data-parallel step's ops when its forward and backward run `parts` times, each
+    on 1/parts of the batch, and its end (averaging, clipping, the optimizer: from the first read
+    of a reduced gradient on) once, as a pipeline runs them over its microbatches. A microbatch's
+    op moves at least 1/parts of the bytes (weights it reads are not split), so this is a lower
+    bound of the pipeline's compute wherever an op's time grows with its size."""
+    reduced = [c.wait_at for c in step.comms if c.kind == "all_reduce" and c.input_numel > 1]
+    end = min(reduced, default=len(step.ops))
+    scaled = (replace(op, flops=op.flops / parts, bytes=op.bytes / parts, elements=op.elements // parts) for op in step.ops[:end])
+    return parts * sum(_op_s(op, compute) for op in scaled) + sum(_op_s(op, compute) for op in step.ops[end:])
+
+
 def _op_s(op: Op, compute: DeviceModel) -> float:
     if op.kind == "free":
         return 0.0

@@ -28,7 +28,7 @@ from typing import Callable
 
 from aot.errors import AotError
 from aot.plan import collectives, hierarchy
-from aot.plan.cost_model import Prediction, StepGraph, analyze, op_seconds, simulate
+from aot.plan.cost_model import Prediction, StepGraph, analyze, microbatched_seconds, op_seconds, simulate
 from aot.plan.rebucket import rebucket
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
@@ -42,6 +42,7 @@ MEMORY_HEADROOM = 0.9  # of device memory: the CUDA context, allocator caching a
 # (schedule, stages per rank)
 PIPELINE_MICROBATCHES_PER_RANK = (1, 2, 4)
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2))
+PIPELINE_SEEDS = 2  # a default search's pipeline meshes come from this many best meshes without pp
 TIMELINE_FILE = "plan/timeline.json"
 MiB = 2**20
 
@@ -275,43 +276,77 @@ class Planner:
                     plans += self.recomputing(axes, shape, over)
                 except Unsupported as e:
                     skipped.append(f"{mesh_name(axes, shape)}: {e}")
-        unpriced: dict[int, int] = {}
-        for shape in pipelines:
+        seeds = self.pipeline_seeds(axes, plans) if prune_pipelines else None
+        unpriced: dict[tuple[int, str], int] = {}
+        too_deep = None  # the fewest stages the model has too few layers for
+        for shape in sorted(pipelines, key=lambda s: dict(zip(axes, s))["pp"]):
             pp = dict(zip(axes, shape))["pp"]
-            if prune_pipelines and not self.pipeline_may_win(plans, pp):
-                unpriced[pp] = unpriced.get(pp, 0) + 1
+            why = None
+            if too_deep is not None and pp >= too_deep[0]:
+                why = too_deep[1]
+            elif seeds is not None and shape not in seeds:
+                why = f"not one of the best plans without pp with {pp} of its data-parallel ranks made stages"
+            elif seeds is not None and not self.pipeline_may_win(plans, pp):
+                why = (
+                    "none can beat the best plan without pp: its step's compute spread over every rank with the smallest "
+                    "bubble a schedule leaves is slower per sample"
+                )
+            if why is not None:
+                unpriced[(pp, why)] = unpriced.get((pp, why), 0) + 1
                 continue
             try:
                 plans.append(self.pipeline_plan(axes, shape))
             except Unsupported as e:
                 skipped.append(f"{mesh_name(axes, shape)}: {e}")
-        for pp, meshes in unpriced.items():
-            skipped.append(
-                f"pp={pp} ({meshes} mesh{'es' if meshes > 1 else ''}): not priced, since none can beat the best plan without pp: "
-                "its step's compute spread over every rank with the smallest bubble a schedule leaves is slower per sample "
-                "(--axes dp,fsdp,tp,pp prices them all)"
-            )
+                if "need at least" in str(e) and "layers" in str(e):  # more stages than layers: deeper pipelines too
+                    too_deep = (pp, f"more stages than the model has layers (pp={pp} already)")
+        for (pp, why), meshes in unpriced.items():
+            hint = " (--axes dp,fsdp,tp,pp prices them all)" if seeds is not None and "layers" not in why else ""
+            skipped.append(f"pp={pp} ({meshes} mesh{'es' if meshes > 1 else ''}): not priced, {why}{hint}")
         plans.sort(key=rank_key)
         return plans, skipped
+
+    def pipeline_seeds(self, axes: tuple[str, ...], plans: list[Plan]) -> set[tuple]:
+        """The pipeline meshes a default search prices: each of the PIPELINE_SEEDS best meshes
+        without pp (those that fit first) with pp of its data-parallel ranks made pipeline stages
+        (dp's, else fsdp's), for every pp that divides them. Pricing every pipeline mesh traces
+        every pipeline rank's program at each schedule, for hundreds of meshes at 16,384 ranks."""
+        meshes: list[dict] = []
+        for plan in sorted(plans, key=rank_key):
+            size = dict(zip(plan.axes, plan.shape))
+            if size not in meshes:
+                meshes.append(size)
+            if len(meshes) == PIPELINE_SEEDS:
+                break
+        seeds = set()
+        for size in meshes:
+            for pp in range(2, self.machine.world_size + 1):
+                for axis in ("dp", "fsdp"):
+                    if size.get(axis, 1) % pp == 0 and axis in axes:
+                        derived = {**size, axis: size[axis] // pp, "pp": pp}
+                        seeds.add(tuple(derived.get(a, 1) for a in axes))
+                        break
+        return seeds
 
     def pipeline_may_win(self, plans: list[Plan], pp: int) -> bool:
         """Whether a mesh with `pp` pipeline stages could rank before the best plan in `plans` that
         fits: true when none fits (the stages split the model's memory), else when its lower bound
-        on time per sample is below that plan's. The bound: a pipeline rank holds 1/pp of the
-        layers (and 1/tp of each), so its step is at least the whole step's compute C (one rank
-        alone, measured on the data-parallel mesh's graph) times data ranks / world size, and 1F1B
-        idles (pp-1)/(v m + pp-1) of it at best (v stages per rank, m microbatches: the largest
-        counts pipeline_plan tries). Per sample: C / world size x (v m + pp - 1) / (v m)."""
+        on time per sample is below that plan's. The bound: a pipeline runs each forward and
+        backward op once per microbatch on 1/m of the batch, m >= pp (1F1B's fewest), and the
+        step's end once (cost_model.microbatched_seconds at m = pp, on the data-parallel mesh's
+        graph: W seconds for one batch); its pipeline ranks share W at best, and 1F1B idles
+        (pp-1)/(v m + pp-1) of the step at least (v stages per rank and m microbatches the largest
+        that pipeline_plan tries). Per sample: W / world size x (v m + pp - 1) / (v m)."""
         fitting = [p for p in plans if p.fits]
         if not fitting:
             return True
         world = self.machine.world_size
-        whole = [p for p in plans if p.recompute is None and dict(zip(p.axes, p.shape)).get("dp", 1) == world]
-        if not whole:
+        whole = next((p for p in plans if p.recompute is None and dict(zip(p.axes, p.shape)).get("dp", 1) == world), None)
+        if whole is None:
             return True
-        compute = min(p.prediction.compute_s for p in whole)
+        work = microbatched_seconds(self.step_graph(whole.axes, whole.shape), self.machine.compute, pp)
         vm = max(v for _, v in PIPELINE_SCHEDULES) * max(PIPELINE_MICROBATCHES_PER_RANK) * pp
-        bound = compute / world * (vm + pp - 1) / vm
+        bound = work / world * (vm + pp - 1) / vm
         return min(per_sample_s(p) for p in fitting) > bound
 
     def pipeline_plan(self, axes, shape) -> Plan:
