@@ -15,6 +15,9 @@ from aot.plan_tables import describe_memory, render_table
 from runner.console import debug_option
 
 
+SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json)
+
+
 @click.command("plan")
 @click.argument("model_file", type=click.Path(path_type=Path))
 @click.option(
@@ -169,8 +172,10 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     click.echo(render_table(rows[:top], header, batch_size))
     if len(rows) > top:
         click.echo(f"... {len(rows) - top} more (--top, --json)")
-    for line in skipped:
+    for line in skipped[:SKIPPED_SHOWN]:
         click.echo(f"not priced: {line}")
+    if len(skipped) > SKIPPED_SHOWN:  # thousands of ranks leave dozens of meshes tp cannot take
+        click.echo(f"... {len(skipped) - SKIPPED_SHOWN} more meshes not priced (--json lists each with its reason)")
     if plans:
         best = next((p for p in plans if p.fits), None)
         if best is not None:
