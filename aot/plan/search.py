@@ -288,8 +288,8 @@ class Planner:
                 why = f"not one of the best plans without pp with {pp} of its data-parallel ranks made stages"
             elif seeds is not None and not self.pipeline_may_win(plans, pp):
                 why = (
-                    "none can beat the best plan without pp: its step's compute spread over every rank with the smallest "
-                    "bubble a schedule leaves is slower per sample"
+                    "none can beat the best plan without pp: its step's ops, run once per microbatch and spread over every "
+                    "rank, with the smallest bubble a schedule leaves, are slower per sample"
                 )
             if why is not None:
                 unpriced[(pp, why)] = unpriced.get((pp, why), 0) + 1
