@@ -23,7 +23,8 @@ from aot.plan.machine import Machine
 from aot.plan.mesh import DATA_AXES, Mesh
 from aot.plan.placement import Placement, place
 from aot.plan.recompute import apply_request, resolve_request
-from aot.plan.search import MEMORY_HEADROOM, time_entry
+from aot.plan.build_plan import time_entry
+from aot.plan.search import MEMORY_HEADROOM
 from aot.plan.sequence_parallel import check_sequence_length, sequence_parallel_layout
 from aot.plan.tensor_parallel import (
     check_degree,
@@ -142,8 +143,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     profile = load_profile(options.topology) if options.topology else live_profile()
     profile = for_nodes(profile, options.nodes, options.world_size)
     planned = None
-    if options.strategy == "auto":  # the planner's best plan (aot/plan/search.py), priced on this profile
-        from aot.plan.search import plan_for_build
+    if options.strategy == "auto":  # the planner's best plan (aot/plan/search.py, recorded by aot/plan/build_plan.py)
+        from aot.plan.build_plan import plan_for_build
 
         planned = plan_for_build(options, profile, progress)
         options = replace(options, strategy=planned.strategy, bucket_mb=planned.bucket_mb)

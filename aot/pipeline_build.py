@@ -21,7 +21,8 @@ from aot.plan.cost_model import Memory, analyze
 from aot.plan.pipeline import bubble_fraction, chunks_of
 from aot.plan.pipeline_programs import pipeline_programs
 from aot.plan.pipeline_timeline import simulate_pipeline
-from aot.plan.search import Planner, time_entry
+from aot.plan.build_plan import time_entry
+from aot.plan.search import Planner
 from runner.inspect import human
 
 PROGRAM_PREFIX = "train.pp"

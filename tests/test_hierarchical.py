@@ -126,7 +126,7 @@ def test_build_prices_the_flat_all_reduce_with_the_plans_nccl_algorithm():
     (NCCL_ALGO), as the planner's pricing did."""
     from types import SimpleNamespace
 
-    from aot.plan.search import BuildPlan
+    from aot.plan.build_plan import BuildPlan
 
     def pinned(setting):
         return BuildPlan(None, SimpleNamespace(nccl_algo=setting), [], 8).all_reduce_algorithm
