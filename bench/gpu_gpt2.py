@@ -234,6 +234,8 @@ def build(artifact: Path, args, deadline: float) -> dict:
     manifest = json.loads((artifact / "manifest.json").read_text())
     out["compiled_device"] = (manifest.get("compiled") or {}).get("device")
     out["train_graph_nodes"] = manifest["programs"]["train"]["graph_nodes"]
+    # what the build predicts for this GPU (its profile: probed here unless --topology), to set beside the steps measured
+    out["predicted"] = {"time": manifest.get("time"), "memory": (manifest.get("memory") or {}).get("predicted")}
     say(f"built in {out['seconds']:.1f} s")
     return out
 

@@ -149,6 +149,17 @@ if [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
   say "gpu tests: exit $TESTS_RC in $TESTS_S s"
 fi
 
+# -- the GPU device model's calibration (issue 27): this GPU's matmul rates, copy bandwidth, per-op cost -
+# On one GPU no collective is measured (one rank); the calibrated profile comes back in $OUT, so builds
+# elsewhere can price this GPU as measured, and their predictions be set beside the benchmark's steps.
+CAL_RC=not-run
+if [ -z "$SMOKE" ] && [ "${GPU_CHECK_CALIBRATE:-1}" != 0 ] && [ "$(left)" -gt 200 ]; then
+  say "calibrating this GPU (aot topology calibrate, at most 60 s)"
+  timeout -k 5 60 "$PY" -m aot topology calibrate -o "$OUT_DIR/gpu_calibrated.json" >"$WORK/calibrate.log" 2>&1
+  CAL_RC=$?
+  say "calibration: exit $CAL_RC ($(tail -n 2 "$WORK/calibrate.log" | tr '\n' ' '))"
+fi
+
 # -- the benchmark ------------------------------------------------------------------------------------
 BENCH_RC=not-run
 BENCH_S=0
@@ -156,7 +167,7 @@ if [ -n "$BUILD_PID" ]; then
   say "waiting for the benchmark's build"
   wait "$BUILD_PID"
   say "benchmark build: exit $? ($(tail -n 3 "$WORK/bench_build.log" | tr '\n' ' '))"
-  cap=$(( $(left) - 10 ))
+  cap=$(( $(left) - 45 ))  # what is left after it: the profiled run below
   if [ "$cap" -lt 60 ]; then
     say "no time left for the benchmark ($cap s)"
     BENCH_RC=no-time
@@ -172,14 +183,25 @@ if [ -n "$BUILD_PID" ]; then
   fi
 fi
 
+# -- predicted against measured: the benchmark's artifact (portable tier) under `aot run --profile` ---------
+PROFILE_RC=not-run
+if [ -d "$WORK/gpt2-artifact" ] && [ "$(left)" -gt 25 ]; then
+  say "profiling the benchmark's artifact (aot run --profile; aot inspect --profile), at most $(( $(left) - 10 )) s"
+  timeout -k 5 $(( $(left) - 10 )) "$PY" -m aot run "$WORK/gpt2-artifact" --steps 6 --tier portable --profile "$WORK/profile" \
+    >"$WORK/profile_run.log" 2>&1 \
+    && "$PY" -m aot inspect "$WORK/gpt2-artifact" --profile "$WORK/profile" --json >"$WORK/inspect_profile.json" 2>>"$WORK/profile_run.log"
+  PROFILE_RC=$?
+  say "profiled run: exit $PROFILE_RC ($(tail -n 2 "$WORK/profile_run.log" | tr '\n' ' '))"
+fi
+
 # -- one JSON -----------------------------------------------------------------------------------------
-"$PY" - "$WORK" "$OUT_DIR/gpu_check.json" "$TESTS_RC" "$TESTS_S" "$BENCH_RC" "$BENCH_S" "$(elapsed)" <<'EOF'
+"$PY" - "$WORK" "$OUT_DIR/gpu_check.json" "$TESTS_RC" "$TESTS_S" "$BENCH_RC" "$BENCH_S" "$(elapsed)" "$CAL_RC" "$PROFILE_RC" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 work, out = Path(sys.argv[1]), Path(sys.argv[2])
-tests_rc, tests_s, bench_rc, bench_s, total_s = sys.argv[3:8]
+tests_rc, tests_s, bench_rc, bench_s, total_s, cal_rc, profile_rc = sys.argv[3:10]
 
 
 def read(name):
@@ -211,6 +233,9 @@ result = {
     "seconds": {"total": int(total_s), "tests": int(tests_s), "bench": int(bench_s)},
     "tests": {"exit": tests_rc, "counts": counts, "cases": tests, "figures": read("test_figures.json")},
     "bench": {"exit": bench_rc, "build": (read("bench_build.json") or {}).get("build"), "figures": bench},
+    "calibration": {"exit": cal_rc, "log": (work / "calibrate.log").read_text()[-2000:] if (work / "calibrate.log").is_file() else None},
+    "profile": {"exit": profile_rc, "inspect": read("inspect_profile.json"),
+                "log": (work / "profile_run.log").read_text()[-3000:] if (work / "profile_run.log").is_file() else None},
 }
 out.write_text(json.dumps(result, indent=1))
 print(f"gpu_check: tests {counts} (exit {tests_rc}); benchmark exit {bench_rc}; {total_s} s in all; wrote {out}")
