@@ -37,14 +37,19 @@ def encode_program(ep: torch.export.ExportedProgram) -> tuple[bytes, bytes | Non
                 raise AotError(f"program constant {name!r} is a {type(value).__name__}; only tensors can be stored")
             tensors[f"{table}/{name}"] = value.detach().contiguous().cpu()
     with _no_canonical_form_check(serde):
-        artifact = serde.serialize(
-            ep,
-            serialize_state_dict=False,
-            serialize_constants=False,
-            serialize_example_inputs=False,
-        )
+        artifact = serde.serialize(ep, **_no_pickled_tables(serde))
     constants = save_safetensors(tensors) if tensors else None
     return _reproducible(artifact.exported_program), constants
+
+
+def _no_pickled_tables(serde) -> dict[str, bool]:
+    """serialize()'s switches that skip torch.save of the weights, constants and example inputs
+    (only the program JSON is kept). Torch before 2.12 (the GPU machine's 2.11) has none of them
+    and always pickles the three; the bytes are then made and dropped, never stored."""
+    import inspect
+
+    accepted = inspect.signature(serde.serialize).parameters
+    return {k: False for k in ("serialize_state_dict", "serialize_constants", "serialize_example_inputs") if k in accepted}
 
 
 @contextlib.contextmanager
