@@ -282,7 +282,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         plan_entry["placement"] = placement.to_json()
     with progress.stage("exporting the program" + ("s" if len(captures) > 1 else "")):
         eps = {name: export_step(c) for name, c in captures.items()}
-        custom_ops = custom_op_spec(mf, [ep.graph for ep in eps.values()])
+        custom_ops = custom_op_spec(mf, [state.init_graph.graph, *(ep.graph for ep in eps.values())])  # the init program is stored too
     inference = None
     warnings: list[str] = []
     weight_bytes = sum(t.numel() * t.element_size() for t in [*state.params.values(), *state.buffers.values()])

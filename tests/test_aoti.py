@@ -367,3 +367,15 @@ def test_build_without_a_cpp_compiler_fails_in_one_line(tmp_path):
     assert r.stderr.strip().splitlines() == [line for line in r.stderr.strip().splitlines() if line.startswith("aot: error: ")]
     assert "needs a C++ compiler" in r.stderr, show(r)
     assert not (tmp_path / "art").exists()
+
+
+def test_cuda_packages_turn_off_the_loop_reordering_torch_2_11_fails_in():
+    """Torch 2.11's inductor asserts in its loop reordering on the whole step (seen on the H200
+    machine); CUDA packages built with torch before 2.13 turn it off, by a setting inductor has."""
+    import torch._inductor.config as inductor_config
+
+    from aot.emit.aoti import cuda_inductor_configs
+
+    assert cuda_inductor_configs("2.11.0+cu130") == {"loop_ordering_after_fusion": False}
+    assert cuda_inductor_configs("2.13.0+cpu") == {} and cuda_inductor_configs("2.14.1") == {}
+    assert all(hasattr(inductor_config, key) for key in cuda_inductor_configs("2.11.0"))

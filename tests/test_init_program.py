@@ -3,12 +3,15 @@ that keeps only its piece of each parameter holds about that piece plus one whol
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 
 from aot.capture.model_file import load_model_file
 from aot.capture.training_state import build_training_state
 from aot.emit.artifact import export_init
-from helpers.commands import MODELS
+from helpers.commands import MODELS, REPO
 from runner.init_program import load_init_graph, replay
 from runner.program import encode_program
 
@@ -65,3 +68,30 @@ def test_a_pipeline_rank_keeps_only_its_stage():
     kept = sum(t.numel() * t.element_size() for t in mine.values())
     largest = max(p.numel() * p.element_size() for p in eager.values())
     assert peak[0] <= kept + largest + 64 * 1024 and kept < whole, (peak[0], kept, largest, whole)
+
+
+def test_a_library_queried_on_import_while_constructing_stays_out_of_the_program(tmp_path):
+    """A constructor that imports a library which calls its own operator on import (torchaudio's
+    cuda_version(), imported by transformers' GPT-2 on the H200 machine) records that call; the
+    runner, which never imports the library, then could not decode the init program. The
+    capture drops such calls (unused, no graph inputs, no tensor out), and the program decodes in
+    a process that has never imported the library."""
+    mf, graph, names = _init_graph(MODELS / "queries_an_op_library.py")
+    assert not any("aot_test_query" in str(n.target) for n in graph.graph.nodes)
+    state = build_training_state(load_model_file(MODELS / "queries_an_op_library.py"), 0, 1)
+    code, constants = encode_program(export_init(state))
+    (tmp_path / "init.json").write_bytes(code)
+    (tmp_path / "init.safetensors").write_bytes(constants or b"")
+    decode = (
+        "import sys; from pathlib import Path; from runner.init_program import load_init_graph; "
+        "d = Path(sys.argv[1]); c = (d / 'init.safetensors').read_bytes(); "
+        "load_init_graph((d / 'init.json').read_bytes(), c or None); "
+        "assert 'helpers.query_op_library' not in sys.modules; print('decoded')"
+    )
+    r = subprocess.run([sys.executable, "-c", decode, str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "decoded" in r.stdout, r.stderr[-2000:]
+    torch.manual_seed(0)
+    eager = dict(mf.model().named_parameters())
+    got = replay(graph, names, 0)
+    for name, p in eager.items():
+        assert torch.equal(got[name], p), name

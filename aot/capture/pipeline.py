@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from aot.capture.inert_calls import drop_inert_calls
+
 from aot.capture.model_file import ModelFile
 from aot.capture.stages import Stage
 from aot.capture.step import CapturedStep, Group, StepLayout, _describe_trace_error, _gather, optimizer_tracing, step_args, step_program, rank_state
@@ -110,6 +112,7 @@ def capture_pipeline(
     try:
         with optimizer_tracing(), quiet_trace_logs():
             graph = make_fx(step, tracing_mode="fake")(*args)
+        drop_inert_calls(graph)
     except AotError:
         raise
     except Exception as e:

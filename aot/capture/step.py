@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from aot.capture.inert_calls import drop_inert_calls
+
 from aot.capture.loss_scaling import LossScaling
 from aot.capture.model_file import ModelFile, call_user
 from aot.capture.module_calls import annotate_module_calls
@@ -388,6 +390,7 @@ def _capture(
         data_groups = [g for g in (layout.fsdp, layout.dp) if g is not None]
         with optimizer_tracing(), quiet_trace_logs(), annotate_module_calls(model), sync_batchnorm_in_graph(model, data_groups):
             graph = (tracer or fake_make_fx)(step, args)
+        drop_inert_calls(graph)
     except AotError:
         raise
     except Exception as e:

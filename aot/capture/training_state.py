@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from aot.capture.inert_calls import drop_inert_calls
+
 from aot.capture.model_file import ModelFile, call_user
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.errors import AotError
@@ -179,6 +181,7 @@ def _record_init(mf: ModelFile) -> tuple[nn.Module, torch.fx.GraphModule, int, i
                 f"constructor must not read tensor values (branch on them, .item(), .tolist())"
             ) from e
         raise
+    drop_inert_calls(graph)
     model = made["model"]
     return model, graph, len(dict(model.named_parameters())), len(dict(model.named_buffers()))
 
