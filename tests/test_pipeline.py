@@ -132,6 +132,8 @@ SLOW_CASES = [
     ("gpt.py", "pp=2,dp=2", ()),
     ("gpt.py", "pp=2,fsdp=2", ()),
     ("gpt.py", "pp=2,tp=2", ()),
+    ("gpt.py", "pp=2,tp=2", ("--sequence-parallel",)),
+    (GPT4, "pp=2,tp=2", ("--sequence-parallel", "--pp-schedule", "interleaved-1f1b", "--microbatches", 4)),
     ("mlp.py", "pp=2", ("--pp-schedule", "gpipe", "--microbatches", 4)),
 ]
 

@@ -62,8 +62,6 @@ def trace_forward(
     tp collectives are made differentiable the way Megatron's are (`_tensor_parallel_autograd`)."""
     if layout.tp is None:
         return _trace_forward(mf, state, layout, inputs, targets, None)
-    if layout.sequence is not None:
-        raise AotError("--sequence-parallel is not supported with pp yet")
     traced = []
     for rank in (0, layout.tp.size - 1):
         with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence, rank=rank) as tp:
@@ -78,7 +76,7 @@ def trace_forward(
     graph, sources = traced[0]
     named = {p: source for p, source in zip((n for n in graph.graph.nodes if n.op == "placeholder"), sources) if source.kind == "param"}
     split = layout.tp_dims(state)
-    differentiable_regions(graph, dict(layout.tp_plan), layout.tp.name, set(named), {p for p, source in named.items() if source.name in split})
+    differentiable_regions(graph, dict(layout.tp_plan), layout.tp.name, set(named), {p for p, source in named.items() if source.name in split}, layout.sequence)
     return graph, sources
 
 
