@@ -203,6 +203,7 @@ def _plans(r) -> dict[str, dict]:
     return {p["strategy"]: p for p in json.loads(ok(r).stdout)["plans"] if p["bucket_mb"] == 25}
 
 
+@pytest.mark.slow  # a planner scenario (11 s); CI runs it
 def test_planner_prices_bf16(tmp_path):
     """bf16 halves the activations the planner sees and fsdp's all-gathers; on a model whose step
     is matmuls (Llama 1B on A100s), the step is priced at the bf16 rate. (On gpt.py, whose step is

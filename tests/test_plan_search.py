@@ -118,6 +118,7 @@ def test_plans_rank_by_time_per_sample_and_price_pipelines_where_they_could_win(
     assert any(s.startswith("pp=2 (1 mesh): not priced, none can beat the best plan without pp") for s in out["skipped"]), out["skipped"]
 
 
+@pytest.mark.slow  # a search and a pipeline build (22 s); CI runs it
 def test_build_strategy_auto_builds_a_pipeline_where_links_are_slow(tmp_path):
     """With 10 MB/s between the GPUs, dp, fsdp and tp wait on their collectives while a pipeline
     sends a few activations: the pipeline plan is priced, ranks first, and `--strategy auto` builds
@@ -144,6 +145,7 @@ def test_build_strategy_auto_builds_a_pipeline_where_links_are_slow(tmp_path):
     assert plan["predicted"]["memory_bytes"]["peak"] == best["memory_bytes"]["peak"] == manifest["memory"]["predicted"]["peak"]
 
 
+@pytest.mark.slow  # 5 builds beside a search (15 s); CI runs it
 def test_every_plans_peak_memory_is_its_builds(tmp_path):
     """The planner's peak per rank is the build's prediction for the same mesh and bucket size,
     byte for byte: buckets packed analytically live as the built step holds them (each member's
@@ -185,6 +187,7 @@ def test_build_strategy_auto_records_the_plan_and_its_timeline(tmp_path):
     assert summary["plan"]["predicted"]["step_s"] == predicted["step_s"]
 
 
+@pytest.mark.slow  # CPU ranks' calibration, timed three times (26 s); CI runs it
 def test_calibrate_under_torchrun_writes_a_profile_the_planner_reads(tmp_path):
     """The profile calibrate writes on 2 CPU ranks holds figures of this machine: matmul FLOP/s,
     copy bandwidth, GELU's time per element and all_reduce's alpha-beta line are each within a
