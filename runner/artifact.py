@@ -270,7 +270,8 @@ def _check_structure(m: dict, where: str) -> None:
     if m.get("init") is not None:
         init = m["init"]
         expect(init["file"] in m["files"], "init.file is not listed in files")
-        expect(init.get("constants") is None or init["constants"] in m["files"], "init.constants is not listed in files")
+        constants = init.get("constants")
+        expect(constants is None or (isinstance(constants, str) and constants in m["files"]), "init.constants is not listed in files")
         expect(
             sorted(init["outputs"]) == sorted([*m["state"]["params"], *m["state"]["buffers"]]),
             "init.outputs do not name each of state.params and state.buffers once",

@@ -77,6 +77,19 @@ def test_damaged_manifests_give_one_line_errors(artifact_dir, tmp_path_factory, 
         assert "\n" not in str(e)
 
 
+@pytest.mark.parametrize("value", [[], {}, 3])
+def test_a_file_name_that_is_not_a_string_is_one_line(artifact_dir, tmp_path, value):
+    """What the fuzzing above once found: init.constants set to a list made a TypeError."""
+    manifest = json.loads((artifact_dir / "manifest.json").read_text())
+    assert manifest.get("init") is not None
+    manifest["init"]["constants"] = value
+    manifest["digest"] = manifest_digest(manifest)
+    folder = writable_copy(artifact_dir, tmp_path / "m")
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(AotError, match="init.constants is not listed in files"):
+        Artifact(folder)
+
+
 @FUZZ
 @given(profile=st.dictionaries(st.sampled_from(["schema", "schema_version", "name", "device_kind", "nodes", "node", "backend"]), json_values, max_size=7))
 def test_generated_profiles_give_one_line_errors(tmp_path_factory, profile):
