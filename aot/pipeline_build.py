@@ -107,6 +107,7 @@ def build_programs(options, mf, state, layout: StepLayout, mesh, placement, mach
     if not always and budget is not None and max(a.memory.peak for a in analyses.values()) > budget:
         # over the budget: every stage's forward again in its backward (the one recomputation pp has)
         plain = (made, captures, analyses)
+        progress.total += 1 + pp  # the forward traced and each pipeline rank captured again
         made, captures, analyses = programs(True, notes=False)
         recompute = stage_recompute_entry(request, True, plain[2])
         smallest = max(a.memory.peak for a in analyses.values())

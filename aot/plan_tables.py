@@ -35,7 +35,7 @@ def render_table(rows: list[dict], header: str, batch_size: int) -> str:
     table = [cols]
     for i, r in enumerate(rows, 1):
         algos = ", ".join(f"{n} {k}" for k, n in r["algorithms"].items()) or "-"
-        recompute = "-" if r.get("recompute") is None else f"{r['recompute']:g}"
+        recompute = "stages" if (r.get("pipeline") or {}).get("recompute") else "-" if r.get("recompute") is None else f"{r['recompute']:g}"
         table.append(
             [
                 str(i),

@@ -145,6 +145,33 @@ def test_build_strategy_auto_builds_a_pipeline_where_links_are_slow(tmp_path):
     assert plan["predicted"]["memory_bytes"]["peak"] == best["memory_bytes"]["peak"] == manifest["memory"]["predicted"]["peak"]
 
 
+@pytest.mark.slow  # a search of pipelines, plain and recomputed, and a build (25 s); CI runs it
+def test_pipelines_priced_recomputing_stages_where_the_plain_ones_do_not_fit(tmp_path):
+    """On GPUs too small for any pipeline's plain programs (gpt.py, pp=2: 1.81 MB at the least, 8
+    microbatches) the planner prices each configuration recomputing every stage, as the build then
+    does, and the build of the plan chosen recomputes and predicts its step and peak exactly."""
+    from aot.plan.search import MEMORY_HEADROOM
+
+    profile = copy.deepcopy(load_profile("dgx_a100"))
+    for gpu in profile["node"]["gpus"].values():
+        gpu["memory_bytes"] = int(1_650_000 / MEMORY_HEADROOM)
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(profile))
+    best = _plan(GPT, "--topology", str(path), "--world-size", "2", "--axes", "pp", "--batch-size", "8")["plans"][0]
+    assert best["fits"] and best["pipeline"]["recompute"] == "stages", best
+    pipeline = best["pipeline"]
+    art = tmp_path / "art"
+    args = ["build", GPT, "--topology", str(path), "--world-size", "2", "--strategy", "pp=2", "--batch-size", "8", "--no-onnx", "-o", str(art)]
+    args += ["--microbatches", str(pipeline["microbatches"]), "--pp-schedule", pipeline["schedule"]]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    manifest = Artifact(art).manifest
+    assert manifest["memory"]["recompute"]["policy"] == "stages" and manifest["memory"]["recompute"]["source"] == "device memory"
+    assert manifest["memory"]["recompute"]["peak_without_recompute"] > MEMORY_HEADROOM * next(iter(profile["node"]["gpus"].values()))["memory_bytes"]
+    assert manifest["time"]["predicted"]["step_s"] == pytest.approx(best["step_s"], rel=1e-9)
+    assert manifest["memory"]["predicted"]["peak"] == best["memory_bytes"]["peak"]
+
+
 @pytest.mark.slow  # 5 builds beside a search (15 s); CI runs it
 def test_every_plans_peak_memory_is_its_builds(tmp_path):
     """The planner's peak per rank is the build's prediction for the same mesh and bucket size,

@@ -319,9 +319,12 @@ class ModelSteps:
         variants = self.recomputed.get(key, ())
         return [(fraction, self._derive(graph, source, dp, fsdp, tp)) for fraction, graph in variants]
 
-    def pipeline(self, axes: tuple, shape: tuple, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> tuple[list, list[StepGraph]]:
+    def pipeline(
+        self, axes: tuple, shape: tuple, microbatches: int, schedule: str = "1f1b", virtual: int = 1, recompute: bool = False
+    ) -> tuple[list, list[StepGraph]]:
         """The programs of a pipeline mesh, one per pipeline rank, as the build makes them (default
-        bucket size), and their analyses; Unsupported where the build would refuse the mesh."""
+        bucket size; `recompute`: every stage's forward again in its backward), and their
+        analyses; Unsupported where the build would refuse the mesh."""
         from aot.capture.step import Group
         from aot.passes import run_passes
         from aot.plan.pipeline import check_microbatches
@@ -329,7 +332,7 @@ class ModelSteps:
 
         degrees = dict(zip(axes, shape))
         pp, dp, fsdp = degrees["pp"], degrees.get("dp", 1), degrees.get("fsdp", 1)
-        key = ("pp", pp, dp > 1, fsdp, degrees.get("tp", 1), microbatches, schedule, virtual)
+        key = ("pp", pp, dp > 1, fsdp, degrees.get("tp", 1), microbatches, schedule, virtual, recompute)
         if key not in self.pipelines:
             try:
                 check_microbatches(schedule, pp, microbatches, self.targets.shape[0])
@@ -346,6 +349,7 @@ class ModelSteps:
                     virtual=virtual,
                     compute=compute,
                     finish=lambda gm: run_passes(gm, bucket_bytes=25 * 2**20),
+                    recompute=recompute,
                     memory_limit=self.memory_limit.bytes if self.memory_limit is not None else None,
                 )
             except AotError as e:

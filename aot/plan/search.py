@@ -353,9 +353,9 @@ class Planner:
         """A pipeline mesh, priced by simulating its pipeline ranks' programs side by side
         (aot.plan.pipeline_timeline) at 1, 2 and 4 microbatches per pipeline rank, with 1f1b and
         interleaved-1f1b (2 stages per rank, where the model has the layers): the fastest that
-        fits. pp is the outermost axis (across nodes); the other axes are placed inside it."""
-        from aot.plan.pipeline_timeline import simulate_pipeline
-
+        fits. Where a configuration's plain programs do not fit, it is priced recomputing every
+        stage's forward in its backward, as the build then recomputes. pp is the outermost axis
+        (across nodes); the other axes are placed inside it."""
         if self._pipeline is None:
             raise Unsupported("no pipeline graphs for this planner")
         size = dict(zip(axes, shape))
@@ -369,28 +369,44 @@ class Planner:
             (k * size["pp"], schedule, virtual) for k in PIPELINE_MICROBATCHES_PER_RANK for schedule, virtual in PIPELINE_SCHEDULES
         ]:
             try:
-                programs, analyses = self._pipeline(order, ordered, microbatches, schedule, virtual)
+                plan = self._pipeline_priced(order, ordered, placement, microbatches, schedule, virtual, recompute=False)
             except Unsupported as e:
                 last = last or e  # the first reason: the fewest microbatches, 1f1b
                 continue
-            timeline = simulate_pipeline(programs, self, placement, Mesh.group_name("pp"))
-            busiest = max(range(len(programs)), key=lambda r: timeline.busy_s[r])
-            plan = self.evaluate(order, ordered, DEFAULT_BUCKET_MB, step=analyses[busiest], bucketed=True, placement=placement, as_built=True)
-            memory = max((a.memory for a in analyses), key=lambda m: m.peak)
-            plan.prediction = replace(plan.prediction, step_s=timeline.step_s, memory=memory)
-            limit = self.machine.memory_bytes
-            plan.fits = limit is None or memory.peak <= MEMORY_HEADROOM * limit
-            plan.pipeline = {
-                "microbatches": microbatches,
-                "schedule": schedule,
-                "stages_per_rank": virtual,
-                "bubble_s": timeline.step_s - timeline.busy_s[busiest],
-            }
+            if not plan.fits:  # as the build does over device memory: every stage recomputed, kept if its peak is lower
+                try:
+                    recomputed = self._pipeline_priced(order, ordered, placement, microbatches, schedule, virtual, recompute=True)
+                except Unsupported:  # a stage draws random numbers (dropout): the build would not recompute it either
+                    recomputed = None
+                if recomputed is not None and recomputed.prediction.memory.peak < plan.prediction.memory.peak:
+                    plan = recomputed
             if best is None or rank_key(plan) < rank_key(best):
                 best = plan
         if best is None:
             raise last or Unsupported("no microbatch count fits the batch")
         return best
+
+    def _pipeline_priced(self, order: tuple, ordered: tuple, placement, microbatches: int, schedule: str, virtual: int, recompute: bool) -> Plan:
+        """One pipeline configuration: its pipeline ranks' programs as built, simulated side by side."""
+        from aot.plan.pipeline_timeline import simulate_pipeline
+
+        assert self._pipeline is not None  # pipeline_plan checks
+        programs, analyses = self._pipeline(order, ordered, microbatches, schedule, virtual, recompute=recompute)
+        timeline = simulate_pipeline(programs, self, placement, Mesh.group_name("pp"))
+        busiest = max(range(len(programs)), key=lambda r: timeline.busy_s[r])
+        plan = self.evaluate(order, ordered, DEFAULT_BUCKET_MB, step=analyses[busiest], bucketed=True, placement=placement, as_built=True)
+        memory = max((a.memory for a in analyses), key=lambda m: m.peak)
+        plan.prediction = replace(plan.prediction, step_s=timeline.step_s, memory=memory)
+        limit = self.machine.memory_bytes
+        plan.fits = limit is None or memory.peak <= MEMORY_HEADROOM * limit
+        plan.pipeline = {
+            "microbatches": microbatches,
+            "schedule": schedule,
+            "stages_per_rank": virtual,
+            "bubble_s": timeline.step_s - timeline.busy_s[busiest],
+            **({"recompute": "stages"} if recompute else {}),
+        }
+        return plan
 
     def recomputing(self, axes, shape, over: list[Plan]) -> list[Plan]:
         """For each plan of one mesh that does not fit, the plan recomputing activations: of the
