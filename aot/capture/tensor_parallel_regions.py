@@ -138,6 +138,8 @@ def differentiable_regions(graph: torch.fx.GraphModule, plan: dict[str, str], gr
         replacement: Callable[..., torch.Tensor]
         if node.target is _funcol.all_reduce.default:
             replacement, args = reduce_from_tensor_parallel, (node.args[0], group)
+        elif sequence is None:  # only sequence parallelism's gathers feed tp-split work (partial gradients)
+            continue
         elif node.target is _funcol.all_gather_into_tensor.default:
             replacement, args = gather_from_sequence_parallel, tuple(node.args)
         elif node.target is _funcol.reduce_scatter_tensor.default:
