@@ -260,6 +260,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         captures = {PROGRAM: captured}
     progress.note(describe_memory(memory, recompute))
     progress.note(describe_time(time).removeprefix("time").strip())
+    if profile.get("device_kind") == "cuda":
+        _note_math_attention(captures, progress)
     if recompute.get("warning"):
         progress.warn(recompute["warning"])
     subgroups = {}
@@ -394,3 +396,17 @@ def describe_placement(placement: Placement) -> str:
             shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:4]) + (" ..." if len(groups) > 4 else "")
             parts.append(f"{axis} groups {shown}")
     return "; ".join(parts)
+
+
+def _note_math_attention(captures: dict, progress) -> None:
+    """Say where a GPU artifact's attention keeps its scores (aot/capture/target_autocast.py): the
+    predictions include them; eager PyTorch on the GPU would run flash attention."""
+    from aot.capture.target_autocast import math_attention
+
+    calls, size, shape = max((math_attention(c.graph.graph) for c in captures.values()), key=lambda x: x[1])
+    if calls:
+        progress.note(
+            f"attention: {calls} scaled_dot_product_attention call(s) recorded as torch's math decomposition, "
+            f"scores {'x'.join(map(str, shape or ()))} ({human(size)} per step on the busiest rank) computed and kept "
+            f"for backward, which the predictions include; a GPU's eager PyTorch runs flash attention, which keeps none"
+        )

@@ -198,6 +198,25 @@ def test_cuda_profile_traces_cudas_autocast_rules(built):
     ok(torchrun(2, "run", cuda_tp, "--steps", 2, "--allow-topology-mismatch", "--quiet"))
 
 
+def test_gpu_builds_record_attention_every_device_runs(tmp_path):
+    """Built on this CPU for an A100 profile in fp32, transformers' GPT-2 (SDPA) was recorded with
+    torch's fused CPU attention kernel (`_scaled_dot_product_flash_attention_for_cpu`), which a GPU
+    has no kernel for. GPU builds hold SDPA to its math backend: plain ops, the build says where
+    the scores go, and the artifact trains as eager DDP (on CPU ranks here)."""
+    from helpers.training import assert_same_training
+
+    r = ok(aot("build", MODELS / "hf_gpt2.py", "--topology", "dgx_a100", "--world-size", 1, "--batch-size", 4, "--no-onnx", "-o", tmp_path / "a"))
+    assert "scaled_dot_product_attention call(s) recorded as torch's math decomposition" in r.stderr
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    program = json.loads((tmp_path / "a" / manifest["programs"]["train"]["file"]).read_text())
+    targets = {n["target"] for n in program["graph_module"]["graph"]["nodes"]}
+    assert not [t for t in targets if "for_cpu" in t] and "torch.ops.aten._safe_softmax.default" in targets, sorted(targets)
+    losses, ref_losses, weights, ref_weights = train_both(
+        MODELS / "hf_gpt2.py", 1, tmp_path, build_args=("--topology", "dgx_a100"), run_args=("--allow-topology-mismatch",)
+    )
+    assert_same_training(losses, ref_losses, weights, ref_weights)
+
+
 def _plans(r) -> dict[str, dict]:
     """strategy -> plan at 25 MB buckets, of an `aot plan --json` that ran."""
     return {p["strategy"]: p for p in json.loads(ok(r).stdout)["plans"] if p["bucket_mb"] == 25}

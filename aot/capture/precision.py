@@ -141,7 +141,7 @@ def resolve_precision(precision: str | None, reduce_dtype: str | None, model_glo
     if compute == "fp32":
         if model_globals.get("grad_scaler") is not None:
             warnings.warn(f"{model_name}: grad_scaler applies to fp16 builds only; ignored", stacklevel=2)
-        return Precision()
+        return Precision(rules=device)  # no autocast; the target still decides how SDPA is recorded (step.py)
     if compute not in AUTOCAST_DTYPES.get(device, ()):
         raise AotError(
             f"{source} {compute}: autocast on {device} (the target {profile.get('name')!r}) does not "

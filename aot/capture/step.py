@@ -329,13 +329,27 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
     return step, finish
 
 
+@contextlib.contextmanager
 def _autocast_region(precision: Precision):
     """torch.autocast with the target's rules: CPU's directly; another device's (CUDA) applied call
     by call on the step's CPU tensors (aot/capture/target_autocast.py), since autograd cannot run on
-    fake CUDA tensors where torch has no CUDA."""
-    if precision.mixed and precision.rules != "cpu":
-        return TargetAutocast(precision.rules, precision.compute_dtype, precision.autocast)
-    return precision.autocast()
+    fake CUDA tensors where torch has no CUDA.
+
+    For a target other than the CPU, scaled_dot_product_attention is also held to its math
+    backend: torch picks SDPA's kernel by the tensors' device, which for the build's CPU tensors is
+    a fused CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`) that a GPU has no kernel
+    for. The math backend records plain ops every device runs (target_autocast.py's docstring:
+    the scores it keeps, and the build's note on them)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with contextlib.ExitStack() as stack:
+        if precision.rules != "cpu":
+            stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        if precision.mixed and precision.rules != "cpu":
+            stack.enter_context(TargetAutocast(precision.rules, precision.compute_dtype, precision.autocast))
+        else:
+            stack.enter_context(precision.autocast())
+        yield
 
 
 def _any_rank(found_inf: torch.Tensor, layout: StepLayout) -> torch.Tensor:

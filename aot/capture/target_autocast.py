@@ -247,3 +247,18 @@ def _computes(func) -> bool:
         return False
     qualname = getattr(func, "__qualname__", "") or ""
     return getattr(func, "__module__", None) in _COMPUTE_MODULES or qualname.startswith(("TensorBase.", "Tensor."))
+
+
+def math_attention(graph: torch.fx.Graph) -> tuple[int, int, tuple[int, ...] | None]:
+    """(calls, bytes, one shape) of the attention scores a graph makes as scaled_dot_product_attention's
+    math decomposition (its softmax is `_safe_softmax`, a user's own `softmax` is `_softmax`): on a
+    GPU torch would run a fused kernel that keeps no B x H x S x S scores for backward."""
+    calls, size, shape = 0, 0, None
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is aten._safe_softmax.default:
+            val = node.meta.get("val")
+            calls += 1
+            if isinstance(val, torch.Tensor):
+                size += val.numel() * val.element_size()
+                shape = tuple(val.shape)
+    return calls, size, shape
