@@ -35,7 +35,7 @@ def render_table(rows: list[dict], header: str, batch_size: int) -> str:
     table = [cols]
     for i, r in enumerate(rows, 1):
         algos = ", ".join(f"{n} {k}" for k, n in r["algorithms"].items()) or "-"
-        recompute = "stages" if (r.get("pipeline") or {}).get("recompute") else "-" if r.get("recompute") is None else f"{r['recompute']:g}"
+        recompute = recompute_label(r)
         table.append(
             [
                 str(i),
@@ -54,6 +54,13 @@ def render_table(rows: list[dict], header: str, batch_size: int) -> str:
             ]
         )
     return "\n".join([header, "", *aligned(table, left)])
+
+
+def recompute_label(row: dict) -> str:
+    """What a plan recomputes: a pipeline's whole stages, else the activation budget, else "-"."""
+    if (row.get("pipeline") or {}).get("recompute"):
+        return row["pipeline"]["recompute"]
+    return "-" if row.get("recompute") is None else f"{row['recompute']:g}"
 
 
 def strategy_label(row: dict) -> str:

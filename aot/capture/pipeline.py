@@ -20,7 +20,6 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.inert_calls import drop_inert_calls
-
 from aot.capture.model_file import ModelFile
 from aot.capture.stages import Stage
 from aot.capture.step import CapturedStep, Group, StepLayout, _describe_trace_error, _gather, optimizer_tracing, step_args, step_program, rank_state

@@ -20,7 +20,6 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.inert_calls import drop_inert_calls
-
 from aot.capture.loss_scaling import LossScaling
 from aot.capture.model_file import ModelFile, call_user
 from aot.capture.module_calls import annotate_module_calls

@@ -24,7 +24,6 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.inert_calls import drop_inert_calls
-
 from aot.capture.model_file import ModelFile, call_user
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.errors import AotError
