@@ -5,11 +5,11 @@
     python bench/gpu_gpt2.py --artifact DIR --build-json build.json ...     # measure on that build
 
 The model is transformers' GPT2LMHeadModel(GPT2Config()) with the config's defaults (12 layers,
-12 heads, 768 wide, vocabulary 50257, context 1024, dropout 0.1, the embedding tied to the head;
-124,439,808 parameters), randomly initialised: nothing is downloaded. Its forward returns the
-logits (use_cache=False); the loss is cross-entropy on random token ids shifted by one; AdamW
-(lr 6e-4, betas 0.9/0.95, weight decay 0.1), gradients clipped to norm 1.0; forward and loss
-under torch.autocast("cuda", torch.bfloat16), fp32 master weights. Attention is transformers'
+12 heads, 768 wide, vocabulary 50257, context 1024, the embedding tied to the head; 124,439,808
+parameters) but dropout 0 (as nanoGPT and llm.c pretrain it), randomly initialised: nothing is
+downloaded. Its forward returns the logits (use_cache=False); the loss is cross-entropy on random
+token ids shifted by one; AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1), gradients clipped to
+norm 1.0; forward and loss under torch.autocast("cuda", torch.bfloat16), fp32 master weights. Attention is transformers'
 default implementation (`sdpa`) unless --attn says otherwise. (--attn eager builds, but on
 2026-12-03 with transformers 5.17 `aot run` refused that artifact on the CPU: "the program takes
 param transformer.wte.weight of shape []"; sdpa trained.)
@@ -72,7 +72,10 @@ def config():
     from transformers import GPT2Config
 
     sizes = {"n_layer": _SMALL.get("layers"), "n_embd": _SMALL.get("embd"), "n_head": _SMALL.get("heads")}
-    return GPT2Config(use_cache=False, attn_implementation=ATTN, **{k: v for k, v in sizes.items() if v})
+    # No dropout, as nanoGPT and llm.c pretrain GPT-2 124M; with attention dropout aot keeps the math
+    # attention (runner/attention.py: its fused operator has no dropout).
+    dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    return GPT2Config(use_cache=False, attn_implementation=ATTN, **dropout, **{k: v for k, v in sizes.items() if v})
 
 
 def model():

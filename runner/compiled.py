@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import platform
 import shutil
 import tempfile
@@ -233,6 +234,10 @@ def load_compiled(artifact, program: str, device: torch.device, inputs: int) -> 
     problem = package_problem(data)
     if problem:
         raise AotError(f"{root / relpath}: {problem}")
+    # The package reads its inputs as compiled, checking nothing unless asked: with the check on,
+    # an input of the wrong dtype, shape, stride or device is an error naming it, not a crash. A
+    # few hundred comparisons a step; read by the package once, at its first call.
+    os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
     folder = Path(tempfile.mkdtemp(prefix="aot-compiled-"))  # mode 0700: this user's alone
     try:
         path = folder / f"{program}.pt2"

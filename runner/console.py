@@ -2,11 +2,14 @@
 
 User errors (AotError) print one line and exit 1 (or the error's `exit_status`); click's usage
 errors exit 2; anything else is a bug and prints one line too, with its traceback only under
---debug (or AOT_DEBUG=1).
+--debug (or AOT_DEBUG=1). A crash in native code (a segfault in a compiled package or a kernel)
+prints the Python stack it happened under (faulthandler) before the process dies, so a dead rank
+says where.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 
@@ -26,6 +29,8 @@ def console_main(cli: click.Command, prog_name: str, argv: list[str] | None = No
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("AOT_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
     try:
         cli.main(args=argv, prog_name=prog_name, standalone_mode=False)
     except click.exceptions.Exit as e:

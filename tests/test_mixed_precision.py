@@ -198,19 +198,23 @@ def test_cuda_profile_traces_cudas_autocast_rules(built):
     ok(torchrun(2, "run", cuda_tp, "--steps", 2, "--allow-topology-mismatch", "--quiet"))
 
 
-def test_gpu_builds_record_attention_every_device_runs(tmp_path):
+def test_gpu_builds_record_attention_as_the_runners_fused_operator(tmp_path):
     """Built on this CPU for an A100 profile in fp32, transformers' GPT-2 (SDPA) was recorded with
     torch's fused CPU attention kernel (`_scaled_dot_product_flash_attention_for_cpu`), which a GPU
-    has no kernel for. GPU builds hold SDPA to its math backend: plain ops, the build says where
-    the scores go, and the artifact trains as eager DDP (on CPU ranks here)."""
+    has no kernel for; held to the math backend instead, it kept every B x H x S x S score for
+    backward. GPU builds record it as the runner's aot::attention (runner/attention.py: the
+    device's fused kernel at run time), name the op library in the manifest, keep no softmax of
+    scores, and train as eager DDP (on CPU ranks here, where the op runs eager's own kernel)."""
     from helpers.training import assert_same_training
 
     r = ok(aot("build", MODELS / "hf_gpt2.py", "--topology", "dgx_a100", "--world-size", 1, "--batch-size", 4, "--no-onnx", "-o", tmp_path / "a"))
-    assert "scaled_dot_product_attention call(s) recorded as torch's math decomposition" in r.stderr
+    assert "math decomposition" not in r.stderr
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["custom_ops"] == {"modules": ["runner.attention"], "ops": ["aot::attention", "aot::attention_backward"]}
     program = json.loads((tmp_path / "a" / manifest["programs"]["train"]["file"]).read_text())
-    targets = {n["target"] for n in program["graph_module"]["graph"]["nodes"]}
-    assert not [t for t in targets if "for_cpu" in t] and "torch.ops.aten._safe_softmax.default" in targets, sorted(targets)
+    targets = [n["target"] for n in program["graph_module"]["graph"]["nodes"]]
+    assert not [t for t in targets if "for_cpu" in t or "_safe_softmax" in t], sorted(set(targets))
+    assert targets.count("torch.ops.aot.attention.default") == 2 and targets.count("torch.ops.aot.attention_backward.default") == 2
     losses, ref_losses, weights, ref_weights = train_both(
         MODELS / "hf_gpt2.py", 1, tmp_path, build_args=("--topology", "dgx_a100"), run_args=("--allow-topology-mismatch",)
     )

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from aot.capture.fused_attention import FusedAttention
 from aot.capture.inert_calls import drop_inert_calls
 from aot.capture.loss_scaling import LossScaling
 from aot.capture.model_file import ModelFile, call_user
@@ -334,20 +335,24 @@ def _autocast_region(precision: Precision):
     by call on the step's CPU tensors (aot/capture/target_autocast.py), since autograd cannot run on
     fake CUDA tensors where torch has no CUDA.
 
-    For a target other than the CPU, scaled_dot_product_attention is also held to its math
-    backend: torch picks SDPA's kernel by the tensors' device, which for the build's CPU tensors is
-    a fused CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`) that a GPU has no kernel
-    for. The math backend records plain ops every device runs (target_autocast.py's docstring:
-    the scores it keeps, and the build's note on them)."""
+    For a target other than the CPU, scaled_dot_product_attention is recorded as the runner's
+    fused operator where it can be (aot/capture/fused_attention.py), and otherwise held to its
+    math backend: torch picks SDPA's kernel by the tensors' device, which for the build's CPU
+    tensors is a fused CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`) that a GPU has
+    no kernel for. The math backend records plain ops every device runs (the build notes the
+    scores they keep). The fused mode is entered last, so it sees each call before autocast."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with contextlib.ExitStack() as stack:
         if precision.rules != "cpu":
             stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
-        if precision.mixed and precision.rules != "cpu":
+        target_autocast = precision.mixed and precision.rules != "cpu"
+        if target_autocast:
             stack.enter_context(TargetAutocast(precision.rules, precision.compute_dtype, precision.autocast))
         else:
             stack.enter_context(precision.autocast())
+        if precision.rules != "cpu":
+            stack.enter_context(FusedAttention(precision.compute_dtype if target_autocast else None))
         yield
 
 
