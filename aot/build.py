@@ -408,5 +408,6 @@ def _note_math_attention(captures: dict, progress) -> None:
         progress.note(
             f"attention: {calls} scaled_dot_product_attention call(s) recorded as torch's math decomposition, "
             f"scores {'x'.join(map(str, shape or ()))} ({human(size)} per step on the busiest rank) computed and kept "
-            f"for backward, which the predictions include; a GPU's eager PyTorch runs flash attention, which keeps none"
+            f"for backward, which the predictions include; a GPU's eager PyTorch runs flash attention, which keeps none "
+            f"(aot records attention as its fused operator only without dropout and outside tensor parallelism)"
         )

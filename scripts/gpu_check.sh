@@ -36,7 +36,8 @@
 # Output ($OUT, the tool's output folder; runs/gpu_check/ where OUT is unset):
 #   gpu_check.json   machine and versions; every gpu test's outcome (skip and failure lines too)
 #                    and what each measured (their bounds' figures); the benchmark's figures and
-#                    goals; each part's seconds and exit status
+#                    goals; how CUDA AOTInductor packages load here (scripts/aoti_cuda_probe.py);
+#                    each part's seconds and exit status
 #   gpu_check.log    everything printed
 # Exit status 0 when no test failed and the benchmark ran every variant, else 1.
 #
@@ -167,6 +168,16 @@ if [ -n "$BUILD_PID" ]; then
   say "waiting for the benchmark's build"
   wait "$BUILD_PID"
   say "benchmark build: exit $? ($(tail -n 3 "$WORK/bench_build.log" | tr '\n' ' '))"
+  # The compiled tier's load, one way at a time (scripts/aoti_cuda_probe.py): on torch 2.11 every aot
+  # CUDA package segfaulted inside the package loader; this says whether torch's own packages load.
+  PROBE_RC=not-run
+  if [ -z "$SMOKE" ] && [ "${GPU_CHECK_AOTI_PROBE:-1}" != 0 ] && [ "$(left)" -gt 260 ]; then
+    say "probing how CUDA AOTInductor packages load here (at most 150 s)"
+    timeout -k 5 150 "$PY" scripts/aoti_cuda_probe.py "$WORK/aoti_probe.json" "$WORK/gpt2-artifact" >"$WORK/aoti_probe.log" 2>&1
+    PROBE_RC=$?
+    say "aoti probe: exit $PROBE_RC"
+    grep "^aoti probe" "$WORK/aoti_probe.log"
+  fi
   cap=$(( $(left) - 45 ))  # what is left after it: the profiled run below
   if [ "$cap" -lt 60 ]; then
     say "no time left for the benchmark ($cap s)"
@@ -234,6 +245,7 @@ result = {
     "tests": {"exit": tests_rc, "counts": counts, "cases": tests, "figures": read("test_figures.json")},
     "bench": {"exit": bench_rc, "build": (read("bench_build.json") or {}).get("build"), "figures": bench},
     "calibration": {"exit": cal_rc, "log": (work / "calibrate.log").read_text()[-2000:] if (work / "calibrate.log").is_file() else None},
+    "aoti_probe": read("aoti_probe.json"),
     "profile": {"exit": profile_rc, "inspect": read("inspect_profile.json"),
                 "log": (work / "profile_run.log").read_text()[-3000:] if (work / "profile_run.log").is_file() else None},
 }

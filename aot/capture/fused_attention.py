@@ -49,6 +49,35 @@ class FusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _register_sharding() -> None:
+    """How DTensor shards the pair under tensor parallelism: by heads (tp's column-wise q, k, v
+    projections give each rank whole heads), by batch, or replicated; the mask follows the batch
+    split where it has a batch dimension of its own and is replicated otherwise."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    def strategies(mask, per_head, outputs: int):
+        mask_heads = None if mask is None else Replicate()
+        batch_mask = None if mask is None else (Shard(0) if mask.shape[0] != 1 else Replicate())
+        rep = None if mask is None else Replicate()
+        return [
+            ([Shard(1)] * outputs, [Shard(1)] * per_head + [mask_heads, None, None]),
+            ([Shard(0)] * outputs, [Shard(0)] * per_head + [batch_mask, None, None]),
+            ([Replicate()] * outputs, [Replicate()] * per_head + [rep, None, None]),
+        ]
+
+    @register_sharding(torch.ops.aot.attention.default)
+    def _(q, k, v, mask, is_causal, scale):
+        return strategies(mask, 3, 1)
+
+    @register_sharding(torch.ops.aot.attention_backward.default)
+    def _(grad, q, k, v, mask, is_causal, scale):
+        return strategies(mask, 4, 3)
+
+
+_register_sharding()
+
+
 def _fusable(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """(q, k, v, mask, is_causal, scale) of a call aot::attention computes exactly, else None."""
     from torch.distributed.tensor import DTensor
@@ -56,10 +85,12 @@ def _fusable(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
     tensors = (query, key, value)
     if dropout_p != 0.0 or enable_gqa:
         return None
-    if attn_mask is not None and (not isinstance(attn_mask, torch.Tensor) or isinstance(attn_mask, DTensor) or attn_mask.requires_grad):
+    if attn_mask is not None and (not isinstance(attn_mask, torch.Tensor) or attn_mask.requires_grad):
         return None
-    if not all(isinstance(t, torch.Tensor) and not isinstance(t, DTensor) for t in tensors):
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
         return None
+    if len({isinstance(t, DTensor) for t in (*tensors, *([attn_mask] if attn_mask is not None else []))}) != 1:
+        return None  # plain and distributed tensors mixed: DTensor would refuse the call
     if query.dim() != 4 or key.shape[:-1] != value.shape[:-1] or query.shape[:2] != key.shape[:2] or key.shape[-1] != query.shape[-1]:
         return None
     if len({t.dtype for t in tensors}) != 1 or not query.is_floating_point():

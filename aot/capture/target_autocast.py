@@ -21,8 +21,9 @@ model's line.
 
 Two differences from tracing on a GPU, both without effect on the numbers: autocast's cache of
 cast weights applies to leaves that require grad, so a weight used twice (tied embeddings) is
-cast twice; and scaled_dot_product_attention is recorded as its math decomposition, the only
-kernel torch can choose without a GPU.
+cast twice; and scaled_dot_product_attention is recorded as the runner's fused operator
+(aot/capture/fused_attention.py), or, where that cannot compute a call (dropout, tensor-parallel
+DTensors), as its math decomposition, the only kernel torch can choose without a GPU.
 """
 
 from __future__ import annotations
