@@ -4,9 +4,11 @@ torch's deserializer rebuilds a whole ExportedProgram: it imports torch._dynamo 
 fake tensor for every node, which at start-up costs seconds that a runner should not pay. Our
 programs are plain: every input is a user input, every output a user output, and every node a
 call of a `torch.ops` operator. For those this module builds the FX graph directly from the
-JSON (the same schema, read the same way) and lets FX generate its Python code; anything else
-(higher-order ops, lifted constants, symbolic shapes) returns None, and the caller uses torch's
-deserializer instead. tests/test_program_loader.py checks both paths give bit-identical steps.
+JSON (the same schema, read the same way) and lets FX generate its Python code. Tensors the
+export lifted out of the graph (an init program's `torch.tensor(...)` constants, stored in the
+program's constants file) become attributes of the module, as torch's own `.module()` makes them.
+Anything else (higher-order ops, symbolic shapes) returns None, and the caller uses torch's
+deserializer instead. tests/test_program_loader.py checks both paths give bit-identical results.
 """
 
 from __future__ import annotations
@@ -91,21 +93,43 @@ def _value(arg: dict, env: dict, device: torch.device | None):
     raise Unsupported(kind)
 
 
-def load_graph_module(program_json: bytes, device: torch.device | None = None) -> torch.fx.GraphModule | None:
-    """The program as an FX GraphModule taking its inputs positionally, or None if it needs
-    torch's deserializer."""
+# input_specs kinds of lifted tensors -> the field naming the tensor (its key in the constants file)
+_LIFTED = {"buffer": "buffer_name", "parameter": "parameter_name", "tensor_constant": "tensor_constant_name"}
+
+
+def _lifted_tensors(constants: bytes | None) -> dict[str, torch.Tensor]:
+    """A program's constants file (runner.program.encode_program: keys "<table>/<name>") by name."""
+    from safetensors.torch import load
+
+    return {key.partition("/")[2]: value for key, value in (load(constants) if constants else {}).items()}
+
+
+def load_graph_module(program_json: bytes, device: torch.device | None = None, constants: bytes | None = None) -> torch.fx.GraphModule | None:
+    """The program as an FX GraphModule taking its user inputs positionally (its lifted tensors,
+    from `constants`, held as attributes), or None if it needs torch's deserializer."""
     try:
         program = json.loads(program_json)
         module = program["graph_module"]
         signature = module["signature"]
-        if any("user_input" not in s for s in signature["input_specs"]) or any("user_output" not in s for s in signature["output_specs"]):
-            raise Unsupported("lifted inputs or mutation outputs")
+        if any("user_output" not in s for s in signature["output_specs"]):
+            raise Unsupported("mutation outputs")
         graph_json = module["graph"]
         graph = torch.fx.Graph()
+        root = torch.nn.Module()
+        lifted = _lifted_tensors(constants)
         env: dict = {}
-        for inp in graph_json["inputs"]:
+        for index, (inp, spec) in enumerate(zip(graph_json["inputs"], signature["input_specs"], strict=True)):
             name = inp["as_tensor"]["name"]
-            env[name] = graph.placeholder(name)
+            ((kind, entry),) = spec.items()
+            if kind == "user_input":
+                env[name] = graph.placeholder(name)
+                continue
+            if kind not in _LIFTED or entry[_LIFTED[kind]] not in lifted:
+                raise Unsupported(f"input {name} ({kind})")
+            tensor = lifted[entry[_LIFTED[kind]]]
+            attribute = f"_lifted{index}"
+            root.register_buffer(attribute, tensor.to(device) if device is not None else tensor)
+            env[name] = graph.get_attr(attribute)
         for node in graph_json["nodes"]:
             args, kwargs = [], {}
             for inp in node["inputs"]:
@@ -126,8 +150,7 @@ def load_graph_module(program_json: bytes, device: torch.device | None = None) -
                     if out is not None:
                         env[out["name"]] = graph.call_function(operator.getitem, (call, index))
         graph.output(tuple(env[o["as_tensor"]["name"]] for o in graph_json["outputs"]))
-        gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-        return gm
+        return torch.fx.GraphModule(root, graph)
     except (Unsupported, KeyError, TypeError, ValueError):
         return None
 

@@ -71,8 +71,7 @@ _WHOLE_VIEWS = {
 
 def load_init_graph(program_json: bytes, constants: bytes | None) -> torch.fx.GraphModule:
     """The init program as a GraphModule on the CPU (no inputs; outputs: params, then buffers)."""
-    cpu = torch.device("cpu")
-    module = None if constants else load_graph_module(program_json, cpu)
+    module = load_graph_module(program_json, torch.device("cpu"), constants)
     return module if module is not None else decode_program(program_json, constants).module()
 
 
@@ -247,15 +246,19 @@ def stage_tensors(manifest: dict, coords: dict[str, int]) -> set[str] | None:
     return {n for s in pipeline["stages"] if s["rank"] == rank for n in (*s["params"], *s["buffers"])}
 
 
-def initial_optimizer_state(optimizer_init: dict[str, dict], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def initial_optimizer_state(optimizer_init: dict[str, dict], weights: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """The optimizer's initial state from the manifest's description (`state.optimizer_init`):
-    each tensor filled with one value, shaped like its parameter's piece on this rank or as given."""
+    each tensor filled with one value, shaped like its parameter's piece on this rank or as given.
+    Filled where it is used (`device`; 0-dim state, step counters, stays on the CPU as torch.optim
+    keeps it): Adam's moments are twice the model's weights, seconds of a cold start to fill on
+    the host and copy over."""
     out = {}
     for key, spec in optimizer_init.items():
         name = key.rpartition(":")[0]
         dtype = dtype_of(spec["dtype"])
         shape = weights[name].shape if spec["shape"] == "param" else spec["shape"]
-        out[key] = torch.full(shape, spec["fill"], dtype=dtype)
+        where = device if device is not None and len(shape) > 0 else None
+        out[key] = torch.full(shape, spec["fill"], dtype=dtype, device=where)
     return out
 
 
@@ -274,11 +277,14 @@ def initial_scaler_state(grad_scaler: dict) -> dict[str, torch.Tensor]:
     }
 
 
-def initial_state(artifact, coords: dict[str, int], init_from=None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def initial_state(
+    artifact, coords: dict[str, int], init_from=None, device: torch.device | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(weights, optimizer state) of the rank with `coords` before its first step, on the CPU:
     its pieces of the init program's tensors, or of the user's weights (`init_from`, a checked
     runner.init_from.InitFrom) with the buffers no state_dict holds from the program; and the
-    optimizer state `state.optimizer_init` describes."""
+    optimizer state `state.optimizer_init` describes, made on `device` where given (weights are
+    always made on the CPU, where the init program replays eager's random draws)."""
     from runner.init_from import rank_weights
 
     manifest = artifact.manifest
@@ -297,7 +303,7 @@ def initial_state(artifact, coords: dict[str, int], init_from=None) -> tuple[dic
         constants = set(spec["buffers"]) - set(spec["persistent_buffers"])
         constants &= held if held is not None else constants
         weights.update(replay(graph, init["outputs"], seed, keep, only=constants) if constants else {})
-    optimizer = initial_optimizer_state({k: v for k, v in spec["optimizer_init"].items() if k.rpartition(":")[0] in weights}, weights)
+    optimizer = initial_optimizer_state({k: v for k, v in spec["optimizer_init"].items() if k.rpartition(":")[0] in weights}, weights, device)
     scaler = (artifact.manifest.get("precision") or {}).get("grad_scaler")
     if scaler is not None:
         optimizer.update({SCALER_PREFIX + k: v for k, v in initial_scaler_state(scaler).items()})

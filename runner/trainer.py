@@ -168,7 +168,7 @@ class Trainer:
             self.program_loader = "aoti"
         else:
             constants = artifact.read(program["constants"]) if program.get("constants") else None
-            module = None if constants else load_graph_module(program_json, self.device if self.device.type != "cpu" else None)
+            module = load_graph_module(program_json, self.device if self.device.type != "cpu" else None, constants)
             self.program_loader = "fx"
             if module is None:  # a program the fast path does not cover: torch's deserializer
                 ep = decode_program(program_json, constants)
@@ -232,7 +232,7 @@ class Trainer:
         scaling state) the manifest describes."""
         artifact, manifest = self.artifact, self.artifact.manifest
         self.weights_source = str(self.init_from.path) if self.init_from else f"the init program (seed {manifest['build'].get('seed', 0)})"
-        return initial_state(artifact, entry["coords"], self.init_from)
+        return initial_state(artifact, entry["coords"], self.init_from, self.device)
 
     def _init_distributed(self, profile: dict) -> None:
         if dist.is_initialized():
