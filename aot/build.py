@@ -67,7 +67,7 @@ class BuildOptions:
     activation_budget: float | None = None  # or: the fraction of saved activation bytes kept
     activation_budget_source: str = "--activation-budget"  # or "plan": --strategy auto chose it
     microbatches: int | None = None  # pp: microbatches per step (None: as many as pipeline ranks)
-    pp_schedule: str = "1f1b"  # pp: gpipe | 1f1b | interleaved-1f1b (aot/plan/pipeline.py)
+    pp_schedule: str = "1f1b"  # pp: gpipe | 1f1b | interleaved-1f1b | zero-bubble (aot/plan/pipeline.py)
     stages_per_rank: int | None = None  # pp with interleaved-1f1b: model chunks per rank (None: 2)
     sync_batchnorm: bool = False  # every BatchNorm becomes SyncBatchNorm: statistics over the dp and fsdp ranks
 

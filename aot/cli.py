@@ -49,12 +49,14 @@ def cli():
 @click.option("--microbatches", type=int, default=None, help="With pp: microbatches each rank's --batch-size is split into (equal sizes). Default: pp.")
 @click.option(
     "--pp-schedule",
-    type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b"]),
+    type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]),
     default="1f1b",
     show_default=True,
     help="With pp: the order of microbatch forwards and backwards, as torch.distributed.pipelining's schedules "
     "of the same names (1f1b holds at most pp microbatches' activations; interleaved-1f1b runs "
-    "--stages-per-rank model chunks per rank for a smaller bubble).",
+    "--stages-per-rank model chunks per rank for a smaller bubble; zero-bubble splits each backward into "
+    "input and weight gradients and runs the weight gradients where 1f1b waits, holding at most pp microbatches "
+    "on every rank).",
 )
 @click.option("--stages-per-rank", type=int, default=None, help="With --pp-schedule interleaved-1f1b: model chunks per pipeline rank (default 2).")
 @click.option(

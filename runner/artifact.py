@@ -164,7 +164,7 @@ PIPELINE_SCHEMA = {
     "axis": str,
     "group": str,
     "size": int,
-    "schedule": OneOf("gpipe", "1f1b", "interleaved-1f1b"),
+    "schedule": OneOf("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"),
     "microbatches": int,
     "microbatch_size": int,
     "stages_per_rank": int,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from aot.errors import AotError
-from aot.plan.pipeline import SCHEDULES, balance, bubble_fraction, check, schedule_actions
+from aot.plan.pipeline import SCHEDULES, balance, bubble_fraction, check, schedule_actions, unit_step
 from helpers.commands import EXAMPLES, MODELS, aot, ok, show
 from helpers.training import TOL, adamw_lr, assert_same_training, train_both
 from runner.program import decode_program
@@ -34,6 +34,8 @@ def test_schedules_run_every_microbatch_once_forward_first_without_deadlock(sche
     for rank in actions:
         position = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(rank)}
         assert all(position[("F", mb, c)] < position[("B", mb, c)] for mb in range(microbatches) for c in range(virtual))
+        if schedule == "zero-bubble":  # a microbatch's weight gradients after its input gradients
+            assert all(position[("B", mb, 0)] < position[("W", mb, 0)] for mb in range(microbatches))
     if schedule == "1f1b":  # at most pp - r microbatches in flight on rank r: what bounds its activations
         for r, rank in enumerate(actions):
             in_flight = peak = 0
@@ -50,6 +52,24 @@ def test_a_schedule_that_deadlocks_or_misses_an_action_is_refused():
         check(swapped, 2)
     with pytest.raises(AotError, match="each microbatch's forward and backward once"):
         check([gpipe[0], gpipe[1][:-1]], 2)
+
+
+def test_zero_bubble_fills_1f1bs_waits_with_weight_gradients_holding_no_more_microbatches():
+    """With forward, input-gradient and weight-gradient passes of one unit each (1F1B's backward:
+    two), zero-bubble's step at pp=4 and 8 microbatches is 29 units against 1F1B's 33 (24 of
+    work): its idle time 5 units per rank against 9; no rank holds more than pp microbatches
+    between a forward and its W, the most 1F1B's first rank holds."""
+    zb, one = schedule_actions("zero-bubble", 4, 8), schedule_actions("1f1b", 4, 8)
+    assert unit_step(one) == 33 and unit_step(zb) == 29
+    assert bubble_fraction("zero-bubble", 4, 8) == pytest.approx(5 / 29) and bubble_fraction("1f1b", 4, 8) == pytest.approx(9 / 33)
+    for rank in zb:
+        held = peak = 0
+        for a in rank:
+            held += {"F": 1, "B": 0, "W": -1}[a.kind]
+            peak = max(peak, held)
+        assert peak <= 4
+    with pytest.raises(AotError, match="forward, backward and weight gradient once"):
+        check([zb[0], [a for a in zb[1] if str(a) != "W3"], *zb[2:]], 8)
 
 
 def test_bubble_and_balance():
@@ -73,7 +93,7 @@ def _transfers(program_file: Path) -> list[tuple]:
     return found
 
 
-@pytest.mark.parametrize("model,schedule", [("mlp.py", "interleaved-1f1b"), ("gpt.py", "1f1b")])
+@pytest.mark.parametrize("model,schedule", [("mlp.py", "interleaved-1f1b"), ("gpt.py", "1f1b"), ("gpt.py", "zero-bubble")])
 def test_built_programs_pair_every_send_with_a_receive(tmp_path, model, schedule):
     art = tmp_path / "art"
     ok(
@@ -127,8 +147,14 @@ def test_built_programs_pair_every_send_with_a_receive(tmp_path, model, schedule
 
 
 GPT4 = "../tests/models/gpt4.py"  # gpt.py with 4 blocks (relative to examples/)
-CASES = [("mlp.py", "pp=2", ()), ("gpt.py", "pp=2", ()), (GPT4, "pp=2", ("--pp-schedule", "interleaved-1f1b", "--microbatches", 4))]
+CASES = [
+    ("mlp.py", "pp=2", ()),
+    ("gpt.py", "pp=2", ()),
+    (GPT4, "pp=2", ("--pp-schedule", "interleaved-1f1b", "--microbatches", 4)),
+    ("gpt.py", "pp=2", ("--pp-schedule", "zero-bubble", "--microbatches", 4)),
+]
 SLOW_CASES = [
+    ("gpt.py", "pp=2,fsdp=2", ("--pp-schedule", "zero-bubble", "--microbatches", 4)),
     ("gpt.py", "pp=2,dp=2", ()),
     ("gpt.py", "pp=2,fsdp=2", ()),
     ("gpt.py", "pp=2,tp=2", ()),

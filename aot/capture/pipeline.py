@@ -8,6 +8,12 @@ schedule's actions in order, each a stage forward of one microbatch (its inputs 
 the gradients summed over microbatches are reduced and the optimizer steps, as in the
 single-stage step (aot/capture/step.py's `finish`).
 
+Under zero-bubble a backward is two actions: "B" differentiates with respect to the stage's
+received inputs only (what the previous stage waits for), keeping autograd's graph, and "W",
+later, with respect to its weights. The second `autograd.grad` records again the gradients of the
+activations between them; aot/passes/repeated_backward.py merges those into the first's, so a
+W adds only the weight-gradient ops.
+
 The loss is the mean over microbatches (each microbatch's loss is divided by their number, as
 torch.distributed.pipelining scales it), so a step equals one eager step over the whole batch.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.inert_calls import drop_inert_calls
@@ -26,6 +33,7 @@ from aot.capture.step import CapturedStep, Group, StepLayout, _describe_trace_er
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
+from aot.passes.repeated_backward import WEIGHT_GRADIENT, merge_repeated_backward
 
 _funcol = torch.ops._c10d_functional
 
@@ -43,7 +51,7 @@ def tag(microbatch: int, producer: int, consumer: int, output: int, backward: bo
 class Pipeline:
     """The pipeline a rank's program runs: `pp` ranks over group `group`, `stages` in all (v per
     rank, stage c * pp + r on rank r), `microbatches` per step and the rank's `actions`
-    (aot.plan.pipeline.Action: kind "F" or "B", microbatch, chunk). `recompute`: each stage's
+    (aot.plan.pipeline.Action: kind "F", "B" or "W", microbatch, chunk). `recompute`: each stage's
     forward keeps only its inputs and runs again in its backward (see `recompute_stages`)."""
 
     group: Group
@@ -109,9 +117,10 @@ def capture_pipeline(
     tied_like = {n: t for n, t in rank_state(stage_state(state, tied, []), layout).params.items()}
     step = _pipeline_step(own, pipeline, layout, len(inputs), finish, tied_like)
     try:
-        with optimizer_tracing(), quiet_trace_logs():
+        with optimizer_tracing(), quiet_trace_logs(), fx_traceback.preserve_node_meta():
             graph = make_fx(step, tracing_mode="fake")(*args)
         drop_inert_calls(graph)
+        merge_repeated_backward(graph)
     except AotError:
         raise
     except Exception as e:
@@ -154,6 +163,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
     pp, group, rank, m = pipeline.group.size, pipeline.group.name, pipeline.rank, pipeline.microbatches
     stages = {s.index: s for s in pipeline.stages}
     last = len(pipeline.stages) - 1
+    split = any(a.kind == "W" for a in pipeline.actions)  # zero-bubble: weight gradients apart
 
     def step(*flat):
         params = list(flat[:n_params])
@@ -172,6 +182,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
             leaves = by_name
         sums: dict = {}
         saved: dict = {}  # (microbatch, stage) -> (outputs, received leaves)
+        deferred: dict = {}  # zero-bubble: (microbatch, stage) -> (roots, seeds) of its backward, for its W
         local: dict = {}  # transfers between stages on this rank: (tag) -> tensor
         sent = []
         loss_sum = batch_targets.new_zeros((), dtype=torch.float32)
@@ -216,6 +227,15 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
                 if s.index == last:
                     loss_sum = loss_sum + outputs[0].detach().float()
                 saved[(mb, s.index)] = (outputs, received)
+            elif action.kind == "W":
+                roots, seeds = deferred.pop((mb, s.index))
+                wrt_params = [n for n in s.params if n in leaves and leaves[n].requires_grad]
+                if roots and wrt_params:
+                    with fx_traceback.annotate({WEIGHT_GRADIENT: True}):
+                        weight_grads = torch.autograd.grad(roots, [leaves[n] for n in wrt_params], seeds, allow_unused=True)
+                    for n, g in zip(wrt_params, weight_grads):
+                        if g is not None:
+                            sums[n] = g if n not in sums else sums[n] + g
             else:
                 outputs, received = saved.pop((mb, s.index))
                 if s.index == last:
@@ -230,9 +250,12 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
                         incoming = [receive(shape, dtype, r, tag(mb, s.index, r, j, True)) for r in readers]
                         roots.append(outputs[j])
                         seeds.append(sum(incoming[1:], incoming[0]))
-                wrt_params = [n for n in s.params if n in leaves and leaves[n].requires_grad]
+                wrt_params = [] if split else [n for n in s.params if n in leaves and leaves[n].requires_grad]
                 wrt = [leaves[n] for n in wrt_params] + [x for _, x in received]
-                grads = torch.autograd.grad(roots, wrt, seeds, allow_unused=True) if roots else [None] * len(wrt)
+                # zero-bubble keeps autograd's graph for the W that differentiates it again
+                grads: list = list(torch.autograd.grad(roots, wrt, seeds, allow_unused=True, retain_graph=split)) if roots and wrt else [None] * len(wrt)
+                if split:
+                    deferred[(mb, s.index)] = (roots, seeds)
                 for n, g in zip(wrt_params, grads):
                     if g is not None:
                         sums[n] = g if n not in sums else sums[n] + g

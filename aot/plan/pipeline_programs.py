@@ -80,6 +80,11 @@ def pipeline_programs(
                     f"pipeline rank {r} would hold no parameters (layers {', '.join(held)}): use fewer stages, "
                     f"or a pp_split that gives every rank a layer with weights"
                 )
+        if recompute and schedule == "zero-bubble":
+            raise AotError(
+                "--pp-schedule zero-bubble keeps each microbatch's activations until its weight gradients, and does not recompute "
+                "stages; use --pp-schedule 1f1b to recompute, or give the build more device memory"
+            )
         if recompute:
             for s in stages:
                 drawn = draws_random(s.module)
@@ -91,7 +96,9 @@ def pipeline_programs(
         captures = []
         for r in range(pp):
             # a trial split's captures are the stage's own work, not steps of their own
-            title = f"capturing pipeline rank {r}'s step ({len(actions[r])} forward and backward actions) and running graph passes"
+            counts = {name: sum(a.kind == kind for a in actions[r]) for kind, name in (("F", "forward"), ("B", "backward"), ("W", "weight-gradient"))}
+            counted = ", ".join(f"{n} {name}" for name, n in counts.items() if n)
+            title = f"capturing pipeline rank {r}'s step ({counted} actions) and running graph passes"
             with nullcontext() if trial else stage(title):
                 pipeline = Pipeline(group, r, tuple(stages), microbatches, tuple(actions[r]), recompute)
                 captured = capture_pipeline(mf, state, pipeline, layout, inputs, targets)
