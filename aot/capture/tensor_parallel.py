@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle as ParallelStyleBase
 
 from aot.errors import AotError
 from runner.sharding import tp_style
@@ -123,8 +124,8 @@ def _styles(plan: dict[str, str], sequence: dict | None, splits: FusedSplits) ->
     all-gathers its input along the sequence and its row-wise layer reduce-scatters its output
     back, and the blocks' norms run on their slice of the tokens (SequenceParallel). Entering and
     leaving the split stream (first block's input, last block's output) are `_stream_hooks`."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
 
     styles: dict[str, ParallelStyle] = {}
     for name, style in plan.items():
@@ -136,10 +137,36 @@ def _styles(plan: dict[str, str], sequence: dict | None, splits: FusedSplits) ->
     if sequence is None:
         return styles
     for region in sequence["regions"]:
-        styles[region] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        styles[region] = _GatherSequenceInput()
     for norm in sequence["norms"]:
         styles[norm] = SequenceParallel()
     return styles
+
+
+class _GatherSequenceInput(ParallelStyleBase):
+    """torch's PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for a region's input (its sequence slices all-gathered), whether the module takes it by
+    position (examples/gpt.py's `self.attn(x)`) or by keyword (transformers' attention is called
+    with `hidden_states=...`, which PrepareModuleInput's positional layouts refuse): the first
+    positional argument, else the `hidden_states` keyword, else the first tensor keyword."""
+
+    def _apply(self, module: nn.Module, device_mesh):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        def whole(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            dt = x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            return dt.redistribute(device_mesh, (Replicate(),))
+
+        def hook(mod, args, kwargs):
+            if args:
+                return (whole(args[0]), *args[1:]), kwargs
+            name = "hidden_states" if "hidden_states" in kwargs else next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+            return (args, kwargs) if name is None else (args, {**kwargs, name: whole(kwargs[name])})
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
 
 
 def _distribute(module: nn.Module, placements: Mapping[str, Placement], mesh) -> None:

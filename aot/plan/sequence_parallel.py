@@ -41,10 +41,24 @@ def sequence_parallel_layout(model: nn.Module, plan: dict[str, str], where: str)
     if positions != list(range(positions[0], positions[0] + len(positions))):
         raise AotError(f"--sequence-parallel: blocks {', '.join(blocks)} are not consecutive in {container!r}")
     blocks = [order[i] for i in positions]
-    norms = sorted(
-        n for b in blocks for n, m in modules[b].named_modules(prefix=b) if isinstance(m, _NORMS) and not any(n.startswith(r + ".") or n == r for r in regions)
-    )
-    return {"regions": sorted(regions), "norms": norms, "blocks": blocks}
+    # On the split stream (in a block, outside the regions) every module holding weights sees 1/tp of
+    # the tokens, so its weights' gradients must be summed over tp: torch's SequenceParallel style
+    # does that for per-feature weights (norms: torch's LayerNorm and RMSNorm, transformers' own
+    # LlamaRMSNorm and the like, found by their 1-d weights). Other weights there are refused.
+    norms = []
+    for b in blocks:
+        for n, m in modules[b].named_modules(prefix=b):
+            own = list(m.parameters(recurse=False))
+            if not own or any(n.startswith(r + ".") or n == r for r in regions):
+                continue
+            if isinstance(m, _NORMS) or (not list(m.children()) and all(p.dim() == 1 for p in own)):
+                norms.append(n)
+            else:
+                raise AotError(
+                    f"--sequence-parallel: {n} ({type(m).__name__}) holds weights on the sequence-split stream outside the "
+                    f"tensor-parallel layers, which sequence parallelism cannot split; only per-feature weights (norms) may sit there"
+                )
+    return {"regions": sorted(regions), "norms": sorted(norms), "blocks": blocks}
 
 
 def check_sequence_length(model: nn.Module, inputs: list[torch.Tensor], first_block: str, tp: int) -> None:
