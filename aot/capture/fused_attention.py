@@ -9,9 +9,9 @@ each call it can as `aot::attention` (runner/attention.py), which picks the fuse
 device it runs on, and its backward as `aot::attention_backward`.
 
 A call is recorded so when it has no dropout, no grouped-query broadcasting and no mask that takes
-a gradient, and its q, k and v are plain tensors (not DTensors: tensor-parallel attention keeps
-the math backend);
-the others keep the math decomposition, which the build's note on attention scores counts. Under
+a gradient; under tensor parallelism DTensor runs it on each rank's heads (the sharding rules
+registered below). The others keep the math decomposition, which the build's note on attention
+scores counts. Under
 the target's autocast, SDPA runs in the autocast dtype (CUDA's policy casts its inputs down), so
 the inputs are cast here as autocast would: this mode sees the call before autocast does.
 """
@@ -34,7 +34,6 @@ class FusedAttention(TorchFunctionMode):
     def __init__(self, cast_to: torch.dtype | None = None):
         super().__init__()
         self.cast_to = cast_to
-        self.fused = 0  # calls recorded as aot::attention
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -44,26 +43,29 @@ class FusedAttention(TorchFunctionMode):
                 q, k, v, mask, is_causal, scale = call
                 if self.cast_to is not None:
                     q, k, v = (t.to(self.cast_to) if t.is_floating_point() else t for t in (q, k, v))
-                self.fused += 1
                 return torch.ops.aot.attention(q, k, v, mask, is_causal, scale)
         return func(*args, **kwargs)
 
 
 def _register_sharding() -> None:
     """How DTensor shards the pair under tensor parallelism: by heads (tp's column-wise q, k, v
-    projections give each rank whole heads), by batch, or replicated; the mask follows the batch
-    split where it has a batch dimension of its own and is replicated otherwise."""
+    projections give each rank whole heads), by batch, or replicated. A mask is split like q where
+    it has that dimension of its own (a [B, H, S, S] mask by heads, a [B, 1, S, S] one by batch) and
+    is whole on every rank where it broadcasts there (size 1, or a [S, S] mask)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
+    def follows(mask, dim: int):
+        if mask is None:
+            return None
+        own = len(mask.shape) == 4 and mask.shape[dim] != 1
+        return Shard(dim) if own else Replicate()
+
     def strategies(mask, per_head, outputs: int):
-        mask_heads = None if mask is None else Replicate()
-        batch_mask = None if mask is None else (Shard(0) if mask.shape[0] != 1 else Replicate())
-        rep = None if mask is None else Replicate()
         return [
-            ([Shard(1)] * outputs, [Shard(1)] * per_head + [mask_heads, None, None]),
-            ([Shard(0)] * outputs, [Shard(0)] * per_head + [batch_mask, None, None]),
-            ([Replicate()] * outputs, [Replicate()] * per_head + [rep, None, None]),
+            ([Shard(1)] * outputs, [Shard(1)] * per_head + [follows(mask, 1), None, None]),
+            ([Shard(0)] * outputs, [Shard(0)] * per_head + [follows(mask, 0), None, None]),
+            ([Replicate()] * outputs, [Replicate()] * per_head + [None if mask is None else Replicate(), None, None]),
         ]
 
     @register_sharding(torch.ops.aot.attention.default)
