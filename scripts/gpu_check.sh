@@ -37,6 +37,7 @@
 #   gpu_check.json   machine and versions; every gpu test's outcome (skip and failure lines too)
 #                    and what each measured (their bounds' figures); the benchmark's figures and
 #                    goals; how CUDA AOTInductor packages load here (scripts/aoti_cuda_probe.py);
+#                    the profiled step's GPU kernels by class (scripts/gpu_kernel_summary.py);
 #                    each part's seconds and exit status
 #   gpu_check.log    everything printed
 # Exit status 0 when no test failed and the benchmark ran every variant, else 1.
@@ -206,6 +207,9 @@ if [ -d "$WORK/gpt2-artifact" ] && [ "$(left)" -gt 25 ]; then
     && "$PY" -m aot inspect "$WORK/gpt2-artifact" --profile "$WORK/profile" --json >"$WORK/inspect_profile.json" 2>>"$WORK/profile_run.log"
   PROFILE_RC=$?
   say "profiled run: exit $PROFILE_RC ($(tail -n 2 "$WORK/profile_run.log" | tr '\n' ' '))"
+  # where the profiled step's time goes on the GPU: kernels by class, and how busy the GPU was
+  [ -f "$WORK/profile/measured_timeline.json" ] \
+    && "$PY" scripts/gpu_kernel_summary.py "$WORK/profile/measured_timeline.json" >"$WORK/kernels.json" 2>>"$WORK/profile_run.log"
 fi
 
 # -- one JSON -----------------------------------------------------------------------------------------
@@ -249,6 +253,7 @@ result = {
     "bench": {"exit": bench_rc, "build": (read("bench_build.json") or {}).get("build"), "figures": bench},
     "calibration": {"exit": cal_rc, "log": (work / "calibrate.log").read_text()[-2000:] if (work / "calibrate.log").is_file() else None},
     "aoti_probe": read("aoti_probe.json"),
+    "kernels": read("kernels.json"),
     "profile": {"exit": profile_rc, "inspect": read("inspect_profile.json"),
                 "log": (work / "profile_run.log").read_text()[-3000:] if (work / "profile_run.log").is_file() else None},
 }
