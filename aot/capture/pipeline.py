@@ -20,6 +20,7 @@ torch.distributed.pipelining scales it), so a step equals one eager step over th
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -116,11 +117,14 @@ def capture_pipeline(
     # what a rank's gradient of each tied weight looks like (its fsdp shard), for ranks without it
     tied_like = {n: t for n, t in rank_state(stage_state(state, tied, []), layout).params.items()}
     step = _pipeline_step(own, pipeline, layout, len(inputs), finish, tied_like)
+    # zero-bubble's weight passes are tagged through the node metadata torch keeps while tracing
+    split = any(a.kind == "W" for a in pipeline.actions)
     try:
-        with optimizer_tracing(), quiet_trace_logs(), fx_traceback.preserve_node_meta():
+        with optimizer_tracing(), quiet_trace_logs(), fx_traceback.preserve_node_meta() if split else contextlib.nullcontext():
             graph = make_fx(step, tracing_mode="fake")(*args)
         drop_inert_calls(graph)
-        merge_repeated_backward(graph)
+        if split:
+            merge_repeated_backward(graph)
     except AotError:
         raise
     except Exception as e:
