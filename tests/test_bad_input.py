@@ -346,7 +346,7 @@ def test_bad_tensor_parallel_degree_or_plan(tmp_path):
         (MLP, ["--strategy", "dp=2", "--sequence-parallel"], ["--sequence-parallel", "needs --strategy with tp"]),
         (MLP, ["--strategy", "tp=2", "--sequence-parallel"], ["--sequence-parallel", "at the top of the model"]),
         (MODELS / "gpt_odd_sequence.py", ["--strategy", "tp=2", "--sequence-parallel"], ["sequence length 63 does not divide by 2"]),
-        (MODELS / "gpt_block_mixer.py", ["--strategy", "tp=2", "--sequence-parallel"], ["blocks.0.mix (Linear)", "holds weights on the sequence-split stream", "norms"]),
+        (MODELS / "gpt_block_mixer.py", ["--strategy", "tp=2", "--sequence-parallel"], ["blocks.0.mix", "holds weights on the sequence-split stream"]),
     ]
     results = aot_each(*(("build", path, "-o", tmp_path / path.stem, *options) for path, options, _ in cases))
     for (path, _options, needles), r in zip(cases, results):

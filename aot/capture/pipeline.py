@@ -11,8 +11,9 @@ single-stage step (aot/capture/step.py's `finish`).
 Under zero-bubble a backward is two actions: "B" differentiates with respect to the stage's
 received inputs only (what the previous stage waits for), keeping autograd's graph, and "W",
 later, with respect to its weights. The second `autograd.grad` records again the gradients of the
-activations between them; aot/passes/repeated_backward.py merges those into the first's, so a
-W adds only the weight-gradient ops.
+activations between them; its nodes are tagged (WEIGHT_GRADIENT), and the graph pass
+aot/passes/repeated_backward.py merges those into the first's, so a W adds only the
+weight-gradient ops.
 
 The loss is the mean over microbatches (each microbatch's loss is divided by their number, as
 torch.distributed.pipelining scales it), so a step equals one eager step over the whole batch.
@@ -34,9 +35,9 @@ from aot.capture.step import CapturedStep, Group, StepLayout, _describe_trace_er
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
-from aot.passes.repeated_backward import WEIGHT_GRADIENT, merge_repeated_backward
 
 _funcol = torch.ops._c10d_functional
+WEIGHT_GRADIENT = "aot_weight_gradient"  # node.meta["custom"] key of zero-bubble's weight-gradient ops
 
 
 # -- one pipeline rank's step ---------------------------------------------------------------------
@@ -123,8 +124,6 @@ def capture_pipeline(
         with optimizer_tracing(), quiet_trace_logs(), fx_traceback.preserve_node_meta() if split else contextlib.nullcontext():
             graph = make_fx(step, tracing_mode="fake")(*args)
         drop_inert_calls(graph)
-        if split:
-            merge_repeated_backward(graph)
     except AotError:
         raise
     except Exception as e:

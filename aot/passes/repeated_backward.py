@@ -4,7 +4,8 @@ Zero-bubble pipelines split a stage's backward in two (aot/capture/pipeline.py):
 its inputs first, then, later, of its weights. Each is a `torch.autograd.grad` over the same
 autograd graph, and the second records again every activation gradient on the way to the weights
 (a linear layer's weight gradient needs the gradient of its output, which the first pass already
-computed). Nodes recorded by the second pass are tagged (node.meta["custom"][WEIGHT_GRADIENT]);
+computed). Nodes recorded by the second pass are tagged (node.meta["custom"][WEIGHT_GRADIENT],
+set by aot/capture/pipeline.py);
 each tagged node that repeats an earlier node (same operator, same arguments) is replaced by it,
 so the second pass keeps only the weight-gradient ops and reads the first pass's results.
 
@@ -23,7 +24,8 @@ import operator
 
 import torch
 
-WEIGHT_GRADIENT = "aot_weight_gradient"
+from aot.capture.pipeline import WEIGHT_GRADIENT
+
 _NO_SHARING = ("_c10d_functional", "c10d", "_dtensor")
 
 
@@ -141,9 +143,12 @@ def _key(node: torch.fx.Node, masked: int | None = None):
     return key
 
 
-def merge_repeated_backward(gm: torch.fx.GraphModule) -> int:
-    """Replace every tagged node that repeats an earlier node by that node; returns how many."""
+def merge_repeated_backward(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` with every tagged node that repeats an earlier node replaced by that node (in place);
+    a graph without tagged nodes (every schedule but zero-bubble) is returned as it is."""
     graph = gm.graph
+    if not any(_tagged(node) for node in graph.nodes):
+        return gm
     first: dict = {}
     gone: set = set()
     merged = 0
@@ -170,4 +175,4 @@ def merge_repeated_backward(gm: torch.fx.GraphModule) -> int:
         graph.eliminate_dead_code()
         graph.lint()
         gm.recompile()
-    return merged
+    return gm
