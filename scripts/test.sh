@@ -11,7 +11,8 @@ python -m ruff format --check --quiet .
 python -m mypy
 # Scenarios marked slow (more strategies on the second example model, a second placed mesh) run
 # in CI (.ci/run sets AOT_TEST_LONG=1) or when you set it (CI's whole run: 16.5 minutes on 2
-# cores on 2026-12-04, 15.2 of them tests; without them 9.1 minutes of tests).
+# cores on 2026-12-04, 15.2 of them tests; without them 10.0 minutes of tests, before two tests of
+# 9-10 s moved behind slow).
 if [ "${AOT_TEST_LONG:-0}" = "1" ]; then
   python -m pytest -q -p no:cacheprovider --durations=15 "$@"
 else

@@ -133,6 +133,7 @@ def test_the_compiled_tier_calls_the_fused_operator(tmp_path):
     assert losses["compiled"][-1] < losses["compiled"][0]
 
 
+@pytest.mark.slow  # two torchruns of 2 ranks (10 s); CI runs it
 def test_tensor_parallel_attention_is_fused_per_head_and_trains_as_eager_ddp(tmp_path):
     """Under tp=2 each rank's q, k, v hold half the heads (DTensor shards the pair by heads, see
     aot/capture/fused_attention.py): the program calls the fused operator on its local heads, and

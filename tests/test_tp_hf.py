@@ -57,7 +57,7 @@ def test_attention_is_split_and_training_matches_ddp(model, strategy, world, tmp
 @pytest.mark.parametrize(
     "model,strategy,world",
     [
-        ("hf_llama.py", "tp=2", 2),
+        pytest.param("hf_llama.py", "tp=2", 2, marks=pytest.mark.slow),
         pytest.param("hf_llama.py", "pp=2,tp=2", 4, marks=pytest.mark.slow),
         pytest.param("hf_gpt2.py", "tp=2", 2, marks=pytest.mark.slow),
     ],
