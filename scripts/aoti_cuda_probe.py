@@ -12,7 +12,8 @@ its own process (a segfault ends only that one), to tell apart the candidates:
   artifact-torch    the artifact's package, through torch's aoti_load_package (device index -1)
   artifact-aot      the artifact's package, as the runner loads it
 
-    python scripts/aoti_cuda_probe.py OUT.json [ARTIFACT]
+    python scripts/aoti_cuda_probe.py OUT.json                  # the tiny package's three cases
+    python scripts/aoti_cuda_probe.py OUT.json ARTIFACT --artifact-only   # the artifact's two
 
 Writes one JSON: per case its exit status (negative: the signal), seconds and the last lines of
 its output (faulthandler's stack on a crash), and the entries of each package.
@@ -64,21 +65,31 @@ def _entries(path: Path) -> list[str]:
         return [f"{i.filename} {i.file_size}" for i in z.infolist()]
 
 
+class _Skipped(Exception):
+    """--artifact-only: the tiny package is not made."""
+
+
 def main() -> None:
     import torch
 
     from aot.emit.aoti import _reproducible, cuda_inductor_configs
 
-    out_path = Path(sys.argv[1])
-    artifact = Path(sys.argv[2]) if len(sys.argv) > 2 else None
+    args = [a for a in sys.argv[1:] if a != "--artifact-only"]
+    out_path = Path(args[0])
+    artifact = Path(args[1]) if len(args) > 1 else None
+    tiny = "--artifact-only" not in sys.argv
     result: dict = {"torch": torch.__version__, "cases": {}, "packages": {}}
     with tempfile.TemporaryDirectory(prefix="aoti-probe-") as tmp:
         raw = Path(tmp) / "tiny.pt2"
         t0 = time.time()
         try:
+            if not tiny:
+                raise _Skipped
             ep = torch.export.export(torch.nn.Linear(8, 8).cuda(), (torch.randn(2, 8, device="cuda"),))
             torch._inductor.aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=cuda_inductor_configs(torch.__version__))
             result["tiny_compile_s"] = round(time.time() - t0, 1)
+        except _Skipped:
+            pass
         except Exception as e:
             result["tiny_compile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
         if raw.is_file():
