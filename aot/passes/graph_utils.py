@@ -94,6 +94,13 @@ def storage_key(t: torch.Tensor):
         return id(t)
 
 
+def is_view(target) -> bool:
+    """Whether an operator returns views of its inputs only (its schema aliases every return, none written)."""
+    schema = getattr(target, "_schema", None)
+    returns = schema.returns if schema is not None else ()
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
 def written_values(node: torch.fx.Node) -> list:
     """The arguments an op writes in place (its schema marks them mutable: `Tensor(a!) self`)."""
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None

@@ -25,6 +25,7 @@ import operator
 import torch
 
 from aot.capture.pipeline import WEIGHT_GRADIENT
+from aot.passes.graph_utils import is_view, written_values
 
 _NO_SHARING = ("_c10d_functional", "c10d", "_dtensor")
 
@@ -33,37 +34,15 @@ def _tagged(node: torch.fx.Node) -> bool:
     return bool(node.meta.get("custom", {}).get(WEIGHT_GRADIENT))
 
 
-def _writes(target) -> list[int]:
-    """Positions of the arguments an operator writes in place."""
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return []
-    return [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-
-
-def _is_view(target) -> bool:
-    schema = getattr(target, "_schema", None)
-    return bool(schema and schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
-
-
 def _written_later(node: torch.fx.Node) -> bool:
     """Whether an op writes `node`'s result, or a view of it, in place."""
     for user in node.users:
-        if user.op != "call_function":
-            continue
-        positions = _writes(user.target)
-        if any(i < len(user.args) and user.args[i] is node for i in positions):
+        written = written_values(user)
+        if any(v is node or (isinstance(v, (list, tuple)) and any(w is node for w in v)) for v in written):
             return True
-        if any(isinstance(v, torch.fx.Node) and v is node for k, v in user.kwargs.items() if _written_kwarg(user.target, k)):
-            return True
-        if (user.target is operator.getitem or _is_view(user.target)) and _written_later(user):
+        if user.op == "call_function" and (user.target is operator.getitem or is_view(user.target)) and _written_later(user):
             return True
     return False
-
-
-def _written_kwarg(target, name: str) -> bool:
-    schema = getattr(target, "_schema", None)
-    return schema is not None and any(a.name == name and a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _shareable(node: torch.fx.Node) -> bool:
@@ -74,7 +53,7 @@ def _shareable(node: torch.fx.Node) -> bool:
         return True
     if not isinstance(target, torch._ops.OpOverload) or target.namespace in _NO_SHARING:
         return False
-    if _writes(target) or torch.Tag.nondeterministic_seeded in target.tags:
+    if written_values(node) or torch.Tag.nondeterministic_seeded in target.tags:  # an entry per written argument
         return False
     return not target.__name__.startswith(("empty", "new_empty"))  # uninitialized memory is filled by whoever holds it
 

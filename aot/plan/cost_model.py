@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from aot.passes.graph_utils import loss_node, storage_key, written_values
+from aot.passes.graph_utils import is_view, loss_node, storage_key, written_values
 from aot.passes.graph_utils import tensors as _tensors
 from aot.plan.device_model import DeviceModel
 
@@ -157,14 +157,6 @@ def _map_args(args):
     return torch.fx.node.map_aggregate(args, lambda a: _val(a) if isinstance(a, torch.fx.Node) else a)
 
 
-def _is_view(target) -> bool:
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return False
-    returns = schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-
-
 def _flops(node) -> float:
     packet = getattr(node.target, "overloadpacket", None)
     formula = flop_registry.get(packet) if packet is not None else None
@@ -223,7 +215,7 @@ def node_op(node: torch.fx.Node) -> Op:
     name = _target_name(node.target)
     if node.target in _FREE:
         return Op(node.name, name, kind="free", dtype=dtype)
-    if _is_view(node.target):
+    if is_view(node.target):
         return Op(node.name, name, kind="view", dtype=dtype)
     ins = [t for a in node.all_input_nodes for t in _tensors(_val(a))]
     tensors = tuple((t.numel(), t.element_size(), t.dim() <= 1) for t in (*ins, *outs))

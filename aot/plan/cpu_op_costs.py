@@ -29,7 +29,8 @@ def measure_dispatch_seconds(device, gm, args, reps: int = 7) -> dict[str, list[
     from torch.fx.node import map_arg
     from torch.utils._pytree import tree_map
 
-    from aot.plan.cost_model import _FREE, _collective_kind, _is_view, _is_wait, _launches, _target_name
+    from aot.passes.graph_utils import is_view
+    from aot.plan.cost_model import _FREE, _collective_kind, _is_wait, _launches, _target_name
 
     def copies(value):
         return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
@@ -46,7 +47,7 @@ def measure_dispatch_seconds(device, gm, args, reps: int = 7) -> dict[str, list[
         priced = (
             getattr(node.target, "_schema", None) is not None
             and node.target not in _FREE
-            and not _is_view(node.target)
+            and not is_view(node.target)
             and _collective_kind(node) is None
             and not _is_wait(node)
         )
