@@ -228,7 +228,7 @@ def test_derived_graphs_predict_the_traced_step_time(model, topology):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="cost_model.ShardScale resizes a flat tensor by its numel alone: in the "
+    reason="derived_steps.ShardScale resizes a flat tensor by its numel alone: in the "
     "small MLP a padded whole parameter at fsdp=2 has the numel of another parameter's shard "
     "(2048: layer 1's weight, half of layer 2's), so gathered buffers and some collectives are "
     "resized as shards (collective bytes -3% at fsdp=4,tp=2; peak memory -12% at fsdp=8)",

@@ -35,8 +35,8 @@ class ModelSteps:
 
     Graphs: (dp, fsdp=1) and (dp, fsdp=2) per tensor-parallel degree, each once (the
     data-parallel degree changes only the group's size, never the graph). A wider fsdp axis is the
-    fsdp=2 graph re-read with its shards resized (cost_model.rescale), and fsdp without dp is the
-    dp x fsdp graph without its dp collectives (cost_model.drop_group), so a search over every
+    fsdp=2 graph re-read with its shards resized (derived_steps.rescale), and fsdp without dp is the
+    dp x fsdp graph without its dp collectives (derived_steps.drop_group), so a search over every
     factorization of 1024 ranks needs two graphs per tp degree. On 2 ranks (no dp x fsdp mesh)
     fsdp=2 is traced alone. tp is priced only within a node (`max_tp`, the ranks per node) and where
     the model can take it (heads and split features divide, aot.plan.tensor_parallel).
@@ -369,7 +369,7 @@ class ModelSteps:
 
     def _derive(self, base: StepGraph, source: tuple, dp: int, fsdp: int, tp: int) -> StepGraph:
         """The graph of mesh (dp, fsdp, tp) from `base`, the graph of its traced mesh `source`."""
-        from aot.plan.cost_model import drop_group, rescale, shard_scale
+        from aot.plan.derived_steps import drop_group, rescale, shard_scale
 
         if fsdp == 1:
             return base
