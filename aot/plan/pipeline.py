@@ -142,6 +142,7 @@ def unit_step(actions: list[list[Action]]) -> float:
     clock, position = [0.0] * pp, [0] * pp
     finished: dict[tuple, float] = {}
     while any(position[r] < len(actions[r]) for r in range(pp)):
+        before = sum(position)
         for r in range(pp):
             while position[r] < len(actions[r]):
                 a = actions[r][position[r]]
@@ -151,6 +152,8 @@ def unit_step(actions: list[list[Action]]) -> float:
                 clock[r] = max(clock[r], finished[need] if need else 0.0) + cost[a.kind]
                 finished[(a.kind, a.microbatch, r)] = clock[r]
                 position[r] += 1
+        if sum(position) == before:  # a schedule `check` would refuse
+            raise AotError("pipeline schedule deadlocks")
     return max(clock)
 
 
