@@ -47,7 +47,7 @@ SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json
     "sample beats the best plan's). Each tensor-parallel degree the "
     "model takes costs one trace of the step and a shorter one of its optimizer (about a second "
     "each); --axes dp,fsdp searches without tp. Naming pp prices every pipeline mesh (pp outermost; "
-    "1f1b and interleaved-1f1b at 1, 2 and 4 microbatches per pipeline rank; every pipeline rank's "
+    "1f1b, interleaved-1f1b and zero-bubble at 1, 2 and 4 microbatches per pipeline rank; every pipeline rank's "
     "program is traced, so it takes about ten times longer).",
 )
 @click.option(

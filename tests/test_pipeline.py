@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from aot.errors import AotError
-from aot.plan.pipeline import SCHEDULES, balance, bubble_fraction, check, schedule_actions, unit_step
+from aot.plan.pipeline import SCHEDULES, balance, bubble_floor, bubble_fraction, check, schedule_actions, unit_step
 from helpers.commands import EXAMPLES, MODELS, aot, ok, show
 from helpers.training import TOL, adamw_lr, assert_same_training, train_both
 from runner.program import decode_program
@@ -75,6 +75,10 @@ def test_zero_bubble_fills_1f1bs_waits_with_weight_gradients_holding_no_more_mic
 def test_bubble_and_balance():
     assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
     assert bubble_fraction("interleaved-1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    # the planner's bound never exceeds a schedule's share (zero-bubble's simulated from its orders)
+    for schedule, pp, m in [("zero-bubble", p, m) for p in (2, 3, 4, 8) for m in (p, p + 1, 2 * p, 4 * p + 3)] + [("1f1b", 4, 8)]:
+        assert bubble_floor(schedule, pp, m) <= bubble_fraction(schedule, pp, m) + 1e-12
+    assert bubble_floor("zero-bubble", 2, 8) == pytest.approx(1 / 25) == bubble_fraction("zero-bubble", 2, 8)  # pp=2: the bound is the share
     assert balance([1, 1, 1, 1], 2) == [2]
     assert balance([5, 1, 1, 1, 1, 1], 2) == [1]  # the costly first layer alone
     with pytest.raises(AotError, match="cannot cut 2 layer"):
@@ -239,6 +243,33 @@ def test_stages_move_off_the_compute_balance_to_fit_device_memory(tmp_path):
     assert manifest["memory"]["predicted"]["peak"] <= MEMORY_HEADROOM * profile["node"]["gpus"][next(iter(profile["node"]["gpus"]))]["memory_bytes"] < highest
 
 
+def test_interleaved_stages_move_off_the_compute_balance_to_fit_device_memory(tmp_path):
+    """Interleaved (4 stages on 2 ranks, stage s on rank s % 2): mlp.py's compute balance
+    (0 | 1 | 2, 3 | 4) peaks on rank 0, which holds stages 0 and 2. One byte too little memory
+    for that peak: the build hands a layer of rank 0's stages to a neighbouring stage of rank 1,
+    and every rank's predicted peak fits, without recomputing."""
+    from aot.plan.search import MEMORY_HEADROOM
+    from runner.topology import load_profile
+
+    args = ("--world-size", 2, "--strategy", "pp=2", "--microbatches", 4, "--batch-size", 8, "--pp-schedule", "interleaved-1f1b", "--no-onnx", "--quiet")
+    ok(aot("build", EXAMPLES / "mlp.py", *args, "--topology", "dgx_a100", "-o", tmp_path / "roomy"))
+    roomy = json.loads((tmp_path / "roomy" / "manifest.json").read_text())
+    highest = roomy["memory"]["predicted"]["peak"]
+    profile = load_profile("dgx_a100")
+    for gpu in profile["node"]["gpus"].values():
+        gpu["memory_bytes"] = int((highest - 1) / MEMORY_HEADROOM)
+    (tmp_path / "small.json").write_text(json.dumps(profile))
+    ok(aot("build", EXAMPLES / "mlp.py", *args, "--topology", tmp_path / "small.json", "-o", tmp_path / "art"))
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    layers = lambda m: [s["layers"] for s in m["pipeline"]["stages"]]  # noqa: E731
+    peaks = lambda m: [p["peak_bytes"] for p in m["pipeline"]["programs"].values()]  # noqa: E731
+    assert layers(roomy) == [["0"], ["1"], ["2", "3"], ["4"]] and max(peaks(roomy)) == peaks(roomy)[0] == highest
+    assert layers(manifest) != layers(roomy) and [s["rank"] for s in manifest["pipeline"]["stages"]] == [0, 1, 0, 1]
+    assert manifest["memory"]["recompute"]["policy"] == "none"
+    limit = MEMORY_HEADROOM * next(iter(profile["node"]["gpus"].values()))["memory_bytes"]
+    assert max(peaks(manifest)) == manifest["memory"]["predicted"]["peak"] <= limit < highest
+
+
 def test_an_8_rank_pipeline_of_fsdp_and_tensor_parallel_stages_builds_and_inspects(tmp_path):
     """pp=2,fsdp=2,tp=2: two programs, each rank's pipeline stage, fsdp shard and tp slice."""
     art = tmp_path / "art"
@@ -330,7 +361,7 @@ def test_plan_prices_pipeline_meshes_as_the_build_predicts_them(tmp_path):
     r = ok(aot("plan", EXAMPLES / "mlp.py", "--topology", "cpu", "--world-size", 2, "--batch-size", 8, "--axes", "dp,pp", "--json"))
     plans = json.loads(r.stdout)["plans"]
     pipeline = next(p for p in plans if p["strategy"] == "pp=2")
-    assert pipeline["pipeline"]["schedule"] == "1f1b" and pipeline["pipeline"]["microbatches"] in (2, 4, 8)
+    assert pipeline["pipeline"]["schedule"] in ("1f1b", "interleaved-1f1b", "zero-bubble") and pipeline["pipeline"]["microbatches"] in (2, 4, 8)
     assert any(p["strategy"] == "dp=2" for p in plans)
     art = tmp_path / "art"
     ok(
@@ -346,6 +377,10 @@ def test_plan_prices_pipeline_meshes_as_the_build_predicts_them(tmp_path):
             "--no-onnx",
             "--microbatches",
             pipeline["pipeline"]["microbatches"],
+            "--pp-schedule",
+            pipeline["pipeline"]["schedule"],
+            "--stages-per-rank",
+            pipeline["pipeline"]["stages_per_rank"],
             "-o",
             art,
             "--quiet",

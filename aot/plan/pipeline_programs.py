@@ -46,10 +46,10 @@ def pipeline_programs(
 
     `memory_limit`: bytes a pipeline rank may hold. Where the stages balanced by compute peak
     above it (1F1B's first ranks hold more microbatches in flight, the last holds the loss's
-    logits), their boundaries move, one layer at a time, away from the rank that peaks, each split
-    captured and its peaks read from the programs as built, until every rank fits or no move lowers
-    the highest peak; the split with the lowest highest peak is kept. A model file's `pp_split` is
-    kept as written."""
+    logits), their boundaries move, one layer at a time, away from the rank that peaks (from any
+    of its stages, interleaved), each split captured and its peaks read from the programs as built,
+    until every rank fits or no move lowers the highest peak; the split with the lowest highest
+    peak is kept. A model file's `pp_split` is kept as written."""
     from contextlib import nullcontext
 
     stage = stage or (lambda title: nullcontext())
@@ -110,29 +110,32 @@ def pipeline_programs(
         return stages, captures, peaks
 
     made = programs(None)
-    if memory_limit is not None and given is None and virtual == 1 and max(made[2]) > memory_limit:
-        made = _fit_split(programs, made, memory_limit, note)
+    if memory_limit is not None and given is None and max(made[2]) > memory_limit:
+        made = _fit_split(programs, made, pp, memory_limit, note)
     stages, captures, _ = made
     for s in stages:
         note(f"stage {s.index} on pipeline rank {s.index % pp}: {_span(s.layers)}, {sum(state.params[n].numel() for n in s.params):,} parameters")
     return PipelinePrograms(stages, actions, captures)
 
 
-def _fit_split(programs, made: tuple, limit: float, note) -> tuple:
-    """Move stage boundaries away from the rank that peaks until every rank fits `limit` or no
-    move lowers the highest peak (one stage per rank): the (stages, captures, peaks) of the split
-    whose highest peak is lowest, `made` (the balanced split's) if none is lower."""
+def _fit_split(programs, made: tuple, pp: int, limit: float, note) -> tuple:
+    """Move stage boundaries away from the pipeline rank that peaks until every rank fits `limit`
+    or no move lowers the highest peak: the (stages, captures, peaks) of the split whose highest
+    peak is lowest, `made` (the balanced split's) if none is lower. Stage s runs on rank s % pp
+    (one stage per rank, or interleaved), so a move from one of the peaking rank's stages hands a
+    layer to a neighbouring stage on another rank."""
     stages = made[0]
     order = [layer for s in stages for layer in s.layers]
     current = [order.index(s.layers[0]) for s in stages[1:]]  # where stages 1.. begin
     best, peaks, tried = made, made[2], {tuple(current)}
     while max(peaks) > limit:
         r = max(range(len(peaks)), key=peaks.__getitem__)
-        moves = []  # (the receiving neighbour's peak, the new starts)
-        if r > 0:  # the stage's first layer to the stage before
-            moves.append((peaks[r - 1], [*current[: r - 1], current[r - 1] + 1, *current[r:]]))
-        if r < len(current):  # its last layer to the stage after
-            moves.append((peaks[r + 1], [*current[:r], current[r] - 1, *current[r + 1 :]]))
+        moves = []  # (the receiving rank's peak, the new starts)
+        for s in range(r, len(current) + 1, pp):
+            if s > 0:  # the stage's first layer to the stage before
+                moves.append((peaks[(s - 1) % pp], [*current[: s - 1], current[s - 1] + 1, *current[s:]]))
+            if s < len(current):  # its last layer to the stage after
+                moves.append((peaks[(s + 1) % pp], [*current[:s], current[s] - 1, *current[s + 1 :]]))
         for _, move in sorted(moves, key=lambda m: m[0]):  # toward the neighbour with room first
             bounds = [0, *move, len(order)]
             if tuple(move) in tried or any(a >= b for a, b in zip(bounds, bounds[1:])):

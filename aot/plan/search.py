@@ -33,6 +33,7 @@ from aot.plan.rebucket import rebucket
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.plan.model_steps import ModelSteps, Unsupported, factorizations
+from aot.plan.pipeline import bubble_floor
 from aot.plan.placement import Placement, identity, place
 
 BUCKET_MB_CANDIDATES = (1.0, 4.0, 25.0, 100.0)
@@ -41,7 +42,7 @@ MEMORY_HEADROOM = 0.9  # of device memory: the CUDA context, allocator caching a
 # What a pipeline mesh is priced at (Planner.pipeline_plan): microbatches per pipeline rank, and
 # (schedule, stages per rank)
 PIPELINE_MICROBATCHES_PER_RANK = (1, 2, 4)
-PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2))
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1))
 PIPELINE_SEEDS = 2  # a default search's pipeline meshes come from this many best meshes without pp
 TIMELINE_FILE = "plan/timeline.json"
 MiB = 2**20
@@ -334,9 +335,10 @@ class Planner:
         on time per sample is below that plan's. The bound: a pipeline runs each forward and
         backward op once per microbatch on 1/m of the batch, m >= pp (1F1B's fewest), and the
         step's end once (cost_model.microbatched_seconds at m = pp, on the data-parallel mesh's
-        graph: W seconds for one batch); its pipeline ranks share W at best, and 1F1B idles
-        (pp-1)/(v m + pp-1) of the step at least (v stages per rank and m microbatches the largest
-        that pipeline_plan tries). Per sample: W / world size x (v m + pp - 1) / (v m)."""
+        graph: W seconds for one batch); its pipeline ranks share W at best, and idle at least the
+        smallest bubble share b any schedule pipeline_plan tries leaves at the most microbatches it
+        tries (aot.plan.pipeline.bubble_floor: (pp-1)/(v m + pp-1) for 1F1B and interleaved,
+        (pp-1)/(3 m + pp-1) for zero-bubble). Per sample: W / world size / (1 - b)."""
         fitting = [p for p in plans if p.fits]
         if not fitting:
             return True
@@ -345,16 +347,21 @@ class Planner:
         if whole is None:
             return True
         work = microbatched_seconds(self.step_graph(whole.axes, whole.shape), self.machine.compute, pp)
-        vm = max(v for _, v in PIPELINE_SCHEDULES) * max(PIPELINE_MICROBATCHES_PER_RANK) * pp
-        bound = work / world * (vm + pp - 1) / vm
+        m = max(PIPELINE_MICROBATCHES_PER_RANK) * pp
+        bubble = min(bubble_floor(schedule, pp, m, virtual) for schedule, virtual in PIPELINE_SCHEDULES)
+        bound = work / world / (1 - bubble)
         return min(per_sample_s(p) for p in fitting) > bound
 
     def pipeline_plan(self, axes, shape) -> Plan:
         """A pipeline mesh, priced by simulating its pipeline ranks' programs side by side
-        (aot.plan.pipeline_timeline) at 1, 2 and 4 microbatches per pipeline rank, with 1f1b and
-        interleaved-1f1b (2 stages per rank, where the model has the layers): the fastest that
-        fits. Where a configuration's plain programs do not fit, it is priced recomputing every
-        stage's forward in its backward, as the build then recomputes. pp is the outermost axis
+        (aot.plan.pipeline_timeline) at 1, 2 and 4 microbatches per pipeline rank, with 1f1b,
+        interleaved-1f1b (2 stages per rank, where the model has the layers) and zero-bubble: the
+        fastest that fits. Where a configuration's plain programs do not fit, it is priced
+        recomputing every stage's forward in its backward, as the build then recomputes (not
+        zero-bubble, whose build refuses to recompute: it holds activations until the weight
+        gradients by design; nor is zero-bubble priced where 1F1B's plain programs do not fit at the
+        same microbatches, since every rank of it may hold as many microbatches as 1F1B's first
+        rank does). pp is the outermost axis
         (across nodes); the other axes are placed inside it."""
         if self._pipeline is None:
             raise Unsupported("no pipeline graphs for this planner")
@@ -365,15 +372,20 @@ class Planner:
         if placement.order[0] != "pp" and size["pp"] < self.machine.world_size:
             placement = identity(order, ordered)
         best, last = None, None
+        over: set[int] = set()  # microbatch counts at which 1F1B's plain programs do not fit
         for microbatches, schedule, virtual in [
             (k * size["pp"], schedule, virtual) for k in PIPELINE_MICROBATCHES_PER_RANK for schedule, virtual in PIPELINE_SCHEDULES
         ]:
+            if schedule == "zero-bubble" and microbatches in over:
+                continue  # it holds as many microbatches as 1F1B's first rank on every rank, each until its W
             try:
                 plan = self._pipeline_priced(order, ordered, placement, microbatches, schedule, virtual, recompute=False)
             except Unsupported as e:
                 last = last or e  # the first reason: the fewest microbatches, 1f1b
                 continue
-            if not plan.fits:  # as the build does over device memory: every stage recomputed, kept if its peak is lower
+            if schedule == "1f1b" and not plan.fits:
+                over.add(microbatches)
+            if not plan.fits and schedule != "zero-bubble":  # as the build does over device memory: every stage recomputed, kept if its peak is lower
                 try:
                     recomputed = self._pipeline_priced(order, ordered, placement, microbatches, schedule, virtual, recompute=True)
                 except Unsupported:  # a stage draws random numbers (dropout): the build would not recompute it either
