@@ -246,7 +246,9 @@ def calibrate(base, output, name, min_bytes, max_bytes, reps, min_seconds, round
         aot plan examples/gpt.py --topology cpu-calibrated.json --world-size 2
 
     alpha (seconds per message) and beta (seconds per byte) of all_reduce, all_gather and
-    reduce_scatter are fitted over message sizes and read through each kind's ring formula; matrix
+    reduce_scatter are fitted over message sizes and read through each kind's ring formula, and
+    those of one point-to-point transfer between ranks 0 and 1 (send_recv: what a pipeline's
+    stages pay to pass activations and gradients); matrix
     multiply FLOP/s, memory bandwidth and the cost of one op in a graph are measured on every rank
     at once. They go into the profile's `calibration` (per link class, with a per-kind table) and
     `compute` entries, which `aot plan` and `aot build --strategy auto` use.

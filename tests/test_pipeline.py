@@ -355,6 +355,26 @@ def test_fp16_loss_scaling_through_the_pipeline_matches_grad_scaler(tmp_path):
     assert sum(d.sum().item() for d in diffs.values()) / sum(d.numel() for d in diffs.values()) <= 1e-5
 
 
+def test_stage_transfers_are_priced_by_the_calibrated_point_to_point_line(tmp_path):
+    """The predicted pipeline step prices each stage transfer with the profile's calibrated
+    `send_recv` line (aot topology calibrate measures it): at 1F1B with 2 microbatches on 2 ranks
+    the last stage cannot start before the first activation arrives and the first stage cannot
+    finish before the last gradient does, so at 50 ms per transfer the step takes at least 2 x 50 ms
+    (a millisecond at the profile's default loopback latency)."""
+    from runner.topology import load_profile
+
+    profile = load_profile("cpu")
+    profile["calibration"] = {"loopback": {"alpha_s": 30e-6, "beta_s_per_byte": 5e-10, "per_kind": {"send_recv": {"alpha_s": 0.05, "beta_s_per_byte": 0.0}}}}
+    (tmp_path / "slow_p2p.json").write_text(json.dumps(profile))
+    args = ("--world-size", 2, "--strategy", "pp=2", "--microbatches", 2, "--batch-size", 8, "--no-onnx", "--quiet")
+    steps = {}
+    for topology in ("cpu", tmp_path / "slow_p2p.json"):
+        art = tmp_path / ("fast" if topology == "cpu" else "slow")
+        ok(aot("build", EXAMPLES / "mlp.py", *args, "--topology", topology, "-o", art))
+        steps[art.name] = json.loads((art / "manifest.json").read_text())["time"]["predicted"]["step_s"]
+    assert steps["slow"] >= 2 * 0.05 > 20 * steps["fast"], steps
+
+
 def test_plan_prices_pipeline_meshes_as_the_build_predicts_them(tmp_path):
     """`aot plan --axes dp,pp`: a pipeline plan's step and memory are the build's prediction for the
     same mesh and microbatches (the same programs, simulated side by side)."""

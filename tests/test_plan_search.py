@@ -236,8 +236,9 @@ def test_calibrate_under_torchrun_writes_a_profile_the_planner_reads(tmp_path):
     assert "round 2 of 2" in proc.stderr  # compute and the stall measured twice, a median (and a pool) of the two
     profile = load_profile(str(out))  # validates
     loopback = profile["calibration"]["loopback"]
-    assert set(loopback["per_kind"]) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert set(loopback["per_kind"]) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
     assert [n for n, _ in loopback["measured"]["all_reduce"]] == [4096 * 2**i for i in range(5)]
+    assert [n for n, _ in loopback["measured"]["send_recv"]] == [4096 * 2**i for i in range(5)]
     compute = profile["compute"]
     assert compute["flops_per_s"]["float32"] > 0 and compute["op_overhead_s"] >= 0 and 0 < compute["efficiency"] <= 1
     assert compute["collective_stall_s"] >= 0 and compute["rounds"] == 2  # measured on these CPU ranks, priced into CPU plans
@@ -255,6 +256,7 @@ def test_calibrate_under_torchrun_writes_a_profile_the_planner_reads(tmp_path):
     assert machine.compute.dispatch_s["addmm"][0] > 0 and machine.compute.dispatch_s["_foreach_add_"][1] > 0
     span = machine.span([0, 1], "all_gather")
     assert span.intra.alpha == loopback["per_kind"]["all_gather"]["alpha_s"]
+    assert machine.span([0, 1], "send_recv").flat().alpha == loopback["per_kind"]["send_recv"]["alpha_s"] > 0
 
     after = timed("after.json")
 
@@ -265,6 +267,13 @@ def test_calibrate_under_torchrun_writes_a_profile_the_planner_reads(tmp_path):
     within_3x(compute["flops_per_s"]["float32"], "matmul_flops_per_s", "matmul FLOP/s")
     within_3x(compute["memory_bytes_per_s"], "copy_bytes_per_s", "copy bytes/s")
     within_3x(machine.compute.element_seconds["gelu"], "gelu_seconds_per_element", "GELU s per element")
+    # a pipeline's transfer (the functional isend / irecv its programs issue): plain dist.send /
+    # dist.recv's one-way time, plus what issuing the functional ops adds (measured here: 1.3-3x)
+    pair = machine.span([0, 1], "send_recv").flat()
+    for nbytes in after["send_recv_s"]:
+        predicted = pair.alpha + int(nbytes) * pair.beta
+        measured = sorted(t["send_recv_s"][nbytes] for t in (before, after))
+        assert measured[0] / 2 <= predicted <= measured[1] * 5, f"send_recv of {nbytes} bytes: calibrated {predicted:.3g}, measured here {measured}"
     ring = machine.span([0, 1], "all_reduce")
     for nbytes in after["all_reduce_s"]:  # the ring at 2 ranks: 2 alpha + n beta
         predicted = 2 * ring.intra.alpha + int(nbytes) * ring.intra.beta

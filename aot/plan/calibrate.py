@@ -14,6 +14,12 @@ folded into beta), all_gather and reduce_scatter t = (p-1) alpha + ((p-1)/p) n b
 `calibration` gets the link class the ranks span (`loopback` for cpu ranks, `nvlink`/`pcie` inside
 a node, `network` across nodes) with the all_reduce alpha and beta and a `per_kind` table.
 
+Point-to-point (`send_recv` in that table, what a pipeline's stage transfers cost): ranks 0 and 1
+pass a tensor back and forth with the functional isend / irecv a pipeline program issues (the
+runner's send kernel installed, as the runner does), the other ranks idle; one transfer is half
+the round trip, the median repetition, and the line t = alpha + beta n is the transfer itself
+(no ring formula). Between two ranks of one node that is the pair's link.
+
 Compute, on every rank at once (as in training): matrix multiply FLOP/s (float32; bfloat16 too on
 GPUs), memory bandwidth on a copy much larger than the caches and, on CPUs, on copies of 64 KiB to
 16 MiB (what fits in the caches moves faster); on CPUs also the time per element of
@@ -40,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from aot.plan.collectives import SEND_RECV
 from aot.plan.cpu_op_costs import measure_dispatch_seconds, measure_element_seconds, measure_foreach_tensor_seconds, measure_view_seconds
 from aot.plan.timing import per_call, sync, timed
 from runner.groups import leave_process_group, yield_gloo_poll_threads
@@ -93,6 +100,48 @@ def measure_collectives(
                 dist.all_reduce(clock, op=dist.ReduceOp.MAX)
                 samples.append(float(clock[0]))
             results[kind].append((nbytes, _quantile(samples, 0.5 if device.type == "cuda" else 0.25)))
+    return results
+
+
+def measure_point_to_point(device, sizes: list[int], reps: int, warmup: int = 2, min_seconds: float = 0.0, max_reps: int = 400) -> list[tuple[int, float]]:
+    """[(n bytes, seconds of one transfer)] between ranks 0 and 1: half the round trip of a tensor
+    sent there and back with the functional isend / irecv, timed on rank 0, the median repetition
+    (a pipeline's steps pay the usual transfer, not the fast path); ranks 2.. only keep count.
+    Each size at least `reps` times and until `min_seconds` of round trips are in (at most
+    `max_reps`); rank 0 decides when to stop and tells the others."""
+    from runner.p2p import install_send_kernel
+
+    install_send_kernel()  # the runner's: each send's placeholder is waited once
+    funcol = torch.ops._c10d_functional
+    rank, group_name = dist.get_rank(), _world_group_name()
+    peer = {0: 1, 1: 0}.get(rank)
+    results: list[tuple[int, float]] = []
+    more = torch.zeros(1, dtype=torch.int32)
+    for n in sizes:
+        t = torch.ones(max(1, n // 4), dtype=torch.float32, device=device)
+
+        def there_and_back() -> None:
+            if rank == 0:
+                funcol.wait_tensor(funcol.isend(t, peer, 0, group_name))
+                funcol.wait_tensor(funcol.irecv(t, peer, 1, group_name))
+            elif rank == 1:
+                funcol.wait_tensor(funcol.irecv(t, peer, 0, group_name))
+                funcol.wait_tensor(funcol.isend(t, peer, 1, group_name))
+            sync(device)
+
+        for _ in range(warmup):
+            there_and_back()
+        samples: list[float] = []
+        while True:
+            dist.barrier()
+            start = time.perf_counter()
+            there_and_back()
+            samples.append((time.perf_counter() - start) / 2)
+            more[0] = int(len(samples) < reps or (2 * sum(samples) < min_seconds and len(samples) < max_reps))
+            dist.broadcast(more, 0)
+            if not more[0]:
+                break
+        results.append((t.numel() * 4, _quantile(samples, 0.5)))
     return results
 
 
@@ -491,6 +540,11 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
                 per_kind[kind] = {"alpha_s": alpha, "beta_s_per_byte": beta, "gamma_s_per_byte": 0.0}
                 measurements[kind] = [[n, t] for n, t in pts]
                 isolated_s[kind] = a + b * STALL_BYTES
+            log(f"measuring {SEND_RECV} between ranks 0 and 1 at the same sizes")
+            pts = measure_point_to_point(device, sizes, reps, min_seconds=min_seconds)
+            a, b = fit_line(pts)
+            per_kind[SEND_RECV] = {"alpha_s": a, "beta_s_per_byte": b, "gamma_s_per_byte": 0.0}
+            measurements[SEND_RECV] = [[n, t] for n, t in pts]
         stall = world > 1 and device.type == "cpu"  # GPU collectives overlap compute on their own stream
         for r in range(rounds):
             log(

@@ -39,6 +39,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+SEND_RECV = "send_recv"  # point-to-point, a pipeline's stage transfers: alpha + n beta over the pair's link
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 # Algorithms by collective kind, in the order ties are broken.

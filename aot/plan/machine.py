@@ -8,7 +8,8 @@ when present, from its measured `calibration` (per link class) and `compute` ent
 `aot topology calibrate` writes:
 
     "calibration": {"loopback": {"alpha_s": ..., "beta_s_per_byte": ..., "gamma_s_per_byte": ...,
-                                 "per_kind": {"all_reduce": {"alpha_s": ..., "beta_s_per_byte": ...}, ...}}}
+                                 "per_kind": {"all_reduce": {"alpha_s": ..., "beta_s_per_byte": ...}, ...,
+                                              "send_recv": {...}}}}  # send_recv: one point-to-point transfer
     "compute": {"flops_per_s": {"float32": ...}, "memory_bytes_per_s": ..., "op_overhead_s": ...,
                 "view_overhead_s": ..., "efficiency": ...,
                 # CPU ranks only (aot.plan.cpu_gloo_model):

@@ -5,7 +5,8 @@ ranks' sends, so the bubble is where the programs meet. Each program is walked i
 on its own clock: an op costs the cost model's seconds (aot.plan.cost_model.node_seconds); a
 send is issued at once (the transfer runs beside compute); the wait for a receive ends no earlier
 than the peer's send of the same tag was issued plus the transfer (alpha + bytes x beta over the
-link the placement gives the two ranks); the wait for a send ends no earlier than the peer
+link the placement gives the two ranks: the calibration's point-to-point line where the profile
+has one, `send_recv`, else the link's); the wait for a send ends no earlier than the peer
 issued its receive. A collective over the rank's data axes costs what the collective model says
 (added to the clock where communication does not overlap compute, else ending at issue + cost);
 one over the pipeline group ends when the last pipeline rank issues it, plus its cost. Ranks are
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from aot.plan.collectives import SEND_RECV
 from aot.plan.cost_model import analyze, node_seconds
 from aot.plan.placement import Placement
 
@@ -70,7 +72,7 @@ def simulate_pipeline(programs: list[torch.fx.GraphModule], planner, placement: 
     counters = [0] * pp  # pipeline-group collectives issued so far, per rank
 
     def transfer(a: int, b: int, nbytes: int) -> float:
-        link = machine.span(sorted([physical[a], physical[b]])).flat()
+        link = machine.span(sorted([physical[a], physical[b]]), SEND_RECV).flat()
         return link.alpha + nbytes * link.beta
 
     def advance(r: int) -> bool:

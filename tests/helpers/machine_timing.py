@@ -12,6 +12,8 @@ rank 0 writes OUT.json:
 - all_reduce_s: {bytes: seconds} of a float32 all_reduce over both ranks (dist.all_reduce), each
   repetition timed after a barrier and taken as the slower rank saw it, the lower quartile of 40
   (gloo's time on a shared CPU is bimodal; the quartile is its fast path)
+- send_recv_s: {bytes: seconds} of one transfer, half the round trip of a float32 tensor sent
+  from rank 0 to rank 1 and back (dist.send / dist.recv), timed on rank 0, median of 40
 """
 
 import json
@@ -50,6 +52,29 @@ def all_reduce_seconds(nbytes: int, reps: int = 40) -> float:
     return sorted(samples)[len(samples) // 4]
 
 
+def send_recv_seconds(nbytes: int, reps: int = 40) -> float:
+    t = torch.ones(nbytes // 4)
+    peer = 1 - dist.get_rank()
+
+    def there_and_back() -> None:
+        if peer == 1:
+            dist.send(t, peer)
+            dist.recv(t, peer)
+        else:
+            dist.recv(t, peer)
+            dist.send(t, peer)
+
+    for _ in range(3):
+        there_and_back()
+    samples = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        there_and_back()
+        samples.append((time.perf_counter() - start) / 2)
+    return statistics.median(samples)
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -63,6 +88,7 @@ def main(out: str) -> None:
         "copy_bytes_per_s": 2 * x.numel() * 4 / median_seconds(lambda: y.copy_(x), 7),
         "gelu_seconds_per_element": median_seconds(lambda: torch.nn.functional.gelu(g), 15) / g.numel(),
         "all_reduce_s": {nbytes: all_reduce_seconds(nbytes) for nbytes in (4096, 65536)},
+        "send_recv_s": {nbytes: send_recv_seconds(nbytes) for nbytes in (4096, 65536)},
     }
     if dist.get_rank() == 0:
         with open(out, "w") as f:
