@@ -1,9 +1,11 @@
 """Benchmark: pipeline parallelism on CPU ranks, step time against dp=2 and the bubble, predicted and measured.
 
     python bench/pipeline.py [--rounds 3] [--steps 25] [--microbatches 2,4,8] [--schedules 1f1b,gpipe]
-        [--mlp-microbatches 4] [--max-load 0.5] [--patience 60] [--out pipeline.json] [--commit ID]
+        [--mlp-microbatches 4] [--max-load 0.5] [--patience 60] [--topology cpu] [--out pipeline.json] [--commit ID]
 
-Every variant is built for `--topology cpu --world-size 2 --no-onnx` and trained on 2 CPU ranks
+Every variant is built for `--topology T --world-size 2 --no-onnx` (T: `--topology`, default the
+uncalibrated cpu profile; a profile `aot topology calibrate` wrote on these ranks just before
+prices this machine, point-to-point transfers included) and trained on 2 CPU ranks
 with `torchrun --standalone --nproc-per-node 2 -m aot run ART --steps N --metrics M --profile P
 --quiet` (OMP_NUM_THREADS=1), from this working tree:
 
@@ -70,6 +72,7 @@ from plan_accuracy import busy_cpu_s, own_cpu_s, wait_for_quiet  # noqa: E402
 QUIET = (0.5, 60.0)  # before each launch: wait up to 60 s for others to use <= 0.5 cores (--max-load, --patience)
 TIMED_FROM = 6  # metrics lines skipped: 5 warm-up steps, and step 6 is the profiler's last
 GOAL = (0.8, 1.2)
+TOPOLOGY = "cpu"  # --topology: the profile every variant is built for (a calibrated one prices this machine)
 
 
 def _env(**extra) -> dict:
@@ -120,7 +123,7 @@ def build(v: dict, out: Path) -> dict:
             "build",
             f"examples/{v['model']}.py",
             "--topology",
-            "cpu",
+            TOPOLOGY,
             "--world-size",
             "2",
             *map(str, v["args"]),
@@ -239,6 +242,7 @@ def measure(vs: list[dict], rounds: int, steps: int, folder: Path) -> list[dict]
         row["predicted_vs_dp"] = v["predicted_step_s"] / baseline["predicted_step_s"]
         if "bubble" in mine[0]:
             row["bubble"] = statistics.median(r["bubble"] for r in mine)
+            row["bubble_range"] = [min(r["bubble"] for r in mine), max(r["bubble"] for r in mine)]
             row["p2p_bubble"] = statistics.median(r["p2p_bubble"] for r in mine)
             row["bubble_ratio"] = row["bubble"] / v["predicted_bubble"]
             row["goal_met"] = GOAL[0] <= row["bubble_ratio"] <= GOAL[1]
@@ -262,9 +266,9 @@ def report(rows: list[dict]) -> str:
         "### Step time and bubble (2 CPU ranks, global batch 16)",
         "",
         "| variant | step, ms | vs dp=2 | predicted step, ms | predicted vs dp=2 | measured bubble (busiest rank) | "
-        "of which p2p | predicted bubble (formula) | measured / formula | within 20% | predicted bubble (simulated) | "
+        "range over rounds | of which p2p | predicted bubble (formula) | measured / formula | within 20% | predicted bubble (simulated) | "
         "measured / simulated | within 20% |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         line = f"| {r['name']} | {ms(r['step_s'])} | {r['vs_dp']:.2f} | {ms(r['predicted_step_s'])} | {r['predicted_vs_dp']:.2f} | "
@@ -272,11 +276,12 @@ def report(rows: list[dict]) -> str:
             busiest = statistics.mode(x["busiest_rank"] for x in r["runs"])
             yes = lambda ok: "yes" if ok else "no"
             line += (
-                f"{r['bubble']:.3f} (rank {busiest}) | {r['p2p_bubble']:.3f} | {r['predicted_bubble']:.3f} | {r['bubble_ratio']:.2f} | {yes(r['goal_met'])} | "
+                f"{r['bubble']:.3f} (rank {busiest}) | {r['bubble_range'][0]:.3f}-{r['bubble_range'][1]:.3f} | {r['p2p_bubble']:.3f} | "
+                f"{r['predicted_bubble']:.3f} | {r['bubble_ratio']:.2f} | {yes(r['goal_met'])} | "
             )
             line += f"{r['simulated_bubble']:.3f} | {r['simulated_ratio']:.2f} | {yes(r['simulated_goal_met'])} |" if "simulated_ratio" in r else "- | - | - |"
         else:
-            line += "- | - | - | - | - | - | - | - |"
+            line += "- | - | - | - | - | - | - | - | - |"
         lines.append(line)
     lines += [
         "",
@@ -309,7 +314,7 @@ def report(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    global QUIET
+    global QUIET, TOPOLOGY
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=25)
@@ -318,10 +323,13 @@ def main() -> None:
     parser.add_argument("--mlp-microbatches", type=int, default=4)
     parser.add_argument("--max-load", type=float, default=QUIET[0], help="before each launch, wait for other processes to use at most this many cores")
     parser.add_argument("--patience", type=float, default=QUIET[1], help="seconds to wait for that, at most")
+    parser.add_argument(
+        "--topology", default="cpu", help="profile to build for (default cpu; a profile `aot topology calibrate` wrote on these ranks prices this machine)"
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--commit", help="the commit to report (default: git rev-parse --short HEAD here; for a run from an exported tree)")
     args = parser.parse_args()
-    QUIET = (args.max_load, args.patience)
+    QUIET, TOPOLOGY = (args.max_load, args.patience), str(Path(args.topology).resolve()) if Path(args.topology).is_file() else args.topology
     if args.steps <= TIMED_FROM:
         raise SystemExit(f"--steps must be more than {TIMED_FROM}")
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip() or "unknown"
