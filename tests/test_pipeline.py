@@ -375,6 +375,29 @@ def test_stage_transfers_are_priced_by_the_calibrated_point_to_point_line(tmp_pa
     assert steps["slow"] >= 2 * 0.05 > 20 * steps["fast"], steps
 
 
+def test_pipeline_waits_pay_the_calibrated_in_step_stall_on_cpu_ranks(tmp_path):
+    """On CPU ranks a blocking wait for another rank costs the calibrated in-step stall (a
+    scheduler tick, often), as a data-parallel step's collectives do (aot.plan.cost_model): the
+    simulated pipeline charges it at each receive and the pipeline all_reduce. At 1F1B with 2
+    microbatches on 2 ranks the first rank waits for both gradients before its last backward, so a
+    10 ms stall adds at least 20 ms."""
+    from runner.topology import load_profile
+
+    profile = load_profile("cpu")
+    profile["compute"] = {"collective_stall_s": 0.01}
+    (tmp_path / "stalling.json").write_text(json.dumps(profile))
+    args = ("--world-size", 2, "--strategy", "pp=2", "--microbatches", 2, "--batch-size", 8, "--no-onnx", "--quiet")
+    steps, busy = {}, {}
+    for topology in ("cpu", tmp_path / "stalling.json"):
+        art = tmp_path / ("plain" if topology == "cpu" else "stalling")
+        ok(aot("build", EXAMPLES / "mlp.py", *args, "--topology", topology, "-o", art))
+        manifest = json.loads((art / "manifest.json").read_text())
+        steps[art.name] = manifest["time"]["predicted"]["step_s"]
+        busy[art.name] = max(p["busy_s"] for p in manifest["pipeline"]["programs"].values())
+    assert steps["stalling"] >= steps["plain"] + 2 * 0.01, steps
+    assert busy["stalling"] == pytest.approx(busy["plain"], rel=0.05)  # the stall is waiting, not work
+
+
 def test_plan_prices_pipeline_meshes_as_the_build_predicts_them(tmp_path):
     """`aot plan --axes dp,pp`: a pipeline plan's step and memory are the build's prediction for the
     same mesh and microbatches (the same programs, simulated side by side)."""

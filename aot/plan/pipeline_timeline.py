@@ -13,6 +13,15 @@ one over the pipeline group ends when the last pipeline rank issues it, plus its
 advanced in turn until each is blocked or done; a schedule that passes aot.plan.pipeline.check
 always finishes.
 
+Where communication does not overlap compute (CPU ranks), each blocking wait on another rank (a
+receive, a collective) also pays the calibrated in-step stall, as a step without pp pays it for
+its collectives (aot.plan.cost_model.simulate): the programs are walked once to find the compute
+before each such wait, each rank's stall for all of them is the device model's `blocking_stall`
+(the median step's), and the walk is repeated with that spread evenly over the rank's waits.
+Without it a pipeline on CPU ranks was priced 30-45% under its measured step while dp was
+priced within 15%, so the planner favoured pipelines there (BENCHMARKS.md, "Pipeline
+parallelism").
+
 The result: the step (the last rank's end), each rank's busy and waiting seconds, and a Chrome
 trace with one thread per pipeline rank.
 """
@@ -37,6 +46,8 @@ class RankClock:
     position: int = 0
     t: float = 0.0
     busy: float = 0.0
+    computed: float = 0.0  # busy seconds when it last waited on communication
+    segments: list = field(default_factory=list)  # (compute since the last such wait, kind) at each
     waiting: float = 0.0
     events: list = field(default_factory=list)
     handles: dict = field(default_factory=dict)  # p2p or collective node -> what its wait needs
@@ -65,74 +76,94 @@ def simulate_pipeline(programs: list[torch.fx.GraphModule], planner, placement: 
         step = analyze(gm)
         cost, _ = planner.comm_pricer(placement, step, "never")
         pricers.append(({c.name: c for c in step.comms}, cost))
-    clocks = [RankClock([n for n in gm.graph.nodes if n.op == "call_function"]) for gm in programs]
-    sent: dict = {}  # (src, dst, tag) -> the sender's issue time
-    posted: dict = {}  # (src, dst, tag) -> the receiver's issue time
-    arrivals: dict = {}  # k -> issue times of the k-th pipeline-group collective, per rank that issued it
-    counters = [0] * pp  # pipeline-group collectives issued so far, per rank
 
     def transfer(a: int, b: int, nbytes: int) -> float:
         link = machine.span(sorted([physical[a], physical[b]]), SEND_RECV).flat()
         return link.alpha + nbytes * link.beta
 
-    def advance(r: int) -> bool:
-        """Run rank r until it blocks or ends; whether it moved."""
-        clock, (sites, cost) = clocks[r], pricers[r]
-        moved = False
-        while not clock.done:
-            node = clock.nodes[clock.position]
-            handle = clock.handles.get(node.args[0]) if node.target is _funcol.wait_tensor.default and node.args else None
-            if handle is not None:
-                kind = handle[0]
-                if kind == "recv":
-                    _, peer, tag, nbytes = handle
-                    if (peer, r, tag) not in sent:
-                        return moved
-                    _wait(clock, sent[(peer, r, tag)] + transfer(peer, r, nbytes), f"wait for rank {peer}")
-                elif kind == "send":
-                    _, peer, tag, _ = handle
-                    if (r, peer, tag) not in posted:
-                        return moved
-                    _wait(clock, posted[(r, peer, tag)], f"wait for rank {peer}")
-                elif kind == "pp":  # ends once every pipeline rank has issued it
-                    _, index, seconds = handle
-                    if len(arrivals.get(index, ())) < pp:
-                        return moved
-                    _wait(clock, max(arrivals[index]) + seconds, "pipeline all_reduce")
-                else:
-                    _wait(clock, handle[1], "collective")
-            elif node.target in P2P:
-                kind, peer, tag = P2P[node.target], int(node.args[1]), int(node.args[2])
-                val = node.args[0].meta.get("val")
-                nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-                if kind == "send":
-                    sent[(r, peer, tag)] = clock.t
-                else:
-                    posted[(peer, r, tag)] = clock.t
-                clock.handles[node] = (kind, peer, tag, nbytes)
-            elif node.name in sites:
-                site = sites[node.name]
-                seconds = cost(site)[1]
-                if site.group == group:
-                    arrivals.setdefault(counters[r], []).append(clock.t)
-                    clock.handles[node] = ("pp", counters[r], seconds)
-                    counters[r] += 1
-                elif planner.overlaps:
-                    clock.handles[node] = ("local", clock.t + seconds)
-                else:  # CPU ranks: communication does not overlap compute (aot.plan.search)
-                    _run(clock, seconds)
-            else:
-                _run(clock, node_seconds(node, machine.compute))
-            clock.position += 1
-            moved = True
-        return moved
+    def walk(stall: list[float]) -> list[RankClock]:
+        """Every rank's program on its clock; `stall[r]`: what each of rank r's blocking waits on
+        communication pays beyond it (each records the compute before it in `clock.segments`)."""
+        clocks = [RankClock([n for n in gm.graph.nodes if n.op == "call_function"]) for gm in programs]
+        sent: dict = {}  # (src, dst, tag) -> the sender's issue time
+        posted: dict = {}  # (src, dst, tag) -> the receiver's issue time
+        arrivals: dict = {}  # k -> issue times of the k-th pipeline-group collective, per rank that issued it
+        counters = [0] * pp  # pipeline-group collectives issued so far, per rank
 
-    while not all(c.done for c in clocks):
-        if not any(advance(r) for r in range(pp)):
-            stuck = ", ".join(f"rank {r} at {c.nodes[c.position].name}" for r, c in enumerate(clocks) if not c.done)
-            raise RuntimeError(f"pipeline timeline: the programs wait on each other ({stuck})")
+        def advance(r: int) -> bool:
+            """Run rank r until it blocks or ends; whether it moved."""
+            clock, (sites, cost) = clocks[r], pricers[r]
+            moved = False
+            while not clock.done:
+                node = clock.nodes[clock.position]
+                handle = clock.handles.get(node.args[0]) if node.target is _funcol.wait_tensor.default and node.args else None
+                if handle is not None:
+                    kind = handle[0]
+                    if kind == "recv":
+                        _, peer, tag, nbytes = handle
+                        if (peer, r, tag) not in sent:
+                            return moved
+                        _met(clock, "send_recv")
+                        _wait(clock, max(clock.t, sent[(peer, r, tag)] + transfer(peer, r, nbytes)) + stall[r], f"wait for rank {peer}")
+                    elif kind == "send":
+                        _, peer, tag, _ = handle
+                        if (r, peer, tag) not in posted:
+                            return moved
+                        _wait(clock, posted[(r, peer, tag)], f"wait for rank {peer}")
+                    elif kind == "pp":  # ends once every pipeline rank has issued it
+                        _, index, seconds = handle
+                        if len(arrivals.get(index, ())) < pp:
+                            return moved
+                        _met(clock, "all_reduce")
+                        _wait(clock, max(clock.t, max(arrivals[index]) + seconds) + stall[r], "pipeline all_reduce")
+                    else:
+                        _wait(clock, handle[1], "collective")
+                elif node.target in P2P:
+                    kind, peer, tag = P2P[node.target], int(node.args[1]), int(node.args[2])
+                    val = node.args[0].meta.get("val")
+                    nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+                    if kind == "send":
+                        sent[(r, peer, tag)] = clock.t
+                    else:
+                        posted[(peer, r, tag)] = clock.t
+                    clock.handles[node] = (kind, peer, tag, nbytes)
+                elif node.name in sites:
+                    site = sites[node.name]
+                    seconds = cost(site)[1]
+                    if site.group == group:
+                        arrivals.setdefault(counters[r], []).append(clock.t)
+                        clock.handles[node] = ("pp", counters[r], seconds)
+                        counters[r] += 1
+                    elif planner.overlaps:
+                        clock.handles[node] = ("local", clock.t + seconds)
+                    else:  # CPU ranks: communication does not overlap compute (aot.plan.search)
+                        _met(clock, site.kind)
+                        _run(clock, seconds + stall[r])
+                else:
+                    _run(clock, node_seconds(node, machine.compute))
+                clock.position += 1
+                moved = True
+            return moved
+
+        while not all(c.done for c in clocks):
+            if not any(advance(r) for r in range(pp)):
+                stuck = ", ".join(f"rank {r} at {c.nodes[c.position].name}" for r, c in enumerate(clocks) if not c.done)
+                raise RuntimeError(f"pipeline timeline: the programs wait on each other ({stuck})")
+        return clocks
+
+    clocks = walk([0.0] * pp)
+    if not planner.overlaps:  # CPU ranks: each blocking wait pays the calibrated in-step stall
+        stalls = [machine.compute.blocking_stall(*zip(*c.segments)) / len(c.segments) if c.segments else 0.0 for c in clocks]
+        if any(stalls):
+            clocks = walk(stalls)
     step_s = max(c.t for c in clocks)
     return PipelineTimeline(step_s, [c.busy for c in clocks], [c.waiting + step_s - c.t for c in clocks], _trace(clocks, step_s))
+
+
+def _met(clock: RankClock, kind: str) -> None:
+    """A blocking wait on communication: the compute before it sets its stall (aot.plan.device_model)."""
+    clock.segments.append((clock.busy - clock.computed, kind))
+    clock.computed = clock.busy
 
 
 def _run(clock: RankClock, seconds: float) -> None:
