@@ -154,7 +154,29 @@ def build(v: dict, out: Path) -> dict:
     }
 
 
+FAILED_LAUNCHES: list[dict] = []  # launches that crashed and were run again (reported with the results)
+
+
 def train(art: Path, steps: int, folder: Path) -> dict:
+    """One launch, run once more if it crashes: the crash is kept (its whole stderr in
+    failed-launch-K.stderr.txt in the working directory) and reported with the results."""
+    try:
+        return _train(art, steps, folder)
+    except LaunchFailed as e:
+        log = Path.cwd() / f"failed-launch-{len(FAILED_LAUNCHES) + 1}.stderr.txt"
+        log.write_text(e.stderr)
+        FAILED_LAUNCHES.append({"artifact": art.name, "returncode": e.returncode, "stderr": str(log)})
+        print(f"  aot run {art.name} failed (exit {e.returncode}; stderr in {log}); running it again", file=sys.stderr, flush=True)
+        return _train(art, steps, folder)
+
+
+class LaunchFailed(Exception):
+    def __init__(self, returncode: int, stderr: str):
+        super().__init__(f"exit {returncode}")
+        self.returncode, self.stderr = returncode, stderr
+
+
+def _train(art: Path, steps: int, folder: Path) -> dict:
     metrics, profile = folder / "metrics.jsonl", folder / "profile"
     metrics.unlink(missing_ok=True)
     (profile / "profile.json").unlink(missing_ok=True)
@@ -186,7 +208,7 @@ def train(art: Path, steps: int, folder: Path) -> dict:
         text=True,
     )
     if r.returncode:
-        raise SystemExit(f"aot run {art} failed: {r.stderr[-2000:]}")
+        raise LaunchFailed(r.returncode, r.stderr)
     times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()][TIMED_FROM:]
     summary = json.loads((profile / "profile.json").read_text())
     wall, busy1 = time.perf_counter() - started, busy_cpu_s()
@@ -349,8 +371,11 @@ def main() -> None:
         f"(median {statistics.median(foreign) if foreign else 0:.2f}) during launches; {time.perf_counter() - started:.0f} s"
     )
     print(f"\n{machine}")
+    for failed in FAILED_LAUNCHES:
+        print(f"a launch of {failed['artifact']} crashed (exit {failed['returncode']}; stderr in {failed['stderr']}) and was run again")
     if args.out:
-        args.out.write_text(json.dumps({"commit": commit, "machine": machine, "rounds": args.rounds, "steps": args.steps, "rows": rows}, indent=1) + "\n")
+        record = {"commit": commit, "machine": machine, "rounds": args.rounds, "steps": args.steps, "rows": rows, "failed_launches": FAILED_LAUNCHES}
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":
