@@ -518,7 +518,9 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
         torch.cuda.set_device(device)
     started = False
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+        # on GPUs the timings' bookkeeping (each sample's max over ranks, when to stop, the
+        # gathered results) is CPU tensors and objects: gloo carries those, NCCL the measured ones
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=world)
         started = True
     if world > 1 and not cuda:  # as the runner does: the stall measured is the one its steps pay
         yield_gloo_poll_threads()
