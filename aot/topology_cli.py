@@ -74,7 +74,7 @@ def render(profile: dict) -> str:
     if profile["device_kind"] != "cuda" or not gpus:
         if cpu and cpu.get("numa_nodes"):
             out += [f"  NUMA node {n}: CPUs {c}" for n, c in cpu["numa_nodes"].items()]
-        return "\n".join(out) + "\n"
+        return "\n".join(out + _calibration_lines(profile)) + "\n"
     if gpus[0][0] is None:  # a version-1 profile: GPUs without bus ids or links
         out += [f"  GPU{i}  {g['name']}  {gib(g['memory_bytes'])}" for i, (_, g) in enumerate(gpus)]
         return "\n".join(out) + "\n"
@@ -195,16 +195,27 @@ def render(profile: dict) -> str:
             f"Inter-node fabric: {fabric['kind']}, {fabric['rails_per_node']} rail(s) per node{per}, {lat}"
             + (f"; {profile['nodes']} nodes" if profile["nodes"] > 1 else ""),
         ]
-    calibration = profile.get("calibration")
-    if calibration:
-        out += ["", "Calibration (alpha: latency per message; beta: seconds per byte):"]
-        out += [
-            f"  {cls:<8} alpha {ab['alpha_s'] * 1e6:.3g} us  beta {ab['beta_s_per_byte']:.3g} s/B"
-            + (f" ({1 / ab['beta_s_per_byte'] / 1e9:.3g} GB/s)" if ab["beta_s_per_byte"] else "")
-            for cls, ab in calibration.items()
-        ]
+    out += _calibration_lines(profile)
     out += ["", LEGEND]
     return "\n".join(out) + "\n"
+
+
+def _calibration_lines(profile: dict) -> list[str]:
+    """The measured alpha and beta per link class, and per collective kind and point-to-point
+    (send_recv: a pipeline's stage transfers) where `aot topology calibrate` wrote them."""
+    calibration = profile.get("calibration")
+    if not calibration:
+        return []
+
+    def line(label: str, ab: dict) -> str:
+        rate = f" ({1 / ab['beta_s_per_byte'] / 1e9:.3g} GB/s)" if ab["beta_s_per_byte"] else ""
+        return f"{label} alpha {ab['alpha_s'] * 1e6:.3g} us  beta {ab['beta_s_per_byte']:.3g} s/B{rate}"
+
+    out = ["", "Calibration (alpha: latency per message; beta: seconds per byte):"]
+    for cls, ab in calibration.items():
+        out.append(line(f"  {cls:<8}", ab))
+        out += [line(f"    {kind:<15}", entry) for kind, entry in (ab.get("per_kind") or {}).items()]
+    return out
 
 
 @click.group("topology")

@@ -257,6 +257,8 @@ def test_calibrate_under_torchrun_writes_a_profile_the_planner_reads(tmp_path):
     span = machine.span([0, 1], "all_gather")
     assert span.intra.alpha == loopback["per_kind"]["all_gather"]["alpha_s"]
     assert machine.span([0, 1], "send_recv").flat().alpha == loopback["per_kind"]["send_recv"]["alpha_s"] > 0
+    shown = CliRunner().invoke(cli, ["topology", "show", str(out)], catch_exceptions=False).output  # per kind, for people
+    assert f"    send_recv       alpha {loopback['per_kind']['send_recv']['alpha_s'] * 1e6:.3g} us" in shown, shown
 
     after = timed("after.json")
 
