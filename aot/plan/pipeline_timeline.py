@@ -18,9 +18,9 @@ receive, a collective) also pays the calibrated in-step stall, as a step without
 its collectives (aot.plan.cost_model.simulate): the programs are walked once to find the compute
 before each such wait, each rank's stall for all of them is the device model's `blocking_stall`
 (the median step's), and the walk is repeated with that spread evenly over the rank's waits.
-Without it a pipeline on CPU ranks was priced 30-45% under its measured step while dp was
-priced within 15%, so the planner favoured pipelines there (BENCHMARKS.md, "Pipeline
-parallelism").
+Without it pipelines on CPU ranks were priced 29-49% under their measured steps while dp was
+priced within 15%, so the planner favoured pipelines there (bench/pipeline.py at e605b0c;
+with it, BENCHMARKS.md "Pipeline parallelism": 1-27% under).
 
 The result: the step (the last rank's end), each rank's busy and waiting seconds, and a Chrome
 trace with one thread per pipeline rank.
