@@ -16,9 +16,11 @@ a node, `network` across nodes) with the all_reduce alpha and beta and a `per_ki
 
 Point-to-point (`send_recv` in that table, what a pipeline's stage transfers cost): ranks 0 and 1
 pass a tensor back and forth with the functional isend / irecv a pipeline program issues (the
-runner's send kernel installed, as the runner does), the other ranks idle; one transfer is half
-the round trip, the median repetition, and the line t = alpha + beta n is the transfer itself
-(no ring formula). Between two ranks of one node that is the pair's link.
+runner's send kernel installed, as the runner does), the other ranks idle, timed as the
+collectives are; one transfer is half the round trip, and the line t = alpha + beta n is the
+transfer itself (no ring formula). Between two ranks of one node that is the pair's link. Like
+the collectives' it is the fast path on CPU ranks: what a blocking wait adds inside a step is the
+stall, which the pipeline timeline charges apart (aot/plan/pipeline_timeline.py).
 
 Compute, on every rank at once (as in training): matrix multiply FLOP/s (float32; bfloat16 too on
 GPUs), memory bandwidth on a copy much larger than the caches and, on CPUs, on copies of 64 KiB to
@@ -61,6 +63,15 @@ DEFAULT_CPU_ROUNDS = 5  # rounds of compute and stall measurements on CPU ranks 
 
 def _collective(kind: str, t: torch.Tensor, group_name: str, world: int):
     funcol = torch.ops._c10d_functional
+    if kind == SEND_RECV:  # there and back between ranks 0 and 1 (the others take no part)
+        rank = dist.get_rank()
+        if rank == 0:
+            funcol.wait_tensor(funcol.isend(t, 1, 0, group_name))
+            return funcol.wait_tensor(funcol.irecv(t, 1, 1, group_name))
+        if rank == 1:
+            funcol.wait_tensor(funcol.irecv(t, 0, 0, group_name))
+            return funcol.wait_tensor(funcol.isend(t, 0, 1, group_name))
+        return t
     if kind == "all_reduce":
         return funcol.wait_tensor(funcol.all_reduce(t, "sum", group_name))
     if kind == "all_gather":
@@ -69,9 +80,11 @@ def _collective(kind: str, t: torch.Tensor, group_name: str, world: int):
 
 
 def measure_collectives(
-    device, sizes: list[int], reps: int, warmup: int = 2, min_seconds: float = 0.0, max_reps: int = 400
+    device, sizes: list[int], reps: int, warmup: int = 2, min_seconds: float = 0.0, max_reps: int = 400, kinds: tuple[str, ...] = KINDS
 ) -> dict[str, list[tuple[int, float]]]:
-    """kind -> [(n bytes, seconds as the slowest rank saw it)]; n as in the cost model.
+    """kind -> [(n bytes, seconds as the slowest rank saw it)]; n as in the cost model. SEND_RECV
+    (ranks 0 and 1 send the tensor there and back with the functional isend / irecv a pipeline
+    program issues, the runner's send kernel installed): one transfer, half the round trip.
 
     Seconds are the median repetition on GPUs and the lower quartile on CPU ranks: there a small
     gloo collective's time is bimodal (on this 2-core machine about 60% near 0.5 ms, 30% a
@@ -82,9 +95,13 @@ def measure_collectives(
     times; every rank sees the same samples (each is the max over ranks), so all stop together."""
     world = dist.get_world_size()
     group_name = _world_group_name()
-    results: dict[str, list[tuple[int, float]]] = {k: [] for k in KINDS}
+    if SEND_RECV in kinds:
+        from runner.p2p import install_send_kernel
+
+        install_send_kernel()  # the runner's: each send's placeholder is waited once
+    results: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
     clock = torch.zeros(1, dtype=torch.float64)
-    for kind in KINDS:
+    for kind in kinds:
         for n in sizes:
             t, nbytes = _collective_input(kind, n, world, device)
             for _ in range(warmup):
@@ -99,49 +116,8 @@ def measure_collectives(
                 clock[0] = time.perf_counter() - start
                 dist.all_reduce(clock, op=dist.ReduceOp.MAX)
                 samples.append(float(clock[0]))
-            results[kind].append((nbytes, _quantile(samples, 0.5 if device.type == "cuda" else 0.25)))
-    return results
-
-
-def measure_point_to_point(device, sizes: list[int], reps: int, warmup: int = 2, min_seconds: float = 0.0, max_reps: int = 400) -> list[tuple[int, float]]:
-    """[(n bytes, seconds of one transfer)] between ranks 0 and 1: half the round trip of a tensor
-    sent there and back with the functional isend / irecv, timed on rank 0, the median repetition
-    (a pipeline's steps pay the usual transfer, not the fast path); ranks 2.. only keep count.
-    Each size at least `reps` times and until `min_seconds` of round trips are in (at most
-    `max_reps`); rank 0 decides when to stop and tells the others."""
-    from runner.p2p import install_send_kernel
-
-    install_send_kernel()  # the runner's: each send's placeholder is waited once
-    funcol = torch.ops._c10d_functional
-    rank, group_name = dist.get_rank(), _world_group_name()
-    peer = {0: 1, 1: 0}.get(rank)
-    results: list[tuple[int, float]] = []
-    more = torch.zeros(1, dtype=torch.int32)
-    for n in sizes:
-        t = torch.ones(max(1, n // 4), dtype=torch.float32, device=device)
-
-        def there_and_back() -> None:
-            if rank == 0:
-                funcol.wait_tensor(funcol.isend(t, peer, 0, group_name))
-                funcol.wait_tensor(funcol.irecv(t, peer, 1, group_name))
-            elif rank == 1:
-                funcol.wait_tensor(funcol.irecv(t, peer, 0, group_name))
-                funcol.wait_tensor(funcol.isend(t, peer, 1, group_name))
-            sync(device)
-
-        for _ in range(warmup):
-            there_and_back()
-        samples: list[float] = []
-        while True:
-            dist.barrier()
-            start = time.perf_counter()
-            there_and_back()
-            samples.append((time.perf_counter() - start) / 2)
-            more[0] = int(len(samples) < reps or (2 * sum(samples) < min_seconds and len(samples) < max_reps))
-            dist.broadcast(more, 0)
-            if not more[0]:
-                break
-        results.append((t.numel() * 4, _quantile(samples, 0.5)))
+            seconds = _quantile(samples, 0.5 if device.type == "cuda" else 0.25)
+            results[kind].append((nbytes, seconds / 2 if kind == SEND_RECV else seconds))
     return results
 
 
@@ -534,19 +510,15 @@ def calibrate(base: dict, *, min_bytes: int, max_bytes: int, reps: int, min_seco
         compute_rounds, stall_rounds = [], []  # per round: the median over ranks; every rank's stall samples
         per_kind, measurements, isolated_s = {}, {}, {}
         if world > 1:
-            log(f"measuring {', '.join(KINDS)} at {len(sizes)} sizes from {min_bytes} to {max_bytes} bytes")
-            points = measure_collectives(device, sizes, reps, min_seconds=min_seconds)
+            log(f"measuring {', '.join(KINDS)} and {SEND_RECV} (ranks 0 and 1) at {len(sizes)} sizes from {min_bytes} to {max_bytes} bytes")
+            points = measure_collectives(device, sizes, reps, min_seconds=min_seconds, kinds=(*KINDS, SEND_RECV))
             for kind, pts in points.items():
                 a, b = fit_line(pts)
-                alpha, beta = alpha_beta(kind, world, a, b)
+                alpha, beta = alpha_beta(kind, world, a, b) if kind in KINDS else (a, b)  # send_recv: the line is one transfer
                 per_kind[kind] = {"alpha_s": alpha, "beta_s_per_byte": beta, "gamma_s_per_byte": 0.0}
                 measurements[kind] = [[n, t] for n, t in pts]
-                isolated_s[kind] = a + b * STALL_BYTES
-            log(f"measuring {SEND_RECV} between ranks 0 and 1 at the same sizes")
-            pts = measure_point_to_point(device, sizes, reps, min_seconds=min_seconds)
-            a, b = fit_line(pts)
-            per_kind[SEND_RECV] = {"alpha_s": a, "beta_s_per_byte": b, "gamma_s_per_byte": 0.0}
-            measurements[SEND_RECV] = [[n, t] for n, t in pts]
+                if kind in KINDS:
+                    isolated_s[kind] = a + b * STALL_BYTES
         stall = world > 1 and device.type == "cpu"  # GPU collectives overlap compute on their own stream
         for r in range(rounds):
             log(

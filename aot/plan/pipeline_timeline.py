@@ -103,7 +103,7 @@ def simulate_pipeline(programs: list[torch.fx.GraphModule], planner, placement: 
                         _, peer, tag, nbytes = handle
                         if (peer, r, tag) not in sent:
                             return moved
-                        _met(clock, "send_recv")
+                        _met(clock, SEND_RECV)
                         _wait(clock, max(clock.t, sent[(peer, r, tag)] + transfer(peer, r, nbytes)) + stall[r], f"wait for rank {peer}")
                     elif kind == "send":
                         _, peer, tag, _ = handle
@@ -111,10 +111,10 @@ def simulate_pipeline(programs: list[torch.fx.GraphModule], planner, placement: 
                             return moved
                         _wait(clock, posted[(r, peer, tag)], f"wait for rank {peer}")
                     elif kind == "pp":  # ends once every pipeline rank has issued it
-                        _, index, seconds = handle
+                        _, index, seconds, collective = handle
                         if len(arrivals.get(index, ())) < pp:
                             return moved
-                        _met(clock, "all_reduce")
+                        _met(clock, collective)
                         _wait(clock, max(clock.t, max(arrivals[index]) + seconds) + stall[r], "pipeline all_reduce")
                     else:
                         _wait(clock, handle[1], "collective")
@@ -132,7 +132,7 @@ def simulate_pipeline(programs: list[torch.fx.GraphModule], planner, placement: 
                     seconds = cost(site)[1]
                     if site.group == group:
                         arrivals.setdefault(counters[r], []).append(clock.t)
-                        clock.handles[node] = ("pp", counters[r], seconds)
+                        clock.handles[node] = ("pp", counters[r], seconds, site.kind)
                         counters[r] += 1
                     elif planner.overlaps:
                         clock.handles[node] = ("local", clock.t + seconds)
