@@ -20,7 +20,7 @@ before each such wait, each rank's stall for all of them is the device model's `
 (the median step's), and the walk is repeated with that spread evenly over the rank's waits.
 Without it pipelines on CPU ranks were priced 29-49% under their measured steps while dp was
 priced within 15%, so the planner favoured pipelines there (bench/pipeline.py at e605b0c;
-with it, BENCHMARKS.md "Pipeline parallelism": 1-27% under).
+with it, BENCHMARKS.md "Pipeline parallelism": 13-26% under).
 
 The result: the step (the last rank's end), each rank's busy and waiting seconds, and a Chrome
 trace with one thread per pipeline rank.
