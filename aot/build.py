@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from aot.capture import replicas
 from aot.capture.custom_ops import custom_op_spec
 from aot.capture.model_file import load_model_file
 from aot.capture.precision import check_training_state, resolve_precision
@@ -32,12 +33,13 @@ from aot.plan.tensor_parallel import (
     explain_plan,
     summarize,
     summarize_whole,
+    summed_params,
     unsplit_weights,
     user_plan,
 )
 from aot.progress import Progress
 from runner.data import split_batch_tensors
-from runner.inspect import describe_batchnorm, describe_time, human, tp_layer
+from runner.inspect import describe_batchnorm, describe_replicas, describe_time, human, tp_layer
 from runner.integrity import check_writable_target
 from runner.nvml_probe import live_profile
 from runner.topology import for_nodes, load_profile
@@ -231,7 +233,15 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         sequence = sequence_parallel_layout(state.model, tp_plan, "the plan")
         check_sequence_length(state.model, rank_inputs, sequence["blocks"][0], mesh.size("tp"))
         progress.note(f"sequence parallel over blocks {sequence['blocks'][0]}..{sequence['blocks'][-1]}, norms {', '.join(sequence['norms']) or 'none'}")
-    layout = StepLayout(groups.get("dp"), groups.get("fsdp"), groups.get("tp"), tuple(sorted(tp_plan.items())), sequence, precision)
+    layout = StepLayout(
+        groups.get("dp"),
+        groups.get("fsdp"),
+        groups.get("tp"),
+        tuple(sorted(tp_plan.items())),
+        sequence,
+        precision,
+        tp_summed=summed_params(mf, state.model) if "tp" in groups else (),
+    )
     if precision.mixed:
         progress.note(
             f"precision {precision.compute}: autocast with {precision.rules}'s rules, fp32 master weights and "
@@ -260,6 +270,12 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         captures = {PROGRAM: captured}
     progress.note(describe_memory(memory, recompute))
     progress.note(describe_time(time).removeprefix("time").strip())
+    proof = replicas.merged([c.replicas for c in captures.values() if c.replicas is not None])
+    summed = sorted({n for c in captures.values() for n in c.tp_summed})
+    if summed:
+        layout = replace(layout, tp_summed=tuple(summed))
+        progress.note(f"tensor parallel: {len(summed)} whole weight(s) used on each rank's own slice, gradients summed over tp: {summarize(summed)}")
+    progress.note(f"replicas: {describe_replicas(proof.to_json())}")
     if profile.get("device_kind") == "cuda":
         _note_math_attention(captures, progress)
     if recompute.get("warning"):
@@ -334,6 +350,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
                 "memory": {"predicted": memory.itemized(), "recompute": recompute},
                 **({"pipeline": pipeline_entry} if pipeline_entry else {}),
                 **({"batchnorm": batchnorm} if batchnorm else {}),
+                "replicas": proof.to_json(),
                 "time": time,
                 **({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
                 **({"compiled": compiled.entry} if compiled else {}),

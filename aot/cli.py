@@ -333,9 +333,12 @@ def verify(artifact, model_file, steps, data, tolerance, as_json):
         click.echo(
             f"{result['steps']} steps on {result['world_size']} rank(s): "
             f"max |loss - eager| = {result['max_loss_diff']:.3g}, "
-            f"max |weight - eager| = {result['max_weight_diff']:.3g} "
+            f"max |weight - eager| = {result['max_weight_diff']:.3g} ({result['worst_weight']}) "
             f"(tolerance {tolerance:g}): {'OK' if result['ok'] else 'FAILED'}"
         )
+        # where to look: the parameters furthest from eager, largest first
+        for name, diff in sorted(result["weight_diffs"].items(), key=lambda kv: -kv[1])[:5]:
+            click.echo(f"  {diff:10.3g}  {name}")
     if not result["ok"]:
         raise SystemExit(1)
 

@@ -56,12 +56,13 @@ def main() -> None:
             eager /= trainer.world_size
         losses.append([built, eager.item()])
 
+    # the ranks' copies first: a rank that drifted would be hidden by the gathered state below
+    trainer.check_replicas(f"after step {trainer.step_index} of aot verify")
     reference = model.state_dict()
-    weight_diff = max((t.float() - reference[k].float()).abs().max().item() for k, t in trainer.state_dict().items())
-    if dist.is_initialized():
-        worst = torch.tensor([weight_diff])
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        weight_diff = worst.item()
+    # every rank gathers the same whole state, and eager DDP keeps its replicas equal: rank 0's view is the run's
+    weight_diffs = {k: (t.double() - reference[k].double()).abs().max().item() for k, t in trainer.state_dict().items()}
+    worst_weight = max(weight_diffs, key=lambda k: weight_diffs[k])
+    weight_diff = weight_diffs[worst_weight]
     if trainer.rank == 0:
         Path(args.result).write_text(
             json.dumps(
@@ -71,6 +72,8 @@ def main() -> None:
                     "losses": losses,
                     "max_loss_diff": max(abs(a - b) for a, b in losses),
                     "max_weight_diff": weight_diff,
+                    "worst_weight": worst_weight,
+                    "weight_diffs": weight_diffs,
                 }
             )
         )

@@ -175,6 +175,9 @@ PIPELINE_SCHEMA = {
 TIME_SCHEMA = {"predicted": {"step_s": NUMBER, "compute_s": NUMBER, "comm_s": NUMBER, "exposed_comm_s": NUMBER}, "topology": str, "calibrated": bool}
 # How many BatchNorm layers, how many are SyncBatchNorm, and over which mesh axes (FORMAT.md, "BatchNorm"); optional
 BATCHNORM_SCHEMA = {"layers": int, "synced": int, "axes": [str]}
+# How each mesh axis holds each parameter, proved from the graph at build (FORMAT.md, "Replicas");
+# optional (builds before it lack it)
+REPLICAS_SCHEMA = {"params": Map(Map(OneOf("sharded", "reduced", "identical"))), "buffers_per_rank": [str]}
 SLOT_FIELDS = {
     "param": {"name": str},
     "buffer": {"name": str},
@@ -322,6 +325,7 @@ def _check_structure(m: dict, where: str) -> None:
         ("time", TIME_SCHEMA),
         ("pipeline", PIPELINE_SCHEMA),
         ("batchnorm", BATCHNORM_SCHEMA),
+        ("replicas", REPLICAS_SCHEMA),
     ):
         if m.get(key) is not None:  # optional entries: the ONNX export, custom operator libraries
             try:
@@ -345,6 +349,11 @@ def _check_structure(m: dict, where: str) -> None:
         bn = m["batchnorm"]
         expect(bn["synced"] <= bn["layers"], "batchnorm.synced counts more layers than batchnorm.layers")
         expect(set(bn["axes"]) <= set(m["mesh"]["axes"]), "batchnorm.axes names an axis the mesh lacks")
+    if m.get("replicas") is not None:
+        r = m["replicas"]
+        expect(set(r["params"]) <= set(m["state"]["params"]), "replicas.params names unknown parameters")
+        expect(all(set(h) <= set(m["mesh"]["axes"]) for h in r["params"].values()), "replicas.params names an axis the mesh lacks")
+        expect(set(r["buffers_per_rank"]) <= set(m["state"]["buffers"]), "replicas.buffers_per_rank names unknown buffers")
     if m.get("inference") is not None:
         expect(m["inference"]["file"] in m["files"], "inference.file is not listed in files")
     expect(bool(m["schedule"]["lr"]), "schedule.lr is empty")

@@ -38,6 +38,13 @@ def _restarted() -> bool:
 )
 @click.option("--resume", type=click.Path(path_type=Path), help="Continue from a checkpoint written by --save.")
 @click.option(
+    "--check-replicas",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Every N steps, compare every tensor that several ranks hold a copy of (a bitwise hash, all-gathered); a "
+    "difference stops the run naming the tensor and the ranks. Every --save checks them too, before writing.",
+)
+@click.option(
     "--init-from",
     type=click.Path(path_type=Path),
     help="Start from these weights instead of the artifact's init program: a safetensors file keyed like "
@@ -112,6 +119,7 @@ def run(
     save,
     save_every,
     resume,
+    check_replicas,
     init_from,
     rank,
     world_size,
@@ -260,6 +268,8 @@ def run(
                     log.flush()
                 if (step + 1) % log_every == 0 or step + 1 == target:
                     say(f"step {step + 1:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s")
+                if check_replicas and (step + 1) % check_replicas == 0:
+                    trainer.check_replicas(f"at step {step + 1}")
                 if save_every and (step + 1) % save_every == 0 and step + 1 < target:
                     trainer.save(save, target_step=target)
                 profiler.step(seconds)

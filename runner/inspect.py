@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 from runner.artifact import Artifact
@@ -60,6 +61,45 @@ def describe_precision(p: dict) -> str:
             else ""
         )
     )
+
+
+def _fold_layers(name: str) -> str:
+    """`layers.3.mlp.up_proj.weight` -> `layers.*.mlp.up_proj.weight`."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def replica_classes(entry: dict) -> dict[str, dict[str, Counter]]:
+    """From the manifest's `replicas`: axis -> handling ("sharded", "reduced", "identical") ->
+    parameter classes (names with layer numbers folded to *) and how many parameters each has."""
+    classes: dict[str, dict[str, Counter]] = {}
+    for name, handling in entry.get("params", {}).items():
+        for axis, how in handling.items():
+            classes.setdefault(axis, {}).setdefault(how, Counter())[_fold_layers(name)] += 1
+    return classes
+
+
+def describe_replicas(entry: dict) -> str:
+    """One line: per mesh axis, how many parameters are sharded, reduced or identical over it."""
+    classes = replica_classes(entry)
+    if not classes:
+        return "one copy of each parameter per rank, no axis holds replicas"
+    parts = [f"{axis}: " + ", ".join(f"{sum(c.values())} {how}" for how, c in sorted(hows.items())) for axis, hows in classes.items()]
+    kept = entry.get("buffers_per_rank", [])
+    return "; ".join(parts) + (f"; {len(kept)} buffer(s) per rank (BatchNorm statistics, as eager DDP)" if kept else "")
+
+
+def replica_lines(entry: dict) -> list[str]:
+    """inspect's lines: per axis and handling, the parameter classes."""
+    lines = []
+    for axis, hows in replica_classes(entry).items():
+        for how, classes in sorted(hows.items()):
+            shown = ", ".join(f"{c} (x{n})" if n > 1 else c for c, n in classes.items())
+            lines.append(f"  {axis:<5} {how:<10} {shown}")
+    kept = entry.get("buffers_per_rank", [])
+    if kept:
+        folded = sorted({_fold_layers(n) for n in kept})
+        lines.append(f"  per rank buffers: {', '.join(folded)}")
+    return lines
 
 
 def describe_batchnorm(entry: dict) -> str:
@@ -155,6 +195,7 @@ def summarize(artifact: Artifact) -> dict:
         "time": m.get("time"),
         "tensor_parallel": m.get("tensor_parallel"),
         "batchnorm": m.get("batchnorm"),
+        "replicas": m.get("replicas"),
         "pipeline": pipeline,
         "init": m.get("init"),
         "total_bytes": sum(f["size"] for f in m["files"].values()),
@@ -325,6 +366,9 @@ def render(summary: dict) -> str:
     lines.append(f"precision  {describe_precision(summary['precision'])}")
     if summary.get("batchnorm"):
         lines.append(f"batchnorm  {describe_batchnorm(summary['batchnorm'])}")
+    if summary.get("replicas") is not None:
+        lines.append(f"replicas   {describe_replicas(summary['replicas'])} (proved from the graph at build)")
+        lines += replica_lines(summary["replicas"])
     init = summary["init"]  # the manifest schema requires it; summarize() always copies it
     lines.append(
         f"weights    none stored: each rank makes its own piece with the init program ({init['file']}, "

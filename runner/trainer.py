@@ -20,6 +20,7 @@ from runner.compiled import CompiledProgram, choose_tier, live_device, load_comp
 from runner.custom_ops import import_op_libraries
 from runner.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
+from runner.replica_check import check_replicas
 from runner.groups import bind_process_groups, yield_gloo_poll_threads
 from runner.graph_loader import input_shapes, load_graph_module, wait_at_issue
 from runner.init_from import check_init_from
@@ -448,9 +449,16 @@ class Trainer:
         """This rank's optimizer state (its shard when sharded)."""
         return dict(self._optimizer)
 
+    def check_replicas(self, when: str) -> None:
+        """Every tensor several ranks hold a copy of is the same on each (runner/replica_check.py);
+        AotError naming the first that is not. Every rank must call it."""
+        check_replicas(self, when)
+
     def save(self, folder: str | Path, target_step: int | None = None) -> None:
         """Checkpoint: one replica of each shard writes its files, then rank 0 commits the index.
-        Every rank must call it."""
+        Every rank must call it. The replicas are compared first: a checkpoint of ranks that
+        diverged would be one rank's guess, and the last good one stays."""
+        self.check_replicas(f"before saving step {self.step_index}")
         split_by = {spec["axis"] for spec in (self.sharding, self.tensor_parallel, self.pipeline) if spec}
         writes = all(v == 0 for axis, v in self.coords.items() if axis not in split_by)
         if writes:

@@ -174,6 +174,9 @@ def test_small_buckets_give_more_collectives(built):
 def test_verify_passes_on_a_good_artifact_and_fails_on_a_wrong_model(gpt2, tmp_path):
     result = json.loads(ok(aot("verify", gpt2, EXAMPLES / "gpt.py", "--steps", "3", "--json")).stdout)
     assert result["ok"] and result["max_loss_diff"] <= 1e-5 and result["max_weight_diff"] <= 1e-5
+    # the worst parameter is named, and every parameter's distance is given
+    assert result["weight_diffs"][result["worst_weight"]] == result["max_weight_diff"] == max(result["weight_diffs"].values())
+    assert set(result["weight_diffs"]) == set(json.loads((gpt2 / "manifest.json").read_text())["state"]["state_dict_keys"])
     other = tmp_path / "gpt_changed.py"
     other.write_text((EXAMPLES / "gpt.py").read_text().replace("n_layer = 2", "n_layer = 3"))
     r = aot("verify", gpt2, other)

@@ -209,7 +209,7 @@ def test_fsdp_regathers_parameters_for_backward_and_lowers_peak_memory():
     forward; the predicted peak (graph liveness) drops, and results are bit-identical."""
     from aot.passes.cleanup import plain_collectives
     from aot.passes.overlap import issue_early_wait_late
-    from aot.passes.graph_utils import loss_node as _loss_node
+    from aot.capture.graph_reading import loss_node as _loss_node
     from aot.passes.regather import _view_chain, regather_in_backward
     from aot.plan.cost_model import analyze
 

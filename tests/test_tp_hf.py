@@ -177,3 +177,20 @@ def test_finder_follows_slices_within_heads_but_not_across_them():
     found = explain_plan(Attention(across=True), x)
     assert found.plan == {}
     assert found.whole["q"] == "slice in the model would mix the split features", found.whole
+
+
+def test_whole_weight_with_per_rank_gradient_is_summed_over_tp(tmp_path):
+    """Qwen3 normalizes every head's queries and keys with RMSNorm weights (q_norm, k_norm) that tp
+    keeps whole while each rank normalizes only its own heads: each rank's gradient is its heads'
+    part of the sum. Found from the graph (aot/capture/replicas.py) and summed over tp; before,
+    nothing summed them and the two ranks' copies drifted apart (5e-3 after 5 steps) in silence."""
+    losses, ref_losses, weights, ref_weights = train_both(MODELS / "hf_qwen3.py", 2, tmp_path, strategy="tp=2")
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    summed = manifest["tensor_parallel"]["summed"]
+    assert summed == sorted(f"model.model.layers.{i}.self_attn.{n}_norm.weight" for i in range(LAYERS) for n in "qk")
+    assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=2 * TOL, adamw_lr=adamw_lr(MODELS / "hf_qwen3.py"))
+    # the build's replica proof: every whole weight's update passes through a sum over tp
+    handling = manifest["replicas"]["params"]
+    assert handling["model.model.layers.0.self_attn.q_norm.weight"] == {"tp": "reduced"}
+    assert handling["model.model.layers.0.self_attn.q_proj.weight"] == {"tp": "sharded"}
+    assert sorted({h["tp"] for h in handling.values()}) == ["reduced", "sharded"]

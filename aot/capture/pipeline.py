@@ -31,7 +31,19 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from aot.capture.inert_calls import drop_inert_calls
 from aot.capture.model_file import ModelFile
 from aot.capture.stages import Stage
-from aot.capture.step import CapturedStep, Group, StepLayout, _describe_trace_error, _gather, optimizer_tracing, step_args, step_program, rank_state
+from aot.capture.step import (
+    CapturedStep,
+    Group,
+    StepLayout,
+    _describe_trace_error,
+    _gather,
+    optimizer_tracing,
+    partial_gradients,
+    prove,
+    rank_state,
+    step_args,
+    step_program,
+)
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
@@ -128,7 +140,13 @@ def capture_pipeline(
         raise
     except Exception as e:
         raise AotError(f"{mf.path.name}: pipeline rank {pipeline.rank}'s step cannot be traced: {_describe_trace_error(e, mf)}") from e
-    return CapturedStep(graph=graph, slots=slots, example_args=[a.detach() for a in args])
+    captured = CapturedStep(graph=graph, slots=slots, example_args=[a.detach() for a in args], tp_summed=layout.tp_summed)
+    if layout.tp is not None:
+        summed = partial_gradients(captured, layout, state, f"{mf.path.name} (pipeline rank {pipeline.rank})")
+        if summed:  # again, with those gradients summed over tp (as capture_step does)
+            return capture_pipeline(mf, state, pipeline, replace(layout, tp_summed=summed), inputs, targets)
+    prove(captured, layout, state, f"{mf.path.name} (pipeline rank {pipeline.rank}): ")
+    return captured
 
 
 def run_stage(module: torch.fx.GraphModule, values: list, recompute: bool):

@@ -14,11 +14,12 @@ prices a graph, passes aot/plan/pricing.py's (the same graph, recorded in about 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from aot.capture import replicas
 from aot.capture.fused_attention import FusedAttention
 from aot.capture.inert_calls import drop_inert_calls
 from aot.capture.loss_scaling import LossScaling
@@ -69,6 +70,10 @@ class StepLayout:
     # counted on the first rank holding it)
     pp: Group | None = None
     pp_uncounted: tuple[str, ...] = ()
+    # Whole (not split) parameters whose gradient each tp rank holds a part of, summed over tp
+    # before anything reads it (aot/capture/replicas.py finds them; a tp_plan entry
+    # "replicated_with_grad_allreduce" names them)
+    tp_summed: tuple[str, ...] = ()
 
     def tp_dims(self, state: TrainingState) -> dict[str, int]:
         """Parameter name -> the dimension tensor parallelism splits it along (torch's
@@ -110,13 +115,21 @@ class CapturedStep:
     graph: torch.fx.GraphModule
     slots: list[dict]  # what each graph input is, in order (the manifest's "inputs")
     example_args: list[torch.Tensor]
+    # how every mesh axis holds each parameter (aot/capture/replicas.py); the build's captures
+    # have it, the planner's pricing traces do not
+    replicas: replicas.Proof | None = None
+    tp_summed: tuple[str, ...] = ()  # the layout's tp_summed as traced (capture_step adds what it finds)
+
+
+def _sum_over(t: torch.Tensor, group: Group) -> torch.Tensor:
+    return _funcol.wait_tensor(_funcol.all_reduce(t, "sum", group.name))
 
 
 def _average(t: torch.Tensor, group: Group, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The mean of `t` over `group`, summed in `dtype` (the precision's reduce dtype) when given:
     DDP's bf16 compression hook, which casts back to the gradient's own dtype after."""
     sent = t if dtype is None or t.dtype == dtype else t.to(dtype)
-    summed = _funcol.wait_tensor(_funcol.all_reduce(sent, "sum", group.name)).to(t.dtype)
+    summed = _sum_over(sent, group).to(t.dtype)
     return summed / group.size
 
 
@@ -165,11 +178,11 @@ def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm:
     total = _squares(whole) if whole else grads[0].new_zeros(())
     if split:
         assert layout.tp is not None  # only tensor parallelism splits a gradient
-        total = total + _funcol.wait_tensor(_funcol.all_reduce(_squares(split), "sum", layout.tp.name))
+        total = total + _sum_over(_squares(split), layout.tp)
     if layout.fsdp is not None:
-        total = _funcol.wait_tensor(_funcol.all_reduce(total, "sum", layout.fsdp.name))
+        total = _sum_over(total, layout.fsdp)
     if layout.pp is not None:
-        total = _funcol.wait_tensor(_funcol.all_reduce(total, "sum", layout.pp.name))
+        total = _sum_over(total, layout.pp)
     coef = torch.clamp(max_norm / (torch.sqrt(total) + 1e-6), max=1.0)
     torch._foreach_mul_(grads, coef)
 
@@ -222,7 +235,43 @@ def capture_step(
     the planner, which only prices the graph, traces once. `tracer(step, args) -> GraphModule`:
     make_fx on fake tensors unless given (see the module docstring)."""
     if layout.tp is None:
-        return _capture(mf, state, inputs, targets, layout, None, tracer)
+        captured = _capture(mf, state, inputs, targets, layout, None, tracer)
+    else:
+        captured = _capture_tp(mf, state, inputs, targets, layout, check_ranks, tracer)
+        summed = partial_gradients(captured, layout, state, mf.path.name)
+        if summed:
+            # again, with those gradients summed over tp (a trace is cheaper than editing the graph's
+            # backward, and the planner, which calls this too, prices the same program)
+            layout = replace(layout, tp_summed=summed)
+            captured = _capture_tp(mf, state, inputs, targets, layout, check_ranks, tracer)
+    captured.tp_summed = layout.tp_summed
+    if check_ranks:
+        prove(captured, layout, state, f"{mf.path.name}: ")
+    return captured
+
+
+def prove(captured: CapturedStep, layout: StepLayout, state: TrainingState, where: str) -> None:
+    """The replica proof of a captured step (aot/capture/replicas.py), kept on it; refuses a
+    parameter no axis can account for."""
+    captured.replicas = replicas.prove_step(captured.graph.graph, captured.slots, layout, set(layout.tp_dims(state)), where)
+
+
+def partial_gradients(captured: CapturedStep, layout: StepLayout, state: TrainingState, where: str) -> tuple[str, ...]:
+    """The whole parameters, beyond `layout.tp_summed`, whose gradient is a per-tp-rank part
+    (aot/capture/replicas.py), with the ones already summed: () when there are none beyond them.
+    The ones the model file's tp_plan names are checked to be such."""
+    assert layout.tp is not None
+    axis = replicas.axes_of(captured.slots, {"tp": layout.tp}, set(layout.tp_dims(state)), layout.sequence is not None)[0]
+    if layout.tp_summed:
+        replicas.check_partial(captured.graph.graph, captured.slots, axis, set(layout.tp_summed), f"{where}: ")
+    found = replicas.tp_partial(captured.graph.graph, captured.slots, axis, f"{where}: ")
+    return tuple(sorted({*layout.tp_summed, *found})) if found else ()
+
+
+def _capture_tp(
+    mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor, layout: StepLayout, check_ranks: bool, tracer
+) -> CapturedStep:
+    assert layout.tp is not None
     traced = []
     for rank in (0, layout.tp.size - 1) if check_ranks else (0,):
         with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence, rank=rank) as tp:
@@ -259,6 +308,10 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
     def finish(params, grads, local_loss, opt_state, lrs, scaling: LossScaling | None = None):
         by_name = dict(zip(param_names, params))
         global_loss = local_loss
+        if layout.tp_summed:
+            assert layout.tp is not None  # only tensor parallelism leaves a part of a gradient per rank
+            summed = set(layout.tp_summed)
+            grads = [_sum_over(g, layout.tp) if g is not None and n in summed else g for n, g in zip(param_names, grads)]
         if layout.fsdp is not None:  # already summed over the shard group by the reduce-scatter
             grads = [None if g is None else g / layout.fsdp.size for g in grads]
             global_loss = _average(global_loss, layout.fsdp)
@@ -363,7 +416,7 @@ def _any_rank(found_inf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
     without one."""
     for group in (layout.fsdp, layout.tp, layout.pp):
         if group is not None:
-            found_inf = _funcol.wait_tensor(_funcol.all_reduce(found_inf, "sum", group.name))
+            found_inf = _sum_over(found_inf, group)
     return found_inf
 
 

@@ -181,6 +181,7 @@ def emit_artifact(
                 "plan": dict(layout.tp_plan),
                 "params": tp_dims,
                 "fused": layout.tp_fused(state),
+                **({"summed": list(layout.tp_summed)} if layout.tp_summed else {}),
                 "sequence_parallel": layout.sequence is not None,
             },
             "state": {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 funcol = torch.ops._c10d_functional
 ALL_REDUCE = funcol.all_reduce.default
@@ -40,18 +39,6 @@ def shard_gathers(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.No
     return found
 
 
-def loss_node(graph: torch.fx.Graph) -> torch.fx.Node | None:
-    """The step's loss: the program's first output is its detached value. Every node after the
-    loss belongs to backward or to the optimizer update; the loss and every node before it, to
-    forward."""
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    first = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else None
-    if not isinstance(first, torch.fx.Node):
-        return None
-    loss = first.args[0] if first.target == torch.ops.aten.detach.default else first
-    return loss if isinstance(loss, torch.fx.Node) else None
-
-
 def fresh_value(node: torch.fx.Node) -> None:
     """node_copy shares the original's fake value, hence its storage: recompute it from the copy's
     own inputs so later analyses (memory liveness) see a new buffer and views of it."""
@@ -86,31 +73,11 @@ def tensors(value) -> list[torch.Tensor]:
     return [t for v in value for t in tensors(v)] if isinstance(value, (list, tuple)) else []
 
 
-def storage_key(t: torch.Tensor):
-    """What identifies the storage a tensor lives in (tensors sharing one are one allocation)."""
-    try:
-        return StorageWeakRef(t.untyped_storage())
-    except Exception:
-        return id(t)
-
-
 def is_view(target) -> bool:
     """Whether an operator returns views of its inputs only (its schema aliases every return, none written)."""
     schema = getattr(target, "_schema", None)
     returns = schema.returns if schema is not None else ()
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-
-
-def written_values(node: torch.fx.Node) -> list:
-    """The arguments an op writes in place (its schema marks them mutable: `Tensor(a!) self`)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None:
-        return []
-    return [
-        node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        for i, arg in enumerate(schema.arguments)
-        if arg.alias_info is not None and arg.alias_info.is_write
-    ]
 
 
 def tensor_bytes(node: torch.fx.Node) -> int:

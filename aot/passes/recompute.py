@@ -37,7 +37,8 @@ from typing import Callable
 import torch
 
 from aot.capture.module_calls import MODULE_CALLS
-from aot.passes.graph_utils import COLLECTIVES, WAIT, fresh_value, loss_node, storage_key, tensors, written_values
+from aot.capture.graph_reading import loss_node, storage_key, written_values
+from aot.passes.graph_utils import COLLECTIVES, WAIT, fresh_value, tensors
 
 aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the expensive ones (names, as some exist only in some builds)

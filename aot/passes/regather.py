@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from aot.passes.graph_utils import WAIT, fresh_value, is_call, loss_node, shard_gathers
+from aot.capture.graph_reading import loss_node
+from aot.passes.graph_utils import WAIT, fresh_value, is_call, shard_gathers
 
 _aten = torch.ops.aten
 # Ops that only view their input: a chain of them from a gather still is "the parameter".

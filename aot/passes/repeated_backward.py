@@ -25,7 +25,8 @@ import operator
 import torch
 
 from aot.capture.pipeline import WEIGHT_GRADIENT
-from aot.passes.graph_utils import is_view, written_values
+from aot.capture.graph_reading import written_values
+from aot.passes.graph_utils import is_view
 
 _NO_SHARING = ("_c10d_functional", "c10d", "_dtensor")
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from aot.passes.graph_utils import is_view, loss_node, storage_key, written_values
+from aot.capture.graph_reading import loss_node, storage_key, written_values
+from aot.passes.graph_utils import is_view
 from aot.passes.graph_utils import tensors as _tensors
 from aot.plan.device_model import DeviceModel
 

@@ -146,11 +146,13 @@ class ModelSteps:
 
     def layout(self, dp: int, fsdp: int, tp: int):
         from aot.capture.step import Group, StepLayout
+        from aot.plan.tensor_parallel import summed_params
 
         group = lambda axis, size: Group(Mesh.group_name(axis), size) if size > 1 else None
         plan = self.tp_plan(tp) if tp > 1 else {}
         sequence = self.sequence_layout(plan, tp) if tp > 1 and self.sequence_parallel else None
-        return StepLayout(group("dp", dp), group("fsdp", fsdp), group("tp", tp), tuple(sorted(plan.items())), sequence, self.precision)
+        summed = summed_params(self.mf, self.state.model) if tp > 1 else ()
+        return StepLayout(group("dp", dp), group("fsdp", fsdp), group("tp", tp), tuple(sorted(plan.items())), sequence, self.precision, tp_summed=summed)
 
     def sequence_layout(self, plan: dict[str, str], tp: int) -> dict:
         """The build's sequence-parallel layout at this degree; Unsupported where the build would refuse."""

@@ -133,23 +133,53 @@ def check_degree(mf, model: nn.Module, tp: int) -> None:
             raise AotError(f"--strategy tp={tp}: the tensor-parallel degree must divide the attention {kind} ({where} = {count})")
 
 
-def user_plan(mf, model: nn.Module) -> dict[str, str] | None:
-    """The model file's `tp_plan`, checked: module names that exist and are Linear (or
-    transformers' Conv1D), known styles ("colwise", "rowwise", "colwise:K" for a layer whose
-    output is K equal parts, each split: a fused q/k/v projection)."""
+# A tp_plan entry for a module kept whole whose weights' gradients are per-rank parts summed over
+# tp (transformers' own plans use the name): per-head norms inside split attention, say.
+SUMMED = "replicated_with_grad_allreduce"
+
+
+def _given_plan(mf) -> dict[str, str] | None:
     plan = mf.tp_plan
     if plan is None:
         return None
     if callable(plan):
         plan = plan()
     if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
-        raise AotError(f'{mf.path.name}: tp_plan must map module names to "colwise" or "rowwise"')
+        raise AotError(f'{mf.path.name}: tp_plan must map module names to "colwise", "rowwise" or "{SUMMED}"')
+    return plan
+
+
+def summed_params(mf, model: nn.Module) -> tuple[str, ...]:
+    """The parameters of the modules the model file's tp_plan marks "replicated_with_grad_allreduce"
+    (their own, not their children's), sorted; the capture checks that each is such a weight."""
+    plan = _given_plan(mf) or {}
+    modules = dict(model.named_modules())
+    names = []
+    for name, style in plan.items():
+        if style == SUMMED:
+            if name not in modules:
+                raise AotError(f"{mf.path.name}: tp_plan names module {name!r}, which the model does not have")
+            names += [f"{name}.{leaf}" if name else leaf for leaf, _ in modules[name].named_parameters(recurse=False)]
+    return tuple(sorted(names))
+
+
+def user_plan(mf, model: nn.Module) -> dict[str, str] | None:
+    """The model file's `tp_plan`, checked: module names that exist and are Linear (or
+    transformers' Conv1D), known styles ("colwise", "rowwise", "colwise:K" for a layer whose
+    output is K equal parts, each split: a fused q/k/v projection). Its "replicated_with_grad_allreduce"
+    entries are not splits (`summed_params`); a plan of only those leaves the splits to the finder."""
+    plan = _given_plan(mf)
+    if plan is None:
+        return None
+    plan = {name: style for name, style in plan.items() if style != SUMMED}
+    if not plan:
+        return None
     modules = dict(model.named_modules())
     for name, style in plan.items():
         if name not in modules:
             raise AotError(f"{mf.path.name}: tp_plan names module {name!r}, which the model does not have")
         if not _known_style(style):
-            raise AotError(f'{mf.path.name}: tp_plan[{name!r}] is {style!r}; expected "colwise", "rowwise" or "colwise:K" (K equal fused parts)')
+            raise AotError(f'{mf.path.name}: tp_plan[{name!r}] is {style!r}; expected "colwise", "rowwise", "colwise:K" (K equal fused parts) or "{SUMMED}"')
         if not splittable(modules[name]):
             raise AotError(f"{mf.path.name}: tp_plan names {name!r}, a {type(modules[name]).__name__}; only Linear layers can be sharded")
     return dict(plan)

@@ -1,0 +1,332 @@
+"""Which values of a captured step may differ between the ranks of a mesh axis, read from its graph.
+
+Every rank of an axis runs the same program, so two ranks can only compute different values where
+their inputs differ: for data-parallel axes (dp, fsdp) the batch and the random draws (seeded per
+data rank, runner/trainer.py `step_seed`), for fsdp every parameter and optimizer-state shard, for
+tp the slices of the layers tp splits. A collective over the axis that leaves every rank the same
+result (all_reduce, all_gather, broadcast) ends the difference; one that leaves each rank a piece
+(reduce_scatter, all_to_all) keeps it. Everything else is the data flow of the graph, in-place
+writes included (a value written by a differing value differs from there on) and element by
+element through torch's `_foreach_*` ops, which update every parameter in one node.
+
+From that, two uses:
+
+- **The replica proof** (`prove`): after the step, every parameter, its optimizer state and the
+  loss-scaling state must be, on each axis, *sharded* (a piece per rank), *reduced* (its update
+  passes through a collective over the axis) or *identical* (nothing that differs on the axis
+  reaches it). Anything else would let replicas drift apart in silence, so the build refuses it.
+- **Partial gradients under tp** (`tp_partial`): a weight tp keeps whole but applies to each
+  rank's own heads (Qwen3's per-head q/k RMSNorm) gets on each rank the gradient of its own heads
+  only; the true gradient is their sum over tp. A weight is such when every forward use of it meets
+  a value that differs between tp ranks; one used on both is refused, as no single reduction
+  serves it.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from aot.errors import AotError
+from aot.capture.graph_reading import loss_node, storage_key, written_values
+
+SHARDED, REDUCED, IDENTICAL, PER_RANK = "sharded", "reduced", "identical", "per rank"
+# collectives whose every rank gets the same result, and those that hand each rank its own piece
+_SAME_RESULT = {"all_reduce", "all_reduce_", "all_gather_into_tensor", "all_gather_into_tensor_out", "broadcast", "broadcast_"}
+_PIECES = {"reduce_scatter_tensor", "all_to_all_single"}
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One mesh axis as the graph sees it: the name its collectives carry, which graph inputs
+    differ between its ranks (indices into the step's slots), and whether random draws do."""
+
+    name: str
+    group: str
+    sources: frozenset[int]
+    random_differs: bool
+    received_differs: bool  # what a pipeline rank receives from another stage
+
+
+def axes_of(slots: list[dict], groups: dict, tp_split: set[str], sequence_split: bool = False) -> list[Axis]:
+    """The step's axes (`groups`: axis -> Group with .name, dp / fsdp / tp only) with the graph
+    inputs that differ between each one's ranks. `tp_split`: the parameters tp slices;
+    `sequence_split`: tp ranks hold slices of the sequence between layers (sequence parallelism),
+    so what crosses pipeline stages differs between them, as it does between data ranks."""
+    axes = []
+    for axis, group in groups.items():
+        if axis not in ("dp", "fsdp", "tp"):
+            continue  # pipeline ranks run different programs: no single graph speaks for them
+        sources = set()
+        for i, slot in enumerate(slots):
+            kind = slot["kind"]
+            if axis in ("dp", "fsdp") and kind in ("input", "target"):
+                sources.add(i)
+            elif axis == "fsdp" and kind in ("param", "optim"):
+                sources.add(i)  # 0-dim state (step counters) too: harmless, it is the same everywhere
+            elif axis == "tp" and kind in ("param", "optim") and slot["name"] in tp_split:
+                sources.add(i)
+        axes.append(Axis(axis, group.name, frozenset(sources), random_differs=axis != "tp", received_differs=axis != "tp" or sequence_split))
+    return axes
+
+
+def _collective(node: torch.fx.Node) -> tuple[str, str] | None:
+    """(op name, group name) of a functional collective node, else None."""
+    if node.op != "call_function" or not hasattr(node.target, "namespace"):
+        return None
+    if node.target.namespace not in _COLLECTIVE_NAMESPACES:
+        return None
+    name = node.target._opname if hasattr(node.target, "_opname") else str(node.target).split(".")[1]
+    group = next((a for a in reversed(node.args) if isinstance(a, str)), None)
+    return (name, group) if group is not None else None
+
+
+def _random(node: torch.fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ()) if node.op == "call_function" else ()
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def _foreach(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and str(getattr(node.target, "__name__", "")).startswith("_foreach_")
+
+
+@dataclass
+class Flow:
+    """For one axis: the nodes whose value differs between its ranks, and the nodes downstream of a
+    collective over it that ended a difference ("reduced"), each as of the point it was computed;
+    in-place writes mark storages, read from then on."""
+
+    axis: Axis
+    differs: dict = field(default_factory=dict)  # node -> bool, or list[bool] for a foreach op's outputs
+    reduced: dict = field(default_factory=dict)
+    differs_storage: set = field(default_factory=set)
+    reduced_storage: set = field(default_factory=set)
+
+    def _get(self, table: dict, storages: set, value, index: int | None = None) -> bool:
+        if not isinstance(value, torch.fx.Node):
+            return False
+        got = table.get(value, False)
+        if isinstance(got, list):
+            got = got[index] if index is not None and index < len(got) else any(got)
+        return bool(got) or any(storage_key(t) in storages for t in _vals(value))
+
+    def node_differs(self, value, index: int | None = None) -> bool:
+        return self._get(self.differs, self.differs_storage, value, index)
+
+    def node_reduced(self, value, index: int | None = None) -> bool:
+        return self._get(self.reduced, self.reduced_storage, value, index)
+
+
+def _vals(node: torch.fx.Node) -> list[torch.Tensor]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    return [t for t in val if isinstance(t, torch.Tensor)] if isinstance(val, (list, tuple)) else []
+
+
+def _args(node: torch.fx.Node) -> list:
+    return [*node.args, *node.kwargs.values()]
+
+
+def flow(graph: torch.fx.Graph, axis: Axis) -> Flow:
+    """Walk the graph once in order (see the module docstring)."""
+    f = Flow(axis)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        if i in axis.sources:
+            f.differs[node] = True
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+            source, index = node.args[0], node.args[1]
+            f.differs[node] = f.node_differs(source, index)
+            f.reduced[node] = f.node_reduced(source, index)
+            continue
+        collective = _collective(node)
+        if collective is not None and collective[0] == "irecv":
+            f.differs[node], f.reduced[node] = axis.received_differs, False
+            continue
+        if collective is not None and collective[1] == axis.group:
+            inputs_differ = any(f.node_differs(a) for a in _args(node) if isinstance(a, torch.fx.Node))
+            if collective[0] in _SAME_RESULT:
+                f.differs[node] = False
+                f.reduced[node] = inputs_differ or any(f.node_reduced(a) for a in _args(node))
+            else:
+                f.differs[node] = collective[0] in _PIECES or inputs_differ
+                f.reduced[node] = any(f.node_reduced(a) for a in _args(node))
+            continue
+        if _foreach(node):
+            _foreach_flow(f, node)
+            continue
+        differs = (axis.random_differs and _random(node)) or any(_any(f.node_differs, a) for a in _args(node))
+        reduced = any(_any(f.node_reduced, a) for a in _args(node))
+        f.differs[node], f.reduced[node] = differs, reduced
+        for written in written_values(node):
+            for w in written if isinstance(written, (list, tuple)) else [written]:
+                _mark(f, w, differs, reduced)
+    return f
+
+
+def _any(test, arg) -> bool:
+    if isinstance(arg, (list, tuple)):
+        return any(test(a) for a in arg if isinstance(a, torch.fx.Node))
+    return test(arg)
+
+
+def _mark(f: Flow, written, differs: bool, reduced: bool) -> None:
+    if not isinstance(written, torch.fx.Node):
+        return
+    for t in _vals(written):
+        if differs:
+            f.differs_storage.add(storage_key(t))
+        if reduced:
+            f.reduced_storage.add(storage_key(t))
+
+
+def _foreach_flow(f: Flow, node: torch.fx.Node) -> None:
+    """A `_foreach_*` op: element i of its outputs and of the lists it writes follows element i of
+    its list arguments and every non-list argument."""
+    args = _args(node)
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and all(isinstance(x, torch.fx.Node) for x in a)]
+    n = max((len(a) for a in lists), default=0)
+    scalars = [a for a in args if isinstance(a, torch.fx.Node)]
+    base_differs = any(f.node_differs(a) for a in scalars)
+    base_reduced = any(f.node_reduced(a) for a in scalars)
+    differs = [base_differs or any(f.node_differs(a[i]) for a in lists if len(a) == n) for i in range(n)]
+    reduced = [base_reduced or any(f.node_reduced(a[i]) for a in lists if len(a) == n) for i in range(n)]
+    f.differs[node], f.reduced[node] = differs, reduced
+    for written in written_values(node):
+        if isinstance(written, (list, tuple)):
+            for i, w in enumerate(written):
+                _mark(f, w, differs[i], reduced[i])
+        else:
+            _mark(f, written, any(differs), any(reduced))
+
+
+@dataclass
+class Proof:
+    """Per parameter (in slot order), how each axis holds it; buffers that end differing per rank
+    (plain BatchNorm's statistics under data parallelism, as eager DDP without broadcast)."""
+
+    params: dict[str, dict[str, str]]
+    buffers: dict[str, dict[str, str]]
+
+    def to_json(self) -> dict:
+        """The manifest's `replicas` (artifacts/FORMAT.md): per parameter, each axis's handling;
+        the buffers kept per rank."""
+        per_rank = sorted(n for n, h in self.buffers.items() if PER_RANK in h.values())
+        return {"params": {n: dict(sorted(h.items())) for n, h in self.params.items()}, "buffers_per_rank": per_rank}
+
+
+def prove(graph: torch.fx.Graph, slots: list[dict], axes: list[Axis], where: str = "") -> Proof:
+    """The replica proof for one program (see the module docstring); refuses the first parameter
+    (or its optimizer state, or the loss-scaling state) that is none of sharded, reduced, identical."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    params: dict[str, dict[str, str]] = {}
+    buffers: dict[str, dict[str, str]] = {}
+    for axis in axes:
+        f = flow(graph, axis)
+        for i, (slot, node) in enumerate(zip(slots, placeholders)):
+            kind = slot["kind"]
+            if kind not in ("param", "optim", "buffer", "scaler"):
+                continue
+            if i in axis.sources:
+                how = SHARDED
+            elif f.node_differs(node):
+                if kind == "buffer" and axis.name in ("dp", "fsdp"):
+                    buffers.setdefault(slot["name"], {})[axis.name] = PER_RANK
+                    continue
+                what = {"param": f"parameter {slot.get('name')}", "optim": f"optimizer state {slot.get('key')!r} of {slot.get('name')}"}.get(
+                    kind, f"{kind} {slot.get('name') or slot.get('key')}"
+                )
+                raise AotError(
+                    f"{where}{what} would differ between the ranks of {axis.name}: it is not sharded over {axis.name}, its gradient "
+                    f"is not reduced over it, and values that differ between those ranks reach it; training would silently diverge"
+                )
+            else:
+                how = REDUCED if f.node_reduced(node) else IDENTICAL
+            if kind == "param":
+                params.setdefault(slot["name"], {})[axis.name] = how
+            elif kind == "buffer":
+                buffers.setdefault(slot["name"], {})[axis.name] = how
+    return Proof(params, buffers)
+
+
+def tp_partial(graph: torch.fx.Graph, slots: list[dict], tp: Axis, where: str) -> list[str]:
+    """The whole (not tp-split) parameters whose update differs between tp ranks because each rank's
+    gradient is its own part of a sum (see the module docstring), in slot order. Refuses one whose
+    forward uses meet both values that differ between tp ranks and values that do not."""
+    f = flow(graph, tp)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    partial = []
+    for i, (slot, node) in enumerate(zip(slots, placeholders)):
+        if slot["kind"] != "param" or i in tp.sources or not f.node_differs(node):
+            continue
+        meets = _uses_meet(graph, node, f)
+        if meets and all(meets):
+            partial.append(slot["name"])
+        elif meets and any(meets):
+            raise AotError(
+                f"{where}parameter {slot['name']} is kept whole under tp but used both on values split between the tp ranks and on "
+                f"values every tp rank holds alike: no single reduction of its gradient is right; split the layers around it differently"
+            )
+    return partial
+
+
+def check_partial(graph: torch.fx.Graph, slots: list[dict], tp: Axis, names: set[str], where: str) -> None:
+    """A `tp_plan` entry "replicated_with_grad_allreduce" sums a weight's gradient over tp: right only
+    where every forward use meets values split between the tp ranks (else the sum counts the same
+    gradient tp times). Refuses the first named weight for which that does not hold."""
+    f = flow(graph, tp)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for slot, node in zip(slots, placeholders):
+        if slot["kind"] == "param" and slot["name"] in names:
+            meets = _uses_meet(graph, node, f)
+            if not meets or not all(meets):
+                raise AotError(
+                    f'{where}tp_plan makes {slot["name"]} "replicated_with_grad_allreduce", but it is used on values every tp rank '
+                    f"holds alike: summing its gradient over tp would count it once per tp rank; leave it out of tp_plan"
+                )
+
+
+def _uses_meet(graph: torch.fx.Graph, param: torch.fx.Node, f: Flow) -> list[bool]:
+    """For each forward op that combines `param` (or what is made from it alone: casts, views,
+    gathers of its shards) with other values: whether one of those values differs between ranks."""
+    loss = loss_node(graph)
+    own = {param}
+    meets = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        if any(x in own for x in inputs):
+            if all(x in own for x in inputs):
+                own.add(node)
+            else:
+                meets.append(any(f.node_differs(x) for x in inputs if x not in own))
+        if node is loss:
+            break
+    return meets
+
+
+def prove_step(graph: torch.fx.Graph, slots: list[dict], layout, tp_split: set[str], where: str) -> Proof:
+    """`prove` over the axes of a step's layout (aot/capture/step.py StepLayout)."""
+    groups = {axis: g for axis, g in (("dp", layout.dp), ("fsdp", layout.fsdp), ("tp", layout.tp)) if g is not None}
+    return prove(graph, slots, axes_of(slots, groups, tp_split, layout.sequence is not None), where)
+
+
+def merged(proofs: list[Proof]) -> Proof:
+    """One proof for several programs (pipeline ranks): a parameter held by several of them (a tied
+    weight) keeps the handling of the first."""
+    params: dict[str, dict[str, str]] = {}
+    buffers: dict[str, dict[str, str]] = {}
+    for proof in proofs:
+        for name, handling in proof.params.items():
+            params.setdefault(name, handling)
+        for name, handling in proof.buffers.items():
+            buffers.setdefault(name, {}).update(handling)
+    return Proof(params, buffers)
