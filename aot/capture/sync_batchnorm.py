@@ -9,14 +9,20 @@ the step is traced, each SyncBatchNorm's forward is replaced by the same mathema
 functional collectives, which become graph nodes like the gradient all_reduces (and may share
 their buckets, aot/passes/bucketing.py):
 
-- forward: per channel, this rank's sum and sum of squares (shifted by the running mean, which
-  every rank holds alike, so the subtraction does not cancel digits) are all-reduced over each
-  data-parallel group; the count is a constant (the graph's shapes are static, every rank's batch
-  has the same size). Mean and biased variance normalize; the running statistics are updated
-  with the unbiased variance of the whole group's batch, as SyncBatchNorm does.
-- backward: autograd through the all_reduce, whose registered backward (torch 2.13,
-  torch/distributed/_functional_collectives.py) all-reduces the gradient with the same "sum":
-  the sum_dy and sum_dy_xmu terms of SyncBatchNorm's backward, summed over the group.
+- forward: per channel, this rank's mean and sum of squared deviations from it (two passes over
+  its own batch, as eager BatchNorm computes them) are all-gathered over each data-parallel group
+  and combined as torch's SyncBatchNorm does (`batch_norm_gather_stats_with_counts`, Chan et al.'s
+  pairwise formula): the group's mean is the mean of the ranks' means, its sum of squares the sum
+  of theirs plus each rank's count times its mean's squared distance from the group's. The count
+  is a constant (the graph's shapes are static, every rank's batch has the same size). Mean and
+  biased variance normalize; the running statistics are updated with the unbiased variance of the
+  whole group's batch, as SyncBatchNorm does. (An earlier version all-reduced sums and sums of
+  squares about the running mean: one fewer pass, but the variance then cancels digits wherever a
+  channel's mean is far from its running mean, which on a deep ResNet made steps 1e-3 apart from
+  one process over the global batch, issue #39.)
+- backward: autograd through the all_gather, whose registered backward (torch 2.13,
+  torch/distributed/_functional_collectives.py) reduce-scatters the gradient (a sum): every
+  rank's terms of SyncBatchNorm's backward, summed over the group.
 
 With equal batches per rank this is exactly BatchNorm over the concatenated global batch.
 """
@@ -49,10 +55,16 @@ def convert_to_sync(model: nn.Module, model_name: str) -> nn.Module:
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
-def _sum_over(t: torch.Tensor, groups) -> torch.Tensor:
+def _combine(mean: torch.Tensor, m2: torch.Tensor, count: int, groups) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(mean, sum of squared deviations, count) per channel over every rank of `groups`, from this
+    rank's: all-gathered (each rank's `count` values alike) and combined pairwise-stably."""
     for group in groups:
-        t = _funcol.wait_tensor(_funcol.all_reduce(t, "sum", group.name))
-    return t
+        pieces = _funcol.wait_tensor(torch.ops._c10d_functional_autograd.all_gather_into_tensor(torch.stack([mean, m2]), group.size, group.name))
+        means, m2s = pieces.view(group.size, 2, -1).unbind(1)
+        mean = means.mean(0)
+        m2 = m2s.sum(0) + count * ((means - mean) ** 2).sum(0)
+        count *= group.size
+    return mean, m2, count
 
 
 class _RunningStats(NamedTuple):
@@ -84,20 +96,19 @@ def _forward(module: nn.SyncBatchNorm, groups, input: torch.Tensor) -> torch.Ten
     dims = [0, *range(2, input.dim())]
     shape = [1, channels] + [1] * (input.dim() - 2)
     x = input.float()  # statistics in fp32 under autocast too, as eager BatchNorm keeps them
-    count = input.numel() // channels * math.prod(g.size for g in groups)
-    if count <= 1:
+    local = input.numel() // channels
+    if local * math.prod(g.size for g in groups) <= 1:
         raise AotError(f"SyncBatchNorm: expected more than 1 value per channel over the data-parallel ranks, got input of size {list(input.shape)}")
-    shift = running.mean.detach().clone().float() if running is not None else x.new_zeros(channels)
-    centered = x - shift.view(shape)
-    sums = _sum_over(torch.cat([centered.sum(dims), (centered * centered).sum(dims)]), groups)
-    mean_shifted, square_mean = sums[:channels] / count, sums[channels:] / count
-    var = torch.clamp(square_mean - mean_shifted * mean_shifted, min=0.0)  # biased: what normalizes
+    local_mean = x.mean(dims)
+    local_m2 = ((x - local_mean.view(shape)) ** 2).sum(dims)
+    mean, m2, count = _combine(local_mean, local_m2, local, groups)
+    var = m2 / count  # biased: what normalizes
     if running is not None:
         with torch.no_grad():
-            mean, unbiased = (mean_shifted + shift).to(running.mean.dtype), var * (count / (count - 1))
-            running.mean.mul_(1 - factor).add_(mean * factor)
+            unbiased = m2 / (count - 1)
+            running.mean.mul_(1 - factor).add_(mean.to(running.mean.dtype) * factor)
             running.var.mul_(1 - factor).add_(unbiased.to(running.var.dtype) * factor)
-    out = (centered - mean_shifted.view(shape)) * torch.rsqrt(var + module.eps).view(shape)
+    out = (x - mean.view(shape)) * torch.rsqrt(var + module.eps).view(shape)
     if module.weight is not None:
         out = out * module.weight.view(shape) + module.bias.view(shape)
     return out.to(input.dtype)
