@@ -49,8 +49,13 @@ class ModelFile:
     globals: dict = field(default_factory=dict)  # the model file's other module-level names (head counts, say)
 
     def example_batch(self, rows: int) -> dict[str, torch.Tensor]:
-        """The user's batch(rows) as the safetensors mapping the runner reads (`inputs`, `targets`)."""
-        result = call_user(self.batch, f"batch({rows})", self.path, rows)
+        """The user's batch(rows) as the safetensors mapping the runner reads (`inputs`, `targets`).
+        torch's global generator is seeded (0) for the call, and restored after: a batch() drawing
+        with torch.randint and no generator of its own (transformers-style examples) gives the same
+        tokens in every build, so two builds stay byte-identical."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            result = call_user(self.batch, f"batch({rows})", self.path, rows)
         if not (isinstance(result, (tuple, list)) and len(result) == 2):
             raise AotError(f"{self.path.name}: batch(batch_size) must return (inputs, targets)")
         inputs, targets = result

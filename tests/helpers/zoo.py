@@ -22,11 +22,12 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 from helpers.artifacts import session_cache
 from helpers.commands import MODELS, ok, torchrun
-from helpers.training import STEPS, reference
+from helpers.training import ADAMW_OUTLIERS, STEPS, adamw_lr, reference
 from runner.checkpoint import merge_checkpoint
 
 ZOO = MODELS / "zoo"
@@ -53,17 +54,49 @@ class Cell:
     distance: dict = field(default_factory=dict)  # the artifact against eager_1
     floor: dict = field(default_factory=dict)  # eager_n against eager_1
 
+    outliers: int = -1  # weight elements beyond the bound that AdamW's noise accounts for (see _outliers)
+
     def within(self) -> bool:
-        return all(self.distance[k] <= 2 * self.floor[k] + SLACK[k] for k in SLACK)
+        """Loss and mean weight within twice the floor plus the slack; the max weight too, but for the
+        few elements `_outliers` accepts."""
+        bounded = [k for k in SLACK if k != "max_weight" or self.outliers == 0]
+        return self.outliers >= 0 and all(self.distance[k] <= 2 * self.floor[k] + SLACK[k] for k in bounded)
 
 
 def _distance(losses, ref_losses, weights, ref_weights) -> dict:
-    diffs = [(weights[k].double() - ref_weights[k].double()).abs() for k in ref_weights]
+    diffs = {k: (weights[k].double() - ref_weights[k].double()).abs() for k in ref_weights}
+    worst = max(diffs, key=lambda k: diffs[k].max().item())
     return {
         "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-        "max_weight": max(d.max().item() for d in diffs),
-        "mean_weight": sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs),
+        "max_weight": diffs[worst].max().item(),
+        "mean_weight": sum(d.sum().item() for d in diffs.values()) / sum(d.numel() for d in diffs.values()),
+        "worst": worst,
     }
+
+
+def _outliers(weights: dict, ref_weights: dict, bound: float, model_file: Path) -> int:
+    """How many weight elements are further than `bound` from eager_1, where that is AdamW's noise:
+    an element whose gradient cancels to near AdamW's eps has its last-bit noise divided by its own
+    tiny running size and moves by up to lr a step; which elements those are changes with any change
+    of summation order (tensor parallelism's split matmuls change it where data parallelism does
+    not, so eager's floor, measured over data-parallel ranks, cannot show the same elements). At most
+    1 in 2,000 elements may (helpers/training.py ADAMW_OUTLIERS, the project's rule since tp landed),
+    each within what AdamW moves in STEPS steps. -1 where more are, or further, or the optimizer is
+    not Adam-family (no such noise): the cell diverged."""
+    diffs = [(weights[k].double() - ref_weights[k].double()).abs() for k in ref_weights]
+    beyond = sum(int((d > bound).sum()) for d in diffs)
+    if beyond == 0:
+        return 0
+    from helpers.inference import load_user
+
+    make = getattr(load_user(model_file), "optimizer", None)
+    optimizer = make([torch.zeros(1, requires_grad=True)]) if make else None
+    if optimizer is not None and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return -1
+    lr = optimizer.defaults["lr"] if optimizer is not None else adamw_lr(model_file)
+    elements = sum(d.numel() for d in diffs)
+    worst = max(d.max().item() for d in diffs)
+    return beyond if beyond <= max(1, elements * ADAMW_OUTLIERS) and worst <= 2 * lr * STEPS else -1
 
 
 def _read(ref: Path) -> tuple[list[float], dict]:
@@ -87,9 +120,17 @@ def run_cell(family: str, strategy: str, tmp_path: Path) -> Cell:
     data = art / "data" / "example_batch.safetensors"
     global_batch = BATCH * data_ranks
     eager_1 = _read(reference(model_file, data, 1, global_batch, tmp_path, extra_args=ref_args))
-    eager_n = _read(reference(model_file, data, world, global_batch // world, tmp_path, extra_args=ref_args))
     cell.distance = _distance(losses, eager_1[0], weights, eager_1[1])
-    cell.floor = _distance(eager_n[0], eager_1[0], eager_n[1], eager_1[1])
+    # eager over `world` ranks and over twice as many: each run is one draw of a heavy-tailed noise
+    # (an element whose gradient cancels to near AdamW's eps moves by up to lr when the sum's order
+    # changes), and the floor is the larger of the two
+    floors = []
+    for ranks in (world, 2 * world):
+        if global_batch % ranks == 0:
+            eager_n = _read(reference(model_file, data, ranks, global_batch // ranks, tmp_path, extra_args=ref_args))
+            floors.append(_distance(eager_n[0], eager_1[0], eager_n[1], eager_1[1]))
+    cell.floor = {k: max(f[k] for f in floors) for k in SLACK}
+    cell.outliers = _outliers(weights, eager_1[1], 2 * cell.floor["max_weight"] + SLACK["max_weight"], model_file)
     cell.status = "equal" if cell.within() else "diverged"
     _record(cell)
     return cell
