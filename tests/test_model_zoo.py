@@ -4,14 +4,16 @@ strategies, every cell equal to eager within eager's own noise floor or refused 
 
 CI runs one strategy per family (CI_CELLS, marked slow); the whole grid is
 
-    AOT_ZOO_FULL=1 AOT_ZOO_RESULTS=zoo.jsonl python -m pytest tests/test_model_zoo.py -p no:cacheprovider -q
-    python scripts/zoo_table.py zoo.jsonl     # README's table, with the commit
+    rm -f docs/zoo-results.jsonl
+    AOT_ZOO_FULL=1 AOT_ZOO_RESULTS=docs/zoo-results.jsonl python -m pytest tests/test_model_zoo.py -p no:cacheprovider -q
+    python scripts/zoo_table.py docs/zoo-results.jsonl     # README's table (between its zoo markers)
 
 whose latest result is README's "Model zoo" table.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -51,3 +53,23 @@ else:
 def test_zoo_cell_equals_eager_within_its_noise_floor_or_is_refused(family, strategy, tmp_path):
     cell = run_cell(family, strategy, tmp_path)
     assert cell.status in ("equal", "refused"), cell
+
+
+def test_readme_zoo_table_is_the_grids_latest_result():
+    """README's table is scripts/zoo_table.py's rendering of docs/zoo-results.jsonl, the whole grid's
+    latest run, cell for cell: README cannot claim a cell that was not run. Every cell in it is equal
+    or refused in one line."""
+    import importlib.util
+
+    from helpers.commands import REPO
+
+    spec = importlib.util.spec_from_file_location("zoo_table", REPO / "scripts" / "zoo_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    results = (REPO / "docs" / "zoo-results.jsonl").read_text()
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("<!-- zoo:begin -->", 1)[1].split("<!-- zoo:end -->", 1)[0]
+    assert block.strip() == table.render(results).strip()
+    cells = [json.loads(line) for line in results.splitlines()]
+    assert len(cells) == len(FAMILIES) * len(STRATEGIES)
+    assert {c["status"] for c in cells} <= {"equal", "refused"}

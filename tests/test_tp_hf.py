@@ -179,12 +179,13 @@ def test_finder_follows_slices_within_heads_but_not_across_them():
     assert found.whole["q"] == "slice in the model would mix the split features", found.whole
 
 
-def test_whole_weight_with_per_rank_gradient_is_summed_over_tp(tmp_path):
+@pytest.mark.parametrize("strategy,world", [("tp=2", 2), pytest.param("pp=2,tp=2", 4, marks=pytest.mark.slow)])
+def test_whole_weight_with_per_rank_gradient_is_summed_over_tp(strategy, world, tmp_path):
     """Qwen3 normalizes every head's queries and keys with RMSNorm weights (q_norm, k_norm) that tp
     keeps whole while each rank normalizes only its own heads: each rank's gradient is its heads'
     part of the sum. Found from the graph (aot/capture/replicas.py) and summed over tp; before,
     nothing summed them and the two ranks' copies drifted apart (5e-3 after 5 steps) in silence."""
-    losses, ref_losses, weights, ref_weights = train_both(MODELS / "hf_qwen3.py", 2, tmp_path, strategy="tp=2")
+    losses, ref_losses, weights, ref_weights = train_both(MODELS / "hf_qwen3.py", world, tmp_path, strategy=strategy)
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
     summed = manifest["tensor_parallel"]["summed"]
     assert summed == sorted(f"model.model.layers.{i}.self_attn.{n}_norm.weight" for i in range(LAYERS) for n in "qk")

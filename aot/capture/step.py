@@ -122,8 +122,8 @@ class CapturedStep:
 
 
 def _wide_counter(value: torch.Tensor) -> torch.Tensor:
-    """A float32 step counter (torch.optim's `step`, a 0-dim tensor) as float64 while the optimizer
-    runs. Traced, Adam computes its bias corrections from the counter as tensors (`1 - beta2 ** step`),
+    """A float32 step counter (torch.optim's `step` state, a 0-dim tensor) as float64 while the
+    optimizer runs (other 0-dim state, such as a scalar parameter's moments, stays as it is). Traced, Adam computes its bias corrections from the counter as tensors (`1 - beta2 ** step`),
     which in float32 loses five digits at step 1 (0.999 is not a float32); eager torch.optim on CPU,
     and on GPUs without capturable, computes them from `step.item()` in double precision. In float64
     the trace computes what eager computes (tests/test_model_zoo.py measured 3e-6 of loss and 2.6e-8
@@ -341,7 +341,7 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
         stored = list(opt_state)
-        opt_state = [_wide_counter(v) for v in stored]
+        opt_state = [_wide_counter(v) if key == "step" else v for (_, key), v in zip(state.optimizer_slots, stored)]
         for (name, key), value in zip(state.optimizer_slots, opt_state):
             optimizer.state[by_name[name]][key] = value
         for p, g in zip(params, grads):

@@ -118,7 +118,7 @@ def eager_single_process(model_file, batches, seed: int = 0) -> tuple[list[float
     user = load_user(Path(model_file))
     torch.manual_seed(seed)
     model = user.model()
-    opt = user.optimizer(model.parameters())
+    opt = user.optimizer(model.parameters()) if hasattr(user, "optimizer") else torch.optim.AdamW(model.parameters(), lr=1e-3)  # aot's default
     loss_fn = getattr(user, "loss", torch.nn.functional.cross_entropy)
     losses = []
     for inputs, targets in batches:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers.artifacts import session_cache
-from helpers.commands import MODELS, ok, torchrun
+from helpers.commands import MODELS, REPO, ok, torchrun
 from helpers.training import ADAMW_OUTLIERS, STEPS, adamw_lr, reference
 from runner.checkpoint import merge_checkpoint
 
@@ -111,6 +112,7 @@ def run_cell(family: str, strategy: str, tmp_path: Path) -> Cell:
         art = session_cache()(model_file, "--world-size", world, "--batch-size", BATCH, "--no-onnx", *build_args)
     except AssertionError as e:  # the build failed: a refusal in one line, or a defect
         cell.status, cell.line = "refused", _refusal(str(e))
+        _record(cell)
         return cell
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     ok(torchrun(world, "run", art, "--steps", STEPS, "--metrics", metrics, "--save", ckpt, "--quiet", "--check-replicas", 1))
@@ -149,5 +151,7 @@ def _record(cell: Cell) -> None:
     """With AOT_ZOO_RESULTS=FILE, append the cell (one JSON line) for scripts/zoo_table.py."""
     out = os.environ.get("AOT_ZOO_RESULTS")
     if out:
+        # the commit the cell ran at ("-dirty": with uncommitted changes), for the table's claim
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=REPO, capture_output=True, text=True).stdout.strip()
         with open(out, "a") as f:
-            f.write(json.dumps(asdict(cell)) + "\n")
+            f.write(json.dumps({**asdict(cell), "commit": commit}) + "\n")
