@@ -123,11 +123,12 @@ class CapturedStep:
 
 def _wide_counter(value: torch.Tensor) -> torch.Tensor:
     """A float32 step counter (torch.optim's `step` state, a 0-dim tensor) as float64 while the
-    optimizer runs (other 0-dim state, such as a scalar parameter's moments, stays as it is). Traced, Adam computes its bias corrections from the counter as tensors (`1 - beta2 ** step`),
-    which in float32 loses five digits at step 1 (0.999 is not a float32); eager torch.optim on CPU,
-    and on GPUs without capturable, computes them from `step.item()` in double precision. In float64
-    the trace computes what eager computes (tests/test_model_zoo.py measured 3e-6 of loss and 2.6e-8
-    of mean weight between aot and eager on one rank before, with Adam)."""
+    optimizer runs; other 0-dim state (a scalar parameter's moments) stays as it is. Traced, Adam
+    computes its bias corrections from the counter as tensors (`1 - beta2 ** step`), which in
+    float32 loses five digits at step 1 (0.999 is not a float32); eager torch.optim on CPU, and on
+    GPUs without capturable, computes them from `step.item()` in double precision. In float64 the
+    trace computes what eager computes (aot was 3e-6 of loss and 2.6e-8 of mean weight off eager
+    on one rank after 5 Adam steps before: tests/test_replicas.py)."""
     return value.double() if value.dim() == 0 and value.dtype == torch.float32 else value
 
 
