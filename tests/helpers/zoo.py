@@ -4,10 +4,10 @@ A cell builds the family's model file (tests/models/zoo/<family>.py) for the str
 STEPS steps under torchrun, and compares with eager PyTorch over the same global batch:
 
 - `eager_1`: one process over the whole global batch: what training means;
-- `eager_n`: eager over as many ranks as the artifact has (DDP; for a bf16 strategy with fsdp,
-  FSDP2's MixedPrecisionPolicy, as tests/helpers/ddp_reference.py writes it), the global batch
-  split between them. Its distance from `eager_1` is eager's own noise floor: how far the same
-  training moves when only the summation order changes.
+- eager over as many ranks as the artifact has and over twice as many (DDP; for a bf16 strategy
+  with fsdp, FSDP2's MixedPrecisionPolicy, as tests/helpers/ddp_reference.py writes it), the global
+  batch split between them. The largest distance between any two of these three eager runs is
+  eager's own noise floor: how far the same training moves when only the summation order changes.
 
 The artifact's distance from `eager_1` (max loss difference, max and mean weight difference) must be
 at most twice the floor plus a fixed slack for fp32 rounding (SLACK). A build refused in one line
@@ -64,7 +64,7 @@ class Cell:
         return self.outliers >= 0 and all(self.distance[k] <= 2 * self.floor[k] + SLACK[k] for k in bounded)
 
 
-def _distance(losses, ref_losses, weights, ref_weights) -> dict:
+def _distance(losses, weights, ref_losses, ref_weights) -> dict:
     diffs = {k: (weights[k].double() - ref_weights[k].double()).abs() for k in ref_weights}
     worst = max(diffs, key=lambda k: diffs[k].max().item())
     return {
@@ -122,16 +122,16 @@ def run_cell(family: str, strategy: str, tmp_path: Path) -> Cell:
     data = art / "data" / "example_batch.safetensors"
     global_batch = BATCH * data_ranks
     eager_1 = _read(reference(model_file, data, 1, global_batch, tmp_path, extra_args=ref_args))
-    cell.distance = _distance(losses, eager_1[0], weights, eager_1[1])
-    # eager over `world` ranks and over twice as many: each run is one draw of a heavy-tailed noise
-    # (an element whose gradient cancels to near AdamW's eps moves by up to lr when the sum's order
-    # changes), and the floor is the larger of the two
-    floors = []
+    cell.distance = _distance(losses, weights, *eager_1)
+    # eager over `world` ranks and over twice as many besides one: each run is one draw of the same
+    # noise (heavy-tailed: an element whose gradient cancels to near AdamW's eps moves by up to lr
+    # when a sum's order changes), and the floor is the largest distance between any two of them
+    runs = [eager_1]
     for ranks in (world, 2 * world):
         if global_batch % ranks == 0:
-            eager_n = _read(reference(model_file, data, ranks, global_batch // ranks, tmp_path, extra_args=ref_args))
-            floors.append(_distance(eager_n[0], eager_1[0], eager_n[1], eager_1[1]))
-    cell.floor = {k: max(f[k] for f in floors) for k in SLACK}
+            runs.append(_read(reference(model_file, data, ranks, global_batch // ranks, tmp_path, extra_args=ref_args)))
+    pairs = [_distance(*a, *b) for i, a in enumerate(runs) for b in runs[i + 1 :]]
+    cell.floor = {k: max(p[k] for p in pairs) for k in SLACK}
     cell.outliers = _outliers(weights, eager_1[1], 2 * cell.floor["max_weight"] + SLACK["max_weight"], model_file)
     cell.status = "equal" if cell.within() else "diverged"
     _record(cell)
