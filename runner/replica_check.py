@@ -81,11 +81,14 @@ def check_replicas(trainer, when: str) -> None:
         if group_name not in trainer.groups:
             continue
         ranks, group = trainer.groups[group_name]
-        mine = torch.stack([fingerprint(t) for _, t in tensors]).cpu()
+        # on the run's device: an NCCL group carries only its device's tensors (0-dim optimizer
+        # state stays on the host, runner/trainer.py, so each hash is moved there first)
+        mine = torch.stack([fingerprint(t).to(trainer.device) for _, t in tensors])
         gathered = [torch.empty_like(mine) for _ in ranks]
         dist.all_gather(gathered, mine, group=group)
+        table = torch.stack(gathered).cpu()
         for i, (name, _) in enumerate(tensors):
-            values = [int(g[i]) for g in gathered]
+            values = [int(v) for v in table[:, i]]
             if len(set(values)) > 1:
                 odd = next(r for r, v in zip(ranks, values) if v != values[0])
                 raise AotError(
