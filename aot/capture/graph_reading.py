@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+# The operator namespaces of torch's functional collectives (the autograd variants too).
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+
 
 def loss_node(graph: torch.fx.Graph) -> torch.fx.Node | None:
     """The step's loss: the program's first output is its detached value. Every node after the

@@ -30,13 +30,12 @@ from dataclasses import dataclass, field
 import torch
 
 from aot.errors import AotError
-from aot.capture.graph_reading import loss_node, storage_key, written_values
+from aot.capture.graph_reading import COLLECTIVE_NAMESPACES, loss_node, storage_key, written_values
 
 SHARDED, REDUCED, IDENTICAL, PER_RANK = "sharded", "reduced", "identical", "per rank"
 # collectives whose every rank gets the same result, and those that hand each rank its own piece
 _SAME_RESULT = {"all_reduce", "all_reduce_", "all_gather_into_tensor", "all_gather_into_tensor_out", "broadcast", "broadcast_"}
 _PIECES = {"reduce_scatter_tensor", "all_to_all_single"}
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ def _collective(node: torch.fx.Node) -> tuple[str, str] | None:
     """(op name, group name) of a functional collective node, else None."""
     if node.op != "call_function" or not hasattr(node.target, "namespace"):
         return None
-    if node.target.namespace not in _COLLECTIVE_NAMESPACES:
+    if node.target.namespace not in COLLECTIVE_NAMESPACES:
         return None
     name = node.target._opname if hasattr(node.target, "_opname") else str(node.target).split(".")[1]
     group = next((a for a in reversed(node.args) if isinstance(a, str)), None)

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle as ParallelStyleBase
 
+from aot.capture.graph_reading import COLLECTIVE_NAMESPACES
 from aot.errors import AotError
 from runner.sharding import tp_style
 
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
 _funcol = torch.ops._c10d_functional
-
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 
 
 @dataclass
@@ -301,6 +300,6 @@ def tensor_parallel(model: nn.Module, plan: dict[str, str], size: int, group: st
 def rename_group(graph: torch.fx.GraphModule, old: str, new: str) -> None:
     """Give the collectives of `old` (a process-local name) the canonical name the runner binds."""
     for node in graph.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) in COLLECTIVE_NAMESPACES:
             node.args = tuple(new if a == old else a for a in node.args)
     graph.recompile()
