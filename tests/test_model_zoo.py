@@ -36,9 +36,9 @@ CI_CELLS = {
     "t5": "dp=2",
     "mamba": "fsdp=2",
 }
-# in the default suite too: a failure class each (a whole-width norm inside split attention; a
-# family with no attention at all)
-DEFAULT = {("olmo2", "tp=2"), ("mamba", "fsdp=2")}
+# in the default suite too: a whole-width norm inside split attention, which the tp finder must leave
+# whole (the other cells run in CI)
+DEFAULT = {("olmo2", "tp=2")}
 
 if os.environ.get("AOT_ZOO_FULL") == "1":
     CELLS = [(f, s) for f in FAMILIES for s in STRATEGIES]
