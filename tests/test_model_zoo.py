@@ -35,6 +35,7 @@ CI_CELLS = {
     "bert": "dp=2",
     "t5": "dp=2",
     "mamba": "fsdp=2",
+    "resnet": "dp=2",
 }
 # in the default suite too: a whole-width norm inside split attention, which the tp finder must leave
 # whole (the other cells run in CI)

@@ -37,6 +37,9 @@ parser.add_argument("--init-from", help="a safetensors file of model.state_dict(
 parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
 parser.add_argument("--param-dtype", choices=["bf16", "fp16"])
 parser.add_argument("--reduce-dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+# the rows of each rank's batch in another order (seeded): for a model whose step does not depend on
+# the order (BatchNorm's statistics, a mean loss), the same training summed in another order
+parser.add_argument("--permute-rows", type=int, metavar="SEED")
 args = parser.parse_args()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -90,6 +93,8 @@ rows, B = targets.shape[0], args.batch_size
 losses = []
 for step in range(args.steps):
     idx = (torch.arange(B) + step * B * world + rank * B) % rows
+    if args.permute_rows is not None:
+        idx = idx[torch.randperm(B, generator=torch.Generator().manual_seed(args.permute_rows * 1_000_003 + step))]
     x = [t[idx] for t in inputs]
     y = targets[idx]
     opt.zero_grad()

@@ -32,7 +32,12 @@ from helpers.training import ADAMW_OUTLIERS, STEPS, adamw_lr, reference
 from runner.checkpoint import merge_checkpoint
 
 ZOO = MODELS / "zoo"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "gpt2", "bert", "t5", "mamba")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "gpt2", "bert", "t5", "mamba", "resnet")
+# Families whose step normalizes over the batch (BatchNorm): built with --sync-batchnorm, so that
+# training means one process over the global batch, and their floor compares that process with
+# itself on the batch's rows in other orders (eager over N ranks would normalize per rank: another
+# computation, not another summation order)
+BATCH_NORMALIZED = {"resnet": ("--sync-batchnorm",)}
 # strategy -> (aot build arguments, ranks, data-parallel ranks, eager reference arguments)
 STRATEGIES: dict[str, tuple[tuple, int, int, tuple]] = {
     "dp=2": (("--strategy", "dp=2"), 2, 2, ()),
@@ -109,7 +114,7 @@ def run_cell(family: str, strategy: str, tmp_path: Path) -> Cell:
     build_args, world, data_ranks, ref_args = STRATEGIES[strategy]
     model_file = ZOO / f"{family}.py"
     try:
-        art = session_cache()(model_file, "--world-size", world, "--batch-size", BATCH, "--no-onnx", *build_args)
+        art = session_cache()(model_file, "--world-size", world, "--batch-size", BATCH, "--no-onnx", *build_args, *BATCH_NORMALIZED.get(family, ()))
     except AssertionError as e:  # the build failed: a refusal in one line, or a defect
         cell.status, cell.line = "refused", _refusal(str(e))
         _record(cell)
@@ -127,9 +132,13 @@ def run_cell(family: str, strategy: str, tmp_path: Path) -> Cell:
     # noise (heavy-tailed: an element whose gradient cancels to near AdamW's eps moves by up to lr
     # when a sum's order changes), and the floor is the largest distance between any two of them
     runs = [eager_1]
-    for ranks in (world, 2 * world):
-        if global_batch % ranks == 0:
-            runs.append(_read(reference(model_file, data, ranks, global_batch // ranks, tmp_path, extra_args=ref_args)))
+    if family in BATCH_NORMALIZED:
+        for seed in (1, 2):
+            runs.append(_read(reference(model_file, data, 1, global_batch, tmp_path, extra_args=(*ref_args, "--permute-rows", seed))))
+    else:
+        for ranks in (world, 2 * world):
+            if global_batch % ranks == 0:
+                runs.append(_read(reference(model_file, data, ranks, global_batch // ranks, tmp_path, extra_args=ref_args)))
     pairs = [_distance(*a, *b) for i, a in enumerate(runs) for b in runs[i + 1 :]]
     cell.floor = {k: max(p[k] for p in pairs) for k in SLACK}
     cell.outliers = _outliers(weights, eager_1[1], 2 * cell.floor["max_weight"] + SLACK["max_weight"], model_file)
