@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers.zoo import FAMILIES, SLACK, STRATEGIES  # noqa: E402
+from helpers.zoo import FAMILIES, NO_COUNTERPART, SLACK, STRATEGIES  # noqa: E402
 
 
 def ratio(cell: dict) -> float:
@@ -47,7 +47,10 @@ def render(results: str) -> str:
         row = []
         for s in strategies:
             c = cells.get((family, s))
-            if c is None:
+            if c is None and (family, s) in NO_COUNTERPART:
+                notes.append(f"{family} {s}: {NO_COUNTERPART[family, s]}")
+                row.append(f"no counterpart [{len(notes)}]")
+            elif c is None:
                 row.append("not run")
             elif c["status"] == "equal":
                 row.append(f"equal ({ratio(c):.2f})" + (f", {c['outliers']} AdamW outlier" + "s" * (c["outliers"] > 1) if c.get("outliers", 0) > 0 else ""))
