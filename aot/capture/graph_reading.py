@@ -31,10 +31,15 @@ def storage_key(t: torch.Tensor):
 
 
 def written_values(node: torch.fx.Node) -> list:
-    """The arguments an op writes in place (its schema marks them mutable: `Tensor(a!) self`)."""
+    """The arguments an op writes in place: those its schema marks mutable (`Tensor(a!) self`), and
+    the running statistics aten.native_batch_norm updates in training mode, which its schema does
+    not mark (plain BatchNorm's, which then differ between data-parallel ranks, and which a
+    recomputed batch norm would update twice)."""
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
     if schema is None:
         return []
+    if node.target is torch.ops.aten.native_batch_norm.default and len(node.args) > 5 and node.args[5] is True:
+        return [node.args[3], node.args[4]]
     return [
         node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
         for i, arg in enumerate(schema.arguments)

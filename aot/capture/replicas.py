@@ -78,7 +78,7 @@ def _collective(node: torch.fx.Node) -> tuple[str, str] | None:
         return None
     if node.target.namespace not in COLLECTIVE_NAMESPACES:
         return None
-    name = node.target._opname if hasattr(node.target, "_opname") else str(node.target).split(".")[1]
+    name = getattr(node.target, "_opname", "")
     group = next((a for a in reversed(node.args) if isinstance(a, str)), None)
     return (name, group) if group is not None else None
 
@@ -164,19 +164,10 @@ def flow(graph: torch.fx.Graph, axis: Axis) -> Flow:
         differs = (axis.random_differs and _random(node)) or any(_any(f.node_differs, a) for a in _args(node))
         reduced = any(_any(f.node_reduced, a) for a in _args(node))
         f.differs[node], f.reduced[node] = differs, reduced
-        for written in [*written_values(node), *_unannotated_writes(node)]:
+        for written in written_values(node):
             for w in written if isinstance(written, (list, tuple)) else [written]:
                 _mark(f, w, differs, reduced)
     return f
-
-
-def _unannotated_writes(node: torch.fx.Node) -> list:
-    """Arguments an op writes without its schema saying so: aten.native_batch_norm updates the
-    running statistics in place in training mode (its schema declares no alias), which is how
-    plain BatchNorm's statistics come to differ between data-parallel ranks."""
-    if node.target is torch.ops.aten.native_batch_norm.default and len(node.args) > 5 and node.args[5] is True:
-        return [node.args[3], node.args[4]]
-    return []
 
 
 def _any(test, arg) -> bool:
