@@ -255,15 +255,29 @@ def prove(graph: torch.fx.Graph, slots: list[dict], axes: list[Axis], where: str
     return Proof(params, buffers)
 
 
-def tp_partial(graph: torch.fx.Graph, slots: list[dict], tp: Axis, where: str) -> list[str]:
+def tp_partial(graph: torch.fx.Graph, slots: list[dict], tp: Axis, where: str, declared: frozenset[str] = frozenset()) -> list[str]:
     """The whole (not tp-split) parameters whose update differs between tp ranks because each rank's
     gradient is its own part of a sum (see the module docstring), in slot order. Refuses one whose
-    forward uses meet both values that differ between tp ranks and values that do not."""
+    forward uses meet both values that differ between tp ranks and values that do not.
+
+    `declared`: the weights a `tp_plan` entry "replicated_with_grad_allreduce" already sums (the
+    graph sums them, so their update no longer differs): a sum is right only where every forward use
+    meets split values (else it counts the same gradient once per tp rank), so any other is refused."""
     f = flow(graph, tp)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     partial = []
     for i, (slot, node) in enumerate(zip(slots, placeholders)):
-        if slot["kind"] != "param" or i in tp.sources or not f.node_differs(node):
+        if slot["kind"] != "param" or i in tp.sources:
+            continue
+        if slot["name"] in declared:
+            meets = _uses_meet(graph, node, f)
+            if not meets or not all(meets):
+                raise AotError(
+                    f'{where}tp_plan makes {slot["name"]} "replicated_with_grad_allreduce", but it is used on values every tp rank '
+                    f"holds alike: summing its gradient over tp would count it once per tp rank; leave it out of tp_plan"
+                )
+            continue
+        if not f.node_differs(node):
             continue
         meets = _uses_meet(graph, node, f)
         if meets and all(meets):
@@ -274,22 +288,6 @@ def tp_partial(graph: torch.fx.Graph, slots: list[dict], tp: Axis, where: str) -
                 f"values every tp rank holds alike: no single reduction of its gradient is right; split the layers around it differently"
             )
     return partial
-
-
-def check_partial(graph: torch.fx.Graph, slots: list[dict], tp: Axis, names: set[str], where: str) -> None:
-    """A `tp_plan` entry "replicated_with_grad_allreduce" sums a weight's gradient over tp: right only
-    where every forward use meets values split between the tp ranks (else the sum counts the same
-    gradient tp times). Refuses the first named weight for which that does not hold."""
-    f = flow(graph, tp)
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for slot, node in zip(slots, placeholders):
-        if slot["kind"] == "param" and slot["name"] in names:
-            meets = _uses_meet(graph, node, f)
-            if not meets or not all(meets):
-                raise AotError(
-                    f'{where}tp_plan makes {slot["name"]} "replicated_with_grad_allreduce", but it is used on values every tp rank '
-                    f"holds alike: summing its gradient over tp would count it once per tp rank; leave it out of tp_plan"
-                )
 
 
 def _uses_meet(graph: torch.fx.Graph, param: torch.fx.Node, f: Flow) -> list[bool]:

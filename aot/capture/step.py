@@ -280,9 +280,7 @@ def partial_gradients(captured: CapturedStep, layout: StepLayout, state: Trainin
     The ones the model file's tp_plan names are checked to be such."""
     assert layout.tp is not None
     axis = replicas.axes_of(captured.slots, {"tp": layout.tp}, set(layout.tp_dims(state)), layout.sequence is not None)[0]
-    if layout.tp_summed:
-        replicas.check_partial(captured.graph.graph, captured.slots, axis, set(layout.tp_summed), f"{where}: ")
-    found = replicas.tp_partial(captured.graph.graph, captured.slots, axis, f"{where}: ")
+    found = replicas.tp_partial(captured.graph.graph, captured.slots, axis, f"{where}: ", frozenset(layout.tp_summed))
     return tuple(sorted({*layout.tp_summed, *found})) if found else ()
 
 
