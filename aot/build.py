@@ -31,6 +31,7 @@ from aot.plan.tensor_parallel import (
     check_degree,
     check_divisible,
     explain_plan,
+    split_forward_failure,
     summarize,
     summarize_whole,
     summed_params,
@@ -101,8 +102,12 @@ def _tensor_parallel_plan(mf, model, inputs, tp: int, progress: Progress) -> dic
     check_degree(mf, model, tp)
     plan = user_plan(mf, model)
     where, whole = f"tp_plan in {mf.path.name}", {}
-    if plan is None:
-        found = explain_plan(model, inputs)
+    if plan is not None:
+        failure = split_forward_failure(model, plan, inputs, tp)
+        if failure is not None:
+            raise AotError(f"{where}: {failure[0]} cannot be split as planned: {failure[1]}; or leave its layers out of tp_plan")
+    else:
+        found = explain_plan(model, inputs, tp)
         plan, whole, where = found.plan, found.whole, "the found plan"
         if not plan:
             reasons = "; ".join(summarize_whole(whole)[:3])

@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 
 from runner.data import dtype_of
 from runner.errors import AotError
+from runner import init_ops
 from runner.graph_loader import load_graph_module
 from runner.program import decode_program
 from runner.sharding import axis_index, shard, tp_fused, tp_slice
@@ -49,6 +50,7 @@ _OVERWRITES = {
     _aten.cauchy_.default,
     _aten.geometric_.default,
     _aten.copy_.default,
+    init_ops.trunc_normal_,
 }
 # Ops that draw random numbers: a partial replay must not skip any of them.
 _RANDOM = {op for op in _OVERWRITES if op not in (_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default, _aten.copy_.default)}

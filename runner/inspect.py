@@ -291,6 +291,7 @@ def describe_memory(memory: dict | None) -> list[str]:
         return lines
     asked = {
         "modules": lambda: f"model file: checkpoint {', '.join(rc.get('modules', []))}" + (", matmul outputs kept" if rc.get("save") == "matmuls" else ""),
+        "checkpoint_calls": lambda: "the model's torch.utils.checkpoint calls",
         "budget": lambda: f"{rc.get('source')} " + (human(rc["memory_budget_bytes"]) if "memory_budget_bytes" in rc else f"{rc.get('activation_budget')}"),
     }[policy]()
     lines.append(

@@ -66,7 +66,10 @@ class ModelFile:
                 raise AotError(f"{self.path.name}: batch() returned a {type(t).__name__} for {name}; expected tensors")
             if t.dim() == 0 or t.shape[0] != rows:
                 raise AotError(f"{self.path.name}: batch({rows}) returned {name} with {t.shape[0] if t.dim() else 0} samples, expected {rows}")
-        return tensors
+        # each its own contiguous memory: a batch may hand the same tensor (or two views of one:
+        # ids[:, :-1], ids[:, 1:]) as an input and as the targets (nanoGPT's model(X, Y)), and the
+        # stored batch is a safetensors file, one tensor per name
+        return {name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in tensors.items()}
 
 
 def _user_frame(exc: BaseException, path: Path) -> str:
@@ -75,15 +78,64 @@ def _user_frame(exc: BaseException, path: Path) -> str:
     return f" ({path.name}:{frames[-1].lineno})" if frames else ""
 
 
-def call_user(fn: Callable, what: str, path: Path, *args):
-    """Call a model-file function; its exceptions become one line naming the file and line."""
+# Where torch, aot, the runner and Python's own library live: frames there are not model code
+_AOT_DIR = Path(__file__).resolve().parents[1]
+_TOOL_DIRS = tuple(f"{d}/" for d in (Path(torch.__file__).resolve().parent, _AOT_DIR, _AOT_DIR.parent / "runner"))
+_STDLIB_DIR = str(Path(traceback.__file__).resolve().parent) + "/"
+
+
+def is_model_code(filename: str) -> bool:
+    if filename.startswith("<"):  # generated code (FX's forward, exec'd strings)
+        return False
+    resolved = str(Path(filename).resolve())
+    if resolved.startswith(_TOOL_DIRS):
+        return False
+    return "-packages/" in resolved or not resolved.startswith(_STDLIB_DIR)  # installed packages (transformers) are model code
+
+
+def code_frame(exc: BaseException, path: Path) -> traceback.FrameSummary | None:
+    """The line of model code an exception came from: the innermost frame in the model file, else
+    the innermost in any other model code (a module the model file imports, transformers'
+    modeling code), never torch's, aot's or the standard library's."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    found = [f for f in frames if Path(f.filename) == path] or [f for f in frames if is_model_code(f.filename)]
+    return found[-1] if found else None
+
+
+def reads_values(exc: BaseException) -> bool:
+    """Whether tracing failed because the code needs a tensor's value (torch's DataDependent errors)."""
+    return any("DataDependent" in type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None)
+
+
+# What to do instead of reading a tensor's value while the step is traced
+STEP_READS_VALUES = "compute both sides and choose with torch.where, or decide outside the model (a model-file setting)"
+
+
+def describe_error(exc: BaseException, path: Path, reading_values: str = STEP_READS_VALUES) -> str:
+    """torch's exception from tracing model code as one line a user reads: where in their code
+    first, then what; a value read (a branch on a tensor) said in words, not torch's guard jargon,
+    followed by `reading_values`, what to do instead."""
+    frame = code_frame(exc, path)
+    where = f"{Path(frame.filename).name}:{frame.lineno} ({(frame.line or '').strip()})" if frame is not None else ""
+    if reads_values(exc):
+        return (
+            f"{where or 'the model'} reads a tensor's value (a data-dependent branch, .item(), .tolist(), or a shape "
+            f"that depends on values), which one static graph cannot hold; {reading_values}"
+        )
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""  # one line: torch's can run to ten
+    return f"{type(exc).__name__}: {message}" + (f" at {where}" if where else "")
+
+
+def call_user(fn: Callable, what: str, path: Path, *args, reading_values: str = STEP_READS_VALUES):
+    """Call a model-file function; its exceptions become one line naming the file and line
+    (`reading_values`: what to do instead where the function read a traced tensor's value)."""
     try:
         return fn(*args)
     except AotError:
         raise
     except Exception as e:
-        message = str(e).strip().splitlines()[0] if str(e).strip() else ""  # one line: torch's can run to ten
-        raise AotError(f"{path.name}: {what} raised {type(e).__name__}: {message}{_user_frame(e, path)}") from e
+        described = describe_error(e, path, reading_values)
+        raise AotError(f"{path.name}: {what}" + (f": {described}" if reads_values(e) else f" raised {described}")) from e
 
 
 def load_model_file(path: str | Path) -> ModelFile:

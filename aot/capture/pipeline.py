@@ -31,11 +31,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from aot.capture.inert_calls import drop_inert_calls
 from aot.capture.model_file import ModelFile
 from aot.capture.stages import Stage
+from aot.capture.model_file import describe_error
 from aot.capture.step import (
     CapturedStep,
     Group,
     StepLayout,
-    _describe_trace_error,
     _gather,
     optimizer_tracing,
     partial_gradients,
@@ -139,7 +139,7 @@ def capture_pipeline(
     except AotError:
         raise
     except Exception as e:
-        raise AotError(f"{mf.path.name}: pipeline rank {pipeline.rank}'s step cannot be traced: {_describe_trace_error(e, mf)}") from e
+        raise AotError(f"{mf.path.name}: pipeline rank {pipeline.rank}'s step cannot be traced: {describe_error(e, mf.path)}") from e
     captured = CapturedStep(graph=graph, slots=slots, example_args=[a.detach() for a in args], tp_summed=layout.tp_summed)
     if layout.tp is not None:
         summed = partial_gradients(captured, layout, state, f"{mf.path.name} (pipeline rank {pipeline.rank})")

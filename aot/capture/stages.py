@@ -18,7 +18,8 @@ from torch.fx.passes.split_module import split_module
 
 from aot.capture.model_file import ModelFile, call_user
 from aot.capture.module_calls import annotate_module_calls, layer_of
-from aot.capture.step import StepLayout, _autocast_region, _describe_trace_error, rank_state
+from aot.capture.model_file import describe_error
+from aot.capture.step import StepLayout, _autocast_region, rank_state
 from aot.capture.tensor_parallel import rename_group, tensor_parallel
 from aot.capture.tensor_parallel_regions import differentiable_regions
 from aot.capture.trace_logs import quiet_trace_logs
@@ -112,7 +113,7 @@ def _trace_forward(mf, state, layout, inputs, targets, tp):
     except AotError:
         raise
     except Exception as e:
-        raise AotError(f"{mf.path.name}: the forward cannot be traced: {_describe_trace_error(e, mf)}") from e
+        raise AotError(f"{mf.path.name}: the forward cannot be traced: {describe_error(e, mf.path)}") from e
     return graph, sources
 
 

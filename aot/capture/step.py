@@ -23,7 +23,7 @@ from aot.capture import replicas
 from aot.capture.fused_attention import FusedAttention
 from aot.capture.inert_calls import drop_inert_calls
 from aot.capture.loss_scaling import LossScaling
-from aot.capture.model_file import ModelFile, call_user
+from aot.capture.model_file import ModelFile, call_user, describe_error
 from aot.capture.module_calls import annotate_module_calls
 from aot.capture.precision import Precision
 from aot.capture.sync_batchnorm import sync_batchnorm_in_graph
@@ -485,7 +485,7 @@ def _capture(
     except AotError:
         raise
     except Exception as e:
-        raise AotError(f"{mf.path.name}: the training step cannot be traced: {_describe_trace_error(e, mf)}") from e
+        raise AotError(f"{mf.path.name}: the training step cannot be traced: {describe_error(e, mf.path)}") from e
     # Export re-traces the graph with in-place updates on these inputs; they must not require grad.
     example = [a.detach() for a in args]
     return CapturedStep(graph=graph, slots=slots, example_args=example)
@@ -522,12 +522,3 @@ def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp
         else:
             raise AotError(f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, unlike its parameter; it cannot be sharded")
     return RankState(params, optimizer_state)
-
-
-def _describe_trace_error(e: Exception, mf: ModelFile) -> str:
-    import traceback
-
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(mf.path)]
-    where = f" at {mf.path.name}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
-    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return f"{type(e).__name__}: {message}{where}"

@@ -25,6 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.inert_calls import drop_inert_calls
 from aot.capture.model_file import ModelFile, call_user
+from aot.capture.recorded_initializers import recorded_initializers
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.errors import AotError
 from runner.checkpoint import optimizer_key
@@ -33,6 +34,10 @@ from runner.checkpoint import optimizer_key
 # Constants a constructor may bake into a parameter or buffer (a small lookup table, say); a
 # bigger one was read from somewhere (a file, numpy) and would put weights back into the artifact.
 MAX_INIT_CONSTANT_BYTES = 1 << 20
+CONSTRUCTOR_READS_VALUES = (
+    "the build records model() without running it on real tensors, so the constructor must not read tensor "
+    "values: decide from Python numbers (a config), or initialize in a way that draws without looking"
+)
 
 
 @dataclass
@@ -164,22 +169,15 @@ def _record_init(mf: ModelFile) -> tuple[nn.Module, torch.fx.GraphModule, int, i
     made = {}
 
     def construct():
-        model = call_user(mf.model, "model()", mf.path)
+        # a constructor that runs eagerly can fail here: say why
+        model = call_user(mf.model, "model()", mf.path, reading_values=CONSTRUCTOR_READS_VALUES)
         if not isinstance(model, nn.Module):
             raise AotError(f"{mf.path.name}: model() must return a torch.nn.Module, got {type(model).__name__}")
         made["model"] = model
         return [*dict(model.named_parameters()).values(), *dict(model.named_buffers()).values()]
 
-    try:
-        with torch.no_grad(), quiet_trace_logs():
-            graph = make_fx(construct, tracing_mode="fake")()
-    except AotError as e:
-        if "DataDependent" in str(e):  # say why a constructor that runs eagerly fails here
-            raise AotError(
-                f"{e}; the build records model() without running it on real tensors, so the "
-                f"constructor must not read tensor values (branch on them, .item(), .tolist())"
-            ) from e
-        raise
+    with torch.no_grad(), quiet_trace_logs(), recorded_initializers():
+        graph = make_fx(construct, tracing_mode="fake")()
     drop_inert_calls(graph)
     model = made["model"]
     return model, graph, len(dict(model.named_parameters())), len(dict(model.named_buffers()))
@@ -214,7 +212,9 @@ def _optimizer_fills(mf: ModelFile, params: dict[str, torch.Tensor], slots: list
     """The initial value of each optimizer state tensor, read from the user's optimizer created
     over one-element stand-ins of the parameters (same dtype and number of dimensions, so
     optimizers that group parameters by `dim()` group them alike) and initialized the same way."""
-    probes = [torch.zeros([1] * p.dim(), dtype=p.dtype) for p in params.values()]
+    # they require grad as the parameters do: optimizer() may keep only those that do (nanoGPT's,
+    # torchtitan's `filter(lambda p: p.requires_grad, ...)`)
+    probes = [torch.zeros([1] * p.dim(), dtype=p.dtype, requires_grad=p.requires_grad) for p in params.values()]
     opt = call_user(mf.optimizer, "optimizer(params)", mf.path, probes)
     _init_optimizer_state(opt)
     by_name = dict(zip(params, probes))

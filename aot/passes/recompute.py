@@ -25,6 +25,8 @@ Choosing what to recompute (a `Choice`, the nodes to copy):
   inputs, except its outputs (the next call's inputs); with `save_matmuls`, matmul outputs inside
   are kept too and only the cheap ops between them are recomputed (selective checkpointing).
   Module calls are known from the capture's annotations (`MODULE_CALLS` in node.meta["custom"]).
+- `by_checkpoint_calls(graph)`: the same for every `torch.utils.checkpoint` call the model made
+  (`CHECKPOINT_CALLS`, aot/capture/module_calls.py): the user's own request, written in the model.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from aot.capture.module_calls import MODULE_CALLS
+from aot.capture.module_calls import MODULE_CALLS, checkpoint_call_of
 from aot.capture.graph_reading import loss_node, storage_key, written_values
 from aot.passes.graph_utils import COLLECTIVES, WAIT, fresh_value, tensors
 
@@ -222,6 +224,20 @@ def by_modules(graph: torch.fx.Graph, patterns, save_matmuls: bool, cost: Callab
     choice = _checkpoint(fwd, region, lambda n: save_matmuls and fwd.owner[n] is not None and getattr(fwd.owner[n], "target", None) in MATMULS)
     choice.cost_s = sum(cost(n) for n in choice.nodes) if cost else 0.0
     return choice
+
+
+def by_checkpoint_calls(graph: torch.fx.Graph, cost: Callable | None = None) -> Choice:
+    """Recompute every torch.utils.checkpoint call of the model's forward from its inputs."""
+    fwd = Forward(graph)
+    region = {n: checkpoint_call_of(n) for n in fwd.nodes}
+    choice = _checkpoint(fwd, region, lambda n: False)
+    choice.cost_s = sum(cost(n) for n in choice.nodes) if cost else 0.0
+    return choice
+
+
+def has_checkpoint_calls(graph: torch.fx.Graph) -> bool:
+    """Whether the model's forward called torch.utils.checkpoint (see by_checkpoint_calls)."""
+    return any(checkpoint_call_of(n) is not None for n in graph.nodes)
 
 
 def _checkpoint(fwd: Forward, region: dict, keep: Callable) -> Choice:

@@ -142,7 +142,7 @@ class ModelSteps:
     def _find_plan(self) -> dict[str, str]:
         from aot.plan.tensor_parallel import find_plan, user_plan
 
-        return user_plan(self.mf, self.state.model) or find_plan(self.state.model, self.inputs)
+        return user_plan(self.mf, self.state.model) or find_plan(self.state.model, self.inputs)  # tried at tp=2: a size fixed in code fails at any split
 
     def layout(self, dp: int, fsdp: int, tp: int):
         from aot.capture.step import Group, StepLayout

@@ -19,7 +19,7 @@ import torch
 
 from aot.errors import AotError
 from aot.passes.graph_utils import copy_graph
-from aot.passes.recompute import Choice, by_budget, by_modules, recompute_activations
+from aot.passes.recompute import Choice, by_budget, by_checkpoint_calls, by_modules, has_checkpoint_calls, recompute_activations
 from aot.plan.cost_model import analyze, node_seconds
 from runner.inspect import human
 
@@ -29,17 +29,19 @@ GRID = 10  # a memory budget tries activation budgets 0.9, 0.8, ... down to the 
 @dataclass(frozen=True)
 class Request:
     """`memory_bytes` (per rank), `fraction` (of saved activation bytes kept) or module
-    `patterns` (checkpoint each call; `save_matmuls`: selective); `source` says who asked."""
+    `patterns` (checkpoint each call; `save_matmuls`: selective) or the model's own
+    torch.utils.checkpoint calls (`checkpoint_calls`); `source` says who asked."""
 
     memory_bytes: int | None = None
     fraction: float | None = None
     patterns: tuple = ()
     save_matmuls: bool = False
+    checkpoint_calls: bool = False
     source: str = "none"
 
     @property
     def none(self) -> bool:
-        return self.memory_bytes is None and self.fraction is None and not self.patterns
+        return self.memory_bytes is None and self.fraction is None and not self.patterns and not self.checkpoint_calls
 
 
 _UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -103,6 +105,11 @@ def apply_request(
     """The step with `request`'s recomputation and the other passes (`finish`) applied, and what
     was chosen (the manifest's `memory.recompute`)."""
     cost = lambda n: node_seconds(n, compute)
+    if request.source in ("none", "device memory") and has_checkpoint_calls(gm.graph):
+        # no flag or model-file `recompute` says otherwise: the model's checkpoint calls are the request
+        request = Request(checkpoint_calls=True, source="torch.utils.checkpoint")
+        choice = by_checkpoint_calls(gm.graph, cost)
+        return finish(recompute_activations(gm, choice)), _summary(request, choice)
     if request.none:
         return finish(gm), _summary(request, None)
     if request.patterns:
@@ -163,7 +170,8 @@ def _fit(gm, slots, request: Request, cost, finish):
 
 
 def _summary(request: Request, choice: Choice | None) -> dict:
-    summary: dict[str, object] = {"policy": "none" if choice is None else "modules" if request.patterns else "budget", "source": request.source}
+    policy = "none" if choice is None else "modules" if request.patterns else "checkpoint_calls" if request.checkpoint_calls else "budget"
+    summary: dict[str, object] = {"policy": policy, "source": request.source}
     if request.memory_bytes is not None:
         summary["memory_budget_bytes"] = request.memory_bytes
     if request.fraction is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -76,6 +77,8 @@ _SHARD_LOCAL = {
     _aten.squeeze,
     _aten.expand,
     _aten.flatten,
+    _aten.view_as_complex,  # rotary embeddings through complex numbers (torchtitan's, Meta's Llama): each
+    _aten.view_as_real,  # pair of features becomes one complex number within its head, and back
     _aten.split,
     _aten.split_with_sizes,
     _aten.chunk,
@@ -220,13 +223,83 @@ class Finding:
     whole: dict[str, str]  # Linear module name -> why (the op that stopped it, as op and module)
 
 
-def find_plan(model: nn.Module, inputs: list[torch.Tensor]) -> dict[str, str]:
+def find_plan(model: nn.Module, inputs: list[torch.Tensor], size: int = 2) -> dict[str, str]:
     """The Megatron-style plan read from the forward graph (see the module docstring)."""
-    return explain_plan(model, inputs).plan
+    return explain_plan(model, inputs, size).plan
 
 
-def explain_plan(model: nn.Module, inputs: list[torch.Tensor]) -> Finding:
-    """find_plan, with the reason each Linear left out stays whole."""
+# A forward that fails with its layers split is tried again without the failing kind of module's
+# layers; one kind per try (nanoGPT's attention: one try), so a handful of tries is plenty.
+MAX_TRIALS = 4
+
+
+def explain_plan(model: nn.Module, inputs: list[torch.Tensor], size: int = 2) -> Finding:
+    """find_plan, with the reason each Linear left out stays whole. The plan read from the graph
+    is then run (the forward on fake tensors, split over `size` ranks): the graph's shapes are
+    numbers, so it cannot tell `view(B, T, self.n_head, hs)` (a head count fixed in code, which
+    a rank's share of the heads cannot take) from `view(B, T, -1, hs)`. A module whose forward
+    fails split keeps its layers whole, and every module of its class with it."""
+    found = _read_plan(model, inputs)
+    plan, whole = dict(found.plan), dict(found.whole)
+    for _ in range(MAX_TRIALS):
+        failure = split_forward_failure(model, plan, inputs, size)
+        if failure is None:
+            break
+        module, why = failure
+        kind = type(dict(model.named_modules())[module])
+        owners = [name for name, m in model.named_modules() if type(m) is kind]
+        dropped = [n for n in plan if any(n.startswith(f"{o}.") for o in owners)]
+        for name in dropped:
+            whole[name] = why
+            del plan[name]
+    else:
+        plan = {}
+    return Finding(plan, {name: why for name, why in whole.items() if name not in plan})
+
+
+def split_forward_failure(model: nn.Module, plan: dict[str, str], inputs: list[torch.Tensor], size: int) -> tuple[str, str] | None:
+    """Run the forward with `plan`'s layers split over `size` ranks (rank 0; fake tensors, a fake
+    process group): None where it runs, else (the module whose forward failed: the innermost
+    holding split layers, its forward's line, what failed)."""
+    import linecache
+
+    from aot.capture.model_file import is_model_code
+    from aot.capture.tensor_parallel import tensor_parallel
+    from aot.capture.trace_logs import quiet_trace_logs
+
+    if not plan:
+        return None
+    fake_mode = torch._guards.detect_fake_mode([*model.parameters()])
+    assert fake_mode is not None  # the build's model lives on fake tensors
+    with tensor_parallel(model, plan, size, "aot.tp_trial") as tp:
+        names = {id(m): name for name, m in tp.model.named_modules()}
+        try:
+            with fake_mode, quiet_trace_logs():
+                tp.model(*[fake_mode.from_tensor(t) for t in inputs])
+            return None
+        except Exception as e:
+            failed, error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            tb = e.__traceback__
+            while tb is not None:  # outermost to innermost
+                owner = names.get(id(tb.tb_frame.f_locals.get("self")))
+                if owner is not None and is_model_code(tb.tb_frame.f_code.co_filename) and any(n.startswith(f"{owner}.") for n in plan):
+                    failed = (owner, tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+                tb = tb.tb_next
+            if failed is None:
+                raise AotError(
+                    f"tensor parallel: the forward fails with the layers {summarize(list(plan))} split ({error}); give a tp_plan in the model file"
+                ) from e
+    owner, filename, line = failed
+    code = linecache.getline(filename, line).strip()
+    return owner, (
+        f"its forward fails with the layers split at {Path(filename).name}:{line} ({code}; {error}): a size fixed in the code "
+        f"(a head count, a width) that a rank's 1/tp share of the features cannot take; compute it from the tensor "
+        f"(view(B, T, -1, head_dim)) so tp can split it"
+    )
+
+
+def _read_plan(model: nn.Module, inputs: list[torch.Tensor]) -> Finding:
+    """The pairs read from the exported forward graph (the module docstring), not yet run."""
     import contextlib
     import io
 
@@ -555,7 +628,7 @@ def _split_dim(node, split: dict) -> int | None:
         return b if dim == a else a if dim == b else dim
     if packet is _aten.permute:
         return [norm(d) for d in node.args[1]].index(dim)
-    if packet in (_aten.view, _aten.reshape, _aten._unsafe_view, _aten.flatten, _aten.unsqueeze, _aten.squeeze):
+    if packet in (_aten.view, _aten.reshape, _aten._unsafe_view, _aten.flatten, _aten.unsqueeze, _aten.squeeze, _aten.view_as_complex, _aten.view_as_real):
         return _through_reshape(in_shape, dim, out_shape)
     if packet in (_aten.matmul, _aten.bmm):
         a, b = node.args[0], node.args[1]

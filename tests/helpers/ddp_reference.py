@@ -57,13 +57,21 @@ if args.param_dtype:
     # FSDP2 with MixedPrecisionPolicy(param_dtype, reduce_dtype): the forward sees every parameter
     # cast (what its all-gather hands it), and gradients, cast to reduce_dtype, are summed over the
     # ranks and averaged (its reduce-scatter, here as an all_reduce of whole gradients).
+    # The cast parameters stay in the model through backward: a torch.utils.checkpoint call recomputes
+    # its forward there, with the parameters it finds (torch.func.functional_call would have restored
+    # the fp32 ones by then).
+    from torch.nn.utils.stateless import _reparametrize_module
+
     named = dict(model.named_parameters())
-    ddp = lambda *x: torch.func.functional_call(model, {n: p.to(DTYPES[args.param_dtype]) for n, p in named.items()}, x)
+    ddp = model
+    cast_parameters = lambda: _reparametrize_module(model, {n: p.to(DTYPES[args.param_dtype]) for n, p in named.items()})
 elif args.reduce_dtype != "fp32":
     ddp = model  # DDP's bf16/fp16 compression hooks need NCCL: their arithmetic, below, on gloo
 else:
     ddp = DDP(model) if world > 1 else model
 MANUAL_REDUCE = bool(args.param_dtype) or args.reduce_dtype != "fp32"
+if not args.param_dtype:
+    cast_parameters = contextlib.nullcontext
 
 
 def average_gradients():
@@ -100,9 +108,10 @@ for step in range(args.steps):
     opt.zero_grad()
     # The runner's per-step seed (artifacts/FORMAT.md, "Randomness"): dropout masks line up.
     torch.manual_seed(((args.seed * 1_000_003 + step) * 1_009 + rank) % 2**63)
-    with autocast():
-        loss = loss_fn(ddp(*x), y)
-    (scaler.scale(loss) if scaler else loss).backward()
+    with cast_parameters():
+        with autocast():
+            loss = loss_fn(ddp(*x), y)
+        (scaler.scale(loss) if scaler else loss).backward()
     average_gradients()
     if scaler:
         scaler.unscale_(opt)

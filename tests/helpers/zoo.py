@@ -32,7 +32,9 @@ from helpers.training import ADAMW_OUTLIERS, STEPS, adamw_lr, reference
 from runner.checkpoint import merge_checkpoint
 
 ZOO = MODELS / "zoo"
+# transformers' families (tests/models/zoo/families.py), then models written as their projects write them
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "gpt2", "bert", "t5", "mamba", "resnet")
+FAMILIES += ("titan_llama", "nanogpt")
 # Families whose step normalizes over the batch (BatchNorm): built with --sync-batchnorm, so that
 # training means one process over the global batch, and their floor compares that process with
 # itself on the batch's rows in other orders (eager over N ranks would normalize per rank: another
@@ -74,8 +76,13 @@ class Cell:
         return self.outliers >= 0 and all(self.distance[k] <= 2 * self.floor[k] + SLACK[k] for k in bounded)
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements as float64 (a complex buffer's as its real and imaginary parts)."""
+    return torch.view_as_real(t).double() if t.is_complex() else t.double()
+
+
 def _distance(losses, weights, ref_losses, ref_weights) -> dict:
-    diffs = {k: (weights[k].double() - ref_weights[k].double()).abs() for k in ref_weights}
+    diffs = {k: (_real(weights[k]) - _real(ref_weights[k])).abs() for k in ref_weights}
     worst = max(diffs, key=lambda k: diffs[k].max().item())
     return {
         "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
@@ -94,7 +101,7 @@ def _outliers(weights: dict, ref_weights: dict, bound: float, model_file: Path) 
     1 in 2,000 elements may (helpers/training.py ADAMW_OUTLIERS, the project's rule since tp landed),
     each within what AdamW moves in STEPS steps. -1 where more are, or further, or the optimizer is
     not Adam-family (no such noise): the cell diverged."""
-    diffs = [(weights[k].double() - ref_weights[k].double()).abs() for k in ref_weights]
+    diffs = [(_real(weights[k]) - _real(ref_weights[k])).abs() for k in ref_weights]
     beyond = sum(int((d > bound).sum()) for d in diffs)
     if beyond == 0:
         return 0
