@@ -101,12 +101,8 @@ def _tensor_parallel_plan(mf, model, inputs, tp: int, progress: Progress) -> dic
     (aot.plan.tensor_parallel); says which layers it splits and which it leaves whole, and why."""
     check_degree(mf, model, tp)
     plan = user_plan(mf, model)
-    where, whole = f"tp_plan in {mf.path.name}", {}
-    if plan is not None:
-        failure = split_forward_failure(model, plan, inputs, tp)
-        if failure is not None:
-            raise AotError(f"{where}: {failure[0]} cannot be split as planned: {failure[1]}; or leave its layers out of tp_plan")
-    else:
+    where, whole, found = f"tp_plan in {mf.path.name}", {}, None
+    if plan is None:
         found = explain_plan(model, inputs, tp)
         plan, whole, where = found.plan, found.whole, "the found plan"
         if not plan:
@@ -115,6 +111,10 @@ def _tensor_parallel_plan(mf, model, inputs, tp: int, progress: Progress) -> dic
                 f"--strategy tp={tp}: no Linear pair in {mf.path.name} can be split ({reasons}); name the layers in a tp_plan (see README: Strategies)"
             )
     check_divisible(plan, model, tp, where)
+    if found is None:  # the found plan was run split already
+        failure = split_forward_failure(model, plan, inputs, tp)
+        if failure is not None:
+            raise AotError(f"{where}: {failure[0]} cannot be split as planned: {failure[1]}; or leave its layers out of tp_plan")
     cols = [tp_layer(n, s) for n, s in plan.items() if s != "rowwise"]
     rows = [n for n, s in plan.items() if s == "rowwise"]
     progress.note(f"tensor parallel over {tp} ranks: {len(cols)} column-wise ({summarize(cols)}), {len(rows)} row-wise ({summarize(rows)})")

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from runner.artifact import FORMAT_VERSION, manifest_digest
 from helpers.artifacts import writable_copy
-from helpers.commands import EXAMPLES, MODELS, REPO, TIMEOUT, aot, aot_each, clean_env, show, torchrun
+from helpers.commands import EXAMPLES, MODELS, REPO, TIMEOUT, aot, aot_each, clean_env, line_of, show, torchrun
 
 MLP = REPO / "examples" / "mlp.py"
 
@@ -66,14 +66,6 @@ def assert_rank_errors(r: subprocess.CompletedProcess, *needles: str) -> list[st
         for needle in needles:
             assert needle in line, f"{needle!r} not in {line!r}\n{show(r)}"
     return errors
-
-
-def line_of(path: Path, marker: str) -> int:
-    """1-based number of the line of `path` that contains `marker`."""
-    for number, text in enumerate(path.read_text().splitlines(), 1):
-        if marker in text:
-            return number
-    raise AssertionError(f"{marker!r} not in {path}")
 
 
 def flip_byte(path: Path, offset: int | None = None) -> None:
@@ -180,6 +172,23 @@ def test_data_dependent_control_flow_names_problem_and_line(tmp_path):
     line = assert_user_error(aot("build", path, "-o", tmp_path / "out", "--quiet"), "cannot be traced", "data-dependent")
     assert f"bad_data_dependent.py:{line_of(path, 'MARK: data-dependent')}" in line
     assert "if x.sum() > 0" in line
+    # in words a user reads, with what to do instead; not torch's guard jargon
+    assert "reads a tensor's value" in line and "torch.where" in line and "Guard" not in line and "u0" not in line
+
+
+def test_reentrant_checkpoint_is_refused_with_the_fix(tmp_path):
+    """torch.utils.checkpoint(use_reentrant=True) reruns forward in its own autograd.Function: one
+    line saying to pass use_reentrant=False (which builds: tests/models/zoo/titan_llama.py)."""
+    r = aot("build", MODELS / "bad_checkpoint_reentrant.py", "-o", tmp_path / "out", "--quiet", "--no-onnx")
+    assert_user_error(r, "use_reentrant=True", "pass use_reentrant=False", "titan_llama.py:")
+    assert not (tmp_path / "out").exists()
+
+
+def test_trunc_normal_with_a_generator_of_its_own_is_refused(tmp_path):
+    path = MODELS / "bad_trunc_normal_generator.py"
+    r = aot("build", path, "-o", tmp_path / "out", "--quiet", "--no-onnx")
+    line = assert_user_error(r, "generator of the model's own", "drop the generator argument")
+    assert f"bad_trunc_normal_generator.py:{line_of(path, 'MARK: own generator')}" in line
 
 
 def test_plan_of_an_untraceable_model_prints_one_line_and_nothing_else():

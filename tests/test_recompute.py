@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from aot.errors import AotError
-from aot.passes.recompute import MATMULS, Forward, by_budget, by_modules, recompute_activations
+from aot.passes.recompute import MATMULS, Forward, by_budget, by_checkpoint_calls, by_modules, has_checkpoint_calls, recompute_activations
 from aot.passes import run_passes
 from aot.plan.cost_model import analyze, node_seconds
 from aot.plan.machine import Machine
@@ -111,6 +111,24 @@ def test_checkpointing_blocks_and_selective_checkpointing(steps):
     fwd = Forward(gm.graph)
     outside = {fwd.owner[a] for n in fwd.nodes if _call(n) != "ln_f" for a in n.all_input_nodes if _call(a) == "ln_f"}
     assert ln_f.values == 2 and outside and not outside & ln_f.nodes
+
+
+def test_the_models_checkpoint_calls_are_recomputed_as_checkpointed_modules_bit_identical():
+    """torch.utils.checkpoint(block, x, use_reentrant=False) in the forward (issue #40): traced once,
+    as a plain call, and recomputed by the pass from the call's inputs, exactly what checkpointing
+    the blocks by name (model-file `recompute`) chooses; dropout's draws stay saved, so the step is
+    bit-identical to keeping everything, and the build asks for it with no flag."""
+    step = capture(str(MODELS / "checkpointed_dropout.py"))
+    reference = run_graph(step.graph, step.example_args)
+    assert has_checkpoint_calls(step.graph.graph)
+    gm, choice, results = _recomputed(step, lambda g: by_checkpoint_calls(g, cost))
+    assert choice.values > 0 and _matmuls_after_loss(gm) > _matmuls_after_loss(step.graph)
+    _assert_identical(results, reference)
+    assert _random_ops(gm) == _random_ops(step.graph), "a random draw was repeated"
+    by_name = by_modules(copy.deepcopy(step.graph).graph, ["blocks.*"], save_matmuls=False)
+    assert (choice.values, len(choice.nodes), choice.kept_bytes) == (by_name.values, len(by_name.nodes), by_name.kept_bytes)
+    _, summary = apply_request(copy.deepcopy(step.graph), step.slots, Request(), COMPUTE, lambda g: g)
+    assert summary["policy"] == "checkpoint_calls" and summary["recomputed_values"] == choice.values
 
 
 def _call(node):

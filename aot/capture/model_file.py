@@ -102,6 +102,13 @@ def code_frame(exc: BaseException, path: Path) -> traceback.FrameSummary | None:
     return found[-1] if found else None
 
 
+def calling_line() -> str:
+    """'model.py:12: ' for the innermost frame of model code on the current stack ('' if none): where
+    model code called into torch when an AotError is raised from inside torch's call."""
+    frame = next((f for f in reversed(traceback.extract_stack()) if is_model_code(f.filename)), None)
+    return f"{Path(frame.filename).name}:{frame.lineno}: " if frame is not None else ""
+
+
 def reads_values(exc: BaseException) -> bool:
     """Whether tracing failed because the code needs a tensor's value (torch's DataDependent errors)."""
     return any("DataDependent" in type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None)

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 import torch
 import torch.fx.traceback as fx_traceback
 
+from aot.capture.model_file import calling_line
 from aot.errors import AotError
 
 MODULE_CALLS = "aot_module_calls"
@@ -38,7 +39,7 @@ class _ReentrantCheckpoint:
     @staticmethod
     def apply(function, *args):
         raise AotError(
-            "torch.utils.checkpoint(..., use_reentrant=True) (torch's default where use_reentrant is not "
+            f"{calling_line()}torch.utils.checkpoint(..., use_reentrant=True) (torch's default where use_reentrant is not "
             "given) reruns the forward inside its own backward, which a traced step cannot hold; pass "
             "use_reentrant=False (transformers: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
             '{"use_reentrant": False})), or drop it and set the model file\'s recompute (README, Recomputation)'

@@ -96,6 +96,7 @@ def stage_state(state: TrainingState, params: list[str], buffers: list[str]) -> 
         optimizer_slots=[(n, k) for n, k in state.optimizer_slots if n in keep],
         param_groups=[groups[i] for i in kept_groups],
         hyperparameters=[state.hyperparameters[i] for i in kept_groups],
+        group_settings=[state.group_settings[i] for i in kept_groups],
         lr_schedule=[[row[i] for i in kept_groups] for row in state.lr_schedule],
     )
 

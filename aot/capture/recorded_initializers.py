@@ -14,6 +14,7 @@ import contextlib
 
 import torch.nn.init
 
+from aot.capture.model_file import calling_line
 from aot.errors import AotError
 from runner import init_ops
 
@@ -21,7 +22,7 @@ from runner import init_ops
 def _recorded_trunc_normal(tensor, mean, std, a, b, generator=None):
     if generator is not None:
         raise AotError(
-            "nn.init.trunc_normal_(..., generator=...) draws from a generator of the model's own, which an "
+            f"{calling_line()}nn.init.trunc_normal_(..., generator=...) draws from a generator of the model's own, which an "
             "artifact cannot replay (the runner seeds torch's global generator); drop the generator argument"
         )
     if tensor.is_meta:

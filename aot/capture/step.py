@@ -336,6 +336,10 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
             global_loss = _average(global_loss, layout.dp)
 
         optimizer = call_user(mf.optimizer, "optimizer(params)", mf.path, params)
+        # optimizer() sees this rank's pieces (flat fsdp shards, tp slices) and may group them by
+        # what the pieces show (nanoGPT decays parameters with dim() >= 2): the groups are those it
+        # made of the whole parameters (TrainingState), each with its settings
+        optimizer.param_groups = [{**settings, "params": [by_name[n] for n in names]} for names, settings in zip(state.param_groups, state.group_settings)]
         _foreach_as_on_gpus(optimizer)
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr

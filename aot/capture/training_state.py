@@ -52,6 +52,7 @@ class TrainingState:
     param_groups: list[list[str]]  # parameter names of each optimizer group
     optimizer_class: str
     hyperparameters: list[dict]  # JSON-able settings of each group
+    group_settings: list[dict]  # each group's settings as the optimizer holds them (all but "params")
     lr_schedule: list[list[float]]  # learning rate of every group at every step
     lr_constant: bool
     aliases: dict[str, str] = field(default_factory=dict)  # state_dict key -> canonical name
@@ -275,6 +276,7 @@ def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingSt
         param_groups=groups,
         optimizer_class=type(opt).__name__,
         hyperparameters=hyper,
+        group_settings=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         lr_schedule=schedule,
         lr_constant=constant,
         aliases=aliases,

@@ -241,6 +241,10 @@ def explain_plan(model: nn.Module, inputs: list[torch.Tensor], size: int = 2) ->
     fails split keeps its layers whole, and every module of its class with it."""
     found = _read_plan(model, inputs)
     plan, whole = dict(found.plan), dict(found.whole)
+    try:
+        check_divisible(plan, model, size, "the found plan")
+    except AotError:
+        return found  # no run can split these layers evenly: the build refuses the degree (check_divisible)
     for _ in range(MAX_TRIALS):
         failure = split_forward_failure(model, plan, inputs, size)
         if failure is None:

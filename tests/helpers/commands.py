@@ -129,3 +129,11 @@ def show(r: subprocess.CompletedProcess) -> str:
 def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert r.returncode == 0, show(r)
     return r
+
+
+def line_of(path: Path, marker: str) -> int:
+    """1-based number of the line of `path` that contains `marker`."""
+    for number, text in enumerate(path.read_text().splitlines(), 1):
+        if marker in text:
+            return number
+    raise AssertionError(f"{marker!r} not in {path}")
