@@ -36,10 +36,13 @@ CI_CELLS = {
     "t5": "dp=2",
     "mamba": "fsdp=2",
     "resnet": "dp=2",
+    "titan_llama": "tp=2",
+    "nanogpt": "fsdp=2",
 }
 # in the default suite too: a whole-width norm inside split attention, which the tp finder must leave
-# whole (the other cells run in CI)
-DEFAULT = {("olmo2", "tp=2")}
+# whole; an optimizer grouping parameters by dim(), which a flat fsdp shard does not show (the other
+# cells run in CI)
+DEFAULT = {("olmo2", "tp=2"), ("nanogpt", "fsdp=2")}
 
 if os.environ.get("AOT_ZOO_FULL") == "1":
     CELLS = [(f, s) for f in FAMILIES for s in STRATEGIES if (f, s) not in NO_COUNTERPART]

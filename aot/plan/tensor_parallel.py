@@ -397,9 +397,11 @@ def summarize(names) -> str:
 
 
 def summarize_whole(whole: dict[str, str]) -> list[str]:
-    """One line per kind of Linear left whole and its reason, layer numbers folded."""
-    groups = _counted((_fold(name), _fold(why)) for name, why in whole.items())
-    return [f"{name}{f' (x{c})' if c > 1 else ''}: {why}" for (name, why), c in groups.items()]
+    """One line per reason, naming the Linears it leaves whole, layer numbers folded."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in whole.items():
+        by_reason.setdefault(_fold(why), []).append(name)
+    return [f"{summarize(names)}: {why}" for why, names in by_reason.items()]
 
 
 def unsplit_weights(model: nn.Module, plan: dict[str, str]) -> list[str]:
