@@ -17,6 +17,7 @@ from typing import Callable
 from aot.capture.pipeline import tied_params
 from aot.capture.step import CapturedStep, Group, StepLayout
 from aot.errors import AotError
+from aot.passes.recompute import has_checkpoint_calls
 from aot.plan.cost_model import Memory, analyze
 from aot.plan.pipeline import bubble_fraction, chunks_of
 from aot.plan.pipeline_programs import pipeline_programs
@@ -102,6 +103,11 @@ def build_programs(options, mf, state, layout: StepLayout, mesh, placement, mach
         return made, captures, {name: analyze(c.graph, c.slots) for name, c in captures.items()}
 
     made, captures, analyses = programs(bool(always), notes=True)
+    if not always and any(has_checkpoint_calls(s.module.graph) for s in made.stages):
+        progress.note(
+            "the model's torch.utils.checkpoint calls are not recomputed one by one with pp: a pipeline recomputes whole "
+            "stages, where --memory-budget (by default the device's memory), --activation-budget or the model file's recompute asks"
+        )
     recompute = stage_recompute_entry(request, bool(always), None)
     budget = request.memory_bytes
     if not always and budget is not None and max(a.memory.peak for a in analyses.values()) > budget:

@@ -37,7 +37,7 @@ from aot.capture.step import (
     Group,
     StepLayout,
     _gather,
-    optimizer_tracing,
+    traced_as_compiled,
     partial_gradients,
     prove,
     rank_state,
@@ -134,7 +134,7 @@ def capture_pipeline(
     # zero-bubble's weight passes are tagged through the node metadata torch keeps while tracing
     split = any(a.kind == "W" for a in pipeline.actions)
     try:
-        with optimizer_tracing(), quiet_trace_logs(), fx_traceback.preserve_node_meta() if split else contextlib.nullcontext():
+        with traced_as_compiled(), quiet_trace_logs(), fx_traceback.preserve_node_meta() if split else contextlib.nullcontext():
             graph = make_fx(step, tracing_mode="fake")(*args)
         drop_inert_calls(graph)
     except AotError:

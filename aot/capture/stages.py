@@ -19,7 +19,7 @@ from torch.fx.passes.split_module import split_module
 from aot.capture.model_file import ModelFile, call_user
 from aot.capture.module_calls import annotate_module_calls, layer_of
 from aot.capture.model_file import describe_error
-from aot.capture.step import StepLayout, _autocast_region, rank_state
+from aot.capture.step import StepLayout, _autocast_region, rank_state, traced_as_compiled
 from aot.capture.tensor_parallel import rename_group, tensor_parallel
 from aot.capture.tensor_parallel_regions import differentiable_regions
 from aot.capture.trace_logs import quiet_trace_logs
@@ -100,7 +100,11 @@ def _trace_forward(mf, state, layout, inputs, targets, tp):
         return loss
 
     local = rank_state(state, replace(layout, fsdp=None))
-    args = [*local.params.values(), *state.buffers.values(), *inputs, targets]
+    # the parameters require grad, as in training: composite ops choose their kernels by it (scaled dot
+    # product attention takes the math path for a mask that needs a gradient, T5's position bias), and
+    # the stages replay this forward under autograd (aot/capture/pipeline.py)
+    params = [p.detach().requires_grad_(p.is_floating_point()) for p in local.params.values()]
+    args = [*params, *state.buffers.values(), *inputs, targets]
     sources = [
         *(Source("param", n) for n in param_names),
         *(Source("buffer", n) for n in buffer_names),
@@ -108,7 +112,7 @@ def _trace_forward(mf, state, layout, inputs, targets, tp):
         Source("target"),
     ]
     try:
-        with quiet_trace_logs(), annotate_module_calls(model):
+        with traced_as_compiled(), quiet_trace_logs(), annotate_module_calls(model):
             graph = make_fx(forward, tracing_mode="fake")(*args)
     except AotError:
         raise

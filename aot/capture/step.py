@@ -206,9 +206,12 @@ def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm:
 
 
 @contextlib.contextmanager
-def optimizer_tracing():
-    """torch.optim keeps step counters as tensors (instead of calling .item()) when it believes
-    it is being compiled, which is what a static graph needs; torch.compile sets the same flag."""
+def traced_as_compiled():
+    """Code that asks `torch.compiler.is_compiling()` takes its torch.compile path, which is what a
+    static graph needs: torch.optim keeps step counters as tensors (instead of calling .item()),
+    transformers' experts avoid kernels compilers cannot take. Every trace of model code runs
+    under it (the step's, a pipeline's forward), so all take the same path; torch.compile sets the
+    same flag."""
     previous = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
@@ -483,7 +486,7 @@ def _capture(
         # SyncBatchNorm's statistics over the ranks holding different samples (dp, fsdp; not tp)
         model = state.model if tp is None else tp.model
         data_groups = [g for g in (layout.fsdp, layout.dp) if g is not None]
-        with optimizer_tracing(), quiet_trace_logs(), annotate_module_calls(model), sync_batchnorm_in_graph(model, data_groups):
+        with traced_as_compiled(), quiet_trace_logs(), annotate_module_calls(model), sync_batchnorm_in_graph(model, data_groups):
             graph = (tracer or fake_make_fx)(step, args)
         drop_inert_calls(graph)
     except AotError:

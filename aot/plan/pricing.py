@@ -16,7 +16,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile
-from aot.capture.step import StepLayout, optimizer_tracing, step_args, step_program
+from aot.capture.step import StepLayout, traced_as_compiled, step_args, step_program
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 
@@ -138,7 +138,7 @@ def derive_without_fsdp(
     state_at = n_params + n_buffers
     try:
         end_args = [*args[:n_params], *(like(g) for g in grads), like(local_loss), *args[state_at : state_at + n_state + n_groups]]
-        with optimizer_tracing(), quiet_trace_logs():
+        with traced_as_compiled(), quiet_trace_logs():
             tail = plain_collectives(drop_profiler_calls(trace_for_pricing(end, end_args)))
     except Exception:  # noqa: BLE001  (the unsharded mesh is traced, and reports any error)
         return None
