@@ -184,6 +184,12 @@ def test_reentrant_checkpoint_is_refused_with_the_fix(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_frozen_parameters_are_refused_not_trained(tmp_path):
+    r = aot("build", MODELS / "bad_frozen_parameters.py", "-o", tmp_path / "out", "--quiet", "--no-onnx")
+    assert_user_error(r, "frozen parameters", "0.weight", "register them as buffers")
+    assert not (tmp_path / "out").exists()
+
+
 def test_trunc_normal_with_a_generator_of_its_own_is_refused(tmp_path):
     path = MODELS / "bad_trunc_normal_generator.py"
     r = aot("build", path, "-o", tmp_path / "out", "--quiet", "--no-onnx")

@@ -240,6 +240,12 @@ def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingSt
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     if not params:
         raise AotError(f"{mf.path.name}: the model has no parameters to train")
+    frozen = sorted(n for n, p in params.items() if not p.requires_grad)
+    if frozen:  # the step would train them: every parameter is a gradient's input and the optimizer's
+        raise AotError(
+            f"{mf.path.name}: the model has frozen parameters (requires_grad=False: {', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}), "
+            f"which aot does not train around yet; register them as buffers (module.register_buffer) to keep them fixed"
+        )
     buffers = dict(model.named_buffers())
     _check_no_shared_storage(params, buffers, mf.path.name)
     _check_recordable(mf, graph, [*params, *buffers], n_params)

@@ -268,6 +268,7 @@ def split_forward_failure(model: nn.Module, plan: dict[str, str], inputs: list[t
     import linecache
 
     from aot.capture.model_file import is_model_code
+    from aot.capture.step import traced_as_compiled
     from aot.capture.tensor_parallel import tensor_parallel
     from aot.capture.trace_logs import quiet_trace_logs
 
@@ -278,18 +279,19 @@ def split_forward_failure(model: nn.Module, plan: dict[str, str], inputs: list[t
     with tensor_parallel(model, plan, size, "aot.tp_trial") as tp:
         names = {id(m): name for name, m in tp.model.named_modules()}
         try:
-            with fake_mode, quiet_trace_logs():
+            with fake_mode, traced_as_compiled(), quiet_trace_logs():  # as the step is traced (aot.capture.step)
                 tp.model(*[fake_mode.from_tensor(t) for t in inputs])
             return None
         except Exception as e:
             failed, error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             tb = e.__traceback__
-            while tb is not None:  # outermost to innermost
+            while tb is not None:  # outermost to innermost: the innermost module's forward in model code
                 owner = names.get(id(tb.tb_frame.f_locals.get("self")))
-                if owner is not None and is_model_code(tb.tb_frame.f_code.co_filename) and any(n.startswith(f"{owner}.") for n in plan):
+                if owner is not None and is_model_code(tb.tb_frame.f_code.co_filename):
                     failed = (owner, tb.tb_frame.f_code.co_filename, tb.tb_lineno)
                 tb = tb.tb_next
-            if failed is None:
+            if failed is None or not any(n.startswith(f"{failed[0]}.") for n in plan):
+                # not inside a module with split layers: not a size the split changed
                 raise AotError(
                     f"tensor parallel: the forward fails with the layers {summarize(list(plan))} split ({error}); give a tp_plan in the model file"
                 ) from e
