@@ -165,11 +165,11 @@ def test_finder_follows_slices_within_heads_but_not_across_them():
             q = self.q(x)
             if self.across:
                 q = torch.cat([q[..., 16:], q[..., :16]], dim=-1)  # moves features between heads
-            q, k, v = (y.view(b, t, 4, 8).transpose(1, 2) for y in (q, self.k(x), self.v(x)))
+            q, k, v = (y.view(b, t, -1, 8).transpose(1, 2) for y in (q, self.k(x), self.v(x)))
             half = torch.cat([-q[..., 4:], q[..., :4]], dim=-1)  # rotate_half within each head
             q = q + torch.stack([half, half], dim=0).sum(0)
             y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.o(y.transpose(1, 2).reshape(b, t, 32))
+            return self.o(y.transpose(1, 2).reshape(b, t, -1))  # sizes from the tensor: tp can split the heads
 
     x = [torch.randn(2, 5, 32)]
     found = explain_plan(Attention(across=False), x)

@@ -265,6 +265,7 @@ def split_forward_failure(model: nn.Module, plan: dict[str, str], inputs: list[t
     """Run the forward with `plan`'s layers split over `size` ranks (rank 0; fake tensors, a fake
     process group): None where it runs, else (the module whose forward failed: the innermost
     holding split layers, its forward's line, what failed)."""
+    import contextlib
     import linecache
 
     from aot.capture.model_file import is_model_code
@@ -274,13 +275,12 @@ def split_forward_failure(model: nn.Module, plan: dict[str, str], inputs: list[t
 
     if not plan:
         return None
-    fake_mode = torch._guards.detect_fake_mode([*model.parameters()])
-    assert fake_mode is not None  # the build's model lives on fake tensors
+    fake_mode = torch._guards.detect_fake_mode([*model.parameters()])  # the build's model lives on fake tensors
     with tensor_parallel(model, plan, size, "aot.tp_trial") as tp:
         names = {id(m): name for name, m in tp.model.named_modules()}
         try:
-            with fake_mode, traced_as_compiled(), quiet_trace_logs():  # as the step is traced (aot.capture.step)
-                tp.model(*[fake_mode.from_tensor(t) for t in inputs])
+            with fake_mode or contextlib.nullcontext(), traced_as_compiled(), quiet_trace_logs():  # as the step is traced (aot.capture.step)
+                tp.model(*[fake_mode.from_tensor(t) if fake_mode else t for t in inputs])
             return None
         except Exception as e:
             failed, error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
