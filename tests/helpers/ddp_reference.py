@@ -64,7 +64,8 @@ if args.param_dtype:
 
     named = dict(model.named_parameters())
     ddp = model
-    cast_parameters = lambda: _reparametrize_module(model, {n: p.to(DTYPES[args.param_dtype]) for n, p in named.items()})
+    # tie_weights: a tied weight's other names (T5's embeddings, nanoGPT's lm_head) get the same cast copy
+    cast_parameters = lambda: _reparametrize_module(model, {n: p.to(DTYPES[args.param_dtype]) for n, p in named.items()}, tie_weights=True)
 elif args.reduce_dtype != "fp32":
     ddp = model  # DDP's bf16/fp16 compression hooks need NCCL: their arithmetic, below, on gloo
 else:
