@@ -17,7 +17,8 @@ from aot.capture.training_state import build_training_state
 from aot.emit.artifact import PROGRAM, emit_artifact, export_step
 from aot.emit.onnx_export import CHECK_BUDGET_BYTES, ONNX_FILE, build_inference, init_program_weights
 from aot.errors import AotError
-from aot.passes import run_passes
+from aot.passes import PassOptions, run_passes
+from aot.defaults import DEFAULT_BUCKET_MB
 from aot.plan import hierarchy
 from aot.plan.cost_model import analyze
 from aot.plan.machine import Machine
@@ -55,7 +56,7 @@ class BuildOptions:
     strategy: str | None = None
     batch_size: int = 8
     max_steps: int = 1000
-    bucket_mb: float = 25.0
+    bucket_mb: float = DEFAULT_BUCKET_MB
     prefetch_mb: float | None = None  # fsdp: full parameters gathered ahead of use (None: one parameter)
     seed: int = 0
     nodes: int | None = None  # nodes the job spans (None: the profile's own count)
@@ -254,7 +255,8 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         )
     prefetch = None if options.prefetch_mb is None else int(options.prefetch_mb * 2**20)
     chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
-    finish = lambda gm: run_passes(gm, bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch, hierarchical=chooser)
+    passes = PassOptions(bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch, hierarchical=chooser)
+    finish = lambda gm: run_passes(gm, passes)
     pipeline_entry, program_of, pipeline_files = None, (lambda coords: PROGRAM), {}
     if "pp" in groups:
         from aot.pipeline_build import build_programs

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from aot.defaults import DEFAULT_BUCKET_MB
 from aot.inference_cli import export as export_command, infer as infer_command
 from aot.plan_cli import calibrate as calibrate_command, plan as plan_command
 from aot.topology_cli import topology as topology_group
@@ -74,7 +75,7 @@ def cli():
 )
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Samples per data-parallel rank per step.")
 @click.option("--max-steps", type=int, default=1000, show_default=True, help="Steps of learning-rate schedule to store.")
-@click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="Gradient bucket size for all_reduce, in MiB.")
+@click.option("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB, show_default=True, help="Gradient bucket size for all_reduce, in MiB.")
 @click.option(
     "--prefetch-mb",
     type=float,

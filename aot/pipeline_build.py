@@ -46,7 +46,7 @@ def check_options(options, pp: int, model_globals: dict, model, name: str) -> tu
     from aot.plan.pipeline import check_microbatches
 
     virtual = chunks_of(options.pp_schedule, options.stages_per_rank)
-    microbatches = options.microbatches or pp * (1 if virtual == 1 else 1)
+    microbatches = options.microbatches or pp
     check_microbatches(options.pp_schedule, pp, microbatches, options.batch_size)
     pp_split = model_globals.get("pp_split")
     if pp_split is not None:

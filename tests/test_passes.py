@@ -175,7 +175,7 @@ def test_overlap_issues_collectives_during_backward_and_waits_late():
 def test_pipeline_composes_on_gpt():
     step = capture("gpt.py")
     before_out, before_state = run_graph(step.graph, step.example_args)
-    gm = run_passes(step.graph, bucket_bytes=25 * 2**20)
+    gm = run_passes(step.graph)
     assert count(gm, ALL_REDUCE) == 1
     after_out, after_state = run_graph(gm, step.example_args)
     assert all(torch.equal(a, b) for a, b in zip(before_out, after_out))
@@ -185,7 +185,7 @@ def test_pipeline_composes_on_gpt():
 def test_fsdp_gathers_are_prefetched_one_parameter_ahead():
     step = capture("gpt.py", axis="fsdp")
     before_out, before_state = run_graph(step.graph, step.example_args)
-    gm = run_passes(step.graph, bucket_bytes=25 * 2**20)
+    gm = run_passes(step.graph)
     pos = position(gm)
     gathers = sorted((n for n in gm.graph.nodes if is_call(n, {ALL_GATHER})), key=lambda g: pos[next(iter(g.users))])
     waits = [next(iter(g.users)) for g in gathers]

@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from aot.capture.model_file import load_model_file
 from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
-from aot.passes import run_passes
+from aot.passes import PassOptions, run_passes
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 from aot.plan.cost_model import CommSite, Memory, Op, StepGraph, analyze, microbatched_seconds, simulate
 from aot.plan.derived_steps import drop_group, rescale, shard_scale
@@ -259,7 +259,7 @@ def test_analytic_bucketing_matches_the_bucketing_pass():
     cost = lambda c: ("ring", 1e-4 + c.bytes * 1e-9)  # noqa: E731
     for bucket in (1, 10_000, 25 * 2**20):
         built_capture, _ = _mlp_capture(2, 1)
-        built = analyze(run_passes(built_capture.graph, bucket_bytes=bucket), built_capture.slots)
+        built = analyze(run_passes(built_capture.graph, PassOptions(bucket_bytes=bucket)), built_capture.slots)
         derived = rebucket(unbucketed, bucket)
         assert sorted(c.bytes for c in derived.comms) == sorted(c.bytes for c in built.comms), bucket
         a = simulate(derived, compute, cost).step_s

@@ -128,7 +128,7 @@ def test_the_recomputing_graphs_priced_are_the_builds():
     from aot.capture.step import capture_step
     from aot.passes.cleanup import drop_profiler_calls, plain_collectives
     from aot.passes.recompute import by_budget, recompute_activations
-    from aot.passes import run_passes
+    from aot.passes import PassOptions, run_passes
     from aot.plan.cost_model import analyze, node_seconds
     from aot.plan.machine import Machine
     from aot.plan.model_steps import ModelSteps
@@ -160,5 +160,5 @@ def test_the_recomputing_graphs_priced_are_the_builds():
         for fraction, graph in variants:
             trial = copy.deepcopy(gm)
             choice = by_budget(trial.graph, fraction, cost)
-            built = analyze(run_passes(recompute_activations(trial, choice), bucket_bytes=0), captured.slots)
+            built = analyze(run_passes(recompute_activations(trial, choice), PassOptions(bucket_bytes=0)), captured.slots)
             assert _facts(graph) == _facts(built), (key, fraction)

@@ -144,7 +144,7 @@ def _matmuls_after_loss(gm) -> int:
 
 def test_a_memory_budget_picks_a_plan_under_it_and_refuses_one_below_the_smallest(steps):
     step, reference = steps[GPT_DROPOUT]
-    finish = lambda gm: run_passes(gm, bucket_bytes=25 * 2**20)
+    finish = run_passes
     fit = lambda budget: apply_request(copy.deepcopy(step.graph), step.slots, Request(memory_bytes=budget), COMPUTE, finish)
     plain = analyze(finish(copy.deepcopy(step.graph)), step.slots).memory.peak
     gm, summary = fit(plain)

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle as ParallelStyleBase
 
 from aot.capture.graph_reading import COLLECTIVE_NAMESPACES
+from aot.capture.fake_group import fake_process_group
 from aot.errors import AotError
 from runner.sharding import tp_style
 
@@ -270,12 +270,8 @@ def tensor_parallel(model: nn.Module, plan: dict[str, str], size: int, group: st
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import parallelize_module
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise AotError("tensor parallel capture needs its own (fake) process group, but one is already initialized")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
-    try:
+    with fake_process_group(rank, size, "tensor parallel capture"):
         mesh = DeviceMesh("cpu", list(range(size)))
         # A copy of the modules that shares their (fake) tensors: parallelize_module swaps the copy's
         # parameters for DTensors and leaves the model's own; fake tensors cannot be deep-copied.
@@ -293,8 +289,6 @@ def tensor_parallel(model: nn.Module, plan: dict[str, str], size: int, group: st
                     dims[name] = sharded[0]
         with splits.mode():
             yield TensorParallel(parallel, mesh, size, group, dims, placements)
-    finally:
-        dist.destroy_process_group()
 
 
 def rename_group(graph: torch.fx.GraphModule, old: str, new: str) -> None:

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from aot.capture.fake_group import fake_process_group
 from aot.errors import AotError
 from runner.compiled import MODEL_NAME, package_problem, x86_target
 
@@ -181,22 +182,18 @@ def _fake_groups(groups: dict[str, int], world_size: int):
     name, for as long as the compile runs; nothing is communicated."""
     from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
     from torch.distributed.distributed_c10d import GroupName
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise AotError("--compile aoti needs its own (fake) process group, but one is already initialized")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        for name, size in groups.items():
-            group = dist.group.WORLD if size == world_size else dist.new_group(list(range(size)))
-            assert group is not None  # rank 0 of the world initialized above is in every group
-            _register_process_group(GroupName(name), group)
-        yield
-    finally:
-        for name in groups:
-            with contextlib.suppress(Exception):
-                _unregister_process_group(GroupName(name))
-        dist.destroy_process_group()
+    with fake_process_group(0, world_size, "--compile aoti"):
+        try:
+            for name, size in groups.items():
+                group = dist.group.WORLD if size == world_size else dist.new_group(list(range(size)))
+                assert group is not None  # rank 0 of the world initialized above is in every group
+                _register_process_group(GroupName(name), group)
+            yield
+        finally:
+            for name in groups:
+                with contextlib.suppress(Exception):
+                    _unregister_process_group(GroupName(name))
 
 
 def _example_inputs(ep: torch.export.ExportedProgram, device: torch.device) -> tuple:

@@ -171,12 +171,12 @@ class ModelSteps:
 
     def _capture(self, dp: int, fsdp: int, tp: int):
         from aot.capture.step import capture_step
-        from aot.passes.cleanup import drop_profiler_calls, plain_collectives
+        from aot.passes import CLEANUP, run_passes
         from aot.plan.pricing import trace_for_pricing
 
         # the build checks that every tp rank traces the same program; pricing needs one trace
         captured = capture_step(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp), check_ranks=False, tracer=trace_for_pricing)
-        return plain_collectives(drop_profiler_calls(captured.graph)), captured.slots
+        return run_passes(captured.graph, only=CLEANUP), captured.slots
 
     def _trace(self, key: tuple, source: tuple) -> dict[tuple, StepGraph]:
         """The graph of `key`, traced on mesh `source`, and the graphs derived from it (`_derived`:
@@ -350,7 +350,7 @@ class ModelSteps:
                     schedule=schedule,
                     virtual=virtual,
                     compute=compute,
-                    finish=lambda gm: run_passes(gm, bucket_bytes=25 * 2**20),
+                    finish=run_passes,  # the build's default options
                     recompute=recompute,
                     memory_limit=self.memory_limit.bytes if self.memory_limit is not None else None,
                 )
@@ -430,15 +430,14 @@ RECOMPUTE_FRACTION = 0.5  # the activation budget a graph that does not fit is p
 
 
 def _priced(gm, slots, aliases: dict | None = None) -> StepGraph:
-    """The analyzed graph of a captured step as the build's passes leave it, but for bucketing
-    (priced analytically by aot.plan.rebucket): collectives issued early and waited for late
+    """The analyzed graph of a captured step as the build's passes leave it (aot.passes.PASSES: the
+    cleanup ran at capture; bucketing and hierarchical all_reduce are priced analytically by
+    aot.plan.rebucket): collectives issued early and waited for late
     (aot.passes.overlap: their buffers live through backward, which the peak memory must see) and,
     with fsdp, every parameter gathered again for backward (aot.passes.regather; without it
     examples/gpt.py's fsdp=2 step was priced with 74 of its 97 collectives) and gathered one
     parameter ahead (aot.passes.prefetch, the build's default). Peak memory then equals the
     build's prediction for the same mesh, bucket size and recomputation."""
-    from aot.passes.overlap import issue_early_wait_late
-    from aot.passes.prefetch import prefetch_parameter_gathers
-    from aot.passes.regather import regather_in_backward
+    from aot.passes import CLEANUP, PRICED_ANALYTICALLY, run_passes
 
-    return analyze(prefetch_parameter_gathers(regather_in_backward(issue_early_wait_late(gm))), slots, aliases)
+    return analyze(run_passes(gm, skip=(*CLEANUP, *PRICED_ANALYTICALLY)), slots, aliases)

@@ -44,7 +44,7 @@ def derive_without_fsdp(
     the unsharded mesh is then traced."""
     import operator
 
-    from aot.passes.cleanup import drop_profiler_calls, plain_collectives
+    from aot.passes import CLEANUP, run_passes
 
     funcol, aten = torch.ops._c10d_functional, torch.ops.aten
     n_params, n_buffers = len(state.params), len(state.buffers)
@@ -139,7 +139,7 @@ def derive_without_fsdp(
     try:
         end_args = [*args[:n_params], *(like(g) for g in grads), like(local_loss), *args[state_at : state_at + n_state + n_groups]]
         with traced_as_compiled(), quiet_trace_logs():
-            tail = plain_collectives(drop_profiler_calls(trace_for_pricing(end, end_args)))
+            tail = run_passes(trace_for_pricing(end, end_args), only=CLEANUP)
     except Exception:  # noqa: BLE001  (the unsharded mesh is traced, and reports any error)
         return None
     tail_nodes = list(tail.graph.nodes)

@@ -35,9 +35,9 @@ from aot.plan.mesh import Mesh
 from aot.plan.model_steps import ModelSteps, Unsupported, factorizations
 from aot.plan.pipeline import bubble_floor
 from aot.plan.placement import Placement, identity, place
+from aot.defaults import DEFAULT_BUCKET_MB
 
-BUCKET_MB_CANDIDATES = (1.0, 4.0, 25.0, 100.0)
-DEFAULT_BUCKET_MB = 25.0
+BUCKET_MB_CANDIDATES = (1.0, 4.0, DEFAULT_BUCKET_MB, 100.0)
 MEMORY_HEADROOM = 0.9  # of device memory: the CUDA context, allocator caching and fragmentation take the rest
 # What a pipeline mesh is priced at (Planner.pipeline_plan): microbatches per pipeline rank, and
 # (schedule, stages per rank)
