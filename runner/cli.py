@@ -233,46 +233,66 @@ def run(
         raise AotError(f"{metrics}: cannot write metrics ({e.strerror})") from None
     first = last = None
     profiler = StepProfiler(profile_dir, target - trainer.step_index, trainer.rank, trainer.device, trainer.tier, pipeline=trainer.pipeline is not None)
+
+    def report(done) -> None:
+        """Step `done`'s figures read back (the only wait for the device), printed and recorded,
+        then what is due after it: a replica check, a save, the profiler's step."""
+        nonlocal first, last
+        loss, seconds = done.loss(), done.seconds()
+        if not math.isfinite(loss):
+            say(f"warning: loss is {loss} at step {done.number}")
+        first = loss if first is None else first
+        last = loss
+        record = {
+            "step": done.number,
+            "loss": loss,
+            "step_time_s": seconds,
+            "tier": trainer.tier,
+            "samples_per_s": source.global_batch / seconds,
+            "time_since_start_s": time.perf_counter() - _STARTED,
+            "unix_time": time.time(),
+        }
+        scale = done.loss_scale()
+        if scale is not None:  # fp16: the loss scale after this step, and whether its update was skipped
+            skipped = done.skipped()
+            record.update(loss_scale=scale, skipped=skipped)
+            if skipped:
+                say(f"step {done.number}: gradients overflowed in fp16; update skipped, loss scale now {scale:g}")
+        if log:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+        if done.number % log_every == 0 or done.number == target:
+            say(f"step {done.number:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s")
+        if check_replicas and done.number % check_replicas == 0:
+            trainer.check_replicas(f"at step {done.number}")
+        if save_every and done.number % save_every == 0 and done.number < target:
+            trainer.save(save, target_step=target)
+        profiler.step(seconds)
+
+    def due_after(number: int) -> bool:
+        """Whether step `number` is read back before the next is queued: the state is read after it
+        (a replica check, a save) or a profile marks exact step boundaries."""
+        return bool(profile_dir) or bool(check_replicas and number % check_replicas == 0) or bool(save_every and number % save_every == 0)
+
     try:
         with profiler:
+            pending = None  # the step queued last, read back once the next is queued
             while trainer.step_index < target:
-                step = trainer.step_index
-                inputs, targets = source.batch(step)
+                inputs, targets = source.batch(trainer.step_index)
                 measure = profiler.measuring_memory  # the warm-up step: slower, and never a timed one
-                start = time.perf_counter()
-                loss = trainer.step(inputs, targets, measure_memory=measure)
-                seconds = time.perf_counter() - start
+                launched = trainer.launch(inputs, targets, measure_memory=measure)
                 if measure:
                     assert trainer.memory_method is not None  # set by the step just run with measure_memory
-                    profiler.record_memory(trainer.measured_peak_bytes, trainer.memory_method, step + 1)
-                if not math.isfinite(loss):
-                    say(f"warning: loss is {loss} at step {step + 1}")
-                first = loss if first is None else first
-                last = loss
-                record = {
-                    "step": step + 1,
-                    "loss": loss,
-                    "step_time_s": seconds,
-                    "tier": trainer.tier,
-                    "samples_per_s": source.global_batch / seconds,
-                    "time_since_start_s": time.perf_counter() - _STARTED,
-                    "unix_time": time.time(),
-                }
-                scale = trainer.loss_scale()
-                if scale is not None:  # fp16: the loss scale after this step, and whether its update was skipped
-                    record.update(loss_scale=scale, skipped=trainer.last_step_skipped)
-                    if trainer.last_step_skipped:
-                        say(f"step {step + 1}: gradients overflowed in fp16; update skipped, loss scale now {scale:g}")
-                if log:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                if (step + 1) % log_every == 0 or step + 1 == target:
-                    say(f"step {step + 1:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s")
-                if check_replicas and (step + 1) % check_replicas == 0:
-                    trainer.check_replicas(f"at step {step + 1}")
-                if save_every and (step + 1) % save_every == 0 and step + 1 < target:
-                    trainer.save(save, target_step=target)
-                profiler.step(seconds)
+                    profiler.record_memory(trainer.measured_peak_bytes, trainer.memory_method, launched.number)
+                if pending is not None:
+                    report(pending)
+                pending = None
+                if due_after(launched.number):
+                    report(launched)
+                else:
+                    pending = launched
+            if pending is not None:
+                report(pending)
     finally:
         if log:
             log.close()

@@ -8,6 +8,7 @@ inside it, and parameters, buffers and optimizer state are updated in place.
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -357,12 +358,18 @@ class Trainer:
         scale = self._optimizer.get(SCALER_PREFIX + "scale")
         return float(scale.item()) if scale is not None else None
 
-    def step(self, inputs, targets, measure_memory: bool = False) -> float:
-        """`measure_memory`: also measure this step's peak memory (runner/memory_tracking.py; slower,
-        so never a timed step) into `measured_peak_bytes` (None where it cannot be measured) and
-        how into `memory_method`."""
+    def launch(self, inputs, targets, measure_memory: bool = False) -> "LaunchedStep":
+        """Queue one step and return without reading its results back: on a GPU the host can queue
+        the next step while this one runs, and nothing in here waits for the device (the learning
+        rates are host numbers; only a varying schedule under fp16 loss scaling reads back how many
+        updates were skipped, which says where the schedule is). Read the results from the
+        returned LaunchedStep, in step order. `measure_memory`: also measure this step's peak
+        memory (runner/memory_tracking.py; slower, so never a timed step) into
+        `measured_peak_bytes` (None where it cannot be measured) and how into `memory_method`."""
+        timing = StepTiming(self.device)
         inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-        for lr, value in zip(self._lrs, self.learning_rates(self.optimizer_steps)):
+        rates = self.schedule["lr"][0] if self.schedule["constant"] else self.learning_rates(self.optimizer_steps)
+        for lr, value in zip(self._lrs, rates):
             lr.fill_(value)
         given = iter(inputs)
         args = list(self._args)
@@ -377,18 +384,30 @@ class Trainer:
                 outputs, (self.measured_peak_bytes, self.memory_method) = measure_step(self._module, args, self.device, self.tier)
             else:
                 outputs = self._module(*args)
-            loss = float(outputs[1])
-            # fp16: the program's third output is found_inf; where set, the update was skipped
-            self.last_step_skipped = len(outputs) > 2 and bool(outputs[2].item() > 0)
         except RuntimeError as e:
-            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
-                raise
-            raise AotError(
-                f"step {self.step_index + 1}: {self._collectives()} did not complete within "
-                f"{self.timeout_s:g} s; a rank is stuck or gone ({str(e).strip().splitlines()[0]})"
-            ) from e
+            raise self._stuck(e) from e
+        timing.stop()
         self.step_index += 1
+        # the loss scale after this step, kept before the next step updates it in place
+        scale = self._optimizer.get(SCALER_PREFIX + "scale")
+        # fp16: the program's third output is found_inf; where set, the update was skipped
+        return LaunchedStep(self, self.step_index, outputs[1], outputs[2] if len(outputs) > 2 else None, scale.clone() if scale is not None else None, timing)
+
+    def step(self, inputs, targets, measure_memory: bool = False) -> float:
+        """One step, its loss read back (a host sync; `aot run`'s loop uses `launch`)."""
+        launched = self.launch(inputs, targets, measure_memory)
+        loss = launched.loss()
+        self.last_step_skipped = launched.skipped()
         return loss
+
+    def _stuck(self, e: RuntimeError) -> Exception:
+        """A collective's timeout as one line naming the collectives (other errors as they are)."""
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            return e
+        return AotError(
+            f"step {self.step_index + 1}: {self._collectives()} did not complete within "
+            f"{self.timeout_s:g} s; a rank is stuck or gone ({str(e).strip().splitlines()[0]})"
+        )
 
     def _collectives(self) -> str:
         """The collectives of this rank's program and their groups, for error messages."""
@@ -401,7 +420,7 @@ class Trainer:
             raise AotError(f"{name}: expected a tensor {describe(slot['shape'], slot['dtype'])}, got {type(tensor).__name__}")
         if list(tensor.shape) != slot["shape"] or dtype_name(tensor.dtype) != slot["dtype"]:
             raise AotError(f"{name}: expected {describe(slot['shape'], slot['dtype'])}, got {describe(tensor.shape, dtype_name(tensor.dtype))}")
-        return tensor.to(self.device)
+        return tensor.to(self.device, non_blocking=True)  # queued behind the step before, no wait for it (a GPU's)
 
     # -- data -----------------------------------------------------------------------------
     def data_source(self, path: str | Path | None = None) -> DataSource:
@@ -485,3 +504,58 @@ class Trainer:
                 for key, tensor in saved.items():
                     live[key].copy_(tensor)
         self.step_index = int(index["step"])
+
+
+class StepTiming:
+    """How long a step ran: on CUDA, between two events recorded around it (read once it is done,
+    so timing waits for nothing); elsewhere the host's time in the call, which ran the step."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._started = time.perf_counter()
+        self._host_s = 0.0
+        self._events = None
+        if self._cuda:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+    def stop(self) -> None:
+        self._host_s = time.perf_counter() - self._started
+        if self._events is not None:
+            self._events[1].record()
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._host_s
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
+
+
+class LaunchedStep:
+    """A queued step's results, left on the device until read: `loss()`, `skipped()` (fp16: the
+    update was skipped on overflow), `loss_scale()` (fp16: the scale after it) and `seconds()`.
+    Reading one waits for the step (a collective that timed out is reported then, as one line)."""
+
+    def __init__(self, trainer: Trainer, number: int, loss: torch.Tensor, found_inf: torch.Tensor | None, scale: torch.Tensor | None, timing: StepTiming):
+        self.number = number  # 1-based: the step this was
+        self._trainer, self._loss, self._found_inf, self._scale, self._timing = trainer, loss, found_inf, scale, timing
+
+    def _read(self, read):
+        try:
+            return read()
+        except RuntimeError as e:
+            raise self._trainer._stuck(e) from e
+
+    def loss(self) -> float:
+        return self._read(lambda: float(self._loss))
+
+    def skipped(self) -> bool:
+        found_inf = self._found_inf
+        return found_inf is not None and self._read(lambda: bool(found_inf.item() > 0))
+
+    def loss_scale(self) -> float | None:
+        scale = self._scale
+        return None if scale is None else self._read(lambda: float(scale.item()))
+
+    def seconds(self) -> float:
+        return self._read(self._timing.seconds)

@@ -1,0 +1,64 @@
+"""The runner's step loop queues a step before reading the last one back (issue #46, item 3): on a
+GPU the host is never waiting for the device inside the loop, and what a run prints and records is
+what a loop reading every step at once would: the same losses, loss scales and skipped updates, in
+step order. (That no launch waits for the device is checked on a GPU: tests/test_gpu.py.)"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+from helpers.commands import EXAMPLES, MODELS, ok, torchrun
+
+WORKER = textwrap.dedent("""
+    import json, sys
+    from runner.groups import leave_process_group
+    from runner.trainer import Trainer
+
+    artifact, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    at_once, queued = Trainer(artifact), None
+    source = at_once.data_source()
+    read = []
+    for step in range(steps):
+        loss = at_once.step(*source.batch(step))
+        read.append([loss, at_once.loss_scale(), at_once.last_step_skipped])
+    queued = Trainer(artifact)
+    launched = [queued.launch(*source.batch(step)) for step in range(steps)]  # nothing read yet
+    later = [[s.loss(), s.loss_scale(), s.skipped()] for s in launched]
+    with open(f"{out}.{queued.rank}.json", "w") as f:
+        json.dump({"read": read, "later": later, "numbers": [s.number for s in launched]}, f)
+    leave_process_group()
+""")
+
+
+def _compare(built, model, tmp_path, *args):
+    art = built(model, "--no-onnx", *args)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    ok(torchrun(1, script, art, tmp_path / "out", 6, module=None))
+    return json.loads((tmp_path / "out.0.json").read_text())
+
+
+def test_steps_read_back_after_later_steps_were_queued_give_the_same_figures(built, tmp_path):
+    """fp16 with overflows (tests/models/fp16_overflow.py): a step's loss, the loss scale after it
+    and whether its update was skipped are its own, read after five more steps have run, and a
+    varying schedule still waits for skipped updates."""
+    result = _compare(built, MODELS / "fp16_overflow.py", tmp_path)
+    assert result["later"] == result["read"]
+    assert result["numbers"] == [1, 2, 3, 4, 5, 6]
+    assert any(skipped for _, _, skipped in result["read"]) and not all(skipped for _, _, skipped in result["read"])
+    assert len({scale for _, scale, _ in result["read"]}) > 1  # the scale moved: each step kept its own
+
+
+def test_the_run_loop_prints_and_records_every_step_in_order(built, tmp_path):
+    """Steps read back one step late, but a replica check or a save reads its step at once (it
+    reads the state that step left): records 1..7 in order, the checks and saves at their steps."""
+    art = built(EXAMPLES / "mlp.py", "--world-size", 2, "--no-onnx")
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    r = ok(torchrun(2, "run", art, "--steps", 7, "--metrics", metrics, "--check-replicas", 3, "--save-every", 2, "--save", ckpt, "--log-every", 1))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [rec["step"] for rec in records] == list(range(1, 8))
+    assert all(rec["step_time_s"] > 0 and rec["samples_per_s"] > 0 for rec in records)
+    printed = [int(line.split()[1]) for line in r.stderr.splitlines() if line.startswith("step ")]
+    assert printed == list(range(1, 8)), r.stderr
+    assert json.loads((ckpt / "checkpoint.json").read_text())["step"] == 7
