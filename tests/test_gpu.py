@@ -232,6 +232,44 @@ def test_one_rank_cuda_run_trains_like_the_cpu_build(strategy, builds, target, g
     assert losses[-1] < losses[0]  # it trains
 
 
+NO_SYNC_SCRIPT = """
+import json, sys
+import torch
+from runner.groups import leave_process_group
+from runner.trainer import Trainer
+
+artifact, out, allow = sys.argv[1], sys.argv[2], sys.argv[3:]
+trainer = Trainer(artifact, allow_topology_mismatch=bool(allow))
+source = trainer.data_source()
+batches = []
+for step in range(4):  # on the device before the loop: copying a batch in is the data pipeline's business
+    inputs, targets = source.batch(step)
+    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    batches.append(([t.to(trainer.device) for t in inputs], targets.to(trainer.device)))
+trainer.step(*batches[0])  # warm-up: allocations, the first launch of every kernel
+torch.cuda.synchronize()
+torch.cuda.set_sync_debug_mode("error")  # any wait for the device while queueing raises
+launched = [trainer.launch(*b) for b in batches[1:]]
+torch.cuda.set_sync_debug_mode("default")
+json.dump({"losses": [s.loss() for s in launched], "seconds": [s.seconds() for s in launched]}, open(out, "w"))
+leave_process_group()
+"""
+
+
+def test_queueing_steps_never_waits_for_the_gpu(builds, target, tmp_path, figures):
+    """Issue #46 item 3: launching a step (learning rates, inputs already on the device, the seed,
+    the program, its timing events) issues no host-device synchronization, so the host queues step
+    n+1 while step n runs; torch's sync debug mode raises on any."""
+    script, out = tmp_path / "no_sync.py", tmp_path / "no_sync.json"
+    script.write_text(NO_SYNC_SCRIPT)
+    r = torchrun(1, script, builds("cuda-dp"), out, *(["allow"] if target[1] else []), module=None)
+    figures("no_sync", ok=r.returncode == 0, stderr=r.stderr[-2000:])
+    ok(r)
+    result = json.loads(out.read_text())
+    figures("no_sync", losses=result["losses"], step_ms=[s * 1e3 for s in result["seconds"]])
+    assert all(s > 0 for s in result["seconds"])
+
+
 NCCL_SCRIPT = """
 import os
 import torch
