@@ -22,7 +22,8 @@ from aot.defaults import DEFAULT_BUCKET_MB
 from aot.plan import hierarchy
 from aot.plan.cost_model import analyze
 from aot.plan.machine import Machine
-from aot.plan.mesh import DATA_AXES, Mesh
+from aot.plan.mesh import Mesh
+from runner.axes import DATA_AXES
 from aot.plan.placement import Placement, place
 from aot.plan.recompute import apply_request, resolve_request
 from aot.plan.build_plan import time_entry
@@ -45,6 +46,7 @@ from runner.inspect import describe_batchnorm, describe_replicas, describe_time,
 from runner.integrity import check_writable_target
 from runner.nvml_probe import live_profile
 from runner.topology import for_nodes, load_profile
+from runner.axes import DP, FSDP, PP, TP
 
 
 @dataclass(frozen=True)
@@ -184,14 +186,14 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             else:
                 progress.note(f"the plan recomputes activations at --activation-budget {planned.activation_budget:g}; {given} is applied instead")
     mesh = Mesh.parse(options.strategy, options.world_size)
-    if mesh.size("pp") > 1:  # refused before any tracing
+    if mesh.size(PP) > 1:  # refused before any tracing
         from aot.plan.pipeline import check_microbatches, chunks_of
 
-        if mesh.axes[0] != "pp":
+        if mesh.axes[0] != PP:
             raise AotError(f"--strategy {options.strategy}: pp must be the first (outermost) axis, e.g. pp=2,dp=2")
         chunks_of(options.pp_schedule, options.stages_per_rank)
-        check_microbatches(options.pp_schedule, mesh.size("pp"), options.microbatches or mesh.size("pp"), options.batch_size)
-        progress.total += mesh.size("pp") - 1  # a capture per pipeline rank
+        check_microbatches(options.pp_schedule, mesh.size(PP), options.microbatches or mesh.size(PP), options.batch_size)
+        progress.total += mesh.size(PP) - 1  # a capture per pipeline rank
     elif options.microbatches is not None or options.stages_per_rank is not None:
         raise AotError("--microbatches and --stages-per-rank split a pipeline: they need --strategy with pp=N, N > 1")
     placement = place_mesh(mesh, profile, planned)
@@ -231,22 +233,22 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             f"BatchNorm: {describe_batchnorm(batchnorm)}" + ("" if batchnorm["synced"] else ", as eager DDP (--sync-batchnorm: over the data-parallel ranks)")
         )
     groups = {axis: Group(Mesh.group_name(axis), mesh.size(axis)) for axis in mesh.axes if mesh.size(axis) > 1}
-    tp_plan = _tensor_parallel_plan(mf, state.model, rank_inputs, mesh.size("tp"), progress) if "tp" in groups else {}
+    tp_plan = _tensor_parallel_plan(mf, state.model, rank_inputs, mesh.size(TP), progress) if TP in groups else {}
     sequence = None
     if options.sequence_parallel:
-        if "tp" not in groups:
+        if TP not in groups:
             raise AotError("--sequence-parallel splits the tensor-parallel group's work: it needs --strategy with tp=N, N > 1")
         sequence = sequence_parallel_layout(state.model, tp_plan, "the plan")
-        check_sequence_length(state.model, rank_inputs, sequence["blocks"][0], mesh.size("tp"))
+        check_sequence_length(state.model, rank_inputs, sequence["blocks"][0], mesh.size(TP))
         progress.note(f"sequence parallel over blocks {sequence['blocks'][0]}..{sequence['blocks'][-1]}, norms {', '.join(sequence['norms']) or 'none'}")
     layout = StepLayout(
-        groups.get("dp"),
-        groups.get("fsdp"),
-        groups.get("tp"),
+        groups.get(DP),
+        groups.get(FSDP),
+        groups.get(TP),
         tuple(sorted(tp_plan.items())),
         sequence,
         precision,
-        tp_summed=summed_params(mf, state.model) if "tp" in groups else (),
+        tp_summed=summed_params(mf, state.model) if TP in groups else (),
     )
     if precision.mixed:
         progress.note(
@@ -258,12 +260,10 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     passes = PassOptions(bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch, hierarchical=chooser)
     finish = lambda gm: run_passes(gm, passes)
     pipeline_entry, program_of, pipeline_files = None, (lambda coords: PROGRAM), {}
-    if "pp" in groups:
+    if PP in groups:
         from aot.pipeline_build import build_programs
 
-        built = build_programs(
-            options, mf, state, layout, mesh, placement, machine, groups["pp"], rank_inputs, rank_targets, recompute_request, finish, progress
-        )
+        built = build_programs(options, mf, state, layout, mesh, placement, machine, groups[PP], rank_inputs, rank_targets, recompute_request, finish, progress)
         captures, memory, time, recompute = built.captures, built.memory, built.time, built.recompute
         pipeline_entry, program_of, pipeline_files = built.entry, built.program_of, built.files
     else:
@@ -383,7 +383,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
 
 def level_groups(gm, machine: Machine, placement: Placement) -> dict[str, dict]:
     """The manifest's process_groups entries for the sub-groups the graph's collectives name
-    ("aot.dp.intra": {"axis": "dp", "level": "intra", "groups": [...]}), in physical ranks."""
+    ("aot.dp.intra": {"axis": DP, "level": "intra", "groups": [...]}), in physical ranks."""
     out = {}
     for node in gm.graph.nodes:
         name = str(node.args[-1]) if node.op == "call_function" and node.args else ""

@@ -25,6 +25,7 @@ from aot.plan.pipeline_timeline import simulate_pipeline
 from aot.plan.build_plan import time_entry
 from aot.plan.search import Planner
 from runner.inspect import human
+from runner.axes import PP
 
 PROGRAM_PREFIX = "train.pp"
 TIMELINE_FILE = "pipeline/timeline.json"
@@ -147,7 +148,7 @@ def build_programs(options, mf, state, layout: StepLayout, mesh, placement, mach
     time["predicted"] = {**time["predicted"], "step_s": timeline.step_s, "bubble_s": timeline.step_s - timeline.busy_s[busiest]}
     bubble = bubble_fraction(options.pp_schedule, pp, microbatches, virtual)
     entry = {
-        "axis": "pp",
+        "axis": PP,
         "group": group.name,
         "size": pp,
         "schedule": options.pp_schedule,
@@ -172,4 +173,4 @@ def build_programs(options, mf, state, layout: StepLayout, mesh, placement, mach
         "timeline": TIMELINE_FILE,
     }
     files = {TIMELINE_FILE: (json.dumps(timeline.trace, separators=(",", ":")) + "\n").encode()}
-    return PipelineBuild(captures, analyses[peak].memory, time, recompute, entry, lambda coords: f"{PROGRAM_PREFIX}{coords.get('pp', 0)}", files)
+    return PipelineBuild(captures, analyses[peak].memory, time, recompute, entry, lambda coords: f"{PROGRAM_PREFIX}{coords.get(PP, 0)}", files)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from runner.errors import AotError
+from runner.axes import DP, FSDP, PP, TP
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -43,19 +44,19 @@ def replicated_over(manifest: dict, name: str, kind: str) -> list[str]:
     per_rank = set(replicas.get("buffers_per_rank", [])) if replicas else None
     over = []
     for axis in axes:
-        if axis == "pp":
+        if axis == PP:
             continue
         if kind == "whole":
             over.append(axis)
         elif kind == "buffer":
-            data_axis = axis in ("dp", "fsdp")
+            data_axis = axis in (DP, FSDP)
             # an artifact without the proof does not say which buffers are per rank: skip them there
             if data_axis and (per_rank is None or name in per_rank):
                 continue
             over.append(axis)
-        elif axis == "fsdp" and manifest.get("sharding"):
+        elif axis == FSDP and manifest.get("sharding"):
             continue
-        elif axis == "tp" and name in tp_split:
+        elif axis == TP and name in tp_split:
             continue
         else:
             over.append(axis)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from runner.artifact import Artifact
+from runner.axes import DATA_AXES
 from runner.checkpoint import commit_checkpoint, layout_of, load_checkpoint, optimizer_key, write_shard
 from runner.compiled import CompiledProgram, choose_tier, live_device, load_compiled
 from runner.custom_ops import import_op_libraries
@@ -34,9 +35,6 @@ from runner.program import decode_program
 from runner.binding import bind_rank
 from runner.sharding import join_tp_slices, shard_number, tp_fused, tp_slice_shape, unshard
 from runner.topology_check import verify_live
-
-
-DATA_AXES = ("dp", "fsdp")
 
 
 def step_seed(seed: int, step: int, data_rank: int) -> int:

@@ -83,3 +83,29 @@ def test_private_torch_modules_are_used_where_a_comment_says_why():
             if module.startswith("torch.testing"):
                 found.setdefault(module, set()).add(file)
     assert found == allowed, found
+
+
+def test_only_runner_axes_names_the_mesh_axes():
+    """The axis names ("dp", "fsdp", "tp", "pp") are written once, in runner/axes.py: everything
+    else asks it (issue #41), so a new axis lands there and where it is implemented. Docstrings and
+    comments may name them; code may not."""
+    names = {"dp", "fsdp", "tp", "pp"}
+    found = []
+    for package in ("aot", "runner"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            if path == REPO / "runner" / "axes.py":
+                continue
+            tree = ast.parse(path.read_text())
+            docstrings = {
+                id(node.body[0].value)
+                for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.body
+                and isinstance(node.body[0], ast.Expr)
+                and isinstance(node.body[0].value, ast.Constant)
+            }
+            for node in ast.walk(tree):
+                literal = isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                if literal and (node.value in names or node.value.removeprefix("aot.") in names):  # an axis, or its group
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
+    assert not found, "\n".join(found)

@@ -31,6 +31,7 @@ import torch
 
 from aot.errors import AotError
 from aot.capture.graph_reading import COLLECTIVE_NAMESPACES, loss_node, storage_key, written_values
+from runner.axes import DP, FSDP, TP
 
 SHARDED, REDUCED, IDENTICAL, PER_RANK = "sharded", "reduced", "identical", "per rank"
 # collectives whose every rank gets the same result, and those that hand each rank its own piece
@@ -57,18 +58,18 @@ def axes_of(slots: list[dict], groups: dict, tp_split: set[str], sequence_split:
     so what crosses pipeline stages differs between them, as it does between data ranks."""
     axes = []
     for axis, group in groups.items():
-        if axis not in ("dp", "fsdp", "tp"):
+        if axis not in (DP, FSDP, TP):
             continue  # pipeline ranks run different programs: no single graph speaks for them
         sources = set()
         for i, slot in enumerate(slots):
             kind = slot["kind"]
-            if axis in ("dp", "fsdp") and kind in ("input", "target"):
+            if axis in (DP, FSDP) and kind in ("input", "target"):
                 sources.add(i)
-            elif axis == "fsdp" and kind in ("param", "optim"):
+            elif axis == FSDP and kind in ("param", "optim"):
                 sources.add(i)  # 0-dim state (step counters) too: harmless, it is the same everywhere
-            elif axis == "tp" and kind in ("param", "optim") and slot["name"] in tp_split:
+            elif axis == TP and kind in ("param", "optim") and slot["name"] in tp_split:
                 sources.add(i)
-        axes.append(Axis(axis, group.name, frozenset(sources), random_differs=axis != "tp", received_differs=axis != "tp" or sequence_split))
+        axes.append(Axis(axis, group.name, frozenset(sources), random_differs=axis != TP, received_differs=axis != TP or sequence_split))
     return axes
 
 
@@ -236,7 +237,7 @@ def prove(graph: torch.fx.Graph, slots: list[dict], axes: list[Axis], where: str
             if i in axis.sources:
                 how = SHARDED
             elif f.node_differs(node):
-                if kind == "buffer" and axis.name in ("dp", "fsdp"):
+                if kind == "buffer" and axis.name in (DP, FSDP):
                     buffers.setdefault(slot["name"], {})[axis.name] = PER_RANK
                     continue
                 what = {"param": f"parameter {slot.get('name')}", "optim": f"optimizer state {slot.get('key')!r} of {slot.get('name')}"}.get(
@@ -312,7 +313,7 @@ def _uses_meet(graph: torch.fx.Graph, param: torch.fx.Node, f: Flow) -> list[boo
 
 def prove_step(graph: torch.fx.Graph, slots: list[dict], layout, tp_split: set[str], where: str) -> Proof:
     """`prove` over the axes of a step's layout (aot/capture/step.py StepLayout)."""
-    groups = {axis: g for axis, g in (("dp", layout.dp), ("fsdp", layout.fsdp), ("tp", layout.tp)) if g is not None}
+    groups = {axis: g for axis, g in ((DP, layout.dp), (FSDP, layout.fsdp), (TP, layout.tp)) if g is not None}
     return prove(graph, slots, axes_of(slots, groups, tp_split, layout.sequence is not None), where)
 
 

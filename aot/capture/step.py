@@ -37,6 +37,7 @@ from runner.data import dtype_name
 from runner.artifact import SCALER_KEYS
 from runner.init_program import initial_scaler_state
 from runner.sharding import shard, tp_slice, tp_slice_shape, tp_style
+from runner.axes import TP
 
 _funcol = torch.ops._c10d_functional
 
@@ -282,7 +283,7 @@ def partial_gradients(captured: CapturedStep, layout: StepLayout, state: Trainin
     (aot/capture/replicas.py), with the ones already summed: () when there are none beyond them.
     The ones the model file's tp_plan names are checked to be such."""
     assert layout.tp is not None
-    axis = replicas.axes_of(captured.slots, {"tp": layout.tp}, set(layout.tp_dims(state)), layout.sequence is not None)[0]
+    axis = replicas.axes_of(captured.slots, {TP: layout.tp}, set(layout.tp_dims(state)), layout.sequence is not None)[0]
     found = replicas.tp_partial(captured.graph.graph, captured.slots, axis, f"{where}: ", frozenset(layout.tp_summed))
     return tuple(sorted({*layout.tp_summed, *found})) if found else ()
 

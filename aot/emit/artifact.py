@@ -30,6 +30,7 @@ from runner.integrity import StagedDir, canonical_json
 from runner.signing import SIGNATURE, sign_manifest
 from runner.program import encode_program
 from runner.topology import profile_sha256
+from runner.axes import FSDP, TP
 
 PROGRAM = "train"
 INIT_PROGRAM = "init"
@@ -166,7 +167,7 @@ def emit_artifact(
             "sharding": None
             if layout.fsdp is None
             else {
-                "axis": "fsdp",
+                "axis": FSDP,
                 "group": layout.fsdp.name,
                 "size": layout.fsdp.size,
                 "layout": "flat-padded",
@@ -175,7 +176,7 @@ def emit_artifact(
             "tensor_parallel": None
             if layout.tp is None
             else {
-                "axis": "tp",
+                "axis": TP,
                 "group": layout.tp.name,
                 "size": layout.tp.size,
                 "plan": dict(layout.tp_plan),

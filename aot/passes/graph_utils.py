@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from runner.axes import PP, group_name
 
 funcol = torch.ops._c10d_functional
 ALL_REDUCE = funcol.all_reduce.default
@@ -10,7 +11,7 @@ ALL_GATHER = funcol.all_gather_into_tensor.default
 WAIT = funcol.wait_tensor.default
 # Groups whose members run different programs (pipeline stages): a pass sees one program only,
 # so it must not regroup their collectives, which every member has to issue alike.
-PER_PROGRAM_GROUPS = ("aot.pp",)
+PER_PROGRAM_GROUPS = (group_name(PP),)
 COLLECTIVES = {
     ALL_REDUCE,
     ALL_GATHER,

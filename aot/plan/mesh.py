@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from aot.errors import AotError
 from runner.artifact import mesh_coords
+from runner.axes import DATA_AXES, DP, FSDP, PP, TP, group_name
 
-SUPPORTED_AXES = ("dp", "fsdp", "tp")
+# The axes' names and roles are runner/axes.py's (the artifact format spells them)
+SUPPORTED_AXES = (DP, FSDP, TP)
 # Axes a build takes, and the planner searches (pipeline meshes where they could win: aot.plan.search)
-BUILD_AXES = (*SUPPORTED_AXES, "pp")
-# Axes over which ranks see different data; tensor-parallel ranks see the same batch.
-DATA_AXES = ("dp", "fsdp")
+BUILD_AXES = (*SUPPORTED_AXES, PP)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Mesh:
         if world_size is not None and world_size < 1:
             raise AotError(f"--world-size must be at least 1, got {world_size}")
         if not strategy:
-            return cls(("dp",), (1 if world_size is None else world_size,))
+            return cls((DP,), (1 if world_size is None else world_size,))
         axes, shape = [], []
         for part in strategy.split(","):
             name, sep, degree = part.strip().partition("=")
@@ -82,7 +82,7 @@ class Mesh:
     @staticmethod
     def group_name(axis: str) -> str:
         """The process-group name a traced graph uses for this axis; the runner binds it."""
-        return f"aot.{axis}"
+        return group_name(axis)
 
     @staticmethod
     def axis_of(group: str) -> str:

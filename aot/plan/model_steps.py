@@ -13,6 +13,7 @@ from pathlib import Path
 from aot.errors import AotError
 from aot.plan.cost_model import StepGraph, analyze, storage_key
 from aot.plan.mesh import Mesh
+from runner.axes import DP, FSDP, PP, TP, group_name
 
 
 class Unsupported(Exception):
@@ -152,7 +153,7 @@ class ModelSteps:
         plan = self.tp_plan(tp) if tp > 1 else {}
         sequence = self.sequence_layout(plan, tp) if tp > 1 and self.sequence_parallel else None
         summed = summed_params(self.mf, self.state.model) if tp > 1 else ()
-        return StepLayout(group("dp", dp), group("fsdp", fsdp), group("tp", tp), tuple(sorted(plan.items())), sequence, self.precision, tp_summed=summed)
+        return StepLayout(group(DP, dp), group(FSDP, fsdp), group(TP, tp), tuple(sorted(plan.items())), sequence, self.precision, tp_summed=summed)
 
     def sequence_layout(self, plan: dict[str, str], tp: int) -> dict:
         """The build's sequence-parallel layout at this degree; Unsupported where the build would refuse."""
@@ -190,7 +191,7 @@ class ModelSteps:
             if other in self.traced or other in self._failed:
                 continue
             try:
-                got = derive_without_fsdp(self.mf, self.state, self.inputs, self.targets, self.layout(dp, 1, tp), gm, Mesh.group_name("fsdp"))
+                got = derive_without_fsdp(self.mf, self.state, self.inputs, self.targets, self.layout(dp, 1, tp), gm, Mesh.group_name(FSDP))
                 derived = None
                 if got is not None:
                     derived_gm, derived_slots, shared = got
@@ -333,8 +334,8 @@ class ModelSteps:
         from aot.plan.pipeline_programs import pipeline_programs
 
         degrees = dict(zip(axes, shape))
-        pp, dp, fsdp = degrees["pp"], degrees.get("dp", 1), degrees.get("fsdp", 1)
-        key = ("pp", pp, dp > 1, fsdp, degrees.get("tp", 1), microbatches, schedule, virtual, recompute)
+        pp, dp, fsdp = degrees[PP], degrees.get(DP, 1), degrees.get(FSDP, 1)
+        key = (PP, pp, dp > 1, fsdp, degrees.get(TP, 1), microbatches, schedule, virtual, recompute)
         if key not in self.pipelines:
             try:
                 check_microbatches(schedule, pp, microbatches, self.targets.shape[0])
@@ -342,8 +343,8 @@ class ModelSteps:
                 made = pipeline_programs(
                     self.mf,
                     self.state,
-                    self.layout(dp, fsdp, degrees.get("tp", 1)),
-                    Group(Mesh.group_name("pp"), pp),
+                    self.layout(dp, fsdp, degrees.get(TP, 1)),
+                    Group(Mesh.group_name(PP), pp),
                     self.inputs,
                     self.targets,
                     microbatches=microbatches,
@@ -361,10 +362,10 @@ class ModelSteps:
 
     def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int]:
         degrees = dict(zip(axes, shape))
-        other = [a for a, d in degrees.items() if a not in ("dp", "fsdp", "tp") and d > 1]
+        other = [a for a, d in degrees.items() if a not in (DP, FSDP, TP) and d > 1]
         if other:
             raise Unsupported(f"no graph for axes {', '.join(other)} yet (priced once the build captures them)")
-        dp, fsdp, tp = degrees.get("dp", 1), degrees.get("fsdp", 1), degrees.get("tp", 1)
+        dp, fsdp, tp = degrees.get(DP, 1), degrees.get(FSDP, 1), degrees.get(TP, 1)
         if tp > 1:
             self.layout(1, 1, tp)  # Unsupported here, before any trace, where the build would refuse tp
         return dp, fsdp, tp
@@ -375,11 +376,11 @@ class ModelSteps:
 
         if fsdp == 1:
             return base
-        graph = base if dp > 1 or source[0] == 1 else drop_group(base, "aot.dp")
+        graph = base if dp > 1 or source[0] == 1 else drop_group(base, group_name(DP))
         if fsdp == 2:
             return graph
         numels = [s.numel() for s in self.layout(1, 1, tp).local_shapes(self.state).values()]
-        return rescale(graph, shard_scale(numels, 2, fsdp), "aot.fsdp", fsdp)
+        return rescale(graph, shard_scale(numels, 2, fsdp), group_name(FSDP), fsdp)
 
     # -- making the graphs ahead of a search --------------------------------------------------------
 
@@ -392,8 +393,8 @@ class ModelSteps:
         first: dict[tuple, tuple] = {}
         for shape in factorizations(self.world_size or 1, tuple(axes)):
             degrees = dict(zip(axes, shape))
-            dp, fsdp, tp = degrees.get("dp", 1), degrees.get("fsdp", 1), degrees.get("tp", 1)
-            if any(a not in ("dp", "fsdp", "tp") and d > 1 for a, d in degrees.items()) or (tp > 1 and self.max_tp is not None and tp > self.max_tp):
+            dp, fsdp, tp = degrees.get(DP, 1), degrees.get(FSDP, 1), degrees.get(TP, 1)
+            if any(a not in (DP, FSDP, TP) and d > 1 for a, d in degrees.items()) or (tp > 1 and self.max_tp is not None and tp > self.max_tp):
                 continue
             try:
                 if tp > 1:

@@ -35,6 +35,7 @@ import torch
 from aot.plan.collectives import SEND_RECV
 from aot.plan.cost_model import analyze, node_seconds
 from aot.plan.placement import Placement
+from runner.axes import PP
 
 _funcol = torch.ops._c10d_functional
 P2P = {_funcol.isend.default: "send", _funcol.irecv.default: "recv"}
@@ -70,7 +71,7 @@ def simulate_pipeline(programs: list[torch.fx.GraphModule], planner, placement: 
     (aot.plan.search.Planner), `placement` says where the ranks are, `group` names the pipeline group."""
     machine = planner.machine
     pp = len(programs)
-    physical = placement.groups("pp")[0]  # pipeline ranks 0..pp-1 of the first replica (all are alike)
+    physical = placement.groups(PP)[0]  # pipeline ranks 0..pp-1 of the first replica (all are alike)
     pricers = []
     for gm in programs:
         step = analyze(gm)
@@ -110,7 +111,7 @@ def simulate_pipeline(programs: list[torch.fx.GraphModule], planner, placement: 
                         if (r, peer, tag) not in posted:
                             return moved
                         _wait(clock, posted[(r, peer, tag)], f"wait for rank {peer}")
-                    elif kind == "pp":  # ends once every pipeline rank has issued it
+                    elif kind == PP:  # ends once every pipeline rank has issued it
                         _, index, seconds, collective = handle
                         if len(arrivals.get(index, ())) < pp:
                             return moved
@@ -132,7 +133,7 @@ def simulate_pipeline(programs: list[torch.fx.GraphModule], planner, placement: 
                     seconds = cost(site)[1]
                     if site.group == group:
                         arrivals.setdefault(counters[r], []).append(clock.t)
-                        clock.handles[node] = ("pp", counters[r], seconds, site.kind)
+                        clock.handles[node] = (PP, counters[r], seconds, site.kind)
                         counters[r] += 1
                     elif planner.overlaps:
                         clock.handles[node] = ("local", clock.t + seconds)

@@ -30,11 +30,12 @@ import numpy as np
 from aot.plan import collectives
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
+from runner.axes import DP, FSDP, PP, TP
 
 # Relative traffic per axis when no graph says otherwise (bytes per step per rank, for ordering only):
 # tensor parallel moves activations at every layer, FSDP gathers and scatters every parameter,
 # data parallel reduces each gradient once.
-DEFAULT_TRAFFIC = {"tp": 100.0, "sp": 100.0, "cp": 50.0, "ep": 30.0, "fsdp": 3.0, "dp": 1.0, "pp": 0.1}
+DEFAULT_TRAFFIC = {TP: 100.0, "sp": 100.0, "cp": 50.0, "ep": 30.0, FSDP: 3.0, DP: 1.0, PP: 0.1}
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from aot.plan.model_steps import ModelSteps, Unsupported, factorizations
 from aot.plan.pipeline import bubble_floor
 from aot.plan.placement import Placement, identity, place
 from aot.defaults import DEFAULT_BUCKET_MB
+from runner.axes import DP, FSDP, PP
 
 BUCKET_MB_CANDIDATES = (1.0, 4.0, DEFAULT_BUCKET_MB, 100.0)
 MEMORY_HEADROOM = 0.9  # of device memory: the CUDA context, allocator caching and fragmentation take the rest
@@ -75,7 +76,7 @@ class Plan:
     def data_ranks(self) -> int:
         """Ranks that take a batch of their own (dp x fsdp): a step trains on that many batches."""
         size = dict(zip(self.axes, self.shape))
-        return size.get("dp", 1) * size.get("fsdp", 1)
+        return size.get(DP, 1) * size.get(FSDP, 1)
 
     @property
     def strategy(self) -> str:
@@ -128,7 +129,7 @@ class Planner:
         self._levels: dict = {}
 
     def step_graph(self, axes, shape) -> StepGraph:
-        key = tuple((a, d > 1 if a == "dp" else d) for a, d in zip(axes, shape))
+        key = tuple((a, d > 1 if a == DP else d) for a, d in zip(axes, shape))
         if key not in self._graphs:
             assert self._step_graph is not None, "this planner prices given graphs only"
             self._graphs[key] = self._step_graph(tuple(axes), tuple(shape))
@@ -248,7 +249,7 @@ class Planner:
         or where nothing without pp fits; its every pipeline rank's program is traced at each
         schedule, ten times a mesh without pp."""
         plans, skipped = [], []
-        pipelines = [shape for shape in factorizations(self.machine.world_size, axes) if dict(zip(axes, shape)).get("pp", 1) > 1]
+        pipelines = [shape for shape in factorizations(self.machine.world_size, axes) if dict(zip(axes, shape)).get(PP, 1) > 1]
         for shape in factorizations(self.machine.world_size, axes):
             if shape in pipelines:
                 continue
@@ -280,8 +281,8 @@ class Planner:
         seeds = self.pipeline_seeds(axes, plans) if prune_pipelines else None
         unpriced: dict[tuple[int, str], int] = {}
         too_deep = None  # the fewest stages the model has too few layers for
-        for shape in sorted(pipelines, key=lambda s: dict(zip(axes, s))["pp"]):
-            pp = dict(zip(axes, shape))["pp"]
+        for shape in sorted(pipelines, key=lambda s: dict(zip(axes, s))[PP]):
+            pp = dict(zip(axes, shape))[PP]
             why = None
             if too_deep is not None and pp >= too_deep[0]:
                 why = too_deep[1]
@@ -322,9 +323,9 @@ class Planner:
         seeds = set()
         for size in meshes:
             for pp in range(2, self.machine.world_size + 1):
-                for axis in ("dp", "fsdp"):
+                for axis in (DP, FSDP):
                     if size.get(axis, 1) % pp == 0 and axis in axes:
-                        derived = {**size, axis: size[axis] // pp, "pp": pp}
+                        derived = {**size, axis: size[axis] // pp, PP: pp}
                         seeds.add(tuple(derived.get(a, 1) for a in axes))
                         break
         return seeds
@@ -343,7 +344,7 @@ class Planner:
         if not fitting:
             return True
         world = self.machine.world_size
-        whole = next((p for p in plans if p.recompute is None and dict(zip(p.axes, p.shape)).get("dp", 1) == world), None)
+        whole = next((p for p in plans if p.recompute is None and dict(zip(p.axes, p.shape)).get(DP, 1) == world), None)
         if whole is None:
             return True
         work = microbatched_seconds(self.step_graph(whole.axes, whole.shape), self.machine.compute, pp)
@@ -366,15 +367,15 @@ class Planner:
         if self._pipeline is None:
             raise Unsupported("no pipeline graphs for this planner")
         size = dict(zip(axes, shape))
-        order = ("pp", *[a for a in axes if a != "pp"])
+        order = (PP, *[a for a in axes if a != PP])
         ordered = tuple(size[a] for a in order)
         placement = place(self.machine, order, ordered)
-        if placement.order[0] != "pp" and size["pp"] < self.machine.world_size:
+        if placement.order[0] != PP and size[PP] < self.machine.world_size:
             placement = identity(order, ordered)
         best, last = None, None
         over: set[int] = set()  # microbatch counts at which 1F1B's plain programs do not fit
         for microbatches, schedule, virtual in [
-            (k * size["pp"], schedule, virtual) for k in PIPELINE_MICROBATCHES_PER_RANK for schedule, virtual in PIPELINE_SCHEDULES
+            (k * size[PP], schedule, virtual) for k in PIPELINE_MICROBATCHES_PER_RANK for schedule, virtual in PIPELINE_SCHEDULES
         ]:
             if schedule == "zero-bubble" and microbatches in over:
                 continue  # it holds as many microbatches as 1F1B's first rank on every rank, each until its W
@@ -404,7 +405,7 @@ class Planner:
 
         assert self._pipeline is not None  # pipeline_plan checks
         programs, analyses = self._pipeline(order, ordered, microbatches, schedule, virtual, recompute=recompute)
-        timeline = simulate_pipeline(programs, self, placement, Mesh.group_name("pp"))
+        timeline = simulate_pipeline(programs, self, placement, Mesh.group_name(PP))
         busiest = max(range(len(programs)), key=lambda r: timeline.busy_s[r])
         plan = self.evaluate(order, ordered, DEFAULT_BUCKET_MB, step=analyses[busiest], bucketed=True, placement=placement, as_built=True)
         memory = max((a.memory for a in analyses), key=lambda m: m.peak)
