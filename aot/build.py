@@ -4,26 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from aot.capture import replicas
 from aot.capture.custom_ops import custom_op_spec
-from aot.capture.model_file import load_model_file
-from aot.capture.precision import check_training_state, resolve_precision
+from aot.capture.model_file import ModelFile, load_model_file
+from aot.capture.precision import Precision, check_training_state, resolve_precision
 from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.sync_batchnorm import convert_to_sync, manifest_entry as batchnorm_entry
-from aot.capture.training_state import build_training_state
+from aot.capture.training_state import TrainingState, build_training_state
 from aot.emit.artifact import PROGRAM, emit_artifact, export_step
 from aot.emit.onnx_export import CHECK_BUDGET_BYTES, ONNX_FILE, build_inference, init_program_weights
 from aot.errors import AotError
 from aot.passes import PassOptions, run_passes
 from aot.defaults import DEFAULT_BUCKET_MB
 from aot.plan import hierarchy
-from aot.plan.cost_model import analyze
+from aot.plan.cost_model import Memory, analyze
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
-from runner.axes import DATA_AXES
 from aot.plan.placement import Placement, place
 from aot.plan.recompute import apply_request, resolve_request
 from aot.plan.build_plan import time_entry
@@ -46,7 +46,7 @@ from runner.inspect import describe_batchnorm, describe_replicas, describe_time,
 from runner.integrity import check_writable_target
 from runner.nvml_probe import live_profile
 from runner.topology import for_nodes, load_profile
-from runner.axes import DP, FSDP, PP, TP
+from runner.axes import DATA_AXES, DP, FSDP, PP, TP
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,22 @@ def place_mesh(mesh: Mesh, profile: dict, planned=None) -> Placement:
 
 def build(options: BuildOptions, progress: Progress) -> dict:
     """Run the stages (6, plus the ONNX export unless options.onnx is False, plus the AOTInductor
-    compile with options.compile == "aoti") and write the artifact."""
+    compile with options.compile == "aoti") and write the artifact: the options checked, the plan
+    applied where asked (`--strategy auto`), the step compiled for the target, the artifact emitted."""
+    _check_options(options)
+    profile = load_profile(options.topology) if options.topology else live_profile()
+    profile = for_nodes(profile, options.nodes, options.world_size)
+    options, planned = _apply_plan(options, profile, progress)
+    mesh = Mesh.parse(options.strategy, options.world_size)
+    _check_pipeline_options(options, mesh, progress)
+    placement = place_mesh(mesh, profile, planned)
+    compile_device = _compile_device(options, profile)
+    step = compile_step(options, profile, mesh, placement, planned, progress)
+    return _emit(options, profile, mesh, placement, planned, step, compile_device, progress)
+
+
+def _check_options(options: BuildOptions) -> None:
+    """Refuse, before any work, option values no build takes."""
     if options.batch_size < 1:
         raise AotError(f"--batch-size must be at least 1, got {options.batch_size}")
     if options.max_steps < 1:
@@ -150,42 +165,47 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     check_writable_target(options.output, "folder")
     if options.sign_key is not None and not Path(options.sign_key).is_file():
         raise AotError(f"{options.sign_key}: no such signing key (make one with `aot keygen`)")
-    profile = load_profile(options.topology) if options.topology else live_profile()
-    profile = for_nodes(profile, options.nodes, options.world_size)
-    planned = None
-    if options.strategy == "auto":  # the planner's best plan (aot/plan/search.py, recorded by aot/plan/build_plan.py)
-        from aot.plan.build_plan import plan_for_build
 
-        planned = plan_for_build(options, profile, progress)
-        options = replace(options, strategy=planned.strategy, bucket_mb=planned.bucket_mb)
-        if planned.chosen.pipeline:  # a pipeline plan: its schedule and microbatches as priced
-            pipeline = planned.chosen.pipeline
-            virtual = pipeline["stages_per_rank"]
-            options = replace(
-                options, microbatches=pipeline["microbatches"], pp_schedule=pipeline["schedule"], stages_per_rank=virtual if virtual > 1 else None
+
+def _apply_plan(options: BuildOptions, profile: dict, progress: Progress):
+    """(options, the plan): with `--strategy auto`, the planner's best plan (aot/plan/search.py,
+    recorded by aot/plan/build_plan.py) filled into the options; else (options, None)."""
+    if options.strategy != "auto":
+        return options, None
+    from aot.plan.build_plan import plan_for_build
+
+    planned = plan_for_build(options, profile, progress)
+    options = replace(options, strategy=planned.strategy, bucket_mb=planned.bucket_mb)
+    if planned.chosen.pipeline:  # a pipeline plan: its schedule and microbatches as priced
+        pipeline = planned.chosen.pipeline
+        virtual = pipeline["stages_per_rank"]
+        options = replace(options, microbatches=pipeline["microbatches"], pp_schedule=pipeline["schedule"], stages_per_rank=virtual if virtual > 1 else None)
+        progress.note(f"pipeline as planned: --pp-schedule {pipeline['schedule']} --microbatches {pipeline['microbatches']}")
+    if options.sequence_parallel and "tp=" not in planned.strategy:
+        progress.note("the plan has no tp axis: --sequence-parallel does not apply")
+        options = replace(options, sequence_parallel=False)
+    if planned.activation_budget is not None:  # the plan fits by recomputing activations
+        given = (
+            "--memory-budget"
+            if options.memory_budget is not None
+            else "--activation-budget"
+            if options.activation_budget is not None
+            else "the model file's recompute"
+            if planned.model_recompute
+            else None
+        )
+        if given is None:
+            options = replace(options, activation_budget=planned.activation_budget, activation_budget_source="plan")
+            progress.note(
+                f"recomputing activations as planned: --activation-budget {planned.activation_budget:g} (the plan does not fit device memory without)"
             )
-            progress.note(f"pipeline as planned: --pp-schedule {pipeline['schedule']} --microbatches {pipeline['microbatches']}")
-        if options.sequence_parallel and "tp=" not in planned.strategy:
-            progress.note("the plan has no tp axis: --sequence-parallel does not apply")
-            options = replace(options, sequence_parallel=False)
-        if planned.activation_budget is not None:  # the plan fits by recomputing activations
-            given = (
-                "--memory-budget"
-                if options.memory_budget is not None
-                else "--activation-budget"
-                if options.activation_budget is not None
-                else "the model file's recompute"
-                if planned.model_recompute
-                else None
-            )
-            if given is None:
-                options = replace(options, activation_budget=planned.activation_budget, activation_budget_source="plan")
-                progress.note(
-                    f"recomputing activations as planned: --activation-budget {planned.activation_budget:g} (the plan does not fit device memory without)"
-                )
-            else:
-                progress.note(f"the plan recomputes activations at --activation-budget {planned.activation_budget:g}; {given} is applied instead")
-    mesh = Mesh.parse(options.strategy, options.world_size)
+        else:
+            progress.note(f"the plan recomputes activations at --activation-budget {planned.activation_budget:g}; {given} is applied instead")
+    return options, planned
+
+
+def _check_pipeline_options(options: BuildOptions, mesh: Mesh, progress: Progress) -> None:
+    """A pipeline's schedule, stages and microbatches refused before any tracing; pipeline options without one too."""
     if mesh.size(PP) > 1:  # refused before any tracing
         from aot.plan.pipeline import check_microbatches, chunks_of
 
@@ -196,7 +216,11 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         progress.total += mesh.size(PP) - 1  # a capture per pipeline rank
     elif options.microbatches is not None or options.stages_per_rank is not None:
         raise AotError("--microbatches and --stages-per-rank split a pipeline: they need --strategy with pp=N, N > 1")
-    placement = place_mesh(mesh, profile, planned)
+
+
+def _compile_device(options: BuildOptions, profile: dict):
+    """The device AOTInductor compiles for (`--compile aoti`; a missing C++ compiler fails here,
+    before the work), or None."""
     compile_device = None
     if options.compile == "aoti":  # a missing C++ compiler fails here, before the work
         from aot.emit.aoti import check_compiler, target_device
@@ -206,6 +230,35 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     elif options.compile != "portable":
         raise AotError(f"--compile must be portable or aoti, got {options.compile!r}")
 
+    return compile_device
+
+
+@dataclass
+class CompiledStep:
+    """What compile_step makes of the model file for a target: its programs (captured, the passes
+    run) and what the artifact says of them."""
+
+    mf: ModelFile
+    precision: Precision
+    example: dict  # the stored example batch (every data rank's rows)
+    rank_inputs: list  # one rank's inputs of it
+    state: TrainingState
+    batchnorm: dict | None  # the manifest's `batchnorm`
+    layout: StepLayout
+    captures: dict  # program name -> CapturedStep
+    memory: Memory  # the busiest program's predicted memory
+    time: dict  # the manifest's `time`
+    recompute: dict  # the manifest's `memory.recompute`
+    pipeline_entry: dict | None  # the manifest's `pipeline`
+    program_of: Callable  # a rank's coordinates -> its program's name
+    pipeline_files: dict  # the predicted timeline of every pipeline rank
+    proof: replicas.Proof
+    subgroups: dict  # hierarchical all_reduce's level groups
+
+
+def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement, planned, progress: Progress) -> CompiledStep:
+    """The model file's whole training step for the mesh: loaded, its state recorded, traced (one
+    program, or one per pipeline rank), the passes run and priced."""
     with progress.stage(f"loading {options.model_path.name}"):
         mf = load_model_file(options.model_path)
         precision = resolve_precision(options.precision, options.reduce_dtype, mf.globals, mf.path.name, profile)
@@ -296,13 +349,24 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             f"hierarchical all_reduce over {', '.join(sorted({g['axis'] for g in subgroups.values()}))}: "
             f"{split} all_reduce(s) split into a node level and a network level"
         )
+    return CompiledStep(
+        mf, precision, example, rank_inputs, state, batchnorm, layout, captures, memory, time, recompute,
+        pipeline_entry, program_of, pipeline_files, proof, subgroups,
+    )  # fmt: skip
+
+
+def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement, planned, step: CompiledStep, compile_device, progress: Progress) -> dict:
+    """The plan's record, the exported programs, the ONNX export and AOTInductor's compile where
+    asked, and the artifact written: its manifest."""
+    mf, state, captures, memory, time = step.mf, step.state, step.captures, step.memory, step.time
+    pipeline_entry, subgroups = step.pipeline_entry, step.subgroups
     plan_files: dict[str, bytes]
     if planned is None:
         plan_entry, plan_files = None, {}
     elif pipeline_entry is not None:
         plan_entry, plan_files = planned.finish_pipeline(memory, time, pipeline_entry["timeline"]), {}
     else:
-        plan_entry, plan_files = planned.finish(captured.graph, captured.slots)
+        plan_entry, plan_files = planned.finish(captures[PROGRAM].graph, captures[PROGRAM].slots)
     if plan_entry is not None:  # the placement over the mesh as built (its axes in the strategy's order)
         plan_entry["placement"] = placement.to_json()
     with progress.stage("exporting the program" + ("s" if len(captures) > 1 else "")):
@@ -322,7 +386,7 @@ def build(options: BuildOptions, progress: Progress) -> dict:
             inference = build_inference(
                 mf,
                 state.model,
-                rank_inputs,
+                step.rank_inputs,
                 required=options.onnx is True,
                 warn=warnings.append,
                 weights=init_program_weights(state.init_graph, [*state.params, *state.buffers], options.seed),
@@ -341,23 +405,24 @@ def build(options: BuildOptions, progress: Progress) -> dict:
         manifest = emit_artifact(
             options.output,
             programs={name: (eps[name], captures[name]) for name in captures},
-            program_of=program_of,
+            program_of=step.program_of,
             state=state,
-            layout=layout,
+            layout=step.layout,
             mesh=mesh,
             profile=profile,
             placement=placement,
             subgroups=subgroups,
-            example=example,
+            example=step.example,
             batch_size=options.batch_size,
             sign_key=options.sign_key,
-            extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files, **pipeline_files, **(compiled.files if compiled else {})} or None,
+            extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files, **step.pipeline_files, **(compiled.files if compiled else {})}
+            or None,
             extra_fields={
-                "precision": precision.to_json(),
-                "memory": {"predicted": memory.itemized(), "recompute": recompute},
+                "precision": step.precision.to_json(),
+                "memory": {"predicted": memory.itemized(), "recompute": step.recompute},
                 **({"pipeline": pipeline_entry} if pipeline_entry else {}),
-                **({"batchnorm": batchnorm} if batchnorm else {}),
-                "replicas": proof.to_json(),
+                **({"batchnorm": step.batchnorm} if step.batchnorm else {}),
+                "replicas": step.proof.to_json(),
                 "time": time,
                 **({"inference": {"file": ONNX_FILE, **inference.spec}} if inference else {}),
                 **({"compiled": compiled.entry} if compiled else {}),
