@@ -6,6 +6,10 @@ two int64 tensors of shape [N, block_size]: `inputs`, and `targets` (the same
 windows shifted one character to the right).
 
     python examples/prepare_data.py --samples 512 -o examples/data/gpt_train.safetensors
+    python examples/prepare_data.py --tokens examples/data/tinytext.bin   # the whole text as one llm.c token shard
+
+`aot run --data` reads either: the safetensors windows as rows, or the token shard cut into windows
+of block_size + 1 tokens in order (runner/data.py).
 """
 
 import argparse
@@ -35,6 +39,7 @@ def main():
         "-o", "--output", type=Path, default=here / "data" / "gpt_train.safetensors", help="output file (default: examples/data/gpt_train.safetensors)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for choosing window offsets (default: %(default)s)")
+    parser.add_argument("--tokens", type=Path, help="also write the whole text as one llm.c token shard (.bin: 256 x int32 header, uint16 tokens) here")
     args = parser.parse_args()
 
     gpt = load_gpt()
@@ -49,6 +54,12 @@ def main():
     args.output.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(args.output))
     print(f"wrote {args.samples} windows of {T} tokens (inputs, targets: int64 [{args.samples}, {T}]) from {len(data)} characters to {args.output}")
+    if args.tokens is not None:
+        header = torch.zeros(256, dtype=torch.int32)
+        header[:3] = torch.tensor([20240520, 1, len(data)])  # llm.c's magic, version 1 (uint16 tokens), token count
+        args.tokens.parent.mkdir(parents=True, exist_ok=True)
+        args.tokens.write_bytes(header.numpy().tobytes() + data.to(torch.int32).numpy().astype("uint16").tobytes())
+        print(f"wrote {len(data)} tokens as an llm.c shard to {args.tokens}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,16 @@ def _restarted() -> bool:
 @click.option(
     "--data",
     type=click.Path(path_type=Path),
-    help="safetensors file with `inputs` (or inputs.0, inputs.1, ...) and `targets`, one sample per row. Default: the example batch recorded at build time.",
+    help="Training data: a file, a folder or a glob of shards, read in name order as one sequence. safetensors files "
+    "with `inputs` (or inputs.0, inputs.1, ...) and `targets`, one sample per row; or token streams for a model "
+    "whose input and targets are [batch, T] token ids: llm.c's .bin (256 x int32 header), a raw .bin "
+    "(--token-dtype) or a 1-D .npy, cut into windows of T + 1 tokens. Memory-mapped: a rank reads the rows it uses. "
+    "Default: the example batch recorded at build time.",
+)
+@click.option(
+    "--token-dtype",
+    type=click.Choice(["uint16", "uint32", "int32", "int64"]),
+    help="The token type of raw .bin token shards (llm.c's .bin says its own in its header).",
 )
 @click.option("--metrics", type=click.Path(path_type=Path), help="Append one JSON line per step (rank 0).")
 @click.option("--save", type=click.Path(path_type=Path), help="Write a checkpoint here at the end (and every --save-every steps).")
@@ -115,6 +124,7 @@ def run(
     artifact,
     steps,
     data,
+    token_dtype,
     metrics,
     save,
     save_every,
@@ -218,7 +228,7 @@ def run(
         say(f"resumed from {resume} at step {trainer.step_index}")
     target = target if target is not None else trainer.step_index + steps
     trainer.check_steps(target - trainer.step_index)
-    source = trainer.data_source(data)
+    source = trainer.data_source(data, token_dtype)
     say(
         f"rank 0 of {trainer.world_size} ready in {time.perf_counter() - _STARTED:.2f} s "
         f"({trainer.device}, {trainer.tier} tier, {source.rows} samples from {data or 'the example batch'}, "

@@ -1,17 +1,26 @@
-"""Batches for one data-parallel rank, from a --data file or the artifact's example batch.
+"""Batches for one data-parallel rank, from --data or the artifact's example batch.
 
-A data source holds `inputs` (one or more tensors) and `targets` whose first dimension is the
-sample. Global step s uses rows [s*G, (s+1)*G) with G = B * dp (B the per-rank batch size), and
+A data source is a sequence of samples (rows): `inputs` (one or more tensors) and `targets`.
+Global step s uses rows [s*G, (s+1)*G) with G = B * dp (B the per-rank batch size), and
 data-parallel rank r takes rows [s*G + r*B, s*G + (r+1)*B), wrapping at the end of the data.
+
+`--data` is a file, a folder or a glob of shards, read in name order as one sequence:
+- safetensors files of rows (`inputs` or `inputs.0`, ...; `targets`), memory-mapped: a rank reads
+  the rows it uses, not the file;
+- token streams, for a program whose one input and targets are [B, T] token ids: llm.c's `.bin`
+  (a 256 x int32 header: magic 20240520, version, token count; uint16 tokens), a raw `.bin` of
+  `--token-dtype` tokens, or a 1-D `.npy`; memory-mapped and cut into windows of T + 1 tokens
+  (sample i is tokens [i*T, i*T + T]: inputs its first T, targets its last T), the shards one stream.
 """
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
+from safetensors import SafetensorError, safe_open
 
 from runner.errors import AotError
 
@@ -48,41 +57,208 @@ def split_batch_tensors(tensors: dict[str, torch.Tensor], where: str) -> tuple[l
 
 
 class DataSource:
+    """Rows as the step contract reads them; `read(start, stop)` gives rows [start, stop) of the
+    whole data (inputs, targets), which may be tensors in memory or a reader of shards."""
+
     def __init__(self, inputs: list[torch.Tensor], targets: torch.Tensor, spec: dict, dp_rank: int, dp_size: int, where: str):
-        expected = spec["inputs"]
-        if len(inputs) != len(expected):
-            raise AotError(f"{where}: the program takes {len(expected)} input tensor(s), the data has {len(inputs)}")
-        rows = targets.shape[0] if targets.dim() else 0
-        for name, tensor, want in [*((f"inputs.{i}", t, w) for i, (t, w) in enumerate(zip(inputs, expected))), ("targets", targets, spec["targets"])]:
-            got_row, want_row = list(tensor.shape[1:]), want["shape"][1:]
-            if tensor.dim() == 0 or got_row != want_row or dtype_name(tensor.dtype) != want["dtype"]:
-                raise AotError(
-                    f"{where}: {name} expected samples of shape {describe(want_row, want['dtype'])}, "
-                    f"got {describe(got_row if tensor.dim() else [], dtype_name(tensor.dtype))}"
-                )
-            if tensor.shape[0] != rows:
-                raise AotError(f"{where}: {name} has {tensor.shape[0]} samples but targets has {rows}")
-        if rows == 0:
-            raise AotError(f"{where}: holds no samples")
-        self.inputs, self.targets = inputs, targets
+        _check_rows(inputs, targets, spec, where)
+        self._init(targets.shape[0], lambda a, b: ([t[a:b] for t in inputs], targets[a:b]), spec, dp_rank, dp_size)
+
+    def _init(self, rows: int, read, spec: dict, dp_rank: int, dp_size: int) -> None:
+        self.read, self.rows = read, rows
         self.batch_size = spec["batch_size"]
         self.global_batch = self.batch_size * dp_size
         self.offset = dp_rank * self.batch_size
-        self.rows = rows
 
     @classmethod
-    def from_file(cls, path: str | Path, spec: dict, dp_rank: int, dp_size: int) -> "DataSource":
-        path = Path(path)
-        try:
-            tensors = load_safetensors(path.read_bytes())
-        except FileNotFoundError:
-            raise AotError(f"{path}: no such data file") from None
-        except (SafetensorError, OSError, ValueError) as e:
-            raise AotError(f"{path}: not a readable safetensors file ({e})") from None
-        inputs, targets = split_batch_tensors(tensors, str(path))
-        return cls(inputs, targets, spec, dp_rank, dp_size, str(path))
+    def from_rows(cls, rows: int, read, spec: dict, dp_rank: int, dp_size: int) -> "DataSource":
+        source = cls.__new__(cls)
+        source._init(rows, read, spec, dp_rank, dp_size)
+        return source
+
+    @classmethod
+    def from_file(cls, path: str | Path, spec: dict, dp_rank: int, dp_size: int, token_dtype: str | None = None) -> "DataSource":
+        """--data PATH: a file, a folder or a glob of shards (the module docstring)."""
+        shards = _shards(str(path))
+        kinds = {_kind(p) for p in shards}
+        if len(kinds) > 1:
+            raise AotError(f"{path}: mixes {' and '.join(sorted(kinds))} shards; give one kind")
+        kind = kinds.pop()
+        if kind == "safetensors":
+            rows, read = _safetensors_rows(shards, spec)
+        else:
+            rows, read = _token_windows(shards, spec, token_dtype)
+        if token_dtype is not None and kind == "safetensors":
+            raise AotError("--token-dtype applies to token streams (.bin), not to safetensors rows")
+        return cls.from_rows(rows, read, spec, dp_rank, dp_size)
 
     def batch(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        start = step * self.global_batch + self.offset
-        rows = torch.arange(start, start + self.batch_size) % self.rows
-        return [t.index_select(0, rows) for t in self.inputs], self.targets.index_select(0, rows)
+        start = (step * self.global_batch + self.offset) % self.rows
+        parts, left = [], self.batch_size
+        while left:  # the rows wrap at the end of the data: one or more contiguous reads
+            stop = min(self.rows, start + left)
+            parts.append(self.read(start, stop))
+            left -= stop - start
+            start = 0
+        if len(parts) == 1:
+            return parts[0]
+        inputs = [torch.cat([p[0][i] for p in parts]) for i in range(len(parts[0][0]))]
+        return inputs, torch.cat([p[1] for p in parts])
+
+
+def _check_rows(inputs: list[torch.Tensor], targets: torch.Tensor, spec: dict, where: str) -> None:
+    _check_shapes(inputs, targets, spec, where)
+    rows = targets.shape[0]
+    for i, tensor in enumerate(inputs):
+        if tensor.shape[0] != rows:
+            raise AotError(f"{where}: inputs.{i} has {tensor.shape[0]} samples but targets has {rows}")
+    if rows == 0:
+        raise AotError(f"{where}: holds no samples")
+
+
+def _shards(path: str) -> list[Path]:
+    """The files --data names, in name order: the file, a folder's data files, or a glob's matches."""
+    given = Path(path)
+    if given.is_dir():
+        found = sorted(p for p in given.iterdir() if p.is_file() and _kind(p, strict=False))
+        if not found:
+            raise AotError(f"{path}: a folder without data shards (.safetensors, .bin, .npy)")
+        return found
+    if given.is_file():
+        _kind(given)
+        return [given]
+    if any(c in path for c in "*?["):
+        found = sorted(Path(p) for p in glob.glob(path) if Path(p).is_file())
+        if not found:
+            raise AotError(f"{path}: the pattern matches no file")
+        return found
+    raise AotError(f"{path}: no such data file")
+
+
+def _kind(path: Path, strict: bool = True) -> str:
+    kind = {".safetensors": "safetensors", ".bin": "token", ".npy": "token"}.get(path.suffix)
+    if kind is None and strict:
+        raise AotError(f"{path}: not a data shard (.safetensors rows, or tokens in .bin or .npy)")
+    return kind or ""
+
+
+def _safetensors_rows(shards: list[Path], spec: dict):
+    """(rows, read) over safetensors shards of rows, each memory-mapped (safe_open)."""
+    opened, starts, total = [], [], 0
+    for shard in shards:
+        try:
+            handle = safe_open(str(shard), framework="pt")
+            names = list(handle.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise AotError(f"{shard}: not a readable safetensors file ({e})") from None
+        # the rows' shapes and dtypes checked on an empty slice of each tensor
+        empty = {n: handle.get_slice(n)[0:0] for n in names}
+        inputs, targets = split_batch_tensors(empty, str(shard))
+        lengths = {n: handle.get_slice(n).get_shape()[0] if handle.get_slice(n).get_shape() else 0 for n in names}
+        rows = lengths["targets"]
+        for n, length in lengths.items():
+            if length != rows:
+                raise AotError(f"{shard}: {n} has {length} samples but targets has {rows}")
+        _check_shapes(inputs, targets, spec, str(shard))
+        if rows == 0:
+            raise AotError(f"{shard}: holds no samples")
+        input_names = ["inputs"] if "inputs" in names else [f"inputs.{i}" for i in range(len(inputs))]
+        opened.append((handle, input_names))
+        starts.append(total)
+        total += rows
+
+    def read(a: int, b: int):
+        parts = []
+        for (handle, input_names), first, last in zip(opened, starts, [*starts[1:], total]):
+            lo, hi = max(a, first), min(b, last)
+            if lo < hi:
+                parts.append(([handle.get_slice(n)[lo - first : hi - first] for n in input_names], handle.get_slice("targets")[lo - first : hi - first]))
+        inputs = [torch.cat([p[0][i] for p in parts]) for i in range(len(parts[0][0]))]
+        return inputs, torch.cat([p[1] for p in parts])
+
+    return total, read
+
+
+def _check_shapes(inputs: list[torch.Tensor], targets: torch.Tensor, spec: dict, where: str) -> None:
+    """Each tensor's sample shape and dtype against the program's (`spec`)."""
+    expected = spec["inputs"]
+    if len(inputs) != len(expected):
+        raise AotError(f"{where}: the program takes {len(expected)} input tensor(s), the data has {len(inputs)}")
+    for name, tensor, want in [*((f"inputs.{i}", t, w) for i, (t, w) in enumerate(zip(inputs, expected))), ("targets", targets, spec["targets"])]:
+        got_row, want_row = list(tensor.shape[1:]), want["shape"][1:]
+        if tensor.dim() == 0 or got_row != want_row or dtype_name(tensor.dtype) != want["dtype"]:
+            raise AotError(
+                f"{where}: {name} expected samples of shape {describe(want_row, want['dtype'])}, "
+                f"got {describe(got_row if tensor.dim() else [], dtype_name(tensor.dtype))}"
+            )
+
+
+LLMC_MAGIC, LLMC_HEADER_INTS = 20240520, 256
+LLMC_TOKENS = {1: np.uint16}  # llm.c's header version -> its token dtype
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
+
+
+def _tokens_of(shard: Path, token_dtype: str | None) -> np.ndarray:
+    """A shard's tokens, memory-mapped (a 1-D array no page of which is read until used)."""
+    if shard.suffix == ".npy":
+        try:
+            tokens = np.load(shard, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise AotError(f"{shard}: not a readable .npy file ({e})") from None
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise AotError(f"{shard}: a token .npy holds a 1-D array of integers, this one is {tokens.ndim}-D {tokens.dtype}")
+        return tokens
+    size = shard.stat().st_size
+    header = np.fromfile(shard, dtype=np.int32, count=LLMC_HEADER_INTS) if size >= 4 * LLMC_HEADER_INTS else np.zeros(0, np.int32)
+    if token_dtype is None:
+        if len(header) < 3 or header[0] != LLMC_MAGIC:
+            raise AotError(f"{shard}: no llm.c header (magic {LLMC_MAGIC}); for raw tokens give --token-dtype ({', '.join(TOKEN_DTYPES)})")
+        version, count = int(header[1]), int(header[2])
+        if version not in LLMC_TOKENS:
+            raise AotError(f"{shard}: llm.c header version {version}, which aot does not read (it reads {', '.join(map(str, LLMC_TOKENS))})")
+        stored = np.dtype(LLMC_TOKENS[version])
+        if size != 4 * LLMC_HEADER_INTS + count * stored.itemsize:
+            raise AotError(f"{shard}: its header says {count} tokens, the file holds {(size - 4 * LLMC_HEADER_INTS) // stored.itemsize}")
+        return np.memmap(shard, dtype=stored, mode="r", offset=4 * LLMC_HEADER_INTS, shape=(count,))
+    if token_dtype not in TOKEN_DTYPES:
+        raise AotError(f"--token-dtype {token_dtype}: expected one of {', '.join(TOKEN_DTYPES)}")
+    dtype = np.dtype(TOKEN_DTYPES[token_dtype])
+    if size % dtype.itemsize:
+        raise AotError(f"{shard}: {size} bytes is not a whole number of {token_dtype} tokens")
+    return np.memmap(shard, dtype=dtype, mode="r", shape=(size // dtype.itemsize,))
+
+
+def _token_windows(shards: list[Path], spec: dict, token_dtype: str | None):
+    """(rows, read) over token shards as one stream cut into windows of T + 1 tokens."""
+    inputs, targets = spec["inputs"], spec["targets"]
+    shapes = [i["shape"] for i in inputs] + [targets["shape"]]
+    if (
+        len(inputs) != 1
+        or any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes)
+        or not all(d["dtype"].startswith(("int", "uint")) for d in [*inputs, targets])
+    ):
+        wanted = ", ".join(describe(i["shape"][1:], i["dtype"]) for i in inputs)
+        raise AotError(f"token data feeds a program whose one input and targets are [batch, T] token ids; this one takes {wanted}")
+    window = shapes[0][1]
+    streams = [_tokens_of(shard, token_dtype) for shard in shards]
+    starts = np.cumsum([0] + [len(t) for t in streams])
+    total = int(starts[-1])
+    rows = (total - 1) // window if total > window else 0
+    if rows == 0:
+        raise AotError(f"{shards[0] if len(shards) == 1 else str(shards[0].parent)}: {total} tokens, fewer than one window of {window + 1}")
+    dtypes = dtype_of(inputs[0]["dtype"]), dtype_of(targets["dtype"])
+
+    def tokens(a: int, b: int) -> np.ndarray:
+        pieces = []
+        for stream, first in zip(streams, starts[:-1]):
+            lo, hi = max(a, int(first)), min(b, int(first) + len(stream))
+            if lo < hi:
+                pieces.append(np.asarray(stream[lo - int(first) : hi - int(first)], dtype=np.int64))
+        return np.concatenate(pieces)
+
+    def read(a: int, b: int):
+        span = torch.from_numpy(tokens(a * window, b * window + 1))
+        samples = torch.stack([span[i * window : i * window + window + 1] for i in range(b - a)])
+        return [samples[:, :-1].to(dtypes[0])], samples[:, 1:].to(dtypes[1])
+
+    return rows, read

@@ -421,10 +421,11 @@ class Trainer:
         return tensor.to(self.device, non_blocking=True)  # queued behind the step before, no wait for it (a GPU's)
 
     # -- data -----------------------------------------------------------------------------
-    def data_source(self, path: str | Path | None = None) -> DataSource:
-        """The --data file's rows for this rank, or the artifact's recorded example batch."""
+    def data_source(self, path: str | Path | None = None, token_dtype: str | None = None) -> DataSource:
+        """--data's rows for this rank (a file, folder or glob of shards: runner/data.py), or the
+        artifact's recorded example batch."""
         if path is not None:
-            return DataSource.from_file(path, self.data_spec, self.data_rank, self.data_size)
+            return DataSource.from_file(path, self.data_spec, self.data_rank, self.data_size, token_dtype)
         example = self.artifact.tensors(self.data_spec["example"])
         inputs, targets = split_batch_tensors(example, self.data_spec["example"])
         return DataSource(inputs, targets, self.data_spec, self.data_rank, self.data_size, "example batch")

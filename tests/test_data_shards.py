@@ -1,0 +1,99 @@
+"""--data as users have it (issue #43, first part): token shards (llm.c's .bin, raw .bin, .npy) and
+folders or globs of them, memory-mapped and cut into windows of T + 1 tokens, train as eager DDP
+does on the same windows; safetensors rows read through a memory map the same as read whole; bad
+shards refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers.commands import EXAMPLES, aot, ok, torchrun
+from helpers.inference import assert_user_error
+from helpers.training import assert_same_training, reference
+from runner.checkpoint import merge_checkpoint
+
+GPT = EXAMPLES / "gpt.py"
+T, VOCAB, WINDOWS, BATCH, STEPS = 64, 96, 24, 4, 4
+
+
+def _llmc(path, tokens: np.ndarray) -> None:
+    """llm.c's shard: 256 int32 (magic, version 1, token count, zeros), then uint16 tokens."""
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = 20240520, 1, len(tokens)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16).tobytes())
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    """One token stream in every form: two llm.c shards cut mid-window, a .npy, a raw uint32 .bin,
+    and its windows as safetensors rows (what eager reads)."""
+    root = tmp_path_factory.mktemp("tokens")
+    tokens = np.random.default_rng(0).integers(0, VOCAB, size=WINDOWS * T + 1 + 7)  # a tail shorter than a window
+    (root / "shards").mkdir()
+    cut = 5 * T + 13
+    _llmc(root / "shards" / "train_000.bin", tokens[:cut])
+    _llmc(root / "shards" / "train_001.bin", tokens[cut:])
+    np.save(root / "tokens.npy", tokens.astype(np.int32))
+    tokens.astype(np.uint32).tofile(root / "raw.bin")
+    windows = torch.from_numpy(np.stack([tokens[i * T : i * T + T + 1] for i in range(WINDOWS)])).long()
+    save_file({"inputs": windows[:, :-1].contiguous(), "targets": windows[:, 1:].contiguous()}, str(root / "windows.safetensors"))
+    return root
+
+
+def _train(art, data, folder, *extra):
+    metrics, ckpt = folder / "m.jsonl", folder / "ckpt"
+    ok(torchrun(2, "run", art, "--steps", STEPS, "--data", data, "--metrics", metrics, "--save", ckpt, "--quiet", *extra))
+    merge_checkpoint(ckpt, folder / "merged.safetensors")
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], load_file(folder / "merged.safetensors")
+
+
+def test_token_shards_train_as_eager_ddp_on_the_same_windows(built, stream, tmp_path):
+    """Two llm.c shards (a window straddles them) under dp=2 against eager DDP reading the windows
+    as rows; the .npy, the raw .bin (--token-dtype), a glob of the shards and the windows as
+    safetensors rows (memory-mapped) train bit-identically to the shards."""
+    art = built(GPT, "--world-size", 2, "--batch-size", BATCH, "--no-onnx")
+    losses, weights = _train(art, stream / "shards", tmp_path / "shards")
+    ref = reference(GPT, stream / "windows.safetensors", 2, BATCH, tmp_path, steps=STEPS)
+    assert_same_training(losses, json.loads((ref / "losses.json").read_text()), weights, load_file(ref / "state_dict.safetensors"))
+    for name, data, extra in (
+        ("npy", stream / "tokens.npy", ()),
+        ("raw", stream / "raw.bin", ("--token-dtype", "uint32")),
+        ("glob", stream / "shards" / "train_*.bin", ()),
+        ("rows", stream / "windows.safetensors", ()),
+    ):
+        (tmp_path / name).mkdir()
+        other, other_weights = _train(art, data, tmp_path / name, *extra)
+        assert other == losses, name
+        assert all(torch.equal(other_weights[k], weights[k]) for k in weights), name
+
+
+def test_bad_token_data_is_one_line(built, stream, tmp_path):
+    art = built(GPT, "--world-size", 1, "--batch-size", BATCH, "--no-onnx")
+    short = tmp_path / "short.bin"
+    _llmc(short, np.arange(T, dtype=np.uint16))  # one token short of a window
+    wrong_count = tmp_path / "wrong.bin"
+    _llmc(wrong_count, np.arange(3 * T, dtype=np.uint16))
+    with open(wrong_count, "ab") as f:
+        f.write(b"\0\0")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.bin").write_bytes((stream / "shards" / "train_000.bin").read_bytes())
+    (mixed / "b.safetensors").write_bytes((stream / "windows.safetensors").read_bytes())
+    cases = [
+        ((stream / "raw.bin",), "no llm.c header", "--token-dtype"),
+        ((short,), "fewer than one window of 65"),
+        ((wrong_count,), "its header says 192 tokens, the file holds 193"),
+        ((tmp_path / "nothing_*.bin",), "the pattern matches no file"),
+        ((mixed,), "mixes safetensors and token shards"),
+        ((stream / "windows.safetensors", "--token-dtype", "uint16"), "--token-dtype applies to token streams"),
+    ]
+    for (data, *extra), *needles in cases:
+        r = aot("run", art, "--steps", 1, "--data", data, *extra, "--quiet")
+        assert_user_error(r, *needles)
