@@ -100,10 +100,9 @@ class DataSource:
             parts.append(self.read(start, stop))
             left -= stop - start
             start = 0
-        if len(parts) == 1:
-            return parts[0]
-        inputs = [torch.cat([p[0][i] for p in parts]) for i in range(len(parts[0][0]))]
-        return inputs, torch.cat([p[1] for p in parts])
+        # contiguous, as the program was traced on (its views assume the example batch's strides)
+        inputs = [torch.cat([p[0][i] for p in parts]).contiguous() for i in range(len(parts[0][0]))]
+        return inputs, torch.cat([p[1] for p in parts]).contiguous()
 
 
 def _check_rows(inputs: list[torch.Tensor], targets: torch.Tensor, spec: dict, where: str) -> None:

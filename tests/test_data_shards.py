@@ -14,11 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from helpers.commands import EXAMPLES, aot, ok, torchrun
 from helpers.inference import assert_user_error
-from helpers.training import assert_same_training, reference
+from helpers.training import STEPS, assert_same_training, reference
 from runner.checkpoint import merge_checkpoint
 
 GPT = EXAMPLES / "gpt.py"
-T, VOCAB, WINDOWS, BATCH, STEPS = 64, 96, 24, 4, 4
+T, VOCAB, WINDOWS, BATCH = 64, 96, 24, 4
 
 
 def _llmc(path, tokens: np.ndarray) -> None:
