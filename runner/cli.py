@@ -33,6 +33,13 @@ def _restarted() -> bool:
     "Default: the example batch recorded at build time.",
 )
 @click.option(
+    "--shuffle",
+    type=click.IntRange(min=0),
+    metavar="SEED",
+    help="Read the data's rows in a new seeded order every epoch (the same on every rank, computed, never stored: "
+    "give the same SEED to --resume and the run continues at the sample it would have read). Default: in order.",
+)
+@click.option(
     "--token-dtype",
     type=click.Choice(["uint16", "uint32", "int32", "int64"]),
     help="The token type of raw .bin token shards (llm.c's .bin says its own in its header).",
@@ -125,6 +132,7 @@ def run(
     steps,
     data,
     token_dtype,
+    shuffle,
     metrics,
     save,
     save_every,
@@ -228,7 +236,7 @@ def run(
         say(f"resumed from {resume} at step {trainer.step_index}")
     target = target if target is not None else trainer.step_index + steps
     trainer.check_steps(target - trainer.step_index)
-    source = trainer.data_source(data, token_dtype)
+    source = trainer.data_source(data, token_dtype, shuffle)
     say(
         f"rank 0 of {trainer.world_size} ready in {time.perf_counter() - _STARTED:.2f} s "
         f"({trainer.device}, {trainer.tier} tier, {source.rows} samples from {data or 'the example batch'}, "

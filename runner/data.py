@@ -1,8 +1,12 @@
 """Batches for one data-parallel rank, from --data or the artifact's example batch.
 
 A data source is a sequence of samples (rows): `inputs` (one or more tensors) and `targets`.
-Global step s uses rows [s*G, (s+1)*G) with G = B * dp (B the per-rank batch size), and
-data-parallel rank r takes rows [s*G + r*B, s*G + (r+1)*B), wrapping at the end of the data.
+Global step s uses samples [s*G, (s+1)*G) of the order with G = B * dp (B the per-rank batch
+size), and data-parallel rank r takes [s*G + r*B, s*G + (r+1)*B); sample k of the order is row
+k mod N of the data (N rows), in epoch k // N. With `--shuffle SEED` the rows of epoch e come in
+the order `torch.randperm(N, generator=torch.Generator().manual_seed(SEED * 1_000_003 + e))`
+(`shuffled_rows`): computed, never stored, the same on every rank, so a resumed run reads exactly
+the samples the uninterrupted run would have.
 
 `--data` is a file, a folder or a glob of shards, read in name order as one sequence:
 - safetensors files of rows (`inputs` or `inputs.0`, ...; `targets`), memory-mapped: a rank reads
@@ -66,6 +70,8 @@ class DataSource:
 
     def _init(self, rows: int, read, spec: dict, dp_rank: int, dp_size: int) -> None:
         self.read, self.rows = read, rows
+        self.shuffle: int | None = None  # --shuffle SEED (see `shuffle_with`)
+        self._epoch_order: tuple[int, torch.Tensor] | None = None
         self.batch_size = spec["batch_size"]
         self.global_batch = self.batch_size * dp_size
         self.offset = dp_rank * self.batch_size
@@ -92,7 +98,14 @@ class DataSource:
             raise AotError("--token-dtype applies to token streams (.bin), not to safetensors rows")
         return cls.from_rows(rows, read, spec, dp_rank, dp_size)
 
+    def shuffle_with(self, seed: int) -> "DataSource":
+        """Read every epoch's rows in the seeded order of `shuffled_rows` (--shuffle SEED)."""
+        self.shuffle = seed
+        return self
+
     def batch(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        if self.shuffle is not None:
+            return self._shuffled_batch(step)
         start = (step * self.global_batch + self.offset) % self.rows
         parts, left = [], self.batch_size
         while left:  # the rows wrap at the end of the data: one or more contiguous reads
@@ -103,6 +116,26 @@ class DataSource:
         # contiguous, as the program was traced on (its views assume the example batch's strides)
         inputs = [torch.cat([p[0][i] for p in parts]).contiguous() for i in range(len(parts[0][0]))]
         return inputs, torch.cat([p[1] for p in parts]).contiguous()
+
+    def _shuffled_batch(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        first = step * self.global_batch + self.offset
+        rows = [self._row(k) for k in range(first, first + self.batch_size)]
+        parts = [self.read(r, r + 1) for r in rows]
+        inputs = [torch.cat([p[0][i] for p in parts]).contiguous() for i in range(len(parts[0][0]))]
+        return inputs, torch.cat([p[1] for p in parts]).contiguous()
+
+    def _row(self, k: int) -> int:
+        """The row that sample k of the shuffled order reads."""
+        assert self.shuffle is not None  # _shuffled_batch calls it
+        epoch = k // self.rows
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            self._epoch_order = (epoch, shuffled_rows(self.rows, self.shuffle, epoch))
+        return int(self._epoch_order[1][k % self.rows])
+
+
+def shuffled_rows(rows: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of the rows in `epoch` under --shuffle `seed` (the module docstring's formula)."""
+    return torch.randperm(rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
 
 
 def _check_rows(inputs: list[torch.Tensor], targets: torch.Tensor, spec: dict, where: str) -> None:

@@ -421,14 +421,16 @@ class Trainer:
         return tensor.to(self.device, non_blocking=True)  # queued behind the step before, no wait for it (a GPU's)
 
     # -- data -----------------------------------------------------------------------------
-    def data_source(self, path: str | Path | None = None, token_dtype: str | None = None) -> DataSource:
+    def data_source(self, path: str | Path | None = None, token_dtype: str | None = None, shuffle: int | None = None) -> DataSource:
         """--data's rows for this rank (a file, folder or glob of shards: runner/data.py), or the
-        artifact's recorded example batch."""
+        artifact's recorded example batch; `shuffle`: --shuffle's seed (every epoch in its order)."""
         if path is not None:
-            return DataSource.from_file(path, self.data_spec, self.data_rank, self.data_size, token_dtype)
+            source = DataSource.from_file(path, self.data_spec, self.data_rank, self.data_size, token_dtype)
+            return source.shuffle_with(shuffle) if shuffle is not None else source
         example = self.artifact.tensors(self.data_spec["example"])
         inputs, targets = split_batch_tensors(example, self.data_spec["example"])
-        return DataSource(inputs, targets, self.data_spec, self.data_rank, self.data_size, "example batch")
+        source = DataSource(inputs, targets, self.data_spec, self.data_rank, self.data_size, "example batch")
+        return source.shuffle_with(shuffle) if shuffle is not None else source
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

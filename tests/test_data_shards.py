@@ -74,6 +74,38 @@ def test_token_shards_train_as_eager_ddp_on_the_same_windows(built, stream, tmp_
         assert all(torch.equal(other_weights[k], weights[k]) for k in weights), name
 
 
+def test_shuffled_epochs_read_the_seeded_order_and_resume_exactly(built, stream, tmp_path):
+    """--shuffle 7 over two epochs of the token shards trains bit-identically to an unshuffled run on
+    the windows written out in runner.data.shuffled_rows's order; stopped after epoch 1 and resumed
+    with the same seed, it reads the same samples and ends with the same weights."""
+    from runner.data import shuffled_rows
+
+    art = built(GPT, "--world-size", 2, "--batch-size", BATCH, "--no-onnx")
+    steps = 2 * WINDOWS // (2 * BATCH)  # two epochs
+    run = lambda folder, data, *extra: ok(
+        torchrun(2, "run", art, "--data", data, "--metrics", folder / "m.jsonl", "--save", folder / "ckpt", "--quiet", *extra)
+    )
+    (tmp_path / "shuffled").mkdir()
+    run(tmp_path / "shuffled", stream / "shards", "--steps", steps, "--shuffle", 7)
+    rows = load_file(stream / "windows.safetensors")
+    order = torch.cat([shuffled_rows(WINDOWS, 7, epoch) for epoch in range(2)])
+    save_file({k: v[order].contiguous() for k, v in rows.items()}, str(tmp_path / "in_order.safetensors"))
+    (tmp_path / "in_order").mkdir()
+    run(tmp_path / "in_order", tmp_path / "in_order.safetensors", "--steps", steps)
+    (tmp_path / "resumed").mkdir()
+    run(tmp_path / "resumed", stream / "shards", "--steps", steps // 2, "--shuffle", 7)
+    run(tmp_path / "resumed", stream / "shards", "--steps", steps - steps // 2, "--shuffle", 7, "--resume", tmp_path / "resumed" / "ckpt")
+    losses = {
+        name: [json.loads(line)["loss"] for line in (tmp_path / name / "m.jsonl").read_text().splitlines()] for name in ("shuffled", "in_order", "resumed")
+    }
+    assert losses["shuffled"] == losses["in_order"] == losses["resumed"] and len(losses["shuffled"]) == steps
+    for name in ("in_order", "resumed"):
+        merge_checkpoint(tmp_path / name / "ckpt", tmp_path / f"{name}.safetensors")
+    merge_checkpoint(tmp_path / "shuffled" / "ckpt", tmp_path / "shuffled.safetensors")
+    weights = {name: load_file(tmp_path / f"{name}.safetensors") for name in ("shuffled", "in_order", "resumed")}
+    assert all(torch.equal(weights["shuffled"][k], weights[other][k]) for other in ("in_order", "resumed") for k in weights["shuffled"])
+
+
 def test_bad_token_data_is_one_line(built, stream, tmp_path):
     art = built(GPT, "--world-size", 1, "--batch-size", BATCH, "--no-onnx")
     short = tmp_path / "short.bin"
