@@ -29,17 +29,9 @@ from aot.plan.recompute import apply_request, resolve_request
 from aot.plan.build_plan import time_entry
 from aot.plan.search import MEMORY_HEADROOM
 from aot.plan.sequence_parallel import check_sequence_length, sequence_parallel_layout
-from aot.plan.tensor_parallel import (
-    check_degree,
-    check_divisible,
-    explain_plan,
-    split_forward_failure,
-    summarize,
-    summarize_whole,
-    summed_params,
-    unsplit_weights,
-    user_plan,
-)
+from aot.plan.tensor_parallel import check_degree, check_divisible, explain_plan, summed_params, user_plan
+from aot.plan.tensor_parallel_summary import summarize, summarize_whole, unsplit_weights
+from aot.plan.tensor_parallel_trial import split_forward_failure
 from aot.progress import Progress
 from runner.data import split_batch_tensors
 from runner.inspect import describe_batchnorm, describe_replicas, describe_time, human, tp_layer

@@ -90,12 +90,9 @@ class DataSource:
         if len(kinds) > 1:
             raise AotError(f"{path}: mixes {' and '.join(sorted(kinds))} shards; give one kind")
         kind = kinds.pop()
-        if kind == "safetensors":
-            rows, read = _safetensors_rows(shards, spec)
-        else:
-            rows, read = _token_windows(shards, spec, token_dtype)
         if token_dtype is not None and kind == "safetensors":
             raise AotError("--token-dtype applies to token streams (.bin), not to safetensors rows")
+        rows, read = _safetensors_rows(shards, spec) if kind == "safetensors" else _token_windows(shards, spec, token_dtype)
         return cls.from_rows(rows, read, spec, dp_rank, dp_size)
 
     def shuffle_with(self, seed: int) -> "DataSource":
@@ -104,25 +101,16 @@ class DataSource:
         return self
 
     def batch(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        if self.shuffle is not None:
-            return self._shuffled_batch(step)
-        start = (step * self.global_batch + self.offset) % self.rows
-        parts, left = [], self.batch_size
-        while left:  # the rows wrap at the end of the data: one or more contiguous reads
-            stop = min(self.rows, start + left)
-            parts.append(self.read(start, stop))
-            left -= stop - start
-            start = 0
-        # contiguous, as the program was traced on (its views assume the example batch's strides)
-        inputs = [torch.cat([p[0][i] for p in parts]).contiguous() for i in range(len(parts[0][0]))]
-        return inputs, torch.cat([p[1] for p in parts]).contiguous()
-
-    def _shuffled_batch(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         first = step * self.global_batch + self.offset
-        rows = [self._row(k) for k in range(first, first + self.batch_size)]
-        parts = [self.read(r, r + 1) for r in rows]
-        inputs = [torch.cat([p[0][i] for p in parts]).contiguous() for i in range(len(parts[0][0]))]
-        return inputs, torch.cat([p[1] for p in parts]).contiguous()
+        if self.shuffle is not None:
+            spans = [(r, r + 1) for r in (self._row(k) for k in range(first, first + self.batch_size))]
+        else:  # contiguous rows, wrapping at the end of the data: one or two reads
+            start, left, spans = first % self.rows, self.batch_size, []
+            while left:
+                stop = min(self.rows, start + left)
+                spans.append((start, stop))
+                left, start = left - (stop - start), 0
+        return _joined([self.read(a, b) for a, b in spans])
 
     def _row(self, k: int) -> int:
         """The row that sample k of the shuffled order reads."""
@@ -131,6 +119,13 @@ class DataSource:
         if self._epoch_order is None or self._epoch_order[0] != epoch:
             self._epoch_order = (epoch, shuffled_rows(self.rows, self.shuffle, epoch))
         return int(self._epoch_order[1][k % self.rows])
+
+
+def _joined(parts: list) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(inputs, targets) read in parts, joined in order, contiguous: as the program was traced on
+    (its views assume the example batch's strides)."""
+    inputs = [torch.cat([p[0][i] for p in parts]).contiguous() for i in range(len(parts[0][0]))]
+    return inputs, torch.cat([p[1] for p in parts]).contiguous()
 
 
 def shuffled_rows(rows: int, seed: int, epoch: int) -> torch.Tensor:
@@ -205,8 +200,7 @@ def _safetensors_rows(shards: list[Path], spec: dict):
             lo, hi = max(a, first), min(b, last)
             if lo < hi:
                 parts.append(([handle.get_slice(n)[lo - first : hi - first] for n in input_names], handle.get_slice("targets")[lo - first : hi - first]))
-        inputs = [torch.cat([p[0][i] for p in parts]) for i in range(len(parts[0][0]))]
-        return inputs, torch.cat([p[1] for p in parts])
+        return _joined(parts)
 
     return total, read
 

@@ -72,12 +72,6 @@ class ModelFile:
         return {name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in tensors.items()}
 
 
-def _user_frame(exc: BaseException, path: Path) -> str:
-    """' (model.py:12)' for the innermost frame of the user's file in a traceback, if any."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
-    return f" ({path.name}:{frames[-1].lineno})" if frames else ""
-
-
 # Where torch, aot, the runner and Python's own library live: frames there are not model code
 _AOT_DIR = Path(__file__).resolve().parents[1]
 _TOOL_DIRS = tuple(f"{d}/" for d in (Path(torch.__file__).resolve().parent, _AOT_DIR, _AOT_DIR.parent / "runner"))
@@ -161,7 +155,7 @@ def load_model_file(path: str | Path) -> ModelFile:
     except SyntaxError as e:
         raise AotError(f"{path.name}:{e.lineno}: syntax error: {e.msg}") from e
     except Exception as e:
-        raise AotError(f"{path.name}: importing it raised {type(e).__name__}: {e}{_user_frame(e, path)}") from e
+        raise AotError(f"{path.name}: importing it raised {describe_error(e, path)}") from e
     finally:
         sys.path.remove(str(path.parent))
 

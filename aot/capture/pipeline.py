@@ -95,7 +95,6 @@ def stage_state(state: TrainingState, params: list[str], buffers: list[str]) -> 
         buffers={n: b for n, b in state.buffers.items() if n in set(buffers)},
         optimizer_slots=[(n, k) for n, k in state.optimizer_slots if n in keep],
         param_groups=[groups[i] for i in kept_groups],
-        hyperparameters=[state.hyperparameters[i] for i in kept_groups],
         group_settings=[state.group_settings[i] for i in kept_groups],
         lr_schedule=[[row[i] for i in kept_groups] for row in state.lr_schedule],
     )

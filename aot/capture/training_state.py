@@ -51,12 +51,16 @@ class TrainingState:
     optimizer_fills: dict[str, float]  # the initial value of every element of each state tensor
     param_groups: list[list[str]]  # parameter names of each optimizer group
     optimizer_class: str
-    hyperparameters: list[dict]  # JSON-able settings of each group
     group_settings: list[dict]  # each group's settings as the optimizer holds them (all but "params")
     lr_schedule: list[list[float]]  # learning rate of every group at every step
     lr_constant: bool
     aliases: dict[str, str] = field(default_factory=dict)  # state_dict key -> canonical name
     state_dict_keys: list[str] = field(default_factory=list)
+
+    @property
+    def hyperparameters(self) -> list[dict]:
+        """Each group's settings as JSON (the manifest's `optimizer.param_groups`)."""
+        return [{k: _json_value(v) for k, v in g.items()} for g in self.group_settings]
 
 
 def _canonical_names(model: nn.Module) -> tuple[dict[str, str], list[str]]:
@@ -270,7 +274,6 @@ def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingSt
     fills = _optimizer_fills(mf, params, slots)
     schedule, constant = _evaluate_schedule(mf, opt, max_steps)
     aliases, keys = _canonical_names(model)
-    hyper = [{k: _json_value(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return TrainingState(
         model=model,
         params=params,
@@ -281,7 +284,6 @@ def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingSt
         optimizer_fills=fills,
         param_groups=groups,
         optimizer_class=type(opt).__name__,
-        hyperparameters=hyper,
         group_settings=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         lr_schedule=schedule,
         lr_constant=constant,

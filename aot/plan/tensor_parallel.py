@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,6 +27,8 @@ from torch import nn
 from aot.capture.tensor_parallel import transposed_linear
 from aot.errors import AotError
 from runner.sharding import tp_style
+
+from aot.plan.tensor_parallel_trial import split_forward_failure
 
 STYLES = ("colwise", "rowwise")
 _HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
@@ -261,49 +262,6 @@ def explain_plan(model: nn.Module, inputs: list[torch.Tensor], size: int = 2) ->
     return Finding(plan, {name: why for name, why in whole.items() if name not in plan})
 
 
-def split_forward_failure(model: nn.Module, plan: dict[str, str], inputs: list[torch.Tensor], size: int) -> tuple[str, str] | None:
-    """Run the forward with `plan`'s layers split over `size` ranks (rank 0; fake tensors, a fake
-    process group): None where it runs, else (the module whose forward failed: the innermost
-    holding split layers, its forward's line, what failed)."""
-    import contextlib
-    import linecache
-
-    from aot.capture.model_file import is_model_code
-    from aot.capture.step import traced_as_compiled
-    from aot.capture.tensor_parallel import tensor_parallel
-    from aot.capture.trace_logs import quiet_trace_logs
-
-    if not plan:
-        return None
-    fake_mode = torch._guards.detect_fake_mode([*model.parameters()])  # the build's model lives on fake tensors
-    with tensor_parallel(model, plan, size, "aot.tp_trial") as tp:
-        names = {id(m): name for name, m in tp.model.named_modules()}
-        try:
-            with fake_mode or contextlib.nullcontext(), traced_as_compiled(), quiet_trace_logs():  # as the step is traced (aot.capture.step)
-                tp.model(*[fake_mode.from_tensor(t) if fake_mode else t for t in inputs])
-            return None
-        except Exception as e:
-            failed, error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            tb = e.__traceback__
-            while tb is not None:  # outermost to innermost: the innermost module's forward in model code
-                owner = names.get(id(tb.tb_frame.f_locals.get("self")))
-                if owner is not None and is_model_code(tb.tb_frame.f_code.co_filename):
-                    failed = (owner, tb.tb_frame.f_code.co_filename, tb.tb_lineno)
-                tb = tb.tb_next
-            if failed is None or not any(n.startswith(f"{failed[0]}.") for n in plan):
-                # not inside a module with split layers: not a size the split changed
-                raise AotError(
-                    f"tensor parallel: the forward fails with the layers {summarize(list(plan))} split ({error}); give a tp_plan in the model file"
-                ) from e
-    owner, filename, line = failed
-    code = linecache.getline(filename, line).strip()
-    return owner, (
-        f"its forward fails with the layers split at {Path(filename).name}:{line} ({code}; {error}): a size fixed in the code "
-        f"(a head count, a width) that a rank's 1/tp share of the features cannot take; compute it from the tensor "
-        f"(view(B, T, -1, head_dim)) so tp can split it"
-    )
-
-
 def _read_plan(model: nn.Module, inputs: list[torch.Tensor]) -> Finding:
     """The pairs read from the exported forward graph (the module docstring), not yet run."""
     import contextlib
@@ -376,50 +334,6 @@ def _op_at(node) -> str:
         return "the model's output"
     packet = getattr(node.target, "overloadpacket", node.target)
     return f"{getattr(packet, '__name__', str(packet)).replace('.default', '')} in {_module_of(node)}"
-
-
-def _fold(text: str) -> str:
-    """Layer numbers in module paths replaced by `*`: `layers.3.mlp` -> `layers.*.mlp`."""
-    import re
-
-    return re.sub(r"\.\d+(?=\.|\s|$)", ".*", text)
-
-
-def _counted(items) -> dict:
-    """Each distinct item with how often it occurs, in first-seen order."""
-    counts: dict = {}
-    for item in items:
-        counts[item] = counts.get(item, 0) + 1
-    return counts
-
-
-def summarize(names) -> str:
-    """Module names with their layer numbers folded: `layers.*.mlp.up_proj (x32)`."""
-    return ", ".join(f"{p} (x{c})" if c > 1 else p for p, c in _counted(_fold(n) for n in names).items())
-
-
-def summarize_whole(whole: dict[str, str]) -> list[str]:
-    """One line per reason, naming the Linears it leaves whole, layer numbers folded."""
-    by_reason: dict[str, list[str]] = {}
-    for name, why in whole.items():
-        by_reason.setdefault(_fold(why), []).append(name)
-    return [f"{summarize(names)}: {why}" for why, names in by_reason.items()]
-
-
-def unsplit_weights(model: nn.Module, plan: dict[str, str]) -> list[str]:
-    """Lines for the matrices tensor parallelism cannot split because no Linear holds them
-    (mixture-of-experts weights kept as one 3-d tensor per projection, say), layer numbers folded.
-    Embeddings are not listed: every rank keeps the whole vocabulary by design."""
-    found = {}
-    for path, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)) or path in plan:
-            continue
-        weights = [n for n, p in module.named_parameters(recurse=False) if p.dim() >= 2]
-        if weights:
-            experts = "expert" in (path + type(module).__name__).lower()
-            kind = "mixture-of-experts weights" if experts else f"weights of a {type(module).__name__}, not a Linear"
-            found[path or "the model"] = f"{kind} ({', '.join(weights)}) stay whole on every tp rank"
-    return summarize_whole(found)
 
 
 def _activation_nodes(graph, user_inputs: set[str]) -> set:
