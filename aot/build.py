@@ -12,33 +12,32 @@ from aot.capture import replicas
 from aot.capture.custom_ops import custom_op_spec
 from aot.capture.model_file import ModelFile, load_model_file
 from aot.capture.precision import Precision, check_training_state, resolve_precision
-from aot.capture.step import Group, StepLayout, capture_step
+from aot.capture.step import StepLayout
 from aot.capture.sync_batchnorm import convert_to_sync, manifest_entry as batchnorm_entry
 from aot.capture.training_state import TrainingState, build_training_state
 from aot.emit.artifact import PROGRAM, emit_artifact, export_step
 from aot.emit.onnx_export import CHECK_BUDGET_BYTES, ONNX_FILE, build_inference, init_program_weights
 from aot.errors import AotError
-from aot.passes import PassOptions, run_passes
+from aot.compile_step import Recording, finish_program, step_layout, tensor_parallel_plan, trace_program
+from aot.passes import PassOptions
 from aot.defaults import DEFAULT_BUCKET_MB
 from aot.plan import hierarchy
 from aot.plan.cost_model import Memory, analyze
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
+from aot.target import Target
 from aot.plan.placement import Placement, place
-from aot.plan.recompute import apply_request, resolve_request
+from aot.plan.recompute import resolve_request
 from aot.plan.build_plan import time_entry
 from aot.plan.search import MEMORY_HEADROOM
-from aot.plan.sequence_parallel import check_sequence_length, sequence_parallel_layout
-from aot.plan.tensor_parallel import check_degree, check_divisible, explain_plan, summed_params, user_plan
-from aot.plan.tensor_parallel_summary import summarize, summarize_whole, unsplit_weights
-from aot.plan.tensor_parallel_trial import split_forward_failure
+from aot.plan.tensor_parallel_summary import summarize
 from aot.progress import Progress
-from runner.data import split_batch_tensors
-from runner.inspect import describe_batchnorm, describe_replicas, describe_time, human, tp_layer
-from runner.integrity import check_writable_target
-from runner.nvml_probe import live_profile
-from runner.topology import for_nodes, load_profile
-from runner.axes import DATA_AXES, DP, FSDP, PP, TP
+from runner.execution.data import split_batch_tensors
+from runner.commands.formatting import describe_batchnorm, describe_replicas, describe_time, human
+from runner.format.integrity import check_writable_target
+from runner.hardware.nvml_probe import live_profile
+from runner.hardware.topology import for_nodes, load_profile
+from runner.format.axes import DATA_AXES, PP, TP
 
 
 @dataclass(frozen=True)
@@ -89,33 +88,6 @@ def _stored_example(mf, batch_size: int, data_ranks: int, progress: Progress) ->
         )
         return one
     return mf.example_batch(batch_size * data_ranks)
-
-
-def _tensor_parallel_plan(mf, model, inputs, tp: int, progress: Progress) -> dict[str, str]:
-    """The model file's tp_plan, or the column/row-wise pairs found in its forward
-    (aot.plan.tensor_parallel); says which layers it splits and which it leaves whole, and why."""
-    check_degree(mf, model, tp)
-    plan = user_plan(mf, model)
-    where, whole, found = f"tp_plan in {mf.path.name}", {}, None
-    if plan is None:
-        found = explain_plan(model, inputs, tp)
-        plan, whole, where = found.plan, found.whole, "the found plan"
-        if not plan:
-            reasons = "; ".join(summarize_whole(whole)[:3])
-            raise AotError(
-                f"--strategy tp={tp}: no Linear pair in {mf.path.name} can be split ({reasons}); name the layers in a tp_plan (see README: Strategies)"
-            )
-    check_divisible(plan, model, tp, where)
-    if found is None:  # the found plan was run split already
-        failure = split_forward_failure(model, plan, inputs, tp)
-        if failure is not None:
-            raise AotError(f"{where}: {failure[0]} cannot be split as planned: {failure[1]}; or leave its layers out of tp_plan")
-    cols = [tp_layer(n, s) for n, s in plan.items() if s != "rowwise"]
-    rows = [n for n, s in plan.items() if s == "rowwise"]
-    progress.note(f"tensor parallel over {tp} ranks: {len(cols)} column-wise ({summarize(cols)}), {len(rows)} row-wise ({summarize(rows)})")
-    for line in summarize_whole(whole) + unsplit_weights(model, {**plan, **whole}):
-        progress.note(f"  left whole: {line}")
-    return plan
 
 
 def place_mesh(mesh: Mesh, profile: dict, planned=None) -> Placement:
@@ -250,18 +222,53 @@ class CompiledStep:
 
 def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement, planned, progress: Progress) -> CompiledStep:
     """The model file's whole training step for the mesh: loaded, its state recorded, traced (one
-    program, or one per pipeline rank), the passes run and priced."""
+    program, or one per pipeline rank), the passes run and priced (aot/compile_step.py)."""
+    machine = Machine(profile, mesh.world_size)
+    rec, target, request, example, batchnorm = _record(options, profile, mesh, machine, progress)
+    if not placement.identity:
+        progress.note(f"placement: {describe_placement(placement)}")
+    layout = _layout(rec, target, progress)
+    prefetch = None if options.prefetch_mb is None else int(options.prefetch_mb * 2**20)
+    chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
+    passes = PassOptions(bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch, hierarchical=chooser)
+    pipeline_entry, program_of, pipeline_files = None, (lambda coords: PROGRAM), {}
+    if target.group(PP) is not None:
+        from aot.pipeline_build import build_programs
+
+        built = build_programs(options, rec, layout, target, (mesh, placement, machine), request, passes, progress)
+        captures, memory, time, recompute = built.captures, built.memory, built.time, built.recompute
+        pipeline_entry, program_of, pipeline_files = built.entry, built.program_of, built.files
+    else:
+        with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
+            captured = trace_program(rec, layout)
+        with progress.stage("running graph passes (recomputation, bucketing, hierarchical all_reduce, overlap)"):
+            captured.graph, recompute = finish_program(captured.graph, captured.slots, request, machine.compute, passes)
+            analysis = analyze(captured.graph, captured.slots)
+            memory = analysis.memory
+            time = time_entry(machine, mesh, placement, analysis, options.bucket_mb, recompute.get("predicted_recompute_s", 0.0))
+        captures = {PROGRAM: captured}
+    progress.note(describe_memory(memory, recompute))
+    progress.note(describe_time(time).removeprefix("time").strip())
+    if recompute.get("warning"):
+        progress.warn(recompute["warning"])
+    layout, proof, subgroups = _programs_read(captures, layout, profile, machine, placement, progress)
+    return CompiledStep(
+        rec.mf, target.precision, example, rec.inputs, rec.state, batchnorm, layout, captures, memory, time, recompute,
+        pipeline_entry, program_of, pipeline_files, proof, subgroups,
+    )  # fmt: skip
+
+
+def _record(options: BuildOptions, profile: dict, mesh: Mesh, machine: Machine, progress: Progress):
+    """(the model file recorded, the target, the recomputation asked for, the stored example batch,
+    the manifest's `batchnorm`): the model file loaded, its state recorded once."""
     with progress.stage(f"loading {options.model_path.name}"):
         mf = load_model_file(options.model_path)
         precision = resolve_precision(options.precision, options.reduce_dtype, mf.globals, mf.path.name, profile)
-        machine = Machine(profile, mesh.world_size)
-        recompute_request = resolve_request(
+        request = resolve_request(
             options.memory_budget, options.activation_budget, mf.globals, mf.path.name, machine.memory_bytes, MEMORY_HEADROOM, options.activation_budget_source
         )
         example = _stored_example(mf, options.batch_size, mesh.data_parallel_size, progress)
         inputs, targets = split_batch_tensors(example, "batch()")
-        rank_inputs = [t[: options.batch_size] for t in inputs]
-        rank_targets = targets[: options.batch_size]
     with progress.stage("recording how the weights are made (init program), optimizer state and learning-rate schedule"):
         state = build_training_state(mf, options.seed, options.max_steps)
         check_training_state(precision, state.params, mf.path.name)
@@ -271,57 +278,36 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
     progress.note(
         f"{sum(p.numel() for p in state.params.values()):,} parameters, {state.optimizer_class}, mesh {mesh.describe()} on topology {profile['name']!r}"
     )
-    if not placement.identity:
-        progress.note(f"placement: {describe_placement(placement)}")
     if batchnorm and (batchnorm["synced"] or mesh.data_parallel_size > 1):
         progress.note(
             f"BatchNorm: {describe_batchnorm(batchnorm)}" + ("" if batchnorm["synced"] else ", as eager DDP (--sync-batchnorm: over the data-parallel ranks)")
         )
-    groups = {axis: Group(Mesh.group_name(axis), mesh.size(axis)) for axis in mesh.axes if mesh.size(axis) > 1}
-    tp_plan = _tensor_parallel_plan(mf, state.model, rank_inputs, mesh.size(TP), progress) if TP in groups else {}
-    sequence = None
-    if options.sequence_parallel:
-        if TP not in groups:
-            raise AotError("--sequence-parallel splits the tensor-parallel group's work: it needs --strategy with tp=N, N > 1")
-        sequence = sequence_parallel_layout(state.model, tp_plan, "the plan")
-        check_sequence_length(state.model, rank_inputs, sequence["blocks"][0], mesh.size(TP))
+    rec = Recording(mf, state, [t[: options.batch_size] for t in inputs], targets[: options.batch_size])
+    return rec, Target(mesh, precision, options.sequence_parallel), request, example, batchnorm
+
+
+def _layout(rec: Recording, target: Target, progress: Progress) -> StepLayout:
+    """The target's layout (aot.compile_step.step_layout), saying what tp splits and what the precision does."""
+    tp = target.group(TP)
+    if target.sequence_parallel and tp is None:
+        raise AotError("--sequence-parallel splits the tensor-parallel group's work: it needs --strategy with tp=N, N > 1")
+    plan = tensor_parallel_plan(rec, tp.size, progress.note) if tp is not None else {}
+    layout = step_layout(rec, target, plan)
+    if layout.sequence is not None:
+        sequence = layout.sequence
         progress.note(f"sequence parallel over blocks {sequence['blocks'][0]}..{sequence['blocks'][-1]}, norms {', '.join(sequence['norms']) or 'none'}")
-    layout = StepLayout(
-        groups.get(DP),
-        groups.get(FSDP),
-        groups.get(TP),
-        tuple(sorted(tp_plan.items())),
-        sequence,
-        precision,
-        tp_summed=summed_params(mf, state.model) if TP in groups else (),
-    )
+    precision = target.precision
     if precision.mixed:
         progress.note(
             f"precision {precision.compute}: autocast with {precision.rules}'s rules, fp32 master weights and "
             f"optimizer state, gradients reduced in {precision.reduce}" + (", dynamic loss scaling" if precision.scaler else "")
         )
-    prefetch = None if options.prefetch_mb is None else int(options.prefetch_mb * 2**20)
-    chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
-    passes = PassOptions(bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch, hierarchical=chooser)
-    finish = lambda gm: run_passes(gm, passes)
-    pipeline_entry, program_of, pipeline_files = None, (lambda coords: PROGRAM), {}
-    if PP in groups:
-        from aot.pipeline_build import build_programs
+    return layout
 
-        built = build_programs(options, mf, state, layout, mesh, placement, machine, groups[PP], rank_inputs, rank_targets, recompute_request, finish, progress)
-        captures, memory, time, recompute = built.captures, built.memory, built.time, built.recompute
-        pipeline_entry, program_of, pipeline_files = built.entry, built.program_of, built.files
-    else:
-        with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
-            captured = capture_step(mf, state, rank_inputs, rank_targets, layout)
-        with progress.stage("running graph passes (recomputation, bucketing, hierarchical all_reduce, overlap)"):
-            captured.graph, recompute = apply_request(captured.graph, captured.slots, recompute_request, machine.compute, finish)
-            analysis = analyze(captured.graph, captured.slots)
-            memory = analysis.memory
-            time = time_entry(machine, mesh, placement, analysis, options.bucket_mb, recompute.get("predicted_recompute_s", 0.0))
-        captures = {PROGRAM: captured}
-    progress.note(describe_memory(memory, recompute))
-    progress.note(describe_time(time).removeprefix("time").strip())
+
+def _programs_read(captures: dict, layout: StepLayout, profile: dict, machine: Machine, placement: Placement, progress: Progress):
+    """(the layout with every weight tp sums, the replicas' proof, hierarchical all_reduce's level
+    groups), read from the finished programs, with a note of each."""
     proof = replicas.merged([c.replicas for c in captures.values() if c.replicas is not None])
     summed = sorted({n for c in captures.values() for n in c.tp_summed})
     if summed:
@@ -330,8 +316,6 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
     progress.note(f"replicas: {describe_replicas(proof.to_json())}")
     if profile.get("device_kind") == "cuda":
         _note_math_attention(captures, progress)
-    if recompute.get("warning"):
-        progress.warn(recompute["warning"])
     subgroups = {}
     for captured in captures.values():
         subgroups.update(level_groups(captured.graph, machine, placement))
@@ -341,10 +325,7 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
             f"hierarchical all_reduce over {', '.join(sorted({g['axis'] for g in subgroups.values()}))}: "
             f"{split} all_reduce(s) split into a node level and a network level"
         )
-    return CompiledStep(
-        mf, precision, example, rank_inputs, state, batchnorm, layout, captures, memory, time, recompute,
-        pipeline_entry, program_of, pipeline_files, proof, subgroups,
-    )  # fmt: skip
+    return layout, proof, subgroups
 
 
 def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement, planned, step: CompiledStep, compile_device, progress: Progress) -> dict:

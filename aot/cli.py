@@ -10,12 +10,13 @@ from pathlib import Path
 
 import click
 
+from aot import cli_options as options
 from aot.defaults import DEFAULT_BUCKET_MB
 from aot.inference_cli import export as export_command, infer as infer_command
 from aot.plan_cli import calibrate as calibrate_command, plan as plan_command
 from aot.topology_cli import topology as topology_group
-from runner.cli import run as run_command
-from runner.console import console_main, debug_option
+from runner.commands.cli import run as run_command
+from runner.commands.console import console_main, debug_option
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -38,8 +39,8 @@ def cli():
 @cli.command()
 @click.argument("model_file", type=click.Path(path_type=Path))
 @click.option("--topology", metavar="PROFILE", help="Built-in profile name (e.g. cpu) or a profile JSON file. Default: this machine.")
-@click.option("--nodes", type=int, default=None, help="Nodes the job spans (one rank per GPU, ranks split evenly). Default: the profile's node count.")
-@click.option("--world-size", type=int, default=None, help="Number of ranks to build for. Default: the product of --strategy's degrees, else 1.")
+@options.nodes("Nodes the job spans (one rank per GPU, ranks split evenly). Default: the profile's node count.")
+@options.world_size("Number of ranks to build for. Default: the product of --strategy's degrees, else 1.")
 @click.option(
     "--strategy",
     metavar="AXIS=N[,...]",
@@ -60,10 +61,8 @@ def cli():
     "on every rank).",
 )
 @click.option("--stages-per-rank", type=int, default=None, help="With --pp-schedule interleaved-1f1b: model chunks per pipeline rank (default 2).")
-@click.option(
-    "--sequence-parallel",
-    is_flag=True,
-    help="With tp: split the residual stream between blocks along the sequence, so norms and dropouts run "
+@options.sequence_parallel(
+    "With tp: split the residual stream between blocks along the sequence, so norms and dropouts run "
     "on 1/tp of the tokens and row-wise outputs are reduce-scattered instead of all-reduced.",
 )
 @click.option(
@@ -73,7 +72,7 @@ def cli():
     "data-parallel ranks (dp and fsdp), all-reduced inside the graph, instead of each rank's own batch as "
     "eager DDP computes them. A model without BatchNorm is refused.",
 )
-@click.option("--batch-size", type=int, default=8, show_default=True, help="Samples per data-parallel rank per step.")
+@options.batch_size
 @click.option("--max-steps", type=int, default=1000, show_default=True, help="Steps of learning-rate schedule to store.")
 @click.option("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB, show_default=True, help="Gradient bucket size for all_reduce, in MiB.")
 @click.option(
@@ -83,29 +82,19 @@ def cli():
     help="FSDP: MiB of full parameters that may be gathered ahead of their use (larger hides more of a slow "
     "link, for more memory). Default: one parameter ahead, as FSDP does.",
 )
-@click.option(
-    "--hierarchical",
-    type=click.Choice(["auto", "always", "never"]),
-    default="auto",
-    show_default=True,
-    help="All_reduces over a group that spans nodes: reduce inside each node, cross the network with 1/g of the "
+@options.hierarchical(
+    "All_reduces over a group that spans nodes: reduce inside each node, cross the network with 1/g of the "
     "bytes, gather inside the node (three collectives over sub-groups). auto: each all_reduce where the "
     "topology's cost model says it is cheaper.",
 )
-@click.option(
-    "--precision",
-    type=click.Choice(["fp32", "bf16", "fp16"]),
-    default=None,
-    help="Compute dtype: forward and loss run under torch.autocast with the target's device rules (a CUDA "
+@options.precision(
+    "Compute dtype: forward and loss run under torch.autocast with the target's device rules (a CUDA "
     "profile traces CUDA's policy even on a CPU-only machine), master weights and optimizer state stay "
     "fp32; fsdp all-gathers parameters in it. fp16 adds GradScaler's dynamic loss scaling inside the "
     "graph (overflowing steps are skipped). Default: the model file's `precision`, else fp32.",
 )
-@click.option(
-    "--reduce-dtype",
-    type=click.Choice(["fp32", "bf16", "fp16"]),
-    default=None,
-    help="Dtype gradients are reduced in (dp all_reduce, fsdp reduce-scatter): fp32, or the --precision dtype "
+@options.reduce_dtype(
+    "Dtype gradients are reduced in (dp all_reduce, fsdp reduce-scatter): fp32, or the --precision dtype "
     "for half the bytes. Default: the model file's `reduce_dtype`, else fp32.",
 )
 @click.option(
@@ -124,7 +113,7 @@ def cli():
     "per byte first, then whole layers). The model file's `recompute` (module patterns, e.g. "
     '["blocks.*"]) is used when neither flag is given.',
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Initial weights are those of torch.manual_seed(seed); model().")
+@options.seed("Initial weights are those of torch.manual_seed(seed); model().")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Artifact folder to write.")
 @click.option("--sign", "sign_key", type=click.Path(path_type=Path), help="Sign the artifact with this Ed25519 private key (see `aot keygen`).")
 @click.option(
@@ -146,34 +135,7 @@ def cli():
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the build on stdout.")
 @debug_option
-def build(
-    model_file,
-    topology,
-    nodes,
-    world_size,
-    strategy,
-    microbatches,
-    pp_schedule,
-    stages_per_rank,
-    sequence_parallel,
-    sync_batchnorm,
-    batch_size,
-    max_steps,
-    bucket_mb,
-    prefetch_mb,
-    hierarchical,
-    precision,
-    reduce_dtype,
-    memory_budget,
-    activation_budget,
-    seed,
-    output,
-    sign_key,
-    onnx,
-    compile_tier,
-    quiet,
-    as_json,
-):
+def build(model_file, compile_tier, quiet, as_json, **flags):
     """Trace MODEL_FILE's whole training step into per-rank artifacts.
 
     MODEL_FILE defines model() and batch(batch_size), and optionally loss(outputs, targets),
@@ -184,42 +146,17 @@ def build(
     from aot.build import BuildOptions, build as run_build
     from aot.plan.mesh import Mesh
     from aot.progress import Progress
-    from runner.inspect import human
+    from runner.commands.formatting import human
 
-    if world_size is None:
-        world_size = Mesh.parse(strategy, None).world_size if strategy != "auto" else 1
-    options = BuildOptions(
-        model_path=model_file,
-        output=output,
-        topology=topology,
-        nodes=nodes,
-        world_size=world_size,
-        strategy=strategy,
-        batch_size=batch_size,
-        max_steps=max_steps,
-        bucket_mb=bucket_mb,
-        prefetch_mb=prefetch_mb,
-        seed=seed,
-        hierarchical=hierarchical,
-        sign_key=sign_key,
-        onnx=onnx,
-        compile=compile_tier,
-        sequence_parallel=sequence_parallel,
-        precision=precision,
-        reduce_dtype=reduce_dtype,
-        memory_budget=memory_budget,
-        activation_budget=activation_budget,
-        microbatches=microbatches,
-        pp_schedule=pp_schedule,
-        stages_per_rank=stages_per_rank,
-        sync_batchnorm=sync_batchnorm,
-    )
-    progress = Progress(total=6 + (onnx is not False) + (compile_tier == "aoti"), quiet=quiet or as_json)
+    if flags["world_size"] is None:
+        flags["world_size"] = Mesh.parse(flags["strategy"], None).world_size if flags["strategy"] != "auto" else 1
+    options = BuildOptions(model_path=model_file, compile=compile_tier, **flags)  # every other option is a field of the same name
+    progress = Progress(total=6 + (options.onnx is not False) + (compile_tier == "aoti"), quiet=quiet or as_json)
     manifest = run_build(options, progress)
     # the busiest program's collectives (pipeline ranks run different programs)
     program = max(manifest["programs"].values(), key=lambda p: sum(c["bytes"] for c in p["collectives"]))
     summary = {
-        "output": str(output),
+        "output": str(options.output),
         "world_size": manifest["world_size"],
         "programs": len(manifest["programs"]),
         "collectives_per_step": len(program["collectives"]),
@@ -236,10 +173,10 @@ def build(
         click.echo(
             f"built {summary['world_size']} rank(s), {summary['programs']} program{'s' if summary['programs'] > 1 else ''}, "
             f"{summary['collectives_per_step']} collective(s) per step ({human(summary['collective_bytes_per_step'])}), "
-            f"{human(summary['total_bytes'])} in {output}/ in {summary['seconds']:.1f} s",
+            f"{human(summary['total_bytes'])} in {options.output}/ in {summary['seconds']:.1f} s",
             err=True,
         )
-        click.echo(f"next: torchrun --nproc-per-node {summary['world_size']} -m aot run {output} --steps 10", err=True)
+        click.echo(f"next: torchrun --nproc-per-node {summary['world_size']} -m aot run {options.output} --steps 10", err=True)
 
 
 cli.add_command(run_command)
@@ -264,9 +201,9 @@ topology_group.add_command(calibrate_command)
 @debug_option
 def inspect(artifact, profile_dir, as_json):
     """Show ARTIFACT's ranks, programs, parameters, collectives per step and files."""
-    from runner.artifact import Artifact
-    from runner.inspect import compare_profile, render, summarize
-    from runner.profiling import read_summary
+    from runner.format.artifact import Artifact
+    from runner.commands.artifact_summary import compare_profile, render, summarize
+    from runner.execution.profiling import read_summary
 
     summary = summarize(Artifact(artifact))
     if profile_dir is not None:
@@ -297,7 +234,7 @@ def diff(a, b, as_json):
     missing, altered or not an artifact: one line `aot: error: ...`; not 1 as
     for other commands, where 1 here means "different").
     """
-    from runner.diff import compare, render
+    from runner.commands.diff import compare, render
     from runner.errors import AotError
 
     try:
@@ -353,7 +290,7 @@ def keygen(output):
     Build with `aot build --sign KEY`; clusters run with `aot run --trusted-key KEY.pub` and refuse
     artifacts that are unsigned, altered after signing, or signed by another key.
     """
-    from runner.signing import generate_keypair
+    from runner.format.signing import generate_keypair
 
     public = generate_keypair(output)
     click.echo(f"wrote private key {output} (keep it secret) and public key {public}", err=True)
@@ -370,7 +307,7 @@ def checkpoint():
 @debug_option
 def merge(folder, output):
     """Write FOLDER's full model weights to one safetensors file that model().load_state_dict() accepts."""
-    from runner.checkpoint import merge_checkpoint
+    from runner.format.checkpoint import merge_checkpoint
 
     count = merge_checkpoint(folder, output)
     click.echo(f"wrote {count} tensors to {output}", err=True)

@@ -1,6 +1,6 @@
 """`aot infer` and `aot export`: exported inference through ONNX Runtime.
 
-Imports are deferred into each command, as in aot/cli.py: `aot infer` loads runner.infer (and
+Imports are deferred into each command, as in aot/cli.py: `aot infer` loads runner.execution.infer (and
 through it onnxruntime) only when it runs; training commands never load either.
 """
 
@@ -11,7 +11,9 @@ from pathlib import Path
 
 import click
 
-from runner.console import debug_option
+from aot.cli_options import PRECISIONS
+
+from runner.commands.console import debug_option
 
 
 @click.command()
@@ -59,9 +61,9 @@ def infer(artifact, input_file, output, provider, warmup, iters, trusted_keys, a
     from safetensors.torch import save as save_safetensors
 
     from runner.errors import AotError
-    from runner.infer import load
-    from runner.integrity import check_writable_target
-    from runner.signing import read_public_key
+    from runner.execution.infer import load
+    from runner.format.integrity import check_writable_target
+    from runner.format.signing import read_public_key
 
     if output is not None:
         check_writable_target(output, "file")
@@ -102,7 +104,7 @@ def infer(artifact, input_file, output, provider, warmup, iters, trusted_keys, a
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="ONNX file to write. Default: the checkpoint folder's name with .onnx, beside it.")
 @click.option(
     "--precision",
-    type=click.Choice(["fp32", "bf16", "fp16"]),
+    type=click.Choice(PRECISIONS),
     default="fp32",
     show_default=True,
     help="The dtype the exported model computes in: the weights are stored in it and the forward runs in "
@@ -131,7 +133,7 @@ def export(artifact, model_file, checkpoint, output, precision, as_json):
         aot infer gpt.onnx --input batch.safetensors
     """
     from aot.emit.onnx_checkpoint import export_checkpoint
-    from runner.inspect import human
+    from runner.commands.formatting import human
 
     output = output if output is not None else Path(str(Path(checkpoint)).rstrip("/\\") + ".onnx")
     result = export_checkpoint(artifact, model_file, checkpoint, output, precision=precision, warn=lambda msg: click.echo(msg, err=True))

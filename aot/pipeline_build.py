@@ -15,17 +15,20 @@ from dataclasses import dataclass
 from typing import Callable
 
 from aot.capture.pipeline import tied_params
-from aot.capture.step import CapturedStep, Group, StepLayout
+from aot.capture.step import CapturedStep, StepLayout
+from aot.compile_step import Recording
+from aot.passes import PassOptions
+from aot.target import Target
 from aot.errors import AotError
 from aot.passes.recompute import has_checkpoint_calls
 from aot.plan.cost_model import Memory, analyze
 from aot.plan.pipeline import bubble_fraction, chunks_of
-from aot.plan.pipeline_programs import pipeline_programs
+from aot.plan.pipeline_programs import Schedule, pipeline_programs
 from aot.plan.pipeline_timeline import simulate_pipeline
 from aot.plan.build_plan import time_entry
 from aot.plan.search import Planner
-from runner.inspect import human
-from runner.axes import PP
+from runner.commands.formatting import human
+from runner.format.axes import PP
 
 PROGRAM_PREFIX = "train.pp"
 TIMELINE_FILE = "pipeline/timeline.json"
@@ -76,28 +79,27 @@ def stage_recompute_entry(request, recomputed: bool, plain: dict | None) -> dict
     return entry
 
 
-def build_programs(options, mf, state, layout: StepLayout, mesh, placement, machine, group: Group, inputs, targets, request, finish, progress) -> PipelineBuild:
+def build_programs(options, rec: Recording, layout: StepLayout, target: Target, where: tuple, request, passes: PassOptions, progress) -> PipelineBuild:
+    """Every pipeline rank's program for `target` (`where`: its mesh, placement and machine),
+    recomputing every stage where `request` asks or the plain programs do not fit its budget."""
+    mesh, placement, machine = where
+    group = target.group(PP)
+    assert group is not None  # a pipeline target
     pp = group.size
+    mf, state = rec.mf, rec.state
     virtual, microbatches = check_options(options, pp, mf.globals, state.model, mf.path.name)
     size = options.batch_size // microbatches
     always = request.patterns or (request.fraction is not None and request.fraction < 1.0)
 
     def programs(recompute: bool, notes: bool):
         made = pipeline_programs(
-            mf,
-            state,
+            rec,
             layout,
-            group,
-            inputs,
-            targets,
-            microbatches=microbatches,
-            schedule=options.pp_schedule,
-            virtual=virtual,
+            Schedule(group, microbatches, options.pp_schedule, virtual, recompute),
             compute=machine.compute,
-            finish=finish,
+            passes=passes,
             stage=progress.stage,
             note=progress.note if notes else (lambda line: None),
-            recompute=recompute,
             memory_limit=request.memory_bytes,
         )
         captures = {f"{PROGRAM_PREFIX}{r}": c for r, c in enumerate(made.captures)}

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import click
 
+from aot import cli_options as options
 from aot.plan_tables import describe_memory, render_table
-from runner.console import debug_option
+from runner.commands.console import debug_option
 
 
 SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json)
@@ -27,9 +28,9 @@ SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json
     "comma-separated (--topology dgx_a100,dgx_h100,hgx_h200): what-if across hardware, the best plan "
     "on each, fastest first.",
 )
-@click.option("--nodes", type=int, default=None, help="Nodes the job spans. Default: the profile's node count.")
-@click.option("--world-size", type=int, default=None, help="Ranks. Default: every GPU of every node (cpu profiles: one rank per node).")
-@click.option("--batch-size", type=int, default=8, show_default=True, help="Samples per data-parallel rank per step.")
+@options.nodes("Nodes the job spans. Default: the profile's node count.")
+@options.world_size("Ranks. Default: every GPU of every node (cpu profiles: one rank per node).")
+@options.batch_size
 @click.option(
     "--bucket-mb",
     "bucket_mbs",
@@ -37,7 +38,7 @@ SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json
     multiple=True,
     help="Gradient bucket size to consider, in MiB (repeatable). Default: 1, 4, 25, 100 and the model's gradients split in 2, 4 and 8.",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@options.seed("The seed `aot build --seed` records the weights with.")
 @click.option(
     "--axes",
     default=None,
@@ -50,27 +51,16 @@ SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json
     "1f1b, interleaved-1f1b and zero-bubble at 1, 2 and 4 microbatches per pipeline rank; every pipeline rank's "
     "program is traced, so it takes about ten times longer).",
 )
-@click.option(
-    "--sequence-parallel", is_flag=True, help="Price tensor-parallel meshes with sequence parallelism, as `aot build --sequence-parallel` builds them."
-)
-@click.option(
-    "--hierarchical",
-    type=click.Choice(["auto", "always", "never"]),
-    default="auto",
-    show_default=True,
-    help="Price all_reduces over groups that span nodes in two levels (reduce-scatter inside a node, "
+@options.sequence_parallel("Price tensor-parallel meshes with sequence parallelism, as `aot build --sequence-parallel` builds them.")
+@options.hierarchical(
+    "Price all_reduces over groups that span nodes in two levels (reduce-scatter inside a node, "
     "all_reduce across nodes, all-gather): where cheaper, always, or never; as `aot build --hierarchical`.",
 )
-@click.option(
-    "--precision",
-    type=click.Choice(["fp32", "bf16", "fp16"]),
-    default=None,
-    help="Price the step as `aot build --precision` builds it (smaller activations and collectives, "
+@options.precision(
+    "Price the step as `aot build --precision` builds it (smaller activations and collectives, "
     "matmuls at the profile's bf16/fp16 rate). Default: the model file's `precision`, else fp32.",
 )
-@click.option(
-    "--reduce-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None, help="Dtype gradients are reduced in, as `aot build --reduce-dtype`."
-)
+@options.reduce_dtype("Dtype gradients are reduced in, as `aot build --reduce-dtype`.")
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print every candidate as JSON.")
 @debug_option
@@ -97,9 +87,9 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     from aot.errors import AotError
     from aot.plan.mesh import BUILD_AXES
     from aot.plan.search import MEMORY_HEADROOM, plan_model
-    from runner.inspect import human
-    from runner.nvml_probe import live_profile
-    from runner.topology import for_nodes, gpus_in_order, load_profile
+    from runner.commands.formatting import human
+    from runner.hardware.nvml_probe import live_profile
+    from runner.hardware.topology import for_nodes, gpus_in_order, load_profile
 
     started = time.perf_counter()
 
@@ -259,9 +249,9 @@ def calibrate(base, output, name, min_bytes, max_bytes, reps, min_seconds, round
     machine's speed drifts over minutes.
     """
     from runner.errors import AotError
-    from runner.integrity import check_writable_target
-    from runner.nvml_probe import live_profile
-    from runner.topology import dumps_profile, load_profile, validate_profile
+    from runner.format.integrity import check_writable_target
+    from runner.hardware.nvml_probe import live_profile
+    from runner.hardware.topology import dumps_profile, load_profile, validate_profile
 
     from aot.plan.calibrate import calibrate as run_calibration
 

@@ -14,7 +14,7 @@ def samples_per_s(row: dict, batch_size: int) -> str:
 
 
 def render_table(rows: list[dict], header: str, batch_size: int) -> str:
-    from runner.inspect import human
+    from runner.commands.formatting import human
 
     cols = [
         "#",
@@ -83,7 +83,7 @@ def aligned(table: list[list[str]], left: tuple[int, ...]) -> list[str]:
 def describe_memory(row: dict) -> str:
     """One line: a plan's predicted memory per rank, itemized (what stays for the whole step, then
     what is live at the peak)."""
-    from runner.inspect import human
+    from runner.commands.formatting import human
 
     m = row["memory_bytes"]
     resident = [("parameters", m["params"]), ("optimizer state", m["optimizer"]), ("buffers", m["buffers"]), ("batch", m["batch"])]

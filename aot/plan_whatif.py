@@ -72,7 +72,7 @@ def per_sample_s(row: dict) -> float:
 
 
 def render(entries: list[dict], header: str, batch_size: int) -> str:
-    from runner.inspect import human
+    from runner.commands.formatting import human
 
     cols = [
         "#",

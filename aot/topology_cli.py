@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from runner.console import debug_option
+from runner.commands.console import debug_option
 
 # PCIe per-lane, per-direction GB/s by generation (after 128b/130b encoding): x16 Gen4 = 31.5, Gen5 = 63.
 PCIE_LANE_GB_PER_S = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563, 7: 15.125}
@@ -45,7 +45,7 @@ def _table(rows: list[list[str]], gap: int = 2) -> list[str]:
 
 def render(profile: dict) -> str:
     """The profile for people: summary, `nvidia-smi topo -m` matrix, bandwidths, GPUs, NICs, fabric."""
-    from runner.topology import (
+    from runner.hardware.topology import (
         describe,
         gib,
         gpu_label,
@@ -248,9 +248,9 @@ def probe(output, name, nodes, quiet):
     result is this machine's CPU profile.
     """
     from runner.errors import AotError
-    from runner.integrity import check_writable_target
-    from runner.nvml_probe import probe as run_probe
-    from runner.topology import describe, dumps_profile
+    from runner.format.integrity import check_writable_target
+    from runner.hardware.nvml_probe import probe as run_probe
+    from runner.hardware.topology import describe, dumps_profile
 
     if output is not None:
         check_writable_target(output, "file")
@@ -280,8 +280,8 @@ def probe(output, name, nodes, quiet):
 @debug_option
 def show(profile, nodes, as_json):
     """Print PROFILE (default: this machine, probed) as `nvidia-smi topo -m` does, with bandwidths."""
-    from runner.nvml_probe import probe as run_probe
-    from runner.topology import dumps_profile, for_nodes, load_profile
+    from runner.hardware.nvml_probe import probe as run_probe
+    from runner.hardware.topology import dumps_profile, for_nodes, load_profile
 
     p = load_profile(profile) if profile else run_probe()
     p = for_nodes(p, nodes)
@@ -304,9 +304,9 @@ def verify(profile, nodes, as_json):
     generation (maxima are compared).
     """
     from runner.errors import AotError
-    from runner.nvml_probe import live_profile
-    from runner.topology import describe, load_profile
-    from runner.topology_check import mismatches
+    from runner.hardware.nvml_probe import live_profile
+    from runner.hardware.topology import describe, load_profile
+    from runner.hardware.topology_check import mismatches
 
     p = load_profile(profile)
     live = live_profile()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from aot.capture.model_file import load_model_file
 from aot.errors import AotError
-from runner.artifact import Artifact
+from runner.format.artifact import Artifact
 
 
 def max_local_ranks() -> int:

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from aot.capture.model_file import load_model_file
-from runner.groups import leave_process_group
-from runner.trainer import Trainer
+from runner.execution.groups import leave_process_group
+from runner.execution.trainer import Trainer
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ Launched by bench/startup_and_step.py under torchrun, one process per rank:
     BENCH_T0=<launch time.time()> BENCH_RESULT=out.json \
         torchrun --standalone --nproc-per-node 2 bench/aot_worker.py ARTIFACT DATA --steps 30
 
-It does what runner/cli.py's `run` does (Trainer, check_steps, data_source, then trainer.step on
+It does what runner/commands/cli.py's `run` does (Trainer, check_steps, data_source, then trainer.step on
 source.batch(step) with only the step timed) minus click and printing, and records time.time()
 as its first statement so its start-up is measured the same way as bench/ddp_worker.py's.
 """
@@ -24,7 +24,7 @@ T_TORCH = time.time()
 
 import torch.distributed as dist  # noqa: E402
 
-from runner.trainer import Trainer  # noqa: E402
+from runner.execution.trainer import Trainer  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("artifact")

@@ -57,7 +57,7 @@ def worker(argv: list[str]) -> None:
 
     t_torch = time.time()
     import torch.distributed as dist
-    from runner.trainer import Trainer
+    from runner.execution.trainer import Trainer
 
     trainer = Trainer(args.artifact, None, tier=args.tier)
     t_loaded = time.time()

@@ -3,7 +3,7 @@
     python bench/gloo_poll_yield.py [--world 2] [--steps 40] [--repeats 2] [--strategies dp tp fsdp]
 
 `aot run` lowers each gloo group's transport poll thread (`gloo_tcp_loop`) to nice 19
-(runner.groups.yield_gloo_poll_threads); `AOT_GLOO_YIELD=0` leaves it alone. For examples/mlp.py
+(runner.execution.groups.yield_gloo_poll_threads); `AOT_GLOO_YIELD=0` leaves it alone. For examples/mlp.py
 and examples/gpt.py at each strategy (degree = --world), this builds one artifact (no ONNX) and
 launches `torchrun --nproc-per-node W -m aot run ART --steps N --metrics M` with and without the
 yield, back to back, `--repeats` times in alternating order. Step time: the median `step_time_s`

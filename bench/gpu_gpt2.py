@@ -73,7 +73,7 @@ def config():
 
     sizes = {"n_layer": _SMALL.get("layers"), "n_embd": _SMALL.get("embd"), "n_head": _SMALL.get("heads")}
     # No dropout, as nanoGPT and llm.c pretrain GPT-2 124M; with attention dropout aot keeps the math
-    # attention (runner/attention.py: its fused operator has no dropout).
+    # attention (runner/execution/attention.py: its fused operator has no dropout).
     dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     return GPT2Config(use_cache=False, attn_implementation=ATTN, **dropout, **{k: v for k, v in sizes.items() if v})
 

@@ -3,8 +3,8 @@
     python bench/onnx_latency.py [--model examples/gpt.py] [--batch-sizes 1,32] [--rounds 5] [--out results.json]
 
 Builds the model file once with `aot build` (whose ONNX stage exports the forward without its
-weights; `runner.infer` attaches the initial ones, replayed from the artifact's init program),
-then, for each batch size, times the artifact's export through `runner.infer` (ONNX
+weights; `runner.execution.infer` attaches the initial ones, replayed from the artifact's init program),
+then, for each batch size, times the artifact's export through `runner.execution.infer` (ONNX
 Runtime, CPUExecutionProvider, graph optimizations at the extended level, as `aot infer` runs it)
 and the same model in eager PyTorch (`torch.no_grad()`, eval mode), side by side in one process
 with the same number of threads. Both warm up first; then `--rounds` rounds alternate the two
@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import runner.infer  # noqa: E402
+import runner.execution.infer  # noqa: E402
 from aot.capture.model_file import load_model_file  # noqa: E402
 
 
@@ -89,7 +89,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "aot", "build", str(args.model), "-o", str(art), "--quiet", "--onnx"], cwd=REPO, check=True)
         build_s = time.perf_counter() - start
         manifest = json.loads((art / "manifest.json").read_text())
-        session = runner.infer.load(art, "cpu", threads=args.threads)
+        session = runner.execution.infer.load(art, "cpu", threads=args.threads)
 
         mf = load_model_file(args.model)
         torch.manual_seed(manifest["build"]["seed"])
@@ -137,7 +137,7 @@ def main() -> None:
         "threads": args.threads,
         "torch": torch.__version__,
         "onnxruntime": __import__("onnxruntime").__version__,
-        "provider": runner.infer.PROVIDERS[session.provider],
+        "provider": runner.execution.infer.PROVIDERS[session.provider],
         "opset": manifest["inference"]["opset"],
         "build_s": build_s,
         "load_average_before": load_before,

@@ -34,7 +34,7 @@ Bubble, predicted two ways: the schedule's idle share with equal stages and free
 and the simulated one, `time.predicted.bubble_s / time.predicted.step_s`: the step less the
 busiest pipeline rank's busy time, where the simulation counts a transfer's cost and the
 pipeline-group all_reduce as waiting. Either way the bubble is the share of the step the
-*busiest* rank sits idle. The matching measurement, from `--profile` (runner/profiling.py,
+*busiest* rank sits idle. The matching measurement, from `--profile` (runner/execution/profiling.py,
 `pipeline_wait`):
 for each pipeline rank, the median over its profiled steps of (time in `wait_tensor` / that
 step's duration), where the waits are those for receives (a neighbour stage has not sent yet), for

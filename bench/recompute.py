@@ -8,7 +8,7 @@ each strategy (batch 8 per data-parallel rank, `--no-onnx`) at activation budget
 recomputed), 0.5 and the smallest feasible (which the build states when asked for 0), and each
 artifact is trained with `torchrun --standalone --nproc-per-node 2 -m aot run ART --steps N
 --metrics M --profile P --quiet`. Measured: every rank's peak memory of the first step (`--profile`:
-live tensor bytes, runner/memory_tracking.py) against the build's prediction (manifest
+live tensor bytes, runner/execution/memory_tracking.py) against the build's prediction (manifest
 `memory.predicted.peak`), and the step time: the median `step_time_s` of rank 0's steps after the
 first 5. The budgets of a strategy are interleaved over --rounds rounds (each once per round, the
 order reversed every other round) so that load on this shared machine hits them alike; a budget's

@@ -10,7 +10,7 @@ model file: `--data-rows` rows of its own batch(), so the shapes match what it w
 invocation runs every variant, interleaved and in a rotating order, `--repeats` times, so the ratios
 compare runs that saw the same machine load. Variants:
 
-    aot               bench/aot_worker.py: runner.trainer.Trainer on an artifact built once by
+    aot               bench/aot_worker.py: runner.execution.trainer.Trainer on an artifact built once by
                       `aot build` (build time reported apart), stepped exactly as `aot run` does,
                       the portable tier (the program rebuilt as an FX graph from its JSON)
     aot, compiled     the same artifact's AOTInductor package (`aot run --tier compiled`); with
@@ -200,7 +200,7 @@ def run_variant(name: str, ctx: dict, tmp: Path, tag: str) -> dict:
             "command": shlex.join(cmd),
             "other_load_cores": load.other_cores,
             "launch_to_step1_end_s": (seen - t0) if seen else None,
-            # runner-reported: from `import runner.cli` to the end of step 1 (no torchrun, interpreter or torch import)
+            # runner-reported: from `import runner.commands.cli` to the end of step 1 (no torchrun, interpreter or torch import)
             "runner_time_since_start_step1_s": records[0]["time_since_start_s"] if records else None,
             "first_step_s": records[0]["step_time_s"] if records else None,
             "step_times_s": [r["step_time_s"] for r in records],
@@ -446,9 +446,8 @@ def render(rows: dict, ctx: dict, ratios: dict, losses: dict, calm: dict | None 
         lines.append(f"aot set-up: {rows['aot']['load_artifact_s']:.2f} s of it in runner import + Trainer() (verify, deserialize program, process group)")
     for name in ("aot_cli", "aot_cli_init_from"):
         if rows.get(name, {}).get("runner_time_since_start_step1_s") is not None:
-            lines.append(
-                f"{VARIANTS[name]}: its own metrics say step 1 ended {rows[name]['runner_time_since_start_step1_s']:.2f} s after `import runner.cli` (median)"
-            )
+            since = rows[name]["runner_time_since_start_step1_s"]
+            lines.append(f"{VARIANTS[name]}: its own metrics say step 1 ended {since:.2f} s after `import runner.commands.cli` (median)")
     lines.append("")
     lines.append("| ratio | of medians | of bests | per repeat (paired) | goal | met? |")
     lines.append("|---|---:|---:|---|---:|---|")

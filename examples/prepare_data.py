@@ -9,7 +9,7 @@ windows shifted one character to the right).
     python examples/prepare_data.py --tokens examples/data/tinytext.bin   # the whole text as one llm.c token shard
 
 `aot run --data` reads either: the safetensors windows as rows, or the token shard cut into windows
-of block_size + 1 tokens in order (runner/data.py).
+of block_size + 1 tokens in order (runner/execution/data.py).
 """
 
 import argparse

@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 
 
 def load(path, rank=None, **kwargs):
-    """Load one rank of an artifact; see `runner.trainer.Trainer`."""
-    from runner.trainer import Trainer
+    """Load one rank of an artifact; see `runner.execution.trainer.Trainer`."""
+    from runner.execution.trainer import Trainer
 
     return Trainer(path, rank, **kwargs)
 

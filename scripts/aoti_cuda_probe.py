@@ -1,7 +1,7 @@
 """Where a CUDA AOTInductor package crashes on load (issue 25): run by scripts/gpu_check.sh.
 
 On the H200 machine (torch 2.11+cu130) every aot CUDA package segfaulted inside
-`AOTIModelPackageLoader(...)` (runner/compiled.py, load_compiled), before any input was given,
+`AOTIModelPackageLoader(...)` (runner/execution/compiled.py, load_compiled), before any input was given,
 for examples/gpt.py in fp32 and GPT-2 in bf16 alike. This loads packages one way at a time, each in
 its own process (a segfault ends only that one), to tell apart the candidates:
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 _LOAD = """
 import sys, torch
-import runner.attention  # the fused attention aot's GPU programs call (the runner imports it too)
+import runner.execution.attention  # the fused attention aot's GPU programs call (the runner imports it too)
 path, how = sys.argv[1], sys.argv[2]
 if how == "torch":
     from torch._inductor import aoti_load_package

@@ -30,11 +30,11 @@ import torch
 from safetensors.torch import load_file
 
 from helpers.commands import EXAMPLES, REPO, TIMEOUT, aot, clean_env, ok, show, torchrun
-from runner.artifact import Artifact, manifest_digest
-from runner.checkpoint import merge_checkpoint
-from runner.compiled import choose_tier, live_device, load_compiled, mismatch, package_problem, x86_target
+from runner.format.artifact import Artifact, manifest_digest
+from runner.format.checkpoint import merge_checkpoint
+from runner.execution.compiled import choose_tier, live_device, load_compiled, mismatch, package_problem, x86_target
 from runner.errors import AotError
-from runner.integrity import sha256_bytes
+from runner.format.integrity import sha256_bytes
 
 MLP = EXAMPLES / "mlp.py"
 AOT_FRAME = re.compile(r'File "[^"]*[/\\](aot|runner)[/\\][^"]*\.py", line \d+')

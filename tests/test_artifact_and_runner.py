@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 import runner
 from helpers.commands import EXAMPLES, aot, ok, torchrun
 from helpers.training import eager_single_process
-from runner.artifact import FORMAT_VERSION, Artifact
-from runner.init_program import initial_state
+from runner.format.artifact import FORMAT_VERSION, Artifact
+from runner.execution.init_program import initial_state
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Bad input reaches the user as one line, never as a traceback.
 
 Every test runs the real command line in a subprocess (`python -m aot ...`, and torchrun for
-multi-rank runs) and checks the contract of runner/console.py: a user error prints exactly one
+multi-rank runs) and checks the contract of runner/commands/console.py: a user error prints exactly one
 `aot: error: ...` line (`aot: error: [rank r] ...` per rank under a multi-rank torchrun), exits 1,
 and names the problem; tracebacks appear only with --debug. Failed builds leave no half-written
 artifact. Bad model files live in tests/models/bad_*.py.
@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runner.artifact import FORMAT_VERSION, manifest_digest
+from runner.format.artifact import FORMAT_VERSION, manifest_digest
 from helpers.artifacts import writable_copy
 from helpers.commands import EXAMPLES, MODELS, REPO, TIMEOUT, aot, aot_each, clean_env, line_of, show, torchrun
 
@@ -541,7 +541,7 @@ def test_unknown_precision(tmp_path):
 
 def test_bf16_on_gpus_without_bf16(tmp_path):
     """A V100 profile (compute capability 7.0) cannot compute in bf16; fp16 it can."""
-    profile = json.loads((REPO / "runner" / "profiles" / "dgx_a100.json").read_text())
+    profile = json.loads((REPO / "runner" / "hardware" / "profiles" / "dgx_a100.json").read_text())
     for gpu in profile["node"]["gpus"].values():
         gpu.update(name="Tesla V100-SXM2-32GB", compute_capability=[7, 0])
     path = tmp_path / "v100.json"

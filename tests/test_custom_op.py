@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from helpers.commands import EXAMPLES, MODELS, REFERENCE, REPO, aot, clean_env, ok, show, torchrun
 from helpers.inference import assert_user_error, eager_model, load_user, max_diff
 
-import runner.infer
-from runner.custom_ops import import_op_libraries
+import runner.execution.infer
+from runner.execution.custom_ops import import_op_libraries
 from runner.errors import AotError
 
 MODEL = EXAMPLES / "custom_op.py"
@@ -55,7 +55,7 @@ def test_manifest_names_the_op_library_and_onnx_uses_the_translation(artifact):
     assert {n.op_type for n in proto.graph.node} >= {"Sigmoid", "Mul"}  # the translation, inlined
     user = load_user(MODEL)
     model = eager_model(user)
-    session = runner.infer.load(artifact, "cpu")
+    session = runner.execution.infer.load(artifact, "cpu")
     for batch_size in (1, 6):
         inputs, _ = user.batch(batch_size)
         with torch.no_grad():

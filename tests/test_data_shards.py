@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from helpers.commands import EXAMPLES, aot, ok, torchrun
 from helpers.inference import assert_user_error
 from helpers.training import STEPS, assert_same_training, reference
-from runner.checkpoint import merge_checkpoint
+from runner.format.checkpoint import merge_checkpoint
 
 GPT = EXAMPLES / "gpt.py"
 T, VOCAB, WINDOWS, BATCH = 64, 96, 24, 4
@@ -76,9 +76,9 @@ def test_token_shards_train_as_eager_ddp_on_the_same_windows(built, stream, tmp_
 
 def test_shuffled_epochs_read_the_seeded_order_and_resume_exactly(built, stream, tmp_path):
     """--shuffle 7 over two epochs of the token shards trains bit-identically to an unshuffled run on
-    the windows written out in runner.data.shuffled_rows's order; stopped after epoch 1 and resumed
+    the windows written out in runner.execution.data.shuffled_rows's order; stopped after epoch 1 and resumed
     with the same seed, it reads the same samples and ends with the same weights."""
-    from runner.data import shuffled_rows
+    from runner.execution.data import shuffled_rows
 
     art = built(GPT, "--world-size", 2, "--batch-size", BATCH, "--no-onnx")
     steps = 2 * WINDOWS // (2 * BATCH)  # two epochs

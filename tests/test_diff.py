@@ -9,8 +9,8 @@ import pytest
 from helpers.artifacts import writable_copy
 from helpers.commands import EXAMPLES, aot, show
 from helpers.inference import load_user
-from runner.artifact import manifest_digest
-from runner.inspect import human
+from runner.format.artifact import manifest_digest
+from runner.commands.formatting import human
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,7 @@ def test_killed_rank_restarts_from_last_checkpoint_bit_identical(gpt, tmp_path):
 
 CRASHING_WRITER = """
 import sys, torch
-from runner.checkpoint import save_checkpoint
+from runner.format.checkpoint import save_checkpoint
 spec = {"state_dict_keys": ["w"], "aliases": {}, "params": {"w": [[1 << 22], "float32"]}}
 step = int(sys.argv[2])
 while True:
@@ -101,7 +101,7 @@ while True:
 
 
 def test_crash_while_checkpointing_never_damages_the_last_good_one(tmp_path):
-    from runner.checkpoint import load_checkpoint, save_checkpoint
+    from runner.format.checkpoint import load_checkpoint, save_checkpoint
 
     folder = tmp_path / "ck"
     save_checkpoint(

@@ -1,8 +1,8 @@
-"""manifest.json against its JSON Schema (runner/manifest.schema.json), and the golden artifact.
+"""manifest.json against its JSON Schema (runner/format/manifest.schema.json), and the golden artifact.
 
 Every manifest the build writes for a small matrix of strategies validates against the schema,
 and the schema is not vacuous: each field the runner's own structural check requires, removed
-or given a wrong type, fails the schema and is refused by the runner (runner.artifact.Artifact),
+or given a wrong type, fails the schema and is refused by the runner (runner.format.artifact.Artifact),
 which names the place. The golden artifact (tests/fixtures/artifact_v5_mlp, built by the aot of
 format 5) loads in the current runner, validates, and trains to the losses written below, the
 same as eager PyTorch in the same test.
@@ -24,11 +24,11 @@ import runner
 from helpers.artifacts import writable_copy
 from helpers.commands import EXAMPLES, FIXTURES, MODELS
 from helpers.training import eager_single_process
-from runner import artifact as spec
-from runner.artifact import Artifact, manifest_digest
+from runner.format import artifact as spec
+from runner.format.artifact import Artifact, manifest_digest
 from runner.errors import AotError
 
-SCHEMA = json.loads(resources.files("runner").joinpath("manifest.schema.json").read_text())
+SCHEMA = json.loads(resources.files("runner.format").joinpath("manifest.schema.json").read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 REGISTRY = Registry().with_resource(SCHEMA["$id"], DRAFT202012.create_resource(SCHEMA))
 
@@ -120,7 +120,7 @@ def _wrong_values(schema) -> list:
 
 def _runner_fields(schema, value, path=(), abstract=()):
     """(path, its abstract path, the runner's schema there, whether the key is required) for
-    every place the runner's structural check (runner/artifact.py's *_SCHEMA dicts) defines in
+    every place the runner's structural check (runner/format/artifact.py's *_SCHEMA dicts) defines in
     `value`: each required key, the first entry of each list and map, each element of a
     fixed-length pair. The abstract path has "*" for map keys and list positions."""
     if isinstance(schema, dict) and isinstance(value, dict):

@@ -1,4 +1,4 @@
-"""The runner's fused attention (runner/attention.py) and when the capture records it
+"""The runner's fused attention (runner/execution/attention.py) and when the capture records it
 (aot/capture/fused_attention.py). Builds and training against eager: test_mixed_precision.py
 (transformers' GPT-2 for an A100 profile) and, for the compiled tier, the slow test below."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from helpers.commands import MODELS, aot, ok
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import runner.attention  # noqa: F401  (registers the operators)
+import runner.execution.attention  # noqa: F401  (registers the operators)
 from aot.capture.fused_attention import FusedAttention
 
 B, H, S, D = 2, 3, 16, 8
@@ -123,7 +123,7 @@ def test_the_compiled_tier_calls_the_fused_operator(tmp_path):
     library before loading the package): the compiled tier trains as the portable one."""
     art = tmp_path / "art"
     ok(aot("build", MODELS / "hf_gpt2.py", "--topology", "dgx_a100", "--world-size", 1, "--batch-size", 4, "--no-onnx", "--compile", "aoti", "-o", art))
-    assert json.loads((art / "manifest.json").read_text())["custom_ops"]["modules"] == ["runner.attention"]
+    assert json.loads((art / "manifest.json").read_text())["custom_ops"]["modules"] == ["runner.execution.attention"]
     losses = {}
     for tier in ("compiled", "portable"):
         metrics = tmp_path / f"{tier}.jsonl"

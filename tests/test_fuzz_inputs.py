@@ -14,10 +14,10 @@ from safetensors.torch import save as save_safetensors
 
 from helpers.artifacts import writable_copy
 from helpers.commands import EXAMPLES
-from runner.artifact import Artifact, manifest_digest
-from runner.data import DataSource
+from runner.format.artifact import Artifact, manifest_digest
+from runner.execution.data import DataSource
 from runner.errors import AotError
-from runner.topology import load_profile
+from runner.hardware.topology import load_profile
 
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

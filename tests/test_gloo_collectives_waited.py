@@ -3,7 +3,7 @@
 aot's programs issue collectives early and wait for them late (FSDP's parameter prefetch, gradient
 reduce_scatters waited at the end of backward). Over gloo that put many collectives of one group in
 flight together, which ProcessGroupGloo runs concurrently on its worker threads, and about one run
-of 40 FSDP steps in eight died of heap corruption or a lost message (runner.graph_loader.wait_at_issue).
+of 40 FSDP steps in eight died of heap corruption or a lost message (runner.execution.graph_loader.wait_at_issue).
 This trains a real FSDP artifact on two gloo ranks through runner.Trainer and checks the program it
 runs: the stored graph has several collectives in flight, the loaded one never more than one, and
 gloo's poll threads run at the lowest priority.
@@ -19,9 +19,9 @@ from helpers.commands import EXAMPLES, aot, ok, torchrun
 
 WORKER = textwrap.dedent("""
     import json, os, sys
-    from runner.graph_loader import load_graph_module, most_in_flight
-    from runner.groups import leave_process_group
-    from runner.trainer import Trainer
+    from runner.execution.graph_loader import load_graph_module, most_in_flight
+    from runner.execution.groups import leave_process_group
+    from runner.execution.trainer import Trainer
 
     def poll_threads_nice():
         nice = []
@@ -78,7 +78,7 @@ def test_fsdp_program_on_gloo_has_one_collective_in_flight(tmp_path):
         assert report["loaded"] == 1, report
         assert all(math.isfinite(loss) for loss in report["losses"])
         # gloo's poll threads (one per group) yield their core to
-        # the threads that carry the collectives (runner.groups.yield_gloo_poll_threads)
+        # the threads that carry the collectives (runner.execution.groups.yield_gloo_poll_threads)
         assert report["poll_threads_nice"] and set(report["poll_threads_nice"]) == {19}, report
     assert reports[0]["losses"] == reports[1]["losses"]  # the global loss, all-reduced: the same on both ranks
 
@@ -89,7 +89,7 @@ def test_cpu_packages_are_compiled_from_the_waited_program():
     import torch
 
     from aot.emit.aoti import _fake_groups, waited_at_issue
-    from runner.graph_loader import most_in_flight
+    from runner.execution.graph_loader import most_in_flight
 
     funcol = torch.ops._c10d_functional
 

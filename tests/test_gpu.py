@@ -12,7 +12,7 @@ What runs (examples/gpt.py, batch 4 per rank, 5 steps on examples/prepare_data.p
 - one-rank runs under torchrun of dp and fsdp artifacts built for that profile: the programs move
   to cuda:0 and train to the losses and weights of the same model built for the `cpu` profile and
   run on the CPU. A one-rank artifact has no process group (the runner starts none), so NCCL is
-  exercised on its own: a one-rank NCCL group bound by runner.groups under the graph's group
+  exercised on its own: a one-rank NCCL group bound by runner.execution.groups under the graph's group
   name runs the functional collectives the programs hold (all_reduce, all_gather, reduce_scatter);
 - `--precision bf16` on CUDA against eager `torch.autocast("cuda", torch.bfloat16)` on the GPU;
 - `aot build --compile aoti` on the GPU machine: a CUDA package, and the compiled tier trains like
@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers.commands import EXAMPLES, aot, ok, show, torchrun
 from helpers.inference import eager_model, load_user, max_diff
-from runner.checkpoint import merge_checkpoint
+from runner.format.checkpoint import merge_checkpoint
 from test_mixed_precision import _mean, _worst  # the weight differences the CPU precision tests bound
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: run scripts/gpu_check.sh on a GPU machine")]
@@ -164,8 +164,8 @@ def _step_ms(records) -> float:
 
 def test_probe_reads_this_gpu_through_nvml_and_verify_live_accepts_it(target, builds, tmp_path, figures):
     """(`builds` only starts the builds the later tests wait for.)"""
-    from runner.topology import load_profile
-    from runner.topology_check import TopologyMismatch, verify_live
+    from runner.hardware.topology import load_profile
+    from runner.hardware.topology_check import TopologyMismatch, verify_live
 
     path = tmp_path / "probe.json"
     r = ok(aot("topology", "probe", "-o", path, "--name", PROBE_NAME))
@@ -235,8 +235,8 @@ def test_one_rank_cuda_run_trains_like_the_cpu_build(strategy, builds, target, g
 NO_SYNC_SCRIPT = """
 import json, sys
 import torch
-from runner.groups import leave_process_group
-from runner.trainer import Trainer
+from runner.execution.groups import leave_process_group
+from runner.execution.trainer import Trainer
 
 artifact, out, allow = sys.argv[1], sys.argv[2], sys.argv[3:]
 trainer = Trainer(artifact, allow_topology_mismatch=bool(allow))
@@ -274,7 +274,7 @@ NCCL_SCRIPT = """
 import os
 import torch
 import torch.distributed as dist
-from runner.groups import bind_process_groups
+from runner.execution.groups import bind_process_groups
 
 device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
 torch.cuda.set_device(device)
@@ -300,7 +300,7 @@ print("nccl ok:", ", ".join(results), "; NCCL", torch.cuda.nccl.version())
 
 def test_nccl_group_bound_by_name_runs_the_graphs_collectives(tmp_path, figures):
     """A one-rank artifact starts no process group, so NCCL gets its own check: the runner's binding
-    (runner.groups.bind_process_groups, as aot run calls it) of a one-rank NCCL group under the name
+    (runner.execution.groups.bind_process_groups, as aot run calls it) of a one-rank NCCL group under the name
     graphs use, and the functional collectives of aot's programs over it on cuda:0."""
     script = tmp_path / "nccl_check.py"
     script.write_text(NCCL_SCRIPT)

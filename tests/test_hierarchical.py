@@ -14,8 +14,8 @@ import pytest
 
 from helpers.commands import EXAMPLES, aot, ok
 from helpers.training import assert_same_training, train_both
-from runner.artifact import manifest_digest
-from runner.topology import for_nodes, load_profile
+from runner.format.artifact import manifest_digest
+from runner.hardware.topology import for_nodes, load_profile
 
 TWO_NODES = ("--topology", "cpu", "--nodes", "2")
 

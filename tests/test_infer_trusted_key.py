@@ -9,7 +9,7 @@ import pytest
 
 from helpers.commands import EXAMPLES, aot, ok, show
 from runner.errors import AotError
-from runner.signing import read_public_key
+from runner.format.signing import read_public_key
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +45,9 @@ def test_aot_infer_with_trusted_key_runs_signed_artifacts_only(signed, tmp_path)
 
 
 def test_runner_infer_load_takes_trusted_keys(signed):
-    import runner.infer
+    import runner.execution.infer
 
-    session = runner.infer.load(signed / "art", "cpu", trusted_keys=[read_public_key(signed / "builder.pub")])
+    session = runner.execution.infer.load(signed / "art", "cpu", trusted_keys=[read_public_key(signed / "builder.pub")])
     assert session.input_names == ["inputs"]
     with pytest.raises(AotError, match="not among the trusted keys"):
-        runner.infer.load(signed / "art", "cpu", trusted_keys=[read_public_key(signed / "stranger.pub")])
+        runner.execution.infer.load(signed / "art", "cpu", trusted_keys=[read_public_key(signed / "stranger.pub")])

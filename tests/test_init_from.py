@@ -1,6 +1,6 @@
-"""`--init-from` reading (runner/init_from.py): real safetensors files against a synthetic manifest.
+"""`--init-from` reading (runner/execution/init_from.py): real safetensors files against a synthetic manifest.
 
-Every (tp, fsdp, coords) combination must give exactly what runner.sharding's tp_slice + shard
+Every (tp, fsdp, coords) combination must give exactly what runner.format.sharding's tp_slice + shard
 cut from the full tensors (fsdp=3 exercises padding and pieces that start mid-row), and every bad
 input must fail in one AotError line naming the problem, from headers alone.
 """
@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import runner.init_from as init_from
+import runner.execution.init_from as init_from
 from runner.errors import AotError
-from runner.init_from import check_init_from, rank_weights
-from runner.sharding import shard, tp_slice, tp_slice_shape
+from runner.execution.init_from import check_init_from, rank_weights
+from runner.format.sharding import shard, tp_slice, tp_slice_shape
 
 # name -> (shape, dtype, tp split dim or None); "lm_head.weight" is tied to "tok_emb.weight"
 PARAMS = {

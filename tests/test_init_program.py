@@ -1,4 +1,4 @@
-"""The init program (runner/init_program.py) replays a model's construction exactly, and a rank
+"""The init program (runner/execution/init_program.py) replays a model's construction exactly, and a rank
 that keeps only its piece of each parameter holds about that piece plus one whole parameter."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from aot.capture.model_file import load_model_file
 from aot.capture.training_state import build_training_state
 from aot.emit.artifact import export_init
 from helpers.commands import MODELS, REPO
-from runner.init_program import load_init_graph, replay
-from runner.program import encode_program
+from runner.execution.init_program import load_init_graph, replay
+from runner.format.program import encode_program
 
 
 def _init_graph(model_file):
@@ -83,7 +83,7 @@ def test_a_library_queried_on_import_while_constructing_stays_out_of_the_program
     (tmp_path / "init.json").write_bytes(code)
     (tmp_path / "init.safetensors").write_bytes(constants or b"")
     decode = (
-        "import sys; from pathlib import Path; from runner.init_program import load_init_graph; "
+        "import sys; from pathlib import Path; from runner.execution.init_program import load_init_graph; "
         "d = Path(sys.argv[1]); c = (d / 'init.safetensors').read_bytes(); "
         "load_init_graph((d / 'init.json').read_bytes(), c or None); "
         "assert 'helpers.query_op_library' not in sys.modules; print('decoded')"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from helpers.commands import EXAMPLES, aot, aot_each, ok
-from runner.artifact import manifest_digest
-from runner.integrity import sha256_bytes
+from runner.format.artifact import manifest_digest
+from runner.format.integrity import sha256_bytes
 
 PAYLOAD_MARK = "aot-test-pickle-executed"
 

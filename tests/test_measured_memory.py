@@ -1,4 +1,4 @@
-"""Measured peak memory per rank (`aot run --profile`, runner/memory_tracking.py) and its
+"""Measured peak memory per rank (`aot run --profile`, runner/execution/memory_tracking.py) and its
 comparison with the build's prediction (`aot inspect --profile`)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 import torch.fx
 
 from helpers.commands import EXAMPLES, aot, ok, torchrun
-from runner.artifact import Artifact
-from runner.inspect import compare_profile, render, summarize
-from runner.memory_tracking import ALLOCATOR, TRACKED, LiveBytes, measure_step
-from runner.profiling import read_summary
+from runner.format.artifact import Artifact
+from runner.commands.artifact_summary import compare_profile, render, summarize
+from runner.execution.memory_tracking import ALLOCATOR, TRACKED, LiveBytes, measure_step
+from runner.execution.profiling import read_summary
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")

@@ -33,8 +33,8 @@ from safetensors.torch import load_file
 
 from helpers.commands import EXAMPLES, MODELS, aot, aot_each, ok, torchrun
 from helpers.training import STEPS, reference, train_both
-from runner.artifact import FORMAT_VERSION
-from runner.checkpoint import merge_checkpoint
+from runner.format.artifact import FORMAT_VERSION
+from runner.format.checkpoint import merge_checkpoint
 
 
 def _worst(weights, ref_weights) -> float:
@@ -165,7 +165,7 @@ def test_fp16_resume_across_a_skipped_step_is_exact(tmp_path):
 
 
 def _softmax_dtypes(artifact) -> set[torch.dtype]:
-    from runner.graph_loader import load_graph_module
+    from runner.execution.graph_loader import load_graph_module
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     program = json.loads((artifact / manifest["programs"]["train"]["file"]).read_text())
@@ -202,7 +202,7 @@ def test_gpu_builds_record_attention_as_the_runners_fused_operator(tmp_path):
     """Built on this CPU for an A100 profile in fp32, transformers' GPT-2 (SDPA) was recorded with
     torch's fused CPU attention kernel (`_scaled_dot_product_flash_attention_for_cpu`), which a GPU
     has no kernel for; held to the math backend instead, it kept every B x H x S x S score for
-    backward. GPU builds record it as the runner's aot::attention (runner/attention.py: the
+    backward. GPU builds record it as the runner's aot::attention (runner/execution/attention.py: the
     device's fused kernel at run time), name the op library in the manifest, keep no softmax of
     scores, and train as eager DDP (on CPU ranks here, where the op runs eager's own kernel)."""
     from helpers.training import assert_same_training
@@ -210,7 +210,7 @@ def test_gpu_builds_record_attention_as_the_runners_fused_operator(tmp_path):
     r = ok(aot("build", MODELS / "hf_gpt2.py", "--topology", "dgx_a100", "--world-size", 1, "--batch-size", 4, "--no-onnx", "-o", tmp_path / "a"))
     assert "math decomposition" not in r.stderr
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    assert manifest["custom_ops"] == {"modules": ["runner.attention"], "ops": ["aot::attention", "aot::attention_backward"]}
+    assert manifest["custom_ops"] == {"modules": ["runner.execution.attention"], "ops": ["aot::attention", "aot::attention_backward"]}
     program = json.loads((tmp_path / "a" / manifest["programs"]["train"]["file"]).read_text())
     targets = [n["target"] for n in program["graph_module"]["graph"]["nodes"]]
     assert not [t for t in targets if "for_cpu" in t or "_safe_softmax" in t], sorted(set(targets))

@@ -24,8 +24,8 @@ from helpers.commands import EXAMPLES, REPO, aot, clean_env, ok, show
 from helpers.inference import assert_user_error, eager_model, load_user, max_diff
 
 import runner
-import runner.artifact
-import runner.infer
+import runner.format.artifact
+import runner.execution.infer
 from runner.errors import AotError
 
 TOL = 1e-4
@@ -55,7 +55,7 @@ def test_build_exports_onnx_that_matches_eager_at_any_batch_size(gpt_artifact, g
     assert inference["outputs"] == [{"name": "outputs", "shape": ["batch", 64, 96], "dtype": "float32"}]
     assert inference["batch_dim"] == "batch" and isinstance(inference["opset"], int)
     assert 0 <= inference["max_abs_diff"] <= TOL
-    assert manifest["format_version"] == runner.artifact.FORMAT_VERSION
+    assert manifest["format_version"] == runner.format.artifact.FORMAT_VERSION
 
     # protobuf (no pickle, no zip) that holds no weights: each parameter and buffer the graph reads
     # is an initializer without data, an external-data reference to a file the artifact lacks
@@ -84,7 +84,7 @@ def test_build_exports_onnx_that_matches_eager_at_any_batch_size(gpt_artifact, g
     assert not any(name.endswith(".data") for name in manifest["files"])
     assert not (gpt_artifact / "inference" / "model.onnx.data").exists()
 
-    session = runner.infer.load(gpt_artifact, "cpu")
+    session = runner.execution.infer.load(gpt_artifact, "cpu")
     assert session.provider == "cpu" and session.input_names == ["inputs"]
     model = eager_model(gpt)
     for batch_size in (4, 1, 7):  # the example batch, one sample, another size
@@ -154,7 +154,7 @@ def test_export_from_checkpoint_matches_eager_with_trained_weights(gpt_artifact,
     inputs, _ = gpt.batch(5)
     with torch.no_grad():
         expected, initial = trained(inputs), eager_model(gpt)(inputs)
-    got = runner.infer.load(onnx_file, "cpu").run(inputs)["outputs"]
+    got = runner.execution.infer.load(onnx_file, "cpu").run(inputs)["outputs"]
     assert max_diff(got, expected) <= TOL
     assert max_diff(got, initial) > 10 * TOL  # the export holds the trained weights, not the initial ones
 
@@ -188,19 +188,19 @@ def test_export_over_the_size_limit_writes_external_data(gpt_artifact, gpt, chec
     inputs, _ = gpt.batch(3)
     with torch.no_grad():
         expected = eager_model(gpt, merged)(inputs)
-    session = runner.infer.load(onnx_file, "cpu")
+    session = runner.execution.infer.load(onnx_file, "cpu")
     assert session.weights == str(data_file)
     assert max_diff(session.run(inputs)["outputs"], expected) <= TOL
 
     moved = tmp_path / "elsewhere.onnx"
     moved.write_bytes(onnx_file.read_bytes())
     with pytest.raises(AotError, match="weights are ONNX external data in trained.onnx.data, which is not beside it"):
-        runner.infer.load(moved, "cpu")
+        runner.execution.infer.load(moved, "cpu")
     blob = bytearray(data_file.read_bytes())
     blob[100] ^= 1
     data_file.write_bytes(bytes(blob))
     with pytest.raises(AotError, match="sha256 differs from the one trained.onnx records"):
-        runner.infer.load(onnx_file, "cpu")
+        runner.execution.infer.load(onnx_file, "cpu")
 
 
 # -- reduced precision (aot export --precision) ---------------------------------------------------
@@ -226,7 +226,7 @@ def _weights_in(proto, result: dict, merged: dict, dtype: torch.dtype) -> None:
     the causal mask (bool, from the init program) stays bool."""
     import onnx
 
-    from runner.infer import ONNX_TYPES
+    from runner.execution.infer import ONNX_TYPES
 
     weights = {init.name: init for init in proto.graph.initializer if init.name in result["initializers"]}
     trained = {name: init for name, init in weights.items() if result["initializers"][name] in merged}
@@ -257,7 +257,7 @@ def test_export_in_fp16_runs_on_cpu_and_matches_eager_fp16(gpt_artifact, gpt, ch
     assert [o.type.tensor_type.elem_type for o in proto.graph.output] == [onnx.TensorProto.FLOAT]
 
     inputs, _ = gpt.batch(5)
-    session = runner.infer.load(onnx_file, "cpu")  # as `aot infer` runs it (its CLI: test_aot_infer_end_to_end)
+    session = runner.execution.infer.load(onnx_file, "cpu")  # as `aot infer` runs it (its CLI: test_aot_infer_end_to_end)
     got = session.run({"inputs": inputs})["outputs"]
     assert session.provider == "cpu" and got.dtype == torch.float32
     trained = eager_model(gpt, merged)
@@ -304,7 +304,7 @@ def test_export_in_bf16_is_checked_by_the_reference_evaluator_and_refused_on_cpu
         "passed over: TensorrtExecutionProvider",
     )
     with pytest.raises(AotError, match="computes in bf16") as e:
-        runner.infer.load(onnx_file, "cpu")
+        runner.execution.infer.load(onnx_file, "cpu")
     assert "\n" not in str(e.value) and "passed over" not in str(e.value)
 
 
@@ -322,14 +322,14 @@ def test_bare_copy_of_the_artifacts_onnx_file_is_refused(gpt_artifact, tmp_path)
     bare = tmp_path / "model.onnx"
     bare.write_bytes((gpt_artifact / "inference" / "model.onnx").read_bytes())
     with pytest.raises(AotError, match="inference/model.onnx holds no weights: run the artifact folder"):
-        runner.infer.load(bare, "cpu")
+        runner.execution.infer.load(bare, "cpu")
 
 
 # -- bad input --------------------------------------------------------------------------------
 
 
 def test_inputs_that_do_not_match_the_export(gpt_artifact):
-    session = runner.infer.load(gpt_artifact, "cpu")
+    session = runner.execution.infer.load(gpt_artifact, "cpu")
     cases = [
         ({"input": torch.zeros(2, 64, dtype=torch.int64)}, "no tensor named 'inputs'"),
         ({"inputs": torch.zeros(2, 32, dtype=torch.int64)}, "inputs is [2, 32] int64, the exported model takes [N, 64] int64"),
@@ -398,7 +398,7 @@ def test_several_inputs_and_outputs_and_a_batch_of_one(tmp_path):
     assert from_fake.data == result.data and from_fake.spec == result.spec | {"max_abs_diff": from_fake.spec["max_abs_diff"]}
     onnx_file = tmp_path / "two_heads.onnx"
     save_onnx(result.data, result.weights_for(state_tensors(model)), onnx_file)
-    session = runner.infer.load(onnx_file, "cpu")  # a bare file: names and shapes come from the graph
+    session = runner.execution.infer.load(onnx_file, "cpu")  # a bare file: names and shapes come from the graph
     assert session.batch_dim == "batch" and session.input_names == ["inputs.0", "inputs.1"]
     (x, ids), _ = mf.batch(6)
     got = session.run({"inputs.0": x, "inputs.1": ids, "targets": torch.zeros(6)})
@@ -454,7 +454,7 @@ def test_check_is_skipped_over_its_budget_with_one_warning(tmp_path, monkeypatch
     assert result.spec["max_abs_diff"] is None and result.spec["checked_batch_sizes"] == []
     assert result.spec["unchecked"].startswith("the weights (0.0 GiB) exceed the numeric check's budget")
     assert len(warnings) == 1 and "not checked against eager PyTorch" in warnings[0] and "\n" not in warnings[0]
-    runner.artifact._conform({"file": "inference/model.onnx", **result.spec}, runner.artifact.INFERENCE_SCHEMA, "inference")
+    runner.format.artifact._conform({"file": "inference/model.onnx", **result.spec}, runner.format.artifact.INFERENCE_SCHEMA, "inference")
 
     monkeypatch.setattr(onnx_export, "CHECK_BUDGET_BYTES", 2**30)  # within it: weights recorded and replayed here
     warnings.clear()
@@ -480,7 +480,11 @@ def test_tensor_attribute_that_is_no_buffer_is_refused(tmp_path):
 def test_training_never_imports_onnxruntime():
     r = ok(
         subprocess.run(
-            [sys.executable, "-c", "import sys, aot.cli, runner.trainer; print(sorted(m for m in ('onnxruntime', 'onnx', 'onnxscript') if m in sys.modules))"],
+            [
+                sys.executable,
+                "-c",
+                "import sys, aot.cli, runner.execution.trainer; print(sorted(m for m in ('onnxruntime', 'onnx', 'onnxscript') if m in sys.modules))",
+            ],
             capture_output=True,
             text=True,
             env=clean_env(),

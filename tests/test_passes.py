@@ -23,7 +23,7 @@ from aot.capture.training_state import build_training_state
 from aot.passes import bucket_all_reduces, drop_profiler_calls, issue_early_wait_late, run_passes
 from aot.passes.graph_utils import ALL_GATHER, ALL_REDUCE, WAIT, funcol, is_call
 from helpers.commands import EXAMPLES
-from runner.init_program import replay
+from runner.execution.init_program import replay
 
 GROUP = "aot.test"
 

@@ -20,7 +20,7 @@ from aot.errors import AotError
 from aot.plan.pipeline import SCHEDULES, balance, bubble_floor, bubble_fraction, check, schedule_actions, unit_step
 from helpers.commands import EXAMPLES, MODELS, aot, ok, show
 from helpers.training import TOL, adamw_lr, assert_same_training, train_both
-from runner.program import decode_program
+from runner.format.program import decode_program
 
 P2P = {"isend", "irecv"}
 
@@ -220,7 +220,7 @@ def test_stages_move_off_the_compute_balance_to_fit_device_memory(tmp_path):
     the build moves the boundary toward the last stage until every rank fits, without recomputing,
     and trains exactly as eager DDP."""
     from aot.plan.search import MEMORY_HEADROOM
-    from runner.topology import load_profile
+    from runner.hardware.topology import load_profile
 
     args = ("--world-size", 2, "--strategy", "pp=2", "--microbatches", 4, "--batch-size", 8, "--no-onnx")
     ok(aot("build", EXAMPLES / "mlp.py", *args, "--topology", "dgx_a100", "--quiet", "-o", tmp_path / "roomy"))
@@ -249,7 +249,7 @@ def test_interleaved_stages_move_off_the_compute_balance_to_fit_device_memory(tm
     for that peak: the build hands a layer of rank 0's stages to a neighbouring stage of rank 1,
     and every rank's predicted peak fits, without recomputing."""
     from aot.plan.search import MEMORY_HEADROOM
-    from runner.topology import load_profile
+    from runner.hardware.topology import load_profile
 
     args = ("--world-size", 2, "--strategy", "pp=2", "--microbatches", 4, "--batch-size", 8, "--pp-schedule", "interleaved-1f1b", "--no-onnx", "--quiet")
     ok(aot("build", EXAMPLES / "mlp.py", *args, "--topology", "dgx_a100", "-o", tmp_path / "roomy"))
@@ -327,7 +327,7 @@ def test_fp16_loss_scaling_through_the_pipeline_matches_grad_scaler(tmp_path):
 
     from helpers.commands import MODELS, torchrun
     from helpers.training import reference
-    from runner.checkpoint import merge_checkpoint
+    from runner.format.checkpoint import merge_checkpoint
 
     art, ckpt, metrics = tmp_path / "art", tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     ok(aot("build", MODELS / "fp16_overflow.py", "--strategy", "pp=2", "--batch-size", 4, "-o", art, "--quiet", "--no-onnx", "--topology", "cpu"))
@@ -361,7 +361,7 @@ def test_stage_transfers_are_priced_by_the_calibrated_point_to_point_line(tmp_pa
     the last stage cannot start before the first activation arrives and the first stage cannot
     finish before the last gradient does, so at 50 ms per transfer the step takes at least 2 x 50 ms
     (a millisecond at the profile's default loopback latency)."""
-    from runner.topology import load_profile
+    from runner.hardware.topology import load_profile
 
     profile = load_profile("cpu")
     profile["calibration"] = {"loopback": {"alpha_s": 30e-6, "beta_s_per_byte": 5e-10, "per_kind": {"send_recv": {"alpha_s": 0.05, "beta_s_per_byte": 0.0}}}}
@@ -381,7 +381,7 @@ def test_pipeline_waits_pay_the_calibrated_in_step_stall_on_cpu_ranks(tmp_path):
     simulated pipeline charges it at each receive and the pipeline all_reduce. At 1F1B with 2
     microbatches on 2 ranks the first rank waits for both gradients before its last backward, so a
     10 ms stall adds at least 20 ms."""
-    from runner.topology import load_profile
+    from runner.hardware.topology import load_profile
 
     profile = load_profile("cpu")
     profile["compute"] = {"collective_stall_s": 0.01}

@@ -1,4 +1,4 @@
-"""The pipeline's measured wait (`aot run --profile` on a pp artifact, runner/profiling.py): each
+"""The pipeline's measured wait (`aot run --profile` on a pp artifact, runner/execution/profiling.py): each
 rank's time in wait_tensor calls that waited for a stage transfer (a receive, or a send at the end
 of the step), per profiled step, gathered to rank 0's profile.json.
 
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers.commands import EXAMPLES, aot, ok, torchrun
-from runner.profiling import pipeline_summary, step_waits
+from runner.execution.profiling import pipeline_summary, step_waits
 
 
 def _event(name: str, start: float, end: float):

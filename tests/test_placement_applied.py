@@ -17,7 +17,7 @@ import pytest
 
 from helpers.commands import EXAMPLES, REPO, aot, ok
 from helpers.training import assert_same_training, train_both
-from runner.artifact import manifest_digest
+from runner.format.artifact import manifest_digest
 
 CROSSED = REPO / "tests" / "fixtures" / "topology" / "pcie_4gpu_nvlink_pairs_crossed.json"
 

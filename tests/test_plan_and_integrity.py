@@ -8,7 +8,7 @@ import pytest
 
 from aot.plan.mesh import Mesh
 from runner.errors import AotError
-from runner.integrity import StagedDir, read_verified
+from runner.format.integrity import StagedDir, read_verified
 
 
 def test_mesh_default_is_data_parallel_over_all_ranks():

@@ -24,8 +24,8 @@ from aot.plan.gpu_model import GpuModel
 from aot.plan.machine import Machine
 from aot.plan.rebucket import rebucket
 from helpers.commands import REPO, TIMEOUT, clean_env
-from runner.data import split_batch_tensors
-from runner.topology import load_profile
+from runner.execution.data import split_batch_tensors
+from runner.hardware.topology import load_profile
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -133,7 +133,7 @@ def test_planning_for_gpus_never_imports_the_cpu_model():
             assert not e.code, e.code
         print("gpu", "aot.plan.gpu_model" in sys.modules, "aot.plan.cpu_gloo_model" in sys.modules, file=sys.stderr)
         from aot.plan.machine import Machine
-        from runner.topology import load_profile
+        from runner.hardware.topology import load_profile
         Machine(load_profile("cpu"), 2)
         print("cpu", "aot.plan.cpu_gloo_model" in sys.modules, file=sys.stderr)
     """

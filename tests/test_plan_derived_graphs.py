@@ -16,31 +16,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 import aot.plan.pricing as pricing
 from aot.capture.step import capture_step
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 from aot.plan.cost_model import analyze, storage_key
 from aot.plan.machine import Machine
-from aot.plan.model_steps import ModelSteps, Unsupported, factorizations
+from aot.plan.model_steps import ModelSteps, Pricing, Unsupported, factorizations
 from aot.plan.search import Planner
-from runner.topology import for_nodes, load_profile
+from helpers.graphs import graph_nodes
+from runner.hardware.topology import for_nodes, load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 MLP = REPO / "examples" / "mlp.py"
 GPT = REPO / "examples" / "gpt.py"
-
-
-def _nodes(gm: torch.fx.GraphModule) -> list:
-    def meta(v):
-        if isinstance(v, torch.Tensor):
-            return tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype
-        if isinstance(v, (list, tuple)):
-            return [meta(x) for x in v]
-        return "script object" if isinstance(v, torch.ScriptObject) else repr(v)
-
-    return [(n.op, n.name, str(n.target), str(n.args), str(n.kwargs), meta(n.meta.get("val"))) for n in gm.graph.nodes]
 
 
 def _facts(step) -> tuple:
@@ -70,7 +59,7 @@ def _variant(tmp_path: Path, name: str, extra: str) -> Path:
     ],
 )
 def test_pricing_trace_is_the_build_trace(model, sequence, meshes):
-    steps = ModelSteps(model, 8, world_size=8, sequence_parallel=sequence)
+    steps = ModelSteps(model, 8, sequence_parallel=sequence, pricing=Pricing(world_size=8))
     for mesh in meshes:
         layout = steps.layout(*mesh)
         graphs = [
@@ -78,7 +67,7 @@ def test_pricing_trace_is_the_build_trace(model, sequence, meshes):
             for tracer in (None, pricing.trace_for_pricing)
         ]
         built, priced = graphs
-        assert _nodes(priced.graph) == _nodes(built.graph), mesh
+        assert graph_nodes(priced.graph) == graph_nodes(built.graph), mesh
         assert priced.slots == built.slots
         facts = [_facts(analyze(plain_collectives(drop_profiler_calls(g.graph)), g.slots)) for g in graphs]
         assert facts[0] == facts[1], mesh
@@ -100,12 +89,12 @@ class Wrapped(nn.Module):
         return self.net(x) * torch.tensor(2.0)
 """,
     )
-    steps = ModelSteps(path, 8, world_size=2)
+    steps = ModelSteps(path, 8, pricing=Pricing(world_size=2))
     layout = steps.layout(2, 1, 1)
     built, priced = (
         capture_step(steps.mf, steps.state, steps.inputs, steps.targets, layout, check_ranks=False, tracer=t) for t in (None, pricing.trace_for_pricing)
     )
-    assert _nodes(priced.graph) == _nodes(built.graph)
+    assert graph_nodes(priced.graph) == graph_nodes(built.graph)
     assert any(n.op == "get_attr" for n in priced.graph.graph.nodes)
 
 
@@ -118,7 +107,7 @@ class Wrapped(nn.Module):
     ],
 )
 def test_graph_without_fsdp_derived_is_the_traced_one(model, sequence, pairs):
-    steps = ModelSteps(model, 8, world_size=8, sequence_parallel=sequence)
+    steps = ModelSteps(model, 8, sequence_parallel=sequence, pricing=Pricing(world_size=8))
     for sharded, plain in pairs:
         sharded_gm, _ = steps._capture(*sharded)
         derived = pricing.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(*plain), sharded_gm, "aot.fsdp")
@@ -126,7 +115,7 @@ def test_graph_without_fsdp_derived_is_the_traced_one(model, sequence, pairs):
         gm, slots, shared = derived
         traced = capture_step(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(*plain), check_ranks=False)
         traced_gm = plain_collectives(drop_profiler_calls(traced.graph))
-        assert _nodes(gm) == _nodes(traced_gm), plain
+        assert graph_nodes(gm) == graph_nodes(traced_gm), plain
         assert slots == traced.slots
         aliases = {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
         assert _facts(analyze(gm, slots, aliases)) == _facts(analyze(traced_gm, traced.slots)), plain
@@ -149,7 +138,7 @@ class Wrapped(nn.Module):
         return self.net(x)
 """,
     )
-    steps = ModelSteps(path, 8, world_size=4)
+    steps = ModelSteps(path, 8, pricing=Pricing(world_size=4))
     sharded_gm, _ = steps._capture(2, 2, 1)
     assert pricing.derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(2, 1, 1), sharded_gm, "aot.fsdp") is None
     steps._derived = {(True, 2, 1): [((True, 1, 1), (2, 1, 1))]}
@@ -177,14 +166,14 @@ def test_prefetch_gives_the_graphs_traced_one_by_one(model, world, max_tp, keys,
     """prefetch makes every graph the search asks for, deriving the meshes without fsdp; each is
     what the search traces one by one without it."""
     axes = ("dp", "fsdp", "tp")
-    lazy = ModelSteps(model, 8, world_size=world, max_tp=max_tp)
+    lazy = ModelSteps(model, 8, pricing=Pricing(world_size=world, max_tp=max_tp))
     _search_all(lazy, world)
     assert not lazy._derived
-    ahead = ModelSteps(model, 8, world_size=world, max_tp=max_tp)
+    ahead = ModelSteps(model, 8, pricing=Pricing(world_size=world, max_tp=max_tp))
     ahead.prefetch(axes)
     assert len(ahead.traced) == keys
     assert sum(len(v) for v in ahead._derived.values()) == derived
-    assert ahead._tp_plan == lazy._tp_plan
+    assert ahead._tp_plans == lazy._tp_plans
     assert sorted(lazy.traced) == sorted(ahead.traced)
     for key in ahead.traced:
         assert _facts(ahead.traced[key]) == _facts(lazy.traced[key]), key
@@ -195,7 +184,7 @@ def _derived_and_traced(model: Path, topology: str, world: int = 8):
     for every mesh of `world` ranks whose graph the cost model derives (fsdp > 2, or fsdp without dp)."""
     axes = ("dp", "fsdp", "tp")
     machine = _machine(topology, world)
-    steps = ModelSteps(model, 8, world_size=world, max_tp=machine.per_node)
+    steps = ModelSteps(model, 8, pricing=Pricing(world_size=world, max_tp=machine.per_node))
     planner = Planner(machine, steps)
     for shape in factorizations(world, axes):
         dp, fsdp, tp = shape

@@ -10,7 +10,7 @@ from aot.plan.collectives import Link
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.plan.placement import layout, place
-from runner.topology import for_nodes, load_profile
+from runner.hardware.topology import for_nodes, load_profile
 
 TP_HEAVY = {"tp": 1e9, "dp": 1e6}  # bytes per step per rank over each axis
 

@@ -18,8 +18,8 @@ from click.testing import CliRunner
 
 from aot.cli import cli
 from aot.plan.search import MEMORY_HEADROOM
-from runner.artifact import Artifact
-from runner.topology import load_profile
+from runner.format.artifact import Artifact
+from runner.hardware.topology import load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 GPT = str(REPO / "examples" / "gpt.py")
@@ -131,8 +131,8 @@ def test_the_recomputing_graphs_priced_are_the_builds():
     from aot.passes import PassOptions, run_passes
     from aot.plan.cost_model import analyze, node_seconds
     from aot.plan.machine import Machine
-    from aot.plan.model_steps import ModelSteps
-    from runner.topology import for_nodes
+    from aot.plan.model_steps import ModelSteps, Pricing
+    from runner.hardware.topology import for_nodes
     from test_plan_derived_graphs import _facts
 
     profile = for_nodes(load_profile("dgx_a100"), None, 2)
@@ -148,7 +148,7 @@ def test_the_recomputing_graphs_priced_are_the_builds():
         def more_may_help(self, graph):
             return True
 
-    steps = ModelSteps(GPT, 8, world_size=2, max_tp=8, profile=profile, memory_limit=NothingFits(), compute=machine.compute)
+    steps = ModelSteps(GPT, 8, pricing=Pricing(profile, world_size=2, max_tp=8, memory_limit=NothingFits(), compute=machine.compute))
     steps.prefetch(("dp", "fsdp", "tp"))
     assert sorted(steps.recomputed) == [(False, 1, 2), (False, 2, 1), (True, 1, 1)] and not steps.recompute_failed
     assert (True, 1, 1) in steps._derived[(False, 2, 1)][0]  # dp=2's graph derived from fsdp=2's

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from aot.cli import cli
 from aot.plan.machine import Machine
 from aot.plan.model_steps import factorizations
-from runner.artifact import Artifact
-from runner.topology import load_profile
+from runner.format.artifact import Artifact
+from runner.hardware.topology import load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 MLP = str(REPO / "examples" / "mlp.py")
@@ -287,7 +287,7 @@ def test_runner_applies_the_planned_nccl_algorithm_unless_the_user_set_one(tmp_p
     """A dgx_a100 build records NCCL_ALGO in its plan; a runner on NCCL sets it before NCCL starts,
     and a value already in the environment wins (checked on the function the runner calls: this
     machine has no NCCL)."""
-    from runner.trainer import nccl_algorithm
+    from runner.execution.trainer import nccl_algorithm
 
     art = tmp_path / "art"
     result = CliRunner().invoke(

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from aot.cli import cli
 from aot.plan_tables import ms
 from helpers.commands import EXAMPLES, aot, show
-from runner.inspect import human
-from runner.topology import load_profile
+from runner.commands.formatting import human
+from runner.hardware.topology import load_profile
 
 MLP = str(EXAMPLES / "mlp.py")
 PROFILES = ("dgx_a100", "dgx_h100", "hgx_h200")

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from helpers.commands import EXAMPLES, aot, ok
-from runner.artifact import Artifact
-from runner.init_program import initial_state
-from runner.graph_loader import load_graph_module
-from runner.program import decode_program
+from runner.format.artifact import Artifact
+from runner.execution.init_program import initial_state
+from runner.execution.graph_loader import load_graph_module
+from runner.format.program import decode_program
 
 
 @pytest.mark.parametrize("model", ["mlp.py", "gpt.py"])

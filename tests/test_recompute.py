@@ -24,7 +24,7 @@ from aot.plan.machine import Machine
 from aot.plan.recompute import Request, apply_request
 from helpers.commands import EXAMPLES, MODELS, aot, ok
 from helpers.training import assert_same_training, train_both
-from runner.topology import load_profile
+from runner.hardware.topology import load_profile
 from test_passes import capture, run_graph, single_rank_group  # noqa: F401 (the autouse fixture)
 
 COMPUTE = Machine(load_profile("cpu"), 1).compute

@@ -6,7 +6,7 @@
   whose gradient is a per-rank part of a sum is found and summed over tp; one no reduction serves
   is refused, and so is any parameter the proof cannot account for.
 - The run compares the copies: `aot run --check-replicas N` every N steps and every save
-  (runner/replica_check.py); a difference stops the run in one line, the last good checkpoint kept.
+  (runner/execution/replica_check.py); a difference stops the run in one line, the last good checkpoint kept.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_the_proof_refuses_a_gradient_left_unreduced():
     from aot.capture.step import Group, StepLayout, capture_step
     from aot.capture.training_state import build_training_state
     from aot.errors import AotError
-    from runner.data import split_batch_tensors
+    from runner.execution.data import split_batch_tensors
 
     mf = load_model_file(Path(EXAMPLES / "mlp.py"))
     state = build_training_state(mf, 0, 10)
@@ -100,7 +100,7 @@ def test_adams_bias_corrections_are_computed_as_eager_computes_them(tmp_path):
     from safetensors.torch import load_file
 
     from helpers.training import eager_single_process
-    from runner.checkpoint import merge_checkpoint
+    from runner.format.checkpoint import merge_checkpoint
 
     model_file = MODELS / "zoo" / "qwen2.py"
     art, ckpt, metrics = tmp_path / "art", tmp_path / "ckpt", tmp_path / "m.jsonl"

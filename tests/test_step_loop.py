@@ -12,8 +12,8 @@ from helpers.commands import EXAMPLES, MODELS, ok, torchrun
 
 WORKER = textwrap.dedent("""
     import json, sys
-    from runner.groups import leave_process_group
-    from runner.trainer import Trainer
+    from runner.execution.groups import leave_process_group
+    from runner.execution.trainer import Trainer
 
     artifact, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     at_once, queued = Trainer(artifact), None

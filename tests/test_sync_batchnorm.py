@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from helpers.commands import EXAMPLES, MODELS, aot, ok, torchrun
 from helpers.training import STEPS, assert_same_training, reference, train_both
-from runner.checkpoint import merge_checkpoint
+from runner.format.checkpoint import merge_checkpoint
 
 BATCH = 4
 

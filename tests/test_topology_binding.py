@@ -15,7 +15,7 @@ import pytest
 
 from fixtures.topology.fake_nvml import FakeNvml, fixture, make_root
 from helpers.commands import REPO, clean_env
-from runner.binding import bind_gpu, bind_rank, gpu_locality, set_thread_affinity
+from runner.hardware.binding import bind_gpu, bind_rank, gpu_locality, set_thread_affinity
 
 GPU0, GPU7 = "00000000:07:00.0", "00000000:BD:00.0"
 NUMA3 = set(range(48, 64)) | set(range(176, 192))
@@ -122,7 +122,7 @@ def test_bind_rank_only_for_cuda_ranks_and_not_with_no_bind():
 def test_real_affinity_and_memory_policy_calls_work_here():
     """The syscalls themselves, in a child process: bind to the CPUs already allowed, prefer node 0."""
     code = (
-        "import os; from runner.binding import set_thread_affinity, prefer_memory_node;"
+        "import os; from runner.hardware.binding import set_thread_affinity, prefer_memory_node;"
         "cpus = os.sched_getaffinity(0); set_thread_affinity(cpus); assert os.sched_getaffinity(0) == cpus;"
         "print(prefer_memory_node(0))"
     )

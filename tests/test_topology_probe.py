@@ -16,9 +16,9 @@ import pytest
 
 from fixtures.topology.fake_nvml import FakeNvml, fixture, make_root
 from runner.errors import AotError
-from runner.nvml_probe import live_profile, path_class, probe
-from runner.topology import load_profile, pair_links, validate_profile
-from runner.topology_check import TopologyMismatch, mismatches, verify_live
+from runner.hardware.nvml_probe import live_profile, path_class, probe
+from runner.hardware.topology import load_profile, pair_links, validate_profile
+from runner.hardware.topology_check import TopologyMismatch, mismatches, verify_live
 
 IDENTITY = ("uuid", "pci_bus_id", "port")  # facts of one machine, not of the model: not in built-ins
 

@@ -20,7 +20,7 @@ import pytest
 from fixtures.topology.fake_nvml import HERE as FIXTURES, fixture
 from helpers.commands import REPO, TIMEOUT, aot, clean_env, show
 from runner.errors import AotError
-from runner.topology import (
+from runner.hardware.topology import (
     builtin_names,
     describe,
     dumps_profile,
@@ -31,7 +31,7 @@ from runner.topology import (
     pair_links,
     profile_sha256,
 )
-from runner.topology_check import mismatches
+from runner.hardware.topology_check import mismatches
 
 BUILTINS = ["cpu", "dgx_a100", "dgx_h100", "hgx_h200", "pcie_4gpu_nvlink_pairs"]
 
@@ -67,9 +67,9 @@ def test_builtin_names():
 def test_builtins_are_valid_canonical_and_stable(name):
     p = load_profile(name)
     assert p["schema"] == "aot-topology" and p["schema_version"] == 2 and p["name"] == name and p["nodes"] == 1
-    raw = json.loads((REPO / "runner" / "profiles" / f"{name}.json").read_text())
+    raw = json.loads((REPO / "runner" / "hardware" / "profiles" / f"{name}.json").read_text())
     assert raw == p  # stored with bus ids already canonical
-    assert dumps_profile(p) == (REPO / "runner" / "profiles" / f"{name}.json").read_text()
+    assert dumps_profile(p) == (REPO / "runner" / "hardware" / "profiles" / f"{name}.json").read_text()
     assert profile_sha256(p) == profile_sha256(load_profile(name))
     if p["device_kind"] == "cuda":
         n = len(p["node"]["gpus"])

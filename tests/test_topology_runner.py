@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.commands import REPO, aot, clean_env, ok, show, torchrun
-from runner.topology_check import TopologyRefusal
+from runner.hardware.topology_check import TopologyRefusal
 
 AOT_FRAME = re.compile(r'File "[^"]*[/\\](aot|runner)[/\\][^"]*\.py", line \d+')
 MISMATCH = re.compile(r"^\[rank (\d+)\] topology mismatch: (.*)$", re.M)
@@ -68,7 +68,7 @@ def test_a_rank_that_does_not_list_the_mismatches_exits_after_the_one_that_does(
         "LOCAL_WORLD_SIZE": "2",
     }
     follower = subprocess.Popen(
-        [sys.executable, "-c", "from runner.topology_check import TopologyRefusal; TopologyRefusal('refused').before_exit(); print('exiting')"],
+        [sys.executable, "-c", "from runner.hardware.topology_check import TopologyRefusal; TopologyRefusal('refused').before_exit(); print('exiting')"],
         cwd=REPO,
         env={**clean_env(), **env, "LOCAL_RANK": "1"},
         stdout=subprocess.PIPE,
@@ -121,11 +121,11 @@ def test_node_count_is_checked_across_nodes(dgx_artifact):
 
 def test_runner_load_logs_what_aot_run_prints_with_the_rank(tmp_path, caplog):
     """A program that calls runner.load() itself gets the lines `aot run` prints from the `aot` logger
-    (runner/log.py): warnings at WARNING, each record with its rank; several ranks' lines say which."""
+    (runner/execution/log.py): warnings at WARNING, each record with its rank; several ranks' lines say which."""
     import logging
 
     import runner
-    from runner.log import RankLogger
+    from runner.execution.log import RankLogger
 
     art = tmp_path / "dgx1"
     ok(aot("build", REPO / "examples" / "mlp.py", "--topology", "dgx_a100", "--world-size", "1", "-o", art, "--quiet", "--no-onnx"))

@@ -20,7 +20,7 @@ import torch
 
 from aot.capture.model_file import ModelFile
 from aot.errors import AotError
-from runner import init_ops
+from runner.execution import init_ops
 
 # Namespaces of operators that torch itself registers; anything else is a custom operator.
 TORCH_NAMESPACES = frozenset(
@@ -44,7 +44,7 @@ TORCH_NAMESPACES = frozenset(
         "_test",
         "higher_order",
         "onnx",
-        init_ops.NAMESPACE,  # the runner's own init ops (runner/init_ops.py), registered by the runner itself
+        init_ops.NAMESPACE,  # the runner's own init ops (runner/execution/init_ops.py), registered by the runner itself
     }
 )
 

@@ -5,7 +5,7 @@ traced on the build machine's CPU for a GPU target would record the CPU's choice
 kernel (`_scaled_dot_product_flash_attention_for_cpu`, which a GPU has no kernel for) or, held to
 the math backend, bmm-softmax-bmm keeping the B x H x S x S scores for backward (9 GiB a step for
 GPT-2 at 16 x 1024) where a GPU runs flash attention and keeps none. `FusedAttention` records
-each call it can as `aot::attention` (runner/attention.py), which picks the fused kernel of the
+each call it can as `aot::attention` (runner/execution/attention.py), which picks the fused kernel of the
 device it runs on, and its backward as `aot::attention_backward`.
 
 A call is recorded so when it has no dropout, no grouped-query broadcasting and no mask that takes
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-import runner.attention  # noqa: F401  (registers aot::attention and its backward)
+import runner.execution.attention  # noqa: F401  (registers aot::attention and its backward)
 
 
 class FusedAttention(TorchFunctionMode):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from aot.errors import AotError
-from runner.integrity import sha256_file
+from runner.format.integrity import sha256_file
 
 
 def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

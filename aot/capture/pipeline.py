@@ -173,7 +173,7 @@ def draws_random(module: torch.fx.GraphModule) -> str | None:
 
 
 def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n_inputs: int, finish, tied: dict):
-    from runner.artifact import SCALER_KEYS
+    from runner.format.artifact import SCALER_KEYS
     from aot.capture.loss_scaling import LossScaling
 
     param_names, buffer_names = list(own.params), list(own.buffers)

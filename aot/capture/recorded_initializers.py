@@ -1,6 +1,6 @@
 """nn.init's value-dependent initializers, recorded as the runner's init ops while model() is traced.
 
-`nn.init.trunc_normal_` loops until no drawn value lies outside [a, b] (runner/init_ops.py says
+`nn.init.trunc_normal_` loops until no drawn value lies outside [a, b] (runner/execution/init_ops.py says
 why no static program can replay that); on fake tensors its loop cannot even run. While the build
 records model(), torch.nn.init's sampler is redirected to `aot_init::trunc_normal_`, whose
 kernel is that same sampler: the init program calls it where eager construction did, so the
@@ -16,7 +16,7 @@ import torch.nn.init
 
 from aot.capture.model_file import calling_line
 from aot.errors import AotError
-from runner import init_ops
+from runner.execution import init_ops
 
 
 def _recorded_trunc_normal(tensor, mean, std, a, b, generator=None):

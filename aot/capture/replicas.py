@@ -2,7 +2,7 @@
 
 Every rank of an axis runs the same program, so two ranks can only compute different values where
 their inputs differ: for data-parallel axes (dp, fsdp) the batch and the random draws (seeded per
-data rank, runner/trainer.py `step_seed`), for fsdp every parameter and optimizer-state shard, for
+data rank, runner/execution/trainer.py `step_seed`), for fsdp every parameter and optimizer-state shard, for
 tp the slices of the layers tp splits. A collective over the axis that leaves every rank the same
 result (all_reduce, all_gather, broadcast) ends the difference; one that leaves each rank a piece
 (reduce_scatter, all_to_all) keeps it. Everything else is the data flow of the graph, in-place
@@ -31,7 +31,7 @@ import torch
 
 from aot.errors import AotError
 from aot.capture.graph_reading import COLLECTIVE_NAMESPACES, loss_node, storage_key, written_values
-from runner.axes import DP, FSDP, TP
+from runner.format.axes import DP, FSDP, TP
 
 SHARDED, REDUCED, IDENTICAL, PER_RANK = "sharded", "reduced", "identical", "per rank"
 # collectives whose every rank gets the same result, and those that hand each rank its own piece

@@ -32,12 +32,12 @@ from aot.capture.tensor_parallel import TensorParallel, rename_group, tensor_par
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
-from runner.checkpoint import optimizer_key
-from runner.data import dtype_name
-from runner.artifact import SCALER_KEYS
-from runner.init_program import initial_scaler_state
-from runner.sharding import shard, tp_slice, tp_slice_shape, tp_style
-from runner.axes import TP
+from runner.format.checkpoint import optimizer_key
+from runner.execution.data import dtype_name
+from runner.format.artifact import SCALER_KEYS
+from runner.execution.init_program import initial_scaler_state
+from runner.format.sharding import shard, tp_slice, tp_slice_shape, tp_style
+from runner.format.axes import TP
 
 _funcol = torch.ops._c10d_functional
 
@@ -85,7 +85,7 @@ class StepLayout:
 
     def tp_fused(self, state: TrainingState) -> dict[str, int]:
         """Parameter name -> K for the parameters of fused column-wise layers ("colwise:K"), whose
-        split dimension holds K equal parts (runner.sharding.tp_slice)."""
+        split dimension holds K equal parts (runner.format.sharding.tp_slice)."""
         return {name: fused for name, (_dim, fused) in self._tp_split(state).items() if fused > 1}
 
     def _tp_split(self, state: TrainingState) -> dict[str, tuple[int, int]]:

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle as ParallelSty
 from aot.capture.graph_reading import COLLECTIVE_NAMESPACES
 from aot.capture.fake_group import fake_process_group
 from aot.errors import AotError
-from runner.sharding import tp_style
+from runner.format.sharding import tp_style
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -71,7 +71,7 @@ class FusedSplits:
     """The local output of each fused column-wise layer ("colwise:K", GPT-2's c_attn) and its K.
 
     The model's own code cuts that output into its K parts with the whole layer's sizes
-    (`.split(n_embd, dim=2)`); on a rank, which holds a slice of every part (runner.sharding.tp_slice),
+    (`.split(n_embd, dim=2)`); on a rank, which holds a slice of every part (runner.format.sharding.tp_slice),
     the same cut must take the slice's sizes. While the capture runs, `split` calls on a registered
     output have their sizes divided by the tp degree (chunk(K) needs nothing: it counts parts)."""
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from runner.sharding import tp_style
+from runner.format.sharding import tp_style
 
 _funcol = torch.ops._c10d_functional
 

@@ -4,7 +4,7 @@ The build never materializes the model. `model()` runs once under make_fx on fak
 both gives the fake-tensor model the step is traced on and records, as the *init program*, the
 factory and in-place init ops (`empty`, `normal_`, `uniform_`, `fill_`, ...) that create each
 parameter and buffer. The runner replays that program after `torch.manual_seed(seed)` and gets
-exactly the tensors of `torch.manual_seed(seed); model()` (runner/init_program.py), so build time,
+exactly the tensors of `torch.manual_seed(seed); model()` (runner/execution/init_program.py), so build time,
 build memory and artifact size follow the graph, not the parameter count.
 
 torch.optim creates optimizer state lazily inside `step()`, which a traced step would redo every
@@ -28,7 +28,7 @@ from aot.capture.model_file import ModelFile, call_user
 from aot.capture.recorded_initializers import recorded_initializers
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.errors import AotError
-from runner.checkpoint import optimizer_key
+from runner.format.checkpoint import optimizer_key
 
 
 # Constants a constructor may bake into a parameter or buffer (a small lookup table, say); a
@@ -47,7 +47,7 @@ class TrainingState:
     buffers: dict[str, torch.Tensor]  # every buffer, persistent or not (fake)
     init_graph: torch.fx.GraphModule  # the init program: creates params then buffers, in that order
     optimizer_slots: list[tuple[str, str]]  # (parameter name, state key), in trace order
-    optimizer_state: dict[str, torch.Tensor]  # keyed by runner.checkpoint.optimizer_key (fake)
+    optimizer_state: dict[str, torch.Tensor]  # keyed by runner.format.checkpoint.optimizer_key (fake)
     optimizer_fills: dict[str, float]  # the initial value of every element of each state tensor
     param_groups: list[list[str]]  # parameter names of each optimizer group
     optimizer_class: str

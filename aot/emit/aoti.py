@@ -3,12 +3,12 @@
 The exported step (the same program the portable tier stores as JSON) goes through
 `torch._inductor.aoti_compile_and_package`, which lowers it, generates C++ (or CUDA) kernels and a
 wrapper, and links them into a shared library packaged as a `.pt2` zip. The runner loads it with no
-compiler and no Python graph (runner/compiled.py) when the run's device kind, instruction set and
+compiler and no Python graph (runner/execution/compiled.py) when the run's device kind, instruction set and
 torch match what it was compiled for, and otherwise runs the portable program.
 
 Choices that keep the two tiers interchangeable:
 - Collectives stay functional collectives naming their group ("aot.dp"); AOTInductor resolves the
-  name when the package runs, against the groups the runner binds (runner/groups.py). Compiling
+  name when the package runs, against the groups the runner binds (runner/execution/groups.py). Compiling
   needs a group under each name too (inductor asks its size), so a fake process group stands in.
 - Random operators fall back to ATen's (`fallback_random`), so dropout draws the same numbers from
   the same seed as the portable program.
@@ -17,7 +17,7 @@ Choices that keep the two tiers interchangeable:
   gradient is a bare matmul (`grad.add(param, alpha=wd)`; tensor-parallel layers' gradients come out
   so) into `grad + param`.
 - A CPU package runs its collectives on gloo, so it is compiled from the program with each
-  collective waited for where it is issued (runner.graph_loader.wait_at_issue, which the runner
+  collective waited for where it is issued (runner.execution.graph_loader.wait_at_issue, which the runner
   applies to the portable program on gloo): ProcessGroupGloo in torch 2.13 corrupts memory when a
   group has several collectives in flight. CUDA packages keep the overlap schedule (NCCL).
 - On x86-64, the library is compiled for the instruction-set level inductor vectorizes for
@@ -54,7 +54,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from aot.capture.fake_group import fake_process_group
 from aot.errors import AotError
-from runner.compiled import MODEL_NAME, package_problem, x86_target
+from runner.execution.compiled import MODEL_NAME, package_problem, x86_target
 
 COMPILED_DIR = "compiled"
 COMPILERS = ("portable", "aoti")
@@ -211,7 +211,7 @@ def _contiguous_inputs(ep: torch.export.ExportedProgram):
     of the example batch the build traced (a model's batch() that slices inputs and targets out of
     one longer window gives (T + 1, 1)), while the runner's data is contiguous: such a package read
     past its inputs' rows. Compiled for contiguous inputs, it is given contiguous ones
-    (runner.compiled.CompiledProgram copies any other); the program itself is left as it was."""
+    (runner.execution.compiled.CompiledProgram copies any other); the program itself is left as it was."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     saved = {}
@@ -259,7 +259,7 @@ def waited_at_issue(ep: torch.export.ExportedProgram) -> torch.export.ExportedPr
     `ep` itself, which the portable tier stores, keeps its schedule."""
     import copy
 
-    from runner.graph_loader import most_in_flight, wait_at_issue
+    from runner.execution.graph_loader import most_in_flight, wait_at_issue
 
     if most_in_flight(ep.graph) <= 1:
         return ep

@@ -1,9 +1,9 @@
 """Emit: the traced, optimized step becomes a versioned artifact folder.
 
 The graph is exported with torch.export (non-strict, on the same fake shapes), serialized without
-pickles through runner.program, and written with the init program (how each rank creates its
+pickles through runner.format.program, and written with the init program (how each rank creates its
 weights), the optimizer state's description, the example batch and the manifest through
-runner.integrity.StagedDir, so every file is hashed and a failed build leaves nothing half-written.
+runner.format.integrity.StagedDir, so every file is hashed and a failed build leaves nothing half-written.
 No weights or optimizer state are stored: the artifact grows with distinct programs, not with
 ranks or parameters.
 """
@@ -23,14 +23,14 @@ from aot.errors import AotError
 from aot.passes.graph_utils import COLLECTIVES, is_call, tensor_bytes
 from aot.plan.mesh import Mesh
 from aot.plan.placement import Placement, identity
-from runner.artifact import FORMAT_NAME, FORMAT_VERSION, MANIFEST, manifest_digest
-from runner.checkpoint import optimizer_key
-from runner.data import dtype_name
-from runner.integrity import StagedDir, canonical_json
-from runner.signing import SIGNATURE, sign_manifest
-from runner.program import encode_program
-from runner.topology import profile_sha256
-from runner.axes import FSDP, TP
+from runner.format.artifact import FORMAT_NAME, FORMAT_VERSION, MANIFEST, manifest_digest
+from runner.format.checkpoint import optimizer_key
+from runner.execution.data import dtype_name
+from runner.format.integrity import StagedDir, canonical_json
+from runner.format.signing import SIGNATURE, sign_manifest
+from runner.format.program import encode_program
+from runner.hardware.topology import profile_sha256
+from runner.format.axes import FSDP, TP
 
 PROGRAM = "train"
 INIT_PROGRAM = "init"
@@ -158,7 +158,7 @@ def emit_artifact(
             "ranks": [  # per physical rank: the mesh coordinates the placement gives it, and its program
                 {"rank": r, "program": program_of(placement.coords(r)), "coords": placement.coords(r)} for r in range(mesh.world_size)
             ],
-            "init": {  # the recipe of the initial parameters and buffers (runner/init_program.py)
+            "init": {  # the recipe of the initial parameters and buffers (runner/execution/init_program.py)
                 "file": f"programs/{INIT_PROGRAM}.json",
                 "constants": f"programs/{INIT_PROGRAM}.constants.safetensors" if init_constants is not None else None,
                 "outputs": [*state.params, *state.buffers],

@@ -17,7 +17,7 @@ records `aot.precision`. The check compares with eager PyTorch in the dtype on t
 weights (tolerance: see NOISE_FACTOR): fp16 with ONNX Runtime (CPU), which runs fp16 graphs by
 wrapping the fp16 kernels it lacks in casts to fp32; bf16 with onnx's reference evaluator (numpy,
 up to REFERENCE_BUDGET_BYTES of weights), since ONNX Runtime's CPU provider has no bf16 kernels
-for MatMul, Add, Softmax or Gelu at all (runner/infer.py refuses such a file on the CPU provider).
+for MatMul, Add, Softmax or Gelu at all (runner/execution/infer.py refuses such a file on the CPU provider).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from aot.emit.onnx_export import (
     export_inputs,
     export_onnx,
 )
-from runner.data import dtype_name
+from runner.execution.data import dtype_name
 from aot.errors import AotError
 
 EMBED_LIMIT_BYTES = 2**31 - 2**26  # protobuf's 2 GiB limit, less room for the graph itself
@@ -75,7 +75,7 @@ def save_onnx(
     nothing is left. Returns sizes and sha256s."""
     import onnx
 
-    from runner.infer import ONNX_TYPES
+    from runner.execution.infer import ONNX_TYPES
 
     output = Path(output)
     proto = onnx.load_from_string(data)
@@ -214,10 +214,10 @@ def export_checkpoint(
     against eager PyTorch on the same weights when they fit CHECK_BUDGET_BYTES. `precision`
     (fp32, bf16, fp16): the dtype it computes in (see the module's docstring)."""
     from aot.capture.model_file import load_model_file
-    from runner.artifact import Artifact
-    from runner.checkpoint import full_weights
-    from runner.data import split_batch_tensors
-    from runner.integrity import check_writable_target, sha256_file
+    from runner.format.artifact import Artifact
+    from runner.format.checkpoint import full_weights
+    from runner.execution.data import split_batch_tensors
+    from runner.format.integrity import check_writable_target, sha256_file
 
     if precision not in DTYPES:
         raise AotError(f"unknown precision {precision!r}; choose one of {', '.join(DTYPES)}")
@@ -295,13 +295,13 @@ def _checker(path: Path, dtype: torch.dtype, where: str):
         from onnx.reference import ReferenceEvaluator
 
         return ReferenceEvaluator(onnx.load(str(path))), "onnx's reference evaluator"
-    from runner.infer import create_session
+    from runner.execution.infer import create_session
 
     return create_session(str(path), "cpu", where=where)[0], "ONNX Runtime"
 
 
 def _replay_init(artifact, only: set[str]) -> dict[str, torch.Tensor]:
-    from runner.init_program import load_init_graph, replay
+    from runner.execution.init_program import load_init_graph, replay
 
     manifest = artifact.manifest
     init = manifest["init"]

@@ -1,7 +1,7 @@
 """Inference export: the model's forward as ONNX, its weights left out, checked with ONNX Runtime.
 
 `aot build` never has the model's weights: `state.model` holds fake tensors, and the artifact
-ships an init program instead (runner/init_program.py). So the forward is exported as a graph
+ships an init program instead (runner/execution/init_program.py). So the forward is exported as a graph
 only, into the artifact (`inference/model.onnx`, described by the manifest's `inference` entry),
 and the runner attaches the weights when it runs it; `aot export --checkpoint` attaches a
 checkpoint's trained weights and writes a standalone file. The steps:
@@ -50,7 +50,7 @@ import runner
 from aot.capture.custom_ops import custom_ops_in
 from aot.capture.model_file import ModelFile, call_user
 from aot.errors import AotError
-from runner.data import dtype_name
+from runner.execution.data import dtype_name
 
 ONNX_FILE = "inference/model.onnx"
 WEIGHTS_LOCATION = "model.onnx.data"  # what the artifact's ONNX names as its weights' file; never written
@@ -220,16 +220,16 @@ def has_real_weights(model: torch.nn.Module) -> bool:
 
 def init_program_weights(init, names: list[str], seed: int) -> Callable[[], dict[str, torch.Tensor]]:
     """The initial weights as the runner makes them, made only when called: the init program
-    replayed after `torch.manual_seed(seed)` (runner/init_program.py). `init`: the build's traced
+    replayed after `torch.manual_seed(seed)` (runner/execution/init_program.py). `init`: the build's traced
     graph (`TrainingState.init_graph`), or the init program as an ExportedProgram, which is then
     encoded as the artifact stores it and decoded first. `names`: its outputs, params then buffers."""
 
     def make() -> dict[str, torch.Tensor]:
-        from runner.init_program import load_init_graph, replay
+        from runner.execution.init_program import load_init_graph, replay
 
         graph = init
         if isinstance(init, torch.export.ExportedProgram):
-            from runner.program import encode_program
+            from runner.format.program import encode_program
 
             graph = load_init_graph(*encode_program(init))
         return replay(graph, list(names), seed)
@@ -244,7 +244,7 @@ def recorded_weights(mf: ModelFile, names: list[str], seed: int = 0) -> dict[str
     model's kind (norm scales of one, causal masks), not the build's seed."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from runner.init_program import replay
+    from runner.execution.init_program import replay
 
     def construct():
         model = call_user(mf.model, "model()", mf.path)
@@ -476,7 +476,7 @@ def export_onnx(
         if weights is None:
             weights = functools.partial(recorded_weights, mf, list(state_tensors(model)))
         real = dict(weights() if callable(weights) else weights)
-        from runner.infer import create_session
+        from runner.execution.infer import create_session
 
         session, _ = create_session(data, "cpu", initializers=OnnxExport(data, spec).weights_for(real), where="the exported model")
         worst, tolerance = _numeric_check(mf, model, inputs, spec, session, real)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from runner.axes import PP, group_name
+from runner.format.axes import PP, group_name
 
 funcol = torch.ops._c10d_functional
 ALL_REDUCE = funcol.all_reduce.default

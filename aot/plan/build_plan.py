@@ -159,7 +159,7 @@ def best_plan(plans: list[Plan]) -> Plan:
     fitting = [p for p in plans if p.fits]
     if not fitting:
         smallest = min(plans, key=lambda p: p.prediction.memory.peak) if plans else None
-        from runner.inspect import human
+        from runner.commands.formatting import human
 
         need = (
             (

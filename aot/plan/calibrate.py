@@ -51,7 +51,7 @@ import torch.distributed as dist
 from aot.plan.collectives import SEND_RECV
 from aot.plan.cpu_op_costs import measure_dispatch_seconds, measure_element_seconds, measure_foreach_tensor_seconds, measure_view_seconds
 from aot.plan.timing import per_call, sync, timed
-from runner.groups import leave_process_group, yield_gloo_poll_threads
+from runner.execution.groups import leave_process_group, yield_gloo_poll_threads
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 STALL_QUANTILES = 40  # values kept of the in-step stall's distribution
@@ -96,7 +96,7 @@ def measure_collectives(
     world = dist.get_world_size()
     group_name = _world_group_name()
     if SEND_RECV in kinds:
-        from runner.p2p import install_send_kernel
+        from runner.execution.p2p import install_send_kernel
 
         install_send_kernel()  # the runner's: each send's placeholder is waited once
     results: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
@@ -243,17 +243,15 @@ def _reference_step(device, width: int, rows: int):
         return loss.detach()
 
     args = [*params, *exp_avg, *exp_avg_sq, *steps, x, y, mask]
-    previous = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True  # tensor step counters, as aot.capture traces them
-    try:
+    from aot.capture.step import traced_as_compiled
+
+    with traced_as_compiled():  # tensor step counters, as aot.capture traces them
         gm = make_fx(step, tracing_mode="fake")(*[a.detach().clone().requires_grad_(a.requires_grad) for a in args])
-    finally:
-        torch.compiler._is_compiling_flag = previous
     args = [a.detach().clone() for a in args]
     # run it as the runner runs programs: exported, stored and loaded as FX code (the unlifted
     # module torch.export gives checks its inputs on every call: 0.8 of this step's 3.9 ms here)
-    from runner.graph_loader import load_graph_module
-    from runner.program import encode_program
+    from runner.execution.graph_loader import load_graph_module
+    from runner.format.program import encode_program
 
     exported = torch.export.export(gm, tuple(a.clone() for a in args), strict=False)
     module = load_graph_module(encode_program(exported)[0]) or exported.module()
@@ -383,7 +381,7 @@ def measure_collective_stall(
     between) find the ranks in step from the previous one, so that run length is measured too.
     Measured on this machine, 2 ranks: a mean of 1.0-1.6 ms after 0.04-0.7 ms of compute with
     gloo's poll threads as gloo starts them, 0.3-0.5 ms with them yielded (as the runner and
-    `calibrate` now do: runner.groups.yield_gloo_poll_threads)."""
+    `calibrate` now do: runner.execution.groups.yield_gloo_poll_threads)."""
     torch.manual_seed(0)
     pool = [torch.randn(256, device=device) for _ in range(4)]
     group_name, world = _world_group_name(), dist.get_world_size()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from torch.utils.flop_counter import flop_registry
 
-import runner.attention  # noqa: F401  (registers its fused attention's FLOP formulas before MATMUL_LIKE is read)
+import runner.execution.attention  # noqa: F401  (registers its fused attention's FLOP formulas before MATMUL_LIKE is read)
 from aot.plan.device_model import DeviceModel
 
 GPU_MATMUL_EFFICIENCY = 0.6  # of the dtype's dense peak, for matmul-like ops (and the CUDA cores' fp32 rate)

@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass
 
 from aot.errors import AotError
-from runner.artifact import mesh_coords
-from runner.axes import DATA_AXES, DP, FSDP, PP, TP, group_name
+from runner.format.artifact import mesh_coords
+from runner.format.axes import DATA_AXES, DP, FSDP, PP, TP, group_name
 
-# The axes' names and roles are runner/axes.py's (the artifact format spells them)
+# The axes' names and roles are runner/format/axes.py's (the artifact format spells them)
 SUPPORTED_AXES = (DP, FSDP, TP)
 # Axes a build takes, and the planner searches (pipeline meshes where they could win: aot.plan.search)
 BUILD_AXES = (*SUPPORTED_AXES, PP)

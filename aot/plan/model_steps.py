@@ -8,12 +8,20 @@ cannot trace yet (Unsupported).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from aot.compile_step import Recording, finish_program, step_layout, tensor_parallel_plan, trace_program
 from aot.errors import AotError
+from aot.passes import PRICED_ANALYTICALLY, PassOptions
 from aot.plan.cost_model import StepGraph, analyze, storage_key
 from aot.plan.mesh import Mesh
-from runner.axes import DP, FSDP, PP, TP, group_name
+from aot.plan.recompute import Request
+from aot.target import Target
+from runner.format.axes import DP, FSDP, PP, TP, group_name
+
+NO_RECOMPUTE = Request()  # as the build without a flag or model-file `recompute`: the model's checkpoint calls only
 
 
 class Unsupported(Exception):
@@ -29,6 +37,23 @@ def factorizations(world_size: int, axes: tuple[str, ...]) -> list[tuple[int, ..
         if world_size % d == 0:
             out += [(d, *rest) for rest in factorizations(world_size // d, axes[1:])]
     return out
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What a model's steps are priced for, the part of the planning that depends on the profile:
+    the profile (its precision rules), ranks, the widest tp (ranks per node), the precision asked,
+    the memory limit whose plans get recomputing variants (aot.plan.search.MemoryLimit) and the
+    device model pricing recomputation's choices (aot.plan.device_model: the build's, for the same
+    profile). Without `compute`, no variants."""
+
+    profile: dict = field(default_factory=lambda: {"device_kind": "cpu"})
+    world_size: int | None = None
+    max_tp: int | None = None
+    precision: str | None = None
+    reduce_dtype: str | None = None
+    memory_limit: Any = None
+    compute: Any = None
 
 
 class ModelSteps:
@@ -59,50 +84,30 @@ class ModelSteps:
     and, where that may still not fit, at the smallest feasible one; its derived meshes get the same
     derivation. A graph that fits costs nothing more."""
 
-    def __init__(
-        self,
-        model_path: Path,
-        batch_size: int,
-        seed: int = 0,
-        world_size: int | None = None,
-        max_tp: int | None = None,
-        sequence_parallel: bool = False,
-        precision: str | None = None,
-        reduce_dtype: str | None = None,
-        profile: dict | None = None,
-        memory_limit=None,
-        compute=None,
-    ):
+    def __init__(self, model_path: Path, batch_size: int, seed: int = 0, sequence_parallel: bool = False, pricing: Pricing | None = None):
         from aot.capture.model_file import load_model_file
         from aot.capture.training_state import build_training_state
-        from runner.data import split_batch_tensors
+        from runner.execution.data import split_batch_tensors
 
         if batch_size < 1:
             raise AotError(f"--batch-size must be at least 1, got {batch_size}")
-        self.mf = load_model_file(model_path)
+        mf = load_model_file(model_path)
         self.request = (Path(model_path), batch_size, seed, sequence_parallel)  # what `retargeted` copies may share
-        self.state = build_training_state(self.mf, seed, 1)
-        inputs, targets = split_batch_tensors(self.mf.example_batch(batch_size), "batch()")
-        self.inputs, self.targets = inputs, targets
+        inputs, targets = split_batch_tensors(mf.example_batch(batch_size), "batch()")
+        self.rec = Recording(mf, build_training_state(mf, seed, 1), inputs, targets)  # every trace's, as the build's (aot/compile_step.py)
+        self.mf, self.state, self.inputs, self.targets = mf, self.rec.state, inputs, targets
         self.params = sum(p.numel() for p in self.state.params.values())
         self.param_numels = [p.numel() for p in self.state.params.values()]
         self.sequence_parallel = sequence_parallel  # price tp meshes with sequence parallelism (--sequence-parallel)
-        self._tp_plan: dict | None = None
-        self._target(
-            profile or {"device_kind": "cpu"},
-            world_size=world_size,
-            max_tp=max_tp,
-            precision=precision,
-            reduce_dtype=reduce_dtype,
-            memory_limit=memory_limit,
-            compute=compute,
-        )
+        self._tp_plans: dict[int, dict[str, str] | AotError] = {}  # degree -> the build's plan, or why it refuses
+        self._target(pricing or Pricing())
 
-    def _target(
-        self, profile: dict, *, world_size: int | None, max_tp: int | None, precision: str | None, reduce_dtype: str | None, memory_limit, compute
-    ) -> None:
+    def _target(self, pricing: Pricing) -> None:
         """What depends on the profile planned for, with no graph traced for it yet."""
         from aot.capture.precision import resolve_precision
+
+        profile, world_size, max_tp, compute = pricing.profile, pricing.world_size, pricing.max_tp, pricing.compute
+        precision, reduce_dtype, memory_limit = pricing.precision, pricing.reduce_dtype, pricing.memory_limit
 
         # --precision as the build resolves it: bf16 graphs carry half the activation and
         # collective bytes, and their matmuls are priced at the profile's bf16 rate
@@ -120,64 +125,66 @@ class ModelSteps:
         # `compute` (the device model, aot.plan.device_model: the build's, for the same profile)
         self.memory_limit = memory_limit if compute is not None else None
         self.compute = compute
+        if compute is None:  # the model's checkpoint calls are still recomputed as the build would, priced on a CPU
+            from aot.plan.cpu_gloo_model import CpuGlooModel
+
+            compute = CpuGlooModel.from_profile({})
+        self._compute = compute
         self.recomputed: dict[tuple, list[tuple[float, StepGraph]]] = {}  # key -> [(activation budget, graph)]
         self.recompute_failed: dict[tuple, str] = {}  # key -> why its variants could not be made
 
     def tp_plan(self, tp: int) -> dict[str, str]:
-        """The plan the build would use at this degree; Unsupported where the build would refuse."""
-        from aot.plan.tensor_parallel import check_degree, check_divisible
-
+        """The plan the build would use at this degree (aot.compile_step.tensor_parallel_plan);
+        Unsupported where the build would refuse."""
         if self.max_tp is not None and tp > self.max_tp:
             raise Unsupported(f"tp={tp} would span nodes ({self.max_tp} ranks per node)")
-        try:
-            check_degree(self.mf, self.state.model, tp)
-            if self._tp_plan is None:
-                self._tp_plan = self._find_plan()
-            if not self._tp_plan:
-                raise Unsupported("no Linear pair to split")
-            check_divisible(self._tp_plan, self.state.model, tp, "the plan")
-        except AotError as e:
-            raise Unsupported(str(e)) from None
-        return self._tp_plan
+        if tp not in self._tp_plans:
+            try:
+                self._tp_plans[tp] = tensor_parallel_plan(self.rec, tp)
+            except AotError as e:
+                self._tp_plans[tp] = e
+        plan = self._tp_plans[tp]
+        if isinstance(plan, AotError):
+            raise Unsupported(str(plan)) from None
+        return plan
 
-    def _find_plan(self) -> dict[str, str]:
-        from aot.plan.tensor_parallel import find_plan, user_plan
-
-        return user_plan(self.mf, self.state.model) or find_plan(self.state.model, self.inputs)  # tried at tp=2: a size fixed in code fails at any split
+    def target(self, dp: int, fsdp: int, tp: int) -> Target:
+        return Target.of({DP: dp, FSDP: fsdp, TP: tp}, self.precision, self.sequence_parallel)
 
     def layout(self, dp: int, fsdp: int, tp: int):
-        from aot.capture.step import Group, StepLayout
-        from aot.plan.tensor_parallel import summed_params
-
-        group = lambda axis, size: Group(Mesh.group_name(axis), size) if size > 1 else None
+        """The build's layout of a dp x fsdp x tp mesh (aot.compile_step.step_layout); Unsupported where the build would refuse."""
         plan = self.tp_plan(tp) if tp > 1 else {}
-        sequence = self.sequence_layout(plan, tp) if tp > 1 and self.sequence_parallel else None
-        summed = summed_params(self.mf, self.state.model) if tp > 1 else ()
-        return StepLayout(group(DP, dp), group(FSDP, fsdp), group(TP, tp), tuple(sorted(plan.items())), sequence, self.precision, tp_summed=summed)
-
-    def sequence_layout(self, plan: dict[str, str], tp: int) -> dict:
-        """The build's sequence-parallel layout at this degree; Unsupported where the build would refuse."""
-        from aot.plan.sequence_parallel import check_sequence_length, sequence_parallel_layout
-
         try:
-            sequence = sequence_parallel_layout(self.state.model, plan, "the plan")
-            check_sequence_length(self.state.model, self.inputs, sequence["blocks"][0], tp)
+            return step_layout(self.rec, self.target(dp, fsdp, tp), plan)
         except AotError as e:
             raise Unsupported(str(e)) from None
-        return sequence
 
     def capture(self, dp: int, fsdp: int, tp: int = 1) -> StepGraph:
         """The analyzed graph of one rank for a dp x fsdp x tp mesh, traced as the build traces it."""
-        return _priced(*self._capture(dp, fsdp, tp))
+        return self._finished(*self._capture(dp, fsdp, tp))
 
     def _capture(self, dp: int, fsdp: int, tp: int):
-        from aot.capture.step import capture_step
-        from aot.passes import CLEANUP, run_passes
-        from aot.plan.pricing import trace_for_pricing
+        """(graph, slots) of the mesh, traced and cleaned up as the build's (aot.compile_step.trace_program)."""
+        captured = trace_program(self.rec, self.layout(dp, fsdp, tp), for_pricing=True)
+        return captured.graph, captured.slots
 
-        # the build checks that every tp rank traces the same program; pricing needs one trace
-        captured = capture_step(self.mf, self.state, self.inputs, self.targets, self.layout(dp, fsdp, tp), check_ranks=False, tracer=trace_for_pricing)
-        return run_passes(captured.graph, only=CLEANUP), captured.slots
+    def program(self, dp: int, fsdp: int, tp: int = 1, skip: tuple[str, ...] = PRICED_ANALYTICALLY):
+        """The graph module the planner prices for a dp x fsdp x tp mesh, traced (not derived): the
+        build's program for it but for the passes in `skip` (tests/test_compile_path.py)."""
+        gm, slots = self._capture(dp, fsdp, tp)
+        return self._program(gm, slots, NO_RECOMPUTE, skip)
+
+    def _program(self, gm, slots, request: Request, skip: tuple[str, ...] = PRICED_ANALYTICALLY):
+        gm, _ = finish_program(gm, slots, request, self._compute, PassOptions(), skip=skip)
+        return gm
+
+    def _finished(self, gm, slots, aliases: dict | None = None, request: Request = NO_RECOMPUTE) -> StepGraph:
+        """The analyzed graph of a traced step as the build's passes leave it (aot.compile_step.finish_program,
+        the model's torch.utils.checkpoint calls recomputed as the build does without a flag), but for
+        those priced analytically (aot.passes.PRICED_ANALYTICALLY: bucketing and hierarchical all_reduce,
+        aot/plan/rebucket.py). Peak memory then equals the build's prediction for the same mesh,
+        bucket size and recomputation."""
+        return analyze(self._program(gm, slots, request), slots, aliases)
 
     def _trace(self, key: tuple, source: tuple) -> dict[tuple, StepGraph]:
         """The graph of `key`, traced on mesh `source`, and the graphs derived from it (`_derived`:
@@ -197,7 +204,7 @@ class ModelSteps:
                     derived_gm, derived_slots, shared = got
                     aliases = {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
                     kept = self._kept(derived_gm)
-                    derived = _priced(derived_gm, derived_slots, aliases)
+                    derived = self._finished(derived_gm, derived_slots, aliases)
                     self._recompute(other, kept, derived_slots, derived, aliases)
             except Exception:  # noqa: BLE001  (traced instead)
                 derived = None
@@ -212,15 +219,15 @@ class ModelSteps:
         return self._priced(key, *self._capture(dp, fsdp, tp))
 
     def _priced(self, key: tuple, gm, slots) -> StepGraph:
-        """_priced(gm, slots), and the recomputing variants of `key` where it does not fit."""
+        """_finished(gm, slots), and the recomputing variants of `key` where it does not fit."""
         kept = self._kept(gm)
-        graph = _priced(gm, slots)
+        graph = self._finished(gm, slots)
         self._recompute(key, kept, slots, graph)
         return graph
 
     def _kept(self, gm):
         """`gm` as traced, for recomputation (which the build applies before the passes that
-        _priced applies to `gm` in place), where variants may be needed."""
+        _finished applies to `gm` in place), where variants may be needed."""
         from aot.passes.graph_utils import copy_graph
 
         return copy_graph(gm) if self.memory_limit is not None else gm
@@ -235,18 +242,17 @@ class ModelSteps:
         limit = self.memory_limit
         assert limit is not None  # _needs_variants: there is one
         from aot.passes.graph_utils import copy_graph
-        from aot.passes.recompute import by_budget, recompute_activations
+        from aot.passes.recompute import by_budget
         from aot.plan.recompute import smallest_fraction
         from aot.plan.cost_model import node_seconds
 
         cost = lambda n: node_seconds(n, self.compute)  # noqa: E731
 
         def variant(fraction: float):
-            trial = copy_graph(gm)
-            choice = by_budget(trial.graph, fraction, cost)
-            if not choice.nodes or choice.kept_bytes > fraction * choice.saved_bytes:
-                return None  # nothing to recompute, or the budget is below the smallest feasible
-            return fraction, _priced(recompute_activations(trial, choice), slots, aliases)
+            try:  # as the build given --activation-budget `fraction`
+                return fraction, self._finished(copy_graph(gm), slots, aliases, Request(fraction=fraction, source="plan"))
+            except AotError:
+                return None  # the budget is below the smallest feasible
 
         variants = []
         try:
@@ -269,9 +275,7 @@ class ModelSteps:
         limit = self.memory_limit
         return limit is not None and limit.over(graph) and not (key[1] == 1 and limit.beyond_recompute(graph))
 
-    def retargeted(
-        self, profile: dict, *, world_size: int, max_tp: int | None, precision: str | None, reduce_dtype: str | None, memory_limit, compute
-    ) -> "ModelSteps":
+    def retargeted(self, pricing: Pricing) -> "ModelSteps":
         """The same model's steps for another profile (`aot plan --topology a,b,c`), keeping the
         graphs that do not depend on it. A dp/fsdp/tp graph is a trace of the model under a
         precision: the profile only decides, through its device memory and compute rates, whether
@@ -279,7 +283,7 @@ class ModelSteps:
         precision resolves alike and neither profile gives it recomputing variants; the others
         (and pipeline programs, whose stages are balanced on the profile's compute) are traced again."""
         other = copy.copy(self)
-        other._target(profile, world_size=world_size, max_tp=max_tp, precision=precision, reduce_dtype=reduce_dtype, memory_limit=memory_limit, compute=compute)
+        other._target(pricing)
         if other.precision == self.precision:
             other.traced = {
                 key: graph
@@ -328,10 +332,8 @@ class ModelSteps:
         """The programs of a pipeline mesh, one per pipeline rank, as the build makes them (default
         bucket size; `recompute`: every stage's forward again in its backward), and their
         analyses; Unsupported where the build would refuse the mesh."""
-        from aot.capture.step import Group
-        from aot.passes import run_passes
         from aot.plan.pipeline import check_microbatches
-        from aot.plan.pipeline_programs import pipeline_programs
+        from aot.plan.pipeline_programs import Schedule, pipeline_programs
 
         degrees = dict(zip(axes, shape))
         pp, dp, fsdp = degrees[PP], degrees.get(DP, 1), degrees.get(FSDP, 1)
@@ -339,20 +341,14 @@ class ModelSteps:
         if key not in self.pipelines:
             try:
                 check_microbatches(schedule, pp, microbatches, self.targets.shape[0])
-                compute = self.compute
+                group = Target.of(degrees, self.precision, self.sequence_parallel).group(PP)
+                assert group is not None  # a pipeline mesh
                 made = pipeline_programs(
-                    self.mf,
-                    self.state,
+                    self.rec,
                     self.layout(dp, fsdp, degrees.get(TP, 1)),
-                    Group(Mesh.group_name(PP), pp),
-                    self.inputs,
-                    self.targets,
-                    microbatches=microbatches,
-                    schedule=schedule,
-                    virtual=virtual,
-                    compute=compute,
-                    finish=run_passes,  # the build's default options
-                    recompute=recompute,
+                    Schedule(group, microbatches, schedule, virtual, recompute),
+                    compute=self._compute,
+                    passes=PassOptions(),  # the build's default options
                     memory_limit=self.memory_limit.bytes if self.memory_limit is not None else None,
                 )
             except AotError as e:
@@ -428,17 +424,3 @@ class ModelSteps:
 
 
 RECOMPUTE_FRACTION = 0.5  # the activation budget a graph that does not fit is priced at first
-
-
-def _priced(gm, slots, aliases: dict | None = None) -> StepGraph:
-    """The analyzed graph of a captured step as the build's passes leave it (aot.passes.PASSES: the
-    cleanup ran at capture; bucketing and hierarchical all_reduce are priced analytically by
-    aot.plan.rebucket): collectives issued early and waited for late
-    (aot.passes.overlap: their buffers live through backward, which the peak memory must see) and,
-    with fsdp, every parameter gathered again for backward (aot.passes.regather; without it
-    examples/gpt.py's fsdp=2 step was priced with 74 of its 97 collectives) and gathered one
-    parameter ahead (aot.passes.prefetch, the build's default). Peak memory then equals the
-    build's prediction for the same mesh, bucket size and recomputation."""
-    from aot.passes import CLEANUP, PRICED_ANALYTICALLY, run_passes
-
-    return analyze(run_passes(gm, skip=(*CLEANUP, *PRICED_ANALYTICALLY)), slots, aliases)

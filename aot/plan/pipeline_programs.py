@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aot.capture.module_calls import layer_of
+from aot.compile_step import Recording
+from aot.passes import PassOptions, run_passes
 from aot.capture.pipeline import Pipeline, capture_pipeline, draws_random
 from aot.capture.stages import Stage, cut, trace_forward
 from aot.capture.step import CapturedStep, Group, StepLayout
@@ -23,26 +25,32 @@ class PipelinePrograms:
     captures: list[CapturedStep]  # per pipeline rank, passes applied
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """How a pipeline runs: its group, microbatches per step, the schedule's kind (gpipe | 1f1b |
+    interleaved-1f1b | zero-bubble), stages per rank, and whether every stage's forward runs again
+    in its backward (aot.capture.pipeline.run_stage)."""
+
+    group: Group
+    microbatches: int
+    kind: str
+    virtual: int = 1
+    recompute: bool = False
+
+
 def pipeline_programs(
-    mf,
-    state,
+    rec: Recording,
     layout: StepLayout,
-    group: Group,
-    inputs,
-    targets,
+    plan: Schedule,
     *,
-    microbatches: int,
-    schedule: str,
-    virtual: int,
     compute,
-    finish,
+    passes: PassOptions,
     stage=None,
     note=lambda line: None,
-    recompute: bool = False,
     memory_limit: float | None = None,
 ) -> PipelinePrograms:
-    """`finish(gm)`: the graph passes; `stage(title)`: a progress context per part (None: none);
-    `recompute`: every stage's forward runs again in its backward (aot.capture.pipeline.run_stage).
+    """Every pipeline rank's program, through the graph passes (aot.passes.PASSES with `passes`);
+    `stage(title)`: a progress context per part (None: none).
 
     `memory_limit`: bytes a pipeline rank may hold. Where the stages balanced by compute peak
     above it (1F1B's first ranks hold more microbatches in flight, the last holds the loss's
@@ -53,6 +61,8 @@ def pipeline_programs(
     from contextlib import nullcontext
 
     stage = stage or (lambda title: nullcontext())
+    mf, state, inputs, targets = rec.mf, rec.state, rec.inputs, rec.targets
+    group, microbatches, schedule, virtual, recompute = plan.group, plan.microbatches, plan.kind, plan.virtual, plan.recompute
     pp, count = group.size, group.size * virtual
     size = targets.shape[0] // microbatches
     actions = schedule_actions(schedule, pp, microbatches, virtual)
@@ -102,7 +112,7 @@ def pipeline_programs(
             with nullcontext() if trial else stage(title):
                 pipeline = Pipeline(group, r, tuple(stages), microbatches, tuple(actions[r]), recompute)
                 captured = capture_pipeline(mf, state, pipeline, layout, inputs, targets)
-                captured.graph = finish(captured.graph)
+                captured.graph = run_passes(captured.graph, passes)
             captures.append(captured)
         peaks = [analyze(c.graph, c.slots).memory.peak for c in captures]
         if trial:

@@ -35,7 +35,7 @@ import torch
 from aot.plan.collectives import SEND_RECV
 from aot.plan.cost_model import analyze, node_seconds
 from aot.plan.placement import Placement
-from runner.axes import PP
+from runner.format.axes import PP
 
 _funcol = torch.ops._c10d_functional
 P2P = {_funcol.isend.default: "send", _funcol.irecv.default: "recv"}

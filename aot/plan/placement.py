@@ -30,7 +30,7 @@ import numpy as np
 from aot.plan import collectives
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
-from runner.axes import DP, FSDP, PP, TP
+from runner.format.axes import DP, FSDP, PP, TP
 
 # Relative traffic per axis when no graph says otherwise (bytes per step per rank, for ordering only):
 # tensor parallel moves activations at every layer, FSDP gathers and scatters every parameter,

@@ -32,11 +32,11 @@ from aot.plan.cost_model import Prediction, StepGraph, microbatched_seconds, op_
 from aot.plan.rebucket import rebucket
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
-from aot.plan.model_steps import ModelSteps, Unsupported, factorizations
+from aot.plan.model_steps import ModelSteps, Pricing, Unsupported, factorizations
 from aot.plan.pipeline import bubble_floor
 from aot.plan.placement import Placement, identity, place
 from aot.defaults import DEFAULT_BUCKET_MB
-from runner.axes import DP, FSDP, PP
+from runner.format.axes import DP, FSDP, PP
 
 BUCKET_MB_CANDIDATES = (1.0, 4.0, DEFAULT_BUCKET_MB, 100.0)
 MEMORY_HEADROOM = 0.9  # of device memory: the CUDA context, allocator caching and fragmentation take the rest
@@ -548,30 +548,11 @@ def plan_model(
     try:
         machine = Machine(profile, world_size)
         memory_limit = MemoryLimit(MEMORY_HEADROOM * machine.memory_bytes, bucket_mbs) if machine.memory_bytes else None
+        pricing = Pricing(profile, world_size, machine.per_node, precision, reduce_dtype, memory_limit, machine.compute)
         if reuse is not None and reuse.request == (Path(model_path), batch_size, seed, sequence_parallel):
-            steps = reuse.retargeted(
-                profile,
-                world_size=world_size,
-                max_tp=machine.per_node,
-                precision=precision,
-                reduce_dtype=reduce_dtype,
-                memory_limit=memory_limit,
-                compute=machine.compute,
-            )
+            steps = reuse.retargeted(pricing)
         else:
-            steps = ModelSteps(
-                model_path,
-                batch_size,
-                seed,
-                world_size,
-                max_tp=machine.per_node,
-                sequence_parallel=sequence_parallel,
-                precision=precision,
-                reduce_dtype=reduce_dtype,
-                profile=profile,
-                compute=machine.compute,
-                memory_limit=memory_limit,
-            )
+            steps = ModelSteps(model_path, batch_size, seed, sequence_parallel, pricing)
         planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing, pipeline=steps.pipeline)
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
         searched = tuple(axes or BUILD_AXES)

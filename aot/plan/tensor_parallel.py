@@ -26,7 +26,7 @@ from torch import nn
 
 from aot.capture.tensor_parallel import transposed_linear
 from aot.errors import AotError
-from runner.sharding import tp_style
+from runner.format.sharding import tp_style
 
 from aot.plan.tensor_parallel_trial import split_forward_failure
 
@@ -445,7 +445,7 @@ def _features_stay_split(graph, colwise: set, rowwise: set, region: set, project
     One exception: a column-wise output cut into K equal parts along its features (GPT-2's fused
     q, k, v: `c_attn(x).split(n_embd, dim=2)`) keeps each part split when each rank holds the same
     slice of every part (`fused`: column-wise node -> K; the build shards such a weight per part,
-    runner/sharding.py tp_slice)."""
+    runner/format/sharding.py tp_slice)."""
     split: dict = {c: c.meta["val"].dim() - 1 for c in colwise}
     for node in graph.nodes:
         if node in region:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from helpers.artifacts import session_cache
 from helpers.commands import REFERENCE, ok, torchrun
 from helpers.inference import load_user
-from runner.checkpoint import merge_checkpoint
+from runner.format.checkpoint import merge_checkpoint
 
 TOL = 1e-5
 STEPS = 5

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from helpers.artifacts import session_cache
 from helpers.commands import MODELS, REPO, ok, torchrun
 from helpers.training import ADAMW_OUTLIERS, STEPS, adamw_lr, reference
-from runner.checkpoint import merge_checkpoint
+from runner.format.checkpoint import merge_checkpoint
 
 ZOO = MODELS / "zoo"
 # transformers' families (tests/models/zoo/families.py), then models written as their projects write them

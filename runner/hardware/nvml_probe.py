@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import TypedDict
 
 from runner.errors import AotError
-from runner.sysfs import format_cpulist, normalize_bus_id, parse_cpulist, sysfs_bus_id
-from runner.topology import (
+from runner.hardware.sysfs import format_cpulist, normalize_bus_id, parse_cpulist, sysfs_bus_id
+from runner.hardware.topology import (
     BACKENDS,
     PCIE_PATHS,
     SCHEMA,
@@ -551,7 +551,7 @@ def probe(*, nvml=None, env=None, root: str | Path = "/", nodes: int = 1, name: 
 
 
 def live_profile(*, nvml=None, env=None, root: str | Path = "/") -> dict:
-    """This machine as a profile: the NVML probe (runner.nvml_probe) honouring CUDA_VISIBLE_DEVICES and
+    """This machine as a profile: the NVML probe (runner.hardware.nvml_probe) honouring CUDA_VISIBLE_DEVICES and
     CUDA_DEVICE_ORDER, with `nodes` from torchrun's environment. A machine without GPUs (or without
     NVML and CUDA) is the built-in `cpu` profile."""
     env = os.environ if env is None else env

@@ -18,7 +18,7 @@ the peak is the largest sum over the step.
   the step in order; the peak of their running sum, plus the inputs, is the same quantity (checked
   against the dispatch mode on portable programs: equal to within a few bytes of kernels' scratch).
   The profiler is used for this tier alone: it cannot run inside the timeline's profiler
-  (runner/profiling.py starts that one after this step), and its private event tree may change
+  (runner/execution/profiling.py starts that one after this step), and its private event tree may change
   between torch releases (then: not measured, rather than a wrong number).
 - CUDA: `torch.cuda.max_memory_allocated` over the step, after resetting the peak: everything
   allocated on the device, which is what the prediction must fit into there.

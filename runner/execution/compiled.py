@@ -6,7 +6,7 @@ zip holding a shared library and the C++ it was compiled from. It runs only wher
 for: the same device kind (and CPU instruction set, or CUDA compute capability) and the same torch
 build. `choose_tier` decides per run; `load_compiled` loads the package from hash-verified bytes.
 
-The package is a zip, which the artifact's generic reader refuses (runner.integrity.content_problem:
+The package is a zip, which the artifact's generic reader refuses (runner.format.integrity.content_problem:
 torch's zips hold pickles). It is read here instead, after its sha256 matched, and every entry is
 checked first: named like an AOTInductor package entry, inside one top folder (the loader extracts
 it to disk), and neither a pickle nor a nested zip. Nothing in it is unpickled; the shared library
@@ -27,8 +27,8 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from runner.errors import AotError
-from runner.integrity import read_verified
-from runner.node_refusal import NodeRefusal
+from runner.format.integrity import read_verified
+from runner.hardware.node_refusal import NodeRefusal
 
 TIERS = ("auto", "compiled", "portable")
 MODEL_NAME = "model"  # the name aoti_compile_and_package gives the one model of a package
@@ -223,7 +223,7 @@ def _input_count(loader) -> int | None:
 
 
 def load_compiled(artifact, program: str, device: torch.device, inputs: int) -> CompiledProgram:
-    """Verify, check and load the package of `program` (of a runner.artifact.Artifact) for
+    """Verify, check and load the package of `program` (of a runner.format.artifact.Artifact) for
     `device`. The loader reads a path, so the verified bytes go to a private temporary copy (never
     the artifact's file, which could change after it was hashed) that is removed once loaded."""
     root, manifest = artifact.root, artifact.manifest

@@ -3,10 +3,10 @@
 A profile is JSON (schema "aot-topology", version 2; docs/topology.md is its specification):
 node count and, for the node type, GPUs keyed by PCI bus id, GPU-pair links (NVLink, PCIe path
 class, P2P), NICs, the inter-node fabric and optional measured alpha/beta per link class. Built-in
-profiles ship in runner/profiles/ and are named by file stem; any other profile is a JSON file, or
+profiles ship in runner/hardware/profiles/ and are named by file stem; any other profile is a JSON file, or
 an artifact folder whose embedded profile is reused.
 
-The runner compares the live machine (runner.nvml_probe's `live_profile()`, read through NVML)
+The runner compares the live machine (runner.hardware.nvml_probe's `live_profile()`, read through NVML)
 with the profile embedded in the artifact before its first collective (`verify_live`). Nothing
 here imports torch at module level: `aot topology show` stays instant.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import NoReturn, TypeGuard
 
 from runner.errors import AotError
-from runner.integrity import canonical_json, sha256_bytes
-from runner.sysfs import BUS_ID, CPULIST, normalize_bus_id
+from runner.format.integrity import canonical_json, sha256_bytes
+from runner.hardware.sysfs import BUS_ID, CPULIST, normalize_bus_id
 
 SCHEMA = "aot-topology"
 SCHEMA_VERSION = 2

@@ -1,7 +1,7 @@
 """Comparing the live machine with an artifact's topology profile: one line per mismatch class.
 
 The runner calls `verify_live` on every node before its first collective; `aot topology verify`
-prints the same lines. Split from runner.topology, which owns the profile schema and loading.
+prints the same lines. Split from runner.hardware.topology, which owns the profile schema and loading.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 
 from runner.errors import AotError
-from runner.node_refusal import NodeRefusal
-from runner.nvml_probe import live_profile
-from runner.sysfs import normalize_bus_id
-from runner.topology import (
+from runner.hardware.node_refusal import NodeRefusal
+from runner.hardware.nvml_probe import live_profile
+from runner.hardware.sysfs import normalize_bus_id
+from runner.hardware.topology import (
     MAX_LISTED,
     MEMORY_TOLERANCE,
     gpu_label,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from runner.errors import AotError
-from runner.axes import DP, FSDP, PP, TP
+from runner.format.axes import DP, FSDP, PP, TP
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -83,7 +83,7 @@ def check_replicas(trainer, when: str) -> None:
             continue
         ranks, group = trainer.groups[group_name]
         # on the run's device: an NCCL group carries only its device's tensors (0-dim optimizer
-        # state stays on the host, runner/trainer.py, so each hash is moved there first)
+        # state stays on the host, runner/execution/trainer.py, so each hash is moved there first)
         mine = torch.stack([fingerprint(t).to(trainer.device) for _, t in tensors])
         gathered = [torch.empty_like(mine) for _ in ranks]
         dist.all_gather(gathered, mine, group=group)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from runner.errors import AotError
-from runner.integrity import sha256_bytes
+from runner.format.integrity import sha256_bytes
 
 SIGNATURE = "signature.json"
 ALGORITHM = "ed25519"

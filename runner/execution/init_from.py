@@ -17,18 +17,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from runner.checkpoint import INDEX as CHECKPOINT_INDEX
-from runner.data import dtype_name, dtype_of
+from runner.format.checkpoint import INDEX as CHECKPOINT_INDEX
+from runner.execution.data import dtype_name, dtype_of
 from runner.errors import AotError
-from runner.sharding import axis_index, shard_numel, tp_fused, tp_slice
-from runner.sharding import shard as fsdp_shard
+from runner.format.sharding import axis_index, shard_numel, tp_fused, tp_slice
+from runner.format.sharding import shard as fsdp_shard
 
 SINGLE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_NAMES = 5
 
-# safetensors header dtype -> torch dtype (local: runner.data only maps torch -> name)
+# safetensors header dtype -> torch dtype (local: runner.execution.data only maps torch -> name)
 _FILE_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -236,7 +236,7 @@ def _cast_notes(path: Path, sources: dict[str, Source], specs: dict) -> list[str
 def rank_weights(init: InitFrom, coords: dict[str, int], only: set[str] | None = None) -> dict[str, torch.Tensor]:
     """This rank's piece of every parameter and persistent buffer (`only`: of those named, a
     pipeline rank's), keyed by canonical name: contiguous, in the manifest's dtype, on the CPU, in
-    the layout runner.sharding defines (tp slice, then the flat-padded fsdp piece). Reads only the
+    the layout runner.format.sharding defines (tp slice, then the flat-padded fsdp piece). Reads only the
     rows each piece needs."""
     tp, fsdp = init.tensor_parallel or {}, init.sharding or {}
     tp_index, tp_size = axis_index(coords, tp), tp.get("size", 1)

@@ -7,7 +7,7 @@ plan      mesh, placement, strategy, buckets, sharding, tensor and pipeline para
 programs  for each set of ranks that run the same program in A and the same in B: collectives per
           step (kind, group, dtype) added, removed or resized, and the graph's operators by count
 
-Manifests are read through runner.artifact and described with runner.inspect's functions;
+Manifests are read through runner.format.artifact and described with runner.commands.artifact_summary's functions;
 programs are read as the JSON the artifact stores (verified, never deserialized), so artifacts of
 another torch release compare too. Every file both manifests list is checked against its sha256
 first: "identical" (equal manifest digests) then means every byte of the two artifacts is equal.
@@ -20,10 +20,11 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from runner.artifact import Artifact
+from runner.format.artifact import Artifact
 from runner.errors import AotError
-from runner.inspect import human, predicted_memory, predicted_time, rank_ranges, summarize, tp_layer
-from runner.integrity import read_verified
+from runner.commands.formatting import human, rank_ranges, tp_layer
+from runner.commands.artifact_summary import predicted_memory, predicted_time, summarize
+from runner.format.integrity import read_verified
 
 # build arguments the plan level shows (with what the build made of them)
 _PLAN_ARGUMENTS = ("strategy", "bucket_mb", "prefetch_mb", "hierarchical")

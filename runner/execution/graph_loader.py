@@ -18,7 +18,7 @@ import operator
 
 import torch
 
-from runner.p2p import is_point_to_point
+from runner.execution.p2p import is_point_to_point
 
 # ScalarType, MemoryFormat and Layout numbers of torch._export.serde.schema (the stored format)
 _DTYPES = {
@@ -98,7 +98,7 @@ _LIFTED = {"buffer": "buffer_name", "parameter": "parameter_name", "tensor_const
 
 
 def _lifted_tensors(constants: bytes | None) -> dict[str, torch.Tensor]:
-    """A program's constants file (runner.program.encode_program: keys "<table>/<name>") by name."""
+    """A program's constants file (runner.format.program.encode_program: keys "<table>/<name>") by name."""
     from safetensors.torch import load
 
     return {key.partition("/")[2]: value for key, value in (load(constants) if constants else {}).items()}
@@ -181,7 +181,7 @@ def _is_wait(node: torch.fx.Node) -> bool:
 def is_collective(node: torch.fx.Node) -> bool:
     """A functional collective's issue (all_gather_into_tensor, reduce_scatter_tensor, all_reduce,
     ...): a call into torch.ops._c10d_functional other than wait_tensor and the point-to-point
-    transfers of pipeline stages (runner/p2p.py), whose waits must stay where the build put them:
+    transfers of pipeline stages (runner/execution/p2p.py), whose waits must stay where the build put them:
     waiting for a send at its issue would block until the peer receives, and the peer may be
     waiting for this rank."""
     return (

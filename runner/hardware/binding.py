@@ -16,8 +16,8 @@ import os
 import platform
 from pathlib import Path
 
-from runner.nvml_probe import _bits, _call, _const, _cpu_words, _numa, _read, _read_int, import_nvml
-from runner.sysfs import format_cpulist, normalize_bus_id, parse_cpulist, sysfs_bus_id
+from runner.hardware.nvml_probe import _bits, _call, _const, _cpu_words, _numa, _read, _read_int, import_nvml
+from runner.hardware.sysfs import format_cpulist, normalize_bus_id, parse_cpulist, sysfs_bus_id
 
 _SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261}  # syscall numbers
 _MPOL_PREFERRED = 1
@@ -31,7 +31,7 @@ def gpu_bus_id(device) -> str | None:
     props = torch.cuda.get_device_properties(index)
     if hasattr(props, "pci_bus_id"):
         return f"{getattr(props, 'pci_domain_id', 0):08X}:{props.pci_bus_id:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"
-    from runner.nvml_probe import probe  # an old torch: CUDA's device order as the probe derives it
+    from runner.hardware.nvml_probe import probe  # an old torch: CUDA's device order as the probe derives it
 
     gpus = probe(nodes=1, name="binding")["node"]["gpus"]
     return next((bus for bus, g in gpus.items() if g["index"] == index), None)

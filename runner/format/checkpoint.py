@@ -1,7 +1,7 @@
 """Checkpoints: training state keyed by the user's names, in safetensors, crash-safe.
 
 A checkpoint folder holds, per shard of the training state (one when the state is replicated,
-one per tp x fsdp position when split; runner.sharding numbers them), model.step-N[.shard-I].safetensors (parameters and buffers by
+one per tp x fsdp position when split; runner.format.sharding numbers them), model.step-N[.shard-I].safetensors (parameters and buffers by
 their names in the user's model) and optimizer.step-N[.shard-I].safetensors
 ("<parameter>:<state key>"), and checkpoint.json: the step to resume at, the shard placement,
 the tensor layout, the state_dict aliases of tied weights and the sha256 of every file.
@@ -22,8 +22,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from runner.errors import AotError
-from runner.integrity import canonical_json, check_writable_target, content_problem, read_verified, sha256_file
-from runner.sharding import assemble, shard_count
+from runner.format.integrity import canonical_json, check_writable_target, content_problem, read_verified, sha256_file
+from runner.format.sharding import assemble, shard_count
 
 INDEX = "checkpoint.json"
 FORMAT_NAME = "aot-checkpoint"

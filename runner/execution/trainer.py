@@ -15,26 +15,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runner.artifact import Artifact
-from runner.axes import DATA_AXES
-from runner.checkpoint import commit_checkpoint, layout_of, load_checkpoint, optimizer_key, write_shard
-from runner.compiled import CompiledProgram, choose_tier, live_device, load_compiled
-from runner.custom_ops import import_op_libraries
-from runner.data import DataSource, describe, dtype_name, split_batch_tensors
+from runner.format.artifact import Artifact
+from runner.format.axes import DATA_AXES
+from runner.format.checkpoint import commit_checkpoint, layout_of, load_checkpoint, optimizer_key, write_shard
+from runner.execution.compiled import CompiledProgram, choose_tier, live_device, load_compiled
+from runner.execution.custom_ops import import_op_libraries
+from runner.execution.data import DataSource, describe, dtype_name, split_batch_tensors
 from runner.errors import AotError
-from runner.replica_check import check_replicas
-from runner.groups import bind_process_groups, yield_gloo_poll_threads
-from runner.graph_loader import input_shapes, load_graph_module, wait_at_issue
-from runner.init_from import check_init_from
-from runner.init_program import SCALER_PREFIX, initial_state, stage_tensors
-from runner.launch import Launch, resolve_launch
-from runner.log import RankLogger
-from runner.memory_tracking import measure_step
-from runner.p2p import install_send_kernel
-from runner.program import decode_program
-from runner.binding import bind_rank
-from runner.sharding import join_tp_slices, shard_number, tp_fused, tp_slice_shape, unshard
-from runner.topology_check import verify_live
+from runner.execution.replica_check import check_replicas
+from runner.execution.groups import bind_process_groups, yield_gloo_poll_threads
+from runner.execution.graph_loader import input_shapes, load_graph_module, wait_at_issue
+from runner.execution.init_from import check_init_from
+from runner.execution.init_program import SCALER_PREFIX, initial_state, stage_tensors
+from runner.execution.launch import Launch, resolve_launch
+from runner.execution.log import RankLogger
+from runner.execution.memory_tracking import measure_step
+from runner.execution.p2p import install_send_kernel
+from runner.format.program import decode_program
+from runner.hardware.binding import bind_rank
+from runner.format.sharding import join_tp_slices, shard_number, tp_fused, tp_slice_shape, unshard
+from runner.hardware.topology_check import verify_live
 
 
 def step_seed(seed: int, step: int, data_rank: int) -> int:
@@ -77,10 +77,10 @@ class Trainer:
 
     `step(inputs, targets)` runs one training step and returns the global-batch loss (the mean
     of the data-parallel ranks' losses). `state_dict()` and `save(dir)` give the training state
-    under the user's parameter names. `tier` picks the program (runner/compiled.py); when a
+    under the user's parameter names. `tier` picks the program (runner/execution/compiled.py); when a
     compiled package is passed over, rank 0 gives `notice` its one-line reason (also kept as
     `tier_notice`) before the process group starts. `warn`, `log` and `notice` take one line each;
-    not given, the lines go to the `aot` logger with the rank (runner/log.py).
+    not given, the lines go to the `aot` logger with the rank (runner/execution/log.py).
     """
 
     def __init__(
@@ -103,7 +103,7 @@ class Trainer:
     ):
         self.artifact = artifact = Artifact(path, trusted_keys)
         manifest = artifact.manifest
-        # how this process was started (runner.launch): torchrun's variables, Slurm's, or `aot run
+        # how this process was started (runner.execution.launch): torchrun's variables, Slurm's, or `aot run
         # --rank/--world-size`, which the command line has exported as torchrun's
         launch = launch if launch is not None else resolve_launch()
         self.rank = rank if rank is not None else launch.rank
@@ -117,14 +117,14 @@ class Trainer:
             )
         if not 0 <= self.rank < self.world_size:
             raise AotError(f"rank {self.rank} is outside world size {self.world_size}")
-        # messages the caller does not take go to the `aot` logger (runner/log.py), tagged with the rank
+        # messages the caller does not take go to the `aot` logger (runner/execution/log.py), tagged with the rank
         logger = RankLogger(self.rank, self.world_size)
         warn = warn or logger.warning
         log = log or logger.info
         notice = notice or logger.warning
 
         # The topology contract is checked before any collective can hang on the wrong fabric.
-        # Raises runner.topology_check.TopologyMismatch (an AotError) with one line per mismatch class.
+        # Raises runner.hardware.topology_check.TopologyMismatch (an AotError) with one line per mismatch class.
         profile = manifest["topology"]["profile"]
         verify_live(profile, allow_mismatch=allow_topology_mismatch, warn=warn)
 
@@ -134,7 +134,7 @@ class Trainer:
         self._log = log
         self.binding = bind_rank(self.device, enabled=bind, log=log)
         entry = artifact.rank(self.rank)
-        # The compiled tier (an AOTInductor package, runner/compiled.py) where the artifact has one
+        # The compiled tier (an AOTInductor package, runner/execution/compiled.py) where the artifact has one
         # for this run's device kind and torch; else the portable program every artifact has, and
         # `tier_notice` says why when a package was passed over (given to `notice` once, by rank 0).
         # `tier` ("auto", "compiled", "portable") is the caller's wish; self.tier is what runs.
@@ -179,7 +179,7 @@ class Trainer:
                 module = ep.module()
                 self.program_loader = "torch.export"
             self._module = module
-            # On gloo, one collective in flight at a time (runner.graph_loader.wait_at_issue says
+            # On gloo, one collective in flight at a time (runner.execution.graph_loader.wait_at_issue says
             # why); NCCL keeps the program's overlap of communication with compute. The compiled
             # tier's schedule is fixed inside its package and is left as built.
             self.collectives_waited_at_issue = self._on_gloo()
@@ -362,7 +362,7 @@ class Trainer:
         rates are host numbers; only a varying schedule under fp16 loss scaling reads back how many
         updates were skipped, which says where the schedule is). Read the results from the
         returned LaunchedStep, in step order. `measure_memory`: also measure this step's peak
-        memory (runner/memory_tracking.py; slower, so never a timed step) into
+        memory (runner/execution/memory_tracking.py; slower, so never a timed step) into
         `measured_peak_bytes` (None where it cannot be measured) and how into `memory_method`."""
         timing = StepTiming(self.device)
         inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
@@ -422,7 +422,7 @@ class Trainer:
 
     # -- data -----------------------------------------------------------------------------
     def data_source(self, path: str | Path | None = None, token_dtype: str | None = None, shuffle: int | None = None) -> DataSource:
-        """--data's rows for this rank (a file, folder or glob of shards: runner/data.py), or the
+        """--data's rows for this rank (a file, folder or glob of shards: runner/execution/data.py), or the
         artifact's recorded example batch; `shuffle`: --shuffle's seed (every epoch in its order)."""
         if path is not None:
             source = DataSource.from_file(path, self.data_spec, self.data_rank, self.data_size, token_dtype)
@@ -470,7 +470,7 @@ class Trainer:
         return dict(self._optimizer)
 
     def check_replicas(self, when: str) -> None:
-        """Every tensor several ranks hold a copy of is the same on each (runner/replica_check.py);
+        """Every tensor several ranks hold a copy of is the same on each (runner/execution/replica_check.py);
         AotError naming the first that is not. Every rank must call it."""
         check_replicas(self, when)
 

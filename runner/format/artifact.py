@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from runner.errors import AotError
-from runner.integrity import canonical_json, content_problem, read_verified, sha256_bytes
+from runner.format.integrity import canonical_json, content_problem, read_verified, sha256_bytes
 
 FORMAT_NAME = "aot-artifact"
 FORMAT_VERSION = 6  # 6: fused tensor-parallel layers (tensor_parallel.fused); 5: pipeline stages (pipeline, a program per stage, p2p transfers)
@@ -51,7 +51,7 @@ class Artifact:
         self.signer = None
         if trusted_keys:
             # before anything of the artifact is parsed
-            from runner.signing import check_signature
+            from runner.format.signing import check_signature
 
             self.signer = check_signature(self.root, raw, trusted_keys)
         try:

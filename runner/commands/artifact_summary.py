@@ -1,13 +1,14 @@
-"""`aot inspect`: what an artifact holds, read from its manifest alone (nothing is deserialized)."""
+"""`aot inspect`: what an artifact holds, read from its manifest alone (nothing is deserialized);
+the one-line descriptions it shares with `aot build` are runner/commands/formatting.py's."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 
-from runner.artifact import Artifact
-from runner.sharding import shard_number, shard_numel, tp_slice_shape, tp_style
+from runner.format.artifact import Artifact
+from runner.commands.formatting import describe_batchnorm, describe_replicas, describe_time, human, rank_ranges, replica_lines, tp_layer
+from runner.format.sharding import shard_number, shard_numel, tp_slice_shape
 
 
 def _bytes(shape_dtype: list) -> int:
@@ -61,67 +62,6 @@ def describe_precision(p: dict) -> str:
             else ""
         )
     )
-
-
-def _fold_layers(name: str) -> str:
-    """`layers.3.mlp.up_proj.weight` -> `layers.*.mlp.up_proj.weight`."""
-    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
-
-
-def replica_classes(entry: dict) -> dict[str, dict[str, Counter]]:
-    """From the manifest's `replicas`: axis -> handling ("sharded", "reduced", "identical") ->
-    parameter classes (names with layer numbers folded to *) and how many parameters each has."""
-    classes: dict[str, dict[str, Counter]] = {}
-    for name, handling in entry.get("params", {}).items():
-        for axis, how in handling.items():
-            classes.setdefault(axis, {}).setdefault(how, Counter())[_fold_layers(name)] += 1
-    return classes
-
-
-def describe_replicas(entry: dict) -> str:
-    """One line: per mesh axis, how many parameters are sharded, reduced or identical over it."""
-    classes = replica_classes(entry)
-    if not classes:
-        return "one copy of each parameter per rank, no axis holds replicas"
-    parts = [f"{axis}: " + ", ".join(f"{sum(c.values())} {how}" for how, c in sorted(hows.items())) for axis, hows in classes.items()]
-    kept = entry.get("buffers_per_rank", [])
-    return "; ".join(parts) + (f"; {len(kept)} buffer(s) per rank (BatchNorm statistics, as eager DDP)" if kept else "")
-
-
-def replica_lines(entry: dict) -> list[str]:
-    """inspect's lines: per axis and handling, the parameter classes."""
-    lines = []
-    for axis, hows in replica_classes(entry).items():
-        for how, classes in sorted(hows.items()):
-            shown = ", ".join(f"{c} (x{n})" if n > 1 else c for c, n in classes.items())
-            lines.append(f"  {axis:<5} {how:<10} {shown}")
-    kept = entry.get("buffers_per_rank", [])
-    if kept:
-        folded = sorted({_fold_layers(n) for n in kept})
-        lines.append(f"  per rank buffers: {', '.join(folded)}")
-    return lines
-
-
-def describe_batchnorm(entry: dict) -> str:
-    """One line from the manifest's `batchnorm`: whose batch each BatchNorm layer's statistics
-    are computed over (plain BatchNorm: this rank's, as eager DDP; SyncBatchNorm: the data-parallel
-    group's)."""
-
-    def layers(n: int) -> str:
-        return f"{n} layer{'s' if n != 1 else ''}"
-
-    synced, plain = entry["synced"], entry["layers"] - entry["synced"]
-    over = ",".join(entry["axes"]) or "one data-parallel rank"
-    parts = ([f"SyncBatchNorm over {over} ({layers(synced)})"] if synced else []) + ([f"statistics per rank ({layers(plain)})"] if plain else [])
-    return "; ".join(parts)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def summarize(artifact: Artifact) -> dict:
@@ -209,7 +149,7 @@ def predicted_time(summary: dict) -> dict:
 
 
 def compare_profile(summary: dict, measured: dict) -> dict:
-    """Measured times (runner.profiling) next to the build's prediction, where it has one."""
+    """Measured times (runner.execution.profiling) next to the build's prediction, where it has one."""
     predicted = predicted_time(summary)
     rows = {}
     for key in ("step_s", "compute_s", "exposed_comm_s"):
@@ -262,10 +202,6 @@ def compare_memory(summary: dict, measured: dict | None) -> dict | None:
     }
 
 
-def rank_ranges(ranks: list[int]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) else ",".join(map(str, ranks))
-
-
 # the prediction's parts in the order they are listed (others follow, by name)
 _MEMORY_PARTS = ("params", "buffers", "optimizer", "batch", "activations", "gradients", "collective_buffers", "updated_state")
 
@@ -300,25 +236,6 @@ def describe_memory(memory: dict | None) -> list[str]:
         f"{human(rc.get('saved_activation_bytes', 0))} -> {human(rc.get('kept_activation_bytes', 0))}; asked by {asked}"
     )
     return lines
-
-
-def tp_layer(name: str, style: str) -> str:
-    """A tensor-parallel layer as `aot build` and `aot inspect` name it: a fused one with its parts."""
-    parts = tp_style(style)[1]
-    return f"{name} ({parts} fused parts)" if parts > 1 else name
-
-
-def describe_time(time: dict | None) -> str:
-    """The manifest's `time`: the predicted step of one rank on the profile it was built for."""
-    if not time:
-        return "time       no prediction (built before aot predicted every build's step)"
-    p = time["predicted"]
-    recompute = f" (recomputation {p['recompute_s'] * 1e3:.3g} ms of it)" if p.get("recompute_s") else ""
-    return (
-        f"time       predicted {p['step_s'] * 1e3:.3g} ms per step on {time.get('topology')} "
-        f"({'calibrated' if time.get('calibrated') else 'uncalibrated'}): compute {p['compute_s'] * 1e3:.3g} ms{recompute}, "
-        f"communication {p['comm_s'] * 1e3:.3g} ms of which {p['exposed_comm_s'] * 1e3:.3g} ms exposed"
-    )
 
 
 def _memory_lines(memory: dict | None) -> list[str]:

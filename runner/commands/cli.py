@@ -1,4 +1,4 @@
-"""`aot run` / `python -m runner run`: train from an artifact, under torchrun or any launcher (runner/launch.py)."""
+"""`aot run` / `python -m runner run`: train from an artifact, under torchrun or any launcher (runner/execution/launch.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from runner.console import console_main, debug_option
+from runner.commands.console import console_main, debug_option
 
 _STARTED = time.perf_counter()  # as close to process start as this module gets
 
@@ -173,19 +173,19 @@ def run(
     Every file is checked against the manifest's sha256 before it is read, the live topology is
     checked against the artifact's profile, and no model code or compiler runs.
     """
-    from runner.checkpoint import read_index
+    from runner.format.checkpoint import read_index
     from runner.errors import AotError
-    from runner.groups import leave_process_group
-    from runner.integrity import check_writable_target
-    from runner.launch import resolve_launch
-    from runner.profiling import WARMUP_STEPS, StepProfiler
-    from runner.signing import read_public_key
-    from runner.topology_check import TopologyMismatch
-    from runner.trainer import Trainer
+    from runner.execution.groups import leave_process_group
+    from runner.format.integrity import check_writable_target
+    from runner.execution.launch import resolve_launch
+    from runner.execution.profiling import WARMUP_STEPS, StepProfiler
+    from runner.format.signing import read_public_key
+    from runner.hardware.topology_check import TopologyMismatch
+    from runner.execution.trainer import Trainer
 
     # Everything that can be checked before the work is checked before it.
     # Who this process is, however it was started, exported as torchrun's variables: from here on
-    # the run is the one torchrun starts (runner/launch.py).
+    # the run is the one torchrun starts (runner/execution/launch.py).
     launch = resolve_launch(rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr, master_port=master_port)
     launch.export()
     if save_every is not None and save is None:

@@ -5,7 +5,7 @@
 file is read through `Artifact.read`, so its sha256 is checked before ONNX Runtime sees a byte.
 It holds no weights (format 3): its initializers are external-data references to a file that
 does not exist, and the initial weights are made here by replaying the artifact's init program
-(runner/init_program.py, as `aot run` makes them) and handed to ONNX Runtime in memory
+(runner/execution/init_program.py, as `aot run` makes them) and handed to ONNX Runtime in memory
 (`SessionOptions.add_external_initializers`), under the ONNX names the manifest's
 `inference.initializers` maps to parameters and buffers. Nothing is written to disk. A bare file
 holds its weights, or names its external-data file beside it (`<file>.data`, whose sha256 the
@@ -28,7 +28,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from runner.data import describe, dtype_name
+from runner.execution.data import describe, dtype_name
 from runner.errors import AotError
 
 PROVIDERS = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
@@ -74,7 +74,7 @@ _BF16_ON_CPU = (
     "with --precision fp16 or fp32 to run on CPU"
 )
 
-# ONNX Runtime's element type names -> torch dtype names (runner.data.dtype_name)
+# ONNX Runtime's element type names -> torch dtype names (runner.execution.data.dtype_name)
 _ORT_TYPES = {
     "tensor(float)": "float32",
     "tensor(double)": "float64",
@@ -231,7 +231,7 @@ class InferenceSession:
     as in --data files; other names such as `targets` are ignored), or a tensor / sequence of
     tensors in order, and returns a dict of output name -> CPU torch tensor. Input names, dtypes and
     every dimension but the batch dimension must match the export. `trusted_keys` (public keys, as
-    runner.signing.read_public_key returns them) refuses artifacts not signed by one of them.
+    runner.format.signing.read_public_key returns them) refuses artifacts not signed by one of them.
     `weights` says where the weights came from (the init program, the file, its data file).
     """
 
@@ -248,7 +248,7 @@ class InferenceSession:
         cpu_refusal = None
         model: bytes | str  # ONNX bytes, or the file's path when ONNX Runtime must read its data file beside it
         if path.is_dir():
-            from runner.artifact import Artifact
+            from runner.format.artifact import Artifact
 
             artifact = Artifact(path, trusted_keys)  # the signature is checked before anything is parsed
             spec = artifact.manifest.get("inference")
@@ -376,7 +376,7 @@ class InferenceSession:
 def initial_weights(artifact, mapping: Mapping[str, str], where: str) -> tuple[dict[str, torch.Tensor], str]:
     """(ONNX initializer name -> initial tensor, a description of the source): the artifact's init
     program replayed after its seed, whole tensors (no rank's piece), just those the graph reads."""
-    from runner.init_program import load_init_graph, replay
+    from runner.execution.init_program import load_init_graph, replay
 
     manifest = artifact.manifest
     init = manifest.get("init")
@@ -416,7 +416,7 @@ def _bare_file(path: Path, model: bytes) -> tuple[Path | None, dict[str, str]]:
         )
         raise AotError(f"{path}: its weights are ONNX external data in {data_file.name}, which is not beside it{hint}")
     if "aot.weights_sha256" in meta:
-        from runner.integrity import sha256_file
+        from runner.format.integrity import sha256_file
 
         if sha256_file(data_file) != meta["aot.weights_sha256"]:
             raise AotError(f"{data_file}: sha256 differs from the one {path.name} records; it holds other weights (written by another `aot export`?)")

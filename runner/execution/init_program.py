@@ -26,12 +26,12 @@ from typing import Callable
 import torch
 import torch.utils._pytree as pytree
 
-from runner.data import dtype_of
+from runner.execution.data import dtype_of
 from runner.errors import AotError
-from runner import init_ops
-from runner.graph_loader import load_graph_module
-from runner.program import decode_program
-from runner.sharding import axis_index, shard, tp_fused, tp_slice
+from runner.execution import init_ops
+from runner.execution.graph_loader import load_graph_module
+from runner.format.program import decode_program
+from runner.format.sharding import axis_index, shard, tp_fused, tp_slice
 
 _aten = torch.ops.aten
 # In-place ops that write every element of their first argument without reading it.
@@ -264,7 +264,7 @@ def initial_optimizer_state(optimizer_init: dict[str, dict], weights: dict[str, 
     return out
 
 
-# Loss-scaling state is kept with the optimizer state under "grad_scaler:<key>" (runner.artifact.
+# Loss-scaling state is kept with the optimizer state under "grad_scaler:<key>" (runner.format.artifact.
 # SCALER_KEYS), so checkpoints carry it.
 SCALER_PREFIX = "grad_scaler:"
 
@@ -284,10 +284,10 @@ def initial_state(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(weights, optimizer state) of the rank with `coords` before its first step, on the CPU:
     its pieces of the init program's tensors, or of the user's weights (`init_from`, a checked
-    runner.init_from.InitFrom) with the buffers no state_dict holds from the program; and the
+    runner.execution.init_from.InitFrom) with the buffers no state_dict holds from the program; and the
     optimizer state `state.optimizer_init` describes, made on `device` where given (weights are
     always made on the CPU, where the init program replays eager's random draws)."""
-    from runner.init_from import rank_weights
+    from runner.execution.init_from import rank_weights
 
     manifest = artifact.manifest
     init, spec = manifest["init"], manifest["state"]

@@ -9,7 +9,7 @@ hide) and the rest (compute). `aot inspect ARTIFACT --profile DIR` puts them nex
 prediction.
 
 The first step of the run (the warm-up step, whose time no summary uses) also measures each rank's
-peak memory (runner/memory_tracking.py); the peaks are gathered to rank 0 and written under
+peak memory (runner/execution/memory_tracking.py); the peaks are gathered to rank 0 and written under
 "memory" in DIR/profile.json.
 
 Pipeline ranks (an artifact with `pipeline`, `pipeline=True`; CPU ranks on gloo) also measure the pipeline's wait,
@@ -21,7 +21,7 @@ the others to drain, and data-parallel reductions). Which transfer a wait waited
 the profiler's own events, without marking anything at step time: gloo records each send and
 receive as a `gloo:send` / `gloo:recv` range that opens when the transfer is issued and closes
 when its work is finished, and a point-to-point work is finished inside its `wait()` (gloo's
-SendWork/RecvWork complete only when waited; nothing else waits them: runner/p2p.py's send
+SendWork/RecvWork complete only when waited; nothing else waits them: runner/execution/p2p.py's send
 kernel and torch's receive kernel register the work for `wait_tensor` alone). So the one
 `wait_tensor` event (on the step's thread; they never overlap) that a `gloo:recv` range ends
 inside waited for that receive, likewise for sends; a wait no such range ends in waited for a
@@ -49,8 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.memory_tracking import ALLOCATOR
-from runner.memory_tracking import method as memory_method
+from runner.execution.memory_tracking import ALLOCATOR
+from runner.execution.memory_tracking import method as memory_method
 
 SUMMARY = "profile.json"
 TRACE = "measured_timeline.json"
