@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -126,9 +127,12 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
             click.echo(f"planned in {time.perf_counter() - started:.1f} s", err=True)
         return
     [(profile, world_size)] = targets
-    plans, skipped, planner, steps = plan_model(model_file, profile, world_size, batch_size, **options)
+    # what is being traced, as it starts, where someone watches (a terminal; a log gets the summary line)
+    note = (lambda line: click.echo(line, err=True)) if sys.stderr.isatty() else None
+    plans, skipped, planner, steps = plan_model(model_file, profile, world_size, batch_size, note=note, **options)
     machine = planner.machine
     seconds = time.perf_counter() - started
+    spent = time_spent(seconds, steps.seconds)
     rows = [p.row() for p in plans]
     if as_json:
         click.echo(
@@ -146,6 +150,7 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
                     "device_memory_bytes": machine.memory_bytes,
                     "memory_headroom": MEMORY_HEADROOM,
                     "seconds": round(seconds, 3),
+                    "time": spent,
                     "skipped": skipped,
                     "plans": rows,
                 },
@@ -199,7 +204,17 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
             click.echo("\nno plan fits the device memory")
             smallest = min(range(len(plans)), key=lambda i: plans[i].prediction.memory.peak)
             click.echo(f"memory of #{smallest + 1} (the smallest peak): {describe_memory(rows[smallest])}")
-    click.echo(f"planned in {seconds:.1f} s", err=True)
+    parts = ", ".join(f"{part[:-2].replace('_', ' ')} {s:.1f} s" for part, s in spent.items() if part != "total_s")
+    click.echo(f"planned in {seconds:.1f} s ({parts})", err=True)
+
+
+def time_spent(total: float, parts: dict[str, float]) -> dict[str, float]:
+    """Where planning's time went (`--json`'s "time"): recording the model (model() and its
+    optimizer on fake tensors), tracing the step's graphs, tracing pipeline programs, and the rest
+    (pricing every candidate, placing meshes, the search)."""
+    spent = {"recording_s": parts["recording"], "tracing_s": parts["tracing"], "pipeline_programs_s": parts["pipelines"]}
+    spent["pricing_s"] = max(0.0, total - sum(spent.values()))
+    return {"total_s": round(total, 3), **{part: round(s, 3) for part, s in spent.items()}}
 
 
 @click.command("calibrate")

@@ -30,6 +30,28 @@ def _plan(*args) -> dict:
     return json.loads(result.output)
 
 
+def test_planning_says_what_it_traces_as_it_starts():
+    """Each trace and each pipeline's programs announced (`aot plan` prints them on a terminal):
+    the layout classes of 8 ranks over dp, fsdp and tp (the graphs without fsdp derived), and a
+    pipeline's programs for each schedule and microbatch count priced."""
+    from aot.plan.search import plan_model
+    from runner.hardware.topology import for_nodes, load_profile
+
+    said: list[str] = []
+    profile = for_nodes(load_profile("dgx_a100"), 1, 8)
+    plan_model(Path(MLP), profile, 8, 8, axes=("dp", "fsdp", "tp"), note=said.append)
+    assert said == [
+        "tracing the step on fsdp=2 x tp=4 (1 of 4), 1 more graph(s) derived from it",
+        "tracing the step on dp x fsdp=2 x tp=2 (2 of 4), 1 more graph(s) derived from it",
+        "tracing the step on dp x fsdp=2 (3 of 4), 1 more graph(s) derived from it",
+        "tracing the step on tp=8 (4 of 4)",
+    ], said
+    said.clear()
+    plan_model(Path(MLP), for_nodes(load_profile("dgx_a100"), 1, 2), 2, 8, axes=("pp",), note=said.append)
+    assert "tracing every pipeline rank's program of pp=2 (interleaved-1f1b, 2 stages per rank, 4 microbatches)" in said, said
+    assert len(said) == 9 and all(line.startswith("tracing every pipeline rank's program of pp=2 (") for line in said), said
+
+
 def test_factorizations_cover_every_mesh():
     assert factorizations(8, ("dp", "fsdp")) == [(1, 8), (2, 4), (4, 2), (8, 1)]
     assert factorizations(1, ("dp",)) == [(1,)]
@@ -40,6 +62,11 @@ def test_plan_ranks_data_parallel_and_fsdp_candidates_on_cpu_ranks():
     out = _plan(MLP, "--topology", "cpu", "--world-size", "2", "--axes", "dp,fsdp,tp")
     plans = out["plans"]
     assert out["world_size"] == 2 and out["parameters"] == 6922 and not out["calibrated"]
+    # where planning's time went: its parts add up to the whole, tracing the step took some
+    spent = out["time"]
+    assert set(spent) == {"total_s", "recording_s", "tracing_s", "pipeline_programs_s", "pricing_s"}
+    assert spent["tracing_s"] > 0 and spent["pipeline_programs_s"] == 0
+    assert abs(sum(v for k, v in spent.items() if k != "total_s") - spent["total_s"]) < 0.01
     assert {p["strategy"] for p in plans} == {"dp=2", "fsdp=2", "tp=2"}
     per_sample = [p["step_s"] / p["data_ranks"] for p in plans]
     assert per_sample == sorted(per_sample) and all(p["fits"] for p in plans)  # a cpu profile has no memory limit

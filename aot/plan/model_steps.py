@@ -8,6 +8,7 @@ cannot trace yet (Unsupported).
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,17 +85,22 @@ class ModelSteps:
     and, where that may still not fit, at the smallest feasible one; its derived meshes get the same
     derivation. A graph that fits costs nothing more."""
 
-    def __init__(self, model_path: Path, batch_size: int, seed: int = 0, sequence_parallel: bool = False, pricing: Pricing | None = None):
+    def __init__(self, model_path: Path, batch_size: int, seed: int = 0, sequence_parallel: bool = False, pricing: Pricing | None = None, note=None):
         from aot.capture.model_file import load_model_file
         from aot.capture.training_state import build_training_state
         from runner.execution.data import split_batch_tensors
 
         if batch_size < 1:
             raise AotError(f"--batch-size must be at least 1, got {batch_size}")
+        started = time.perf_counter()
+        # where planning's time goes (`aot plan --json`'s "time"), and a line per long piece of work
+        self.seconds = {"recording": 0.0, "tracing": 0.0, "pipelines": 0.0}
+        self.note = note or (lambda line: None)
         mf = load_model_file(model_path)
         self.request = (Path(model_path), batch_size, seed, sequence_parallel)  # what `retargeted` copies may share
         inputs, targets = split_batch_tensors(mf.example_batch(batch_size), "batch()")
         self.rec = Recording(mf, build_training_state(mf, seed, 1), inputs, targets)  # every trace's, as the build's (aot/compile_step.py)
+        self.seconds["recording"] = time.perf_counter() - started
         self.mf, self.state, self.inputs, self.targets = mf, self.rec.state, inputs, targets
         self.params = sum(p.numel() for p in self.state.params.values())
         self.param_numels = [p.numel() for p in self.state.params.values()]
@@ -283,6 +289,7 @@ class ModelSteps:
         precision resolves alike and neither profile gives it recomputing variants; the others
         (and pipeline programs, whose stages are balanced on the profile's compute) are traced again."""
         other = copy.copy(self)
+        other.seconds = {part: 0.0 for part in self.seconds}  # the graphs kept cost this plan nothing
         other._target(pricing)
         if other.precision == self.precision:
             other.traced = {
@@ -297,7 +304,9 @@ class ModelSteps:
         if key in self._failed:
             raise self._failed[key]
         if key not in self.traced:
+            started = time.perf_counter()
             self.traced.update(self._trace(key, (dp, fsdp, tp)))
+            self.seconds["tracing"] += time.perf_counter() - started
         if key in self._failed:
             raise self._failed[key]
         return self.traced[key]
@@ -339,6 +348,10 @@ class ModelSteps:
         pp, dp, fsdp = degrees[PP], degrees.get(DP, 1), degrees.get(FSDP, 1)
         key = (PP, pp, dp > 1, fsdp, degrees.get(TP, 1), microbatches, schedule, virtual, recompute)
         if key not in self.pipelines:
+            started = time.perf_counter()
+            mesh = ",".join(f"{a}={d}" for a, d in degrees.items() if d > 1)
+            how = [schedule, *([f"{virtual} stages per rank"] if virtual > 1 else []), f"{microbatches} microbatches", *(["recomputing"] if recompute else [])]
+            self.note(f"tracing every pipeline rank's program of {mesh} ({', '.join(how)})")
             try:
                 check_microbatches(schedule, pp, microbatches, self.targets.shape[0])
                 group = Target.of(degrees, self.precision, self.sequence_parallel).group(PP)
@@ -354,6 +367,7 @@ class ModelSteps:
             except AotError as e:
                 raise Unsupported(str(e)) from None
             self.pipelines[key] = ([c.graph for c in made.captures], [analyze(c.graph, c.slots) for c in made.captures])
+            self.seconds["pipelines"] += time.perf_counter() - started
         return self.pipelines[key]
 
     def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int]:
@@ -414,9 +428,11 @@ class ModelSteps:
         for key, source in todo:
             if key[1] == 1 and key[2] in sharded:
                 self._derived.setdefault(sharded[key[2]], []).append((key, source))
-        for key, source in sorted(todo, key=lambda job: job[0][1] != 2):  # the graphs others are derived from first
-            if key[1] == 1 and key[2] in sharded:
-                continue  # made with the fsdp=2 graph it is derived from
+        traced = [(key, source) for key, source in sorted(todo, key=lambda job: job[0][1] != 2) if not (key[1] == 1 and key[2] in sharded)]
+        for i, (key, source) in enumerate(traced):  # the graphs others are derived from first (those made with them skipped)
+            derived = len(self._derived.get(key, ()))
+            mesh = " x ".join(a if a == DP else f"{a}={d}" for a, d in zip((DP, FSDP, TP), source) if d > 1) or "one rank"
+            self.note(f"tracing the step on {mesh} ({i + 1} of {len(traced)})" + (f", {derived} more graph(s) derived from it" if derived else ""))
             try:
                 self._traced(*source)
             except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)

@@ -522,13 +522,15 @@ def plan_model(
     precision: str | None = None,
     reduce_dtype: str | None = None,
     reuse: ModelSteps | None = None,
+    note=None,
 ):
     """(ranked plans, skipped meshes, planner, model steps) for a model file on a profile.
     `hierarchical`: all_reduces over groups spanning nodes in two levels where cheaper ("auto"),
     wherever they can ("always") or never, as `aot build --hierarchical` builds them. `reuse`: the
     model steps an earlier call returned for the same model file, batch size, seed and sequence
     parallelism on another profile; the graphs that stay valid on this one are not traced again
-    (ModelSteps.retargeted), so planning one model for several profiles traces it about once."""
+    (ModelSteps.retargeted), so planning one model for several profiles traces it about once.
+    `note(line)` hears each long piece of work as it starts (a trace, a pipeline's programs)."""
     import atexit
     import gc
 
@@ -552,7 +554,7 @@ def plan_model(
         if reuse is not None and reuse.request == (Path(model_path), batch_size, seed, sequence_parallel):
             steps = reuse.retargeted(pricing)
         else:
-            steps = ModelSteps(model_path, batch_size, seed, sequence_parallel, pricing)
+            steps = ModelSteps(model_path, batch_size, seed, sequence_parallel, pricing, note=note)
         planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing, pipeline=steps.pipeline)
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
         searched = tuple(axes or BUILD_AXES)
