@@ -6,6 +6,7 @@ shards refused in one line."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -129,3 +130,41 @@ def test_bad_token_data_is_one_line(built, stream, tmp_path):
     for (data, *extra), *needles in cases:
         r = aot("run", art, "--steps", 1, "--data", data, *extra, "--quiet")
         assert_user_error(r, *needles)
+
+
+def test_a_shard_rewritten_during_the_run_is_refused(stream, tmp_path):
+    """A shard changed under a run would feed other samples than the run's order says: the next
+    read of it refuses, in one line naming it (token streams and safetensors rows)."""
+    from runner.errors import AotError
+    from runner.execution.data import DataSource
+
+    spec = {"batch_size": BATCH, "inputs": [{"shape": [BATCH, T], "dtype": "int64"}], "targets": {"shape": [BATCH, T], "dtype": "int64"}}
+    for name in ("shards/train_001.bin", "windows.safetensors"):
+        copy = tmp_path / name.replace("/", "_")
+        copy.write_bytes((stream / name).read_bytes())
+        source = DataSource.from_file(copy, spec, 0, 1)
+        first = source.batch(0)
+        assert torch.equal(source.batch(0)[1], first[1])  # read again unchanged: fine
+        data = bytearray(copy.read_bytes())
+        data[-2:] = b"\x01\x00" if data[-2:] != b"\x01\x00" else b"\x02\x00"
+        copy.write_bytes(bytes(data))
+        stamp = copy.stat()
+        os.utime(copy, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))  # a second later, whatever the clock's resolution
+        with pytest.raises(AotError, match=r"was rewritten during the run"):
+            source.batch(source.rows // BATCH - 1)  # the last rows: in the changed shard
+        copy.write_bytes(bytes(data) + b"\0\0")
+        with pytest.raises(AotError, match=r"changed size \(\d+ -> \d+ bytes\) during the run"):
+            source.batch(source.rows // BATCH - 1)
+
+
+def test_resuming_in_another_data_order_is_refused(built, stream, tmp_path):
+    """The checkpoint records --shuffle's seed (or none); a --resume with another would read other
+    samples than the run without the restart: refused in one line, before a step."""
+    art = built(GPT, "--world-size", 1, "--batch-size", BATCH, "--no-onnx")
+    ckpt = tmp_path / "ckpt"
+    ok(aot("run", art, "--steps", 1, "--data", stream / "shards", "--shuffle", 7, "--save", ckpt, "--quiet"))
+    assert json.loads((ckpt / "checkpoint.json").read_text())["data_order"] == {"shuffle": 7}
+    for extra, said in (((), "no --shuffle"), (("--shuffle", 8), "--shuffle 8")):
+        r = aot("run", art, "--steps", 1, "--data", stream / "shards", *extra, "--resume", ckpt, "--quiet")
+        assert_user_error(r, "the run read its data --shuffle 7", f"resuming with {said}")
+    ok(aot("run", art, "--steps", 1, "--data", stream / "shards", "--shuffle", 7, "--resume", ckpt, "--quiet"))

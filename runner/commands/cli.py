@@ -173,7 +173,7 @@ def run(
     Every file is checked against the manifest's sha256 before it is read, the live topology is
     checked against the artifact's profile, and no model code or compiler runs.
     """
-    from runner.format.checkpoint import read_index
+    from runner.format.checkpoint import check_data_order, read_index
     from runner.errors import AotError
     from runner.execution.groups import leave_process_group
     from runner.format.integrity import check_writable_target
@@ -232,8 +232,10 @@ def run(
         trainer.resume(save)
         say(f"restarted by torchrun: resumed from {save} at step {trainer.step_index}")
     elif resume is not None:
+        check_data_order(resume, read_index(resume), shuffle)
         trainer.resume(resume)
         say(f"resumed from {resume} at step {trainer.step_index}")
+    data_order = {"shuffle": shuffle}
     target = target if target is not None else trainer.step_index + steps
     trainer.check_steps(target - trainer.step_index)
     source = trainer.data_source(data, token_dtype, shuffle)
@@ -284,7 +286,7 @@ def run(
         if check_replicas and done.number % check_replicas == 0:
             trainer.check_replicas(f"at step {done.number}")
         if save_every and done.number % save_every == 0 and done.number < target:
-            trainer.save(save, target_step=target)
+            trainer.save(save, target_step=target, data_order=data_order)
         profiler.step(seconds)
 
     def due_after(number: int) -> bool:
@@ -315,7 +317,7 @@ def run(
         if log:
             log.close()
     if save is not None:
-        trainer.save(save, target_step=target)
+        trainer.save(save, target_step=target, data_order=data_order)
         say(f"saved checkpoint at step {trainer.step_index} to {save}")
     if first is not None:
         say(f"trained to step {trainer.step_index}: loss {first:.4f} -> {last:.4f}")

@@ -20,6 +20,7 @@ the samples the uninterrupted run would have.
 from __future__ import annotations
 
 import glob
+import os
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +163,35 @@ def _shards(path: str) -> list[Path]:
     raise AotError(f"{path}: no such data file")
 
 
+class Watched:
+    """A shard as it was when the run opened it (size, modification time): each read of it first
+    checks that it still is. A shard rewritten under a run would feed other samples than the
+    run's order says (and a resumed run others again), without a word."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.stamp = self._stamp()
+
+    def _stamp(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_size, st.st_mtime_ns
+
+    def check(self) -> None:
+        now = self._stamp()
+        if now == self.stamp:
+            return
+        if now is None or self.stamp is None:
+            what = "was removed"
+        elif now[0] != self.stamp[0]:
+            what = f"changed size ({self.stamp[0]} -> {now[0]} bytes)"
+        else:
+            what = "was rewritten"
+        raise AotError(f"{self.path}: {what} during the run; a run reads its data as it was when it started (write new data to new files)")
+
+
 def _kind(path: Path, strict: bool = True) -> str:
     kind = {".safetensors": "safetensors", ".bin": "token", ".npy": "token"}.get(path.suffix)
     if kind is None and strict:
@@ -190,15 +220,16 @@ def _safetensors_rows(shards: list[Path], spec: dict):
         if rows == 0:
             raise AotError(f"{shard}: holds no samples")
         input_names = ["inputs"] if "inputs" in names else [f"inputs.{i}" for i in range(len(inputs))]
-        opened.append((handle, input_names))
+        opened.append((handle, input_names, Watched(shard)))
         starts.append(total)
         total += rows
 
     def read(a: int, b: int):
         parts = []
-        for (handle, input_names), first, last in zip(opened, starts, [*starts[1:], total]):
+        for (handle, input_names, watched), first, last in zip(opened, starts, [*starts[1:], total]):
             lo, hi = max(a, first), min(b, last)
             if lo < hi:
+                watched.check()
                 parts.append(([handle.get_slice(n)[lo - first : hi - first] for n in input_names], handle.get_slice("targets")[lo - first : hi - first]))
         return _joined(parts)
 
@@ -267,6 +298,7 @@ def _token_windows(shards: list[Path], spec: dict, token_dtype: str | None):
         raise AotError(f"token data feeds a program whose one input and targets are [batch, T] token ids; this one takes {wanted}")
     window = shapes[0][1]
     streams = [_tokens_of(shard, token_dtype) for shard in shards]
+    watched = [Watched(shard) for shard in shards]
     starts = np.cumsum([0] + [len(t) for t in streams])
     total = int(starts[-1])
     rows = (total - 1) // window if total > window else 0
@@ -276,9 +308,10 @@ def _token_windows(shards: list[Path], spec: dict, token_dtype: str | None):
 
     def tokens(a: int, b: int) -> np.ndarray:
         pieces = []
-        for stream, first in zip(streams, starts[:-1]):
+        for stream, first, shard in zip(streams, starts[:-1], watched):
             lo, hi = max(a, int(first)), min(b, int(first) + len(stream))
             if lo < hi:
+                shard.check()
                 pieces.append(np.asarray(stream[lo - int(first) : hi - int(first)], dtype=np.int64))
         return np.concatenate(pieces)
 

@@ -474,10 +474,11 @@ class Trainer:
         AotError naming the first that is not. Every rank must call it."""
         check_replicas(self, when)
 
-    def save(self, folder: str | Path, target_step: int | None = None) -> None:
+    def save(self, folder: str | Path, target_step: int | None = None, data_order: dict | None = None) -> None:
         """Checkpoint: one replica of each shard writes its files, then rank 0 commits the index.
         Every rank must call it. The replicas are compared first: a checkpoint of ranks that
-        diverged would be one rank's guess, and the last good one stays."""
+        diverged would be one rank's guess, and the last good one stays. `data_order`: how the
+        run orders its data ({"shuffle": seed or None}), which a resume must repeat."""
         self.check_replicas(f"before saving step {self.step_index}")
         split_by = {spec["axis"] for spec in (self.sharding, self.tensor_parallel, self.pipeline) if spec}
         writes = all(v == 0 for axis, v in self.coords.items() if axis not in split_by)
@@ -486,7 +487,7 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
         if self.rank == 0:
-            commit_checkpoint(folder, self.step_index, self.state_spec, self.sharding, target_step, self.tensor_parallel, self.pipeline)
+            commit_checkpoint(folder, self.step_index, self.state_spec, self.sharding, target_step, self.tensor_parallel, self.pipeline, data_order)
         if dist.is_initialized():
             dist.barrier()
 

@@ -73,10 +73,13 @@ def commit_checkpoint(
     target_step: int | None = None,
     tensor_parallel: dict | None = None,
     pipeline: dict | None = None,
+    data_order: dict | None = None,
 ) -> None:
     """Make the shards written for `step` the folder's checkpoint (one atomic index replace),
     then remove files no index refers to. `spec` is the manifest's `state` entry; `target_step`
-    is where the run means to stop, so a run restarted by torchrun knows how far to go."""
+    is where the run means to stop, so a run restarted by torchrun knows how far to go;
+    `data_order` ({"shuffle": seed or None}) how the run ordered its data, which a resumed run
+    must repeat to read the samples the run would have (check_data_order)."""
     folder = Path(folder)
     count = shard_count(sharding, tensor_parallel, pipeline)
     shards = [shard_files(step, i, count > 1) for i in range(count)]
@@ -100,11 +103,24 @@ def commit_checkpoint(
         "state_dict_keys": spec["state_dict_keys"],
         "aliases": spec["aliases"],
         "files": files,
+        **({"data_order": data_order} if data_order is not None else {}),
     }
     _write_atomically(folder / INDEX, canonical_json(index))
     for stale in folder.glob("*.step-*.safetensors"):  # the previous checkpoint, or a crashed write
         if stale.name not in files:
             stale.unlink(missing_ok=True)
+
+
+def check_data_order(folder: str | Path, index: dict, shuffle: int | None) -> None:
+    """Refuse to resume a run in another data order than it was saved in: it would read other
+    samples than the run without the restart, without a word. A checkpoint that does not say
+    (written before it was recorded, or by the Python API) is not checked."""
+    saved = index.get("data_order")
+    if not isinstance(saved, dict) or saved.get("shuffle", shuffle) == shuffle:
+        return
+    then = f"--shuffle {saved['shuffle']}" if saved.get("shuffle") is not None else "in order (no --shuffle)"
+    now = f"--shuffle {shuffle}" if shuffle is not None else "no --shuffle"
+    raise AotError(f"{folder}: the run read its data {then}; resuming with {now} would read other samples: give the same")
 
 
 def save_checkpoint(folder: str | Path, step: int, weights: dict, optimizer: dict, spec: dict, target_step: int | None = None) -> None:
