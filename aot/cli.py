@@ -205,7 +205,7 @@ def inspect(artifact, profile_dir, as_json):
     from runner.commands.artifact_summary import compare_profile, render, summarize
     from runner.execution.profiling import read_summary
 
-    summary = summarize(Artifact(artifact))
+    summary = summarize(Artifact(artifact, any_torch=True))  # the manifest only: any torch reads it
     if profile_dir is not None:
         summary["measured"] = compare_profile(summary, read_summary(profile_dir))
     click.echo(json.dumps(summary, indent=1) if as_json else render(summary))

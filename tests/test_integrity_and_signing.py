@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from helpers.commands import EXAMPLES, aot, aot_each, ok
 from runner.format.artifact import manifest_digest
@@ -122,3 +123,39 @@ def test_two_builds_are_byte_identical(tmp_path):
         assert (outputs[0] / rel).read_bytes() == (outputs[1] / rel).read_bytes(), rel
     digests = [json.loads((out / "manifest.json").read_text())["digest"] for out in outputs]
     assert digests[0] == digests[1]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """examples/mlp.py built with its ONNX export (inference/model.onnx), which `aot run` never reads."""
+    root = tmp_path_factory.mktemp("exported")
+    ok(aot("build", EXAMPLES / "mlp.py", "-o", root / "art", "--quiet"))
+    return root / "art"
+
+
+def test_a_tampered_file_nothing_reads_is_refused_by_run_infer_and_inspect(exported, tmp_path):
+    """The ONNX export replaced by a pickle: the artifact no longer matches its manifest, so no
+    command takes it, including those that would never read that file."""
+    art = tmp_path / "art"
+    shutil.copytree(exported, art)
+    (art / "inference" / "model.onnx").write_bytes(pickle.dumps({"weights": [1, 2, 3]}))
+    batch = tmp_path / "batch.safetensors"
+    save_file({"inputs": torch.randn(8, 32)}, str(batch))
+    for r in (run(art), aot("inspect", art), aot("infer", art, "--input", batch, "-o", tmp_path / "out.safetensors")):
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "inference/model.onnx: sha256 does not match" in r.stderr, r.stderr
+
+
+def test_torch_outside_the_window_is_refused_unless_allowed(art):
+    """The runner reads artifacts of its own torch minor release (any patch); another is refused
+    in one line naming the flag, and runs with it, saying the risk."""
+    here = torch.__version__.split("+")[0].split(".")
+    rewrite_manifest(art, lambda m: m.__setitem__("torch_version", f"{here[0]}.{here[1]}.99"))
+    ok(run(art))  # another patch release: inside the window
+    other = f"{here[0]}.{int(here[1]) - 2}.0"
+    rewrite_manifest(art, lambda m: m.__setitem__("torch_version", other))
+    r = run(art)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"built with torch {other}" in r.stderr and "--allow-torch-skew" in r.stderr, r.stderr
+    r = ok(run(art, "--allow-torch-skew"))
+    assert f"built with torch {other}, run with torch" in r.stderr and "may fail to load" in r.stderr, r.stderr

@@ -90,6 +90,12 @@ def _restarted() -> bool:
 @click.option("--master-port", type=click.IntRange(min=1, max=65535), metavar="PORT", help="Rank 0's rendezvous port, free on HOST (default: $MASTER_PORT).")
 @click.option("--allow-topology-mismatch", is_flag=True, help="Run even if the live machine differs from the artifact's topology profile (with a warning).")
 @click.option(
+    "--allow-torch-skew",
+    is_flag=True,
+    help="Run an artifact built with a torch outside this runner's window (the same major.minor release, any patch), "
+    "with a warning: its programs may fail to load, or compute otherwise than the build traced them.",
+)
+@click.option(
     "--trusted-key",
     "trusted_keys",
     multiple=True,
@@ -145,6 +151,7 @@ def run(
     master_addr,
     master_port,
     allow_topology_mismatch,
+    allow_torch_skew,
     trusted_keys,
     timeout_s,
     no_bind,
@@ -210,6 +217,7 @@ def run(
             world_size=launch.world_size,
             launch=launch,
             allow_topology_mismatch=allow_topology_mismatch,
+            allow_torch_skew=allow_torch_skew,
             trusted_keys=keys,
             timeout_s=timeout_s,
             warn=lambda msg: click.echo(f"warning: {msg}", err=True),

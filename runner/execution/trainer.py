@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runner.format.artifact import Artifact
+from runner.format.artifact import TORCH_SKEW_FLAG, TORCH_SKEW_RISK, Artifact
 from runner.format.axes import DATA_AXES
 from runner.format.checkpoint import commit_checkpoint, layout_of, load_checkpoint, optimizer_key, write_shard
 from runner.execution.compiled import CompiledProgram, choose_tier, live_device, load_compiled
@@ -91,6 +91,7 @@ class Trainer:
         world_size: int | None = None,
         device: str | torch.device | None = None,
         allow_topology_mismatch: bool = False,
+        allow_torch_skew: bool = False,
         trusted_keys: list[str] | None = None,
         timeout_s: float = 600,
         bind: bool = True,
@@ -101,8 +102,10 @@ class Trainer:
         init_from: str | Path | None = None,
         launch: Launch | None = None,
     ):
-        self.artifact = artifact = Artifact(path, trusted_keys)
+        self.artifact = artifact = Artifact(path, trusted_keys, torch_skew=allow_torch_skew)
         manifest = artifact.manifest
+        if artifact.torch_skew and warn is not None:
+            warn(f"{path}: built with torch {manifest['torch_version']}, run with torch {torch.__version__} ({TORCH_SKEW_FLAG}): {TORCH_SKEW_RISK}")
         # how this process was started (runner.execution.launch): torchrun's variables, Slurm's, or `aot run
         # --rank/--world-size`, which the command line has exported as torchrun's
         launch = launch if launch is not None else resolve_launch()

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from runner.errors import AotError
-from runner.format.integrity import canonical_json, content_problem, read_verified, sha256_bytes
+from runner.format.integrity import canonical_json, check_file, content_problem, read_verified, sha256_bytes
 
 FORMAT_NAME = "aot-artifact"
 FORMAT_VERSION = 6  # 6: fused tensor-parallel layers (tensor_parallel.fused); 5: pipeline stages (pipeline, a program per stage, p2p transfers)
@@ -34,13 +34,29 @@ def torch_release(version: str | None = None) -> str:
     return (version or torch.__version__).split("+")[0]
 
 
-class Artifact:
-    """A verified view of an artifact folder. Construction checks only the manifest; every
-    other file is checked against its sha256 when it is read."""
+def torch_window(version: str | None = None) -> str:
+    """The torch releases that read the programs a release writes: its major.minor, every patch
+    (`2.13.0` -> `2.13`). torch.export's serialized schema and operator set change between minor
+    releases, not within one."""
+    return ".".join(torch_release(version).split(".")[:2])
 
-    def __init__(self, root: str | Path, trusted_keys: list[str] | None = None, any_torch: bool = False):
-        """any_torch: accept an artifact of another torch release (for readers of the manifest
-        and of program JSON that deserialize no program, such as `aot diff`)."""
+
+# the flag that runs an artifact outside the window anyway, and what it risks
+TORCH_SKEW_FLAG = "--allow-torch-skew"
+TORCH_SKEW_RISK = "its programs may fail to load, or compute otherwise than the build traced them"
+
+
+class Artifact:
+    """A verified view of an artifact folder. Construction checks the manifest (its signature
+    first, where keys are trusted) and then every file it lists against its size and sha256 (a
+    file nothing will read, such as the ONNX export under `aot run`, is no less the artifact's);
+    each file is checked again when it is read."""
+
+    def __init__(self, root: str | Path, trusted_keys: list[str] | None = None, any_torch: bool = False, torch_skew: bool = False):
+        """any_torch: accept an artifact of any torch release without a word (readers of the
+        manifest and of program JSON that deserialize no program, such as `aot diff`);
+        torch_skew: accept one outside this torch's window (torch_window), the risk the caller's
+        to state (--allow-torch-skew)."""
         self.root = Path(root)
         path = self.root / MANIFEST
         if not self.root.is_dir():
@@ -68,11 +84,12 @@ class Artifact:
             )
         if not isinstance(data.get("torch_version"), str):
             raise AotError(f"{path}: field 'torch_version' is missing or not a str")
-        if not any_torch and torch_release(data["torch_version"]) != torch_release():
+        self.torch_skew = torch_window(data["torch_version"]) != torch_window()
+        if self.torch_skew and not (any_torch or torch_skew):
             raise AotError(
-                f"{path}: built with torch {data['torch_version']} but this runner has torch "
-                f"{torch.__version__}; rebuild with torch {torch_release()} or install torch "
-                f"{torch_release(data['torch_version'])}"
+                f"{path}: built with torch {data['torch_version']}, and this runner reads artifacts of torch "
+                f"{torch_window()}.x (it has {torch.__version__}); rebuild with torch {torch_window()}, install torch "
+                f"{torch_window(data['torch_version'])}, or pass {TORCH_SKEW_FLAG} ({TORCH_SKEW_RISK})"
             )
         if not isinstance(data.get("digest"), str):
             raise AotError(f"{path}: has no digest; it was written by an older development build of aot: rebuild it")
@@ -80,6 +97,8 @@ class Artifact:
             raise AotError(f"{path}: digest does not match its entries (manifest altered or corrupt)")
         _check_structure(data, str(path))
         self.manifest = data
+        for relpath, entry in data["files"].items():
+            check_file(self.root, relpath, entry)
 
     @property
     def world_size(self) -> int:

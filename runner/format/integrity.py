@@ -30,6 +30,16 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def check_file(root: Path, relpath: str, entry: dict) -> None:
+    """Refuse `root/relpath` unless it is there with the size and sha256 of the index entry
+    (read in chunks: a file of gigabytes is not held in memory)."""
+    path = root / relpath
+    if not path.is_file():
+        raise AotError(f"{path}: file listed in the index is missing")
+    if path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
+        raise AotError(f"{path}: sha256 does not match the index (file altered or corrupt)")
+
+
 def read_verified(root: Path, relpath: str, entry: dict) -> bytes:
     """The bytes of `root/relpath`, refused unless size and sha256 match the index entry."""
     path = root / relpath
