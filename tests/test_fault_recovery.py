@@ -88,6 +88,31 @@ def test_killed_rank_restarts_from_last_checkpoint_bit_identical(gpt, tmp_path):
         assert all(torch.equal(clean_part[k], faulty_part[k]) for k in clean_part)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signalled_rank_stops_every_rank_at_one_step_checkpointed_and_resumes_exactly(gpt, tmp_path, sig):
+    """SIGTERM or SIGUSR1 to one rank only: both ranks finish the same step, the checkpoint is
+    written, each exits with status 75 (torchrun reports the workers' failure); `--resume` then
+    ends bit-identical to a run never interrupted."""
+    clean = tmp_path / "clean"
+    ok(torchrun(2, "run", gpt, "--steps", STEPS, "--save", clean, "--quiet"))
+    stopped, metrics = tmp_path / "stopped", tmp_path / "metrics.jsonl"
+    proc = launch("run", gpt, "--steps", STEPS, "--save", stopped, "--metrics", metrics)
+    wait_for_step(metrics, 10, proc)
+    os.kill(workers(proc.pid)[-1], sig)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0, err[-3000:]
+    assert "exitcode  : 75" in err, err[-3000:]  # torchrun's report of each worker
+    assert f"{sig.name} received: stopped with every rank after step" in err, err[-3000:]
+    step = json.loads((stopped / "checkpoint.json").read_text())["step"]
+    assert 10 < step < STEPS and f"preempted at step {step} of {STEPS}: resume with --resume {stopped}" in err, err[-3000:]
+    ok(torchrun(2, "run", gpt, "--steps", STEPS - step, "--resume", stopped, "--save", stopped, "--quiet"))
+    a, b = checkpoint_tensors(clean), checkpoint_tensors(stopped)
+    assert a[0] == b[0] == STEPS
+    for clean_part, resumed_part in zip(a[1:], b[1:]):
+        assert sorted(clean_part) == sorted(resumed_part)
+        assert all(torch.equal(clean_part[k], resumed_part[k]) for k in clean_part)
+
+
 CRASHING_WRITER = """
 import sys, torch
 from runner.format.checkpoint import save_checkpoint

@@ -182,7 +182,12 @@ def run(
     """
     from runner.format.checkpoint import check_data_order, read_index
     from runner.errors import AotError
-    from runner.execution.groups import leave_process_group
+    import sys
+
+    import torch.distributed as dist
+
+    from runner.execution.groups import leave_process_group, yield_gloo_poll_threads
+    from runner.execution.preemption import PREEMPTED, Preemption
     from runner.format.integrity import check_writable_target
     from runner.execution.launch import resolve_launch
     from runner.execution.profiling import WARMUP_STEPS, StepProfiler
@@ -302,6 +307,12 @@ def run(
         (a replica check, a save) or a profile marks exact step boundaries."""
         return bool(profile_dir) or bool(check_replicas and number % check_replicas == 0) or bool(save_every and number % save_every == 0)
 
+    # with --save, SIGTERM and SIGUSR1 stop every rank after one agreed step, checkpointed (runner.execution.preemption)
+    distributed = trainer.world_size > 1 and dist.is_initialized()
+    preemption = Preemption(distributed, timeout_s) if save is not None else None
+    finished = False
+    if preemption is not None and distributed:
+        yield_gloo_poll_threads()  # its group's poll thread too
     try:
         with profiler:
             pending = None  # the step queued last, read back once the next is queued
@@ -319,14 +330,25 @@ def run(
                     report(launched)
                 else:
                     pending = launched
+                if preemption is not None and preemption.stop_now():
+                    break
             if pending is not None:
                 report(pending)
+            finished = True
     finally:
         if log:
             log.close()
+        if preemption is not None:
+            preemption.close(wait=finished)
     if save is not None:
         trainer.save(save, target_step=target, data_order=data_order)
         say(f"saved checkpoint at step {trainer.step_index} to {save}")
+    if preemption is not None and trainer.step_index < target:  # stopped by a signal, every rank after this step
+        if preemption.received is not None:
+            click.echo(f"{tag}{preemption.received} received: stopped with every rank after step {trainer.step_index}", err=True)
+        say(f"preempted at step {trainer.step_index} of {target}: resume with --resume {save} (exit status {PREEMPTED})")
+        leave_process_group()
+        sys.exit(PREEMPTED)
     if first is not None:
         say(f"trained to step {trainer.step_index}: loss {first:.4f} -> {last:.4f}")
     if profile_dir is not None and profiler.seconds:
