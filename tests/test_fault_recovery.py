@@ -113,6 +113,33 @@ def test_a_signalled_rank_stops_every_rank_at_one_step_checkpointed_and_resumes_
         assert all(torch.equal(clean_part[k], resumed_part[k]) for k in clean_part)
 
 
+def test_a_save_the_disk_cannot_hold_fails_in_one_line_and_keeps_the_last_good_checkpoint(gpt, tmp_path):
+    """A full disk, as a file-size limit on the ranks (a write past it fails with EFBIG, as with
+    ENOSPC): the save fails on both ranks in one line each, the new step's files are gone, and the
+    last good checkpoint still resumes."""
+    import resource
+
+    ckpt = tmp_path / "ckpt"
+    ok(torchrun(2, "run", gpt, "--steps", 3, "--save", ckpt, "--quiet"))
+    before = sorted(p.name for p in ckpt.iterdir())
+    limit = min(p.stat().st_size for p in ckpt.glob("*.safetensors")) // 2
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "aot"]
+    cmd += ["run", str(gpt), "--steps", "2", "--resume", str(ckpt), "--save", str(ckpt), "--quiet"]
+    r = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, preexec_fn=small_files, timeout=300)
+    assert r.returncode != 0 and "internal error" not in r.stderr, r.stderr[-3000:]  # (torchrun prints its own traceback)
+    errors = [line for line in r.stderr.splitlines() if "aot: error:" in line]
+    assert len(errors) == 2, r.stderr[-3000:]
+    assert any("cannot write the checkpoint of step 5 (File too large)" in e for e in errors), errors
+    assert all("the last good checkpoint (step 3) is intact" in e for e in errors), errors
+    assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing of step 5 left behind
+    ok(torchrun(2, "run", gpt, "--steps", 2, "--resume", ckpt, "--save", ckpt, "--quiet"))
+    assert json.loads((ckpt / "checkpoint.json").read_text())["step"] == 5
+
+
 CRASHING_WRITER = """
 import sys, torch
 from runner.format.checkpoint import save_checkpoint

@@ -21,8 +21,9 @@ from aot.capture.model_file import load_model_file
 from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
 from aot.passes import bucket_all_reduces, drop_profiler_calls, issue_early_wait_late, run_passes
-from aot.passes.graph_utils import ALL_GATHER, ALL_REDUCE, WAIT, funcol, is_call
+from aot.passes.graph_utils import ALL_GATHER, ALL_REDUCE, WAIT, copy_graph, funcol, is_call
 from helpers.commands import EXAMPLES
+from runner.execution.graph_loader import wait_at_issue
 from runner.execution.init_program import replay
 
 GROUP = "aot.test"
@@ -71,9 +72,12 @@ def _real_arguments(state, step):
 
 
 def run_graph(gm, args):
+    """`gm` run on copies of `args`, each collective waited for where it is issued, as the runner
+    runs programs on gloo (runner.execution.graph_loader.wait_at_issue: torch 2.13's gloo corrupts
+    its heap with many collectives of one group in flight; seen here as a segfault once)."""
     fresh = [a.clone() for a in args]
     torch.manual_seed(0)  # the same draws for graphs with dropout
-    out = gm(*fresh)
+    out = wait_at_issue(copy_graph(gm))(*fresh)
     return [o.clone() for o in out], fresh
 
 

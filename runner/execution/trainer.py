@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from runner.format.artifact import TORCH_SKEW_FLAG, TORCH_SKEW_RISK, Artifact
 from runner.format.axes import DATA_AXES
-from runner.format.checkpoint import commit_checkpoint, layout_of, load_checkpoint, optimizer_key, write_shard
+from runner.format.checkpoint import commit_checkpoint, last_good, layout_of, load_checkpoint, optimizer_key, remove_shard, write_shard
 from runner.execution.compiled import CompiledProgram, choose_tier, live_device, load_compiled
 from runner.execution.custom_ops import import_op_libraries
 from runner.execution.data import DataSource, describe, dtype_name, split_batch_tensors
@@ -485,14 +485,34 @@ class Trainer:
         self.check_replicas(f"before saving step {self.step_index}")
         split_by = {spec["axis"] for spec in (self.sharding, self.tensor_parallel, self.pipeline) if spec}
         writes = all(v == 0 for axis, v in self.coords.items() if axis not in split_by)
+        step, sharded = self.step_index, bool(split_by)
+        # A write that fails (a full disk, a file-size limit) fails the save on every rank alike:
+        # the ranks agree before the index is committed, and again after, so none goes on with a
+        # checkpoint that is not there; the new files are removed, the last good checkpoint stays.
+        problem = None
         if writes:
-            write_shard(folder, self.step_index, self.shard_index, bool(split_by), self._weights, self._optimizer)
-        if dist.is_initialized():
-            dist.barrier()
-        if self.rank == 0:
-            commit_checkpoint(folder, self.step_index, self.state_spec, self.sharding, target_step, self.tensor_parallel, self.pipeline, data_order)
-        if dist.is_initialized():
-            dist.barrier()
+            try:
+                write_shard(folder, step, self.shard_index, sharded, self._weights, self._optimizer)
+            except OSError as e:
+                problem = e.strerror or str(e)
+        if self._every_rank(problem is None) and self.rank == 0:
+            try:
+                commit_checkpoint(folder, step, self.state_spec, self.sharding, target_step, self.tensor_parallel, self.pipeline, data_order)
+            except OSError as e:
+                problem = e.strerror or str(e)
+        if not self._every_rank(problem is None):
+            if writes:
+                remove_shard(folder, step, self.shard_index, sharded)
+            where = f"({problem})" if problem else "(on another rank)"
+            raise AotError(f"{folder}: cannot write the checkpoint of step {step} {where}; {last_good(folder)}")
+
+    def _every_rank(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank (an all_reduce MIN over the default group; alone: `ok`)."""
+        if not dist.is_initialized():
+            return ok
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=self.device)  # NCCL moves device tensors only
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def resume(self, folder: str | Path) -> None:
         index, weights, optimizer = load_checkpoint(folder, self.shard_index)

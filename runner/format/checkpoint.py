@@ -65,6 +65,20 @@ def write_shard(folder: str | Path, step: int, index: int, sharded: bool, weight
     _write_atomically(folder / names["optimizer"], save_safetensors(cpu(optimizer)))
 
 
+def remove_shard(folder: str | Path, step: int, index: int, sharded: bool) -> None:
+    """Remove one shard's files of `step` (a checkpoint that could not be completed)."""
+    for name in shard_files(step, index, sharded).values():
+        (Path(folder) / name).unlink(missing_ok=True)
+
+
+def last_good(folder: str | Path) -> str:
+    """What a failed save leaves: "the last good checkpoint (step N)", or that there is none."""
+    try:
+        return f"the last good checkpoint (step {read_index(Path(folder))['step']}) is intact"
+    except AotError:
+        return "there is no earlier checkpoint there"
+
+
 def commit_checkpoint(
     folder: str | Path,
     step: int,
