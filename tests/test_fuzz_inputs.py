@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save as save_safetensors
 
 from helpers.artifacts import writable_copy
-from helpers.commands import EXAMPLES
+from helpers.commands import EXAMPLES, REPO
 from runner.format.artifact import Artifact, manifest_digest
 from runner.execution.data import DataSource
 from runner.errors import AotError
@@ -161,3 +163,93 @@ def test_generated_data_files_load_or_fail_in_one_line(artifact_dir, tmp_path_fa
         assert inputs[0].shape == (spec["batch_size"], 32) and targets.dtype == torch.int64
     except AotError as e:
         assert "\n" not in str(e)
+
+
+# -- 1,000 seeded mutations of the fields added since format 3 (issue #45) ---------------------
+
+NEW_FIELDS = ("precision", "memory", "plan", "init", "pipeline", "schedule", "time", "replicas", "state", "data")
+MUTATIONS = 1000
+VALUES = (None, True, False, 0, 1, -1, 2, 0.5, -3.5, 1e30, "", "x", "fp32", "bf16", "pp", [], {}, [1], {"a": 1})
+
+
+def _is_state_value(path: tuple) -> bool:
+    """A field whose value the runner takes as the artifact's data, so that changing it changes the
+    training as the manifest says: an optimizer state's initial fill (a custom optimizer's may be
+    any number). Everything else a run accepts must leave the run as it was."""
+    return path[:2] == ("state", "optimizer_init") and path[-1] == "fill"
+
+
+def _mutated(manifest: dict, rng) -> tuple[dict, tuple]:
+    chosen = {k: manifest[k] for k in NEW_FIELDS if k in manifest}
+    path = rng.choice([p for p in paths_of(chosen) if p])
+    broken = copy.deepcopy(manifest)
+    parent = broken
+    for key in path[:-1]:
+        parent = parent[key]
+    if rng.random() < 0.3 and isinstance(parent, dict):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = rng.choice(VALUES)
+    broken["digest"] = manifest_digest(broken)  # consistent, so the structure checks are reached
+    return broken, path
+
+
+def _linked_copy(source, folder):
+    """`source` at `folder`, every file hard-linked (nothing copied) but the manifest, to be written."""
+    for path in source.rglob("*"):
+        target = folder / path.relative_to(source)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif path.name != "manifest.json":
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(path, target)
+    return folder
+
+
+def _one_step(folder):
+    import runner
+
+    trainer = runner.load(folder, rank=0, world_size=1)
+    inputs, targets = trainer.data_source().batch(0)
+    loss = float(trainer.step(inputs, targets))
+    return loss, {name: t.clone() for name, t in trainer._weights.items()}
+
+
+@pytest.mark.slow
+def test_a_thousand_mutations_of_the_new_fields_are_refused_in_one_line_or_run_as_the_original(built, tmp_path):
+    """Precision (fp16 with its loss scaler), recomputation, the plan, init constants, a pipeline's
+    entry: each of 1,000 seeded mutations (a field removed or given another value, the digest made
+    consistent, as another builder would write it) is refused in one line, or the artifact runs a
+    step equal to the original's (loss and weights). The pipeline artifact's mutations are read
+    (manifest and every file), not run: a step needs both its ranks."""
+    import random
+
+    single = built(EXAMPLES / "mlp.py", "--precision", "fp16", "--activation-budget", 0.5, "--strategy", "auto", "--topology", "cpu", "--no-onnx")
+    pipeline = built(REPO / "tests" / "models" / "gpt4.py", "--strategy", "pp=2", "--world-size", 2, "--no-onnx")
+    original = _one_step(single)
+    rng = random.Random(45)
+    tally = {"refused": 0, "ran": 0, "read": 0}
+    for i in range(MUTATIONS):
+        source = pipeline if i % 2 else single
+        manifest = json.loads((source / "manifest.json").read_text())
+        broken, path = _mutated(manifest, rng)
+        folder = _linked_copy(source, tmp_path / f"m{i}")
+        (folder / "manifest.json").write_text(json.dumps(broken))
+        try:
+            artifact = Artifact(folder)
+            for rel in artifact.manifest["files"]:
+                artifact.read(rel)
+            if source == pipeline:
+                tally["read"] += 1
+                continue
+            loss, weights = _one_step(folder)
+            tally["ran"] += 1
+            if not _is_state_value(path):
+                assert loss == original[0], (path, broken)
+                assert all(torch.equal(weights[k], original[1][k]) for k in original[1]), (path, broken)
+        except AotError as e:
+            tally["refused"] += 1
+            assert "\n" not in str(e), (path, str(e))
+        finally:
+            shutil.rmtree(folder)
+    assert sum(tally.values()) == MUTATIONS and tally["refused"] > MUTATIONS // 2 and tally["ran"] > 25, tally
