@@ -31,15 +31,7 @@ class Target:
         axes = tuple(a for a in BUILD_AXES if a in degrees)
         return cls(Mesh(axes, tuple(degrees[a] for a in axes)), precision, sequence_parallel)
 
-    def degree(self, axis: str) -> int:
-        return self.mesh.size(axis)
-
     def group(self, axis: str) -> Group | None:
         """The axis's process group as the traced graph names it; None where the axis has one rank."""
         size = self.mesh.size(axis)
         return Group(group_name(axis), size) if size > 1 else None
-
-    @property
-    def groups(self) -> dict[str, Group]:
-        """axis -> its group, for every axis of more than one rank."""
-        return {axis: group for axis in self.mesh.axes if (group := self.group(axis)) is not None}

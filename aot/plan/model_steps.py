@@ -101,7 +101,6 @@ class ModelSteps:
         inputs, targets = split_batch_tensors(mf.example_batch(batch_size), "batch()")
         self.rec = Recording(mf, build_training_state(mf, seed, 1), inputs, targets)  # every trace's, as the build's (aot/compile_step.py)
         self.seconds["recording"] = time.perf_counter() - started
-        self.mf, self.state, self.inputs, self.targets = mf, self.rec.state, inputs, targets
         self.params = sum(p.numel() for p in self.state.params.values())
         self.param_numels = [p.numel() for p in self.state.params.values()]
         self.sequence_parallel = sequence_parallel  # price tp meshes with sequence parallelism (--sequence-parallel)
@@ -138,6 +137,12 @@ class ModelSteps:
         self._compute = compute
         self.recomputed: dict[tuple, list[tuple[float, StepGraph]]] = {}  # key -> [(activation budget, graph)]
         self.recompute_failed: dict[tuple, str] = {}  # key -> why its variants could not be made
+
+    # the recording's parts, as the search and the tests ask for them
+    mf = property(lambda self: self.rec.mf)
+    state = property(lambda self: self.rec.state)
+    inputs = property(lambda self: self.rec.inputs)
+    targets = property(lambda self: self.rec.targets)
 
     def tp_plan(self, tp: int) -> dict[str, str]:
         """The plan the build would use at this degree (aot.compile_step.tensor_parallel_plan);
