@@ -1,4 +1,5 @@
-"""Faults under torchrun: a killed rank, a crash while checkpointing, a rank stuck in a collective."""
+"""Faults under torchrun: a killed rank (dp, fsdp, pp), a crash while checkpointing, a rank stuck in a
+collective, a pipeline stage that stops answering."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ STEPS, EVERY = 160, 20
 @pytest.fixture(scope="module")
 def gpt(built):
     return built(EXAMPLES / "gpt.py", "--world-size", 2, "--batch-size", 4, "--no-onnx")
+
+
+# the builds other test files make too (one build per session: conftest.built)
+BUILDS = {
+    "dp=2": (EXAMPLES / "gpt.py", "--world-size", 2, "--batch-size", 4, "--no-onnx"),
+    "fsdp=2": (EXAMPLES / "mlp.py", "--world-size", 2, "--strategy", "fsdp=2", "--no-onnx"),
+    "pp=2": (REPO / "tests" / "models" / "gpt4.py", "--strategy", "pp=2", "--world-size", 2, "--no-onnx"),
+}
 
 
 def launch(*args, restarts=0):
@@ -58,18 +67,25 @@ def workers(agent_pid):
 
 
 def checkpoint_tensors(folder):
+    """(step, weights and optimizer of every shard): one shard without sharding, one per rank
+    under fsdp, one per stage under pp."""
     index = json.loads((folder / "checkpoint.json").read_text())
-    shard = index["shards"][0]
-    return index["step"], load_file(folder / shard["weights"]), load_file(folder / shard["optimizer"])
+    parts = [load_file(folder / shard[part]) for shard in index["shards"] for part in ("weights", "optimizer")]
+    return index["step"], *parts
 
 
-def test_killed_rank_restarts_from_last_checkpoint_bit_identical(gpt, tmp_path):
+@pytest.mark.parametrize("strategy", ["dp=2", pytest.param("fsdp=2", marks=pytest.mark.slow), pytest.param("pp=2", marks=pytest.mark.slow)])
+def test_killed_rank_restarts_from_last_checkpoint_bit_identical(built, tmp_path, strategy):
+    """kill -9 of one rank mid-run under torchrun --max-restarts: every rank restarts from the last
+    good checkpoint and ends bit-identical to a run never killed (under fsdp=2 every rank's shard,
+    under pp=2 every stage's)."""
+    art = built(*BUILDS[strategy])
     clean = tmp_path / "clean"
-    ok(torchrun(2, "run", gpt, "--steps", STEPS, "--save", clean, "--save-every", EVERY, "--quiet"))
+    ok(torchrun(2, "run", art, "--steps", STEPS, "--save", clean, "--save-every", EVERY, "--quiet"))
 
     faulty, metrics = tmp_path / "faulty", tmp_path / "metrics.jsonl"
     proc = launch(
-        "run", gpt, "--steps", STEPS, "--save", faulty, "--save-every", EVERY, "--metrics", metrics, restarts=2
+        "run", art, "--steps", STEPS, "--save", faulty, "--save-every", EVERY, "--metrics", metrics, restarts=2
     )  # a second chance if a restart's rendezvous races the dying group
     wait_for_step(metrics, 2 * EVERY + 5, proc)
     os.kill(workers(proc.pid)[-1], signal.SIGKILL)
@@ -82,7 +98,7 @@ def test_killed_rank_restarts_from_last_checkpoint_bit_identical(gpt, tmp_path):
     assert steps[-1] == STEPS and set(steps) == set(range(1, STEPS + 1))
 
     a, b = checkpoint_tensors(clean), checkpoint_tensors(faulty)
-    assert a[0] == b[0] == STEPS
+    assert a[0] == b[0] == STEPS and len(a) == len(b) == (3 if strategy == "dp=2" else 5)
     for clean_part, faulty_part in zip(a[1:], b[1:]):
         assert sorted(clean_part) == sorted(faulty_part)
         assert all(torch.equal(clean_part[k], faulty_part[k]) for k in clean_part)
@@ -196,3 +212,25 @@ def test_stuck_rank_ends_with_a_timeout_naming_the_collective(gpt, tmp_path):
     line = next((l for l in err.splitlines() if l.startswith("aot: error:")), None)
     assert line is not None, err[-3000:]
     assert "did not complete within 5 s" in line and "all_reduce over aot.dp" in line, line
+
+
+def test_a_pipeline_stage_that_stops_answering_ends_in_one_line_naming_the_transfer(built, tmp_path):
+    """Stage 1's rank leaves after 3 steps (it is given --steps 3, stage 0's rank 900): stage 0
+    waits in step 4 for microbatch 0's gradient and ends at --timeout in one line naming the
+    microbatch, the stage pair and the direction; the rank that left says another rank did not
+    reach the end. No traceback from either."""
+    art = built(*BUILDS["pp=2"])
+    steps = '"$([ "$RANK" = 1 ] && echo 3 || echo 900)"'
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python"]
+    cmd += ["bash", "-c", f"exec {sys.executable} -m aot run {art} --steps {steps} --timeout 5"]
+    r = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.startswith("aot: ")]
+    stage0 = next((l for l in lines if l.startswith("aot: error: [rank 0]")), None)
+    assert stage0 is not None, r.stderr[-3000:]
+    expected = "step 4: pipeline rank 0 waited to receive microbatch 0's gradient from stage 1 to stage 0 (backward, sender: pipeline rank 1)"
+    assert expected in stage0, stage0
+    # stage 1's rank is gone or waits at the end of its run: a timeout, or the link closed
+    assert "got no answer within 5 s" in stage0 or "lost the link" in stage0, stage0
+    assert any(l.startswith("aot: error: [rank 1] finished, but another rank did not reach the end of the run") for l in lines), lines
+    assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr, r.stderr[-3000:]

@@ -432,3 +432,17 @@ def test_plan_prices_pipeline_meshes_as_the_build_predicts_them(tmp_path):
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["time"]["predicted"]["step_s"] == pytest.approx(pipeline["step_s"])
     assert manifest["memory"]["predicted"]["peak"] == pipeline["memory_bytes"]["peak"]
+
+
+def test_transfer_tags_name_their_transfer_and_refuse_what_they_cannot_hold():
+    """The format's p2p tags (runner/format/transfers.py): each decodes to the transfer it was made
+    for (what a stuck pipeline's one line names), and a stage or output beyond the tag's room is
+    refused rather than shared."""
+    from runner.errors import AotError
+    from runner.format.transfers import Transfer, transfer_tag
+
+    for fields in [(0, 0, 1, 0, False), (5, 1, 0, 2, True), (4095, 63, 62, 63, True)]:
+        assert Transfer.of_tag(transfer_tag(*fields)) == Transfer(*fields)
+    assert Transfer(2, 0, 1, 0, True).describe() == "microbatch 2's gradient from stage 1 to stage 0"
+    with pytest.raises(AotError, match="at most 64 stages"):
+        transfer_tag(0, 64, 1, 0, False)

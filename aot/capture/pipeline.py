@@ -47,18 +47,13 @@ from aot.capture.step import (
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
+from runner.format.transfers import transfer_tag
 
 _funcol = torch.ops._c10d_functional
 WEIGHT_GRADIENT = "aot_weight_gradient"  # node.meta["custom"] key of zero-bubble's weight-gradient ops
 
 
 # -- one pipeline rank's step ---------------------------------------------------------------------
-
-
-def tag(microbatch: int, producer: int, consumer: int, output: int, backward: bool) -> int:
-    """The p2p tag of one transfer, the same on both sides: unique per microbatch, stage pair,
-    value and direction, so transfers match whatever order they are issued in."""
-    return (((microbatch * 64 + producer) * 64 + consumer) * 64 + output) * 2 + int(backward)
 
 
 @dataclass(frozen=True)
@@ -236,7 +231,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
                         values.append(batch_targets[mb * size : (mb + 1) * size])
                     else:
                         shape, dtype, grad = stages[source.stage].outputs[source.index]
-                        x = receive(shape, dtype, source.stage, tag(mb, source.stage, s.index, source.index, False))
+                        x = receive(shape, dtype, source.stage, transfer_tag(mb, source.stage, s.index, source.index, False))
                         if grad:
                             x = x.detach().requires_grad_()
                             received.append((source, x))
@@ -244,7 +239,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
                 outputs = run_stage(s.module, values, pipeline.recompute)
                 for j, readers in enumerate(s.readers):
                     for reader in readers:
-                        send(outputs[j].detach(), reader, tag(mb, s.index, reader, j, False))
+                        send(outputs[j].detach(), reader, transfer_tag(mb, s.index, reader, j, False))
                 if s.index == last:
                     loss_sum = loss_sum + outputs[0].detach().float()
                 saved[(mb, s.index)] = (outputs, received)
@@ -268,7 +263,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
                         if not readers or not s.outputs[j][2]:
                             continue
                         shape, dtype, _ = s.outputs[j]
-                        incoming = [receive(shape, dtype, r, tag(mb, s.index, r, j, True)) for r in readers]
+                        incoming = [receive(shape, dtype, r, transfer_tag(mb, s.index, r, j, True)) for r in readers]
                         roots.append(outputs[j])
                         seeds.append(sum(incoming[1:], incoming[0]))
                 wrt_params = [] if split else [n for n in s.params if n in leaves and leaves[n].requires_grad]
@@ -281,7 +276,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
                     if g is not None:
                         sums[n] = g if n not in sums else sums[n] + g
                 for (source, x), g in zip(received, grads[len(wrt_params) :]):
-                    send(g if g is not None else torch.zeros_like(x), source.stage, tag(mb, source.stage, s.index, source.index, True))
+                    send(g if g is not None else torch.zeros_like(x), source.stage, transfer_tag(mb, source.stage, s.index, source.index, True))
         for handle in sent:  # every send done before the step ends
             _funcol.wait_tensor(handle)
         if layout.fsdp is not None:

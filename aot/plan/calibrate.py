@@ -96,9 +96,9 @@ def measure_collectives(
     world = dist.get_world_size()
     group_name = _world_group_name()
     if SEND_RECV in kinds:
-        from runner.execution.p2p import install_send_kernel
+        from runner.execution.p2p import install_kernels
 
-        install_send_kernel()  # the runner's: each send's placeholder is waited once
+        install_kernels()  # the runner's: each send's placeholder is waited once
     results: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
     clock = torch.zeros(1, dtype=torch.float64)
     for kind in kinds:

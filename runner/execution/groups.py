@@ -78,10 +78,13 @@ def yield_gloo_poll_threads() -> int:
 def leave_process_group() -> None:
     """Tear the process group down together: a gloo rank that destroys its group while a peer is
     still inside a collective or writing files can abort the peer ("terminate called without an
-    active exception"), so every rank waits for the others first."""
+    active exception"), so every rank waits for the others first; a peer that never gets there
+    (stuck, or gone) ends the wait at the group's timeout in one line."""
     if not dist.is_initialized():
         return
     try:
         dist.barrier()
+    except RuntimeError as e:
+        raise AotError(f"finished, but another rank did not reach the end of the run; it is stuck or gone ({str(e).strip().splitlines()[0]})") from e
     finally:
         dist.destroy_process_group()

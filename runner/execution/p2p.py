@@ -10,8 +10,13 @@ at the end of the step, so no rank waits on a peer that is itself waiting (see F
 torch 2.13's CPU kernel of `isend` registers the send's work under the placeholder it returns and
 under the sent tensor; `wait_tensor` on the placeholder pops only the first, so every step would
 keep its sent activations alive for the rest of the process (measured: 100 sends of 1 MiB, +102
-MiB). `install_send_kernel` replaces that kernel, for this process only, with one that registers
+MiB). `install_kernels` replaces that kernel, for this process only, with one that registers
 the work under the placeholder alone; the program waits each placeholder exactly once.
+
+It replaces `irecv`'s too, so that every transfer's work is waited through `_Watched`: while a
+wait blocks, `waited_on()` says which transfer it is (its tag names the microbatch, the stage
+pair and the direction: runner/format/transfers.py), so a dead or stuck peer ends in one line
+naming it (runner/execution/trainer.py) rather than in a bare gloo timeout.
 """
 
 from __future__ import annotations
@@ -31,7 +36,41 @@ def is_point_to_point(node: torch.fx.Node) -> bool:
     )
 
 
-def install_send_kernel() -> None:
+class _Watched(torch.distributed.Work):
+    """A transfer's work, waited through Python so that a wait that never returns leaves its
+    transfer in `_waiting` (c10d calls a Python Work's `wait`, measured on torch 2.13 with gloo)."""
+
+    def __init__(self, work, transfer: tuple[str, int, int]):
+        super().__init__()
+        self._work, self._transfer = work, transfer
+
+    def wait(self, timeout=None):
+        _waiting.append(self._transfer)
+        done = self._work.wait() if timeout is None or not timeout else self._work.wait(timeout)
+        _waiting.pop()  # left in place when the wait raises: `waited_on` reads it
+        return done
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+
+_waiting: list[tuple[str, int, int]] = []  # ("send" or "receive", peer, tag) of each wait under way
+
+
+def waited_on() -> tuple[str, int, int] | None:
+    """("send" or "receive", peer's rank in the pipeline group, tag) of the transfer a wait that
+    failed or never returned was for, since the last `forget_waits`; None if none."""
+    return _waiting[-1] if _waiting else None
+
+
+def forget_waits() -> None:
+    """Called before each step: a failed wait of an earlier step is not this step's."""
+    _waiting.clear()
+
+
+def install_kernels() -> None:
+    """`isend` and `irecv` kernels for this process: sends registered under their placeholder
+    alone, and every transfer waited through `_Watched` (see the module docstring)."""
     global _library
     if _library is not None:
         return
@@ -41,10 +80,16 @@ def install_send_kernel() -> None:
     def isend(tensor, dst, tag, group_name):
         work = _resolve_process_group(group_name).send([tensor], dst, tag)
         placeholder = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-        _register_work(placeholder, work)
+        _register_work(placeholder, _Watched(work, ("send", dst, tag)))
         return placeholder
 
+    def irecv(tensor, src, tag, group_name):
+        work = _resolve_process_group(group_name).recv([tensor], src, tag)
+        _register_work(tensor, _Watched(work, ("receive", src, tag)))
+        return tensor
+
     library = torch.library.Library("_c10d_functional", "IMPL")
-    library.impl("isend", isend, "CPU")
-    library.impl("isend", isend, "CUDA")
+    for name, kernel in (("isend", isend), ("irecv", irecv)):
+        library.impl(name, kernel, "CPU")
+        library.impl(name, kernel, "CUDA")
     _library = library

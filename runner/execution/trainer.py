@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from runner.format.artifact import TORCH_SKEW_FLAG, TORCH_SKEW_RISK, Artifact
-from runner.format.axes import DATA_AXES
+from runner.format.axes import DATA_AXES, PP
 from runner.format.checkpoint import commit_checkpoint, last_good, layout_of, load_checkpoint, optimizer_key, remove_shard, write_shard
 from runner.execution.compiled import CompiledProgram, choose_tier, live_device, load_compiled
 from runner.execution.custom_ops import import_op_libraries
@@ -30,8 +30,9 @@ from runner.execution.init_program import SCALER_PREFIX, initial_state, stage_te
 from runner.execution.launch import Launch, resolve_launch
 from runner.execution.log import RankLogger
 from runner.execution.memory_tracking import measure_step
-from runner.execution.p2p import install_send_kernel
+from runner.execution.p2p import forget_waits, install_kernels, waited_on
 from runner.format.program import decode_program
+from runner.format.transfers import Transfer
 from runner.hardware.binding import bind_rank
 from runner.format.sharding import join_tp_slices, shard_number, tp_fused, tp_slice_shape, unshard
 from runner.hardware.topology_check import verify_live
@@ -189,7 +190,7 @@ class Trainer:
             if self.collectives_waited_at_issue:
                 wait_at_issue(module)
         if manifest.get("pipeline"):  # the program sends to and receives from other stages
-            install_send_kernel()
+            install_kernels()
 
         self.state_spec = manifest["state"]
         weights, optimizer = self._initial_state(entry)
@@ -380,6 +381,7 @@ class Trainer:
             elif slot["kind"] == "target":
                 args[i] = self._check(targets, slot, "targets")
         seed_step(self.device, step_seed(self.seed, self.step_index, self.data_rank))
+        forget_waits()
         try:
             if measure_memory:
                 outputs, (self.measured_peak_bytes, self.memory_method) = measure_step(self._module, args, self.device, self.tier)
@@ -402,8 +404,21 @@ class Trainer:
         return loss
 
     def _stuck(self, e: RuntimeError) -> Exception:
-        """A collective's timeout as one line naming the collectives (other errors as they are)."""
-        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+        """A pipeline transfer that failed or timed out as one line naming it (runner/execution/p2p.py
+        knows which), a collective's timeout as one line naming the collectives; other errors as
+        they are."""
+        timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+        waited = waited_on()
+        if waited is not None:
+            kind, peer, tag = waited
+            how = f"got no answer within {self.timeout_s:g} s" if timed_out else "lost the link"
+            other = "sender" if kind == "receive" else "receiver"
+            transfer = Transfer.of_tag(tag)
+            return AotError(
+                f"step {self.step_index + 1}: pipeline rank {self.coords.get(PP, 0)} waited to {kind} {transfer.describe()} "
+                f"({transfer.direction}, {other}: pipeline rank {peer}) and {how}; a stage is stuck or gone ({str(e).strip().splitlines()[0]})"
+            )
+        if not timed_out:
             return e
         return AotError(
             f"step {self.step_index + 1}: {self._collectives()} did not complete within "
