@@ -6,7 +6,8 @@ the tp plan chosen at the target's degree, the layout, the trace, recomputation 
 pass); the planner's side is aot.plan.model_steps.ModelSteps, which prices its programs without
 the passes it prices analytically (bucketing and hierarchical all_reduce): asked for the program
 with those passes too, it must be the build's. Meshes: dp, fsdp, tp, a 2D dp x tp mesh, fsdp under
-bf16, a model whose blocks run under torch.utils.checkpoint, and a pipeline.
+bf16, a model whose blocks run under torch.utils.checkpoint, and a pipeline; and models of 6
+blocks, which the planner traces cut to 3 blocks and writes out (aot/plan/repeated_blocks.py).
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ from aot.plan.mesh import Mesh
 from aot.plan.model_steps import ModelSteps, Pricing
 from aot.plan.recompute import Request
 from aot.progress import Progress
-from helpers.graphs import graph_nodes
+from helpers.graphs import canonical_nodes, graph_nodes
 from runner.hardware.topology import for_nodes, load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 GPT = REPO / "examples" / "gpt.py"
 GPT4 = REPO / "tests" / "models" / "gpt4.py"
 CHECKPOINTED = REPO / "tests" / "models" / "checkpointed_dropout.py"
+# models of 6 blocks, which the planner traces cut to 3 and writes out (aot/plan/repeated_blocks.py)
+GPT6, LLAMA6, CHECKPOINTED6 = (REPO / "tests" / "models" / name for name in ("gpt6.py", "llama6.py", "checkpointed6.py"))
 BATCH = 8
 
 
@@ -58,15 +61,25 @@ def planner(model: Path, world_size: int, precision: str | None = None) -> Model
         (GPT, "dp=2,tp=2", None),
         (GPT, "fsdp=2", "bf16"),
         (CHECKPOINTED, "dp=2", None),
+        (GPT6, "dp=2,tp=2", None),
+        (LLAMA6, "fsdp=2", "bf16"),
+        (CHECKPOINTED6, "dp=2", None),
     ],
+    ids=lambda v: v.stem if isinstance(v, Path) else str(v),
 )
 def test_the_planners_program_is_the_builds(model, strategy, precision, tmp_path):
+    """A model of 6 blocks is priced from 3 of them written out: its program is the build's node
+    for node but for node names (helpers.graphs.canonical_nodes), and priced the same."""
     step = built(model, strategy, tmp_path, precision)
     mesh = Mesh.parse(strategy, None)
     steps = planner(model, mesh.world_size, precision)
     degrees = (mesh.size("dp"), mesh.size("fsdp"), mesh.size("tp"))
     build_program = step.captures["train"].graph
-    assert graph_nodes(steps.program(*degrees, skip=())) == graph_nodes(build_program)
+    composed = steps.blocks is not None
+    assert composed == (model in (GPT6, LLAMA6, CHECKPOINTED6))
+    same = canonical_nodes if composed else graph_nodes
+    assert same(steps.program(*degrees, skip=())) == same(build_program)
+    assert composed == (steps.blocks is not None), "the planner fell back to tracing the whole model"
     # what it prices: that program but for the passes priced analytically
     priced = steps.program(*degrees)
     if precision is None and model == GPT and strategy == "dp=2":
@@ -88,9 +101,10 @@ def test_the_checkpointed_models_recomputation_is_priced(tmp_path):
     assert priced.flops == analyze(step.captures["train"].graph, step.captures["train"].slots).flops
 
 
-def test_the_planners_pipeline_programs_are_the_builds(tmp_path):
-    step = built(GPT4, "pp=2", tmp_path)
-    steps = planner(GPT4, 2)
+@pytest.mark.parametrize("model", [GPT4, pytest.param(GPT6, marks=pytest.mark.slow)], ids=lambda v: v.stem)
+def test_the_planners_pipeline_programs_are_the_builds(model, tmp_path):
+    step = built(model, "pp=2", tmp_path)
+    steps = planner(model, 2)
     graphs, _ = steps.pipeline(("pp",), (2,), microbatches=2)
     assert sorted(step.captures) == ["train.pp0", "train.pp1"]
     for r, graph in enumerate(graphs):

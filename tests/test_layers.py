@@ -158,6 +158,7 @@ PRIVATE_TORCH = {
     "torch.cpu._is_vnni_supported": "the CPU's instruction sets, which a compiled (AOTInductor) program needs",
     "torch.cpu._is_amx_tile_supported": "the CPU's instruction sets, which a compiled (AOTInductor) program needs",
     "torch.utils._python_dispatch": "TorchDispatchMode: the runner's memory tracking sees every allocation",
+    "torch.autograd.Variable._execution_engine": "queue_callback: a callback when a backward ends (DDP's hook); the planner's block annotation closes with it",
 }
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -31,6 +32,11 @@ from aot.errors import AotError
 
 MODULE_CALLS = "aot_module_calls"
 CHECKPOINT_CALLS = "aot_checkpoint_calls"
+BLOCK_BACKWARD = "aot_block_backward"  # node.meta["custom"] key: the block whose backward made the node
+
+# The dotted name of a ModuleList of repeated blocks whose backward regions a trace annotates
+# (aot.plan.repeated_blocks sets it around the planner's traces of a model cut to a few blocks).
+annotated_blocks: ContextVar[str | None] = ContextVar("annotated_blocks", default=None)
 
 
 class _ReentrantCheckpoint:
@@ -98,14 +104,74 @@ def annotate_module_calls(model: torch.nn.Module):
         if name:  # the root call is the whole forward: nothing to tell apart
             handles.append(module.register_forward_pre_hook(enter(name)))
             handles.append(module.register_forward_hook(leave, always_call=True))
+    blocks = annotated_blocks.get()
+    backward: list = []  # the open annotation of the block whose backward is being traced
+    if blocks is not None:
+        handles += _block_backward_hooks(model.get_submodule(blocks), backward)
     try:
         with fx_traceback.preserve_node_meta(), _checkpoint_calls():
-            yield
+            try:
+                yield
+            finally:
+                while backward:  # a trace that raised in a block's backward
+                    backward.pop().__exit__(None, None, None)
     finally:
         for handle in handles:
             handle.remove()
         while contexts:  # a forward that raised: close what its hooks opened
             contexts.pop().__exit__(None, None, None)
+
+
+def _first_grad_tensor(values) -> torch.Tensor | None:
+    for v in values if isinstance(values, (tuple, list)) else (values,):
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            return v
+    return None
+
+
+def _block_backward_hooks(blocks: torch.nn.Module, open_region: list) -> list:
+    """Hooks annotating the nodes each block's backward makes with BLOCK_BACKWARD = its index.
+    Autograd finishes block i's backward before block i-1's starts (block i-1's output gradient
+    is complete only then), so the backward of block i runs from the moment the gradient of the
+    last block's output (i = last) or of block i+1's input is complete to the moment the gradient
+    of block i's input is: pre-hooks on the autograd nodes that made those values (they run once
+    the value's gradient is complete; a tensor hook would go through the target's autocast
+    function mode) open and close the annotation."""
+    children = list(blocks.children())
+    last = len(children) - 1
+
+    def region(i):
+        while open_region:
+            open_region.pop().__exit__(None, None, None)
+        if i >= 0:
+            if i == last:  # the backward's end closes the first block's region where its input needs no gradient
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: region(-1))
+            context = fx_traceback.annotate({BLOCK_BACKWARD: i})
+            context.__enter__()
+            open_region.append(context)
+
+    def on_input(i):
+        def hook(module, args, kwargs):
+            x = _first_grad_tensor(list(args) + list(kwargs.values()))
+            if x is not None and x.grad_fn is not None:
+                x.grad_fn.register_prehook(lambda grads: region(i - 1))
+
+        return hook
+
+    def on_last_output(module, args, output):
+        y = _first_grad_tensor(output)
+        if y is not None and y.grad_fn is not None:
+            y.grad_fn.register_prehook(lambda grads: region(last))
+
+    handles = [child.register_forward_pre_hook(on_input(i), with_kwargs=True) for i, child in enumerate(children)]
+    if children:
+        handles.append(children[-1].register_forward_hook(on_last_output))
+    return handles
+
+
+def block_backward_of(node) -> int | None:
+    """The block whose backward made `node` (annotated_blocks), or None."""
+    return node.meta.get("custom", {}).get(BLOCK_BACKWARD)
 
 
 def checkpoint_call_of(node) -> int | None:

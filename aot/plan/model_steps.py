@@ -19,6 +19,8 @@ from aot.passes import PRICED_ANALYTICALLY, PassOptions
 from aot.plan.cost_model import StepGraph, analyze, storage_key
 from aot.plan.mesh import Mesh
 from aot.plan.recompute import Request
+from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated
+from aot.capture.module_calls import annotated_blocks
 from aot.target import Target
 from runner.format.axes import DP, FSDP, PP, TP, group_name
 
@@ -85,7 +87,9 @@ class ModelSteps:
     and, where that may still not fit, at the smallest feasible one; its derived meshes get the same
     derivation. A graph that fits costs nothing more."""
 
-    def __init__(self, model_path: Path, batch_size: int, seed: int = 0, sequence_parallel: bool = False, pricing: Pricing | None = None, note=None):
+    def __init__(
+        self, model_path: Path, batch_size: int, seed: int = 0, sequence_parallel: bool = False, pricing: Pricing | None = None, note=None, compose: bool = True
+    ):
         from aot.capture.model_file import load_model_file
         from aot.capture.training_state import build_training_state
         from runner.execution.data import split_batch_tensors
@@ -105,6 +109,9 @@ class ModelSteps:
         self.param_numels = [p.numel() for p in self.state.params.values()]
         self.sequence_parallel = sequence_parallel  # price tp meshes with sequence parallelism (--sequence-parallel)
         self._tp_plans: dict[int, dict[str, str] | AotError] = {}  # degree -> the build's plan, or why it refuses
+        # (name, count) of the model's repeated blocks, traced cut to a few (aot.plan.repeated_blocks)
+        self.blocks = find_blocks(self.state.model) if compose else None
+        self._cut: Recording | None = None
         self._target(pricing or Pricing())
 
     def _target(self, pricing: Pricing) -> None:
@@ -175,9 +182,35 @@ class ModelSteps:
         return self._finished(*self._capture(dp, fsdp, tp))
 
     def _capture(self, dp: int, fsdp: int, tp: int):
-        """(graph, slots) of the mesh, traced and cleaned up as the build's (aot.compile_step.trace_program)."""
+        """(graph, slots) of the mesh, traced and cleaned up as the build's (aot.compile_step.trace_program):
+        for a model of repeated blocks, the model cut to a few blocks traced and written out to
+        full depth (aot.plan.repeated_blocks: the same graph, node for node); traced whole where
+        that cannot be done."""
+        if self.blocks is not None:
+            try:
+                return self._composed(dp, fsdp, tp)
+            except NotComposable as e:
+                self.note(f"tracing the whole model: its blocks cannot be written out from a few ({e})")
+                self.blocks = None
         captured = trace_program(self.rec, self.layout(dp, fsdp, tp), for_pricing=True)
         return captured.graph, captured.slots
+
+    def _composed(self, dp: int, fsdp: int, tp: int):
+        assert self.blocks is not None
+        path, depth = self.blocks
+        if self._cut is None:
+            self._cut = truncated(self.rec, path)
+        plan = cut_plan(self.tp_plan(tp), path) if tp > 1 else {}
+        try:
+            layout = step_layout(self._cut, self.target(dp, fsdp, tp), plan)
+        except AotError as e:
+            raise Unsupported(str(e)) from None
+        token = annotated_blocks.set(path)
+        try:
+            captured = trace_program(self._cut, layout, for_pricing=True)
+        finally:
+            annotated_blocks.reset(token)
+        return stamp(captured.graph, captured.slots, path, depth)
 
     def program(self, dp: int, fsdp: int, tp: int = 1, skip: tuple[str, ...] = PRICED_ANALYTICALLY):
         """The graph module the planner prices for a dp x fsdp x tp mesh, traced (not derived): the

@@ -1,0 +1,466 @@
+"""A deep model's step graph made from a trace of the model cut to a few of its blocks.
+
+Tracing is most of planning's time, and it grows with depth: make_fx takes about 11 s for
+Llama-3-8B's 32-layer step on this machine, under 1 s for the same step cut to 3 layers. A
+decoder's blocks repeat, so the planner traces the model with its longest list of identical blocks
+(`find_blocks`) cut to KEEP of them (`truncated`), and `stamp` writes the middle block's nodes out
+to full depth: its parameters' placeholders and their gathers, its forward, its backward, its
+gradients' reductions and its elements of the optimizer's lists. The result is the graph a trace
+of the whole model gives, node for node but for node names (tests/test_repeated_blocks.py compares
+them), so the passes, the cost model and the plan-equals-build checks run on it unchanged.
+
+Which block a node belongs to: placeholders by the name of the tensor they hold; forward nodes by
+their module call (aot.capture.module_calls); backward nodes by the annotation made while autograd
+ran each block's backward (module_calls.annotated_blocks); the nodes before the forward and after
+the backward (gathers, reductions, the optimizer) by what they read. A model the stamping cannot
+reproduce (blocks whose nodes differ, a value outside the blocks read from the middle block other
+than through a list) raises NotComposable, and the planner traces it whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import operator
+import re
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from aot.capture.graph_reading import storage_key
+from aot.capture.module_calls import BLOCK_BACKWARD, CHECKPOINT_CALLS, MODULE_CALLS, block_backward_of, layer_of
+from aot.compile_step import Recording
+
+KEEP = 3  # blocks traced: the first, one in the middle (the one written out) and the last
+MIN_BLOCKS = KEEP + 1  # fewer blocks than this are traced whole
+
+
+class NotComposable(Exception):
+    """The cut model's graph cannot be written out to full depth (the message says why)."""
+
+
+def find_blocks(model: torch.nn.Module) -> tuple[str, int] | None:
+    """(dotted name, count) of the model's longest ModuleList or Sequential of blocks of one class
+    with the same parameter and buffer shapes, if it has at least MIN_BLOCKS; else None."""
+    best: tuple[str, int] | None = None
+    for name, module in model.named_modules():
+        if not name or not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) < MIN_BLOCKS or len({type(c) for c in children}) != 1:
+            continue
+        shapes = {_shapes(c) for c in children}
+        if len(shapes) == 1 and next(iter(shapes)) and (best is None or len(children) > best[1]):
+            best = (name, len(children))
+    return best
+
+
+def _shapes(module: torch.nn.Module) -> tuple:
+    return tuple((n, tuple(t.shape), t.dtype) for n, t in [*module.named_parameters(), *module.named_buffers()])
+
+
+def truncated(rec: Recording, blocks: str) -> Recording:
+    """The recording with the block list `blocks` cut to its first KEEP blocks: the same module
+    objects, the training state restricted to the parameters, buffers and optimizer state kept."""
+    model = _cut(rec.state.model, blocks.split("."))
+    state = rec.state
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
+    buffers: dict[str, torch.Tensor] = dict(model.named_buffers())
+    kept = set(params) | set(buffers)
+    slots = [(n, k) for n, k in state.optimizer_slots if n in params]
+    keys = {f"{n}:{k}" for n, k in slots}
+    cut = replace(
+        state,
+        model=model,
+        params=params,
+        buffers=buffers,
+        optimizer_slots=slots,
+        optimizer_state={k: v for k, v in state.optimizer_state.items() if k in keys},
+        optimizer_fills={k: v for k, v in state.optimizer_fills.items() if k in keys},
+        param_groups=[[n for n in group if n in params] for group in state.param_groups],
+        aliases={k: v for k, v in state.aliases.items() if v in kept},
+        state_dict_keys=[k for k in state.state_dict_keys if k in kept or state.aliases.get(k) in kept],
+    )
+    return Recording(rec.mf, cut, rec.inputs, rec.targets)
+
+
+def _cut(module: torch.nn.Module, path: list[str]) -> torch.nn.Module:
+    """A shallow copy of `module` whose submodule at `path` keeps its first KEEP children."""
+    out = copy.copy(module)
+    out._modules = dict(module._modules)
+    child = module._modules[path[0]]
+    assert child is not None
+    if len(path) > 1:
+        out._modules[path[0]] = _cut(child, path[1:])
+    else:
+        listed = copy.copy(child)
+        listed._modules = dict(list(child._modules.items())[:KEEP])
+        out._modules[path[0]] = listed
+    return out
+
+
+def cut_plan(plan: dict[str, str], blocks: str) -> dict[str, str]:
+    """A tensor-parallel plan restricted to the modules of the cut model."""
+    prefix = re.compile(rf"^{re.escape(blocks)}\.(\d+)(\.|$)")
+    return {n: s for n, s in plan.items() if not ((m := prefix.match(n)) and int(m.group(1)) >= KEEP)}
+
+
+# -- writing the middle block out -----------------------------------------------------------------
+
+
+class _Layers:
+    """Which of the KEEP blocks each node of the cut model's graph belongs to (None: none), and each
+    block's nodes in graph order (`nodes[b]`), matched to the middle block's (`middle_of`).
+
+    A block's own nodes are its parameters' placeholders, its forward (module calls) and its
+    backward (module_calls.BLOCK_BACKWARD). Any other node belongs to the block of what it reads
+    (a parameter's gather, a gradient's reduction, per-parameter optimizer math), except where
+    it reads the value a block hands on: the gradient block 0 passes back to the embedding, the
+    last block's output, whose counterparts in the middle block are read by the next block."""
+
+    def __init__(self, graph: torch.fx.Graph, slots: list[dict], blocks: str):
+        self.prefix = blocks + "."
+        nodes = list(graph.nodes)
+        self.of: dict[torch.fx.Node, int | None] = {n: self._tag(n) for n in nodes}
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        for node, slot in zip(placeholders, slots):
+            # a tensor registered in one block but read by several (a shared buffer) is in none
+            block = self.block_of_name(slot.get("name", ""))
+            self.of[node] = block if {self.of[u] for u in node.users} - {None} <= {block} else None
+        own = {n for n in nodes if self.of[n] is not None}
+        if not own:
+            raise NotComposable("no node of the step is in a block")
+        self._index(nodes)
+        # whether the middle block's counterpart of a block's own node is read outside the blocks
+        self._read_outside = {n: any(u not in own for u in n.users) for n in self.nodes[1]}
+        for node in nodes:
+            if node not in own:
+                self.of[node] = self._read_from(node, own)
+        for node, after in reversed(list(zip(nodes, nodes[1:]))):
+            if node.op == "call_function" and not node.all_input_nodes:
+                self.of[node] = self.of[after]  # a factory reading nothing (tp's meta `empty` per weight): with what follows it
+        self._index(nodes)
+
+    def _index(self, nodes) -> None:
+        """Each block's nodes, and which of the middle block's nodes each of the first and last
+        block's is (`middle_of`; `in_block[b]` the other way). The first and last blocks may have
+        nodes the middle one has not (under sequence parallelism the first block's input is split
+        and the last block's output gathered): those have no counterpart."""
+        self.nodes = [[n for n in nodes if self.of[n] == b] for b in range(KEEP)]
+        middle = self.nodes[1]
+        self.middle_of: dict = {n: n for n in middle}
+        self.in_block: list[dict] = [{}, {n: n for n in middle}, {}]
+        key = lambda n: (n.op, "placeholder" if n.op == "placeholder" else str(n.target))  # noqa: E731
+        for b in (0, KEEP - 1):
+            matcher = difflib.SequenceMatcher(None, [key(n) for n in middle], [key(n) for n in self.nodes[b]], autojunk=False)
+            for i, j, size in matcher.get_matching_blocks():
+                for k in range(size):
+                    self.middle_of[self.nodes[b][j + k]] = middle[i + k]
+                    self.in_block[b][middle[i + k]] = self.nodes[b][j + k]
+        if not middle:
+            raise NotComposable("the middle block makes no node")
+
+    def block_of_name(self, name: str) -> int | None:
+        if not name.startswith(self.prefix):
+            return None
+        head = name[len(self.prefix) :].split(".")[0]
+        return int(head) if head.isdigit() else None
+
+    def _tag(self, node) -> int | None:
+        backward = block_backward_of(node)
+        if backward is not None:
+            return backward
+        call = layer_of(node)
+        return self.block_of_name(call) if call is not None else None
+
+    def _read_from(self, node, own: set) -> int | None:
+        """A node of no block's own: in the block of what it reads (one list element of a foreach
+        op's result: that element's block), unless what it reads is a value a block hands on."""
+        if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and isinstance(node.args[0].meta.get("val"), (list, tuple)):
+            elements = self.list_blocks(node.args[0])
+            return elements[node.args[1]] if elements is not None else None
+        if any(isinstance(a, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in a) for a in node.args):
+            return None  # a foreach op: it reads every block
+        blocks = set()
+        for a in node.all_input_nodes:
+            b = self.of.get(a)
+            if b is not None and (a not in own or (a in self.middle_of and self._read_outside[self.middle_of[a]])):
+                blocks.add(b)
+        return blocks.pop() if len(blocks) == 1 else None
+
+    def list_blocks(self, node) -> list | None:
+        """The block of each element of a list-valued node's result: those of its first list
+        argument of the same length (a foreach op's result follows its input list)."""
+        val = node.meta.get("val")
+        if not isinstance(val, (list, tuple)):
+            return None
+        for a in node.args:
+            if isinstance(a, (list, tuple)) and len(a) == len(val) and all(isinstance(x, torch.fx.Node) for x in a):
+                return [self.of.get(x) for x in a]
+        return None
+
+
+def stamp(gm: torch.fx.GraphModule, slots: list[dict], blocks: str, depth: int) -> tuple[torch.fx.GraphModule, list[dict]]:
+    """The graph (and slots) of the model with `depth` blocks, from `gm`, the graph of the model cut
+    to KEEP blocks (traced under module_calls.annotated_blocks = `blocks`). Raises NotComposable."""
+    layers = _Layers(gm.graph, slots, blocks)
+    return _Stamper(gm, slots, layers, depth).run()
+
+
+class _Stamper:
+    """Builds the deep graph: block 0 and the nodes of no block once, the middle block (1) once per
+    block 1 .. depth-2, the last block (KEEP-1) once as block depth-1, in the order a trace of the
+    deep model makes them (a forward run of the middle block ascending, a backward run descending)."""
+
+    def __init__(self, gm, slots, layers: _Layers, depth: int):
+        self.gm, self.slots, self.layers, self.depth = gm, slots, layers, depth
+        self.graph = torch.fx.Graph()
+        self.made: dict[tuple, torch.fx.Node] = {}  # (node, block) -> its copy in the deep graph
+        self.storages: dict[tuple, object] = {}  # (storage key, block) -> the deep graph's storage
+        self.owner: dict = {}  # storage key -> (first node holding it, its block)
+        self.new_slots: list[dict] = []
+        self.calls: dict[tuple, int] = {}  # (block instance, call number) -> renumbered call
+        self.fake_mode: Any = None  # the fake tensors' mode, where the copies' values are made
+        self.rerun: set = set()  # nodes of no block whose value was made again (it follows the depth)
+
+    def run(self):
+        nodes = list(self.gm.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        placeholders = {n: s for n, s in zip([n for n in nodes if n.op == "placeholder"], self.slots)}
+        for node in nodes:
+            val = node.meta.get("val")
+            for t in _tensors(val):
+                self.owner.setdefault(storage_key(t), node)
+                if self.fake_mode is None:
+                    self.fake_mode = torch._guards.detect_fake_mode([t])
+        i = 0
+        while i < len(nodes):
+            node = nodes[i]
+            if self.layers.of[node] != 1:
+                self._emit(node, self._block(node), placeholders.get(node))
+                i += 1
+                continue
+            j = i
+            while j < len(nodes) and self.layers.of[nodes[j]] == 1:
+                j += 1
+            run = nodes[i:j]
+            middle = range(1, self.depth - 1)
+            # the blocks' order here: the last block's counterpart before the middle one's (the
+            # backward, the gradients' reductions it orders) means deep blocks come first
+            descending = self._descending(node, order)
+            for b in reversed(middle) if descending else middle:
+                for n in run:
+                    self._emit(n, b, placeholders.get(n))
+            i = j
+        self.graph.lint()
+        return torch.fx.GraphModule(self.gm, self.graph), self.new_slots
+
+    def _descending(self, node, order: dict) -> bool:
+        """Whether the run of the middle block's nodes starting at `node` goes deep blocks first:
+        the last block's counterpart comes before it, or the first block's after it."""
+        last, first = self.layers.in_block[KEEP - 1].get(node), self.layers.in_block[0].get(node)
+        if last is not None:
+            return order[last] < order[node]
+        if first is not None:
+            return order[first] > order[node]
+        raise NotComposable(f"{node.name} of the middle block is in neither the first block nor the last")
+
+    def _block(self, node) -> int | None:
+        """The deep graph's block of a node outside the middle block."""
+        b = self.layers.of[node]
+        return None if b is None else (0 if b == 0 else self.depth - 1)
+
+    def _instance(self, node, block: int | None):
+        """The deep graph's copy of `node` (a node of the cut graph) made for `block`."""
+        return self.made[(node, block)]
+
+    def _ref(self, a: torch.fx.Node, node_block: int | None, node_layer: int | None) -> torch.fx.Node:
+        """What an argument `a` of a node (of cut block `node_layer`, emitted as deep block
+        `node_block`) reads in the deep graph: the same relative block."""
+        la = self.layers.of[a]
+        if la is None:
+            return self._instance(a, None)
+        if node_layer is None:
+            if la == 1:
+                raise NotComposable(f"{a.name} of the middle block is read outside the blocks other than in a list")
+            return self._instance(a, self._block(a))
+        assert node_block is not None  # a node of a block is made for a block
+        target = node_block + (la - node_layer)
+        if target == self._block(a) and la != 1:
+            return self._instance(a, target)
+        return self._instance(self._counterpart(a, target), target)
+
+    def _counterpart(self, a, block: int):
+        """The cut graph's node whose copy for deep block `block` is `a`'s counterpart there."""
+        middle = self.layers.middle_of.get(a)
+        if middle is None:
+            raise NotComposable(f"{a.name}, a node only the first or last block has, is read by another block")
+        if not 0 <= block < self.depth:
+            raise NotComposable("a block reads a block beyond the first or the last")
+        found = self.layers.in_block[0 if block == 0 else KEEP - 1 if block == self.depth - 1 else 1].get(middle)
+        if found is None:
+            raise NotComposable(f"{a.name} has no counterpart in the block that reads it")
+        return found
+
+    def _deep_order(self, blocks: list) -> list[tuple[int, int | None]]:
+        """A list over every block (a foreach op's parameters, say) whose cut elements are in
+        `blocks`, as the deep graph's list: [(cut index, block)], each run of the middle block's
+        elements once per middle block, ascending where block 0's elements come first."""
+        out: list[tuple[int, int | None]] = []
+        i = 0
+        while i < len(blocks):
+            if blocks[i] != 1:
+                out.append((i, None if blocks[i] is None else 0 if blocks[i] == 0 else self.depth - 1))
+                i += 1
+                continue
+            j = i
+            while j < len(blocks) and blocks[j] == 1:
+                j += 1
+            middle = range(1, self.depth - 1)
+            descending = (KEEP - 1) in blocks[:i]
+            out += [(k, b) for b in (reversed(middle) if descending else middle) for k in range(i, j)]
+            i = j
+        return out
+
+    def _args(self, value, node_block, node_layer):
+        if isinstance(value, torch.fx.Node):
+            return self._ref(value, node_block, node_layer)
+        if isinstance(value, (list, tuple)):
+            if node_layer is None and any(isinstance(x, torch.fx.Node) and self.layers.of[x] == 1 for x in value):
+                blocks = [self.layers.of[x] if isinstance(x, torch.fx.Node) else None for x in value]
+                return type(value)(self._instance(value[k], b) if isinstance(value[k], torch.fx.Node) else value[k] for k, b in self._deep_order(blocks))
+            return type(value)(self._args(x, node_block, node_layer) for x in value)
+        if isinstance(value, dict):
+            return {k: self._args(v, node_block, node_layer) for k, v in value.items()}
+        return value
+
+    def _expanded_index(self, source: torch.fx.Node, index: int, block: int | None) -> int:
+        """The index, in the deep graph's result of list-valued `source`, of its cut element `index` for `block`."""
+        for position, (k, b) in enumerate(self._deep_order(self.layers.list_blocks(source) or [])):
+            if k == index and (block is None or b == block):
+                return position
+        raise NotComposable(f"{source.name}[{index}] reads past its list")
+
+    def _emit(self, node, block: int | None, slot: dict | None) -> None:
+        layer = self.layers.of[node]
+        if node.op == "placeholder":
+            new = self.graph.placeholder(f"{node.target}_b{block}" if layer == 1 and block != 1 else node.target)
+            self.new_slots.append(self._slot(slot, block) if slot is not None else {})
+        elif node.op == "output":
+            new = self.graph.output(self._args(node.args[0], block, layer))
+        elif node.op == "get_attr":
+            new = self.graph.get_attr(node.target)
+        else:
+            args = self._args(node.args, block, layer)
+            if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and self.layers.list_blocks(node.args[0]) is not None:
+                source = node.args[0]
+                args = (args[0], self._expanded_index(source, node.args[1], block if layer == 1 else None))
+            new = self.graph.create_node(node.op, node.target, args, self._args(node.kwargs, block, layer), name=node.name)
+        new.meta = dict(node.meta)
+        self._relabel(new, layer, block)
+        if "val" in node.meta:
+            new.meta["val"] = self._deep_val(node, new, layer, block)
+        self.made[(node, block)] = new
+
+    def _deep_val(self, node, new, layer, block):
+        """The value `new` holds: an op over lists of every block's tensors (a foreach op, the
+        stack of their norms) run again on fake tensors, since its result's length or shape follows
+        the depth; an element of such a result taken from it; anything else `_val`."""
+        source = new.args[0] if node.target is operator.getitem and new.args else None
+        if isinstance(source, torch.fx.Node) and node.args[0] in self.rerun:
+            return source.meta["val"][new.args[1]]
+        if node.op == "call_function" and layer is None and (self._reads_every_block(node) or any(a in self.rerun for a in node.all_input_nodes)):
+            self.rerun.add(node)
+            read = lambda v: torch.fx.node.map_arg(v, lambda a: a.meta.get("val"))  # noqa: E731
+            with self.fake_mode:
+                return node.target(*read(new.args), **read(new.kwargs))
+        return self._val(node, node.meta["val"], layer, block)
+
+    def _reads_every_block(self, node) -> bool:
+        lists = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, (list, tuple))]
+        return any(isinstance(x, torch.fx.Node) and self.layers.of[x] == 1 for a in lists for x in a)
+
+    def _slot(self, slot: dict, block: int | None) -> dict:
+        name = slot.get("name")
+        if name is None or block is None:
+            return dict(slot)
+        rest = name[len(self.layers.prefix) :].split(".", 1)[1]
+        return {**slot, "name": f"{self.layers.prefix}{block}.{rest}"}
+
+    def _relabel(self, new, layer, block) -> None:
+        """Module-call names and call numbers, checkpoint calls and the backward's block of a copy,
+        as a trace of the deep model writes them (each call its own number)."""
+        custom = dict(new.meta.get("custom", {}))
+        if not custom:
+            return
+        instance = block if layer is not None else None
+        if MODULE_CALLS in custom:
+            calls = []
+            for name, number in custom[MODULE_CALLS]:
+                b = self.layers.block_of_name(name)
+                if b is not None and block is not None:
+                    name = f"{self.layers.prefix}{block}{name[len(self.layers.prefix) + len(str(b)) :]}"
+                calls.append((name, self.calls.setdefault((instance, "m", number), len(self.calls))))
+            custom[MODULE_CALLS] = tuple(calls)
+        if CHECKPOINT_CALLS in custom:
+            custom[CHECKPOINT_CALLS] = tuple(self.calls.setdefault((instance, "c", n), len(self.calls)) for n in custom[CHECKPOINT_CALLS])
+        if BLOCK_BACKWARD in custom and block is not None:
+            custom[BLOCK_BACKWARD] = block
+        new.meta["custom"] = custom
+
+    def _val(self, node, val, layer, block):
+        """The value a copy holds: the same shapes, in the storages of its own block (a storage
+        made in the middle block is made again for each of its copies)."""
+        if isinstance(val, (list, tuple)):
+            elements = self.layers.list_blocks(node) if layer is None else None
+            if elements is not None:
+                return type(val)(val[k] if elements[k] != 1 or b == 1 else self._fresh(val[k]) for k, b in self._deep_order(elements))
+            return type(val)(self._val(node, x, layer, block) for x in val)
+        if not isinstance(val, torch.Tensor):
+            return val
+        key = storage_key(val)
+        owner = self.owner.get(key)
+        owner_layer = self.layers.of.get(owner) if owner is not None else None
+        if owner_layer is None:
+            return val  # a storage of no block (a buffer, the batch, the head's values)
+        if layer is None:
+            if owner_layer == 1:
+                raise NotComposable(f"{node.name} outside the blocks holds a value of the middle block")
+            return val
+        storage = self._storage(owner, key, block + (owner_layer - layer))
+        if storage is None:
+            return val
+        with self.fake_mode:
+            return torch.empty(0, dtype=val.dtype, device=val.device).set_(storage, val.storage_offset(), val.shape, val.stride())
+
+    def _storage(self, owner, key, block: int):
+        """The deep graph's storage made by `owner`'s counterpart in `block` (None: the cut
+        graph's own, `key`)."""
+        if block == self._block(owner) and self.layers.of[owner] != 1:
+            return None
+        counterpart = self._counterpart(owner, block)
+        index = [storage_key(t) for t in _tensors(owner.meta.get("val"))].index(key)
+        tensor = _tensors(counterpart.meta.get("val"))[index]
+        if 0 < block < self.depth - 1 and block != 1:
+            made = self.storages.get((storage_key(tensor), block))
+            if made is None:
+                with self.fake_mode:
+                    made = torch.empty(tensor.untyped_storage().nbytes(), dtype=torch.uint8, device=tensor.device).untyped_storage()
+                self.storages[(storage_key(tensor), block)] = made
+            return made
+        return None if storage_key(tensor) == key else tensor.untyped_storage()
+
+    def _fresh(self, t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        with self.fake_mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []

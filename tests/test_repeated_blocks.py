@@ -1,0 +1,99 @@
+"""Deep models planned from a few of their blocks (issue #42): the planner traces a model of
+repeated blocks cut to 3 of them and writes the middle block out to full depth
+(aot/plan/repeated_blocks.py). The graph it prices must be the one a trace of the whole model
+gives, node for node (names aside) and storage for storage, for every layout class the planner
+traces: dp, fsdp, dp x fsdp, tp, dp x tp with sequence parallelism, fsdp under bf16, and a model
+whose blocks run under torch.utils.checkpoint. tests/test_compile_path.py checks the same models'
+priced programs against `aot build`'s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aot.compile_step import trace_program
+from aot.plan.model_steps import ModelSteps, Pricing
+from aot.plan.repeated_blocks import find_blocks
+from helpers.graphs import canonical_nodes
+from runner.hardware.topology import for_nodes, load_profile
+
+MODELS = Path(__file__).resolve().parent / "models"
+GPT6, LLAMA6, CHECKPOINTED6 = MODELS / "gpt6.py", MODELS / "llama6.py", MODELS / "checkpointed6.py"
+BATCH = 4
+
+
+def planner(model: Path, world_size: int, precision: str | None = None, sequence_parallel: bool = False) -> ModelSteps:
+    profile = for_nodes(load_profile("dgx_a100"), 1, world_size)
+    return ModelSteps(model, BATCH, sequence_parallel=sequence_parallel, pricing=Pricing(profile, world_size, world_size, precision))
+
+
+@pytest.mark.parametrize(
+    "model,mesh,precision,sequence_parallel",
+    [
+        (LLAMA6, (2, 2, 1), None, False),
+        (LLAMA6, (1, 1, 2), None, False),
+        (LLAMA6, (2, 1, 2), None, True),
+        (LLAMA6, (1, 2, 1), "bf16", False),
+        (GPT6, (1, 1, 2), None, False),
+        (CHECKPOINTED6, (2, 1, 1), None, False),
+    ],
+    ids=lambda v: v.stem if isinstance(v, Path) else str(v),
+)
+def test_a_deep_models_step_is_written_out_from_three_of_its_blocks_node_for_node(model, mesh, precision, sequence_parallel):
+    dp, fsdp, tp = mesh
+    steps = planner(model, dp * fsdp * tp, precision, sequence_parallel)
+    assert steps.blocks is not None and steps.blocks[1] == 6
+    gm, slots = steps._capture(dp, fsdp, tp)
+    assert steps.blocks is not None, "the planner fell back to tracing the whole model"
+    whole = trace_program(steps.rec, steps.layout(dp, fsdp, tp), for_pricing=True)
+    assert slots == whole.slots
+    assert canonical_nodes(gm) == canonical_nodes(whole.graph)
+    # and so priced alike, after the passes (recomputation of the checkpoint calls among them)
+    ours, theirs = steps._finished(gm, slots), steps._finished(whole.graph, whole.slots)
+    assert ours.memory.to_json() == theirs.memory.to_json() and ours.flops == theirs.flops and len(ours.comms) == len(theirs.comms)
+
+
+def test_which_models_are_written_out_from_a_few_blocks(tmp_path):
+    """The longest list of blocks of one class and shape, at least 4 of them; a model whose blocks
+    differ in shape, or that has too few, is traced whole."""
+    import torch
+
+    steps = planner(LLAMA6, 2)
+    assert find_blocks(steps.state.model) == ("layers", 6)
+    assert find_blocks(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])) is None
+    widths = torch.nn.Module()
+    widths.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4 + i) for i in range(6))
+    assert find_blocks(widths) is None
+
+
+def test_a_model_whose_blocks_cannot_be_written_out_is_traced_whole(tmp_path):
+    """Blocks whose residual is added outside them (x = x + block(x)): a node of no block reads
+    the middle block's output, which the written-out graph could not place; the planner says so
+    and traces the whole model, the same graph as a whole trace."""
+    path = tmp_path / "outside_residual.py"
+    path.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(5))\n"
+        "        self.head = nn.Linear(16, 4)\n"
+        "    def forward(self, x):\n"
+        "        for block in self.blocks:\n"
+        "            x = x + torch.tanh(block(x))\n"
+        "        return self.head(x)\n"
+        "def model():\n    return Net()\n"
+        "def batch(n):\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)\n"
+    )
+    notes = []
+    profile = for_nodes(load_profile("dgx_a100"), 1, 2)
+    steps = ModelSteps(path, BATCH, pricing=Pricing(profile, 2, 2), note=notes.append)
+    assert steps.blocks == ("blocks", 5)
+    gm, _ = steps._capture(2, 1, 1)
+    assert steps.blocks is None and any("tracing the whole model" in n for n in notes), notes
+    whole = trace_program(steps.rec, steps.layout(2, 1, 1), for_pricing=True)
+    assert canonical_nodes(gm) == canonical_nodes(whole.graph)
