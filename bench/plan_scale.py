@@ -1,13 +1,15 @@
 """Benchmark: how long `aot plan` takes for a large machine.
 
-    python bench/plan_scale.py [--model examples/gpt.py] [--topology dgx_a100] [--nodes 128] [--repeats 3] [--axes dp,fsdp]
-                               [--code DIR] [--quiet-patience S]
+    python bench/plan_scale.py [--model examples/gpt.py] [--size 8b] [--batch-size 2] [--topology dgx_a100] [--nodes 128]
+                               [--repeats 3] [--axes dp,fsdp] [--code DIR] [--quiet-patience S]
 
 Runs `aot plan MODEL --topology T --nodes N --json` as a fresh process `--repeats` times and
 reports its wall time (process start to exit, interpreter and torch import included), the time the
 command itself reports (`seconds`: from the command's start, after torch is imported), the CPU time
 it used (on a machine other processes keep busy, the wall time is at least this over the cores
-left), how many candidate plans it priced and the best one. The foreign CPU load during each run
+left), where the command says its time went (`time`: recording, tracing, pipeline programs,
+pricing), how many candidate plans it priced and the best one. --size sets AOT_SIZE (the preset of
+examples/llama.py: 8b, 70b). The foreign CPU load during each run
 is recorded as in bench/plan_accuracy.py.
 
 --code runs the aot of another checkout (e.g. `git clone` of the previous commit) with the same
@@ -37,6 +39,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--axes", default=None, help="passed to `aot plan --axes` (default: the command's own)")
+    ap.add_argument("--size", default=None, help="AOT_SIZE for the model file (examples/llama.py: 1b, 8b, 70b)")
+    ap.add_argument("--batch-size", type=int, default=None, help="passed to `aot plan --batch-size`")
     ap.add_argument("--code", type=Path, default=None, help="the checkout whose aot to run (default: this one)")
     ap.add_argument(
         "--quiet-patience", type=float, default=0.0, help="before each run, wait up to this many seconds for other processes to use at most 0.2 cores"
@@ -47,7 +51,11 @@ def main() -> None:
     cmd = [sys.executable, "-m", "aot", "plan", args.model, "--topology", args.topology, "--nodes", str(args.nodes), "--json"]
     if args.axes:
         cmd += ["--axes", args.axes]
+    if args.batch_size:
+        cmd += ["--batch-size", str(args.batch_size)]
     environment = env()
+    if args.size:
+        environment["AOT_SIZE"] = args.size
     runs = []
     for _ in range(args.repeats):
         if args.quiet_patience > 0:
@@ -64,6 +72,7 @@ def main() -> None:
                 "command_s": result["seconds"],
                 "cpu_s": cpu,
                 "other_load_cores": other,
+                "time": result.get("time"),
                 "candidates": len(result["plans"]),
                 "world_size": result["world_size"],
                 "best": f"{result['plans'][0]['strategy']} bucket {result['plans'][0]['bucket_mb']:g} MiB",
@@ -76,7 +85,7 @@ def main() -> None:
         f"wall {min(r['wall_s'] for r in runs):.1f} s best / {statistics.median(r['wall_s'] for r in runs):.1f} s median, "
         f"command-reported {statistics.median(r['command_s'] for r in runs):.1f} s median, "
         f"CPU {statistics.median(r['cpu_s'] for r in runs):.1f} s median, "
-        f"foreign load {statistics.median(r['other_load_cores'] for r in runs):.2f} cores median"
+        f"foreign load {statistics.median(r['other_load_cores'] for r in runs):.2f} cores median" + (f"; AOT_SIZE={args.size}" if args.size else "")
     )
 
 

@@ -97,3 +97,24 @@ def test_a_model_whose_blocks_cannot_be_written_out_is_traced_whole(tmp_path):
     assert steps.blocks is None and any("tracing the whole model" in n for n in notes), notes
     whole = trace_program(steps.rec, steps.layout(2, 1, 1), for_pricing=True)
     assert canonical_nodes(gm) == canonical_nodes(whole.graph)
+
+
+def test_a_graph_without_fsdp_derived_from_a_written_out_one_is_the_traced_one():
+    """The planner derives a mesh's graph without fsdp from the fsdp=2 graph of its tp degree
+    (aot.plan.pricing.derive_without_fsdp); from a written-out graph it must still be the trace
+    of that mesh, node for node, and priced alike."""
+    from aot.plan.cost_model import analyze, storage_key
+    from aot.plan.pricing import derive_without_fsdp
+
+    steps = planner(GPT6, 8)
+    sharded, _ = steps._capture(2, 2, 1)
+    assert steps.blocks is not None
+    derived = derive_without_fsdp(steps.mf, steps.state, steps.inputs, steps.targets, steps.layout(8, 1, 1), sharded, "aot.fsdp")
+    assert derived is not None
+    gm, slots, shared = derived
+    traced = trace_program(steps.rec, steps.layout(8, 1, 1), for_pricing=True)
+    assert slots == traced.slots
+    assert canonical_nodes(gm) == canonical_nodes(traced.graph)
+    aliases = {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
+    ours, theirs = analyze(gm, slots, aliases), analyze(traced.graph, traced.slots)
+    assert ours.memory.to_json() == theirs.memory.to_json() and ours.flops == theirs.flops

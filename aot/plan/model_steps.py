@@ -70,6 +70,11 @@ class ModelSteps:
     fsdp=2 is traced alone. tp is priced only within a node (`max_tp`, the ranks per node) and where
     the model can take it (heads and split features divide, aot.plan.tensor_parallel).
 
+    A model of repeated blocks (aot.plan.repeated_blocks.find_blocks: a decoder's layers) is traced
+    cut to 3 of them and its middle block written out to full depth (`compose=False`: traced
+    whole), the graph a whole trace gives node for node; where that cannot be done it is traced
+    whole, with a note.
+
     Tracing is most of a search's time, so graphs are cached by layout: one trace per layout class
     (key (dp > 1, fsdp, tp): whether there is a dp group, fsdp 1 or 2, the tp degree), whatever the
     ranks, and read for every mesh of that class. Each trace is make_fx's, as the build's
