@@ -118,3 +118,48 @@ def test_a_graph_without_fsdp_derived_from_a_written_out_one_is_the_traced_one()
     aliases = {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
     ours, theirs = analyze(gm, slots, aliases), analyze(traced.graph, traced.slots)
     assert ours.memory.to_json() == theirs.memory.to_json() and ours.flops == theirs.flops
+
+
+ZOO = MODELS / "zoo"
+
+
+def _deeper(tmp_path: Path, family: str, layers: int) -> Path:
+    """A zoo model file at `layers` layers: transformers families through tests/models/zoo/families.py,
+    torchtitan's llama and nanoGPT by their own depth constant."""
+    path = tmp_path / f"{family}{layers}.py"
+    if family == "titan_llama":
+        text = (ZOO / "titan_llama.py").read_text()
+        path.write_text(text.replace("N_LAYERS, N_HEADS, N_KV_HEADS = 128, 16, 64, 2,", f"N_LAYERS, N_HEADS, N_KV_HEADS = 128, 16, 64, {layers},"))
+    elif family == "nanogpt":
+        path.write_text((ZOO / "nanogpt.py").read_text().replace("n_layer=2,", f"n_layer={layers},"))
+    else:
+        path.write_text(
+            "import importlib.util\n"
+            f"_spec = importlib.util.spec_from_file_location('aot_zoo_{family}{layers}', {str(ZOO / 'families.py')!r})\n"
+            "zoo = importlib.util.module_from_spec(_spec)\n_spec.loader.exec_module(zoo)\n"
+            f"zoo.hf.LLAMA_SHAPES['num_hidden_layers'] = {layers}\n"
+            f"model, batch, loss = zoo.model_file({family!r})\n"
+        )
+    assert path.read_text() != "" and str(layers) in path.read_text()
+    return path
+
+
+@pytest.mark.slow  # three zoo models traced twice each (15 s); CI runs it
+@pytest.mark.parametrize(
+    "family,layers,composed",
+    [("qwen3_moe", 5, True), ("titan_llama", 5, True), ("nanogpt", 5, True), ("gemma3", 8, False)],
+)
+def test_model_code_as_written_is_written_out_or_traced_whole(tmp_path, family, layers, composed):
+    """Users' model code (transformers' Qwen3-MoE, torchtitan's llama with its ModuleDict of
+    layers, nanoGPT) deepened to 5 layers is written out from 3 and equals the whole trace under
+    fsdp; Gemma 3 at 8 layers, whose 6th is a global attention layer among sliding ones, is
+    traced whole (its blocks' settings differ), never written out from three sliding ones."""
+    profile = for_nodes(load_profile("dgx_a100"), 1, 2)
+    steps = ModelSteps(_deeper(tmp_path, family, layers), BATCH, pricing=Pricing(profile, 2, 2))
+    assert (steps.blocks is not None) == composed, steps.blocks
+    if not composed:
+        return  # traced whole: the planner's graph is the whole trace
+    gm, slots = steps._capture(1, 2, 1)
+    assert (steps.blocks is not None) == composed
+    whole = trace_program(steps.rec, steps.layout(1, 2, 1), for_pricing=True)
+    assert slots == whole.slots and canonical_nodes(gm) == canonical_nodes(whole.graph)

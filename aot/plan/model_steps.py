@@ -194,8 +194,11 @@ class ModelSteps:
         if self.blocks is not None:
             try:
                 return self._composed(dp, fsdp, tp)
-            except NotComposable as e:
-                self.note(f"tracing the whole model: its blocks cannot be written out from a few ({e})")
+            except Unsupported:
+                raise
+            except Exception as e:  # noqa: BLE001  (NotComposable, or the cut model's trace failing: a forward that counts its blocks)
+                why = str(e) if isinstance(e, NotComposable) else f"the model cut to 3 of them cannot be traced: {type(e).__name__}"
+                self.note(f"tracing the whole model: its blocks cannot be written out from a few ({why})")
                 self.blocks = None
         captured = trace_program(self.rec, self.layout(dp, fsdp, tp), for_pricing=True)
         return captured.graph, captured.slots

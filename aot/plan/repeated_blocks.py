@@ -43,23 +43,53 @@ class NotComposable(Exception):
 
 
 def find_blocks(model: torch.nn.Module) -> tuple[str, int] | None:
-    """(dotted name, count) of the model's longest ModuleList or Sequential of blocks of one class
-    with the same parameter and buffer shapes, if it has at least MIN_BLOCKS; else None."""
+    """(dotted name, count) of the model's longest ModuleList, Sequential or ModuleDict keyed 0, 1, ...
+    (torchtitan's) of at least MIN_BLOCKS
+    blocks alike: one class, the same parameter and buffer shapes, and the same settings (every
+    plain attribute of the block and its submodules, but one that is each block's own index:
+    gemma's sliding and global attention layers differ there). A list inside a block of another list (a layer's
+    experts) is not a candidate. None if there is none."""
     best: tuple[str, int] | None = None
     for name, module in model.named_modules():
-        if not name or not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+        if not name or not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
             continue
+        if list(module._modules) != [str(i) for i in range(len(module._modules))]:
+            continue  # a ModuleDict keyed other than 0, 1, ... (torchtitan's layers are keyed so)
+        if any(part.isdigit() for part in name.split(".")):
+            continue  # inside a numbered block
         children = list(module.children())
         if len(children) < MIN_BLOCKS or len({type(c) for c in children}) != 1:
             continue
-        shapes = {_shapes(c) for c in children}
-        if len(shapes) == 1 and next(iter(shapes)) and (best is None or len(children) > best[1]):
+        if len({_shapes(c) for c in children}) == 1 and _shapes(children[0]) and _alike(children) and (best is None or len(children) > best[1]):
             best = (name, len(children))
     return best
 
 
+def _alike(blocks: list[torch.nn.Module]) -> bool:
+    """Whether the blocks' plain settings agree, but for those that are each block's index."""
+    settings = [_settings(b) for b in blocks]
+    index = {k for k in settings[0] if all(type(s.get(k)) is int and s.get(k) == i for i, s in enumerate(settings))}
+    return all({k: v for k, v in s.items() if k not in index} == {k: v for k, v in settings[0].items() if k not in index} for s in settings)
+
+
 def _shapes(module: torch.nn.Module) -> tuple:
     return tuple((n, tuple(t.shape), t.dtype) for n, t in [*module.named_parameters(), *module.named_buffers()])
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _settings(block: torch.nn.Module) -> dict:
+    """(submodule, attribute) -> value of the plain attributes of `block` and its submodules (a
+    layer_idx kept for a cache among them: `_alike` reads past those)."""
+    out = {}
+    for path, module in block.named_modules():
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or "init" in attr:  # how weights are drawn (torchtitan's weight_init_std): no step reads it
+                continue
+            if isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)):
+                out[(path, attr)] = value
+    return out
 
 
 def truncated(rec: Recording, blocks: str) -> Recording:
