@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aot.compile_step import trace_program
+from aot.compile_step import tensor_parallel_plan, trace_program
 from aot.plan.model_steps import ModelSteps, Pricing
 from aot.plan.repeated_blocks import find_blocks
 from helpers.graphs import canonical_nodes
@@ -44,6 +44,8 @@ def test_a_deep_models_step_is_written_out_from_three_of_its_blocks_node_for_nod
     dp, fsdp, tp = mesh
     steps = planner(model, dp * fsdp * tp, precision, sequence_parallel)
     assert steps.blocks is not None and steps.blocks[1] == 6
+    if tp > 1:  # the tp plan found on the cut model and read out is the one found on the whole
+        assert steps.tp_plan(tp) == tensor_parallel_plan(steps.rec, tp)
     gm, slots = steps._capture(dp, fsdp, tp)
     assert steps.blocks is not None, "the planner fell back to tracing the whole model"
     whole = trace_program(steps.rec, steps.layout(dp, fsdp, tp), for_pricing=True)

@@ -19,7 +19,7 @@ from aot.passes import PRICED_ANALYTICALLY, PassOptions
 from aot.plan.cost_model import StepGraph, analyze, storage_key
 from aot.plan.mesh import Mesh
 from aot.plan.recompute import Request
-from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated
+from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan
 from aot.capture.module_calls import annotated_blocks
 from aot.target import Target
 from runner.format.axes import DP, FSDP, PP, TP, group_name
@@ -163,13 +163,29 @@ class ModelSteps:
             raise Unsupported(f"tp={tp} would span nodes ({self.max_tp} ranks per node)")
         if tp not in self._tp_plans:
             try:
-                self._tp_plans[tp] = tensor_parallel_plan(self.rec, tp)
+                self._tp_plans[tp] = self._found_plan(tp)
             except AotError as e:
                 self._tp_plans[tp] = e
         plan = self._tp_plans[tp]
         if isinstance(plan, AotError):
             raise Unsupported(str(plan)) from None
         return plan
+
+    def _found_plan(self, tp: int) -> dict[str, str]:
+        """The build's plan at degree `tp`: for a model of repeated blocks without a tp_plan of its
+        own, found on the model cut to 3 blocks (running its forward split is most of the search,
+        and it grows with depth) and read out to every block (aot.plan.repeated_blocks.widen_plan)."""
+        from aot.plan.tensor_parallel import user_plan
+
+        if self.blocks is None or user_plan(self.mf, self.state.model) is not None:
+            return tensor_parallel_plan(self.rec, tp)
+        return widen_plan(tensor_parallel_plan(self._cut_recording(), tp), *self.blocks)
+
+    def _cut_recording(self) -> Recording:
+        assert self.blocks is not None
+        if self._cut is None:
+            self._cut = truncated(self.rec, self.blocks[0])
+        return self._cut
 
     def target(self, dp: int, fsdp: int, tp: int) -> Target:
         return Target.of({DP: dp, FSDP: fsdp, TP: tp}, self.precision, self.sequence_parallel)
@@ -206,16 +222,15 @@ class ModelSteps:
     def _composed(self, dp: int, fsdp: int, tp: int):
         assert self.blocks is not None
         path, depth = self.blocks
-        if self._cut is None:
-            self._cut = truncated(self.rec, path)
+        cut = self._cut_recording()
         plan = cut_plan(self.tp_plan(tp), path) if tp > 1 else {}
         try:
-            layout = step_layout(self._cut, self.target(dp, fsdp, tp), plan)
+            layout = step_layout(cut, self.target(dp, fsdp, tp), plan)
         except AotError as e:
             raise Unsupported(str(e)) from None
         token = annotated_blocks.set(path)
         try:
-            captured = trace_program(self._cut, layout, for_pricing=True)
+            captured = trace_program(cut, layout, for_pricing=True)
         finally:
             annotated_blocks.reset(token)
         return stamp(captured.graph, captured.slots, path, depth)

@@ -138,6 +138,23 @@ def cut_plan(plan: dict[str, str], blocks: str) -> dict[str, str]:
     return {n: s for n, s in plan.items() if not ((m := prefix.match(n)) and int(m.group(1)) >= KEEP)}
 
 
+def widen_plan(plan: dict[str, str], blocks: str, depth: int) -> dict[str, str]:
+    """A tensor-parallel plan found on the cut model, read out to the deep one: the first block's
+    layers as they are, the middle block's for every block but the first and last, the last
+    block's for the deep model's last."""
+    prefix = re.compile(rf"^{re.escape(blocks)}\.(\d+)(\..*|)$")
+    out: dict[str, str] = {}
+    for name, style in plan.items():
+        m = prefix.match(name)
+        if m is None:
+            out[name] = style
+            continue
+        index, rest = int(m.group(1)), m.group(2)
+        deep = [0] if index == 0 else range(1, depth - 1) if index == 1 else [depth - 1]
+        out.update({f"{blocks}.{i}{rest}": style for i in deep})
+    return out
+
+
 # -- writing the middle block out -----------------------------------------------------------------
 
 
