@@ -35,8 +35,18 @@ CHECKPOINT_CALLS = "aot_checkpoint_calls"
 BLOCK_BACKWARD = "aot_block_backward"  # node.meta["custom"] key: the block whose backward made the node
 
 # The dotted name of a ModuleList of repeated blocks whose backward regions a trace annotates
-# (aot.plan.repeated_blocks sets it around the planner's traces of a model cut to a few blocks).
+# (`annotating_blocks`, around the planner's traces of a model cut to a few blocks).
 annotated_blocks: ContextVar[str | None] = ContextVar("annotated_blocks", default=None)
+
+
+@contextmanager
+def annotating_blocks(blocks: str):
+    """Traces made meanwhile annotate each block's backward of the list `blocks` (BLOCK_BACKWARD)."""
+    token = annotated_blocks.set(blocks)
+    try:
+        yield
+    finally:
+        annotated_blocks.reset(token)
 
 
 class _ReentrantCheckpoint:

@@ -20,7 +20,7 @@ from aot.plan.cost_model import StepGraph, analyze, storage_key
 from aot.plan.mesh import Mesh
 from aot.plan.recompute import Request
 from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan
-from aot.capture.module_calls import annotated_blocks
+from aot.capture.module_calls import annotating_blocks
 from aot.target import Target
 from runner.format.axes import DP, FSDP, PP, TP, group_name
 
@@ -228,11 +228,8 @@ class ModelSteps:
             layout = step_layout(cut, self.target(dp, fsdp, tp), plan)
         except AotError as e:
             raise Unsupported(str(e)) from None
-        token = annotated_blocks.set(path)
-        try:
+        with annotating_blocks(path):
             captured = trace_program(cut, layout, for_pricing=True)
-        finally:
-            annotated_blocks.reset(token)
         return stamp(captured.graph, captured.slots, path, depth)
 
     def program(self, dp: int, fsdp: int, tp: int = 1, skip: tuple[str, ...] = PRICED_ANALYTICALLY):

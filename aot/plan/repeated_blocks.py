@@ -11,7 +11,7 @@ them), so the passes, the cost model and the plan-equals-build checks run on it 
 
 Which block a node belongs to: placeholders by the name of the tensor they hold; forward nodes by
 their module call (aot.capture.module_calls); backward nodes by the annotation made while autograd
-ran each block's backward (module_calls.annotated_blocks); the nodes before the forward and after
+ran each block's backward (module_calls.annotating_blocks); the nodes before the forward and after
 the backward (gathers, reductions, the optimizer) by what they read. A model the stamping cannot
 reproduce (blocks whose nodes differ, a value outside the blocks read from the middle block other
 than through a list) raises NotComposable, and the planner traces it whole.
@@ -24,7 +24,7 @@ import difflib
 import operator
 import re
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -252,7 +252,7 @@ class _Layers:
 
 def stamp(gm: torch.fx.GraphModule, slots: list[dict], blocks: str, depth: int) -> tuple[torch.fx.GraphModule, list[dict]]:
     """The graph (and slots) of the model with `depth` blocks, from `gm`, the graph of the model cut
-    to KEEP blocks (traced under module_calls.annotated_blocks = `blocks`). Raises NotComposable."""
+    to KEEP blocks (traced under module_calls.annotating_blocks(`blocks`)). Raises NotComposable."""
     layers = _Layers(gm.graph, slots, blocks)
     return _Stamper(gm, slots, layers, depth).run()
 
@@ -260,14 +260,16 @@ def stamp(gm: torch.fx.GraphModule, slots: list[dict], blocks: str, depth: int) 
 class _Stamper:
     """Builds the deep graph: block 0 and the nodes of no block once, the middle block (1) once per
     block 1 .. depth-2, the last block (KEEP-1) once as block depth-1, in the order a trace of the
-    deep model makes them (a forward run of the middle block ascending, a backward run descending)."""
+    deep model makes them (`_deep_order`: a run of the middle block's nodes ascending where block
+    0's counterparts come before it, as in the forward, descending where the last block's do, as in
+    the backward and the gradients' reductions it orders)."""
 
     def __init__(self, gm, slots, layers: _Layers, depth: int):
         self.gm, self.slots, self.layers, self.depth = gm, slots, layers, depth
         self.graph = torch.fx.Graph()
         self.made: dict[tuple, torch.fx.Node] = {}  # (node, block) -> its copy in the deep graph
         self.storages: dict[tuple, object] = {}  # (storage key, block) -> the deep graph's storage
-        self.owner: dict = {}  # storage key -> (first node holding it, its block)
+        self.owner: dict = {}  # storage key -> the first node holding it
         self.new_slots: list[dict] = []
         self.calls: dict[tuple, int] = {}  # (block instance, call number) -> renumbered call
         self.fake_mode: Any = None  # the fake tensors' mode, where the copies' values are made
@@ -283,25 +285,9 @@ class _Stamper:
                 self.owner.setdefault(storage_key(t), node)
                 if self.fake_mode is None:
                     self.fake_mode = torch._guards.detect_fake_mode([t])
-        i = 0
-        while i < len(nodes):
-            node = nodes[i]
-            if self.layers.of[node] != 1:
-                self._emit(node, self._block(node), placeholders.get(node))
-                i += 1
-                continue
-            j = i
-            while j < len(nodes) and self.layers.of[nodes[j]] == 1:
-                j += 1
-            run = nodes[i:j]
-            middle = range(1, self.depth - 1)
-            # the blocks' order here: the last block's counterpart before the middle one's (the
-            # backward, the gradients' reductions it orders) means deep blocks come first
-            descending = self._descending(node, order)
-            for b in reversed(middle) if descending else middle:
-                for n in run:
-                    self._emit(n, b, placeholders.get(n))
-            i = j
+        blocks = [self.layers.of[n] for n in nodes]
+        for k, block in self._deep_order(blocks, lambda i: self._descending(nodes[i], order)):
+            self._emit(nodes[k], block, placeholders.get(nodes[k]))
         from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
         with _use_lazy_graph_module(True):  # as aot.plan.pricing.trace_for_pricing: no Python code made
@@ -354,10 +340,12 @@ class _Stamper:
             raise NotComposable(f"{a.name} has no counterpart in the block that reads it")
         return found
 
-    def _deep_order(self, blocks: list) -> list[tuple[int, int | None]]:
-        """A list over every block (a foreach op's parameters, say) whose cut elements are in
-        `blocks`, as the deep graph's list: [(cut index, block)], each run of the middle block's
-        elements once per middle block, ascending where block 0's elements come first."""
+    def _deep_order(self, blocks: list, descending: Callable[[int], bool] | None = None) -> list[tuple[int, int | None]]:
+        """The deep graph's sequence of a cut sequence (the graph's nodes, or a list over every
+        block such as a foreach op's parameters) whose items are in `blocks`: [(cut index, deep
+        block)], each run of the middle block's items once per middle block, deep blocks first
+        where `descending(start of the run)` (for a list: where the last block's items come first)."""
+        descending = descending or (lambda i: (KEEP - 1) in blocks[:i])
         out: list[tuple[int, int | None]] = []
         i = 0
         while i < len(blocks):
@@ -369,8 +357,7 @@ class _Stamper:
             while j < len(blocks) and blocks[j] == 1:
                 j += 1
             middle = range(1, self.depth - 1)
-            descending = (KEEP - 1) in blocks[:i]
-            out += [(k, b) for b in (reversed(middle) if descending else middle) for k in range(i, j)]
+            out += [(k, b) for b in (reversed(middle) if descending(i) else middle) for k in range(i, j)]
             i = j
         return out
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from runner.format.transfers import Transfer
+
 P2P_OPS = ("isend", "irecv", "batch_p2p_ops")
 _library = None
 
@@ -61,6 +63,23 @@ def waited_on() -> tuple[str, int, int] | None:
     """("send" or "receive", peer's rank in the pipeline group, tag) of the transfer a wait that
     failed or never returned was for, since the last `forget_waits`; None if none."""
     return _waiting[-1] if _waiting else None
+
+
+def failed_transfer(error: Exception, timed_out: bool, timeout_s: float) -> str | None:
+    """What a pipeline rank's failed step was waiting for, as the end of one line ("waited to
+    receive microbatch 0's gradient from stage 1 to stage 0 (backward, sender: pipeline rank 1) and
+    got no answer within 5 s; ..."), where a transfer's wait failed or timed out; else None."""
+    waited = waited_on()
+    if waited is None:
+        return None
+    kind, peer, tag = waited
+    transfer = Transfer.of_tag(tag)
+    how = f"got no answer within {timeout_s:g} s" if timed_out else "lost the link"
+    other = "sender" if kind == "receive" else "receiver"
+    return (
+        f"waited to {kind} {transfer.describe()} ({transfer.direction}, {other}: pipeline rank {peer}) and {how}; "
+        f"a stage is stuck or gone ({str(error).strip().splitlines()[0]})"
+    )
 
 
 def forget_waits() -> None:

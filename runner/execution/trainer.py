@@ -30,9 +30,8 @@ from runner.execution.init_program import SCALER_PREFIX, initial_state, stage_te
 from runner.execution.launch import Launch, resolve_launch
 from runner.execution.log import RankLogger
 from runner.execution.memory_tracking import measure_step
-from runner.execution.p2p import forget_waits, install_kernels, waited_on
+from runner.execution.p2p import failed_transfer, forget_waits, install_kernels
 from runner.format.program import decode_program
-from runner.format.transfers import Transfer
 from runner.hardware.binding import bind_rank
 from runner.format.sharding import join_tp_slices, shard_number, tp_fused, tp_slice_shape, unshard
 from runner.hardware.topology_check import verify_live
@@ -408,16 +407,9 @@ class Trainer:
         knows which), a collective's timeout as one line naming the collectives; other errors as
         they are."""
         timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
-        waited = waited_on()
-        if waited is not None:
-            kind, peer, tag = waited
-            how = f"got no answer within {self.timeout_s:g} s" if timed_out else "lost the link"
-            other = "sender" if kind == "receive" else "receiver"
-            transfer = Transfer.of_tag(tag)
-            return AotError(
-                f"step {self.step_index + 1}: pipeline rank {self.coords.get(PP, 0)} waited to {kind} {transfer.describe()} "
-                f"({transfer.direction}, {other}: pipeline rank {peer}) and {how}; a stage is stuck or gone ({str(e).strip().splitlines()[0]})"
-            )
+        failed = failed_transfer(e, timed_out, self.timeout_s)
+        if failed is not None:
+            return AotError(f"step {self.step_index + 1}: pipeline rank {self.coords.get(PP, 0)} {failed}")
         if not timed_out:
             return e
         return AotError(
