@@ -12,14 +12,16 @@ from aot.capture import replicas
 from aot.capture.custom_ops import custom_op_spec
 from aot.capture.model_file import ModelFile, load_model_file
 from aot.capture.precision import Precision, check_training_state, resolve_precision
-from aot.capture.step import StepLayout
+from aot.capture.eval_step import EVAL_PROGRAM, capture_eval
+from aot.capture.token_bounds import token_bounds
+from aot.capture.step import CapturedStep, StepLayout
 from aot.capture.sync_batchnorm import convert_to_sync, manifest_entry as batchnorm_entry
 from aot.capture.training_state import TrainingState, build_training_state
 from aot.emit.artifact import PROGRAM, emit_artifact, export_step
 from aot.emit.onnx_export import CHECK_BUDGET_BYTES, ONNX_FILE, build_inference, init_program_weights
 from aot.errors import AotError
 from aot.compile_step import Recording, finish_program, step_layout, tensor_parallel_plan, trace_program
-from aot.passes import PassOptions
+from aot.passes import CLEANUP, PassOptions, run_passes
 from aot.defaults import DEFAULT_BUCKET_MB
 from aot.plan import hierarchy
 from aot.plan.cost_model import Memory, analyze
@@ -218,6 +220,7 @@ class CompiledStep:
     pipeline_files: dict  # the predicted timeline of every pipeline rank
     proof: replicas.Proof
     subgroups: dict  # hierarchical all_reduce's level groups
+    evaluation: CapturedStep | None = None  # the eval program (aot/capture/eval_step.py); None under pp
 
 
 def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement, planned, progress: Progress) -> CompiledStep:
@@ -232,6 +235,7 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
     chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
     passes = PassOptions(bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch, hierarchical=chooser)
     pipeline_entry, program_of, pipeline_files = None, (lambda coords: PROGRAM), {}
+    evaluation = None  # pipelines have no eval program yet
     if target.group(PP) is not None:
         from aot.pipeline_build import build_programs
 
@@ -239,8 +243,10 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
         captures, memory, time, recompute = built.captures, built.memory, built.time, built.recompute
         pipeline_entry, program_of, pipeline_files = built.entry, built.program_of, built.files
     else:
-        with progress.stage("capturing forward, loss, backward and optimizer as one graph"):
+        with progress.stage("capturing forward, loss, backward and optimizer as one graph, and the eval program (forward and loss)"):
             captured = trace_program(rec, layout)
+            evaluation = capture_eval(rec.mf, rec.state, rec.inputs, rec.targets, layout)
+            evaluation.graph = run_passes(evaluation.graph, only=CLEANUP)
         with progress.stage("running graph passes (recomputation, bucketing, hierarchical all_reduce, overlap)"):
             captured.graph, recompute = finish_program(captured.graph, captured.slots, request, machine.compute, passes)
             analysis = analyze(captured.graph, captured.slots)
@@ -254,7 +260,7 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
     layout, proof, subgroups = _programs_read(captures, layout, profile, machine, placement, progress)
     return CompiledStep(
         rec.mf, target.precision, example, rec.inputs, rec.state, batchnorm, layout, captures, memory, time, recompute,
-        pipeline_entry, program_of, pipeline_files, proof, subgroups,
+        pipeline_entry, program_of, pipeline_files, proof, subgroups, evaluation,
     )  # fmt: skip
 
 
@@ -342,9 +348,11 @@ def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement
         plan_entry, plan_files = planned.finish(captures[PROGRAM].graph, captures[PROGRAM].slots)
     if plan_entry is not None:  # the placement over the mesh as built (its axes in the strategy's order)
         plan_entry["placement"] = placement.to_json()
-    with progress.stage("exporting the program" + ("s" if len(captures) > 1 else "")):
+    with progress.stage("exporting the programs"):
         eps = {name: export_step(c) for name, c in captures.items()}
-        custom_ops = custom_op_spec(mf, [state.init_graph.graph, *(ep.graph for ep in eps.values())])  # the init program is stored too
+        evaluation = {EVAL_PROGRAM: (export_step(step.evaluation), step.evaluation)} if step.evaluation is not None else {}
+        graphs = [state.init_graph.graph, *(ep.graph for ep in eps.values()), *(ep.graph for ep, _ in evaluation.values())]
+        custom_ops = custom_op_spec(mf, graphs)  # the init program is stored too
     inference = None
     warnings: list[str] = []
     weight_bytes = sum(t.numel() * t.element_size() for t in [*state.params.values(), *state.buffers.values()])
@@ -374,11 +382,15 @@ def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement
             sizes = {Mesh.group_name(a): mesh.size(a) for a in mesh.axes if mesh.size(a) > 1}
             sizes.update({name: len(spec["groups"][0]) for name, spec in subgroups.items()})
             compiled = compile_programs(eps, sizes, mesh.world_size, compile_device)
+    # the token ids the step can take, which the runner checks its data against (aot/capture/token_bounds.py)
+    read = [step.evaluation] if step.evaluation is not None else list(captures.values())
+    bounds = token_bounds([c.graph for c in read], [c.slots for c in read])
     with progress.stage(f"writing the artifact to {options.output}"):
         manifest = emit_artifact(
             options.output,
-            programs={name: (eps[name], captures[name]) for name in captures},
+            programs={name: (eps[name], captures[name]) for name in captures} | evaluation,
             program_of=step.program_of,
+            eval_program_of=(lambda coords: EVAL_PROGRAM) if evaluation else None,
             state=state,
             layout=step.layout,
             mesh=mesh,
@@ -387,6 +399,7 @@ def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement
             subgroups=subgroups,
             example=step.example,
             batch_size=options.batch_size,
+            token_bounds=bounds,
             sign_key=options.sign_key,
             extra_files={**({ONNX_FILE: inference.data} if inference else {}), **plan_files, **step.pipeline_files, **(compiled.files if compiled else {})}
             or None,

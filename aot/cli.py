@@ -16,6 +16,7 @@ from aot.inference_cli import export as export_command, infer as infer_command
 from aot.plan_cli import calibrate as calibrate_command, plan as plan_command
 from aot.topology_cli import topology as topology_group
 from runner.commands.cli import run as run_command
+from runner.commands.evaluate import evaluate as eval_command
 from runner.commands.console import console_main, debug_option
 
 
@@ -180,6 +181,7 @@ def build(model_file, compile_tier, quiet, as_json, **flags):
 
 
 cli.add_command(run_command)
+cli.add_command(eval_command)
 cli.add_command(topology_group)
 cli.add_command(infer_command)
 cli.add_command(export_command)

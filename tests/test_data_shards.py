@@ -115,6 +115,13 @@ def test_bad_token_data_is_one_line(built, stream, tmp_path):
     _llmc(wrong_count, np.arange(3 * T, dtype=np.uint16))
     with open(wrong_count, "ab") as f:
         f.write(b"\0\0")
+    out_of_vocab = tmp_path / "vocab.bin"
+    tokens = np.arange(3 * T) % VOCAB
+    tokens[100] = VOCAB  # one id past gpt.py's vocabulary: its embedding's rows (the manifest's data.below)
+    _llmc(out_of_vocab, tokens)
+    rows = load_file(stream / "windows.safetensors")
+    rows["targets"][2, 5] = VOCAB + 3
+    save_file(rows, str(tmp_path / "vocab_rows.safetensors"))
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     (mixed / "a.bin").write_bytes((stream / "shards" / "train_000.bin").read_bytes())
@@ -126,9 +133,12 @@ def test_bad_token_data_is_one_line(built, stream, tmp_path):
         ((tmp_path / "nothing_*.bin",), "the pattern matches no file"),
         ((mixed,), "mixes safetensors and token shards"),
         ((stream / "windows.safetensors", "--token-dtype", "uint16"), "--token-dtype applies to token streams"),
+        ((out_of_vocab,), "vocab.bin: token offset 100: token id 96 is outside the model's vocabulary of 96"),
+        ((tmp_path / "vocab_rows.safetensors",), "targets row 2, position [5]: token id 99 is outside the model's vocabulary of 96"),
     ]
+    assert json.loads((art / "manifest.json").read_text())["data"]["targets"]["below"] == VOCAB
     for (data, *extra), *needles in cases:
-        r = aot("run", art, "--steps", 1, "--data", data, *extra, "--quiet")
+        r = aot("run", art, "--steps", 3, "--data", data, *extra, "--quiet")
         assert_user_error(r, *needles)
 
 

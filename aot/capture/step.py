@@ -289,9 +289,13 @@ def partial_gradients(captured: CapturedStep, layout: StepLayout, state: Trainin
 
 
 def _capture_tp(
-    mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor, layout: StepLayout, check_ranks: bool, tracer
+    mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor, layout: StepLayout, check_ranks: bool, tracer, capture=None
 ) -> CapturedStep:
+    """`capture(mf, state, inputs, targets, layout, tp, tracer)` (the training step's `_capture`
+    unless given) under tensor parallelism, traced as the first (and with `check_ranks` the last)
+    tp rank."""
     assert layout.tp is not None
+    capture = capture or _capture
     traced = []
     for rank in (0, layout.tp.size - 1) if check_ranks else (0,):
         with tensor_parallel(state.model, dict(layout.tp_plan), layout.tp.size, layout.tp.name, layout.sequence, rank=rank) as tp:
@@ -299,7 +303,7 @@ def _capture_tp(
             found = {n: d for n, d in tp.dims.items() if n in state.params}
             if found != expected:  # our slicing of the stored state must be torch's
                 raise AotError(f"tensor parallel: torch placed {found}, expected {expected}")
-            captured = _capture(mf, state, inputs, targets, layout, tp, tracer)
+            captured = capture(mf, state, inputs, targets, layout, tp, tracer)
             rename_group(captured.graph, tp.mesh.get_group().group_name, layout.tp.name)
         traced.append(captured)
     if check_ranks and traced[0].graph.code != traced[1].graph.code:
@@ -377,10 +381,6 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
 
     model = state.model if tp is None else tp.model
 
-    def model_and_loss(tensors, batch_inputs, batch_targets):
-        outputs = torch.func.functional_call(model, tensors, tuple(batch_inputs))
-        return call_user(mf.loss, "loss(outputs, targets)", mf.path, outputs, batch_targets)
-
     def step(*flat):
         params = list(flat[:n_params])
         buffers = flat[n_params : n_params + n_buffers]
@@ -397,17 +397,24 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
             used = by_name
         if tp is not None:
             used = tp.wrap(used, full_shapes)
-        tensors = {**used, **dict(zip(buffer_names, buffers))}
-        with _autocast_region(precision):  # forward and loss, as torch.autocast would run them
-            loss = model_and_loss(tensors, batch_inputs, batch_targets)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise AotError(f"{mf.path.name}: loss(outputs, targets) must return a scalar tensor")
+        loss = forward_and_loss(mf, model, precision, {**used, **dict(zip(buffer_names, buffers))}, batch_inputs, batch_targets)
         # Detached before backward so its reduction can join the first gradient bucket.
         local_loss = loss.detach()
         grads = torch.autograd.grad(scaling.scaled(loss) if scaling else loss, params, allow_unused=True)
         return finish(params, grads, local_loss, opt_state, lrs, scaling)
 
     return step, finish
+
+
+def forward_and_loss(mf: ModelFile, model: torch.nn.Module, precision: Precision, tensors: dict, batch_inputs, batch_targets) -> torch.Tensor:
+    """The model's forward on `tensors` (parameters and buffers by name) and the user's loss, as
+    torch.autocast would run them under `precision`: a scalar tensor, or refused."""
+    with _autocast_region(precision):
+        outputs = torch.func.functional_call(model, tensors, tuple(batch_inputs))
+        loss = call_user(mf.loss, "loss(outputs, targets)", mf.path, outputs, batch_targets)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise AotError(f"{mf.path.name}: loss(outputs, targets) must return a scalar tensor")
+    return loss
 
 
 @contextlib.contextmanager

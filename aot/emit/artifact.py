@@ -66,6 +66,10 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
 
 
+def _below(bounds: dict[str, int] | None, key: str) -> dict:
+    return {"below": bounds[key]} if bounds and key in bounds else {}
+
+
 def _optimizer_init(state: TrainingState) -> dict[str, dict]:
     """How the runner creates each optimizer state tensor: `fill` everywhere, shaped like its
     parameter's piece on the rank (`"param"`) or as given (0-dim step counters: `[]`)."""
@@ -103,10 +107,14 @@ def emit_artifact(
     extra_files: dict[str, bytes] | None = None,
     extra_fields: dict | None = None,
     program_of=lambda coords: PROGRAM,
+    eval_program_of=None,
+    token_bounds: dict[str, int] | None = None,
 ) -> dict:
     """Write the artifact folder. `programs`: name -> (exported program, its capture); one
     (PROGRAM) serves every rank unless the ranks differ (pipeline stages), when `program_of(coords)`
-    names a rank's. `placement` maps mesh ranks to physical ranks (default: the
+    names a rank's; `token_bounds`: {"inputs.I" | "targets": the least token id the step cannot
+    take} (aot/capture/token_bounds.py), written as the data's `below`; `eval_program_of(coords)`, where given, names the rank's eval program
+    (aot/capture/eval_step.py), one of `programs`. `placement` maps mesh ranks to physical ranks (default: the
     identity); `ranks` and `process_groups` are written in physical ranks, so a runner looks up its
     own RANK and binds the groups as listed, `subgroups` among them. `extra_files` (relative path -> bytes) are written and
     hashed like every other file; `extra_fields` are optional top-level manifest entries that
@@ -156,7 +164,9 @@ def emit_artifact(
                 for name, (ep, captured) in programs.items()
             },
             "ranks": [  # per physical rank: the mesh coordinates the placement gives it, and its program
-                {"rank": r, "program": program_of(placement.coords(r)), "coords": placement.coords(r)} for r in range(mesh.world_size)
+                {"rank": r, "program": program_of(placement.coords(r)), "coords": placement.coords(r)}
+                | ({"eval_program": eval_program_of(placement.coords(r))} if eval_program_of else {})
+                for r in range(mesh.world_size)
             ],
             "init": {  # the recipe of the initial parameters and buffers (runner/execution/init_program.py)
                 "file": f"programs/{INIT_PROGRAM}.json",
@@ -201,8 +211,10 @@ def emit_artifact(
             "data": {
                 "batch_size": batch_size,
                 "example": "data/example_batch.safetensors",
-                "inputs": [{"shape": s["shape"], "dtype": s["dtype"]} for s in data_slots if s["kind"] == "input"],
-                "targets": next({"shape": s["shape"], "dtype": s["dtype"]} for s in data_slots if s["kind"] == "target"),
+                "inputs": [
+                    {"shape": s["shape"], "dtype": s["dtype"]} | _below(token_bounds, f"inputs.{s['index']}") for s in data_slots if s["kind"] == "input"
+                ],
+                "targets": next({"shape": s["shape"], "dtype": s["dtype"]} | _below(token_bounds, "targets") for s in data_slots if s["kind"] == "target"),
             },
         }
         manifest.update(extra_fields or {})

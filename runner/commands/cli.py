@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from runner.commands.console import console_main, debug_option
+from runner.commands.launch_options import joined_launch, launch_options, start_trainer
 
 _STARTED = time.perf_counter()  # as close to process start as this module gets
 
@@ -44,7 +45,16 @@ def _restarted() -> bool:
     type=click.Choice(["uint16", "uint32", "int32", "int64"]),
     help="The token type of raw .bin token shards (llm.c's .bin says its own in its header).",
 )
-@click.option("--metrics", type=click.Path(path_type=Path), help="Append one JSON line per step (rank 0).")
+@click.option(
+    "--eval-data",
+    type=click.Path(path_type=Path),
+    help="Validation data (any form --data takes): every --eval-every steps, the artifact's eval program (forward and "
+    "loss in eval mode, no backward) runs on its first --eval-batches global batches, in file order, and the mean "
+    "loss over them and over the data-parallel ranks is printed and recorded as val_loss.",
+)
+@click.option("--eval-every", type=click.IntRange(min=1), metavar="N", help="Steps between validation losses (default: once, after the last step).")
+@click.option("--eval-batches", default=8, show_default=True, type=click.IntRange(min=1), metavar="K", help="Global batches per validation loss.")
+@click.option("--metrics", type=click.Path(path_type=Path), help="Append one JSON line per step (rank 0): loss, step time, data wait, val_loss.")
 @click.option("--save", type=click.Path(path_type=Path), help="Write a checkpoint here at the end (and every --save-every steps).")
 @click.option(
     "--save-every",
@@ -68,49 +78,7 @@ def _restarted() -> bool:
     "(model.safetensors, or shards listed by model.safetensors.index.json). Each rank reads only its own "
     "slices; names, shapes and dtypes are checked before any process group starts.",
 )
-@click.option(
-    "--rank",
-    type=click.IntRange(min=0),
-    help="This process's rank, for launchers other than torchrun (default: torchrun's $RANK, else srun's "
-    "$SLURM_PROCID, else 0). With --world-size, --master-addr and --master-port: one process per rank, "
-    "started by you, srun or your scheduler.",
-)
-@click.option(
-    "--world-size",
-    type=click.IntRange(min=1),
-    help="Processes in the job (default: torchrun's $WORLD_SIZE, else srun's $SLURM_NTASKS, else 1); must be the artifact's.",
-)
-@click.option(
-    "--local-rank",
-    type=click.IntRange(min=0),
-    help="This process's rank on its node, its GPU index (default: torchrun's $LOCAL_RANK, else srun's "
-    "$SLURM_LOCALID, else the rank: give it when the job spans nodes).",
-)
-@click.option("--master-addr", metavar="HOST", help="Where rank 0 listens for the others to meet (default: $MASTER_ADDR).")
-@click.option("--master-port", type=click.IntRange(min=1, max=65535), metavar="PORT", help="Rank 0's rendezvous port, free on HOST (default: $MASTER_PORT).")
-@click.option("--allow-topology-mismatch", is_flag=True, help="Run even if the live machine differs from the artifact's topology profile (with a warning).")
-@click.option(
-    "--allow-torch-skew",
-    is_flag=True,
-    help="Run an artifact built with a torch outside this runner's window (the same major.minor release, any patch), "
-    "with a warning: its programs may fail to load, or compute otherwise than the build traced them.",
-)
-@click.option(
-    "--trusted-key",
-    "trusted_keys",
-    multiple=True,
-    type=click.Path(path_type=Path),
-    help="Run only artifacts signed by this public key (repeatable; see `aot keygen`).",
-)
-@click.option(
-    "--timeout",
-    "timeout_s",
-    default=600,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Seconds a collective may wait for the other ranks before the run fails, naming it.",
-)
-@click.option("--no-bind", is_flag=True, help="Do not bind each rank to the CPU cores and NUMA memory node nearest its GPU.")
+@launch_options
 @click.option("--log-every", default=1, show_default=True, type=click.IntRange(min=1), help="Print a progress line every N steps.")
 @click.option(
     "--tier",
@@ -139,26 +107,20 @@ def run(
     data,
     token_dtype,
     shuffle,
+    eval_data,
+    eval_every,
+    eval_batches,
     metrics,
     save,
     save_every,
     resume,
     check_replicas,
     init_from,
-    rank,
-    world_size,
-    local_rank,
-    master_addr,
-    master_port,
-    allow_topology_mismatch,
-    allow_torch_skew,
-    trusted_keys,
-    timeout_s,
-    no_bind,
     tier,
     log_every,
     profile_dir,
     quiet,
+    **job,
 ):
     """Train from ARTIFACT (a folder made by `aot build`) on this rank.
 
@@ -189,19 +151,17 @@ def run(
     from runner.execution.groups import leave_process_group, yield_gloo_poll_threads
     from runner.execution.preemption import PREEMPTED, Preemption
     from runner.format.integrity import check_writable_target
-    from runner.execution.launch import resolve_launch
+    from runner.execution.prefetch import Prefetcher
     from runner.execution.profiling import WARMUP_STEPS, StepProfiler
-    from runner.format.signing import read_public_key
-    from runner.hardware.topology_check import TopologyMismatch
-    from runner.execution.trainer import Trainer
 
     # Everything that can be checked before the work is checked before it.
     # Who this process is, however it was started, exported as torchrun's variables: from here on
     # the run is the one torchrun starts (runner/execution/launch.py).
-    launch = resolve_launch(rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr, master_port=master_port)
-    launch.export()
+    launch = joined_launch(job)
     if save_every is not None and save is None:
         raise AotError("--save-every needs --save DIR")
+    if eval_every is not None and eval_data is None:
+        raise AotError("--eval-every needs --eval-data PATH")
     if init_from is not None and resume is not None:
         raise AotError("--init-from starts a run from given weights and --resume continues one from a checkpoint: give one")
     if save is not None:
@@ -210,33 +170,9 @@ def run(
         check_writable_target(metrics, "file")
     if profile_dir is not None:
         check_writable_target(profile_dir, "folder")
-    keys = [read_public_key(k) for k in trusted_keys]
 
     tag = f"[rank {launch.rank}] " if launch.world_size != 1 else ""
-    try:
-        # The tier is chosen before the process group starts: a compiled package passed over gets
-        # one notice line (from rank 0), --tier compiled an error.
-        trainer = Trainer(
-            artifact,
-            launch.rank,
-            world_size=launch.world_size,
-            launch=launch,
-            allow_topology_mismatch=allow_topology_mismatch,
-            allow_torch_skew=allow_torch_skew,
-            trusted_keys=keys,
-            timeout_s=timeout_s,
-            warn=lambda msg: click.echo(f"warning: {msg}", err=True),
-            bind=not no_bind,
-            log=(lambda msg: None) if quiet else (lambda msg: click.echo(f"{tag}{msg}", err=True)),
-            tier=tier,
-            notice=(lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True)),
-            init_from=init_from,
-        )
-    except TopologyMismatch as e:  # one line per mismatch class (from local rank 0 of each node), then the error
-        if e.report:
-            for line in e.lines:
-                click.echo(f"{tag}topology mismatch: {line}", err=True)
-        raise e.refusal() from None
+    trainer = start_trainer(artifact, launch, tag, quiet, tier=tier, init_from=init_from, evaluates=eval_data is not None, **job)
     say = (lambda msg: click.echo(msg, err=True)) if (trainer.rank == 0 and not quiet) else (lambda msg: None)
 
     target = None
@@ -252,6 +188,11 @@ def run(
     target = target if target is not None else trainer.step_index + steps
     trainer.check_steps(target - trainer.step_index)
     source = trainer.data_source(data, token_dtype, shuffle)
+    evaluation = None
+    if eval_data is not None:
+        from runner.execution.evaluation import Evaluator
+
+        evaluation = (Evaluator(trainer), trainer.data_source(eval_data, token_dtype))
     say(
         f"rank 0 of {trainer.world_size} ready in {time.perf_counter() - _STARTED:.2f} s "
         f"({trainer.device}, {trainer.tier} tier, {source.rows} samples from {data or 'the example batch'}, "
@@ -282,6 +223,7 @@ def run(
             "step_time_s": seconds,
             "tier": trainer.tier,
             "samples_per_s": source.global_batch / seconds,
+            "data_wait_s": waits.pop(done.number, 0.0),  # how long the step waited for its batch (read ahead on a thread)
             "time_since_start_s": time.perf_counter() - _STARTED,
             "unix_time": time.time(),
         }
@@ -291,11 +233,15 @@ def run(
             record.update(loss_scale=scale, skipped=skipped)
             if skipped:
                 say(f"step {done.number}: gradients overflowed in fp16; update skipped, loss scale now {scale:g}")
+        if done.number % log_every == 0 or done.number == target:
+            say(f"step {done.number:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s")
+        if evaluation is not None and (done.number % (eval_every or target) == 0 or done.number == target):
+            began = time.perf_counter()
+            record["val_loss"] = evaluation[0].loss(evaluation[1], eval_batches)
+            say(f"step {done.number:>5}  val_loss {record['val_loss']:.4f}  ({eval_batches} batches, {time.perf_counter() - began:.2f} s)")
         if log:
             log.write(json.dumps(record) + "\n")
             log.flush()
-        if done.number % log_every == 0 or done.number == target:
-            say(f"step {done.number:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s")
         if check_replicas and done.number % check_replicas == 0:
             trainer.check_replicas(f"at step {done.number}")
         if save_every and done.number % save_every == 0 and done.number < target:
@@ -305,19 +251,26 @@ def run(
     def due_after(number: int) -> bool:
         """Whether step `number` is read back before the next is queued: the state is read after it
         (a replica check, a save) or a profile marks exact step boundaries."""
-        return bool(profile_dir) or bool(check_replicas and number % check_replicas == 0) or bool(save_every and number % save_every == 0)
+        return (
+            bool(profile_dir)
+            or bool(check_replicas and number % check_replicas == 0)
+            or bool(save_every and number % save_every == 0)
+            or bool(evaluation and (number % (eval_every or target) == 0 or number == target))
+        )
 
     # with --save, SIGTERM and SIGUSR1 stop every rank after one agreed step, checkpointed (runner.execution.preemption)
     distributed = trainer.world_size > 1 and dist.is_initialized()
-    preemption = Preemption(distributed, timeout_s) if save is not None else None
+    preemption = Preemption(distributed, job["timeout_s"]) if save is not None else None
     finished = False
     if preemption is not None and distributed:
         yield_gloo_poll_threads()  # its group's poll thread too
+    waits: dict[int, float] = {}  # step number -> seconds it waited for its batch
+    prefetch = Prefetcher(source, trainer.step_index, target, trainer.device)
     try:
-        with profiler:
+        with profiler, prefetch:
             pending = None  # the step queued last, read back once the next is queued
             while trainer.step_index < target:
-                inputs, targets = source.batch(trainer.step_index)
+                inputs, targets, waits[trainer.step_index + 1] = prefetch.batch(trainer.step_index)
                 measure = profiler.measuring_memory  # the warm-up step: slower, and never a timed one
                 launched = trainer.launch(inputs, targets, measure_memory=measure)
                 if measure:

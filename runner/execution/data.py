@@ -224,16 +224,33 @@ def _safetensors_rows(shards: list[Path], spec: dict):
         starts.append(total)
         total += rows
 
+    bounds = [*((want.get("below"), True) for want in spec["inputs"]), (spec["targets"].get("below"), False)]  # (bound, an input)
+
     def read(a: int, b: int):
         parts = []
         for (handle, input_names, watched), first, last in zip(opened, starts, [*starts[1:], total]):
             lo, hi = max(a, first), min(b, last)
             if lo < hi:
                 watched.check()
-                parts.append(([handle.get_slice(n)[lo - first : hi - first] for n in input_names], handle.get_slice("targets")[lo - first : hi - first]))
+                part = ([handle.get_slice(n)[lo - first : hi - first] for n in input_names], handle.get_slice("targets")[lo - first : hi - first])
+                for (below, is_input), name, tensor in zip(bounds, [*input_names, "targets"], [*part[0], part[1]]):
+                    if below is not None:
+                        _check_ids(tensor, below, is_input, lambda at: f"{watched.path}: {name} row {lo - first + at[0]}, position {list(at[1:])}")
+                parts.append(part)
         return _joined(parts)
 
     return total, read
+
+
+def _check_ids(tensor, below: int, is_input: bool, where) -> None:
+    """Refuse a token id at or above `below` (the model's vocabulary: FORMAT.md, `data.below`), or
+    a negative input id (targets may hold a loss's negative ignore_index), in one line naming
+    `where(index)` (the index of the first one in `tensor`): not an index error inside a step."""
+    values = torch.as_tensor(tensor)
+    bad = (values >= below) | (values < 0) if is_input else values >= below
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise AotError(f"{where(at)}: token id {int(values[at])} is outside the model's vocabulary of {below} (ids 0..{below - 1})")
 
 
 def _check_shapes(inputs: list[torch.Tensor], targets: torch.Tensor, spec: dict, where: str) -> None:
@@ -305,6 +322,9 @@ def _token_windows(shards: list[Path], spec: dict, token_dtype: str | None):
     if rows == 0:
         raise AotError(f"{shards[0] if len(shards) == 1 else str(shards[0].parent)}: {total} tokens, fewer than one window of {window + 1}")
     dtypes = dtype_of(inputs[0]["dtype"]), dtype_of(targets["dtype"])
+    # every token is an input of one window and a target of another: the least bound holds for all
+    found = [b for b in (inputs[0].get("below"), targets.get("below")) if b is not None]
+    below = min(found) if found else None
 
     def tokens(a: int, b: int) -> np.ndarray:
         pieces = []
@@ -312,7 +332,10 @@ def _token_windows(shards: list[Path], spec: dict, token_dtype: str | None):
             lo, hi = max(a, int(first)), min(b, int(first) + len(stream))
             if lo < hi:
                 shard.check()
-                pieces.append(np.asarray(stream[lo - int(first) : hi - int(first)], dtype=np.int64))
+                piece = np.asarray(stream[lo - int(first) : hi - int(first)], dtype=np.int64)
+                if below is not None:
+                    _check_ids(torch.from_numpy(piece), below, True, lambda at: f"{shard.path}: token offset {lo - int(first) + at[0]}")
+                pieces.append(piece)
         return np.concatenate(pieces)
 
     def read(a: int, b: int):

@@ -245,3 +245,23 @@ def most_in_flight(graph: torch.fx.Graph) -> int:
                 source = source.args[0]
             outstanding.discard(source)
     return most
+
+
+def load_portable(artifact, program: dict, device: torch.device, program_json: bytes | None = None) -> tuple[torch.fx.GraphModule, str]:
+    """(module, how it was loaded) of the artifact's portable `program` (its manifest entry) on
+    `device`: this module's fast path ("fx"), else torch's deserializer ("torch.export")."""
+    from runner.format.program import decode_program
+
+    program_json = program_json if program_json is not None else artifact.read(program["file"])
+    constants = artifact.read(program["constants"]) if program.get("constants") else None
+    module = load_graph_module(program_json, device if device.type != "cpu" else None, constants)
+    if module is not None:
+        return module, "fx"
+    ep = decode_program(program_json, constants)  # a program the fast path does not cover
+    if device.type != "cpu":
+        from torch.export.passes import move_to_device_pass
+
+        ep = move_to_device_pass(ep, device)
+    module = ep.module()
+    assert isinstance(module, torch.fx.GraphModule)  # what torch.export's module() makes
+    return module, "torch.export"

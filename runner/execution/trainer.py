@@ -21,17 +21,17 @@ from runner.format.checkpoint import commit_checkpoint, last_good, layout_of, lo
 from runner.execution.compiled import CompiledProgram, choose_tier, live_device, load_compiled
 from runner.execution.custom_ops import import_op_libraries
 from runner.execution.data import DataSource, describe, dtype_name, split_batch_tensors
+from runner.execution.evaluation import NO_EVAL_PROGRAM
 from runner.errors import AotError
 from runner.execution.replica_check import check_replicas
 from runner.execution.groups import bind_process_groups, yield_gloo_poll_threads
-from runner.execution.graph_loader import input_shapes, load_graph_module, wait_at_issue
+from runner.execution.graph_loader import input_shapes, load_portable, wait_at_issue
 from runner.execution.init_from import check_init_from
 from runner.execution.init_program import SCALER_PREFIX, initial_state, stage_tensors
 from runner.execution.launch import Launch, resolve_launch
 from runner.execution.log import RankLogger
 from runner.execution.memory_tracking import measure_step
 from runner.execution.p2p import failed_transfer, forget_waits, install_kernels
-from runner.format.program import decode_program
 from runner.hardware.binding import bind_rank
 from runner.format.sharding import join_tp_slices, shard_number, tp_fused, tp_slice_shape, unshard
 from runner.hardware.topology_check import verify_live
@@ -101,6 +101,7 @@ class Trainer:
         notice=None,
         init_from: str | Path | None = None,
         launch: Launch | None = None,
+        evaluates: bool = False,
     ):
         self.artifact = artifact = Artifact(path, trusted_keys, torch_skew=allow_torch_skew)
         manifest = artifact.manifest
@@ -137,6 +138,8 @@ class Trainer:
         self._log = log
         self.binding = bind_rank(self.device, enabled=bind, log=log)
         entry = artifact.rank(self.rank)
+        if evaluates and entry.get("eval_program") is None:  # before any process group: every rank refuses alike
+            raise AotError(f"{artifact.root}: this artifact {NO_EVAL_PROGRAM}")
         # The compiled tier (an AOTInductor package, runner/execution/compiled.py) where the artifact has one
         # for this run's device kind and torch; else the portable program every artifact has, and
         # `tier_notice` says why when a package was passed over (given to `notice` once, by rank 0).
@@ -157,7 +160,7 @@ class Trainer:
         self.timeout_s = timeout_s
         self._init_distributed(profile)
         self.groups = bind_process_groups(manifest["process_groups"], self.rank, self.world_size)
-        if self._on_gloo():
+        if self.on_gloo():
             yield_gloo_poll_threads()
 
         program = artifact.program(entry["program"])
@@ -170,24 +173,14 @@ class Trainer:
             self._module = load_compiled(artifact, entry["program"], self.device, len(program["inputs"]))
             self.program_loader = "aoti"
         else:
-            constants = artifact.read(program["constants"]) if program.get("constants") else None
-            module = load_graph_module(program_json, self.device if self.device.type != "cpu" else None, constants)
-            self.program_loader = "fx"
-            if module is None:  # a program the fast path does not cover: torch's deserializer
-                ep = decode_program(program_json, constants)
-                if self.device.type != "cpu":
-                    from torch.export.passes import move_to_device_pass
-
-                    ep = move_to_device_pass(ep, self.device)
-                module = ep.module()
-                self.program_loader = "torch.export"
-            self._module = module
+            portable, self.program_loader = load_portable(artifact, program, self.device, program_json)
+            self._module = portable
             # On gloo, one collective in flight at a time (runner.execution.graph_loader.wait_at_issue says
             # why); NCCL keeps the program's overlap of communication with compute. The compiled
             # tier's schedule is fixed inside its package and is left as built.
-            self.collectives_waited_at_issue = self._on_gloo()
+            self.collectives_waited_at_issue = self.on_gloo()
             if self.collectives_waited_at_issue:
-                wait_at_issue(module)
+                wait_at_issue(portable)
         if manifest.get("pipeline"):  # the program sends to and receives from other stages
             install_kernels()
 
@@ -263,7 +256,7 @@ class Trainer:
             device_id=self.device if backend == "nccl" else None,
         )  # gloo: none, as torch defaults
 
-    def _on_gloo(self) -> bool:
+    def on_gloo(self) -> bool:
         """Whether this rank's collectives (on tensors of its device) go through gloo."""
         if not dist.is_initialized():
             return False
@@ -376,9 +369,9 @@ class Trainer:
         args = list(self._args)
         for i, slot in enumerate(self._slots):
             if slot["kind"] == "input":
-                args[i] = self._check(next(given, None), slot, f"inputs[{slot['index']}]")
+                args[i] = self.check_input(next(given, None), slot, f"inputs[{slot['index']}]")
             elif slot["kind"] == "target":
-                args[i] = self._check(targets, slot, "targets")
+                args[i] = self.check_input(targets, slot, "targets")
         seed_step(self.device, step_seed(self.seed, self.step_index, self.data_rank))
         forget_waits()
         try:
@@ -387,7 +380,7 @@ class Trainer:
             else:
                 outputs = self._module(*args)
         except RuntimeError as e:
-            raise self._stuck(e) from e
+            raise self.stuck_error(e) from e
         timing.stop()
         self.step_index += 1
         # the loss scale after this step, kept before the next step updates it in place
@@ -402,7 +395,7 @@ class Trainer:
         self.last_step_skipped = launched.skipped()
         return loss
 
-    def _stuck(self, e: RuntimeError) -> Exception:
+    def stuck_error(self, e: RuntimeError) -> Exception:
         """A pipeline transfer that failed or timed out as one line naming it (runner/execution/p2p.py
         knows which), a collective's timeout as one line naming the collectives; other errors as
         they are."""
@@ -410,6 +403,8 @@ class Trainer:
         failed = failed_transfer(e, timed_out, self.timeout_s)
         if failed is not None:
             return AotError(f"step {self.step_index + 1}: pipeline rank {self.coords.get(PP, 0)} {failed}")
+        if not timed_out and "closed by peer" in str(e).lower():
+            return AotError(f"step {self.step_index + 1}: {self._collectives()} lost the link to another rank; it stopped (its own error says why) or crashed")
         if not timed_out:
             return e
         return AotError(
@@ -423,12 +418,17 @@ class Trainer:
         kinds = sorted({f"{c['kind']} over {c['group']} (ranks {self.groups.get(c['group'], ('?',))[0]})" for c in program["collectives"]})
         return "collective " + ", ".join(kinds) if kinds else "a collective"
 
-    def _check(self, tensor, slot: dict, name: str) -> torch.Tensor:
+    def check_input(self, tensor, slot: dict, name: str) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise AotError(f"{name}: expected a tensor {describe(slot['shape'], slot['dtype'])}, got {type(tensor).__name__}")
         if list(tensor.shape) != slot["shape"] or dtype_name(tensor.dtype) != slot["dtype"]:
             raise AotError(f"{name}: expected {describe(slot['shape'], slot['dtype'])}, got {describe(tensor.shape, dtype_name(tensor.dtype))}")
         return tensor.to(self.device, non_blocking=True)  # queued behind the step before, no wait for it (a GPU's)
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by name (its pieces), the tensors steps update in place."""
+        return self._weights
 
     # -- data -----------------------------------------------------------------------------
     def data_source(self, path: str | Path | None = None, token_dtype: str | None = None, shuffle: int | None = None) -> DataSource:
@@ -576,7 +576,7 @@ class LaunchedStep:
         try:
             return read()
         except RuntimeError as e:
-            raise self._trainer._stuck(e) from e
+            raise self._trainer.stuck_error(e) from e
 
     def loss(self) -> float:
         return self._read(lambda: float(self._loss))

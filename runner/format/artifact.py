@@ -289,6 +289,8 @@ def _check_structure(m: dict, where: str) -> None:
     expect(len(m["ranks"]) == m["world_size"], f"ranks lists {len(m['ranks'])} entries for world size {m['world_size']}")
     for entry in m["ranks"]:
         expect(entry["program"] in m["programs"], f"rank {entry['rank']} names program {entry['program']!r}, which is not listed")
+        evaluates = entry.get("eval_program")  # optional (FORMAT.md, "Eval program")
+        expect(evaluates is None or evaluates in m["programs"], f"rank {entry['rank']} names eval program {evaluates!r}, which is not listed")
     if m.get("init") is not None:
         init = m["init"]
         expect(init["file"] in m["files"], "init.file is not listed in files")
