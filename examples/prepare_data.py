@@ -7,6 +7,7 @@ windows shifted one character to the right).
 
     python examples/prepare_data.py --samples 512 -o examples/data/gpt_train.safetensors
     python examples/prepare_data.py --tokens examples/data/tinytext.bin   # the whole text as one llm.c token shard
+    python examples/prepare_data.py --tokens train.bin --val-tokens val.bin   # its first 90% and last 10%
 
 `aot run --data` reads either: the safetensors windows as rows, or the token shard cut into windows
 of block_size + 1 tokens in order (runner/execution/data.py).
@@ -40,6 +41,9 @@ def main():
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for choosing window offsets (default: %(default)s)")
     parser.add_argument("--tokens", type=Path, help="also write the whole text as one llm.c token shard (.bin: 256 x int32 header, uint16 tokens) here")
+    parser.add_argument(
+        "--val-tokens", type=Path, help="with --tokens: write the text's last 10%% here as a validation shard, and only the first 90%% to --tokens"
+    )
     args = parser.parse_args()
 
     gpt = load_gpt()
@@ -54,12 +58,21 @@ def main():
     args.output.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(args.output))
     print(f"wrote {args.samples} windows of {T} tokens (inputs, targets: int64 [{args.samples}, {T}]) from {len(data)} characters to {args.output}")
+    if args.val_tokens is not None and args.tokens is None:
+        parser.error("--val-tokens needs --tokens")
     if args.tokens is not None:
-        header = torch.zeros(256, dtype=torch.int32)
-        header[:3] = torch.tensor([20240520, 1, len(data)])  # llm.c's magic, version 1 (uint16 tokens), token count
-        args.tokens.parent.mkdir(parents=True, exist_ok=True)
-        args.tokens.write_bytes(header.numpy().tobytes() + data.to(torch.int32).numpy().astype("uint16").tobytes())
-        print(f"wrote {len(data)} tokens as an llm.c shard to {args.tokens}")
+        cut = len(data) * 9 // 10 if args.val_tokens is not None else len(data)
+        write_shard(args.tokens, data[:cut])
+        if args.val_tokens is not None:
+            write_shard(args.val_tokens, data[cut:])
+
+
+def write_shard(path: Path, tokens: torch.Tensor) -> None:
+    header = torch.zeros(256, dtype=torch.int32)
+    header[:3] = torch.tensor([20240520, 1, len(tokens)])  # llm.c's magic, version 1 (uint16 tokens), token count
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(header.numpy().tobytes() + tokens.to(torch.int32).numpy().astype("uint16").tobytes())
+    print(f"wrote {len(tokens)} tokens as an llm.c shard to {path}")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ fi
 STEPS="${STEPS:-200}"
 OUT=artifacts/gpt
 
-python examples/prepare_data.py -o "$OUT-data.safetensors"
+# the text as llm.c token shards: its first 90% to train on, its last 10% for the validation loss
+python examples/prepare_data.py -o "$OUT-data.safetensors" --tokens "$OUT-train.bin" --val-tokens "$OUT-val.bin"
 aot build examples/gpt.py --world-size "$RANKS" --batch-size 16 --max-steps "$STEPS" -o "$OUT"
 aot inspect "$OUT"
-torchrun --nproc-per-node "$RANKS" -m aot run "$OUT" --steps "$STEPS" --data "$OUT-data.safetensors" \
-  --log-every 20 --save runs/gpt-checkpoint
+torchrun --nproc-per-node "$RANKS" -m aot run "$OUT" --steps "$STEPS" --data "$OUT-train.bin" --shuffle 0 \
+  --eval-data "$OUT-val.bin" --eval-every 50 --eval-batches 1 --log-every 20 --save runs/gpt-checkpoint

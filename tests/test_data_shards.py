@@ -173,8 +173,41 @@ def test_resuming_in_another_data_order_is_refused(built, stream, tmp_path):
     art = built(GPT, "--world-size", 1, "--batch-size", BATCH, "--no-onnx")
     ckpt = tmp_path / "ckpt"
     ok(aot("run", art, "--steps", 1, "--data", stream / "shards", "--shuffle", 7, "--save", ckpt, "--quiet"))
-    assert json.loads((ckpt / "checkpoint.json").read_text())["data_order"] == {"shuffle": 7}
+    index = json.loads((ckpt / "checkpoint.json").read_text())
+    assert index["data_order"] == {"shuffle": 7, "order": "feistel-4"}
     for extra, said in (((), "no --shuffle"), (("--shuffle", 8), "--shuffle 8")):
         r = aot("run", art, "--steps", 1, "--data", stream / "shards", *extra, "--resume", ckpt, "--quiet")
         assert_user_error(r, "the run read its data --shuffle 7", f"resuming with {said}")
     ok(aot("run", art, "--steps", 1, "--data", stream / "shards", "--shuffle", 7, "--resume", ckpt, "--quiet"))
+    # a checkpoint of a runner that shuffled with torch.randperm (it recorded no order)
+    index = json.loads((ckpt / "checkpoint.json").read_text())
+    (ckpt / "checkpoint.json").write_text(json.dumps({**index, "data_order": {"shuffle": 7}}))
+    r = aot("run", art, "--steps", 1, "--data", stream / "shards", "--shuffle", 7, "--resume", ckpt, "--quiet")
+    assert_user_error(r, "shuffled its data in an order this runner does not reproduce (torch.randperm")
+
+
+def test_a_4_gib_token_file_adds_under_200_mb_of_resident_memory(built, tmp_path):
+    """A 4 GiB llm.c shard (sparse: 2^31 tokens, its holes read as zeros) under dp=2, shuffled (windows
+    from anywhere in the file; the order computed row by row, runner.execution.data.RowOrder): rank 0's peak
+    resident memory (the metrics' host_peak_rss_mib) is within 200 MB of the same run's on a 1 MiB
+    shard, and the prefetching reader's wait is in every record: the file is memory-mapped and a
+    rank brings in only the pages of the windows it reads."""
+    art = built(GPT, "--world-size", 2, "--batch-size", BATCH, "--no-onnx")
+    big = tmp_path / "big.bin"
+    count = (4 * 2**30 - 1024) // 2
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = 20240520, 1, count
+    with open(big, "wb") as f:
+        f.write(header.tobytes())
+        f.truncate(1024 + 2 * count)
+    assert big.stat().st_size == 4 * 2**30
+    small = tmp_path / "small.bin"
+    _llmc(small, np.zeros(2**19, dtype=np.uint16))
+    peaks = {}
+    for name, data in (("small", small), ("big", big)):
+        metrics = tmp_path / f"{name}.jsonl"
+        ok(torchrun(2, "run", art, "--steps", 5, "--data", data, "--shuffle", 1, "--metrics", metrics, "--quiet"))
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert all(r["data_wait_s"] >= 0 for r in records) and len(records) == 5
+        peaks[name] = records[-1]["host_peak_rss_mib"]
+    assert peaks["big"] - peaks["small"] < 200e6 / 2**20, peaks

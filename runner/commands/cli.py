@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -143,6 +144,7 @@ def run(
     checked against the artifact's profile, and no model code or compiler runs.
     """
     from runner.format.checkpoint import check_data_order, read_index
+    from runner.execution.data import SHUFFLE_ORDER
     from runner.errors import AotError
     import sys
 
@@ -181,10 +183,10 @@ def run(
         trainer.resume(save)
         say(f"restarted by torchrun: resumed from {save} at step {trainer.step_index}")
     elif resume is not None:
-        check_data_order(resume, read_index(resume), shuffle)
+        check_data_order(resume, read_index(resume), shuffle, SHUFFLE_ORDER)
         trainer.resume(resume)
         say(f"resumed from {resume} at step {trainer.step_index}")
-    data_order = {"shuffle": shuffle}
+    data_order = {"shuffle": shuffle, **({"order": SHUFFLE_ORDER} if shuffle is not None else {})}
     target = target if target is not None else trainer.step_index + steps
     trainer.check_steps(target - trainer.step_index)
     source = trainer.data_source(data, token_dtype, shuffle)
@@ -224,6 +226,8 @@ def run(
             "tier": trainer.tier,
             "samples_per_s": source.global_batch / seconds,
             "data_wait_s": waits.pop(done.number, 0.0),  # how long the step waited for its batch (read ahead on a thread)
+            # rank 0's peak resident host memory so far (memory-mapped data pages it touched included)
+            "host_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "time_since_start_s": time.perf_counter() - _STARTED,
             "unix_time": time.time(),
         }
@@ -238,7 +242,8 @@ def run(
         if evaluation is not None and (done.number % (eval_every or target) == 0 or done.number == target):
             began = time.perf_counter()
             record["val_loss"] = evaluation[0].loss(evaluation[1], eval_batches)
-            say(f"step {done.number:>5}  val_loss {record['val_loss']:.4f}  ({eval_batches} batches, {time.perf_counter() - began:.2f} s)")
+            batches = f"{eval_batches} batch{'es' if eval_batches != 1 else ''}"
+            say(f"step {done.number:>5}  val_loss {record['val_loss']:.4f}  ({batches}, {time.perf_counter() - began:.2f} s)")
         if log:
             log.write(json.dumps(record) + "\n")
             log.flush()

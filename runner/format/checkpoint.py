@@ -92,7 +92,7 @@ def commit_checkpoint(
     """Make the shards written for `step` the folder's checkpoint (one atomic index replace),
     then remove files no index refers to. `spec` is the manifest's `state` entry; `target_step`
     is where the run means to stop, so a run restarted by torchrun knows how far to go;
-    `data_order` ({"shuffle": seed or None}) how the run ordered its data, which a resumed run
+    `data_order` ({"shuffle": seed or None, "order": how it shuffles}) how the run ordered its data, which a resumed run
     must repeat to read the samples the run would have (check_data_order)."""
     folder = Path(folder)
     count = shard_count(sharding, tensor_parallel, pipeline)
@@ -125,11 +125,18 @@ def commit_checkpoint(
             stale.unlink(missing_ok=True)
 
 
-def check_data_order(folder: str | Path, index: dict, shuffle: int | None) -> None:
+def check_data_order(folder: str | Path, index: dict, shuffle: int | None, order: str) -> None:
     """Refuse to resume a run in another data order than it was saved in: it would read other
-    samples than the run without the restart, without a word. A checkpoint that does not say
-    (written before it was recorded, or by the Python API) is not checked."""
+    samples than the run without the restart, without a word. `order` names how this runner
+    shuffles (runner.execution.data.SHUFFLE_ORDER): a shuffled run saved by a runner that shuffled
+    otherwise (torch.randperm, before "feistel-4") cannot continue at its sample. A checkpoint that
+    does not say (written before it was recorded, or by the Python API) is not checked."""
     saved = index.get("data_order")
+    if isinstance(saved, dict) and saved.get("shuffle") is not None and saved.get("shuffle") == shuffle and saved.get("order") != order:
+        raise AotError(
+            f"{folder}: the run shuffled its data in an order this runner does not reproduce ({saved.get('order') or 'torch.randperm'}, "
+            f"this runner's is {order}); resume it with the aot that wrote it, or start a new run from its weights (aot checkpoint merge, --init-from)"
+        )
     if not isinstance(saved, dict) or saved.get("shuffle", shuffle) == shuffle:
         return
     then = f"--shuffle {saved['shuffle']}" if saved.get("shuffle") is not None else "in order (no --shuffle)"
