@@ -14,10 +14,11 @@ from aot.capture.model_file import ModelFile, load_model_file
 from aot.capture.precision import Precision, check_training_state, resolve_precision
 from aot.capture.eval_step import EVAL_PROGRAM, capture_eval
 from aot.capture.token_bounds import token_bounds
-from aot.capture.step import CapturedStep, StepLayout
+from aot.capture.step import StepLayout
 from aot.capture.sync_batchnorm import convert_to_sync, manifest_entry as batchnorm_entry
 from aot.capture.training_state import TrainingState, build_training_state
 from aot.emit.artifact import PROGRAM, emit_artifact, export_step
+from aot.pipeline_build import EVAL_PREFIX
 from aot.emit.onnx_export import CHECK_BUDGET_BYTES, ONNX_FILE, build_inference, init_program_weights
 from aot.errors import AotError
 from aot.compile_step import Recording, finish_program, step_layout, tensor_parallel_plan, trace_program
@@ -220,7 +221,7 @@ class CompiledStep:
     pipeline_files: dict  # the predicted timeline of every pipeline rank
     proof: replicas.Proof
     subgroups: dict  # hierarchical all_reduce's level groups
-    evaluation: CapturedStep | None = None  # the eval program (aot/capture/eval_step.py); None under pp
+    evaluations: dict  # eval program name -> CapturedStep (aot/capture/eval_step.py): one, or one per pipeline rank
 
 
 def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement, planned, progress: Progress) -> CompiledStep:
@@ -235,18 +236,19 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
     chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
     passes = PassOptions(bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch, hierarchical=chooser)
     pipeline_entry, program_of, pipeline_files = None, (lambda coords: PROGRAM), {}
-    evaluation = None  # pipelines have no eval program yet
     if target.group(PP) is not None:
         from aot.pipeline_build import build_programs
 
         built = build_programs(options, rec, layout, target, (mesh, placement, machine), request, passes, progress)
         captures, memory, time, recompute = built.captures, built.memory, built.time, built.recompute
         pipeline_entry, program_of, pipeline_files = built.entry, built.program_of, built.files
+        evaluations = built.evaluation
     else:
         with progress.stage("capturing forward, loss, backward and optimizer as one graph, and the eval program (forward and loss)"):
             captured = trace_program(rec, layout)
             evaluation = capture_eval(rec.mf, rec.state, rec.inputs, rec.targets, layout)
             evaluation.graph = run_passes(evaluation.graph, only=CLEANUP)
+            evaluations = {EVAL_PROGRAM: evaluation}
         with progress.stage("running graph passes (recomputation, bucketing, hierarchical all_reduce, overlap)"):
             captured.graph, recompute = finish_program(captured.graph, captured.slots, request, machine.compute, passes)
             analysis = analyze(captured.graph, captured.slots)
@@ -260,7 +262,7 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
     layout, proof, subgroups = _programs_read(captures, layout, profile, machine, placement, progress)
     return CompiledStep(
         rec.mf, target.precision, example, rec.inputs, rec.state, batchnorm, layout, captures, memory, time, recompute,
-        pipeline_entry, program_of, pipeline_files, proof, subgroups, evaluation,
+        pipeline_entry, program_of, pipeline_files, proof, subgroups, evaluations,
     )  # fmt: skip
 
 
@@ -350,7 +352,7 @@ def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement
         plan_entry["placement"] = placement.to_json()
     with progress.stage("exporting the programs"):
         eps = {name: export_step(c) for name, c in captures.items()}
-        evaluation = {EVAL_PROGRAM: (export_step(step.evaluation), step.evaluation)} if step.evaluation is not None else {}
+        evaluation = {name: (export_step(c), c) for name, c in step.evaluations.items()}
         graphs = [state.init_graph.graph, *(ep.graph for ep in eps.values()), *(ep.graph for ep, _ in evaluation.values())]
         custom_ops = custom_op_spec(mf, graphs)  # the init program is stored too
     inference = None
@@ -383,14 +385,14 @@ def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement
             sizes.update({name: len(spec["groups"][0]) for name, spec in subgroups.items()})
             compiled = compile_programs(eps, sizes, mesh.world_size, compile_device)
     # the token ids the step can take, which the runner checks its data against (aot/capture/token_bounds.py)
-    read = [step.evaluation] if step.evaluation is not None else list(captures.values())
+    read = list(step.evaluations.values())
     bounds = token_bounds([c.graph for c in read], [c.slots for c in read])
     with progress.stage(f"writing the artifact to {options.output}"):
         manifest = emit_artifact(
             options.output,
             programs={name: (eps[name], captures[name]) for name in captures} | evaluation,
             program_of=step.program_of,
-            eval_program_of=(lambda coords: EVAL_PROGRAM) if evaluation else None,
+            eval_program_of=(lambda coords: f"{EVAL_PREFIX}{coords.get(PP, 0)}") if pipeline_entry else (lambda coords: EVAL_PROGRAM),
             state=state,
             layout=step.layout,
             mesh=mesh,

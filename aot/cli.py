@@ -154,12 +154,14 @@ def build(model_file, compile_tier, quiet, as_json, **flags):
     options = BuildOptions(model_path=model_file, compile=compile_tier, **flags)  # every other option is a field of the same name
     progress = Progress(total=6 + (options.onnx is not False) + (compile_tier == "aoti"), quiet=quiet or as_json)
     manifest = run_build(options, progress)
-    # the busiest program's collectives (pipeline ranks run different programs)
-    program = max(manifest["programs"].values(), key=lambda p: sum(c["bytes"] for c in p["collectives"]))
+    # the busiest training program's collectives (pipeline ranks run different programs)
+    training = sorted({r["program"] for r in manifest["ranks"]})
+    program = max((manifest["programs"][name] for name in training), key=lambda p: sum(c["bytes"] for c in p["collectives"]))
     summary = {
         "output": str(options.output),
         "world_size": manifest["world_size"],
-        "programs": len(manifest["programs"]),
+        "programs": len(training),  # training programs; each rank also has an eval program
+        "eval_programs": len({r["eval_program"] for r in manifest["ranks"] if r.get("eval_program")}),
         "collectives_per_step": len(program["collectives"]),
         "collective_bytes_per_step": sum(c["bytes"] for c in program["collectives"]),
         "total_bytes": sum(f["size"] for f in manifest["files"].values()),
@@ -172,7 +174,8 @@ def build(model_file, compile_tier, quiet, as_json, **flags):
         click.echo(json.dumps(summary, indent=1))
     elif not quiet:
         click.echo(
-            f"built {summary['world_size']} rank(s), {summary['programs']} program{'s' if summary['programs'] > 1 else ''}, "
+            f"built {summary['world_size']} rank(s), {summary['programs']} training program{'s' if summary['programs'] > 1 else ''} "
+            f"(and {summary['eval_programs']} eval), "
             f"{summary['collectives_per_step']} collective(s) per step ({human(summary['collective_bytes_per_step'])}), "
             f"{human(summary['total_bytes'])} in {options.output}/ in {summary['seconds']:.1f} s",
             err=True,

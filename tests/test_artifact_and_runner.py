@@ -65,8 +65,8 @@ def test_loading_never_calls_torch_load(mlp1, monkeypatch):
 
 def test_program_files_are_shared_across_ranks(gpt2):
     manifest = json.loads((gpt2 / "manifest.json").read_text())
-    assert len(manifest["ranks"]) == 2 and len(manifest["programs"]) == 1
-    assert {r["program"] for r in manifest["ranks"]} == {"train"}
+    assert len(manifest["ranks"]) == 2 and set(manifest["programs"]) == {"train", "eval"}
+    assert {r["program"] for r in manifest["ranks"]} == {"train"} and {r["eval_program"] for r in manifest["ranks"]} == {"eval"}
     assert manifest["process_groups"] == {"aot.dp": {"axis": "dp", "groups": [[0, 1]]}}
     assert manifest["build"]["world_size"] == 2
 
@@ -189,8 +189,9 @@ def test_builds_for_many_ranks_on_one_machine(tmp_path):
     summary = json.loads(ok(aot("build", EXAMPLES / "mlp.py", "--world-size", "1024", "--no-onnx", "-o", out, "--json")).stdout)
     assert summary["world_size"] == 1024 and summary["programs"] == 1
     manifest = json.loads((out / "manifest.json").read_text())
-    # the step and init programs and the example batch: nothing per rank, no weights
-    assert len(manifest["ranks"]) == 1024 and sorted(manifest["files"]) == ["data/example_batch.safetensors", "programs/init.json", "programs/train.json"]
+    # the step, eval and init programs and the example batch: nothing per rank, no weights
+    files = ["data/example_batch.safetensors", "programs/eval.json", "programs/init.json", "programs/train.json"]
+    assert len(manifest["ranks"]) == 1024 and sorted(manifest["files"]) == files
 
 
 def test_fsdp_shards_parameters_and_optimizer_state(built, tmp_path):

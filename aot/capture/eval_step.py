@@ -12,11 +12,14 @@ over a fixed list of batches. `aot run --eval-data` and `aot eval` run it
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile, describe_error
 from aot.capture.step import (
+    _funcol,
     CapturedStep,
     StepLayout,
     _average,
@@ -112,3 +115,54 @@ def capture_eval(mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor]
     if layout.tp is None:
         return _capture_eval(mf, state, inputs, targets, layout, None)
     return _capture_tp(mf, state, inputs, targets, layout, True, None, capture=_capture_eval)
+
+
+def capture_pipeline_eval(mf: ModelFile, state: TrainingState, pipeline, layout: StepLayout, inputs: list[torch.Tensor], targets: torch.Tensor) -> CapturedStep:
+    """The eval program of one pipeline rank: its stages' forwards (`pipeline.stages`, cut from
+    a forward traced in eval mode), every microbatch in order through every stage it holds
+    (GPipe's forward: sends do not wait, so no rank waits on one that waits on it), the last
+    stage's loss summed over microbatches and shared over the pipeline group, then averaged over
+    the data-parallel ranks, as the training step reports it."""
+    from aot.capture.pipeline import forward_action, stage_state, transfers
+
+    held = pipeline.held
+    own = stage_state(state, [n for n in state.params if any(n in s.params for s in held)], [n for n in state.buffers if any(n in s.buffers for s in held)])
+    layout = replace(layout, pp=pipeline.group)
+    param_names, buffer_names = list(own.params), list(own.buffers)
+    n_params, n_buffers, n_inputs = len(param_names), len(buffer_names), len(inputs)
+    local_shapes = layout.local_shapes(own)
+    stages = {s.index: s for s in pipeline.stages}
+    last, m = len(pipeline.stages) - 1, pipeline.microbatches
+
+    def evaluate(*flat):
+        by_name = dict(zip(param_names, flat[:n_params]))
+        buffers = dict(zip(buffer_names, flat[n_params : n_params + n_buffers]))
+        batch_inputs, batch_targets = flat[-1 - n_inputs : -1], flat[-1]
+        used = by_name if layout.fsdp is None else {n: _gather(p, local_shapes[n], layout.fsdp, layout.precision) for n, p in by_name.items()}
+        batch = (used, buffers, batch_inputs, batch_targets, batch_targets.shape[0] // m)
+        receive, send, sent = transfers(pipeline)
+        loss_sum = batch_targets.new_zeros((), dtype=torch.float32)
+        for mb in range(m):
+            for s in held:
+                outputs, _ = forward_action(s, mb, stages, batch, receive, send, grad=False)
+                if s.index == last:
+                    loss_sum = loss_sum + outputs[0].detach().float()
+        for handle in sent:
+            _funcol.wait_tensor(handle)
+        local_loss = _funcol.wait_tensor(_funcol.all_reduce((loss_sum / m).reshape(1), "sum", pipeline.group.name))[0]
+        global_loss = local_loss
+        for group in (layout.fsdp, layout.dp):
+            if group is not None:
+                global_loss = _average(global_loss, group)
+        return local_loss, global_loss
+
+    args, slots = eval_args(own, replace(layout, pp=None), inputs, targets)
+    try:
+        with traced_as_compiled(), quiet_trace_logs(), torch.no_grad():
+            graph = make_fx(evaluate, tracing_mode="fake")(*args)
+        drop_inert_calls(graph)
+    except AotError:
+        raise
+    except Exception as e:
+        raise AotError(f"{mf.path.name}: pipeline rank {pipeline.rank}'s eval step cannot be traced: {describe_error(e, mf.path)}") from e
+    return CapturedStep(graph=graph, slots=slots, example_args=list(args))

@@ -167,6 +167,60 @@ def draws_random(module: torch.fx.GraphModule) -> str | None:
     return None
 
 
+def transfers(pipeline: Pipeline) -> tuple:
+    """(receive, send, sent) of one step of a pipeline rank: `receive(shape, dtype, peer stage,
+    tag)` and `send(tensor, peer stage, tag)` as graph nodes (irecv, isend), or handed over in
+    place between two stages of this rank; `sent`: the sends' handles, each waited on before the
+    step ends."""
+    pp, group, rank = pipeline.group.size, pipeline.group.name, pipeline.rank
+    local: dict = {}  # transfers between stages on this rank: (tag) -> tensor
+    sent: list = []
+
+    def receive(like_shape, dtype, peer_stage, t):
+        if peer_stage % pp == rank:
+            return local.pop(t)
+        buffer = torch.empty(like_shape, dtype=dtype)
+        return _funcol.wait_tensor(_funcol.irecv(buffer, pipeline.peer(peer_stage), t, group))
+
+    def send(tensor, peer_stage, t):
+        if peer_stage % pp == rank:
+            local[t] = tensor
+        else:
+            sent.append(_funcol.isend(tensor.contiguous(), pipeline.peer(peer_stage), t, group))
+
+    return receive, send, sent
+
+
+def forward_action(s: Stage, mb: int, stages: dict, batch: tuple, receive, send, recompute: bool = False, grad: bool = True) -> tuple:
+    """(outputs, received leaves) of stage `s`'s forward of microbatch `mb`: its inputs gathered
+    (`batch`: the leaves (parameters as used), buffers, the rank's inputs and targets, the
+    microbatch size; other stages' outputs received), run, its outputs sent to their readers.
+    `grad`: the received values that carry a gradient become leaves to differentiate."""
+    leaves, buffers, batch_inputs, batch_targets, size = batch
+    values, received = [], []
+    for source in s.sources:
+        if source.kind == "param":
+            values.append(leaves[source.name])
+        elif source.kind == "buffer":
+            values.append(buffers[source.name])
+        elif source.kind == "input":
+            values.append(batch_inputs[source.index][mb * size : (mb + 1) * size])
+        elif source.kind == "target":
+            values.append(batch_targets[mb * size : (mb + 1) * size])
+        else:
+            shape, dtype, carries = stages[source.stage].outputs[source.index]
+            x = receive(shape, dtype, source.stage, transfer_tag(mb, source.stage, s.index, source.index, False))
+            if carries and grad:
+                x = x.detach().requires_grad_()
+                received.append((source, x))
+            values.append(x)
+    outputs = run_stage(s.module, values, recompute)
+    for j, readers in enumerate(s.readers):
+        for reader in readers:
+            send(outputs[j].detach(), reader, transfer_tag(mb, s.index, reader, j, False))
+    return outputs, received
+
+
 def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n_inputs: int, finish, tied: dict):
     from runner.format.artifact import SCALER_KEYS
     from aot.capture.loss_scaling import LossScaling
@@ -199,47 +253,14 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
         sums: dict = {}
         saved: dict = {}  # (microbatch, stage) -> (outputs, received leaves)
         deferred: dict = {}  # zero-bubble: (microbatch, stage) -> (roots, seeds) of its backward, for its W
-        local: dict = {}  # transfers between stages on this rank: (tag) -> tensor
-        sent = []
+        receive, send, sent = transfers(pipeline)
         loss_sum = batch_targets.new_zeros((), dtype=torch.float32)
-
-        def receive(like_shape, dtype, peer_stage, t):
-            if peer_stage % pp == rank:
-                return local.pop(t)
-            buffer = torch.empty(like_shape, dtype=dtype)
-            return _funcol.wait_tensor(_funcol.irecv(buffer, pipeline.peer(peer_stage), t, group))
-
-        def send(tensor, peer_stage, t):
-            if peer_stage % pp == rank:
-                local[t] = tensor
-            else:
-                sent.append(_funcol.isend(tensor.contiguous(), pipeline.peer(peer_stage), t, group))
 
         for action in pipeline.actions:
             s = stages[action.stage(rank, pp)]
             mb = action.microbatch
             if action.kind == "F":
-                values, received = [], []
-                for source in s.sources:
-                    if source.kind == "param":
-                        values.append(leaves[source.name])
-                    elif source.kind == "buffer":
-                        values.append(buffers[source.name])
-                    elif source.kind == "input":
-                        values.append(batch_inputs[source.index][mb * size : (mb + 1) * size])
-                    elif source.kind == "target":
-                        values.append(batch_targets[mb * size : (mb + 1) * size])
-                    else:
-                        shape, dtype, grad = stages[source.stage].outputs[source.index]
-                        x = receive(shape, dtype, source.stage, transfer_tag(mb, source.stage, s.index, source.index, False))
-                        if grad:
-                            x = x.detach().requires_grad_()
-                            received.append((source, x))
-                        values.append(x)
-                outputs = run_stage(s.module, values, pipeline.recompute)
-                for j, readers in enumerate(s.readers):
-                    for reader in readers:
-                        send(outputs[j].detach(), reader, transfer_tag(mb, s.index, reader, j, False))
+                outputs, received = forward_action(s, mb, stages, (leaves, buffers, batch_inputs, batch_targets, size), receive, send, pipeline.recompute)
                 if s.index == last:
                     loss_sum = loss_sum + outputs[0].detach().float()
                 saved[(mb, s.index)] = (outputs, received)

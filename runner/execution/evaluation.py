@@ -14,9 +14,7 @@ from runner.errors import AotError
 from runner.execution.data import DataSource
 from runner.execution.graph_loader import input_shapes, load_portable, wait_at_issue
 
-NO_EVAL_PROGRAM = (
-    "has no eval program (pipeline-parallel artifacts have none yet, and builds before aot wrote one lack it); rebuild it without pp with this aot to evaluate"
-)
+NO_EVAL_PROGRAM = "has no eval program (it was built before aot wrote one); rebuild it with this aot to evaluate"
 
 
 class Evaluator:
