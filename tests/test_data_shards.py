@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers.commands import EXAMPLES, aot, ok, torchrun
+from helpers.commands import EXAMPLES, MODELS, aot, ok, torchrun
 from helpers.inference import assert_user_error
 from helpers.training import STEPS, assert_same_training, reference
 from runner.format.checkpoint import merge_checkpoint
@@ -211,3 +211,18 @@ def test_a_4_gib_token_file_adds_under_200_mb_of_resident_memory(built, tmp_path
         assert all(r["data_wait_s"] >= 0 for r in records) and len(records) == 5
         peaks[name] = records[-1]["host_peak_rss_mib"]
     assert peaks["big"] - peaks["small"] < 200e6 / 2**20, peaks
+
+
+def test_a_pipelines_middle_rank_reads_no_data(built, stream, tmp_path):
+    """pp=3: the middle stage's program takes no inputs or targets, so its rank reads nothing (it
+    says so) while the first and last read the shards; training from them equals eager on the same
+    windows."""
+    gpt4 = MODELS / "gpt4.py"
+    art = built(gpt4, "--world-size", 3, "--strategy", "pp=3", "--batch-size", BATCH, "--microbatches", 4, "--no-onnx")
+    metrics = tmp_path / "m.jsonl"
+    r = ok(torchrun(3, "run", art, "--steps", 2, "--data", stream / "shards", "--metrics", metrics))
+    said = [line for line in r.stderr.splitlines() if "reads no data" in line]
+    assert said == ["[rank 1] pipeline rank 1's program takes no inputs or targets: it reads no data"], r.stderr
+    ref = reference(gpt4, stream / "windows.safetensors", 1, BATCH, tmp_path, steps=2)
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert losses == pytest.approx(json.loads((ref / "losses.json").read_text()), abs=1e-5)

@@ -141,7 +141,7 @@ def capture_pipeline_eval(mf: ModelFile, state: TrainingState, pipeline, layout:
         used = by_name if layout.fsdp is None else {n: _gather(p, local_shapes[n], layout.fsdp, layout.precision) for n, p in by_name.items()}
         batch = (used, buffers, batch_inputs, batch_targets, batch_targets.shape[0] // m)
         receive, send, sent = transfers(pipeline)
-        loss_sum = batch_targets.new_zeros((), dtype=torch.float32)
+        loss_sum = torch.zeros((), dtype=torch.float32)  # not from the targets: a middle stage reads no batch tensor
         for mb in range(m):
             for s in held:
                 outputs, _ = forward_action(s, mb, stages, batch, receive, send, grad=False)

@@ -254,7 +254,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
         saved: dict = {}  # (microbatch, stage) -> (outputs, received leaves)
         deferred: dict = {}  # zero-bubble: (microbatch, stage) -> (roots, seeds) of its backward, for its W
         receive, send, sent = transfers(pipeline)
-        loss_sum = batch_targets.new_zeros((), dtype=torch.float32)
+        loss_sum = torch.zeros((), dtype=torch.float32)  # not from the targets: a middle stage reads no batch tensor
 
         for action in pipeline.actions:
             s = stages[action.stage(rank, pp)]
@@ -310,7 +310,9 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
         pieces = [(loss_sum / m).reshape(1)]
         for name, like in tied.items():
             mine = sums.get(name)
-            pieces.append((mine if mine is not None else torch.zeros_like(like)).reshape(-1).float())
+            pieces.append(
+                (mine if mine is not None else torch.zeros(like.shape, dtype=like.dtype)).reshape(-1).float()
+            )  # made in the graph: `like` is no input of it
         total = _funcol.wait_tensor(_funcol.all_reduce(torch.cat(pieces), "sum", group))
         local_loss = total[0]
         at = 1

@@ -72,7 +72,7 @@ class DataSource:
         self._init(targets.shape[0], lambda a, b: ([t[a:b] for t in inputs], targets[a:b]), spec, dp_rank, dp_size)
 
     def _init(self, rows: int, read, spec: dict, dp_rank: int, dp_size: int) -> None:
-        self.read, self.rows = read, rows
+        self.read, self.rows, self._spec = read, rows, spec
         self.shuffle: int | None = None  # --shuffle SEED (see `shuffle_with`)
         self._epoch_order: tuple[int, RowOrder] | None = None
         self.batch_size = spec["batch_size"]
@@ -97,6 +97,18 @@ class DataSource:
             raise AotError("--token-dtype applies to token streams (.bin), not to safetensors rows")
         rows, read = _safetensors_rows(shards, spec) if kind == "safetensors" else _token_windows(shards, spec, token_dtype)
         return cls.from_rows(rows, read, spec, dp_rank, dp_size)
+
+    def unread(self) -> "DataSource":
+        """This source, reading nothing: every batch is the same zeros of the program's batch shapes,
+        made once (for a rank whose program uses no tensor of the batch: a pipeline's middle stages)."""
+        spec = self._spec
+        zeros = (
+            [torch.zeros(i["shape"], dtype=dtype_of(i["dtype"])) for i in spec["inputs"]],
+            torch.zeros(spec["targets"]["shape"], dtype=dtype_of(spec["targets"]["dtype"])),
+        )
+        self.read = lambda a, b: zeros
+        self.batch = lambda step: zeros  # type: ignore[method-assign]
+        return self
 
     def shuffle_with(self, seed: int) -> "DataSource":
         """Read every epoch's rows in the seeded order of `RowOrder` (--shuffle SEED)."""

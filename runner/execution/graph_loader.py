@@ -265,3 +265,12 @@ def load_portable(artifact, program: dict, device: torch.device, program_json: b
     module = ep.module()
     assert isinstance(module, torch.fx.GraphModule)  # what torch.export's module() makes
     return module, "torch.export"
+
+
+def uses_batch(module: torch.fx.GraphModule, slots: list[dict]) -> bool:
+    """Whether the program reads any tensor of the batch (an input or the targets): a placeholder
+    of theirs with users. Placeholders come in the order of the manifest's inputs (`slots`)."""
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(slots):  # not the flat program this module loads: assume it does
+        return True
+    return any(node.users for node, slot in zip(placeholders, slots) if slot["kind"] in ("input", "target"))

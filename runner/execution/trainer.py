@@ -25,7 +25,7 @@ from runner.execution.evaluation import NO_EVAL_PROGRAM
 from runner.errors import AotError
 from runner.execution.replica_check import check_replicas
 from runner.execution.groups import bind_process_groups, yield_gloo_poll_threads
-from runner.execution.graph_loader import input_shapes, load_portable, wait_at_issue
+from runner.execution.graph_loader import input_shapes, load_portable, uses_batch, wait_at_issue
 from runner.execution.init_from import check_init_from
 from runner.execution.init_program import SCALER_PREFIX, initial_state, stage_tensors
 from runner.execution.launch import Launch, resolve_launch
@@ -183,6 +183,9 @@ class Trainer:
                 wait_at_issue(portable)
         if manifest.get("pipeline"):  # the program sends to and receives from other stages
             install_kernels()
+        # A program that uses no tensor of the batch (a pipeline's middle stages) reads no data; the
+        # compiled tier's package does not show its graph, and reads.
+        self.reads_batch = not isinstance(self._module, torch.fx.GraphModule) or uses_batch(self._module, program["inputs"])
 
         self.state_spec = manifest["state"]
         weights, optimizer = self._initial_state(entry)
@@ -436,6 +439,9 @@ class Trainer:
         artifact's recorded example batch; `shuffle`: --shuffle's seed (every epoch in its order)."""
         if path is not None:
             source = DataSource.from_file(path, self.data_spec, self.data_rank, self.data_size, token_dtype)
+            if not self.reads_batch:
+                self._log(f"pipeline rank {self.coords.get(PP, 0)}'s program takes no inputs or targets: it reads no data")
+                return source.unread()
             return source.shuffle_with(shuffle) if shuffle is not None else source
         example = self.artifact.tensors(self.data_spec["example"])
         inputs, targets = split_batch_tensors(example, self.data_spec["example"])
