@@ -70,6 +70,7 @@ class BuildOptions:
     pp_schedule: str = "1f1b"  # pp: gpipe | 1f1b | interleaved-1f1b | zero-bubble (aot/plan/pipeline.py)
     stages_per_rank: int | None = None  # pp with interleaved-1f1b: model chunks per rank (None: 2)
     sync_batchnorm: bool = False  # every BatchNorm becomes SyncBatchNorm: statistics over the dp and fsdp ranks
+    eval: bool = True  # also emit each rank's eval program (aot/capture/eval_step.py)
 
 
 # The example batch is stored for runs without --data; past this size (a global batch of long
@@ -244,11 +245,15 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
         pipeline_entry, program_of, pipeline_files = built.entry, built.program_of, built.files
         evaluations = built.evaluation
     else:
-        with progress.stage("capturing forward, loss, backward and optimizer as one graph, and the eval program (forward and loss)"):
+        with progress.stage(
+            "capturing forward, loss, backward and optimizer as one graph" + (", and the eval program (forward and loss)" if options.eval else "")
+        ):
             captured = trace_program(rec, layout)
-            evaluation = capture_eval(rec.mf, rec.state, rec.inputs, rec.targets, layout)
-            evaluation.graph = run_passes(evaluation.graph, only=CLEANUP)
-            evaluations = {EVAL_PROGRAM: evaluation}
+            evaluations = {}
+            if options.eval:
+                evaluation = capture_eval(rec.mf, rec.state, rec.inputs, rec.targets, layout)
+                evaluation.graph = run_passes(evaluation.graph, only=CLEANUP)
+                evaluations = {EVAL_PROGRAM: evaluation}
         with progress.stage("running graph passes (recomputation, bucketing, hierarchical all_reduce, overlap)"):
             captured.graph, recompute = finish_program(captured.graph, captured.slots, request, machine.compute, passes)
             analysis = analyze(captured.graph, captured.slots)
@@ -385,14 +390,18 @@ def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement
             sizes.update({name: len(spec["groups"][0]) for name, spec in subgroups.items()})
             compiled = compile_programs(eps, sizes, mesh.world_size, compile_device)
     # the token ids the step can take, which the runner checks its data against (aot/capture/token_bounds.py)
-    read = list(step.evaluations.values())
+    read = list(step.evaluations.values()) or list(captures.values())
     bounds = token_bounds([c.graph for c in read], [c.slots for c in read])
     with progress.stage(f"writing the artifact to {options.output}"):
         manifest = emit_artifact(
             options.output,
             programs={name: (eps[name], captures[name]) for name in captures} | evaluation,
             program_of=step.program_of,
-            eval_program_of=(lambda coords: f"{EVAL_PREFIX}{coords.get(PP, 0)}") if pipeline_entry else (lambda coords: EVAL_PROGRAM),
+            eval_program_of=None
+            if not evaluation
+            else (lambda coords: f"{EVAL_PREFIX}{coords.get(PP, 0)}")
+            if pipeline_entry
+            else (lambda coords: EVAL_PROGRAM),
             state=state,
             layout=step.layout,
             mesh=mesh,

@@ -123,6 +123,13 @@ def cli():
     help="Also export the forward to ONNX for `aot infer` (default: yes if the model can be, else a warning; --onnx: or fail).",
 )
 @click.option(
+    "--eval/--no-eval",
+    "eval",
+    default=True,
+    show_default=True,
+    help="Also emit each rank's eval program (forward and loss in eval mode, no backward) for `aot run --eval-data` and `aot eval`.",
+)
+@click.option(
     "--compile",
     "compile_tier",
     type=click.Choice(["portable", "aoti"]),
@@ -175,7 +182,7 @@ def build(model_file, compile_tier, quiet, as_json, **flags):
     elif not quiet:
         click.echo(
             f"built {summary['world_size']} rank(s), {summary['programs']} training program{'s' if summary['programs'] > 1 else ''} "
-            f"(and {summary['eval_programs']} eval), "
+            f"({'and ' + str(summary['eval_programs']) + ' eval' if summary['eval_programs'] else 'no eval program'}), "
             f"{summary['collectives_per_step']} collective(s) per step ({human(summary['collective_bytes_per_step'])}), "
             f"{human(summary['total_bytes'])} in {options.output}/ in {summary['seconds']:.1f} s",
             err=True,

@@ -178,9 +178,11 @@ def build_programs(options, rec: Recording, layout: StepLayout, target: Target, 
         "timeline": TIMELINE_FILE,
     }
     files = {TIMELINE_FILE: (json.dumps(timeline.trace, separators=(",", ":")) + "\n").encode()}
-    progress.total += 1
-    with progress.stage(f"tracing the forward in eval mode and capturing {pp} pipeline ranks' eval programs (forward and loss)"):
-        evaluation = eval_programs(rec, layout, made.stages, group, microbatches)
+    evaluation = {}
+    if options.eval:
+        progress.total += 1
+        with progress.stage(f"tracing the forward in eval mode and capturing {pp} pipeline ranks' eval programs (forward and loss)"):
+            evaluation = eval_programs(rec, layout, made.stages, group, microbatches)
     return PipelineBuild(captures, analyses[peak].memory, time, recompute, entry, lambda coords: f"{PROGRAM_PREFIX}{coords.get(PP, 0)}", files, evaluation)
 
 

@@ -46,8 +46,9 @@ def train_both(
     `reference_args`: more ddp_reference.py options (its mixed precision: --precision, ...)."""
     art, ckpt = tmp_path / "art", tmp_path / "ckpt"
     # the session's build (read-only), linked as tmp_path/art for the caller to read; --no-onnx: the
-    # inference export has its own tests (test_onnx.py), this compares training only
-    build = ("--world-size", world, "--batch-size", batch_size, "--no-onnx", *(["--strategy", strategy] if strategy else []), *build_args)
+    # inference export has its own tests (test_onnx.py), this compares training only;
+    # --no-eval: the eval program has its own tests (test_evaluation.py; every model file builds one in test_model_code.py)
+    build = ("--world-size", world, "--batch-size", batch_size, "--no-onnx", "--no-eval", *(["--strategy", strategy] if strategy else []), *build_args)
     art.symlink_to(session_cache()(model_file, *build))
     metrics = tmp_path / "metrics.jsonl"
     args = [
