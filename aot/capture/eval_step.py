@@ -15,9 +15,8 @@ import contextlib
 from dataclasses import replace
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from aot.capture.model_file import ModelFile, describe_error
+from aot.capture.model_file import ModelFile
 from aot.capture.step import (
     _funcol,
     CapturedStep,
@@ -26,16 +25,12 @@ from aot.capture.step import (
     _capture_tp,
     _gather,
     _slot,
-    fake_make_fx,
     forward_and_loss,
     rank_state,
-    traced_as_compiled,
+    trace_user_code,
 )
 from aot.capture.tensor_parallel import TensorParallel
-from aot.capture.inert_calls import drop_inert_calls
-from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
-from aot.errors import AotError
 
 EVAL_PROGRAM = "eval"
 
@@ -98,14 +93,7 @@ def _capture_eval(
     evaluate = eval_program(mf, state, len(inputs), layout, tp)
     args, slots = eval_args(state, layout, inputs, targets)
     model = state.model if tp is None else tp.model
-    try:
-        with traced_as_compiled(), quiet_trace_logs(), eval_mode(model), torch.no_grad():
-            graph = (tracer or fake_make_fx)(evaluate, args)
-        drop_inert_calls(graph)
-    except AotError:
-        raise
-    except Exception as e:
-        raise AotError(f"{mf.path.name}: the eval step (forward and loss in eval mode) cannot be traced: {describe_error(e, mf.path)}") from e
+    graph = trace_user_code(evaluate, args, mf, "the eval step (forward and loss in eval mode)", eval_mode(model), torch.no_grad(), tracer=tracer)
     return CapturedStep(graph=graph, slots=slots, example_args=list(args))
 
 
@@ -157,12 +145,5 @@ def capture_pipeline_eval(mf: ModelFile, state: TrainingState, pipeline, layout:
         return local_loss, global_loss
 
     args, slots = eval_args(own, replace(layout, pp=None), inputs, targets)
-    try:
-        with traced_as_compiled(), quiet_trace_logs(), torch.no_grad():
-            graph = make_fx(evaluate, tracing_mode="fake")(*args)
-        drop_inert_calls(graph)
-    except AotError:
-        raise
-    except Exception as e:
-        raise AotError(f"{mf.path.name}: pipeline rank {pipeline.rank}'s eval step cannot be traced: {describe_error(e, mf.path)}") from e
+    graph = trace_user_code(evaluate, args, mf, f"pipeline rank {pipeline.rank}'s eval step", torch.no_grad())
     return CapturedStep(graph=graph, slots=slots, example_args=list(args))

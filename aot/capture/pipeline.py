@@ -26,27 +26,22 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from aot.capture.inert_calls import drop_inert_calls
 from aot.capture.model_file import ModelFile
 from aot.capture.stages import Stage
-from aot.capture.model_file import describe_error
 from aot.capture.step import (
     CapturedStep,
     Group,
     StepLayout,
     _gather,
-    traced_as_compiled,
     partial_gradients,
     prove,
     rank_state,
     step_args,
     step_program,
+    trace_user_code,
 )
-from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
-from aot.errors import AotError
 from runner.format.transfers import transfer_tag
 
 _funcol = torch.ops._c10d_functional
@@ -127,14 +122,7 @@ def capture_pipeline(
     step = _pipeline_step(own, pipeline, layout, len(inputs), finish, tied_like)
     # zero-bubble's weight passes are tagged through the node metadata torch keeps while tracing
     split = any(a.kind == "W" for a in pipeline.actions)
-    try:
-        with traced_as_compiled(), quiet_trace_logs(), fx_traceback.preserve_node_meta() if split else contextlib.nullcontext():
-            graph = make_fx(step, tracing_mode="fake")(*args)
-        drop_inert_calls(graph)
-    except AotError:
-        raise
-    except Exception as e:
-        raise AotError(f"{mf.path.name}: pipeline rank {pipeline.rank}'s step cannot be traced: {describe_error(e, mf.path)}") from e
+    graph = trace_user_code(step, args, mf, f"pipeline rank {pipeline.rank}'s step", fx_traceback.preserve_node_meta() if split else contextlib.nullcontext())
     captured = CapturedStep(graph=graph, slots=slots, example_args=[a.detach() for a in args], tp_summed=layout.tp_summed)
     if layout.tp is not None:
         summed = partial_gradients(captured, layout, state, f"{mf.path.name} (pipeline rank {pipeline.rank})")

@@ -242,6 +242,24 @@ def _slot(kind: str, tensor: torch.Tensor | None = None, **fields) -> dict:
     return slot
 
 
+def trace_user_code(fn, args: list, mf: ModelFile, what: str, *contexts, tracer=None) -> torch.fx.GraphModule:
+    """`fn` (a function of model code) traced on `args` (`tracer`: make_fx on fake tensors unless
+    given) as torch.compile would run it (traced_as_compiled), torch's trace logs quiet, under
+    `contexts` too; calls that leave nothing in the graph dropped. A failure is one line naming
+    `what` and the model file's line."""
+    try:
+        with contextlib.ExitStack() as stack:
+            for context in (traced_as_compiled(), quiet_trace_logs(), *contexts):
+                stack.enter_context(context)
+            graph = (tracer or fake_make_fx)(fn, args)
+        drop_inert_calls(graph)
+    except AotError:
+        raise
+    except Exception as e:
+        raise AotError(f"{mf.path.name}: {what} cannot be traced: {describe_error(e, mf.path)}") from e
+    return graph
+
+
 def fake_make_fx(step, args: list) -> torch.fx.GraphModule:
     """The build's tracer: make_fx on fake tensors (no real computation or collective runs)."""
     return make_fx(step, tracing_mode="fake")(*args)
@@ -488,19 +506,12 @@ def _capture(
 ) -> CapturedStep:
     step, _ = step_program(mf, state, len(inputs), layout, tp)
     args, slots = step_args(state, layout, inputs, targets)
-    try:
-        # every node knows its module call (recomputation checkpoints layers by them), in the
-        # planner's traces as in the build's
-        # SyncBatchNorm's statistics over the ranks holding different samples (dp, fsdp; not tp)
-        model = state.model if tp is None else tp.model
-        data_groups = [g for g in (layout.fsdp, layout.dp) if g is not None]
-        with traced_as_compiled(), quiet_trace_logs(), annotate_module_calls(model), sync_batchnorm_in_graph(model, data_groups):
-            graph = (tracer or fake_make_fx)(step, args)
-        drop_inert_calls(graph)
-    except AotError:
-        raise
-    except Exception as e:
-        raise AotError(f"{mf.path.name}: the training step cannot be traced: {describe_error(e, mf.path)}") from e
+    # every node knows its module call (recomputation checkpoints layers by them), in the
+    # planner's traces as in the build's
+    # SyncBatchNorm's statistics over the ranks holding different samples (dp, fsdp; not tp)
+    model = state.model if tp is None else tp.model
+    data_groups = [g for g in (layout.fsdp, layout.dp) if g is not None]
+    graph = trace_user_code(step, args, mf, "the training step", annotate_module_calls(model), sync_batchnorm_in_graph(model, data_groups), tracer=tracer)
     # Export re-traces the graph with in-place updates on these inputs; they must not require grad.
     example = [a.detach() for a in args]
     return CapturedStep(graph=graph, slots=slots, example_args=example)
