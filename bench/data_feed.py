@@ -70,7 +70,7 @@ def main() -> None:
     if not shard.exists() or shard.stat().st_size != 4 * 2**30:
         print(f"writing {shard} (2^31 random tokens, 4 GiB) ...", file=sys.stderr)
         write_shard(shard, tokens, vocab=96)
-    art = args.work / "gpt"
+    art = args.work / f"gpt-b{args.batch_size}-s{args.steps}"  # the schedule covers --steps
     if not art.exists():
         subprocess.run(
             [

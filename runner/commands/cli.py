@@ -31,7 +31,7 @@ def _restarted() -> bool:
     help="Training data: a file, a folder or a glob of shards, read in name order as one sequence. safetensors files "
     "with `inputs` (or inputs.0, inputs.1, ...) and `targets`, one sample per row; or token streams for a model "
     "whose input and targets are [batch, T] token ids: llm.c's .bin (256 x int32 header), a raw .bin "
-    "(--token-dtype) or a 1-D .npy, cut into windows of T + 1 tokens. Memory-mapped: a rank reads the rows it uses. "
+    "(--token-dtype) or a 1-D .npy, cut into windows of T + 1 tokens. A rank reads the rows it uses, never the whole file. "
     "Default: the example batch recorded at build time.",
 )
 @click.option(
