@@ -75,6 +75,17 @@ def test_token_shards_train_as_eager_ddp_on_the_same_windows(built, stream, tmp_
         assert all(torch.equal(other_weights[k], weights[k]) for k in weights), name
 
 
+@pytest.mark.parametrize("strategy", ["fsdp=2", pytest.param("tp=2", marks=pytest.mark.slow), pytest.param("pp=2", marks=pytest.mark.slow)])
+def test_token_shards_train_as_eager_ddp_under_every_strategy(built, stream, strategy, tmp_path):
+    """The two llm.c shards under fsdp, tp and pp against eager DDP over the data-parallel ranks
+    reading the windows as rows: losses and merged weights (tp ranks read the same rows; pipeline
+    ranks the rows their stages take)."""
+    art = built(GPT, "--world-size", 2, "--batch-size", BATCH, "--strategy", strategy, "--no-onnx", "--no-eval")
+    losses, weights = _train(art, stream / "shards", tmp_path)
+    ref = reference(GPT, stream / "windows.safetensors", 2 if strategy == "fsdp=2" else 1, BATCH, tmp_path, steps=STEPS)
+    assert_same_training(losses, json.loads((ref / "losses.json").read_text()), weights, load_file(ref / "state_dict.safetensors"))
+
+
 def test_shuffled_epochs_read_the_seeded_order_and_resume_exactly(built, stream, tmp_path):
     """--shuffle 7 over two epochs of the token shards trains bit-identically to an unshuffled run on
     the windows written out in runner.execution.data.shuffled_rows's order; stopped after epoch 1 and resumed

@@ -60,6 +60,9 @@ def test_val_loss_equals_eager_eval_mode_on_the_trained_weights(built, rows, str
         r = ok(torchrun(2, "eval", art, "--data", rows, "--batches", BATCHES, "--resume", ckpt, "--json"))
         once = json.loads(r.stdout.strip().splitlines()[-1])
         assert once["val_loss"] == records[-1]["val_loss"] and once["step"] == 2 and once["samples"] == BATCH * 2 * BATCHES
+        # the same weights given as a state_dict (what `aot checkpoint merge` wrote)
+        r = ok(torchrun(2, "eval", art, "--data", rows, "--batches", BATCHES, "--init-from", tmp_path / "merged.safetensors", "--json"))
+        assert json.loads(r.stdout.strip().splitlines()[-1])["val_loss"] == records[-1]["val_loss"]
 
 
 def test_eval_every_records_each_and_an_artifact_without_an_eval_program_says_so(built, rows, tmp_path):
