@@ -160,10 +160,10 @@ def by_budget(graph: torch.fx.Graph, fraction: float, cost: Callable) -> Choice:
     more at a time from the first, with single values chosen around them. With fraction 0 the
     result is the most this can recompute: its `fraction` is the smallest feasible budget."""
     fwd = Forward(graph)
-    layers = _layers(fwd)
+    layered = _Layered(fwd, _layers(fwd), cost)
     best: Choice | None = None
-    for k in range(len(layers) + 1):
-        choice = _layers_and_values(fwd, set(layers[:k]), fraction, cost)
+    for k in range(len(layered.layers) + 1):
+        choice = layered.with_values(k, fraction)
         if choice.kept_bytes <= fraction * choice.saved_bytes:
             return choice
         if best is None or choice.kept_bytes < best.kept_bytes:
@@ -172,14 +172,101 @@ def by_budget(graph: torch.fx.Graph, fraction: float, cost: Callable) -> Choice:
     return best
 
 
-def _layers_and_values(fwd: Forward, layers: set, fraction: float, cost: Callable) -> Choice:
-    region = {n: _region_of(n, lambda call: call in layers) for n in fwd.nodes}
-    choice = _checkpoint(fwd, region, lambda n: False)
-    chosen = {o for o in fwd.saved if o in choice.nodes}
-    pinned = set(choice.pinned)
+class _Layered:
+    """by_budget's search over how many layers to checkpoint, each part found once: the first k
+    layers checkpointed is the union of each layer checkpointed alone (a layer's recipes stay
+    inside it and stop at values kept, and what crosses between layers is kept), so a search over
+    k costs each layer's walk once, not k walks of the graph (the 8B step's 32 layers made it the
+    planner's largest cost). Each single value's recipe is found once too."""
+
+    def __init__(self, fwd: Forward, layers: list, cost: Callable):
+        self.fwd, self.layers = fwd, layers
+        seconds: dict = {}
+        self.cost = lambda n: seconds[n] if n in seconds else seconds.setdefault(n, cost(n))
+        every = set(layers)
+        self.layer_of = {n: _region_of(n, lambda call: call in every) for n in fwd.nodes}
+        self.views: dict = {}  # owner -> the forward nodes living in its storage
+        for n in fwd.nodes:
+            self.views.setdefault(fwd.owner[n], []).append(n)
+        self.outputs: dict = {}  # layer -> owners of its values read outside it
+        for n in fwd.nodes:
+            for a in n.all_input_nodes:
+                layer = self.layer_of.get(a)
+                if layer is not None and layer != self.layer_of.get(n):
+                    self.outputs.setdefault(layer, set()).add(fwd.owner[a])
+        self.saved_in: dict = {}  # layer -> the saved owners made inside it
+        for owner in fwd.saved:
+            if self.layer_of.get(owner) is not None:
+                self.saved_in.setdefault(self.layer_of[owner], []).append(owner)
+        self.candidates = _value_candidates(fwd, self.cost)
+        self._parts: dict = {}
+
+    def _part(self, layer) -> tuple:
+        """(values recomputed, nodes, owners pinned, owners kept beyond the saved ones) of `layer`
+        checkpointed alone: _checkpoint's walk, restricted to the layer."""
+        if layer in self._parts:
+            return self._parts[layer]
+        fwd, outputs = self.fwd, self.outputs.get(layer, set())
+        chosen = {o for o in self.saved_in.get(layer, ()) if o not in outputs and fwd.recomputable(o)}
+        nodes, pinned, added = set(), set(), set()
+        for owner in chosen:
+            found, stops, extra = fwd.recipe(
+                owner,
+                lambda a: self.layer_of.get(a) != layer or (fwd.owner[a] in fwd.saved and fwd.owner[a] not in chosen) or fwd.owner[a] in added,
+            )
+            nodes |= found
+            pinned |= stops
+            added |= stops | extra
+        self._parts[layer] = (chosen, nodes, pinned, added)
+        return self._parts[layer]
+
+    def with_values(self, k: int, fraction: float) -> Choice:
+        """The first `k` layers checkpointed whole, then single values outside them (cheapest per
+        byte first) until `fraction` of the saved bytes is kept."""
+        fwd = self.fwd
+        chosen_layers = set(self.layers[:k])
+        choice = Choice(saved_bytes=sum(fwd.saved.values()))
+        recomputed: set = set()
+        added: set = set()
+        for layer in self.layers[:k]:
+            values, nodes, pinned, more = self._part(layer)
+            recomputed |= values
+            choice.nodes |= nodes
+            choice.pinned |= pinned
+            added |= more
+        for owner in recomputed:
+            choice.nodes.update(self.views.get(owner, ()))
+        choice.kept = (set(fwd.saved) - recomputed) | added
+        choice.kept_bytes = sum(_storage_bytes(o) for o in choice.kept)
+        chosen = {o for o in fwd.saved if o in choice.nodes}
+        pinned = set(choice.pinned)
+        kept_extra = set(choice.kept) - set(fwd.saved)
+        for _, owner, nodes, stops, extra in self.candidates:
+            if choice.kept_bytes <= fraction * choice.saved_bytes:
+                break
+            if self.layer_of.get(owner) in chosen_layers or owner in pinned or stops & chosen:
+                continue
+            gain = fwd.saved[owner] - sum(_storage_bytes(e) for e in extra - kept_extra)
+            if gain <= 0:
+                continue
+            chosen.add(owner)
+            pinned |= stops
+            kept_extra |= extra
+            choice.nodes |= nodes
+            choice.kept_bytes -= gain
+        for owner in chosen:
+            choice.nodes.update(self.views.get(owner, ()))
+        choice.values = len(chosen)
+        choice.cost_s = sum(self.cost(n) for n in choice.nodes)  # each copied once, however many values share it
+        return choice
+
+
+def _value_candidates(fwd: Forward, cost: Callable) -> list:
+    """Every saved value that can be recomputed alone, cheapest per byte freed first: (seconds per
+    byte, owner, the nodes rebuilding it, the saved values it reads, the values it pins)."""
     candidates = []
     for owner, size in fwd.saved.items():
-        if size == 0 or region.get(owner) is not None or not fwd.recomputable(owner):
+        if size == 0 or not fwd.recomputable(owner):
             continue
         nodes, stops, extra = fwd.recipe(owner, lambda a, o=owner: fwd.owner[a] in fwd.saved and fwd.owner[a] is not o)
         seconds = sum(cost(n) for n in nodes)
@@ -187,24 +274,7 @@ def _layers_and_values(fwd: Forward, layers: set, fraction: float, cost: Callabl
         if gain > 0:
             candidates.append((seconds / gain, owner, nodes, stops, extra))
     candidates.sort(key=lambda c: (c[0], c[1].name))
-    kept_extra = set(choice.kept) - set(fwd.saved)
-    for _, owner, nodes, stops, extra in candidates:
-        if choice.kept_bytes <= fraction * choice.saved_bytes:
-            break
-        if owner in pinned or stops & chosen:
-            continue
-        gain = fwd.saved[owner] - sum(_storage_bytes(e) for e in extra - kept_extra)
-        if gain <= 0:
-            continue
-        chosen.add(owner)
-        pinned |= stops
-        kept_extra |= extra
-        choice.nodes |= nodes
-        choice.kept_bytes -= gain
-    choice.nodes |= fwd.views_of(chosen)
-    choice.values = len(chosen)
-    choice.cost_s = sum(cost(n) for n in choice.nodes)  # each copied once, however many values share it
-    return choice
+    return candidates
 
 
 def _layers(fwd: Forward) -> list:
