@@ -42,6 +42,24 @@ def steps():
     return found
 
 
+def test_layers_checkpointed_together_are_each_checkpointed_alone(steps):
+    """by_budget's search (aot.passes.recompute._Layered) takes the first k layers checkpointed as
+    the union of each layer checkpointed alone, each found once: the same choice, node for node, as
+    _checkpoint over the k layers' region at once, for every k."""
+    from aot.passes.recompute import _checkpoint, _Layered, _layers, _region_of
+
+    step, _ = steps[GPT_DROPOUT]
+    fwd = Forward(step.graph.graph)
+    layers = _layers(fwd)
+    layered = _Layered(fwd, layers, cost)
+    assert len(layers) == 2
+    for k in range(len(layers) + 1):
+        together = _checkpoint(fwd, {n: _region_of(n, lambda call: call in set(layers[:k])) for n in fwd.nodes}, lambda n: False)
+        alone = layered.with_values(k, 1.0)  # budget 1: no single value beyond the layers
+        assert (alone.nodes, alone.kept, alone.pinned, alone.kept_bytes) == (together.nodes, together.kept, together.pinned, together.kept_bytes), k
+        assert k == 0 or together.nodes
+
+
 def _random_ops(gm) -> int:
     return sum(
         1
