@@ -178,29 +178,27 @@ def build_programs(options, rec: Recording, layout: StepLayout, target: Target, 
         "timeline": TIMELINE_FILE,
     }
     files = {TIMELINE_FILE: (json.dumps(timeline.trace, separators=(",", ":")) + "\n").encode()}
-    evaluation = {}
-    if options.eval:
-        progress.total += 1
-        with progress.stage(f"tracing the forward in eval mode and capturing {pp} pipeline ranks' eval programs (forward and loss)"):
-            evaluation = eval_programs(rec, layout, made.stages, group, microbatches)
+    evaluation = eval_programs(rec, layout, made.stages, group, microbatches, progress) if options.eval else {}
     return PipelineBuild(captures, analyses[peak].memory, time, recompute, entry, lambda coords: f"{PROGRAM_PREFIX}{coords.get(PP, 0)}", files, evaluation)
 
 
 EVAL_PREFIX = "eval_stage"  # + pipeline rank: its eval program's name
 
 
-def eval_programs(rec: Recording, layout: StepLayout, stages: list, group, microbatches: int) -> dict[str, CapturedStep]:
+def eval_programs(rec: Recording, layout: StepLayout, stages: list, group, microbatches: int, progress) -> dict[str, CapturedStep]:
     """Every pipeline rank's eval program (aot/capture/eval_step.py): one microbatch's forward
     traced again with the model in eval mode and cut where the training stages were."""
     pp = group.size
     size = rec.targets.shape[0] // microbatches
-    with eval_mode(rec.state.model):
-        forward, sources = trace_forward(rec.mf, rec.state, layout, [t[:size] for t in rec.inputs], rec.targets[:size])
-    cut_stages = cut(forward, sources, {layer: s.index for s in stages for layer in s.layers}, len(stages))
-    made = {}
-    for r in range(pp):
-        pipeline = Pipeline(group, r, tuple(cut_stages), microbatches, ())
-        captured = capture_pipeline_eval(rec.mf, rec.state, pipeline, layout, rec.inputs, rec.targets)
-        captured.graph = run_passes(captured.graph, only=CLEANUP)
-        made[f"{EVAL_PREFIX}{r}"] = captured
+    progress.total += 1
+    with progress.stage(f"tracing the forward in eval mode and capturing {pp} pipeline ranks' eval programs (forward and loss)"):
+        with eval_mode(rec.state.model):
+            forward, sources = trace_forward(rec.mf, rec.state, layout, [t[:size] for t in rec.inputs], rec.targets[:size])
+        cut_stages = cut(forward, sources, {layer: s.index for s in stages for layer in s.layers}, len(stages))
+        made = {}
+        for r in range(pp):
+            pipeline = Pipeline(group, r, tuple(cut_stages), microbatches, ())
+            captured = capture_pipeline_eval(rec.mf, rec.state, pipeline, layout, rec.inputs, rec.targets)
+            captured.graph = run_passes(captured.graph, only=CLEANUP)
+            made[f"{EVAL_PREFIX}{r}"] = captured
     return made
