@@ -175,8 +175,9 @@ VALUES = (None, True, False, 0, 1, -1, 2, 0.5, -3.5, 1e30, "", "x", "fp32", "bf1
 def _is_state_value(path: tuple) -> bool:
     """A field whose value the runner takes as the artifact's data, so that changing it changes the
     training as the manifest says: an optimizer state's initial fill (a custom optimizer's may be
-    any number). Everything else a run accepts must leave the run as it was."""
-    return path[:2] == ("state", "optimizer_init") and path[-1] == "fill"
+    any number), fp16 loss scaling's settings (within GradScaler's bounds, which the runner checks).
+    Everything else a run accepts must leave the run as it was."""
+    return (path[:2] == ("state", "optimizer_init") and path[-1] == "fill") or path[:2] == ("precision", "grad_scaler")
 
 
 def _mutated(manifest: dict, rng) -> tuple[dict, tuple]:

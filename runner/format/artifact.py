@@ -9,6 +9,8 @@ anything else is refused with both versions named.
 
 from __future__ import annotations
 
+import math
+
 import json
 from pathlib import Path
 
@@ -280,6 +282,11 @@ def _check_structure(m: dict, where: str) -> None:
             _conform(scaler, SCALER_SCHEMA, "precision.grad_scaler")
         except AotError as e:
             raise AotError(f"{where}: {e}") from None
+        # torch.amp.GradScaler's own bounds: a scale that is a positive finite number, growth above 1, backoff in (0, 1)
+        expect(0 < scaler["init_scale"] < math.inf, f"precision.grad_scaler.init_scale {scaler['init_scale']!r} is not a positive finite number")
+        expect(1 < scaler["growth_factor"] < math.inf, f"precision.grad_scaler.growth_factor {scaler['growth_factor']!r} is not a finite number above 1")
+        expect(0 < scaler["backoff_factor"] < 1, f"precision.grad_scaler.backoff_factor {scaler['backoff_factor']!r} is not between 0 and 1")
+        expect(scaler["growth_interval"] >= 1, f"precision.grad_scaler.growth_interval {scaler['growth_interval']!r} is not a positive number of steps")
     mesh = m["mesh"]
     expect(len(mesh["axes"]) == len(mesh["shape"]), "mesh needs axes (names) and shape (degrees) of equal length")
     size = 1
