@@ -151,6 +151,11 @@ def test_bad_token_data_is_one_line(built, stream, tmp_path):
     for (data, *extra), *needles in cases:
         r = aot("run", art, "--steps", 3, "--data", data, *extra, "--quiet")
         assert_user_error(r, *needles)
+    # rank 0 of a 2-rank job, alone and given no rendezvous: the shards (--data and --eval-data) are
+    # refused before any process group would start (or say it has no rendezvous)
+    two = built(GPT, "--world-size", 2, "--batch-size", BATCH, "--no-onnx")
+    for flag in ("--data", "--eval-data"):
+        assert_user_error(aot("run", two, "--rank", 0, "--world-size", 2, flag, short), "fewer than one window of 65")
 
 
 def test_a_shard_rewritten_during_the_run_is_refused(stream, tmp_path):

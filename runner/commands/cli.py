@@ -174,7 +174,8 @@ def run(
         check_writable_target(profile_dir, "folder")
 
     tag = f"[rank {launch.rank}] " if launch.world_size != 1 else ""
-    trainer = start_trainer(artifact, launch, tag, quiet, tier=tier, init_from=init_from, evaluates=eval_data is not None, **job)
+    opened = tuple((path, token_dtype) for path in (data, eval_data) if path is not None)  # checked before any process group
+    trainer = start_trainer(artifact, launch, tag, quiet, tier=tier, init_from=init_from, evaluates=eval_data is not None, data_files=opened, **job)
     say = (lambda msg: click.echo(msg, err=True)) if (trainer.rank == 0 and not quiet) else (lambda msg: None)
 
     target = None

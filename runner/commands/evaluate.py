@@ -42,7 +42,7 @@ def evaluate(artifact, data, batches, token_dtype, resume, init_from, as_json, *
     if init_from is not None and resume is not None:
         raise AotError("--init-from and --resume both give the weights: give one")
     tag = f"[rank {launch.rank}] " if launch.world_size != 1 else ""
-    trainer = start_trainer(artifact, launch, tag, True, init_from=init_from, evaluates=True, **job)
+    trainer = start_trainer(artifact, launch, tag, True, init_from=init_from, evaluates=True, data_files=((data, token_dtype),), **job)
     if resume is not None:
         trainer.resume(resume)
     evaluator = Evaluator(trainer)

@@ -102,6 +102,7 @@ class Trainer:
         init_from: str | Path | None = None,
         launch: Launch | None = None,
         evaluates: bool = False,
+        data_files: tuple = (),
     ):
         self.artifact = artifact = Artifact(path, trusted_keys, torch_skew=allow_torch_skew)
         manifest = artifact.manifest
@@ -157,6 +158,17 @@ class Trainer:
             if self.rank == 0:
                 for line in self.init_from.notes:
                     notice(line)
+        self.data_spec = manifest["data"]
+        self.coords = entry["coords"]
+        # Ranks that differ along a data axis (dp, fsdp) read different rows of the data.
+        self.data_rank, self.data_size = 0, 1
+        for axis, degree in zip(manifest["mesh"]["axes"], manifest["mesh"]["shape"]):
+            if axis in DATA_AXES:
+                self.data_rank = self.data_rank * degree + self.coords.get(axis, 0)
+                self.data_size *= degree
+        # The data files (`data_files`: (path, token dtype) pairs) opened, their headers and shapes
+        # checked, before any process group starts: a bad shard fails at once, in one line per rank.
+        self._opened = {(str(path), dtype): DataSource.from_file(path, self.data_spec, self.data_rank, self.data_size, dtype) for path, dtype in data_files}
         self.timeout_s = timeout_s
         self._init_distributed(profile)
         self.groups = bind_process_groups(manifest["process_groups"], self.rank, self.world_size)
@@ -192,14 +204,6 @@ class Trainer:
         self._weights = {k: self._place(v) for k, v in weights.items()}
         self._optimizer = {k: self._place(v) for k, v in optimizer.items()}
 
-        self.data_spec = manifest["data"]
-        self.coords = entry["coords"]
-        # Ranks that differ along a data axis (dp, fsdp) read different rows of the data.
-        self.data_rank, self.data_size = 0, 1
-        for axis, degree in zip(manifest["mesh"]["axes"], manifest["mesh"]["shape"]):
-            if axis in DATA_AXES:
-                self.data_rank = self.data_rank * degree + self.coords.get(axis, 0)
-                self.data_size *= degree
         self.sharding = manifest.get("sharding")
         self.tensor_parallel = manifest.get("tensor_parallel")
         pipeline = manifest.get("pipeline")
@@ -438,7 +442,7 @@ class Trainer:
         """--data's rows for this rank (a file, folder or glob of shards: runner/execution/data.py), or the
         artifact's recorded example batch; `shuffle`: --shuffle's seed (every epoch in its order)."""
         if path is not None:
-            source = DataSource.from_file(path, self.data_spec, self.data_rank, self.data_size, token_dtype)
+            source = self._opened.pop((str(path), token_dtype), None) or DataSource.from_file(path, self.data_spec, self.data_rank, self.data_size, token_dtype)
             if not self.reads_batch:
                 self._log(f"pipeline rank {self.coords.get(PP, 0)}'s program takes no inputs or targets: it reads no data")
                 return source.unread()
