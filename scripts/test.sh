@@ -10,8 +10,8 @@ python -m ruff format --check --quiet .
 # types of runner/ and aot/ (pyproject.toml [tool.mypy]; a few seconds)
 python -m mypy
 # Scenarios marked slow (more strategies on the second example model, a second placed mesh) run
-# in CI (.ci/run sets AOT_TEST_LONG=1) or when you set it (CI's whole run: 26.0 minutes on 2
-# cores on 2026-12-05 at 98404e5, 24.6 of them tests; without them 10.9 minutes of tests at a816463).
+# in CI (.ci/run sets AOT_TEST_LONG=1) or when you set it (CI's whole run: 26.7 minutes on 2
+# cores on 2026-12-05 at a386743, 25.6 of them tests; without them 10.9 minutes of tests at a816463).
 if [ "${AOT_TEST_LONG:-0}" = "1" ]; then
   python -m pytest -q -p no:cacheprovider --durations=15 "$@"
 else
