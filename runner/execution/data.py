@@ -31,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from runner.errors import AotError
+from runner.format.axes import DATA_AXES
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -62,6 +63,16 @@ def split_batch_tensors(tensors: dict[str, torch.Tensor], where: str) -> tuple[l
         if not inputs:
             raise AotError(f"{where}: no tensor named 'inputs' or 'inputs.0' (has: {', '.join(sorted(tensors))})")
     return inputs, tensors["targets"]
+
+
+def data_rank_of(mesh: dict, coords: dict) -> tuple[int, int]:
+    """(this rank's data rank, how many data ranks): ranks that differ along a data axis (dp,
+    fsdp) read different rows; along the others (tp, pp) the same."""
+    rank, size = 0, 1
+    for axis, degree in zip(mesh["axes"], mesh["shape"]):
+        if axis in DATA_AXES:
+            rank, size = rank * degree + coords.get(axis, 0), size * degree
+    return rank, size
 
 
 class DataSource:

@@ -13,6 +13,7 @@ import torch
 from runner.errors import AotError
 from runner.execution.data import DataSource
 from runner.execution.graph_loader import input_shapes, load_portable, wait_at_issue
+from runner.execution.p2p import forget_waits
 
 NO_EVAL_PROGRAM = "has no eval program (it was built before aot wrote one); rebuild it with this aot to evaluate"
 
@@ -29,8 +30,8 @@ class Evaluator:
         program = artifact.program(name)
         program_json = artifact.read(program["file"])
         self._module, _ = load_portable(artifact, program, trainer.device, program_json)
-        if trainer.collectives_waited_at_issue or trainer.tier == "compiled" and trainer.on_gloo():
-            wait_at_issue(self._module)  # gloo: one collective in flight at a time, as the training program
+        if trainer.on_gloo():
+            wait_at_issue(self._module)  # gloo: one collective in flight at a time (graph_loader.wait_at_issue)
         self._trainer = trainer
         self._slots = program["inputs"]
         shapes = input_shapes(program_json)
@@ -63,6 +64,7 @@ class Evaluator:
                         args.append(trainer.check_input(next(given, None), slot, f"eval inputs[{slot['index']}]"))
                     else:
                         args.append(trainer.check_input(targets, slot, "eval targets"))
+                forget_waits()  # a pipeline's transfers named in a failure are this run's (runner/execution/p2p.py)
                 try:
                     outputs = self._module(*args)
                 except RuntimeError as e:

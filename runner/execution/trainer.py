@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from runner.format.artifact import TORCH_SKEW_FLAG, TORCH_SKEW_RISK, Artifact
-from runner.format.axes import DATA_AXES, PP
+from runner.format.axes import PP
 from runner.format.checkpoint import commit_checkpoint, last_good, layout_of, load_checkpoint, optimizer_key, remove_shard, write_shard
 from runner.execution.compiled import CompiledProgram, choose_tier, live_device, load_compiled
 from runner.execution.custom_ops import import_op_libraries
-from runner.execution.data import DataSource, describe, dtype_name, split_batch_tensors
+from runner.execution.data import DataSource, data_rank_of, describe, dtype_name, split_batch_tensors
 from runner.execution.evaluation import NO_EVAL_PROGRAM
 from runner.errors import AotError
 from runner.execution.replica_check import check_replicas
@@ -160,12 +160,7 @@ class Trainer:
                     notice(line)
         self.data_spec = manifest["data"]
         self.coords = entry["coords"]
-        # Ranks that differ along a data axis (dp, fsdp) read different rows of the data.
-        self.data_rank, self.data_size = 0, 1
-        for axis, degree in zip(manifest["mesh"]["axes"], manifest["mesh"]["shape"]):
-            if axis in DATA_AXES:
-                self.data_rank = self.data_rank * degree + self.coords.get(axis, 0)
-                self.data_size *= degree
+        self.data_rank, self.data_size = data_rank_of(manifest["mesh"], self.coords)
         # The data files (`data_files`: (path, token dtype) pairs) opened, their headers and shapes
         # checked, before any process group starts: a bad shard fails at once, in one line per rank.
         self._opened = {(str(path), dtype): DataSource.from_file(path, self.data_spec, self.data_rank, self.data_size, dtype) for path, dtype in data_files}
