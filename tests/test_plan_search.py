@@ -244,6 +244,7 @@ def test_build_strategy_auto_records_the_plan_and_its_timeline(tmp_path):
 
 
 @pytest.mark.slow  # CPU ranks' calibration, timed three times (26 s); CI runs it
+@pytest.mark.alone  # compares this machine's speed measured two ways: nothing may run beside it
 def test_calibrate_under_torchrun_writes_a_profile_the_planner_reads(tmp_path):
     """The profile calibrate writes on 2 CPU ranks holds figures of this machine: matmul FLOP/s,
     copy bandwidth, GELU's time per element and all_reduce's alpha-beta line are each within a
@@ -332,6 +333,7 @@ def test_runner_applies_the_planned_nccl_algorithm_unless_the_user_set_one(tmp_p
     assert "from the environment" in said[-1] and planned in said[-1]
 
 
+@pytest.mark.alone  # the measured exposed communication against the measured step
 def test_run_profile_is_compared_with_the_plan_by_inspect(tmp_path):
     """`aot run --profile DIR` writes a measured Chrome trace and step summary; `aot inspect
     --profile DIR` puts measured step, compute and exposed communication next to the prediction."""

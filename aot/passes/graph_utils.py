@@ -93,24 +93,14 @@ def tensor_bytes(node: torch.fx.Node) -> int:
 
 
 def latest_input(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The input of `node` that comes last in graph order (None if it has none)."""
-    inputs = set(node.all_input_nodes)
-    cursor = node.prev
-    while inputs and cursor.op != "root":
-        if cursor in inputs:
-            return cursor
-        cursor = cursor.prev
-    return None
+    """The input of `node` that comes last in graph order (None if it has none). Nodes compare by
+    their place in the graph (torch keeps a sort key per node as nodes move): a walk back from
+    `node` cost the overlap pass a third of planning Llama 8B."""
+    return max((i for i in node.all_input_nodes if i < node), default=None)
 
 
 def first_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    users = set(node.users)
-    cursor = node.next
-    while users and cursor.op != "root":
-        if cursor in users:
-            return cursor
-        cursor = cursor.next
-    return None
+    return min((u for u in node.users if u > node), default=None)
 
 
 def place_after(anchor: torch.fx.Node, node: torch.fx.Node) -> None:

@@ -80,4 +80,4 @@ def _view_chain(wait: torch.fx.Node) -> list[torch.fx.Node]:
             if user not in chain and is_call(user, _VIEWS) and user.args[0] in chain:
                 chain.add(user)
                 todo.append(user)
-    return [n for n in wait.graph.nodes if n in chain]
+    return sorted(chain)  # nodes compare by their place in the graph

@@ -392,26 +392,32 @@ def _transient_part(node, index: int, turn: int) -> str:
 
 def memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Memory:
     """Memory of resident tensors (part, numel, element size) and transient `intervals`, the
-    peak found by sweeping the graph's `length` nodes."""
+    peak found by sweeping the graph's `length` nodes: what is live at each node is a running sum
+    of the sizes born and freed there (integer tensors: the planner sweeps graphs of a hundred
+    thousand nodes hundreds of times, too slow a loop in Python)."""
     mem = Memory(resident_tensors=resident, intervals=intervals, length=length, scale=scale)
-    scale = scale or (lambda n: n)
     for part, numel, elsize in resident:
         setattr(mem, part, getattr(mem, part) + numel * elsize)
-    delta = {part: [0] * (length + 2) for part in TRANSIENT_PARTS}
-    for start, end, numel, elsize, part in intervals:
-        size = scale(numel) * elsize
-        delta[part][start] += size
-        delta[part][min(end, length) + 1] -= size
-    live = dict.fromkeys(TRANSIENT_PARTS, 0)
-    peak = activations = 0
-    for i in range(length + 2):
-        for part in TRANSIENT_PARTS:
-            live[part] += delta[part][i]
-        total = sum(live.values())
-        activations = max(activations, live["activations"])
-        if total > peak:
-            peak, mem.at_peak = total, dict(live)
-    mem.peak_transient, mem.activations_peak = peak, activations
+    if not intervals:
+        return mem
+    starts, ends, numels, elsizes, parts = zip(*intervals)
+    part_index = {part: i for i, part in enumerate(TRANSIENT_PARTS)}
+    rows = torch.tensor([part_index[part] for part in parts])
+    at = torch.cat([torch.tensor(starts), torch.tensor(ends).clamp(max=length) + 1])
+    sizes = torch.tensor(numels, dtype=torch.int64)
+    if mem.scale is not None:  # a rescaled graph's sizes: `scale` asked once per distinct size
+        distinct, where = sizes.unique(return_inverse=True)
+        sizes = torch.tensor([mem.scale(n) for n in distinct.tolist()], dtype=torch.int64)[where]
+    sizes = sizes * torch.tensor(elsizes, dtype=torch.int64)
+    delta = torch.zeros(len(TRANSIENT_PARTS), length + 2, dtype=torch.int64)
+    delta.index_put_((rows.repeat(2), at), torch.cat([sizes, -sizes]), accumulate=True)
+    live = delta.cumsum(1)
+    total = live.sum(0)
+    first_peak = int(total.argmax())  # the first node where the most is live
+    if total[first_peak] > 0:
+        mem.peak_transient = int(total[first_peak])
+        mem.at_peak = dict(zip(TRANSIENT_PARTS, live[:, first_peak].tolist()))
+    mem.activations_peak = max(0, int(live[part_index["activations"]].max()))
     return mem
 
 
@@ -547,7 +553,17 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
         for op in c.post_ops:
             run(op, _op_s(op, compute))
 
-    for k in range(len(step.ops) + 1):
+    n = len(step.ops)
+    done = 0  # ops run so far
+    for k in sorted({n, *(k for k in {*issues, *waits} if k < n)}):
+        # the ops before node k, one after another (the same sums as an op at a time)
+        if events is None:
+            for seconds in times[done:k]:
+                t += seconds
+        else:
+            for j in range(done, k):
+                run(step.ops[j], times[j])
+        done = k
         # waits first: a collective may take another's result as its input (on one FIFO
         # communication stream the order does not change any start or end time)
         here = waits.get(k, ())
@@ -559,8 +575,6 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
         for c in here:
             if c.issue_at == k:
                 wait(c)
-        if k < len(step.ops):
-            run(step.ops[k], times[k])
     step_s = max(t, comm_free)
     compute_s = sum(times) + sum(_op_s(op, compute) for c in step.comms for op in (*c.pre_ops, *c.post_ops))
     return Prediction(
