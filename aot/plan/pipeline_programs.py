@@ -48,6 +48,7 @@ def pipeline_programs(
     stage=None,
     note=lambda line: None,
     memory_limit: float | None = None,
+    forwards: dict | None = None,
 ) -> PipelinePrograms:
     """Every pipeline rank's program, through the graph passes (aot.passes.PASSES with `passes`);
     `stage(title)`: a progress context per part (None: none).
@@ -57,7 +58,11 @@ def pipeline_programs(
     logits), their boundaries move, one layer at a time, away from the rank that peaks (from any
     of its stages, interleaved), each split captured and its peaks read from the programs as built,
     until every rank fits or no move lowers the highest peak; the split with the lowest highest
-    peak is kept. A model file's `pp_split` is kept as written."""
+    peak is kept. A model file's `pp_split` is kept as written.
+
+    `forwards`: a cache of the traced microbatch forward by microbatch size, for callers that make
+    the programs of one layout at several schedules (the planner: each schedule's programs are cut
+    from the same forward, which cutting leaves as it is)."""
     from contextlib import nullcontext
 
     stage = stage or (lambda title: nullcontext())
@@ -68,8 +73,11 @@ def pipeline_programs(
     actions = schedule_actions(schedule, pp, microbatches, virtual)
     check(actions, microbatches, virtual)
     with stage(f"tracing one microbatch's forward and cutting it into {count} stages"):
-        forward, sources = trace_forward(mf, state, layout, [t[:size] for t in inputs], targets[:size])
-        weighted = _weighted_layers(forward, sources)
+        forwards = {} if forwards is None else forwards
+        if size not in forwards:
+            traced = trace_forward(mf, state, layout, [t[:size] for t in inputs], targets[:size])
+            forwards[size] = (*traced, _weighted_layers(*traced))
+        forward, sources, weighted = forwards[size]
     given = mf.globals.get("pp_split")
 
     def programs(starts: list[str] | None, trial: bool = False) -> tuple[list[Stage], list[CapturedStep], list[int]]:
