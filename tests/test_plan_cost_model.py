@@ -179,6 +179,29 @@ def test_microbatched_seconds_run_forward_and_backward_per_microbatch_and_the_st
     assert microbatched_seconds(step, gpu, 4) == pytest.approx(mm + 4 * tiny + tiny)
 
 
+def test_a_pipelines_lower_bound_takes_only_the_microbatch_counts_its_batch_splits_into():
+    """Planner.pipeline_may_win bounds a pipeline by the smallest bubble of the microbatch counts
+    pipeline_plan tries (1, 2 and 4 per pipeline rank). A batch of 2 at pp=2 splits into 2
+    microbatches only, whose smallest bubble (zero-bubble's, 1/7) is far above 8 microbatches'
+    (1/25): a plan without pp between the two bounds is beaten by no pipeline of that batch."""
+    from aot.plan.cost_model import Prediction
+    from aot.plan.placement import identity
+    from aot.plan.search import Plan, Planner
+
+    machine = Machine(load_profile("dgx_a100"), 8)
+    n = 8192
+    step = StepGraph(ops=[Op("mm", "mm", flops=2 * n**3, bytes=3 * n * n * 2, dtype="bfloat16")], comms=[], memory=Memory(), graph_nodes=1)
+    work = microbatched_seconds(step, machine.compute, 2)
+    loose, tight = work / 8 / (1 - 1 / 25), work / 8 / (1 - 1 / 7)
+    per_sample = (loose + tight) / 2
+    prediction = Prediction(step_s=8 * per_sample, compute_s=0.0, comm_s=0.0, exposed_comm_s=0.0, collectives=0, comm_bytes=0, algorithms={}, memory=Memory())
+    best = Plan(("dp",), (8,), 25.0, identity(("dp",), (8,)), prediction, fits=True)
+    may_win = lambda batch_size: Planner(machine, lambda axes, shape: step, batch_size=batch_size).pipeline_may_win([best], 2)  # noqa: E731
+    assert may_win(8) and may_win(None)  # 8 microbatches: the loose bound, below the plan
+    assert not may_win(2)  # 2 microbatches only: the plan is faster than any pipeline could be
+    assert may_win(3)  # no microbatch count fits: pipeline_plan says why, so it is tried
+
+
 def test_graph_reading_counts_flops_bytes_views_and_liveness():
     def f(x, w):
         y = torch.mm(x, w)  # (4x8) @ (8x16)

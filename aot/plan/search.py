@@ -113,8 +113,10 @@ class Planner:
         hierarchical: str = "auto",
         recomputing: Callable[[tuple, tuple], list[tuple[float, StepGraph]]] | None = None,
         pipeline: Callable | None = None,
+        batch_size: int | None = None,
     ):
         self.machine = machine
+        self.batch_size = batch_size  # per data-parallel rank: the microbatch counts a pipeline can take (None: any)
         # (axes, shape, microbatches) -> (programs, their analyses), one per pipeline rank (ModelSteps.pipeline)
         self._pipeline = pipeline
         self.hierarchical = hierarchical  # all_reduces in two levels: "auto" (where cheaper), "always", "never"
@@ -338,8 +340,9 @@ class Planner:
         step's end once (cost_model.microbatched_seconds at m = pp, on the data-parallel mesh's
         graph: W seconds for one batch); its pipeline ranks share W at best, and idle at least the
         smallest bubble share b any schedule pipeline_plan tries leaves at the most microbatches it
-        tries (aot.plan.pipeline.bubble_floor: (pp-1)/(v m + pp-1) for 1F1B and interleaved,
-        (pp-1)/(3 m + pp-1) for zero-bubble). Per sample: W / world size / (1 - b)."""
+        tries that the batch splits into (aot.plan.pipeline.bubble_floor: (pp-1)/(v m + pp-1) for
+        1F1B and interleaved, (pp-1)/(3 m + pp-1) for zero-bubble). Per sample: W / world size /
+        (1 - b)."""
         fitting = [p for p in plans if p.fits]
         if not fitting:
             return True
@@ -347,8 +350,13 @@ class Planner:
         whole = next((p for p in plans if p.recompute is None and dict(zip(p.axes, p.shape)).get(DP, 1) == world), None)
         if whole is None:
             return True
+        # the microbatch counts pipeline_plan tries that the batch splits into (a batch of 2 at
+        # pp=2: only 2, whose bubble is a third of 1F1B's step, not the 8 it would try)
+        tried = [k * pp for k in PIPELINE_MICROBATCHES_PER_RANK if self.batch_size is None or self.batch_size % (k * pp) == 0]
+        if not tried:
+            return True  # pipeline_plan says why none can be priced
         work = microbatched_seconds(self.step_graph(whole.axes, whole.shape), self.machine.compute, pp)
-        m = max(PIPELINE_MICROBATCHES_PER_RANK) * pp
+        m = max(tried)
         bubble = min(bubble_floor(schedule, pp, m, virtual) for schedule, virtual in PIPELINE_SCHEDULES)
         bound = work / world / (1 - bubble)
         return min(per_sample_s(p) for p in fitting) > bound
@@ -555,7 +563,7 @@ def plan_model(
             steps = reuse.retargeted(pricing)
         else:
             steps = ModelSteps(model_path, batch_size, seed, sequence_parallel, pricing, note=note)
-        planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing, pipeline=steps.pipeline)
+        planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing, pipeline=steps.pipeline, batch_size=batch_size)
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
         searched = tuple(axes or BUILD_AXES)
         steps.prefetch(searched)
