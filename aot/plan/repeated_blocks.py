@@ -28,9 +28,9 @@ from typing import Any, Callable
 
 import torch
 
-from torch._subclasses.fake_tensor import FakeTensor
 
 from aot.capture.graph_reading import storage_key
+from aot.passes.graph_utils import fake_in_storage
 from aot.capture.module_calls import BLOCK_BACKWARD, CHECKPOINT_CALLS, MODULE_CALLS, block_backward_of, layer_of
 from aot.compile_step import Recording
 
@@ -464,14 +464,8 @@ class _Stamper:
                 raise NotComposable(f"{node.name} outside the blocks holds a value of the middle block")
             return val
         storage = self._storage(owner, key, block + (owner_layer - layer))
-        return val if storage is None else self._fake(val, storage)
-
-    def _fake(self, like: torch.Tensor, storage) -> torch.Tensor:
-        """A fake tensor of `like`'s shape, strides, offset and dtype in `storage` (a meta
-        storage), made without dispatching through the fake mode: some 15 us, a tenth of an op's
-        fake dispatch, for the tens of thousands of values a deep model's copies hold."""
-        elem = torch.empty(0, dtype=like.dtype, device="meta").set_(storage, like.storage_offset(), like.shape, like.stride())
-        return FakeTensor(self.fake_mode, elem, like.device)
+        # made without the fake mode's dispatch, for the tens of thousands of values a deep model's copies hold
+        return val if storage is None else fake_in_storage(val, storage, self.fake_mode)
 
     def _storage(self, owner, key, block: int):
         """The deep graph's storage made by `owner`'s counterpart in `block` (None: the cut
