@@ -25,7 +25,7 @@ from aot.errors import AotError
 from aot.passes.recompute import has_checkpoint_calls
 from aot.plan.cost_model import Memory, analyze
 from aot.plan.pipeline import bubble_fraction, chunks_of
-from aot.plan.pipeline_programs import Schedule, pipeline_programs
+from aot.plan.pipeline_programs import Reporting, Schedule, pipeline_programs
 from aot.plan.pipeline_timeline import simulate_pipeline
 from aot.plan.build_plan import time_entry
 from aot.plan.search import Planner
@@ -94,6 +94,8 @@ def build_programs(options, rec: Recording, layout: StepLayout, target: Target, 
     size = options.batch_size // microbatches
     always = request.patterns or (request.fraction is not None and request.fraction < 1.0)
 
+    forwards: dict = {}
+
     def programs(recompute: bool, notes: bool):
         made = pipeline_programs(
             rec,
@@ -101,9 +103,9 @@ def build_programs(options, rec: Recording, layout: StepLayout, target: Target, 
             Schedule(group, microbatches, options.pp_schedule, virtual, recompute),
             compute=machine.compute,
             passes=passes,
-            stage=progress.stage,
-            note=progress.note if notes else (lambda line: None),
+            reporting=Reporting(progress.stage, progress.note if notes else Reporting.note),
             memory_limit=request.memory_bytes,
+            forwards=forwards,  # the microbatch forward, traced once for the plain and the recomputing programs
         )
         captures = {f"{PROGRAM_PREFIX}{r}": c for r, c in enumerate(made.captures)}
         return made, captures, {name: analyze(c.graph, c.slots) for name, c in captures.items()}

@@ -5,6 +5,8 @@ graph passes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from aot.capture.module_calls import layer_of
@@ -23,6 +25,15 @@ class PipelinePrograms:
     stages: list[Stage]
     actions: list[list]  # per pipeline rank (aot.plan.pipeline.Action)
     captures: list[CapturedStep]  # per pipeline rank, passes applied
+
+
+@dataclass(frozen=True)
+class Reporting:
+    """Where pipeline_programs reports its work: `stage(title)`, a context around each part (a
+    progress line), and `note(line)`, a fact worth a line (which stages hold which layers)."""
+
+    stage: Callable = lambda title: nullcontext()
+    note: Callable = lambda line: None
 
 
 @dataclass(frozen=True)
@@ -45,13 +56,12 @@ def pipeline_programs(
     *,
     compute,
     passes: PassOptions,
-    stage=None,
-    note=lambda line: None,
+    reporting: Reporting | None = None,
     memory_limit: float | None = None,
     forwards: dict | None = None,
 ) -> PipelinePrograms:
     """Every pipeline rank's program, through the graph passes (aot.passes.PASSES with `passes`);
-    `stage(title)`: a progress context per part (None: none).
+    `reporting`: where progress goes (None: nowhere).
 
     `memory_limit`: bytes a pipeline rank may hold. Where the stages balanced by compute peak
     above it (1F1B's first ranks hold more microbatches in flight, the last holds the loss's
@@ -63,9 +73,7 @@ def pipeline_programs(
     `forwards`: a cache of the traced microbatch forward by microbatch size, for callers that make
     the programs of one layout at several schedules (the planner: each schedule's programs are cut
     from the same forward, which cutting leaves as it is)."""
-    from contextlib import nullcontext
-
-    stage = stage or (lambda title: nullcontext())
+    stage, note = (reporting or Reporting()).stage, (reporting or Reporting()).note
     mf, state, inputs, targets = rec.mf, rec.state, rec.inputs, rec.targets
     group, microbatches, schedule, virtual, recompute = plan.group, plan.microbatches, plan.kind, plan.virtual, plan.recompute
     pp, count = group.size, group.size * virtual
