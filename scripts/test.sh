@@ -17,8 +17,7 @@ if [ "${AOT_TEST_LONG:-0}" = "1" ]; then
 fi
 # Two test files at a time (pytest-xdist, a file's tests on one worker so that they share their
 # builds): a build is one core's work and this machine has two. AOT_TEST_WORKERS=1: one at a time.
-# CI's whole run: 26.7 minutes one at a time on 2 cores at a386743 (25.6 of them tests), 17.6 of
-# tests two at a time.
+# CI's whole run on 2 cores: 26.7 minutes one at a time at a386743, 17.3 two at a time at 7ac8c90.
 workers=(-n "${AOT_TEST_WORKERS:-2}" --dist loadfile)
 python -m pytest -q -p no:cacheprovider --durations=15 "${workers[@]}" -m "($selected) and not alone" "$@"
 # Then the tests that measure this machine's speed, with nothing beside them (exit 5: none selected)
