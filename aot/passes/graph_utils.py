@@ -68,6 +68,7 @@ def fresh_value(node: torch.fx.Node) -> None:
 
 
 def _in_new_storages(val, mode):
+    """`val` (a fake tensor, or lists and tuples of them) with each tensor in a new storage."""
     if isinstance(val, (list, tuple)):
         return type(val)(_in_new_storages(v, mode) for v in val)
     if not isinstance(val, FakeTensor):

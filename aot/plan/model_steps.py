@@ -135,7 +135,7 @@ class ModelSteps:
         # `pipeline`'s (programs, analyses), apart from `traced`: their stages are balanced on the
         # profile's compute, so `retargeted` keeps none of them
         self.pipelines: dict[tuple, tuple[list, list[StepGraph]]] = {}
-        self._forwards: dict[tuple, dict] = {}  # pipeline mesh -> its traced microbatch forwards (pipeline_programs)
+        self._forwards: dict[tuple, dict] = {}  # (dp, fsdp, tp) -> that layout's traced microbatch forwards (pipeline_programs)
         self._failed: dict[tuple, Exception] = {}  # key -> what tracing it raised (raised again when asked)
         self._derived: dict[tuple, list] = {}  # traced key -> [(key, mesh)] derived from its graph (`prefetch`)
         # graphs from which a plan may not fit device memory (`memory_limit`: the planner's
@@ -422,8 +422,8 @@ class ModelSteps:
                     compute=self._compute,
                     passes=PassOptions(),  # the build's default options
                     memory_limit=self.memory_limit.bytes if self.memory_limit is not None else None,
-                    # the mesh's microbatch forward, traced once for all its schedules
-                    forwards=self._forwards.setdefault((pp, dp, fsdp, degrees.get(TP, 1)), {}),
+                    # the layout's microbatch forward, traced once for every schedule priced on it
+                    forwards=self._forwards.setdefault((dp, fsdp, degrees.get(TP, 1)), {}),
                 )
             except AotError as e:
                 raise Unsupported(str(e)) from None

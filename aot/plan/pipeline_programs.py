@@ -73,7 +73,9 @@ def pipeline_programs(
     `forwards`: a cache of the traced microbatch forward by microbatch size, for callers that make
     the programs of one layout at several schedules (the planner: each schedule's programs are cut
     from the same forward, which cutting leaves as it is)."""
-    stage, note = (reporting or Reporting()).stage, (reporting or Reporting()).note
+    reporting = reporting or Reporting()
+    stage, note = reporting.stage, reporting.note
+    forwards = {} if forwards is None else forwards
     mf, state, inputs, targets = rec.mf, rec.state, rec.inputs, rec.targets
     group, microbatches, schedule, virtual, recompute = plan.group, plan.microbatches, plan.kind, plan.virtual, plan.recompute
     pp, count = group.size, group.size * virtual
@@ -81,7 +83,6 @@ def pipeline_programs(
     actions = schedule_actions(schedule, pp, microbatches, virtual)
     check(actions, microbatches, virtual)
     with stage(f"tracing one microbatch's forward and cutting it into {count} stages"):
-        forwards = {} if forwards is None else forwards
         if size not in forwards:
             traced = trace_forward(mf, state, layout, [t[:size] for t in inputs], targets[:size])
             forwards[size] = (*traced, _weighted_layers(*traced))

@@ -28,11 +28,10 @@ from typing import Any, Callable
 
 import torch
 
-
 from aot.capture.graph_reading import storage_key
-from aot.passes.graph_utils import fake_in_storage
 from aot.capture.module_calls import BLOCK_BACKWARD, CHECKPOINT_CALLS, MODULE_CALLS, block_backward_of, layer_of
 from aot.compile_step import Recording
+from aot.passes.graph_utils import fake_in_storage
 
 KEEP = 3  # blocks traced: the first, one in the middle (the one written out) and the last
 MIN_BLOCKS = KEEP + 1  # fewer blocks than this are traced whole
