@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from aot.capture.expert_parallel import check_expert_parallel
 from aot.capture.model_file import ModelFile
 from aot.capture.step import CapturedStep, StepLayout, capture_step
 from aot.capture.training_state import TrainingState
@@ -30,7 +31,7 @@ from aot.plan.tensor_parallel import check_degree, check_divisible, explain_plan
 from aot.plan.tensor_parallel_summary import summarize, summarize_whole, unsplit_weights
 from aot.plan.tensor_parallel_trial import split_forward_failure
 from aot.target import Target
-from runner.format.axes import DP, FSDP, TP
+from runner.format.axes import DP, EP, FSDP, PP, TP
 from runner.commands.formatting import tp_layer
 
 
@@ -84,6 +85,9 @@ def step_layout(rec: Recording, target: Target, tp_plan: dict[str, str]) -> Step
     if target.sequence_parallel and tp is not None:
         sequence = sequence_parallel_layout(rec.state.model, tp_plan, "the plan")
         check_sequence_length(rec.state.model, rec.inputs, sequence["blocks"][0], tp.size)
+    ep = target.group(EP)
+    if ep is not None and (tp is not None or target.group(PP) is not None):
+        raise AotError(f"--strategy {target.mesh.describe()}: ep combines with dp and fsdp; with tp or pp it is not built yet")
     return StepLayout(
         target.group(DP),
         target.group(FSDP),
@@ -92,6 +96,8 @@ def step_layout(rec: Recording, target: Target, tp_plan: dict[str, str]) -> Step
         sequence,
         target.precision,
         tp_summed=summed_params(rec.mf, rec.state.model) if tp is not None else (),
+        ep=ep,
+        ep_layers=check_expert_parallel(rec.state.model, ep.size, rec.mf.path.name) if ep is not None else (),
     )
 
 

@@ -3,8 +3,8 @@
 Every manifest the build writes for a small matrix of strategies validates against the schema,
 and the schema is not vacuous: each field the runner's own structural check requires, removed
 or given a wrong type, fails the schema and is refused by the runner (runner.format.artifact.Artifact),
-which names the place. The golden artifact (tests/fixtures/artifact_v5_mlp, built by the aot of
-format 5) loads in the current runner, validates, and trains to the losses written below, the
+which names the place. The golden artifact (tests/fixtures/artifact_v6_mlp, built by the aot of
+format 6) loads in the current runner, validates, and trains to the losses written below, the
 same as eager PyTorch in the same test.
 """
 
@@ -57,8 +57,10 @@ BUILDS = {  # name -> aot build arguments (--quiet and -o added); one keeps the 
     "convnet-syncbn-dp2": (MODELS / "convnet_syncbn.py", "--world-size", 2, "--strategy", "dp=2", "--batch-size", 4, "--no-onnx"),
     # fused tensor-parallel layers (tensor_parallel.fused, format 6): GPT-2's c_attn
     "hf-gpt2-tp2": (MODELS / "hf_gpt2.py", "--world-size", 2, "--strategy", "tp=2", "--no-onnx"),
+    # expert parallelism (expert_parallel, format 7), as tests/test_expert_parallel.py builds it
+    "moe-ep2": (MODELS / "zoo" / "qwen3_moe_sgd.py", "--world-size", 2, "--strategy", "ep=2", "--batch-size", 4, "--no-onnx", "--no-eval"),
 }
-GOLDEN = FIXTURES / "artifact_v5_mlp"
+GOLDEN = FIXTURES / "artifact_v6_mlp"
 # What eager PyTorch computed on examples/mlp.py (torch.manual_seed(0), the example batch) for
 # the first 5 steps, measured once with torch 2.13.0 on the CPU; the artifact gave the same bits.
 GOLDEN_LOSSES = [2.2685635089874268, 2.1776123046875, 2.0583415031433105, 1.9123334884643555, 1.7299028635025024]
@@ -96,7 +98,14 @@ def test_every_built_manifest_validates(matrix, name):
     assert manifest["format_version"] == spec.FORMAT_VERSION
     assert schema_errors(manifest) == []
     # each optional entry this matrix is meant to cover is really there
-    expected = {"mlp": "inference", "mlp-fsdp2": "sharding", "gpt-tp2": "tensor_parallel", "gpt4-pp2": "pipeline", "convnet-syncbn-dp2": "batchnorm"}
+    expected = {
+        "mlp": "inference",
+        "mlp-fsdp2": "sharding",
+        "gpt-tp2": "tensor_parallel",
+        "gpt4-pp2": "pipeline",
+        "convnet-syncbn-dp2": "batchnorm",
+        "moe-ep2": "expert_parallel",
+    }
     if name in expected:
         assert manifest[expected[name]] is not None
     if name == "mlp-bf16":
@@ -150,6 +159,7 @@ def _checked_schemas(manifest: dict) -> list[tuple[tuple, tuple, object]]:
         "time": spec.TIME_SCHEMA,
         "pipeline": spec.PIPELINE_SCHEMA,
         "batchnorm": spec.BATCHNORM_SCHEMA,
+        "expert_parallel": spec.EXPERT_PARALLEL_SCHEMA,
     }
     out += [((key,), (key,), schema) for key, schema in optional.items() if manifest.get(key) is not None]
     for name, program in manifest["programs"].items():
@@ -259,24 +269,27 @@ def test_the_schema_and_the_runner_refuse_the_same_broken_manifests(matrix, tmp_
     assert not failures, "\n".join(failures)
 
 
-def test_a_version_5_manifest_has_no_fused_layers(matrix):
-    """FORMAT.md "Version 5": a version-5 artifact's tensor_parallel has no `fused`; the schema and
-    the runner say so."""
-    manifest = json.loads((matrix["gpt-tp2"] / "manifest.json").read_text())
-    assert manifest["tensor_parallel"]["fused"] == {}
-    assert any("fused" in e for e in schema_errors({**manifest, "format_version": 5}))
-    old = {**manifest, "format_version": 5, "tensor_parallel": {k: v for k, v in manifest["tensor_parallel"].items() if k != "fused"}}
-    assert schema_errors(old) == []
+def test_a_version_6_manifest_has_no_expert_parallelism(matrix, tmp_path):
+    """FORMAT.md "Version 6": a version-6 artifact has no `expert_parallel`; the schema and the
+    runner say so, and a version-6 manifest without one is valid."""
+    folder = writable_copy(matrix["moe-ep2"], tmp_path / "moe")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["expert_parallel"]["size"] == 2
+    assert schema_errors({**manifest, "format_version": 6})
+    refusal = runner_refusal(folder, {**manifest, "format_version": 6})
+    assert refusal is not None and "expert_parallel is version 7" in refusal, refusal
+    plain = json.loads((matrix["mlp-dp2"] / "manifest.json").read_text())
+    assert schema_errors({**plain, "format_version": 6}) == []
 
 
 def test_the_golden_format_5_artifact_loads_validates_and_trains_to_known_losses():
-    """An artifact built by the aot of format 5 runs in this runner (the compatibility window),
+    """An artifact built by the aot of format 6 runs in this runner (the compatibility window),
     its manifest conforms, and its training is what it was: the losses eager PyTorch gave when the
     test was written, and eager PyTorch now. (tests/test_artifact_and_runner.py checks the Python
-    API the same way on a freshly built format-6 artifact.)"""
+    API the same way on a freshly built format-7 artifact.)"""
     manifest = json.loads((GOLDEN / "manifest.json").read_text())
     # a format bump moves the window: replace the fixture with an artifact of the version before
-    assert manifest["format_version"] == spec.READABLE_VERSIONS[0] == 5, "rebuild the golden artifact"
+    assert manifest["format_version"] == spec.READABLE_VERSIONS[0] == 6, "rebuild the golden artifact"
     assert schema_errors(manifest) == []
     trainer = runner.load(GOLDEN, rank=0, world_size=1)
     assert trainer.artifact.manifest == manifest

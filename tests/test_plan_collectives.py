@@ -103,8 +103,18 @@ def test_bus_bytes_are_the_nccl_tests_factors():
     assert C.bus_bytes("reduce_scatter", 1, 1e6) == 0.0
 
 
+def test_all_to_all_sends_every_other_rank_its_chunk():
+    """Expert parallelism's dispatch: p-1 messages, (p-1)/p of the send buffer over the link."""
+    n = 8e6
+    assert C.cost("all_to_all", "pairwise", Span(p=4, intra=L), n) == pytest.approx(3 * L.alpha + 0.75 * n * L.beta)
+    assert C.cost("all_to_all", "pairwise", Span(p=1, intra=L), n) == 0.0
+    assert C.bus_bytes("all_to_all", 4, n) == pytest.approx(0.75 * n)
+
+
 def test_unknown_kinds_and_algorithms_are_refused():
     with pytest.raises(ValueError, match="unknown collective"):
+        C.cost("gather", "ring", Span(p=2, intra=L), 1.0)
+    with pytest.raises(ValueError, match="no algorithm"):
         C.cost("all_to_all", "ring", Span(p=2, intra=L), 1.0)
     with pytest.raises(ValueError, match="no algorithm"):
         C.cost("all_gather", "rabenseifner", Span(p=2, intra=L), 1.0)

@@ -25,6 +25,7 @@ from aot.capture.step import (
     _capture_tp,
     _gather,
     _slot,
+    experts_of,
     forward_and_loss,
     rank_state,
     trace_user_code,
@@ -65,7 +66,7 @@ def eval_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
             used = tp.wrap(used, full_shapes)
         local_loss = forward_and_loss(mf, model, layout.precision, {**used, **buffers}, batch_inputs, batch_targets).detach()
         global_loss = local_loss
-        for group in (layout.fsdp, layout.dp):  # the training step's order
+        for group in (layout.fsdp, layout.dp, layout.ep):  # the training step's order
             if group is not None:
                 global_loss = _average(global_loss, group)
         return local_loss, global_loss
@@ -93,7 +94,8 @@ def _capture_eval(
     evaluate = eval_program(mf, state, len(inputs), layout, tp)
     args, slots = eval_args(state, layout, inputs, targets)
     model = state.model if tp is None else tp.model
-    graph = trace_user_code(evaluate, args, mf, "the eval step (forward and loss in eval mode)", eval_mode(model), torch.no_grad(), tracer=tracer)
+    contexts = (eval_mode(model), torch.no_grad(), experts_of(model, layout))
+    graph = trace_user_code(evaluate, args, mf, "the eval step (forward and loss in eval mode)", *contexts, tracer=tracer)
     return CapturedStep(graph=graph, slots=slots, example_args=list(args))
 
 

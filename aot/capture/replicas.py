@@ -31,7 +31,7 @@ import torch
 
 from aot.errors import AotError
 from aot.capture.graph_reading import COLLECTIVE_NAMESPACES, loss_node, storage_key, written_values
-from runner.format.axes import DP, FSDP, TP
+from runner.format.axes import DATA_AXES, DP, EP, FSDP, TP
 
 SHARDED, REDUCED, IDENTICAL, PER_RANK = "sharded", "reduced", "identical", "per rank"
 # collectives whose every rank gets the same result, and those that hand each rank its own piece
@@ -51,23 +51,26 @@ class Axis:
     received_differs: bool  # what a pipeline rank receives from another stage
 
 
-def axes_of(slots: list[dict], groups: dict, tp_split: set[str], sequence_split: bool = False) -> list[Axis]:
-    """The step's axes (`groups`: axis -> Group with .name, dp / fsdp / tp only) with the graph
-    inputs that differ between each one's ranks. `tp_split`: the parameters tp slices;
-    `sequence_split`: tp ranks hold slices of the sequence between layers (sequence parallelism),
-    so what crosses pipeline stages differs between them, as it does between data ranks."""
+def axes_of(slots: list[dict], groups: dict, tp_split: set[str], sequence_split: bool = False, ep_split: frozenset[str] = frozenset()) -> list[Axis]:
+    """The step's axes (`groups`: axis -> Group with .name, dp / fsdp / ep / tp only) with the
+    graph inputs that differ between each one's ranks. `tp_split`: the parameters tp slices;
+    `ep_split`: the experts weights ep slices; `sequence_split`: tp ranks hold slices of the
+    sequence between layers (sequence parallelism), so what crosses pipeline stages differs
+    between them, as it does between data ranks."""
     axes = []
     for axis, group in groups.items():
-        if axis not in (DP, FSDP, TP):
+        if axis not in (DP, FSDP, EP, TP):
             continue  # pipeline ranks run different programs: no single graph speaks for them
         sources = set()
         for i, slot in enumerate(slots):
             kind = slot["kind"]
-            if axis in (DP, FSDP) and kind in ("input", "target"):
+            if axis in DATA_AXES and kind in ("input", "target"):
                 sources.add(i)
             elif axis == FSDP and kind in ("param", "optim"):
                 sources.add(i)  # 0-dim state (step counters) too: harmless, it is the same everywhere
             elif axis == TP and kind in ("param", "optim") and slot["name"] in tp_split:
+                sources.add(i)
+            elif axis == EP and kind in ("param", "optim") and slot["name"] in ep_split:
                 sources.add(i)
         axes.append(Axis(axis, group.name, frozenset(sources), random_differs=axis != TP, received_differs=axis != TP or sequence_split))
     return axes
@@ -237,7 +240,7 @@ def prove(graph: torch.fx.Graph, slots: list[dict], axes: list[Axis], where: str
             if i in axis.sources:
                 how = SHARDED
             elif f.node_differs(node):
-                if kind == "buffer" and axis.name in (DP, FSDP):
+                if kind == "buffer" and axis.name in DATA_AXES:
                     buffers.setdefault(slot["name"], {})[axis.name] = PER_RANK
                     continue
                 what = {"param": f"parameter {slot.get('name')}", "optim": f"optimizer state {slot.get('key')!r} of {slot.get('name')}"}.get(
@@ -313,8 +316,8 @@ def _uses_meet(graph: torch.fx.Graph, param: torch.fx.Node, f: Flow) -> list[boo
 
 def prove_step(graph: torch.fx.Graph, slots: list[dict], layout, tp_split: set[str], where: str) -> Proof:
     """`prove` over the axes of a step's layout (aot/capture/step.py StepLayout)."""
-    groups = {axis: g for axis, g in ((DP, layout.dp), (FSDP, layout.fsdp), (TP, layout.tp)) if g is not None}
-    return prove(graph, slots, axes_of(slots, groups, tp_split, layout.sequence is not None), where)
+    groups = {axis: g for axis, g in ((DP, layout.dp), (FSDP, layout.fsdp), (EP, layout.ep), (TP, layout.tp)) if g is not None}
+    return prove(graph, slots, axes_of(slots, groups, tp_split, layout.sequence is not None, frozenset(layout.ep_params)), where)
 
 
 def merged(proofs: list[Proof]) -> Proof:

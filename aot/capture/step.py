@@ -20,6 +20,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture import replicas
+from aot.capture.expert_parallel import ExpertLayer, experts_in_graph
 from aot.capture.fused_attention import FusedAttention
 from aot.capture.inert_calls import drop_inert_calls
 from aot.capture.loss_scaling import LossScaling
@@ -36,7 +37,7 @@ from runner.format.checkpoint import optimizer_key
 from runner.execution.data import dtype_name
 from runner.format.artifact import SCALER_KEYS
 from runner.execution.init_program import initial_scaler_state
-from runner.format.sharding import shard, tp_slice, tp_slice_shape, tp_style
+from runner.format.sharding import expert_slice, shard, tp_slice, tp_slice_shape, tp_style
 from runner.format.axes import TP
 
 _funcol = torch.ops._c10d_functional
@@ -75,6 +76,14 @@ class StepLayout:
     # before anything reads it (aot/capture/replicas.py finds them; a tp_plan entry
     # "replicated_with_grad_allreduce" names them)
     tp_summed: tuple[str, ...] = ()
+    # Expert parallelism (aot/capture/expert_parallel.py): the ep group, the experts modules it
+    # splits, and their weights, which each ep rank holds E/ep of (a slice along dimension 0)
+    ep: Group | None = None
+    ep_layers: tuple[ExpertLayer, ...] = ()
+
+    @property
+    def ep_params(self) -> tuple[str, ...]:
+        return tuple(name for layer in self.ep_layers for name in layer.params()) if self.ep is not None else ()
 
     def tp_dims(self, state: TrainingState) -> dict[str, int]:
         """Parameter name -> the dimension tensor parallelism splits it along (torch's
@@ -108,7 +117,9 @@ class StepLayout:
     def local_shapes(self, state: TrainingState) -> dict[str, torch.Size]:
         """Every parameter's shape on one rank before fsdp sharding (its tensor-parallel slice)."""
         dims, parts = self.tp_dims(state), self.tp.size if self.tp else 1
-        return {name: torch.Size(tp_slice_shape(list(p.shape), dims.get(name), parts)) for name, p in state.params.items()}
+        dims.update({name: 0 for name in self.ep_params})  # experts are never tp-split (tp_plan names Linear layers)
+        sizes = {name: parts for name in dims} | {name: self.ep.size for name in self.ep_params if self.ep is not None}
+        return {name: torch.Size(tp_slice_shape(list(p.shape), dims.get(name), sizes.get(name, 1))) for name, p in state.params.items()}
 
 
 @dataclass
@@ -186,18 +197,20 @@ def _squares(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(grads)).pow(2).sum()
 
 
-def _clip_distributed(grads: list[torch.Tensor], tp_split: list[bool], max_norm: float, layout: StepLayout, counted: list[bool] | None = None) -> None:
+def _clip_distributed(grads: list[torch.Tensor], split_by: list[str], max_norm: float, layout: StepLayout, counted: list[bool] | None = None) -> None:
     """clip_grad_norm_ for gradients split across ranks: the same global norm (the square root of
-    the sum of squares of every element). Tensor-parallel slices add up over the tp group (the
-    replicated gradients are equal on every tp rank and count once); fsdp shards over the fsdp
-    group; pipeline stages over the pp group (`counted` False: a tied copy another stage counts)."""
+    the sum of squares of every element). Slices along an axis (`split_by` "tp": tensor-parallel
+    slices, "ep": experts) add up over its group (the replicated gradients are equal on every such
+    rank and count once); fsdp shards over the fsdp group; pipeline stages over the pp group
+    (`counted` False: a tied copy another stage counts)."""
     counted = counted or [True] * len(grads)
-    split = [g for g, s, c in zip(grads, tp_split, counted) if s and c]
-    whole = [g for g, s, c in zip(grads, tp_split, counted) if not s and c]
+    whole = [g for g, s, c in zip(grads, split_by, counted) if not s and c]
     total = _squares(whole) if whole else grads[0].new_zeros(())
-    if split:
-        assert layout.tp is not None  # only tensor parallelism splits a gradient
-        total = total + _sum_over(_squares(split), layout.tp)
+    for axis, group in (("tp", layout.tp), ("ep", layout.ep)):
+        split = [g for g, s, c in zip(grads, split_by, counted) if s == axis and c]
+        if split:
+            assert group is not None  # only the axis's own layout splits a gradient along it
+            total = total + _sum_over(_squares(split), group)
     if layout.fsdp is not None:
         total = _sum_over(total, layout.fsdp)
     if layout.pp is not None:
@@ -341,6 +354,7 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
     local_shapes = layout.local_shapes(state)
     full_shapes = {n: p.shape for n, p in state.params.items()}
     tp_split = [n in layout.tp_dims(state) for n in param_names]
+    ep_split = [n in layout.ep_params for n in param_names]
     n_params, n_buffers = len(param_names), len(buffer_names)
     n_state, n_groups = len(state.optimizer_slots), len(state.param_groups)
     precision = layout.precision
@@ -360,6 +374,11 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
         if layout.dp is not None:
             grads = [None if g is None else _average(g, layout.dp, reduce_dtype) for g in grads]
             global_loss = _average(global_loss, layout.dp)
+        if layout.ep is not None:
+            # an expert's gradient already holds every ep rank's tokens (the reverse all_to_all
+            # summed them): divided by the ep ranks, not averaged over them; the rest as under dp
+            grads = [None if g is None else g / layout.ep.size if s else _average(g, layout.ep, reduce_dtype) for g, s in zip(grads, ep_split)]
+            global_loss = _average(global_loss, layout.ep)
 
         optimizer = call_user(mf.optimizer, "optimizer(params)", mf.path, params)
         # optimizer() sees this rank's pieces (flat fsdp shards, tp slices) and may group them by
@@ -382,8 +401,10 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
             for p, g in zip(held, unscaled):
                 p.grad = g
             found_inf = _any_rank(found_inf, layout)
-        if mf.max_grad_norm is not None and (layout.fsdp is not None or layout.tp is not None or layout.pp is not None):
-            present = [(p.grad, s, n not in layout.pp_uncounted) for p, s, n in zip(params, tp_split, param_names) if p.grad is not None]
+        if mf.max_grad_norm is not None and any(g is not None for g in (layout.fsdp, layout.tp, layout.pp, layout.ep)):
+            # which group splits each gradient: tp ("tp"), ep ("ep") or none (""), and whether this rank counts it
+            split = [("tp" if t else "ep" if e else "", n not in layout.pp_uncounted) for n, t, e in zip(param_names, tp_split, ep_split)]
+            present = [(p.grad, s, c) for p, (s, c) in zip(params, split) if p.grad is not None]
             _clip_distributed([g for g, _, _ in present], [s for _, s, _ in present], mf.max_grad_norm, layout, [c for _, _, c in present])
         elif mf.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, mf.max_grad_norm)
@@ -467,7 +488,7 @@ def _any_rank(found_inf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
     slices, pipeline stages), so every rank skips the same steps, as FSDP's ShardedGradScaler
     does. Data-parallel replicas hold the same averaged gradients already, so their checks agree
     without one."""
-    for group in (layout.fsdp, layout.tp, layout.pp):
+    for group in (layout.fsdp, layout.tp, layout.pp, layout.ep):
         if group is not None:
             found_inf = _sum_over(found_inf, group)
     return found_inf
@@ -510,11 +531,19 @@ def _capture(
     # planner's traces as in the build's
     # SyncBatchNorm's statistics over the ranks holding different samples (dp, fsdp; not tp)
     model = state.model if tp is None else tp.model
-    data_groups = [g for g in (layout.fsdp, layout.dp) if g is not None]
-    graph = trace_user_code(step, args, mf, "the training step", annotate_module_calls(model), sync_batchnorm_in_graph(model, data_groups), tracer=tracer)
+    data_groups = [g for g in (layout.fsdp, layout.dp, layout.ep) if g is not None]
+    contexts = (annotate_module_calls(model), sync_batchnorm_in_graph(model, data_groups), experts_of(model, layout))
+    graph = trace_user_code(step, args, mf, "the training step", *contexts, tracer=tracer)
     # Export re-traces the graph with in-place updates on these inputs; they must not require grad.
     example = [a.detach() for a in args]
     return CapturedStep(graph=graph, slots=slots, example_args=example)
+
+
+def experts_of(model: torch.nn.Module, layout: StepLayout):
+    """The experts' dispatch over the layout's ep group while a step is traced (nothing without ep)."""
+    if layout.ep is None:
+        return contextlib.nullcontext()
+    return experts_in_graph(model, layout.ep_layers, layout.ep.size, layout.ep.name)
 
 
 @dataclass
@@ -523,16 +552,21 @@ class RankState:
     optimizer_state: dict[str, torch.Tensor]
 
 
-def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp_index: int = 0) -> RankState:
+def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp_index: int = 0, ep_index: int = 0) -> RankState:
     """The parameters and optimizer state one rank holds: its tensor-parallel slice of every
-    parameter `tp_plan` splits (whole otherwise), then its fsdp shard of that; optimizer state
-    shaped like its parameter follows the parameter, 0-dim state (step counters) is replicated."""
+    parameter `tp_plan` splits, its ep slice of every experts weight (whole otherwise), then its
+    fsdp shard of that; optimizer state shaped like its parameter follows the parameter, 0-dim
+    state (step counters) is replicated."""
     dims, fused = layout.tp_dims(state), layout.tp_fused(state)
     tp_size = layout.tp.size if layout.tp else 1
     parts = layout.fsdp.size if layout.fsdp else 1
+    experts = set(layout.ep_params)
 
     def place(name: str, value: torch.Tensor) -> torch.Tensor:
         piece = tp_slice(value, dims.get(name), tp_size, tp_index, fused.get(name, 1))
+        if name in experts:
+            assert layout.ep is not None  # ep_params is empty without an ep group
+            piece = expert_slice(piece, layout.ep.size, ep_index)
         return piece if parts == 1 else shard(piece, parts, fsdp_index)
 
     params = {n: place(n, p) for n, p in state.params.items()}
@@ -543,7 +577,7 @@ def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp
             optimizer_state[optimizer_key(name, key)] = value.clone()
         elif value.shape == state.params[name].shape:
             optimizer_state[optimizer_key(name, key)] = place(name, value)
-        elif parts == 1 and name not in dims:
+        elif parts == 1 and name not in dims and name not in experts:
             optimizer_state[optimizer_key(name, key)] = value.clone()
         else:
             raise AotError(f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, unlike its parameter; it cannot be sharded")

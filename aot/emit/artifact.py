@@ -30,7 +30,7 @@ from runner.format.integrity import StagedDir, canonical_json
 from runner.format.signing import SIGNATURE, sign_manifest
 from runner.format.program import encode_program
 from runner.hardware.topology import profile_sha256
-from runner.format.axes import FSDP, TP
+from runner.format.axes import EP, FSDP, TP
 
 PROGRAM = "train"
 INIT_PROGRAM = "init"
@@ -83,7 +83,7 @@ def _optimizer_init(state: TrainingState) -> dict[str, dict]:
 
 def _check_shardable(state: TrainingState, layout: StepLayout) -> None:
     """Optimizer state unlike its parameter cannot follow a split or sharded parameter."""
-    split = set(layout.tp_dims(state)) if layout.tp else set()
+    split = (set(layout.tp_dims(state)) if layout.tp else set()) | set(layout.ep_params)
     for name, key in state.optimizer_slots:
         value = state.optimizer_state[optimizer_key(name, key)]
         if value.dim() and value.shape != state.params[name].shape and (layout.fsdp is not None or name in split):
@@ -194,6 +194,16 @@ def emit_artifact(
                 "fused": layout.tp_fused(state),
                 **({"summed": list(layout.tp_summed)} if layout.tp_summed else {}),
                 "sequence_parallel": layout.sequence is not None,
+            },
+            "expert_parallel": None
+            if layout.ep is None
+            else {
+                "axis": EP,
+                "group": layout.ep.name,
+                "size": layout.ep.size,
+                "experts": {layer.module: layer.experts for layer in layout.ep_layers},
+                "params": list(layout.ep_params),
+                "capacity": "dropless",
             },
             "state": {
                 "params": {n: [list(t.shape), dtype_name(t.dtype)] for n, t in state.params.items()},

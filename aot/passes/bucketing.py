@@ -29,6 +29,14 @@ def _reduced(member: torch.fx.Node) -> torch.fx.Node:
     return x
 
 
+def _contiguous(graph: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
+    if x.meta["val"].is_contiguous():
+        return x
+    copy = graph.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+    copy.meta["val"] = x.meta["val"].clone(memory_format=torch.contiguous_format)
+    return copy
+
+
 def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node], order: dict) -> None:
     """Replace the members by view -> cat -> all_reduce -> wait -> split -> view, placed right
     after the last member input (the overlap pass moves the wait later)."""
@@ -36,7 +44,9 @@ def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node], order: dict) -> N
     anchor = max(inputs, key=lambda n: order[n])
     op, group = members[0].args[1], members[0].args[2]
     with graph.inserting_after(anchor):
-        flats = [graph.call_function(aten.view.default, (x, [-1])) for x in inputs]
+        # a gradient laid out transposed (a batched matmul's, the experts' under ep) is made
+        # contiguous before it is flattened; the others are viewed as they are
+        flats = [graph.call_function(aten.view.default, (_contiguous(graph, x), [-1])) for x in inputs]
     with graph.inserting_after(flats[-1]):
         packed = graph.call_function(aten.cat.default, (flats,))
     with graph.inserting_after(packed):

@@ -19,6 +19,7 @@ _PROFILER_OPS = {
 _AUTOGRAD_COLLECTIVES = {
     torch.ops._c10d_functional_autograd.all_gather_into_tensor.default: torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional_autograd.reduce_scatter_tensor.default: torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional_autograd.all_to_all_single.default: torch.ops._c10d_functional.all_to_all_single.default,
 }
 
 

@@ -19,6 +19,7 @@ COLLECTIVES = {
     ALL_GATHER,
     funcol.reduce_scatter_tensor.default,
     funcol.broadcast.default,
+    funcol.all_to_all_single.default,  # expert parallelism's token dispatch (aot/capture/expert_parallel.py)
 }
 
 

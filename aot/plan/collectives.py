@@ -14,6 +14,7 @@ reduced.
 | all_reduce, ring                   | 2(p-1)a + 2((p-1)/p) n b + ((p-1)/p) n g                   |
 | all_reduce, Rabenseifner           | 2 ceil(lg p) a + 2((p-1)/p) n b + ((p-1)/p) n g            |
 | all_reduce, double binary tree     | 2 ceil(lg p) a + 2 n b + n g  (pipelined; NCCL's Tree)     |
+| all_to_all, pairwise               | (p-1)a + ((p-1)/p) n b  (n: one rank's send buffer)        |
 | hierarchical (N nodes x g ranks)   | intra-node reduce-scatter, inter-node collective per rail  |
 |                                    | on n/g bytes, intra-node all-gather (see `hierarchical`)   |
 
@@ -41,21 +42,24 @@ from dataclasses import dataclass, replace
 
 SEND_RECV = "send_recv"  # point-to-point, a pipeline's stage transfers: alpha + n beta over the pair's link
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 # Algorithms by collective kind, in the order ties are broken.
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "all_gather": ("ring", "recursive_doubling", "hierarchical"),
     "reduce_scatter": ("ring", "recursive_halving", "hierarchical"),
     "all_reduce": ("ring", "rabenseifner", "double_binary_tree", "hierarchical"),
+    # expert parallelism's token dispatch: each rank sends a chunk to every other (NCCL and gloo
+    # both run p-1 point-to-point exchanges)
+    "all_to_all": ("pairwise",),
 }
 
 # What each backend can actually run for a collective the graph issues. NCCL picks among Ring and
 # Tree per call (pinned with NCCL_ALGO); MPI-style recursive algorithms are not NCCL's. Gloo's
 # CPU collectives are ring-based. Hierarchical needs the graph to issue sub-group collectives.
 REALIZABLE: dict[str, dict[str, tuple[str, ...]]] = {
-    "nccl": {"all_gather": ("ring",), "reduce_scatter": ("ring",), "all_reduce": ("ring", "double_binary_tree")},
-    "gloo": {"all_gather": ("ring",), "reduce_scatter": ("ring",), "all_reduce": ("ring",)},
+    "nccl": {"all_gather": ("ring",), "reduce_scatter": ("ring",), "all_reduce": ("ring", "double_binary_tree"), "all_to_all": ("pairwise",)},
+    "gloo": {"all_gather": ("ring",), "reduce_scatter": ("ring",), "all_reduce": ("ring",), "all_to_all": ("pairwise",)},
 }
 
 # torch functional-collective op names -> the kinds above
@@ -63,6 +67,7 @@ OP_KINDS = {
     "all_reduce": "all_reduce",
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
 }
 
 
@@ -113,6 +118,11 @@ def lg(p: int) -> int:
 # -- flat algorithms over one link class ------------------------------------------------------
 
 
+def all_to_all_pairwise(p: int, n: float, c: Link) -> float:
+    # every rank keeps its own chunk and sends each of the other p-1 its (1/p) n bytes
+    return (p - 1) * c.alpha + (p - 1) / p * n * c.beta if p > 1 else 0.0
+
+
 def all_gather_ring(p: int, n: float, c: Link) -> float:
     return (p - 1) * c.alpha + (p - 1) / p * n * c.beta if p > 1 else 0.0
 
@@ -153,6 +163,7 @@ FLAT = {
     ("all_reduce", "ring"): all_reduce_ring,
     ("all_reduce", "rabenseifner"): all_reduce_rabenseifner,
     ("all_reduce", "double_binary_tree"): all_reduce_double_binary_tree,
+    ("all_to_all", "pairwise"): all_to_all_pairwise,
 }
 
 

@@ -37,7 +37,13 @@ from aot.plan.device_model import DeviceModel
 
 _FUNCOL = "_c10d_functional"
 _WAIT = "wait_tensor"
-_COLLECTIVES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "broadcast": "broadcast"}
+_COLLECTIVES = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "broadcast": "broadcast",
+    "all_to_all_single": "all_to_all",
+}
 _FREE = {operator.getitem}
 _RESIDENT_SLOTS = ("param", "buffer", "optim", "lr", "input", "target")
 

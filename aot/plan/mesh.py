@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 from aot.errors import AotError
 from runner.format.artifact import mesh_coords
-from runner.format.axes import DATA_AXES, DP, FSDP, PP, TP, group_name
+from runner.format.axes import DATA_AXES, DP, EP, FSDP, PP, TP, group_name
 
 # The axes' names and roles are runner/format/axes.py's (the artifact format spells them)
 SUPPORTED_AXES = (DP, FSDP, TP)
-# Axes a build takes, and the planner searches (pipeline meshes where they could win: aot.plan.search)
-BUILD_AXES = (*SUPPORTED_AXES, PP)
+# Axes the planner searches (pipeline meshes where they could win: aot.plan.search)
+PLANNED_AXES = (*SUPPORTED_AXES, PP)
+# Axes a build takes: expert parallelism is built as asked, not searched yet
+BUILD_AXES = (*PLANNED_AXES, EP)
 
 
 @dataclass(frozen=True)

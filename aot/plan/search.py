@@ -542,7 +542,7 @@ def plan_model(
     import atexit
     import gc
 
-    from aot.plan.mesh import BUILD_AXES
+    from aot.plan.mesh import PLANNED_AXES
 
     # When the process ends, Python's last garbage collections walk every object torch, its
     # compiler stack and the traces made, several times over (about a second of `aot plan`'s run).
@@ -565,7 +565,7 @@ def plan_model(
             steps = ModelSteps(model_path, batch_size, seed, sequence_parallel, pricing, note=note)
         planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing, pipeline=steps.pipeline, batch_size=batch_size)
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
-        searched = tuple(axes or BUILD_AXES)
+        searched = tuple(axes or PLANNED_AXES)
         steps.prefetch(searched)
         plans, skipped = planner.search(searched, bucket_mbs, prune_pipelines=axes is None)
     finally:

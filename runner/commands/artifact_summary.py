@@ -64,16 +64,42 @@ def describe_precision(p: dict) -> str:
     )
 
 
+def held_experts(expert_parallel: dict, coords: dict[str, int]) -> dict[str, list[int]]:
+    """module -> [first, stop) of the experts an ep rank at `coords` holds (artifacts/FORMAT.md,
+    "Expert-parallel layout": ep rank i holds the i-th of `size` equal runs of every module's experts)."""
+    size, index = expert_parallel["size"], coords.get(expert_parallel["axis"], 0)
+    return {module: [index * count // size, (index + 1) * count // size] for module, count in expert_parallel["experts"].items()}
+
+
+def describe_experts(summary: dict) -> list[str]:
+    """`aot inspect`'s expert-parallel lines: the layers split, and which experts each ep rank holds."""
+    ep = summary.get("expert_parallel")
+    if not ep:
+        return []
+    counts = sorted(set(ep["experts"].values()))
+    lines = [
+        f"expert parallel over {ep['size']} ranks ({ep['group']}): {len(ep['experts'])} experts layer(s) of "
+        f"{'/'.join(map(str, counts))} experts, tokens dispatched by all_to_all, capacity {ep['capacity']}"
+    ]
+    for index in range(ep["size"]):
+        runs = sorted({tuple(v) for v in held_experts(ep, {ep["axis"]: index}).values()})
+        ranks = [r["rank"] for r in summary["ranks"] if r["coords"].get(ep["axis"], 0) == index]
+        held = ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in runs)
+        lines.append(f"  ep={index}  experts {held} of every layer  (ranks {rank_ranges(ranks)})")
+    return lines
+
+
 def summarize(artifact: Artifact) -> dict:
     m = artifact.manifest
     state = m["state"]
     # Per rank: a tensor-parallel parameter counts with its slice, and an fsdp-sharded one with
     # its shard of that, flat-padded to a multiple of N.
-    sharding, tp = m.get("sharding") or {}, m.get("tensor_parallel") or {}
+    sharding, tp, ep = m.get("sharding") or {}, m.get("tensor_parallel") or {}, m.get("expert_parallel") or {}
     parts = sharding.get("size", 1)
     held = {}
     for n, (s, _) in state["params"].items():
         numel = math.prod(tp_slice_shape(s, tp.get("params", {}).get(n), tp.get("size", 1)))
+        numel //= ep["size"] if n in ep.get("params", []) else 1
         held[n] = shard_numel(numel, parts) if n in sharding.get("params", {}) else numel
     dtypes = {n: dtype for n, (_, dtype) in state["params"].items()}
     pipeline = m.get("pipeline")
@@ -107,8 +133,14 @@ def summarize(artifact: Artifact) -> dict:
                 "parameter_bytes": param_bytes,
                 # parameters + their gradients + the optimizer state this rank holds
                 "training_state_bytes": 2 * param_bytes + _optimizer_bytes(m, r, mine),
+                # expert parallelism: the experts this rank holds of each experts module, [first, stop)
+                **({"experts": held_experts(ep, r["coords"])} if ep else {}),
                 "state_shard": shard_number(
-                    r["coords"], m.get("sharding"), m.get("tensor_parallel"), {"axis": pipeline["axis"], "size": pipeline["size"]} if pipeline else None
+                    r["coords"],
+                    m.get("sharding"),
+                    m.get("tensor_parallel"),
+                    {"axis": pipeline["axis"], "size": pipeline["size"]} if pipeline else None,
+                    m.get("expert_parallel"),
                 ),
             }
         )
@@ -134,6 +166,7 @@ def summarize(artifact: Artifact) -> dict:
         "memory": m.get("memory"),
         "time": m.get("time"),
         "tensor_parallel": m.get("tensor_parallel"),
+        "expert_parallel": m.get("expert_parallel"),
         "batchnorm": m.get("batchnorm"),
         "replicas": m.get("replicas"),
         "pipeline": pipeline,
@@ -308,6 +341,7 @@ def render(summary: dict) -> str:
         rows = sorted(n for n, style in tp["plan"].items() if style == "rowwise")
         lines.append(f"tensor parallel over {tp['size']} ranks ({tp['group']}): column-wise {', '.join(cols)}; row-wise {', '.join(rows)}")
     lines.extend(describe_pipeline(summary.get("pipeline")))
+    lines.extend(describe_experts(summary))
     inference = summary.get("inference")
     if inference:
         io = ", ".join(f"{i['name']} [{', '.join(map(str, i['shape']))}] {i['dtype']}" for i in inference["inputs"])

@@ -98,6 +98,11 @@ def _plan_fields(m: dict, s: dict) -> dict:
             "colwise": sorted(tp_layer(n, st) for n, st in tp["plan"].items() if st != "rowwise"),
             "rowwise": sorted(n for n, st in tp["plan"].items() if st == "rowwise"),
         },
+        "expert_parallel": m.get("expert_parallel")
+        and (
+            f"ep={m['expert_parallel']['size']} over {m['expert_parallel']['group']}, {len(m['expert_parallel']['experts'])} experts layer(s), "
+            f"capacity {m['expert_parallel']['capacity']}"
+        ),
         "pipeline": pipeline
         and (
             f"pp={pipeline['size']} {pipeline['schedule']}, {pipeline['microbatches']} microbatches "

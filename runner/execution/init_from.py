@@ -69,6 +69,7 @@ class InitFrom:
     dtypes: dict[str, torch.dtype]  # canonical name -> the model's dtype
     sharding: dict | None = None
     tensor_parallel: dict | None = None
+    expert_parallel: dict | None = None
     notes: list[str] = field(default_factory=list)  # "notice: ..." lines (dtype casts)
 
 
@@ -90,6 +91,7 @@ def check_init_from(path: str | Path, manifest: dict) -> InitFrom:
         dtypes={n: dtype_of(specs[n][1]) for n in sources},
         sharding=manifest.get("sharding"),
         tensor_parallel=manifest.get("tensor_parallel"),
+        expert_parallel=manifest.get("expert_parallel"),
         notes=notes,
     )
 
@@ -241,6 +243,8 @@ def rank_weights(init: InitFrom, coords: dict[str, int], only: set[str] | None =
     tp, fsdp = init.tensor_parallel or {}, init.sharding or {}
     tp_index, tp_size = axis_index(coords, tp), tp.get("size", 1)
     fsdp_index, fsdp_size = axis_index(coords, fsdp), fsdp.get("size", 1)
+    ep = init.expert_parallel or {}
+    ep_index, experts = axis_index(coords, ep), set(ep.get("params", []))
     out = {}
     sources = init.sources if only is None else {n: src for n, src in init.sources.items() if n in only}
     for file, names in _by_file(sources).items():
@@ -254,7 +258,8 @@ def rank_weights(init: InitFrom, coords: dict[str, int], only: set[str] | None =
                     piece = _copy(tp_slice(whole, dim, tp_size, tp_index, tp_fused(tp, name)), init.dtypes[name])
                     out[name] = fsdp_shard(piece, fsdp_size, fsdp_index) if name in fsdp.get("params", {}) else piece
                     continue
-                region = _tp_region(src.shape, dim, tp_size, tp_index)
+                # an experts weight (never tp-split): its ep rank's experts, along dimension 0
+                region = _tp_region(src.shape, 0, ep["size"], ep_index) if name in experts else _tp_region(src.shape, dim, tp_size, tp_index)
                 if name in fsdp.get("params", {}):
                     out[name] = _fsdp_piece(f, src.key, region, fsdp_size, fsdp_index, init.dtypes[name])
                 else:

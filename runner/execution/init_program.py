@@ -31,7 +31,7 @@ from runner.errors import AotError
 from runner.execution import init_ops
 from runner.execution.graph_loader import load_graph_module
 from runner.format.program import decode_program
-from runner.format.sharding import axis_index, shard, tp_fused, tp_slice
+from runner.format.sharding import axis_index, expert_slice, shard, tp_fused, tp_slice
 
 _aten = torch.ops.aten
 # In-place ops that write every element of their first argument without reading it.
@@ -224,13 +224,16 @@ def piece_keeper(manifest: dict, coords: dict[str, int]) -> Callable[[str, torch
     """keep(name, tensor) for `replay`: the piece of each parameter a rank with `coords` holds (its
     tensor-parallel slice, then its fsdp shard of that; artifacts/FORMAT.md), buffers whole."""
     tp, sharding = manifest.get("tensor_parallel") or {}, manifest.get("sharding") or {}
-    params = manifest["state"]["params"]
-    tp_index = axis_index(coords, tp)
+    ep = manifest.get("expert_parallel") or {}
+    params, experts = manifest["state"]["params"], set(ep.get("params", []))
+    tp_index, ep_index = axis_index(coords, tp), axis_index(coords, ep)
 
     def keep(name: str, t: torch.Tensor) -> torch.Tensor:
         if name not in params:
             return t
         piece = tp_slice(t, tp.get("params", {}).get(name), tp.get("size", 1), tp_index, tp_fused(tp, name))
+        if name in experts:
+            piece = expert_slice(piece, ep["size"], ep_index)
         if name in sharding.get("params", {}):
             piece = shard(piece, sharding["size"], coords[sharding["axis"]])
         return piece

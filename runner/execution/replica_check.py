@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from runner.errors import AotError
-from runner.format.axes import DP, FSDP, PP, TP
+from runner.format.axes import DATA_AXES, EP, FSDP, PP, TP
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -40,6 +40,7 @@ def replicated_over(manifest: dict, name: str, kind: str) -> list[str]:
     and the loss scale), per the module docstring."""
     axes = [a for a, d in zip(manifest["mesh"]["axes"], manifest["mesh"]["shape"]) if d > 1]
     tp_split = set(((manifest.get("tensor_parallel") or {}).get("params") or {}))
+    experts = set((manifest.get("expert_parallel") or {}).get("params") or [])
     replicas = manifest.get("replicas") or {}
     per_rank = set(replicas.get("buffers_per_rank", [])) if replicas else None
     over = []
@@ -49,7 +50,7 @@ def replicated_over(manifest: dict, name: str, kind: str) -> list[str]:
         if kind == "whole":
             over.append(axis)
         elif kind == "buffer":
-            data_axis = axis in (DP, FSDP)
+            data_axis = axis in DATA_AXES
             # an artifact without the proof does not say which buffers are per rank: skip them there
             if data_axis and (per_rank is None or name in per_rank):
                 continue
@@ -57,6 +58,8 @@ def replicated_over(manifest: dict, name: str, kind: str) -> list[str]:
         elif axis == FSDP and manifest.get("sharding"):
             continue
         elif axis == TP and name in tp_split:
+            continue
+        elif axis == EP and name in experts:
             continue
         else:
             over.append(axis)

@@ -204,7 +204,8 @@ class Trainer:
         pipeline = manifest.get("pipeline")
         # the checkpoint's view of the pipeline: each stage's ranks write their own shards
         self.pipeline = {"axis": pipeline["axis"], "size": pipeline["size"]} if pipeline else None
-        self.shard_index = shard_number(self.coords, self.sharding, self.tensor_parallel, self.pipeline)
+        self.expert_parallel = manifest.get("expert_parallel")
+        self.shard_index = shard_number(self.coords, self.sharding, self.tensor_parallel, self.pipeline, self.expert_parallel)
         self.schedule = manifest["schedule"]
         self.seed = int(manifest["build"].get("seed", 0))
         self._slots = program["inputs"]
@@ -458,8 +459,8 @@ class Trainer:
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
         full = dict(self._weights)
-        tp = self.tensor_parallel or {}
-        dims = tp.get("params", {})
+        tp, ep = self.tensor_parallel or {}, self.expert_parallel or {}
+        dims, experts = tp.get("params", {}), set(ep.get("params", []))
         if self.sharding:  # fsdp pieces -> this rank's tensor-parallel slice (or the whole tensor)
             _, group = self.groups[self.sharding["group"]]
             for name in self.sharding["params"]:
@@ -469,7 +470,15 @@ class Trainer:
                 gathered = torch.empty(piece.numel() * self.sharding["size"], dtype=piece.dtype, device=piece.device)
                 dist.all_gather_into_tensor(gathered, piece.contiguous(), group=group)
                 shape = tp_slice_shape(self.state_spec["params"][name][0], dims.get(name), tp.get("size", 1))
+                if name in experts:
+                    shape = tp_slice_shape(shape, 0, ep["size"])
                 full[name] = unshard([gathered], shape)
+        if ep:  # expert-parallel slices -> every expert
+            _, group = self.groups[ep["group"]]
+            for name in experts & set(full):
+                slices = [torch.empty_like(full[name]) for _ in range(ep["size"])]
+                dist.all_gather(slices, full[name].contiguous(), group=group)
+                full[name] = torch.cat(slices, 0)
         if tp:  # tensor-parallel slices -> whole tensors
             _, group = self.groups[tp["group"]]
             for name, dim in dims.items():
@@ -495,7 +504,7 @@ class Trainer:
         diverged would be one rank's guess, and the last good one stays. `data_order`: how the
         run orders its data ({"shuffle": seed or None}), which a resume must repeat."""
         self.check_replicas(f"before saving step {self.step_index}")
-        split_by = {spec["axis"] for spec in (self.sharding, self.tensor_parallel, self.pipeline) if spec}
+        split_by = {spec["axis"] for spec in (self.sharding, self.tensor_parallel, self.pipeline, self.expert_parallel) if spec}
         writes = all(v == 0 for axis, v in self.coords.items() if axis not in split_by)
         step, sharded = self.step_index, bool(split_by)
         # A write that fails (a full disk, a file-size limit) fails the save on every rank alike:
@@ -509,7 +518,9 @@ class Trainer:
                 problem = e.strerror or str(e)
         if self._every_rank(problem is None) and self.rank == 0:
             try:
-                commit_checkpoint(folder, step, self.state_spec, self.sharding, target_step, self.tensor_parallel, self.pipeline, data_order)
+                commit_checkpoint(
+                    folder, step, self.state_spec, self.sharding, target_step, self.tensor_parallel, self.pipeline, data_order, self.expert_parallel
+                )
             except OSError as e:
                 problem = e.strerror or str(e)
         if not self._every_rank(problem is None):
@@ -532,6 +543,7 @@ class Trainer:
             (index.get("sharding") or None) != (self.sharding or None)
             or (index.get("tensor_parallel") or None) != (self.tensor_parallel or None)
             or (index.get("pipeline") or None) != (self.pipeline or None)
+            or (index.get("expert_parallel") or None) != (self.expert_parallel or None)
         ):
             raise AotError(f"{folder}: checkpoint was written with another sharding than this artifact's")
         for name, saved, live in (("weights", weights, self._weights), ("optimizer state", optimizer, self._optimizer)):

@@ -21,7 +21,7 @@ from runner.errors import AotError
 from runner.format.integrity import canonical_json, check_file, content_problem, read_verified, sha256_bytes
 
 FORMAT_NAME = "aot-artifact"
-FORMAT_VERSION = 6  # 6: fused tensor-parallel layers (tensor_parallel.fused); 5: pipeline stages (pipeline, a program per stage, p2p transfers)
+FORMAT_VERSION = 7  # 7: expert parallelism (expert_parallel); 6: fused tensor-parallel layers (tensor_parallel.fused)
 READABLE_VERSIONS = (FORMAT_VERSION - 1, FORMAT_VERSION)  # this version and the one before it
 MANIFEST = "manifest.json"
 
@@ -192,6 +192,8 @@ PIPELINE_SCHEMA = {
     "tied": [str],
     "stages": [{"stage": int, "rank": int, "program": str, "layers": [str], "params": [str], "buffers": [str]}],
 }
+# Version 7: the experts split over an ep axis (FORMAT.md, "Expert-parallel layout"); present with an ep axis
+EXPERT_PARALLEL_SCHEMA = {"axis": str, "group": str, "size": int, "experts": Map(int), "params": [str], "capacity": str}
 # The build's predicted step time (FORMAT.md, "Time"); optional
 TIME_SCHEMA = {"predicted": {"step_s": NUMBER, "compute_s": NUMBER, "comm_s": NUMBER, "exposed_comm_s": NUMBER}, "topology": str, "calibrated": bool}
 # How many BatchNorm layers, how many are SyncBatchNorm, and over which mesh axes (FORMAT.md, "BatchNorm"); optional
@@ -208,6 +210,24 @@ SLOT_FIELDS = {
     "input": {"index": int, **TENSOR},
     "target": TENSOR,
 }
+
+
+def _check_expert_parallel(m: dict, where: str, expect) -> None:
+    """The `expert_parallel` entry (version 7): its group listed, its parameters known experts
+    weights whose dimension 0 (the experts) its size divides."""
+    expect(m["format_version"] >= 7, f"expert_parallel is version 7; this manifest says version {m['format_version']}")
+    try:
+        _conform(m["expert_parallel"], EXPERT_PARALLEL_SCHEMA, "expert_parallel")
+    except AotError as e:
+        raise AotError(f"{where}: {e}") from None
+    ep = m["expert_parallel"]
+    expect(ep["group"] in m["process_groups"], "expert_parallel.group names no process group")
+    expect(ep["capacity"] == "dropless", f"expert_parallel.capacity {ep['capacity']!r}: this runner knows dropless")
+    expect(all(k > 0 and k % ep["size"] == 0 for k in ep["experts"].values()), f"expert_parallel.experts: a count {ep['size']} ranks cannot share evenly")
+    for name in ep["params"]:
+        shape = m["state"]["params"].get(name, [None])[0]
+        expect(shape is not None, f"expert_parallel.params names unknown parameter {name!r}")
+        expect(len(shape) >= 1 and shape[0] % ep["size"] == 0, f"expert_parallel.params: {name!r} cannot be split {ep['size']} ways along dimension 0")
 
 
 def _conform(value, schema, path: str) -> None:
@@ -346,6 +366,8 @@ def _check_structure(m: dict, where: str) -> None:
                 f"tensor_parallel.params: {name!r} cannot be split {tp['size']} ways along dimension {dim}"
                 + (f" in each of its {fused[name]} parts" if name in fused else ""),
             )
+    if m.get("expert_parallel") is not None:
+        _check_expert_parallel(m, where, expect)
     for key, schema in (
         ("inference", INFERENCE_SCHEMA),
         ("custom_ops", {"modules": [str], "ops": [str]}),

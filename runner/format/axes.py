@@ -11,15 +11,19 @@ writing the code that implements it.
 - `tp`: tensor parallel. The same samples; the split layers' weights sliced (artifacts/FORMAT.md,
   "Tensor-parallel layout").
 - `pp`: pipeline parallel, always the mesh's first axis. Each rank its stages.
+- `ep`: expert parallel. Each rank its own samples and E/N of every mixture-of-experts layer's
+  experts (a slice along the experts' dimension, artifacts/FORMAT.md "Expert-parallel layout");
+  tokens travel to the rank holding their expert and back by all_to_all. The other parameters as
+  under dp (whole, gradients averaged).
 """
 
 from __future__ import annotations
 
-DP, FSDP, TP, PP = "dp", "fsdp", "tp", "pp"
+DP, FSDP, TP, PP, EP = "dp", "fsdp", "tp", "pp", "ep"
 # every axis a mesh may have, in the order a pipeline mesh lists them (pp first)
-AXES = (PP, DP, FSDP, TP)
+AXES = (PP, DP, FSDP, EP, TP)
 # axes whose ranks see different samples (tensor-parallel ranks share a batch; pipeline ranks a microbatch's flow)
-DATA_AXES = (DP, FSDP)
+DATA_AXES = (DP, FSDP, EP)
 
 
 def group_name(axis: str) -> str:

@@ -27,8 +27,10 @@ from runner.format.sharding import assemble, shard_count
 
 INDEX = "checkpoint.json"
 FORMAT_NAME = "aot-checkpoint"
-FORMAT_VERSION = 3  # 3: tensor_parallel.fused (fused layers' slices); 2: tensor_parallel and tp-major shard numbering
-READABLE_VERSIONS = (FORMAT_VERSION - 1, FORMAT_VERSION)  # a version-2 index reads as version 3 without fused layers
+# 4: expert_parallel (experts' slices, shards numbered over ep); 3: tensor_parallel.fused (fused
+# layers' slices); 2: tensor_parallel and tp-major shard numbering
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (FORMAT_VERSION - 1, FORMAT_VERSION)  # a version-3 index reads as version 4 without expert parallelism
 
 
 def optimizer_key(param: str, key: str) -> str:
@@ -88,6 +90,7 @@ def commit_checkpoint(
     tensor_parallel: dict | None = None,
     pipeline: dict | None = None,
     data_order: dict | None = None,
+    expert_parallel: dict | None = None,
 ) -> None:
     """Make the shards written for `step` the folder's checkpoint (one atomic index replace),
     then remove files no index refers to. `spec` is the manifest's `state` entry; `target_step`
@@ -95,7 +98,7 @@ def commit_checkpoint(
     `data_order` ({"shuffle": seed or None, "order": how it shuffles}) how the run ordered its data, which a resumed run
     must repeat to read the samples the run would have (check_data_order)."""
     folder = Path(folder)
-    count = shard_count(sharding, tensor_parallel, pipeline)
+    count = shard_count(sharding, tensor_parallel, pipeline, expert_parallel)
     shards = [shard_files(step, i, count > 1) for i in range(count)]
     files = {}
     for names in shards:
@@ -112,6 +115,7 @@ def commit_checkpoint(
         "sharding": sharding,
         "tensor_parallel": tensor_parallel,
         "pipeline": pipeline,
+        **({"expert_parallel": expert_parallel} if expert_parallel else {}),
         "shapes": {name: shape for name, (shape, _) in spec["params"].items()},
         "layout": {"model": layout_of(first[0]), "optimizer": layout_of(first[1])},
         "state_dict_keys": spec["state_dict_keys"],
@@ -201,11 +205,12 @@ def full_weights(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     folder = Path(folder)  # a str folder would fail in the error messages below (`folder / INDEX`)
     index, weights, _ = load_checkpoint(folder, 0)
     sharding, tensor_parallel, pipeline = index.get("sharding"), index.get("tensor_parallel"), index.get("pipeline")
-    if len(index["shards"]) != shard_count(sharding, tensor_parallel, pipeline):
+    expert_parallel = index.get("expert_parallel")
+    if len(index["shards"]) != shard_count(sharding, tensor_parallel, pipeline, expert_parallel):
         raise AotError(f"{folder / INDEX}: lists {len(index['shards'])} shard(s) for its sharding")
-    if sharding or tensor_parallel or pipeline:
+    if sharding or tensor_parallel or pipeline or expert_parallel:
         pieces = [weights] + [load_checkpoint(folder, i)[1] for i in range(1, len(index["shards"]))]
-        weights = assemble(pieces, index["shapes"], sharding, tensor_parallel, pipeline)
+        weights = assemble(pieces, index["shapes"], sharding, tensor_parallel, pipeline, expert_parallel)
     return index, weights
 
 

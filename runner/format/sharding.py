@@ -31,15 +31,21 @@ def unshard(pieces: list[torch.Tensor], shape: list[int] | torch.Size) -> torch.
     return torch.cat([p.reshape(-1) for p in pieces])[:numel].reshape(shape).clone()
 
 
-# -- state shards over the pp, tp and fsdp axes ------------------------------------------------
-# A rank's training state is one of pp x tp x fsdp shards: its pipeline stage's parameters (pp
-# index), the tensor-parallel slice (tp index) of every split parameter, flat-padded over fsdp
-# (fsdp index). Shards are numbered pp-major, then tp-major:
-# shard = (pp_index * tp_size + tp_index) * fsdp_size + fsdp_index, in artifacts and checkpoints alike.
+# -- state shards over the pp, tp, ep and fsdp axes --------------------------------------------
+# A rank's training state is one of pp x tp x ep x fsdp shards: its pipeline stage's parameters (pp
+# index), the tensor-parallel slice (tp index) of every split parameter, the expert-parallel slice
+# (ep index) of every experts weight, flat-padded over fsdp (fsdp index). Shards are numbered
+# pp-major, then tp, then ep:
+# shard = ((pp_index * tp_size + tp_index) * ep_size + ep_index) * fsdp_size + fsdp_index, in
+# artifacts and checkpoints alike (without ep, ep_size is 1: the numbering before ep).
 
 
-def shard_count(sharding: dict | None, tensor_parallel: dict | None, pipeline: dict | None = None) -> int:
-    return (sharding or {}).get("size", 1) * (tensor_parallel or {}).get("size", 1) * (pipeline or {}).get("size", 1)
+def shard_count(sharding: dict | None, tensor_parallel: dict | None, pipeline: dict | None = None, expert_parallel: dict | None = None) -> int:
+    sizes = (sharding, tensor_parallel, pipeline, expert_parallel)
+    count = 1
+    for entry in sizes:
+        count *= (entry or {}).get("size", 1)
+    return count
 
 
 def axis_index(coords: dict[str, int], entry: dict | None) -> int:
@@ -48,11 +54,14 @@ def axis_index(coords: dict[str, int], entry: dict | None) -> int:
     return coords.get(entry["axis"], 0) if entry else 0
 
 
-def shard_number(coords: dict[str, int], sharding: dict | None, tensor_parallel: dict | None, pipeline: dict | None = None) -> int:
-    tp_index = axis_index(coords, tensor_parallel)
-    fsdp_index = axis_index(coords, sharding)
+def shard_number(
+    coords: dict[str, int], sharding: dict | None, tensor_parallel: dict | None, pipeline: dict | None = None, expert_parallel: dict | None = None
+) -> int:
+    tp_index, ep_index = axis_index(coords, tensor_parallel), axis_index(coords, expert_parallel)
+    fsdp_index, fsdp_size = axis_index(coords, sharding), (sharding or {}).get("size", 1)
     pp_index = axis_index(coords, pipeline)
-    return pp_index * shard_count(sharding, tensor_parallel) + tp_index * (sharding or {}).get("size", 1) + fsdp_index
+    inner = (tp_index * (expert_parallel or {}).get("size", 1) + ep_index) * fsdp_size + fsdp_index
+    return pp_index * shard_count(sharding, tensor_parallel, None, expert_parallel) + inner
 
 
 def tp_slice_shape(shape: list[int], dim: int | None, parts: int) -> list[int]:
@@ -96,31 +105,47 @@ def join_tp_slices(slices: list[torch.Tensor], dim: int, fused: int = 1) -> torc
     return torch.cat([parts[t][k] for k in range(fused) for t in range(len(slices))], dim)
 
 
+def expert_slice(t: torch.Tensor, parts: int, index: int) -> torch.Tensor:
+    """Slice `index` of an experts weight split evenly along dimension 0 (its experts): what
+    expert-parallel rank `index` holds. `torch.cat(slices)` in ep rank order is its inverse."""
+    return t.detach().chunk(parts, 0)[index].clone() if parts > 1 else t.detach().clone()
+
+
 def assemble(
-    pieces: list[dict[str, torch.Tensor]], shapes: dict[str, list[int]], sharding: dict | None, tensor_parallel: dict | None, pipeline: dict | None = None
+    pieces: list[dict[str, torch.Tensor]],
+    shapes: dict[str, list[int]],
+    sharding: dict | None,
+    tensor_parallel: dict | None,
+    pipeline: dict | None = None,
+    expert_parallel: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full tensors from every shard's tensors (in shard order): fsdp pieces unflattened into
-    their tensor-parallel slice, slices concatenated along their split dimension. Tensors that
-    neither axis splits are taken from shard 0 of their stage; a pipeline's stages hold disjoint
-    tensors but tied ones, which each holder keeps equal (the first stage's is taken)."""
+    their slice, expert-parallel slices concatenated along the experts, tensor-parallel slices
+    along their split dimension. Tensors that no axis splits are taken from shard 0 of their
+    stage; a pipeline's stages hold disjoint tensors but tied ones, which each holder keeps equal
+    (the first stage's is taken)."""
     if pipeline:
-        per_stage = shard_count(sharding, tensor_parallel)
+        per_stage = shard_count(sharding, tensor_parallel, None, expert_parallel)
         full = {}
         for k in reversed(range(pipeline["size"])):
-            full.update(assemble(pieces[k * per_stage : (k + 1) * per_stage], shapes, sharding, tensor_parallel))
+            full.update(assemble(pieces[k * per_stage : (k + 1) * per_stage], shapes, sharding, tensor_parallel, None, expert_parallel))
         return full
     full = dict(pieces[0])
     fsdp = (sharding or {}).get("size", 1)
-    tp = (tensor_parallel or {}).get("size", 1)
+    tp, ep = (tensor_parallel or {}).get("size", 1), (expert_parallel or {}).get("size", 1)
     dims = (tensor_parallel or {}).get("params", {})
-    for name in set((sharding or {}).get("params", {})) | set(dims):
+    experts = set((expert_parallel or {}).get("params", []))
+    for name in set((sharding or {}).get("params", {})) | set(dims) | experts:
         if name not in pieces[0]:  # another pipeline stage's
             continue
         dim = dims.get(name)
-        slice_shape = tp_slice_shape(shapes[name], dim, tp)
+        slice_shape = tp_slice_shape(tp_slice_shape(shapes[name], dim, tp), 0 if name in experts else None, ep)
         slices = []
         for t in range(tp if dim is not None else 1):
-            group = pieces[t * fsdp : (t + 1) * fsdp]
-            slices.append(unshard([p[name] for p in group], slice_shape) if sharding else group[0][name])
+            held = []
+            for e in range(ep if name in experts else 1):
+                group = [pieces[(t * ep + e) * fsdp + f][name] for f in range(fsdp)]
+                held.append(unshard(group, slice_shape) if sharding else group[0])
+            slices.append(torch.cat(held, 0))
         full[name] = join_tp_slices(slices, dim, tp_fused(tensor_parallel, name)) if dim is not None else slices[0]
     return full

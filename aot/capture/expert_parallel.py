@@ -1,0 +1,164 @@
+"""Expert parallelism (`--strategy ep=N`): each ep rank holds E/N of a mixture-of-experts layer's
+experts, and tokens travel to the rank holding their expert and back by all_to_all, inside the
+static graph.
+
+The experts are found by structure (aot does not import transformers): a module whose own
+parameters are transformers' 3-D expert weights, `gate_up_proj` [E, 2I, H] and `down_proj`
+[E, H, I], called as `experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`
+(transformers v5's MoE blocks: Qwen3-MoE, Mixtral, and the others decorated with
+`use_experts_implementation`). While the step is traced, `experts_in_graph` puts an instance
+`forward` in front of each one's class forward (as SyncBatchNorm's is, aot/capture/sync_batchnorm.py);
+the router, the shared experts and the load-balancing loss stay the model's own code, so tokens
+are routed exactly as the model routes them.
+
+Static dispatch (no data-dependent shapes, no host sync): every (rank, expert) pair exchanges
+exactly C rows. Slot (token t, choice k) takes position p inside its expert's C rows, counted
+choice-major (every token's first choice before any second choice) by a cumulative sum over the
+routing mask; the send buffer [E*C, H] is a gather of the tokens by position (zero rows where an
+expert got fewer than C), laid out [N, E/N, C, H] so that chunk r goes to ep rank r. The holder
+runs its E/N experts as batched matmuls on [E/N, N*C, H], sends the results back the same way,
+and each slot reads its row, weighted and summed over the K choices in top-k order, as
+transformers' grouped_mm combine does. With C = T (the default, "dropless": top-k picks K
+distinct experts, so no expert gets more than T of one rank's slots) no token is dropped and the
+step computes what eager DDP computes over the same data ranks.
+
+Gradients: the reverse all_to_all sums every ep rank's tokens' contributions into the holder's
+expert gradient, so expert gradients are reduced over the ranks holding the same experts (fsdp,
+dp) but not over ep, and divided by every data rank (aot/capture/step.py `finish`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import typing
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from aot.errors import AotError
+
+_funcol = torch.ops._c10d_functional
+_funcol_autograd = torch.ops._c10d_functional_autograd
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One experts module: its name in the model and how many experts it holds."""
+
+    module: str
+    experts: int
+
+    def params(self) -> tuple[str, ...]:
+        return tuple(f"{self.module}.{w}" for w in EXPERT_WEIGHTS)
+
+
+def _is_experts(module: nn.Module) -> bool:
+    own = dict(module.named_parameters(recurse=False))
+    weights = [own.get(w) for w in EXPERT_WEIGHTS]
+    return all(w is not None and w.dim() == 3 for w in weights) and weights[0].shape[0] == weights[1].shape[0]  # type: ignore[union-attr]
+
+
+def expert_layers(model: nn.Module) -> tuple[ExpertLayer, ...]:
+    """Every experts module of `model` (see the module docstring), in module order."""
+    return tuple(ExpertLayer(name, m.gate_up_proj.shape[0]) for name, m in model.named_modules() if _is_experts(m))
+
+
+def check_expert_parallel(model: nn.Module, ep: int, where: str) -> tuple[ExpertLayer, ...]:
+    """The experts modules ep=`ep` splits, or AotError in one line: no experts, E not divisible by
+    ep, or experts whose layout the dispatch does not compute (biases, transposed or interleaved
+    weights, no gate)."""
+    layers = expert_layers(model)
+    if not layers:
+        raise AotError(
+            f"--strategy ep={ep}: {where} has no mixture-of-experts layer aot can split (a module holding 3-D expert weights "
+            f"{' and '.join(EXPERT_WEIGHTS)}, as transformers' MoE models do); use dp or fsdp"
+        )
+    modules = dict(model.named_modules())
+    for layer in layers:
+        if layer.experts % ep:
+            raise AotError(f"--strategy ep={ep}: {layer.module} holds {layer.experts} experts, which {ep} ep ranks cannot share evenly")
+        m = modules[layer.module]
+        unsupported = [
+            flag
+            for flag, bad in (
+                ("has_bias", getattr(m, "has_bias", False)),
+                ("is_transposed", getattr(m, "is_transposed", False)),
+                ("not is_concatenated", not getattr(m, "is_concatenated", True)),
+                ("not has_gate", not getattr(m, "has_gate", True)),
+                ("has_post_expert_norm", getattr(m, "has_post_expert_norm", False)),
+            )
+            if bad
+        ]
+        if unsupported:
+            kind = type(m).__name__
+            raise AotError(f"--strategy ep={ep}: {layer.module} ({kind}) stores its experts with {', '.join(unsupported)}, which ep does not split yet")
+    return layers
+
+
+def dispatch_rows(top_k_index: torch.Tensor, experts: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, slot): `source[j]` is the token that fills row j of the [experts * capacity] send
+    buffer (T: a zero row), `slot[t, k]` the row token t's k-th choice comes back in (E*C: a dropped
+    choice, which reads a zero row). Integer bookkeeping, the same on every rank for the same
+    routing; choice-major positions, so first choices claim capacity first."""
+    tokens, k = top_k_index.shape
+    flat = top_k_index.t().reshape(-1)  # choice-major: [K*T]
+    hot = F.one_hot(flat, experts)  # num_classes given: a static shape
+    position = ((hot.cumsum(0) - 1) * hot).sum(1)  # the slot's place among its expert's rows
+    dump = experts * capacity
+    row = torch.where(position < capacity, flat * capacity + position, torch.full_like(flat, dump))
+    source = torch.full((dump + 1,), tokens, dtype=torch.long, device=flat.device)
+    source = source.scatter(0, row, torch.arange(k * tokens, device=flat.device) % tokens)  # several writes: only into the dump row
+    return source[:dump], row.view(k, tokens).t()
+
+
+def _exchange(rows: torch.Tensor, ranks: int, group: str) -> torch.Tensor:
+    """all_to_all of equal chunks along dim 0 (chunk r to ep rank r); its gradient travels back the same way."""
+    splits = [rows.shape[0] // ranks] * ranks
+    return _funcol.wait_tensor(_funcol_autograd.all_to_all_single(rows.contiguous(), splits, splits, group))
+
+
+def dispatched_forward(module: nn.Module, experts: int, ranks: int, group: str, capacity: int | None, hidden, top_k_index, top_k_weights):
+    """The experts' forward with this rank's E/N experts (`module.gate_up_proj` and `down_proj` are
+    the local slices while the step is traced): see the module docstring."""
+    tokens, width = hidden.shape
+    local = experts // ranks
+    c = tokens if capacity is None else capacity
+    with torch.no_grad():
+        source, slot = dispatch_rows(top_k_index, experts, c)
+    padded = torch.cat([hidden, hidden.new_zeros(1, width)])
+    received = _exchange(padded[source], ranks, group)  # [N * E/N * C, H]: from rank r, its rows for my experts
+    rows = received.view(ranks, local, c, width).transpose(0, 1).reshape(local, ranks * c, width)
+    # the local slices (the step's tensors, bound by functional_call), and the module's own
+    # activation on the gate and up halves (transformers' `_apply_gate`)
+    gate_up, down = (typing.cast(torch.Tensor, getattr(module, w)) for w in EXPERT_WEIGHTS)
+    out = torch.bmm(module._apply_gate(torch.bmm(rows, gate_up.transpose(1, 2))), down.transpose(1, 2))  # type: ignore[operator]
+    back = _exchange(out.view(local, ranks, c, width).transpose(0, 1).reshape(experts * c, width), ranks, group)
+    chosen = torch.cat([back, back.new_zeros(1, width)])[slot]  # [T, K, H]
+    return (chosen * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
+
+
+@contextlib.contextmanager
+def experts_in_graph(model: nn.Module, layers: tuple[ExpertLayer, ...], ranks: int, group: str, capacity: int | None = None):
+    """While the step is traced: each experts module of `layers` dispatches its tokens to the ep
+    ranks holding their experts (`dispatched_forward`); nothing when `layers` is empty."""
+    modules = dict(model.named_modules())
+    patched = []
+
+    def forward_of(module: nn.Module, experts: int):
+        def forward(hidden, top_k_index, top_k_weights):
+            return dispatched_forward(module, experts, ranks, group, capacity, hidden, top_k_index, top_k_weights)
+
+        return forward
+
+    for layer in layers:
+        module = modules[layer.module]
+        module.forward = forward_of(module, layer.experts)
+        patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
