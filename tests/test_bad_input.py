@@ -337,7 +337,7 @@ def test_artifact_of_another_format_version(copy1):
 @pytest.mark.parametrize(
     "options, needles",
     [
-        (["--strategy", "ep=2"], ["'ep'", "not supported"]),
+        (["--strategy", "cp=2"], ["'cp'", "not supported"]),
         (["--strategy", "dp=3", "--world-size", "2"], ["dp=3", "3", "world size 2"]),
         (["--batch-size", "0"], ["--batch-size", "0"]),
         (["--topology", "nonexistent_profile"], ["nonexistent_profile", "built-in: cpu"]),

@@ -91,10 +91,10 @@ def test_private_torch_modules_are_used_where_a_comment_says_why():
 
 
 def test_only_runner_axes_names_the_mesh_axes():
-    """The axis names ("dp", "fsdp", "tp", "pp") are written once, in runner/format/axes.py: everything
+    """The axis names ("dp", "fsdp", "tp", "pp", "ep") are written once, in runner/format/axes.py: everything
     else asks it (issue #41), so a new axis lands there and where it is implemented. Docstrings and
     comments may name them; code may not."""
-    names = {"dp", "fsdp", "tp", "pp"}
+    names = {"dp", "fsdp", "tp", "pp", "ep"}
     found = []
     for package in ("aot", "runner"):
         for path in sorted((REPO / package).rglob("*.py")):

@@ -31,7 +31,7 @@ def test_mesh_rank_layout_is_row_major():
     "strategy,world,message",
     [
         ("dp=3", 2, "multiply to 3"),
-        ("ep=2", 2, "not supported yet"),
+        ("cp=2", 2, "not supported yet"),
         ("dp", 2, "axis=degree"),
         ("dp=0", 1, "axis=degree"),
         ("dp=1,dp=1", 1, "given twice"),

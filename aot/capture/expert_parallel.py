@@ -29,7 +29,6 @@ dp) but not over ep, and divided by every data rank (aot/capture/step.py `finish
 
 from __future__ import annotations
 
-import contextlib
 import typing
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from aot.capture.module_calls import forwards_replaced
 from aot.errors import AotError
 
 _funcol = torch.ops._c10d_functional
@@ -140,12 +140,10 @@ def dispatched_forward(module: nn.Module, experts: int, ranks: int, group: str, 
     return (chosen * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
 
 
-@contextlib.contextmanager
 def experts_in_graph(model: nn.Module, layers: tuple[ExpertLayer, ...], ranks: int, group: str, capacity: int | None = None):
     """While the step is traced: each experts module of `layers` dispatches its tokens to the ep
     ranks holding their experts (`dispatched_forward`); nothing when `layers` is empty."""
     modules = dict(model.named_modules())
-    patched = []
 
     def forward_of(module: nn.Module, experts: int):
         def forward(hidden, top_k_index, top_k_weights):
@@ -153,12 +151,4 @@ def experts_in_graph(model: nn.Module, layers: tuple[ExpertLayer, ...], ranks: i
 
         return forward
 
-    for layer in layers:
-        module = modules[layer.module]
-        module.forward = forward_of(module, layer.experts)
-        patched.append(module)
-    try:
-        yield
-    finally:
-        for module in patched:
-            del module.forward
+    return forwards_replaced({modules[layer.module]: forward_of(modules[layer.module], layer.experts) for layer in layers})

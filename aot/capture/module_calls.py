@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Callable
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -197,3 +198,19 @@ def layer_of(node) -> str | None:
         if name.rsplit(".", 1)[-1].isdigit():
             return name
     return None
+
+
+@contextmanager
+def forwards_replaced(forwards: dict[torch.nn.Module, Callable]):
+    """While the step is traced, each module's call runs the given function instead of its class's
+    forward (SyncBatchNorm's statistics over the data ranks, experts dispatched over ep): an
+    instance attribute in front of the class's forward, deleted after, which uncovers it again.
+    `Module.__call__` still runs, so hooks (module-call annotations, transformers' output
+    recorders) see the call as before."""
+    for module, forward in forwards.items():
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module in forwards:
+            del module.forward

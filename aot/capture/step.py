@@ -38,7 +38,7 @@ from runner.execution.data import dtype_name
 from runner.format.artifact import SCALER_KEYS
 from runner.execution.init_program import initial_scaler_state
 from runner.format.sharding import expert_slice, shard, tp_slice, tp_slice_shape, tp_style
-from runner.format.axes import TP
+from runner.format.axes import EP, TP
 
 _funcol = torch.ops._c10d_functional
 
@@ -206,7 +206,7 @@ def _clip_distributed(grads: list[torch.Tensor], split_by: list[str], max_norm: 
     counted = counted or [True] * len(grads)
     whole = [g for g, s, c in zip(grads, split_by, counted) if not s and c]
     total = _squares(whole) if whole else grads[0].new_zeros(())
-    for axis, group in (("tp", layout.tp), ("ep", layout.ep)):
+    for axis, group in ((TP, layout.tp), (EP, layout.ep)):
         split = [g for g, s, c in zip(grads, split_by, counted) if s == axis and c]
         if split:
             assert group is not None  # only the axis's own layout splits a gradient along it
@@ -402,8 +402,8 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
                 p.grad = g
             found_inf = _any_rank(found_inf, layout)
         if mf.max_grad_norm is not None and any(g is not None for g in (layout.fsdp, layout.tp, layout.pp, layout.ep)):
-            # which group splits each gradient: tp ("tp"), ep ("ep") or none (""), and whether this rank counts it
-            split = [("tp" if t else "ep" if e else "", n not in layout.pp_uncounted) for n, t, e in zip(param_names, tp_split, ep_split)]
+            # which axis splits each gradient: tp, ep or none (""), and whether this rank counts it
+            split = [(TP if t else EP if e else "", n not in layout.pp_uncounted) for n, t, e in zip(param_names, tp_split, ep_split)]
             present = [(p.grad, s, c) for p, (s, c) in zip(params, split) if p.grad is not None]
             _clip_distributed([g for g, _, _ in present], [s for _, s, _ in present], mf.max_grad_norm, layout, [c for _, _, c in present])
         elif mf.max_grad_norm is not None:

@@ -29,7 +29,6 @@ With equal batches per rank this is exactly BatchNorm over the concatenated glob
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple
 
@@ -37,6 +36,7 @@ import torch
 import torch.distributed._functional_collectives  # noqa: F401  (registers the all_reduce's autograd)
 from torch import nn
 
+from aot.capture.module_calls import forwards_replaced
 from aot.errors import AotError
 
 _funcol = torch.ops._c10d_functional
@@ -114,13 +114,11 @@ def _forward(module: nn.SyncBatchNorm, groups, input: torch.Tensor) -> torch.Ten
     return out.to(input.dtype)
 
 
-@contextlib.contextmanager
 def sync_batchnorm_in_graph(model: nn.Module, groups):
     """While the step is traced: every SyncBatchNorm of `model` in training mode computes its
     statistics with functional all_reduces over `groups` (the data-parallel groups; none: this
     rank's batch is the whole batch). Eval mode keeps torch's forward (running statistics)."""
     groups = list(groups)
-    patched = []
 
     def forward_of(module):
         original = type(module).forward
@@ -130,16 +128,7 @@ def sync_batchnorm_in_graph(model: nn.Module, groups):
 
         return forward
 
-    for module in model.modules():
-        if isinstance(module, nn.SyncBatchNorm):
-            # an instance attribute in front of the class's forward; `del` below uncovers it again
-            module.forward = forward_of(module)  # type: ignore[method-assign]
-            patched.append(module)
-    try:
-        yield
-    finally:
-        for module in patched:
-            del module.forward
+    return forwards_replaced({module: forward_of(module) for module in model.modules() if isinstance(module, nn.SyncBatchNorm)})
 
 
 def manifest_entry(model: nn.Module, data_axes: list[str]) -> dict | None:

@@ -30,12 +30,12 @@ import numpy as np
 from aot.plan import collectives
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
-from runner.format.axes import DP, FSDP, PP, TP
+from runner.format.axes import DP, EP, FSDP, PP, TP
 
 # Relative traffic per axis when no graph says otherwise (bytes per step per rank, for ordering only):
 # tensor parallel moves activations at every layer, FSDP gathers and scatters every parameter,
 # data parallel reduces each gradient once.
-DEFAULT_TRAFFIC = {TP: 100.0, "sp": 100.0, "cp": 50.0, "ep": 30.0, FSDP: 3.0, DP: 1.0, PP: 0.1}
+DEFAULT_TRAFFIC = {TP: 100.0, "sp": 100.0, "cp": 50.0, EP: 30.0, FSDP: 3.0, DP: 1.0, PP: 0.1}
 
 
 @dataclass(frozen=True)
