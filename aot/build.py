@@ -40,7 +40,7 @@ from runner.commands.formatting import describe_batchnorm, describe_replicas, de
 from runner.format.integrity import check_writable_target
 from runner.hardware.nvml_probe import live_profile
 from runner.hardware.topology import for_nodes, load_profile
-from runner.format.axes import DATA_AXES, PP, TP
+from runner.format.axes import DATA_AXES, EP, PP, TP
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ class BuildOptions:
     pp_schedule: str = "1f1b"  # pp: gpipe | 1f1b | interleaved-1f1b | zero-bubble (aot/plan/pipeline.py)
     stages_per_rank: int | None = None  # pp with interleaved-1f1b: model chunks per rank (None: 2)
     sync_batchnorm: bool = False  # every BatchNorm becomes SyncBatchNorm: statistics over the dp and fsdp ranks
+    moe_capacity_factor: float | None = None  # ep: rows each rank sends each expert, x an even split (None: dropless)
     eval: bool = True  # also emit each rank's eval program (aot/capture/eval_step.py)
 
 
@@ -126,6 +127,8 @@ def _check_options(options: BuildOptions) -> None:
         raise AotError(f"--batch-size must be at least 1, got {options.batch_size}")
     if options.max_steps < 1:
         raise AotError(f"--max-steps must be at least 1, got {options.max_steps}")
+    if options.moe_capacity_factor is not None and not options.moe_capacity_factor > 0:
+        raise AotError(f"--moe-capacity-factor must be positive, got {options.moe_capacity_factor:g}")
     if options.bucket_mb <= 0:
         raise AotError(f"--bucket-mb must be positive, got {options.bucket_mb}")
     if options.prefetch_mb is not None and options.prefetch_mb < 0:
@@ -184,6 +187,8 @@ def _check_pipeline_options(options: BuildOptions, mesh: Mesh, progress: Progres
         progress.total += mesh.size(PP) - 1  # a capture per pipeline rank
     elif options.microbatches is not None or options.stages_per_rank is not None:
         raise AotError("--microbatches and --stages-per-rank split a pipeline: they need --strategy with pp=N, N > 1")
+    if options.moe_capacity_factor is not None and mesh.size(EP) == 1:
+        raise AotError("--moe-capacity-factor sizes expert parallelism's dispatch: it needs --strategy with ep=N, N > 1")
 
 
 def _compile_device(options: BuildOptions, profile: dict):
@@ -296,7 +301,7 @@ def _record(options: BuildOptions, profile: dict, mesh: Mesh, machine: Machine, 
             f"BatchNorm: {describe_batchnorm(batchnorm)}" + ("" if batchnorm["synced"] else ", as eager DDP (--sync-batchnorm: over the data-parallel ranks)")
         )
     rec = Recording(mf, state, [t[: options.batch_size] for t in inputs], targets[: options.batch_size])
-    return rec, Target(mesh, precision, options.sequence_parallel), request, example, batchnorm
+    return rec, Target(mesh, precision, options.sequence_parallel, options.moe_capacity_factor), request, example, batchnorm
 
 
 def _layout(rec: Recording, target: Target, progress: Progress) -> StepLayout:
@@ -327,6 +332,8 @@ def _programs_read(captures: dict, layout: StepLayout, profile: dict, machine: M
         layout = replace(layout, tp_summed=tuple(summed))
         progress.note(f"tensor parallel: {len(summed)} whole weight(s) used on each rank's own slice, gradients summed over tp: {summarize(summed)}")
     progress.note(f"replicas: {describe_replicas(proof.to_json())}")
+    if layout.ep is not None:
+        progress.note(describe_experts(layout, captures))
     if profile.get("device_kind") == "cuda":
         _note_math_attention(captures, progress)
     subgroups = {}
@@ -438,6 +445,7 @@ def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement
                 "hierarchical": options.hierarchical,
                 "seed": options.seed,
                 "topology": profile["name"],
+                **({"moe_capacity_factor": options.moe_capacity_factor} if options.moe_capacity_factor is not None else {}),
             },
         )
     return manifest
@@ -453,6 +461,19 @@ def level_groups(gm, machine: Machine, placement: Placement) -> dict[str, dict]:
         if name.startswith("aot.") and level in hierarchy.LEVELS and name not in out:
             out[name] = {"axis": axis, "level": level, "groups": hierarchy.group_ranks(placement, machine, name)}
     return dict(sorted(out.items()))
+
+
+def describe_experts(layout: StepLayout, captures: dict) -> str:
+    """The build's line on expert parallelism: what is split, and how many rows each rank sends each expert."""
+    assert layout.ep is not None  # asked only with an ep axis
+    counts = sorted({layer.experts for layer in layout.ep_layers})
+    rows = max(c.ep_capacity or 0 for c in captures.values())
+    factor = layout.ep_capacity_factor
+    how = "dropless" if factor is None else f"--moe-capacity-factor {factor:g}: choices past it are dropped and counted"
+    return (
+        f"expert parallel over {layout.ep.size} ranks: {len(layout.ep_layers)} experts layer(s) of {'/'.join(map(str, counts))}, "
+        f"{counts[0] // layout.ep.size} per rank; tokens dispatched by all_to_all, {rows} rows per expert and rank ({how})"
+    )
 
 
 def describe_memory(memory, recompute: dict) -> str:

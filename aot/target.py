@@ -24,6 +24,7 @@ class Target:
     mesh: Mesh
     precision: Precision = FULL_PRECISION
     sequence_parallel: bool = False  # with tp: the residual stream split along the sequence
+    moe_capacity_factor: float | None = None  # with ep: rows per expert as a multiple of an even split (None: dropless)
 
     @classmethod
     def of(cls, degrees: dict[str, int], precision: Precision = FULL_PRECISION, sequence_parallel: bool = False) -> "Target":

@@ -17,7 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from aot.capture.expert_parallel import dispatch_rows
+from helpers import zoo
 from helpers.commands import MODELS, EXAMPLES, aot, ok, torchrun
+from helpers.training import STEPS, reference
 from helpers.zoo import run_cell
 from test_bad_input import assert_user_error
 
@@ -63,19 +65,23 @@ def test_resume_is_exact_and_a_merged_checkpoint_holds_every_expert(built, tmp_p
 
 
 @pytest.mark.parametrize(
-    "model,strategy,needle",
+    "model,strategy,extra,needle",
     [
-        (EXAMPLES / "mlp.py", "ep=2", "no mixture-of-experts layer"),
-        (QWEN3_MOE, "ep=3", "holds 4 experts, which 3 ep ranks cannot share evenly"),
-        (QWEN3_MOE, "ep=2,tp=2", "ep combines with dp and fsdp"),
+        (EXAMPLES / "mlp.py", "ep=2", (), "no mixture-of-experts layer"),
+        (QWEN3_MOE, "ep=3", (), "holds 4 experts, which 3 ep ranks cannot share evenly"),
+        (QWEN3_MOE, "ep=2,tp=2", (), "ep combines with dp and fsdp"),
+        # 64 tokens x top-2 / 4 experts x 0.01 = 0.32 rows
+        (QWEN3_MOE, "ep=2", ("--batch-size", 4, "--moe-capacity-factor", 0.01), "under one token per expert"),
+        (QWEN3_MOE, "fsdp=2", ("--moe-capacity-factor", 1), "needs --strategy with ep=N"),
+        (QWEN3_MOE, "ep=2", ("--moe-capacity-factor", -1), "must be positive"),
     ],
 )
-def test_an_expert_parallel_build_it_cannot_make_is_refused_in_one_line(model, strategy, needle, tmp_path):
+def test_an_expert_parallel_build_it_cannot_make_is_refused_in_one_line(model, strategy, extra, needle, tmp_path):
     degrees = [int(part.split("=")[1]) for part in strategy.split(",")]
     world = 1
     for d in degrees:
         world *= d
-    r = aot("build", model, "--world-size", world, "--strategy", strategy, "--no-onnx", "-o", tmp_path / "out")
+    r = aot("build", model, "--world-size", world, "--strategy", strategy, "--no-onnx", *extra, "-o", tmp_path / "out")
     assert_user_error(r, needle)
     assert not (tmp_path / "out").exists()
 
@@ -101,3 +107,28 @@ def test_dispatch_fills_each_experts_rows_choice_first_and_drops_past_capacity()
     assert slot[2, 0] == 2 and slot[0, 1] == 3 and slot[3, 1] == dump
     # rows no choice fills read the zero row (source = the token count)
     assert source[5] == 4 and source[4] == 1
+
+
+def test_a_capacity_drops_the_choices_it_documents_and_counts_them(built, tmp_path):
+    """`--moe-capacity-factor 1` on ep=2: aot's training equals eager DDP over the same 2 ranks whose
+    experts apply the documented drop rule in plain torch (tests/models/zoo/qwen3_moe_capacity.py),
+    within eager's noise floor on the same model without drops (eager over 1, 2 and 4 ranks); the
+    drops are real (counted every step, and the dropless run is far from it)."""
+    capacity = MODELS / "zoo" / "qwen3_moe_capacity.py"
+    art = built(capacity, "--world-size", 2, "--strategy", "ep=2", "--batch-size", 4, "--moe-capacity-factor", 1.0, "--no-onnx", "--no-eval")
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["expert_parallel"]["capacity"] == {"factor": 1.0, "rows": 32}  # 64 tokens x top-2 / 4 experts
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    ok(torchrun(2, "run", art, "--steps", STEPS, "--metrics", metrics, "--save", ckpt, "--quiet"))
+    ok(aot("checkpoint", "merge", ckpt, "-o", tmp_path / "merged.safetensors"))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert all(r["moe_dropped"] > 0 for r in records), records
+    ours = ([r["loss"] for r in records], load_file(tmp_path / "merged.safetensors"))
+    data = art / "data" / "example_batch.safetensors"
+    eager = zoo._read(reference(capacity, data, 2, 4, tmp_path))
+    distance = zoo._distance(*ours, *eager)
+    runs = [zoo._read(reference(QWEN3_MOE, data, ranks, 8 // ranks, tmp_path)) for ranks in (1, 2, 4)]
+    floor = {k: max(zoo._distance(*a, *b)[k] for i, a in enumerate(runs) for b in runs[i + 1 :]) for k in zoo.SLACK}
+    assert all(distance[k] <= 2 * floor[k] + zoo.SLACK[k] for k in zoo.SLACK), (distance, floor)
+    dropless = zoo._distance(*ours, *runs[1])
+    assert dropless["loss"] > 10 * (2 * floor["loss"] + zoo.SLACK["loss"]), (dropless, floor)

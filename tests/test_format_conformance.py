@@ -59,6 +59,8 @@ BUILDS = {  # name -> aot build arguments (--quiet and -o added); one keeps the 
     "hf-gpt2-tp2": (MODELS / "hf_gpt2.py", "--world-size", 2, "--strategy", "tp=2", "--no-onnx"),
     # expert parallelism (expert_parallel, format 7), as tests/test_expert_parallel.py builds it
     "moe-ep2": (MODELS / "zoo" / "qwen3_moe_sgd.py", "--world-size", 2, "--strategy", "ep=2", "--batch-size", 4, "--no-onnx", "--no-eval"),
+    # a capacity (expert_parallel.capacity an object) and its program output moe_dropped
+    "moe-ep2-capacity": (MODELS / "zoo" / "qwen3_moe_sgd.py", "--world-size", 2, "--strategy", "ep=2", "--moe-capacity-factor", 1.0, "--no-onnx", "--no-eval"),
 }
 GOLDEN = FIXTURES / "artifact_v6_mlp"
 # What eager PyTorch computed on examples/mlp.py (torch.manual_seed(0), the example batch) for
@@ -108,6 +110,8 @@ def test_every_built_manifest_validates(matrix, name):
     }
     if name in expected:
         assert manifest[expected[name]] is not None
+    if name == "moe-ep2-capacity":
+        assert manifest["expert_parallel"]["capacity"]["rows"] > 0 and manifest["programs"]["train"]["outputs"][-1] == "moe_dropped"
     if name == "mlp-bf16":
         assert manifest["precision"]["compute"] == "bf16"
 

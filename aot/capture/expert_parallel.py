@@ -22,6 +22,14 @@ transformers' grouped_mm combine does. With C = T (the default, "dropless": top-
 distinct experts, so no expert gets more than T of one rank's slots) no token is dropped and the
 step computes what eager DDP computes over the same data ranks.
 
+With a capacity factor f (`aot build --moe-capacity-factor f`), C = ceil(f x T x K / E): each
+rank sends each expert at most C of its own tokens' choices, in the order above (every first
+choice, in token order, then every second choice, ...); a choice past C is dropped: it adds nothing
+to its token's output (the residual still carries the token) and its routing weight gets no
+gradient. Which choices drop depends only on the rank's own batch. The step then also returns the
+number of choices dropped over every data rank (the artifact's output `moe_dropped`, in `aot run
+--metrics`).
+
 Gradients: the reverse all_to_all sums every ep rank's tokens' contributions into the holder's
 expert gradient, so expert gradients are reduced over the ranks holding the same experts (fsdp,
 dp) but not over ep, and divided by every data rank (aot/capture/step.py `finish`).
@@ -29,8 +37,9 @@ dp) but not over ep, and divided by every data rank (aot/capture/step.py `finish
 
 from __future__ import annotations
 
+import math
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -98,6 +107,31 @@ def check_expert_parallel(model: nn.Module, ep: int, where: str) -> tuple[Expert
     return layers
 
 
+@dataclass
+class Dispatches:
+    """What the experts' dispatch made while one step was traced: each experts call's capacity (rows
+    per expert and rank) and, with a capacity factor, its count of dropped choices (a 0-dim tensor of
+    the trace)."""
+
+    capacity: list[int] = field(default_factory=list)
+    dropped: list[torch.Tensor] = field(default_factory=list)
+
+
+def capacity_rows(tokens: int, top_k: int, experts: int, factor: float | None) -> int:
+    """C: the rows each rank sends each expert. Dropless (factor None): every token (`tokens`, one
+    rank's); else ceil(factor x tokens x top_k / experts), at most `tokens`. Refuses a factor that
+    leaves an expert less than one row."""
+    if factor is None:
+        return tokens
+    rows = factor * tokens * top_k / experts
+    if rows < 1:
+        raise AotError(
+            f"--moe-capacity-factor {factor:g}: {rows:.3g} rows per expert ({tokens} tokens x top-{top_k} / {experts} experts x {factor:g}); "
+            f"under one token per expert, give at least {experts / (tokens * top_k):.3g}"
+        )
+    return min(tokens, math.ceil(rows))
+
+
 def dispatch_rows(top_k_index: torch.Tensor, experts: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(source, slot): `source[j]` is the token that fills row j of the [experts * capacity] send
     buffer (T: a zero row), `slot[t, k]` the row token t's k-th choice comes back in (E*C: a dropped
@@ -120,14 +154,30 @@ def _exchange(rows: torch.Tensor, ranks: int, group: str) -> torch.Tensor:
     return _funcol.wait_tensor(_funcol_autograd.all_to_all_single(rows.contiguous(), splits, splits, group))
 
 
-def dispatched_forward(module: nn.Module, experts: int, ranks: int, group: str, capacity: int | None, hidden, top_k_index, top_k_weights):
+@dataclass(frozen=True)
+class Dispatch:
+    """How one experts module dispatches: its experts, the ep group's size and name, the capacity
+    factor (None: dropless), and where the trace records what it made."""
+
+    experts: int
+    ranks: int
+    group: str
+    factor: float | None
+    record: Dispatches
+
+
+def dispatched_forward(module: nn.Module, how: Dispatch, hidden, top_k_index, top_k_weights):
     """The experts' forward with this rank's E/N experts (`module.gate_up_proj` and `down_proj` are
     the local slices while the step is traced): see the module docstring."""
     tokens, width = hidden.shape
+    experts, ranks, group = how.experts, how.ranks, how.group
     local = experts // ranks
-    c = tokens if capacity is None else capacity
+    c = capacity_rows(tokens, top_k_index.shape[1], experts, how.factor)
+    how.record.capacity.append(c)
     with torch.no_grad():
         source, slot = dispatch_rows(top_k_index, experts, c)
+        if how.factor is not None:
+            how.record.dropped.append((slot == experts * c).sum())
     padded = torch.cat([hidden, hidden.new_zeros(1, width)])
     received = _exchange(padded[source], ranks, group)  # [N * E/N * C, H]: from rank r, its rows for my experts
     rows = received.view(ranks, local, c, width).transpose(0, 1).reshape(local, ranks * c, width)
@@ -140,14 +190,17 @@ def dispatched_forward(module: nn.Module, experts: int, ranks: int, group: str, 
     return (chosen * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
 
 
-def experts_in_graph(model: nn.Module, layers: tuple[ExpertLayer, ...], ranks: int, group: str, capacity: int | None = None):
+def experts_in_graph(model: nn.Module, layers: tuple[ExpertLayer, ...], ranks: int, group: str, factor: float | None, record: Dispatches):
     """While the step is traced: each experts module of `layers` dispatches its tokens to the ep
-    ranks holding their experts (`dispatched_forward`); nothing when `layers` is empty."""
+    ranks holding their experts (`dispatched_forward`, capacity `factor`: None for dropless),
+    recording what it made in `record`; nothing when `layers` is empty."""
     modules = dict(model.named_modules())
 
     def forward_of(module: nn.Module, experts: int):
+        how = Dispatch(experts, ranks, group, factor, record)
+
         def forward(hidden, top_k_index, top_k_weights):
-            return dispatched_forward(module, experts, ranks, group, capacity, hidden, top_k_index, top_k_weights)
+            return dispatched_forward(module, how, hidden, top_k_index, top_k_weights)
 
         return forward
 

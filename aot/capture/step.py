@@ -20,7 +20,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture import replicas
-from aot.capture.expert_parallel import ExpertLayer, experts_in_graph
+from aot.capture.expert_parallel import Dispatches, ExpertLayer, experts_in_graph
 from aot.capture.fused_attention import FusedAttention
 from aot.capture.inert_calls import drop_inert_calls
 from aot.capture.loss_scaling import LossScaling
@@ -80,6 +80,7 @@ class StepLayout:
     # splits, and their weights, which each ep rank holds E/ep of (a slice along dimension 0)
     ep: Group | None = None
     ep_layers: tuple[ExpertLayer, ...] = ()
+    ep_capacity_factor: float | None = None  # None: dropless (every token an expert is routed)
 
     @property
     def ep_params(self) -> tuple[str, ...]:
@@ -131,6 +132,8 @@ class CapturedStep:
     # have it, the planner's pricing traces do not
     replicas: replicas.Proof | None = None
     tp_summed: tuple[str, ...] = ()  # the layout's tp_summed as traced (capture_step adds what it finds)
+    outputs: tuple[str, ...] = ("loss", "global_loss")  # the program's outputs, as the manifest names them
+    ep_capacity: int | None = None  # expert parallelism: rows each rank sends each expert
 
 
 def _wide_counter(value: torch.Tensor) -> torch.Tensor:
@@ -345,11 +348,13 @@ def _capture_tp(
     return traced[0]
 
 
-def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: StepLayout, tp: TensorParallel | None):
+def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: StepLayout, tp: TensorParallel | None, dispatches: Dispatches | None = None):
     """(step, finish): the training step as a function of its flat inputs (`step_args`), and its
     part once the gradients exist (averaging, clipping, the optimizer) as a function of (params,
     grads, local loss, optimizer state, learning rates[, loss scaling]). The step ends by calling
-    `finish`; the planner also traces `finish` alone (derive_without_fsdp)."""
+    `finish`; the planner also traces `finish` alone (derive_without_fsdp). With an ep capacity
+    factor the step also returns the choices its experts dropped over every data rank, read from
+    `dispatches` (filled while the forward is traced)."""
     param_names, buffer_names = list(state.params), list(state.buffers)
     local_shapes = layout.local_shapes(state)
     full_shapes = {n: p.shape for n, p in state.params.items()}
@@ -440,7 +445,14 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
         # Detached before backward so its reduction can join the first gradient bucket.
         local_loss = loss.detach()
         grads = torch.autograd.grad(scaling.scaled(loss) if scaling else loss, params, allow_unused=True)
-        return finish(params, grads, local_loss, opt_state, lrs, scaling)
+        finished = finish(params, grads, local_loss, opt_state, lrs, scaling)
+        if dispatches is None or not dispatches.dropped:
+            return finished
+        dropped = torch.stack(dispatches.dropped).sum()
+        for group in (layout.fsdp, layout.dp, layout.ep):
+            if group is not None:
+                dropped = _sum_over(dropped, group)
+        return (*finished, dropped)
 
     return step, finish
 
@@ -525,25 +537,29 @@ def step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tenso
 def _capture(
     mf: ModelFile, state: TrainingState, inputs: list[torch.Tensor], targets: torch.Tensor, layout: StepLayout, tp: TensorParallel | None, tracer=None
 ) -> CapturedStep:
-    step, _ = step_program(mf, state, len(inputs), layout, tp)
+    dispatches = Dispatches()
+    step, _ = step_program(mf, state, len(inputs), layout, tp, dispatches)
     args, slots = step_args(state, layout, inputs, targets)
     # every node knows its module call (recomputation checkpoints layers by them), in the
     # planner's traces as in the build's
     # SyncBatchNorm's statistics over the ranks holding different samples (dp, fsdp; not tp)
     model = state.model if tp is None else tp.model
     data_groups = [g for g in (layout.fsdp, layout.dp, layout.ep) if g is not None]
-    contexts = (annotate_module_calls(model), sync_batchnorm_in_graph(model, data_groups), experts_of(model, layout))
+    contexts = (annotate_module_calls(model), sync_batchnorm_in_graph(model, data_groups), experts_of(model, layout, dispatches))
     graph = trace_user_code(step, args, mf, "the training step", *contexts, tracer=tracer)
     # Export re-traces the graph with in-place updates on these inputs; they must not require grad.
     example = [a.detach() for a in args]
-    return CapturedStep(graph=graph, slots=slots, example_args=example)
+    outputs = ("loss", "global_loss", *(["found_inf"] if layout.precision.scaler else []), *(["moe_dropped"] if dispatches.dropped else []))
+    capacity = max(dispatches.capacity) if dispatches.capacity else None
+    return CapturedStep(graph=graph, slots=slots, example_args=example, outputs=outputs, ep_capacity=capacity)
 
 
-def experts_of(model: torch.nn.Module, layout: StepLayout):
-    """The experts' dispatch over the layout's ep group while a step is traced (nothing without ep)."""
+def experts_of(model: torch.nn.Module, layout: StepLayout, dispatches: Dispatches | None = None):
+    """The experts' dispatch over the layout's ep group while a step is traced (nothing without ep),
+    recording what it made in `dispatches` where given."""
     if layout.ep is None:
         return contextlib.nullcontext()
-    return experts_in_graph(model, layout.ep_layers, layout.ep.size, layout.ep.name)
+    return experts_in_graph(model, layout.ep_layers, layout.ep.size, layout.ep.name, layout.ep_capacity_factor, dispatches or Dispatches())
 
 
 @dataclass

@@ -81,6 +81,12 @@ def _optimizer_init(state: TrainingState) -> dict[str, dict]:
     return out
 
 
+def ep_rows(programs: dict) -> int:
+    """The rows each rank sends each expert, as the programs were traced (the largest, should experts
+    layers see different token counts)."""
+    return max(captured.ep_capacity or 0 for _, captured in programs.values())
+
+
 def _check_shardable(state: TrainingState, layout: StepLayout) -> None:
     """Optimizer state unlike its parameter cannot follow a split or sharded parameter."""
     split = (set(layout.tp_dims(state)) if layout.tp else set()) | set(layout.ep_params)
@@ -157,7 +163,7 @@ def emit_artifact(
                     "file": f"programs/{name}.json",
                     "constants": f"programs/{name}.constants.safetensors" if encoded[name][1] is not None else None,
                     "inputs": captured.slots,
-                    "outputs": ["loss", "global_loss"],
+                    "outputs": list(captured.outputs),
                     "collectives": collectives_of(ep.graph),
                     "graph_nodes": len(ep.graph.nodes),
                 }
@@ -203,7 +209,7 @@ def emit_artifact(
                 "size": layout.ep.size,
                 "experts": {layer.module: layer.experts for layer in layout.ep_layers},
                 "params": list(layout.ep_params),
-                "capacity": "dropless",
+                "capacity": "dropless" if layout.ep_capacity_factor is None else {"factor": layout.ep_capacity_factor, "rows": ep_rows(programs)},
             },
             "state": {
                 "params": {n: [list(t.shape), dtype_name(t.dtype)] for n, t in state.params.items()},

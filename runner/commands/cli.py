@@ -232,6 +232,9 @@ def run(
             "time_since_start_s": time.perf_counter() - _STARTED,
             "unix_time": time.time(),
         }
+        dropped = done.moe_dropped()
+        if dropped is not None:  # expert parallelism with a capacity: token choices past it, every data rank's
+            record["moe_dropped"] = dropped
         scale = done.loss_scale()
         if scale is not None:  # fp16: the loss scale after this step, and whether its update was skipped
             skipped = done.skipped()
@@ -239,7 +242,8 @@ def run(
             if skipped:
                 say(f"step {done.number}: gradients overflowed in fp16; update skipped, loss scale now {scale:g}")
         if done.number % log_every == 0 or done.number == target:
-            say(f"step {done.number:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s")
+            drops = f"  {dropped} expert choices dropped" if dropped else ""
+            say(f"step {done.number:>5}  loss {loss:.4f}  {seconds * 1e3:7.1f} ms  {record['samples_per_s']:8.0f} samples/s{drops}")
         if evaluation is not None and (done.number % (eval_every or target) == 0 or done.number == target):
             began = time.perf_counter()
             record["val_loss"] = evaluation[0].loss(evaluation[1], eval_batches)

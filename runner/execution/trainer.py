@@ -209,6 +209,7 @@ class Trainer:
         self.schedule = manifest["schedule"]
         self.seed = int(manifest["build"].get("seed", 0))
         self._slots = program["inputs"]
+        self._outputs = list(program["outputs"])
         self._lrs = [torch.zeros((), dtype=torch.float64) for _ in range(len(self.schedule["lr"][0]))]
         self._check_bindings()
         self._args = [self._bind(slot) for slot in self._slots]
@@ -388,8 +389,17 @@ class Trainer:
         self.step_index += 1
         # the loss scale after this step, kept before the next step updates it in place
         scale = self._optimizer.get(SCALER_PREFIX + "scale")
-        # fp16: the program's third output is found_inf; where set, the update was skipped
-        return LaunchedStep(self, self.step_index, outputs[1], outputs[2] if len(outputs) > 2 else None, scale.clone() if scale is not None else None, timing)
+        kept = scale.clone() if scale is not None else None
+        return LaunchedStep(self, self.step_index, outputs[1], self._output(outputs, "found_inf"), kept, timing, self._output(outputs, "moe_dropped"))
+
+    def _output(self, outputs, name: str):
+        """The program's output `name` (artifacts/FORMAT.md, "Program outputs"), or None where it has
+        none: fp16's found_inf (where set, the update was skipped; a version-6 manifest does not
+        list it, its third output is it), expert parallelism's dropped choices."""
+        if name in self._outputs:
+            return outputs[self._outputs.index(name)]
+        legacy = name == "found_inf" and len(self._outputs) == 2 and len(outputs) > 2
+        return outputs[2] if legacy else None
 
     def step(self, inputs, targets, measure_memory: bool = False) -> float:
         """One step, its loss read back (a host sync; `aot run`'s loop uses `launch`)."""
@@ -585,9 +595,19 @@ class LaunchedStep:
     update was skipped on overflow), `loss_scale()` (fp16: the scale after it) and `seconds()`.
     Reading one waits for the step (a collective that timed out is reported then, as one line)."""
 
-    def __init__(self, trainer: Trainer, number: int, loss: torch.Tensor, found_inf: torch.Tensor | None, scale: torch.Tensor | None, timing: StepTiming):
+    def __init__(
+        self,
+        trainer: Trainer,
+        number: int,
+        loss: torch.Tensor,
+        found_inf: torch.Tensor | None,
+        scale: torch.Tensor | None,
+        timing: StepTiming,
+        dropped: torch.Tensor | None = None,
+    ):
         self.number = number  # 1-based: the step this was
         self._trainer, self._loss, self._found_inf, self._scale, self._timing = trainer, loss, found_inf, scale, timing
+        self._dropped = dropped
 
     def _read(self, read):
         try:
@@ -601,6 +621,12 @@ class LaunchedStep:
     def skipped(self) -> bool:
         found_inf = self._found_inf
         return found_inf is not None and self._read(lambda: bool(found_inf.item() > 0))
+
+    def moe_dropped(self) -> int | None:
+        """Expert parallelism with a capacity factor: the token choices the step's experts dropped,
+        over every data rank (None without one)."""
+        dropped = self._dropped
+        return None if dropped is None else self._read(lambda: int(dropped.item()))
 
     def loss_scale(self) -> float | None:
         scale = self._scale

@@ -193,7 +193,7 @@ PIPELINE_SCHEMA = {
     "stages": [{"stage": int, "rank": int, "program": str, "layers": [str], "params": [str], "buffers": [str]}],
 }
 # Version 7: the experts split over an ep axis (FORMAT.md, "Expert-parallel layout"); present with an ep axis
-EXPERT_PARALLEL_SCHEMA = {"axis": str, "group": str, "size": int, "experts": Map(int), "params": [str], "capacity": str}
+EXPERT_PARALLEL_SCHEMA = {"axis": str, "group": str, "size": int, "experts": Map(int), "params": [str], "capacity": (str, dict)}
 # The build's predicted step time (FORMAT.md, "Time"); optional
 TIME_SCHEMA = {"predicted": {"step_s": NUMBER, "compute_s": NUMBER, "comm_s": NUMBER, "exposed_comm_s": NUMBER}, "topology": str, "calibrated": bool}
 # How many BatchNorm layers, how many are SyncBatchNorm, and over which mesh axes (FORMAT.md, "BatchNorm"); optional
@@ -222,7 +222,9 @@ def _check_expert_parallel(m: dict, where: str, expect) -> None:
         raise AotError(f"{where}: {e}") from None
     ep = m["expert_parallel"]
     expect(ep["group"] in m["process_groups"], "expert_parallel.group names no process group")
-    expect(ep["capacity"] == "dropless", f"expert_parallel.capacity {ep['capacity']!r}: this runner knows dropless")
+    capacity = ep["capacity"]
+    bounded = isinstance(capacity, dict) and isinstance(capacity.get("factor"), (int, float)) and type(capacity.get("rows")) is int and capacity["rows"] > 0
+    expect(capacity == "dropless" or bounded, f'expert_parallel.capacity must be "dropless" or {{"factor": F, "rows": C}}, got {capacity!r}')
     expect(all(k > 0 and k % ep["size"] == 0 for k in ep["experts"].values()), f"expert_parallel.experts: a count {ep['size']} ranks cannot share evenly")
     for name in ep["params"]:
         shape = m["state"]["params"].get(name, [None])[0]
