@@ -87,7 +87,8 @@ def step_layout(rec: Recording, target: Target, tp_plan: dict[str, str]) -> Step
         check_sequence_length(rec.state.model, rec.inputs, sequence["blocks"][0], tp.size)
     ep = target.group(EP)
     if ep is not None and (tp is not None or target.group(PP) is not None):
-        raise AotError(f"--strategy {target.mesh.describe()}: ep combines with dp and fsdp; with tp or pp it is not built yet")
+        mesh = ",".join(f"{a}={d}" for a, d in zip(target.mesh.axes, target.mesh.shape) if d > 1)
+        raise AotError(f"--strategy {mesh}: ep combines with dp and fsdp; with tp or pp it is not built yet")
     return StepLayout(
         target.group(DP),
         target.group(FSDP),

@@ -86,7 +86,7 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     first for that profile alone.
     """
     from aot.errors import AotError
-    from aot.plan.mesh import PLANNED_AXES
+    from aot.plan.mesh import BUILD_AXES
     from aot.plan.search import MEMORY_HEADROOM, plan_model
     from runner.commands.formatting import human
     from runner.hardware.nvml_probe import live_profile
@@ -108,8 +108,8 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
     names = [name.strip() for name in topology.split(",")] if topology else []
     targets = [target(name) for name in names] or [target(None)]  # none named: this machine's own
     searched = tuple(a.strip() for a in axes.split(",") if a.strip()) if axes is not None else None
-    if searched is not None and (not searched or any(a not in PLANNED_AXES for a in searched)):
-        raise AotError(f"--axes {axes!r}: expected some of {', '.join(PLANNED_AXES)}")
+    if searched is not None and (not searched or any(a not in BUILD_AXES for a in searched)):
+        raise AotError(f"--axes {axes!r}: expected some of {', '.join(BUILD_AXES)}")
     options = dict(
         seed=seed,
         bucket_mbs=tuple(bucket_mbs) or None,

@@ -33,6 +33,8 @@ GPT4 = REPO / "tests" / "models" / "gpt4.py"
 CHECKPOINTED = REPO / "tests" / "models" / "checkpointed_dropout.py"
 # models of 6 blocks, which the planner traces cut to 3 and writes out (aot/plan/repeated_blocks.py)
 GPT6, LLAMA6, CHECKPOINTED6 = (REPO / "tests" / "models" / name for name in ("gpt6.py", "llama6.py", "checkpointed6.py"))
+# transformers' Qwen3-MoE (examples/moe.py's tiny preset: 2 layers) and at 6 layers, for ep
+MOE, MOE6 = REPO / "examples" / "moe.py", REPO / "tests" / "models" / "moe6.py"
 BATCH = 8
 
 
@@ -63,6 +65,8 @@ def planner(model: Path, world_size: int, precision: str | None = None) -> Model
         (CHECKPOINTED, "dp=2", None),
         (LLAMA6, "fsdp=2", "bf16"),
         (CHECKPOINTED6, "dp=2", None),
+        (MOE, "ep=2", None),
+        (MOE6, "ep=2,fsdp=2", None),
     ],
     ids=lambda v: v.stem if isinstance(v, Path) else str(v),
 )
@@ -75,12 +79,12 @@ def test_the_planners_program_is_the_builds(model, strategy, precision, tmp_path
     degrees = (mesh.size("dp"), mesh.size("fsdp"), mesh.size("tp"))
     build_program = step.captures["train"].graph
     composed = steps.blocks is not None
-    assert composed == (model in (GPT6, LLAMA6, CHECKPOINTED6))
+    assert composed == (model in (GPT6, LLAMA6, CHECKPOINTED6, MOE6))
     same = canonical_nodes if composed else graph_nodes
-    assert same(steps.program(*degrees, skip=())) == same(build_program)
+    assert same(steps.program(*degrees, skip=(), ep=mesh.size("ep"))) == same(build_program)
     assert composed == (steps.blocks is not None), "the planner fell back to tracing the whole model"
     # what it prices: that program but for the passes priced analytically
-    priced = steps.program(*degrees)
+    priced = steps.program(*degrees, ep=mesh.size("ep"))
     if precision is None and model == GPT and strategy == "dp=2":
         assert graph_nodes(priced) != graph_nodes(build_program)  # bucketing made one all_reduce of many
     assert analyze(priced, step.captures["train"].slots).memory.to_json() == steps(mesh.axes, mesh.shape).memory.to_json()

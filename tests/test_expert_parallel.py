@@ -132,3 +132,24 @@ def test_a_capacity_drops_the_choices_it_documents_and_counts_them(built, tmp_pa
     assert all(distance[k] <= 2 * floor[k] + zoo.SLACK[k] for k in zoo.SLACK), (distance, floor)
     dropless = zoo._distance(*ours, *runs[1])
     assert dropless["loss"] > 10 * (2 * floor["loss"] + zoo.SLACK["loss"]), (dropless, floor)
+
+
+def test_the_planner_searches_ep_and_prices_it_as_the_build_predicts(tmp_path):
+    """`aot plan` on a model with experts searches ep (its all_to_alls priced per link) and says why
+    it leaves an ep mesh out; an ep plan's peak per rank is its build's, and it prices the
+    all_to_alls the build makes."""
+    moe = EXAMPLES / "moe.py"
+    common = ("--topology", "dgx_h100", "--nodes", 2, "--world-size", 16, "--batch-size", 4)
+    out = json.loads(ok(aot("plan", moe, *common, "--json")).stdout)
+    rows = {(p["strategy"], p["bucket_mb"]): p for p in out["plans"]}
+    ep_rows = [key for key in rows if "ep=" in key[0]]
+    assert ep_rows, sorted(rows)
+    assert any("ep=16" in s and "cannot share evenly" in s for s in out["skipped"]), out["skipped"]
+    strategy, bucket = next(key for key in ep_rows if key[0] == "dp=8,ep=2" and key[1] == 25.0)
+    assert "all_to_all:pairwise" in json.dumps(rows[(strategy, bucket)])
+    art = tmp_path / "art"
+    ok(aot("build", moe, *common, "--strategy", strategy, "--bucket-mb", bucket, "--no-onnx", "--no-eval", "--quiet", "-o", art))
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert rows[(strategy, bucket)]["memory_bytes"]["peak"] == manifest["memory"]["predicted"]["peak"]
+    built_a2a = [c for c in manifest["programs"]["train"]["collectives"] if c["kind"] == "all_to_all_single"]
+    assert rows[(strategy, bucket)]["algorithms"]["all_to_all:pairwise"] == len(built_a2a) == 8  # 2 layers x dispatch and return x forward and backward

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from aot.compile_step import Recording, finish_program, step_layout, tensor_parallel_plan, trace_program
+from aot.capture.expert_parallel import expert_layers
 from aot.errors import AotError
 from aot.passes import PRICED_ANALYTICALLY, PassOptions
 from aot.plan.cost_model import StepGraph, analyze, storage_key
@@ -22,7 +23,7 @@ from aot.plan.recompute import Request
 from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan
 from aot.capture.module_calls import annotating_blocks
 from aot.target import Target
-from runner.format.axes import DP, FSDP, PP, TP, group_name
+from runner.format.axes import DP, EP, FSDP, PP, TP, group_name
 
 NO_RECOMPUTE = Request()  # as the build without a flag or model-file `recompute`: the model's checkpoint calls only
 
@@ -59,8 +60,20 @@ class Pricing:
     compute: Any = None
 
 
+def _key(dp: int, fsdp: int, tp: int, ep: int = 1) -> tuple:
+    """A layout class (see ModelSteps): whether there is a dp group, fsdp, tp, and ep where there is one."""
+    return (dp > 1, fsdp, tp, *([ep] if ep > 1 else []))
+
+
+def _mesh(dp: int, fsdp: int, tp: int, ep: int = 1) -> tuple:
+    """A traced mesh (dp, fsdp, tp), with ep where there is one."""
+    return (dp, fsdp, tp, *([ep] if ep > 1 else []))
+
+
 class ModelSteps:
-    """Step graphs of a model file for any mesh over the axes the build supports (dp, fsdp, tp).
+    """Step graphs of a model file for any mesh over the axes the build supports (dp, fsdp, tp,
+    and ep for a model with experts: each ep degree its own layout class, keyed and derived as the
+    others).
 
     Graphs: (dp, fsdp=1) and (dp, fsdp=2) per tensor-parallel degree, each once (the
     data-parallel degree changes only the group's size, never the graph). A wider fsdp axis is the
@@ -116,6 +129,8 @@ class ModelSteps:
         self._tp_plans: dict[int, dict[str, str] | AotError] = {}  # degree -> the build's plan, or why it refuses
         # (name, count) of the model's repeated blocks, traced cut to a few (aot.plan.repeated_blocks)
         self.blocks = find_blocks(self.state.model) if compose else None
+        # a model with experts (aot.capture.expert_parallel) is searched over ep too
+        self.has_experts = bool(expert_layers(self.state.model))
         self._cut: Recording | None = None
         self._target(pricing or Pricing())
 
@@ -188,55 +203,55 @@ class ModelSteps:
             self._cut = truncated(self.rec, self.blocks[0])
         return self._cut
 
-    def target(self, dp: int, fsdp: int, tp: int) -> Target:
-        return Target.of({DP: dp, FSDP: fsdp, TP: tp}, self.precision, self.sequence_parallel)
+    def target(self, dp: int, fsdp: int, tp: int, ep: int = 1) -> Target:
+        return Target.of({DP: dp, FSDP: fsdp, TP: tp, EP: ep}, self.precision, self.sequence_parallel)
 
-    def layout(self, dp: int, fsdp: int, tp: int):
-        """The build's layout of a dp x fsdp x tp mesh (aot.compile_step.step_layout); Unsupported where the build would refuse."""
+    def layout(self, dp: int, fsdp: int, tp: int, ep: int = 1):
+        """The build's layout of a dp x fsdp x tp (x ep) mesh (aot.compile_step.step_layout); Unsupported where the build would refuse."""
         plan = self.tp_plan(tp) if tp > 1 else {}
         try:
-            return step_layout(self.rec, self.target(dp, fsdp, tp), plan)
+            return step_layout(self.rec, self.target(dp, fsdp, tp, ep), plan)
         except AotError as e:
             raise Unsupported(str(e)) from None
 
-    def capture(self, dp: int, fsdp: int, tp: int = 1) -> StepGraph:
-        """The analyzed graph of one rank for a dp x fsdp x tp mesh, traced as the build traces it."""
-        return self._finished(*self._capture(dp, fsdp, tp))
+    def capture(self, dp: int, fsdp: int, tp: int = 1, ep: int = 1) -> StepGraph:
+        """The analyzed graph of one rank for a dp x fsdp x tp (x ep) mesh, traced as the build traces it."""
+        return self._finished(*self._capture(dp, fsdp, tp, ep))
 
-    def _capture(self, dp: int, fsdp: int, tp: int):
+    def _capture(self, dp: int, fsdp: int, tp: int, ep: int = 1):
         """(graph, slots) of the mesh, traced and cleaned up as the build's (aot.compile_step.trace_program):
         for a model of repeated blocks, the model cut to a few blocks traced and written out to
         full depth (aot.plan.repeated_blocks: the same graph, node for node); traced whole where
         that cannot be done."""
         if self.blocks is not None:
             try:
-                return self._composed(dp, fsdp, tp)
+                return self._composed(dp, fsdp, tp, ep)
             except Unsupported:
                 raise
             except Exception as e:  # noqa: BLE001  (NotComposable, or the cut model's trace failing: a forward that counts its blocks)
                 why = str(e) if isinstance(e, NotComposable) else f"the model cut to 3 of them cannot be traced: {type(e).__name__}"
                 self.note(f"tracing the whole model: its blocks cannot be written out from a few ({why})")
                 self.blocks = None
-        captured = trace_program(self.rec, self.layout(dp, fsdp, tp), for_pricing=True)
+        captured = trace_program(self.rec, self.layout(dp, fsdp, tp, ep), for_pricing=True)
         return captured.graph, captured.slots
 
-    def _composed(self, dp: int, fsdp: int, tp: int):
+    def _composed(self, dp: int, fsdp: int, tp: int, ep: int = 1):
         assert self.blocks is not None
         path, depth = self.blocks
         cut = self._cut_recording()
         plan = cut_plan(self.tp_plan(tp), path) if tp > 1 else {}
         try:
-            layout = step_layout(cut, self.target(dp, fsdp, tp), plan)
+            layout = step_layout(cut, self.target(dp, fsdp, tp, ep), plan)
         except AotError as e:
             raise Unsupported(str(e)) from None
         with annotating_blocks(path):
             captured = trace_program(cut, layout, for_pricing=True)
         return stamp(captured.graph, captured.slots, path, depth)
 
-    def program(self, dp: int, fsdp: int, tp: int = 1, skip: tuple[str, ...] = PRICED_ANALYTICALLY):
-        """The graph module the planner prices for a dp x fsdp x tp mesh, traced (not derived): the
-        build's program for it but for the passes in `skip` (tests/test_compile_path.py)."""
-        gm, slots = self._capture(dp, fsdp, tp)
+    def program(self, dp: int, fsdp: int, tp: int = 1, skip: tuple[str, ...] = PRICED_ANALYTICALLY, ep: int = 1):
+        """The graph module the planner prices for a dp x fsdp x tp (x ep) mesh, traced (not derived):
+        the build's program for it but for the passes in `skip` (tests/test_compile_path.py)."""
+        gm, slots = self._capture(dp, fsdp, tp, ep)
         return self._program(gm, slots, NO_RECOMPUTE, skip)
 
     def _program(self, gm, slots, request: Request, skip: tuple[str, ...] = PRICED_ANALYTICALLY):
@@ -259,11 +274,11 @@ class ModelSteps:
 
         gm, slots = self._capture(*source)
         out = {}
-        for other, (dp, _, tp) in self._derived.get(key, ()):
+        for other, (dp, _, tp, *ep) in self._derived.get(key, ()):
             if other in self.traced or other in self._failed:
                 continue
             try:
-                got = derive_without_fsdp(self.mf, self.state, self.inputs, self.targets, self.layout(dp, 1, tp), gm, Mesh.group_name(FSDP))
+                got = derive_without_fsdp(self.mf, self.state, self.inputs, self.targets, self.layout(dp, 1, tp, *ep), gm, Mesh.group_name(FSDP))
                 derived = None
                 if got is not None:
                     derived_gm, derived_slots, shared = got
@@ -274,14 +289,14 @@ class ModelSteps:
             except Exception:  # noqa: BLE001  (traced instead)
                 derived = None
             try:
-                out[other] = derived if derived is not None else self._captured(dp, 1, tp, other)
+                out[other] = derived if derived is not None else self._captured(other, dp, 1, tp, *ep)
             except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
                 self._failed[other] = e
         out[key] = self._priced(key, gm, slots)  # after the derivations: it changes `gm`
         return out
 
-    def _captured(self, dp: int, fsdp: int, tp: int, key: tuple) -> StepGraph:
-        return self._priced(key, *self._capture(dp, fsdp, tp))
+    def _captured(self, key: tuple, dp: int, fsdp: int, tp: int, ep: int = 1) -> StepGraph:
+        return self._priced(key, *self._capture(dp, fsdp, tp, ep))
 
     def _priced(self, key: tuple, gm, slots) -> StepGraph:
         """_finished(gm, slots), and the recomputing variants of `key` where it does not fit."""
@@ -358,41 +373,41 @@ class ModelSteps:
             }
         return other
 
-    def _traced(self, dp: int, fsdp: int, tp: int) -> StepGraph:
-        key = (dp > 1, fsdp, tp)
+    def _traced(self, dp: int, fsdp: int, tp: int, ep: int = 1) -> StepGraph:
+        key = _key(dp, fsdp, tp, ep)
         if key in self._failed:
             raise self._failed[key]
         if key not in self.traced:
             started = time.perf_counter()
-            self.traced.update(self._trace(key, (dp, fsdp, tp)))
+            self.traced.update(self._trace(key, _mesh(dp, fsdp, tp, ep)))
             self.seconds["tracing"] += time.perf_counter() - started
         if key in self._failed:
             raise self._failed[key]
         return self.traced[key]
 
-    def _source(self, dp: int, fsdp: int, tp: int) -> tuple[int, int, int]:
-        """The traced mesh (dp, fsdp, tp) a mesh's graph is read from (see the class docstring)."""
+    def _source(self, dp: int, fsdp: int, tp: int, ep: int = 1) -> tuple:
+        """The traced mesh (dp, fsdp, tp[, ep]) a mesh's graph is read from (see the class docstring)."""
         if fsdp == 1:
-            return dp, 1, tp
-        if dp > 1 or (self.world_size or 0) >= 4 * tp:
-            return 2, 2, tp
-        return 1, 2, tp
+            return _mesh(dp, 1, tp, ep)
+        if dp > 1 or (self.world_size or 0) >= 4 * tp * ep:
+            return _mesh(2, 2, tp, ep)
+        return _mesh(1, 2, tp, ep)
 
     def __call__(self, axes: tuple, shape: tuple) -> StepGraph:
-        dp, fsdp, tp = self._degrees(axes, shape)
-        source = self._source(dp, fsdp, tp)
-        return self._derive(self._traced(*source), source, dp, fsdp, tp)
+        dp, fsdp, tp, ep = self._degrees(axes, shape)
+        source = self._source(dp, fsdp, tp, ep)
+        return self._derive(self._traced(*source), source, dp, fsdp, tp, ep)
 
     def recomputing(self, axes: tuple, shape: tuple) -> list[tuple[float, StepGraph]]:
         """[(activation budget, the mesh's graph recomputing activations at it)]: empty where the
         graph the mesh is read from fits device memory (call after the mesh's own graph)."""
-        dp, fsdp, tp = self._degrees(axes, shape)
-        source = self._source(dp, fsdp, tp)
-        key = (source[0] > 1, source[1], source[2])
+        dp, fsdp, tp, ep = self._degrees(axes, shape)
+        source = self._source(dp, fsdp, tp, ep)
+        key = _key(*source)
         if key in self.recompute_failed:
             raise Unsupported(f"recomputing activations: {self.recompute_failed[key]}")
         variants = self.recomputed.get(key, ())
-        return [(fraction, self._derive(graph, source, dp, fsdp, tp)) for fraction, graph in variants]
+        return [(fraction, self._derive(graph, source, dp, fsdp, tp, ep)) for fraction, graph in variants]
 
     def pipeline(
         self, axes: tuple, shape: tuple, microbatches: int, schedule: str = "1f1b", virtual: int = 1, recompute: bool = False
@@ -417,7 +432,7 @@ class ModelSteps:
                 assert group is not None  # a pipeline mesh
                 made = pipeline_programs(
                     self.rec,
-                    self.layout(dp, fsdp, degrees.get(TP, 1)),
+                    self.layout(dp, fsdp, degrees.get(TP, 1), degrees.get(EP, 1)),
                     Schedule(group, microbatches, schedule, virtual, recompute),
                     compute=self._compute,
                     passes=PassOptions(),  # the build's default options
@@ -431,18 +446,18 @@ class ModelSteps:
             self.seconds["pipelines"] += time.perf_counter() - started
         return self.pipelines[key]
 
-    def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int]:
+    def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int, int]:
         degrees = dict(zip(axes, shape))
-        other = [a for a, d in degrees.items() if a not in (DP, FSDP, TP) and d > 1]
+        other = [a for a, d in degrees.items() if a not in (DP, FSDP, TP, EP) and d > 1]
         if other:
             raise Unsupported(f"no graph for axes {', '.join(other)} yet (priced once the build captures them)")
-        dp, fsdp, tp = degrees.get(DP, 1), degrees.get(FSDP, 1), degrees.get(TP, 1)
-        if tp > 1:
-            self.layout(1, 1, tp)  # Unsupported here, before any trace, where the build would refuse tp
-        return dp, fsdp, tp
+        dp, fsdp, tp, ep = degrees.get(DP, 1), degrees.get(FSDP, 1), degrees.get(TP, 1), degrees.get(EP, 1)
+        if tp > 1 or ep > 1:
+            self.layout(1, 1, tp, ep)  # Unsupported here, before any trace, where the build would refuse tp or ep
+        return dp, fsdp, tp, ep
 
-    def _derive(self, base: StepGraph, source: tuple, dp: int, fsdp: int, tp: int) -> StepGraph:
-        """The graph of mesh (dp, fsdp, tp) from `base`, the graph of its traced mesh `source`."""
+    def _derive(self, base: StepGraph, source: tuple, dp: int, fsdp: int, tp: int, ep: int = 1) -> StepGraph:
+        """The graph of mesh (dp, fsdp, tp[, ep]) from `base`, the graph of its traced mesh `source`."""
         from aot.plan.derived_steps import drop_group, rescale, shard_scale
 
         if fsdp == 1:
@@ -450,7 +465,7 @@ class ModelSteps:
         graph = base if dp > 1 or source[0] == 1 else drop_group(base, group_name(DP))
         if fsdp == 2:
             return graph
-        numels = [s.numel() for s in self.layout(1, 1, tp).local_shapes(self.state).values()]
+        numels = [s.numel() for s in self.layout(1, 1, tp, ep).local_shapes(self.state).values()]
         return rescale(graph, shard_scale(numels, 2, fsdp), group_name(FSDP), fsdp)
 
     # -- making the graphs ahead of a search --------------------------------------------------------
@@ -464,16 +479,18 @@ class ModelSteps:
         first: dict[tuple, tuple] = {}
         for shape in factorizations(self.world_size or 1, tuple(axes)):
             degrees = dict(zip(axes, shape))
-            dp, fsdp, tp = degrees.get(DP, 1), degrees.get(FSDP, 1), degrees.get(TP, 1)
-            if any(a not in (DP, FSDP, TP) and d > 1 for a, d in degrees.items()) or (tp > 1 and self.max_tp is not None and tp > self.max_tp):
+            dp, fsdp, tp, ep = degrees.get(DP, 1), degrees.get(FSDP, 1), degrees.get(TP, 1), degrees.get(EP, 1)
+            if any(a not in (DP, FSDP, TP, EP) and d > 1 for a, d in degrees.items()) or (tp > 1 and self.max_tp is not None and tp > self.max_tp):
                 continue
             try:
                 if tp > 1:
                     check_degree(self.mf, self.state.model, tp)
-            except AotError:
+                if ep > 1:
+                    self.layout(1, 1, tp, ep)  # a model without experts, or experts ep does not divide
+            except (AotError, Unsupported):
                 continue
-            source = self._source(dp, fsdp, tp)
-            first.setdefault((source[0] > 1, source[1], source[2]), source)
+            source = self._source(dp, fsdp, tp, ep)
+            first.setdefault(_key(*source), source)
         return list(first.items())
 
     def prefetch(self, axes: tuple) -> None:
@@ -485,14 +502,15 @@ class ModelSteps:
         todo = [(key, source) for key, source in self.needed(axes) if key not in self.traced and key not in self._failed]
         # mixed precision: the fsdp graph gathers parameters in the compute dtype, which the graph
         # without fsdp does not, so its forward is not the one to derive from: each is traced
-        sharded = {} if self.precision.mixed else {key[2]: key for key, _ in todo if key[1] == 2}
+        # keyed by (tp, ep): a graph without fsdp is derived from the fsdp=2 graph of its tp and ep degrees
+        sharded = {} if self.precision.mixed else {key[2:]: key for key, _ in todo if key[1] == 2}
         for key, source in todo:
-            if key[1] == 1 and key[2] in sharded:
-                self._derived.setdefault(sharded[key[2]], []).append((key, source))
-        traced = [(key, source) for key, source in sorted(todo, key=lambda job: job[0][1] != 2) if not (key[1] == 1 and key[2] in sharded)]
+            if key[1] == 1 and key[2:] in sharded:
+                self._derived.setdefault(sharded[key[2:]], []).append((key, source))
+        traced = [(key, source) for key, source in sorted(todo, key=lambda job: job[0][1] != 2) if not (key[1] == 1 and key[2:] in sharded)]
         for i, (key, source) in enumerate(traced):  # the graphs others are derived from first (those made with them skipped)
             derived = len(self._derived.get(key, ()))
-            mesh = " x ".join(a if a == DP else f"{a}={d}" for a, d in zip((DP, FSDP, TP), source) if d > 1) or "one rank"
+            mesh = " x ".join(a if a == DP else f"{a}={d}" for a, d in zip((DP, FSDP, TP, EP), source) if d > 1) or "one rank"
             self.note(f"tracing the step on {mesh} ({i + 1} of {len(traced)})" + (f", {derived} more graph(s) derived from it" if derived else ""))
             try:
                 self._traced(*source)

@@ -22,6 +22,8 @@ first (Planner.pipeline_may_win) or nothing without pp fits.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -36,7 +38,7 @@ from aot.plan.model_steps import ModelSteps, Pricing, Unsupported, factorization
 from aot.plan.pipeline import bubble_floor
 from aot.plan.placement import Placement, identity, place
 from aot.defaults import DEFAULT_BUCKET_MB
-from runner.format.axes import DP, FSDP, PP
+from runner.format.axes import DATA_AXES, DP, FSDP, PP
 
 BUCKET_MB_CANDIDATES = (1.0, 4.0, DEFAULT_BUCKET_MB, 100.0)
 MEMORY_HEADROOM = 0.9  # of device memory: the CUDA context, allocator caching and fragmentation take the rest
@@ -74,9 +76,9 @@ class Plan:
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that take a batch of their own (dp x fsdp): a step trains on that many batches."""
+        """Ranks that take a batch of their own (dp x fsdp x ep): a step trains on that many batches."""
         size = dict(zip(self.axes, self.shape))
-        return size.get(DP, 1) * size.get(FSDP, 1)
+        return math.prod(size.get(a, 1) for a in DATA_AXES)
 
     @property
     def strategy(self) -> str:
@@ -543,6 +545,7 @@ def plan_model(
     import gc
 
     from aot.plan.mesh import PLANNED_AXES
+    from runner.format.axes import EP
 
     # When the process ends, Python's last garbage collections walk every object torch, its
     # compiler stack and the traces made, several times over (about a second of `aot plan`'s run).
@@ -565,7 +568,8 @@ def plan_model(
             steps = ModelSteps(model_path, batch_size, seed, sequence_parallel, pricing, note=note)
         planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing, pipeline=steps.pipeline, batch_size=batch_size)
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
-        searched = tuple(axes or PLANNED_AXES)
+        # every axis the planner searches; ep for a model with experts
+        searched = tuple(axes or (*PLANNED_AXES, *([EP] if steps.has_experts else [])))
         steps.prefetch(searched)
         plans, skipped = planner.search(searched, bucket_mbs, prune_pipelines=axes is None)
     finally:
