@@ -36,9 +36,10 @@ from plan_accuracy import REPO, busy_cpu_s, own_cpu_s  # noqa: E402
 DEFAULT_CASES = ";".join(
     [
         "mixtral-8x7b:64:ep=8,fsdp=8:1.25",
-        "mixtral-8x7b:1024:ep=8,fsdp=128:1.25",
         "mixtral-8x7b:64:ep=8,fsdp=8",
-        "dsv3-like:64:ep=8,fsdp=8:1.25",
+        "mixtral-8x7b:1024:ep=8,fsdp=128:1.25",
+        "dsv3-like:64:ep=64:1.25",
+        "dsv3-like:1024:ep=64,fsdp=16:1.25",
         "dsv3-like:1024:ep=8,fsdp=128:1.25",
     ]
 )

@@ -13,7 +13,6 @@ the build's.
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.model_file import ModelFile
 from aot.capture.step import StepLayout, traced_as_compiled, step_args, step_program
@@ -210,9 +209,8 @@ class _NotDerivable(Exception):
 
 
 def trace_for_pricing(step, args: list) -> torch.fx.GraphModule:
-    """make_fx(step, tracing_mode="fake")(*args), the build's trace, as a lazy graph module: its
-    Python code is generated only if something calls it (about a tenth of a trace's time saved)."""
-    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    """make_fx(step, tracing_mode="fake")(*args), the build's trace (aot.capture.step.fake_make_fx:
+    a lazy graph module, whose Python code is generated only if something calls it)."""
+    from aot.capture.step import fake_make_fx
 
-    with _use_lazy_graph_module(True):
-        return make_fx(step, tracing_mode="fake")(*args)
+    return fake_make_fx(step, args)
