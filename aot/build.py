@@ -433,22 +433,27 @@ def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement
                 **({"custom_ops": custom_ops} if custom_ops else {}),
                 **({"plan": plan_entry} if plan_entry else {}),
             },
-            build={
-                "model_file": mf.path.name,
-                "model_sha256": mf.sha256,
-                "world_size": options.world_size,
-                "strategy": mesh.describe(),
-                "batch_size": options.batch_size,
-                "max_steps": options.max_steps,
-                "bucket_mb": options.bucket_mb,
-                "prefetch_mb": options.prefetch_mb,
-                "hierarchical": options.hierarchical,
-                "seed": options.seed,
-                "topology": profile["name"],
-                **({"moe_capacity_factor": options.moe_capacity_factor} if options.moe_capacity_factor is not None else {}),
-            },
+            build=_build_entry(options, mf, mesh, profile),
         )
     return manifest
+
+
+def _build_entry(options: BuildOptions, mf: ModelFile, mesh: Mesh, profile: dict) -> dict:
+    """The manifest's `build`: the arguments the artifact was built with."""
+    return {
+        "model_file": mf.path.name,
+        "model_sha256": mf.sha256,
+        "world_size": options.world_size,
+        "strategy": mesh.describe(),
+        "batch_size": options.batch_size,
+        "max_steps": options.max_steps,
+        "bucket_mb": options.bucket_mb,
+        "prefetch_mb": options.prefetch_mb,
+        "hierarchical": options.hierarchical,
+        "seed": options.seed,
+        "topology": profile["name"],
+        **({"moe_capacity_factor": options.moe_capacity_factor} if options.moe_capacity_factor is not None else {}),
+    }
 
 
 def level_groups(gm, machine: Machine, placement: Placement) -> dict[str, dict]:
