@@ -189,6 +189,9 @@ def _check_pipeline_options(options: BuildOptions, mesh: Mesh, progress: Progres
         raise AotError("--microbatches and --stages-per-rank split a pipeline: they need --strategy with pp=N, N > 1")
     if options.moe_capacity_factor is not None and mesh.size(EP) == 1:
         raise AotError("--moe-capacity-factor sizes expert parallelism's dispatch: it needs --strategy with ep=N, N > 1")
+    if options.moe_capacity_factor is not None and mesh.size(PP) > 1:
+        # a pipeline dispatches each microbatch on its own: the capacity would be a microbatch's, not the rank's batch's
+        raise AotError("--moe-capacity-factor with pp is not built yet: a pipeline's experts take every token (dropless)")
 
 
 def _compile_device(options: BuildOptions, profile: dict):
@@ -472,12 +475,12 @@ def describe_experts(layout: StepLayout, captures: dict) -> str:
     """The build's line on expert parallelism: what is split, and how many rows each rank sends each expert."""
     assert layout.ep is not None  # asked only with an ep axis
     counts = sorted({layer.experts for layer in layout.ep_layers})
-    rows = max(c.ep_capacity or 0 for c in captures.values())
+    rows = max(c.ep_capacity or 0 for c in captures.values())  # 0: not recorded (a pipeline's stages)
     factor = layout.ep_capacity_factor
     how = "dropless" if factor is None else f"--moe-capacity-factor {factor:g}: choices past it are dropped and counted"
     return (
         f"expert parallel over {layout.ep.size} ranks: {len(layout.ep_layers)} experts layer(s) of {'/'.join(map(str, counts))}, "
-        f"{counts[0] // layout.ep.size} per rank; tokens dispatched by all_to_all, {rows} rows per expert and rank ({how})"
+        f"{counts[0] // layout.ep.size} per rank; tokens dispatched by all_to_all, " + (f"{rows} rows per expert and rank ({how})" if rows else how)
     )
 
 

@@ -19,7 +19,7 @@ from torch.fx.passes.split_module import split_module
 from aot.capture.model_file import ModelFile, call_user
 from aot.capture.module_calls import annotate_module_calls, layer_of
 from aot.capture.model_file import describe_error
-from aot.capture.step import StepLayout, _autocast_region, rank_state, traced_as_compiled
+from aot.capture.step import StepLayout, _autocast_region, experts_of, rank_state, traced_as_compiled
 from aot.capture.tensor_parallel import rename_group, tensor_parallel
 from aot.capture.tensor_parallel_regions import differentiable_regions
 from aot.capture.trace_logs import quiet_trace_logs
@@ -112,7 +112,7 @@ def _trace_forward(mf, state, layout, inputs, targets, tp):
         Source("target"),
     ]
     try:
-        with traced_as_compiled(), quiet_trace_logs(), annotate_module_calls(model):
+        with traced_as_compiled(), quiet_trace_logs(), annotate_module_calls(model), experts_of(model, layout):
             graph = make_fx(forward, tracing_mode="fake")(*args)
     except AotError:
         raise
