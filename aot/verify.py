@@ -39,6 +39,13 @@ def verify(artifact_dir: Path, model_file: Path, *, steps: int, data: Path | Non
             f"which eager DDP on CPU cannot (eager SyncBatchNorm needs GPUs); its reference is one process "
             f"over the global batch (see tests/test_sync_batchnorm.py)"
         )
+    capacity = (artifact.manifest.get("expert_parallel") or {}).get("capacity", "dropless")
+    if capacity != "dropless":
+        # eager PyTorch runs every expert on every token routed to it
+        raise AotError(
+            f"{artifact_dir}: its experts drop token choices past a capacity (--moe-capacity-factor {capacity['factor']:g}), which "
+            f"eager PyTorch does not: it has no eager counterpart; verify a dropless build of the same strategy"
+        )
     if world > max_local_ranks():
         raise AotError(
             f"{artifact_dir}: world size {world} cannot run on this machine "

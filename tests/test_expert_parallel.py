@@ -64,6 +64,8 @@ def test_resume_is_exact_and_a_merged_checkpoint_holds_every_expert(built, tmp_p
     summary = json.loads(ok(aot("inspect", art, "--json")).stdout)
     assert [r["experts"]["model.model.layers.0.mlp.experts"] for r in summary["ranks"]] == [[0, 2], [0, 2], [2, 4], [2, 4]]
     assert "ep=1  experts 2-3 of every layer" in ok(aot("inspect", art)).stdout
+    # `aot verify` gathers every rank's experts (in one order on every rank) and compares with eager DDP
+    assert ": OK" in ok(aot("verify", art, QWEN3_MOE, "--steps", 2)).stdout
 
 
 @pytest.mark.parametrize(
@@ -138,6 +140,7 @@ def test_per_rank_semantics_equal_eager_ddp_over_the_same_ranks(name, capacity, 
     if capacity:
         assert manifest["expert_parallel"]["capacity"] == {"factor": 1.0, "rows": 32}  # 64 tokens x top-2 / 4 experts
         assert all(r["moe_dropped"] > 0 for r in records), records
+        assert_user_error(aot("verify", art, model), "no eager counterpart")
     else:
         assert manifest["expert_parallel"]["capacity"] == "dropless" and all("moe_dropped" not in r for r in records)
     ours = ([r["loss"] for r in records], load_file(tmp_path / "merged.safetensors"))

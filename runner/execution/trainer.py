@@ -485,7 +485,7 @@ class Trainer:
                 full[name] = unshard([gathered], shape)
         if ep:  # expert-parallel slices -> every expert
             _, group = self.groups[ep["group"]]
-            for name in experts & set(full):
+            for name in (n for n in ep["params"] if n in full):  # the manifest's order: every rank gathers alike
                 slices = [torch.empty_like(full[name]) for _ in range(ep["size"])]
                 dist.all_gather(slices, full[name].contiguous(), group=group)
                 full[name] = torch.cat(slices, 0)
