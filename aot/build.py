@@ -189,9 +189,6 @@ def _check_pipeline_options(options: BuildOptions, mesh: Mesh, progress: Progres
         raise AotError("--microbatches and --stages-per-rank split a pipeline: they need --strategy with pp=N, N > 1")
     if options.moe_capacity_factor is not None and mesh.size(EP) == 1:
         raise AotError("--moe-capacity-factor sizes expert parallelism's dispatch: it needs --strategy with ep=N, N > 1")
-    if options.moe_capacity_factor is not None and mesh.size(PP) > 1:
-        # a pipeline dispatches each microbatch on its own: the capacity would be a microbatch's, not the rank's batch's
-        raise AotError("--moe-capacity-factor with pp is not built yet: a pipeline's experts take every token (dropless)")
 
 
 def _compile_device(options: BuildOptions, profile: dict):

@@ -73,13 +73,10 @@ def cli():
     "data-parallel ranks (dp and fsdp), all-reduced inside the graph, instead of each rank's own batch as "
     "eager DDP computes them. A model without BatchNorm is refused.",
 )
-@click.option(
-    "--moe-capacity-factor",
-    type=float,
-    default=None,
-    help="With ep: each rank sends each expert at most F x (its tokens x top-k / experts) token choices; "
+@options.moe_capacity_factor(
+    "With ep: each rank sends each expert at most F x (its tokens x top-k / experts) token choices; "
     "the rest are dropped (first choices are kept before second choices; the count is in aot run --metrics). "
-    "Default: dropless, every token an expert is routed (the send buffer then holds experts x tokens rows).",
+    "Default: dropless, every token an expert is routed (the send buffer then holds experts x tokens rows)."
 )
 @options.batch_size
 @click.option("--max-steps", type=int, default=1000, show_default=True, help="Steps of learning-rate schedule to store.")

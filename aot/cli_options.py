@@ -28,6 +28,10 @@ def sequence_parallel(help: str):
     return click.option("--sequence-parallel", is_flag=True, help=help)
 
 
+def moe_capacity_factor(help: str):
+    return click.option("--moe-capacity-factor", type=float, default=None, help=help)
+
+
 def hierarchical(help: str):
     return click.option("--hierarchical", type=click.Choice(HIERARCHICAL), default="auto", show_default=True, help=help)
 

@@ -62,10 +62,27 @@ SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json
     "matmuls at the profile's bf16/fp16 rate). Default: the model file's `precision`, else fp32.",
 )
 @options.reduce_dtype("Dtype gradients are reduced in, as `aot build --reduce-dtype`.")
+@options.moe_capacity_factor("Price ep meshes with this expert capacity, as `aot build --moe-capacity-factor` builds them (default: dropless).")
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print every candidate as JSON.")
 @debug_option
-def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, axes, sequence_parallel, hierarchical, precision, reduce_dtype, top, as_json):
+def plan(
+    model_file,
+    topology,
+    nodes,
+    world_size,
+    batch_size,
+    bucket_mbs,
+    seed,
+    axes,
+    sequence_parallel,
+    hierarchical,
+    precision,
+    reduce_dtype,
+    moe_capacity_factor,
+    top,
+    as_json,
+):
     """Rank the ways to train MODEL_FILE on a topology, before any GPU is used.
 
     Traces the step a few times, then prices every candidate plan (parallel degrees among the axes the
@@ -118,7 +135,10 @@ def plan(model_file, topology, nodes, world_size, batch_size, bucket_mbs, seed, 
         hierarchical=hierarchical,
         precision=precision,
         reduce_dtype=reduce_dtype,
+        moe_capacity_factor=moe_capacity_factor,
     )
+    if moe_capacity_factor is not None and not moe_capacity_factor > 0:
+        raise AotError(f"--moe-capacity-factor must be positive, got {moe_capacity_factor:g}")
     if len(targets) > 1:
         from aot.plan_whatif import what_if
 

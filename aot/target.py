@@ -27,10 +27,12 @@ class Target:
     moe_capacity_factor: float | None = None  # with ep: rows per expert as a multiple of an even split (None: dropless)
 
     @classmethod
-    def of(cls, degrees: dict[str, int], precision: Precision = FULL_PRECISION, sequence_parallel: bool = False) -> "Target":
+    def of(
+        cls, degrees: dict[str, int], precision: Precision = FULL_PRECISION, sequence_parallel: bool = False, moe_capacity_factor: float | None = None
+    ) -> "Target":
         """The target of a mesh given by its degrees (the planner's meshes), axes in BUILD_AXES order."""
         axes = tuple(a for a in BUILD_AXES if a in degrees)
-        return cls(Mesh(axes, tuple(degrees[a] for a in axes)), precision, sequence_parallel)
+        return cls(Mesh(axes, tuple(degrees[a] for a in axes)), precision, sequence_parallel, moe_capacity_factor)
 
     def group(self, axis: str) -> Group | None:
         """The axis's process group as the traced graph names it; None where the axis has one rank."""

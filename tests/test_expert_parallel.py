@@ -34,6 +34,7 @@ QWEN3_MOE = MODELS / "zoo" / "qwen3_moe_sgd.py"
         pytest.param("qwen3_moe_sgd", "ep=2,dp=2", marks=pytest.mark.slow),
         pytest.param("mixtral_sgd", "ep=2", marks=pytest.mark.slow),
         pytest.param("qwen3_moe_sgd", "pp=2,ep=2", marks=pytest.mark.slow),  # a stage per layer, experts split in each
+        pytest.param("qwen3_moe_sgd", "ep=2,tp=2", marks=pytest.mark.slow),  # attention split, experts whole on each tp rank
         pytest.param("qwen3_moe", "ep=2,fsdp=2 bf16", marks=pytest.mark.slow),  # against FSDP2 with MixedPrecisionPolicy
     ],
 )
@@ -73,7 +74,6 @@ def test_resume_is_exact_and_a_merged_checkpoint_holds_every_expert(built, tmp_p
     [
         (EXAMPLES / "mlp.py", "ep=2", (), "no mixture-of-experts layer"),
         (QWEN3_MOE, "ep=3", (), "holds 4 experts, which 3 ep ranks cannot share evenly"),
-        (QWEN3_MOE, "ep=2,tp=2", (), "ep combines with dp, fsdp and pp"),
         (QWEN3_MOE, "pp=2,ep=2", ("--moe-capacity-factor", 1), "with pp is not built yet"),
         # 64 tokens x top-2 / 4 experts x 0.01 = 0.32 rows
         (QWEN3_MOE, "ep=2", ("--batch-size", 4, "--moe-capacity-factor", 0.01), "under one token per expert"),
@@ -154,12 +154,14 @@ def test_per_rank_semantics_equal_eager_ddp_over_the_same_ranks(name, capacity, 
     assert plain["loss"] > 10 * (2 * floor["loss"] + zoo.SLACK["loss"]), (plain, floor)
 
 
-def test_the_planner_searches_ep_and_prices_it_as_the_build_predicts(tmp_path):
+@pytest.mark.parametrize("capacity", [None, 1.0])
+def test_the_planner_searches_ep_and_prices_it_as_the_build_predicts(capacity, tmp_path):
     """`aot plan` on a model with experts searches ep (its all_to_alls priced per link) and says why
     it leaves an ep mesh out; an ep plan's peak per rank is its build's, and it prices the
-    all_to_alls the build makes."""
+    all_to_alls the build makes; with `--moe-capacity-factor`, as the build makes it."""
     moe = EXAMPLES / "moe.py"
     common = ("--topology", "dgx_h100", "--nodes", 2, "--world-size", 16, "--batch-size", 4)
+    common += ("--moe-capacity-factor", capacity) if capacity else ()
     out = json.loads(ok(aot("plan", moe, *common, "--json")).stdout)
     rows = {(p["strategy"], p["bucket_mb"]): p for p in out["plans"]}
     ep_rows = [key for key in rows if "ep=" in key[0]]

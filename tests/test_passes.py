@@ -153,6 +153,35 @@ def test_bucketing_never_fuses_dependent_all_reduces():
     assert torch.equal(a, torch.arange(3.0)) and torch.equal(b, 2 * torch.arange(3.0))
 
 
+def test_bucketing_fuses_gradients_reduced_over_one_group_then_another():
+    """Gradients summed over one group, then averaged over another (tp then ep, under ep x tp): both
+    groups' all_reduces are bucketed, the second bucket reading the first's results; a transposed
+    gradient (a batched matmul's) is made contiguous before it is flattened into its bucket."""
+    second_group = "aot.test.second"
+    _register_process_group(second_group, dist.group.WORLD)
+    graph = torch.fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    transposed = graph.call_function(torch.ops.aten.transpose.int, (y, 0, 1))
+    waited = []
+    for source in (x, transposed):
+        first = graph.call_function(funcol.all_reduce.default, (source, "sum", GROUP))
+        first_wait = graph.call_function(funcol.wait_tensor.default, (first,))
+        second = graph.call_function(funcol.all_reduce.default, (first_wait, "sum", second_group))
+        waited.append(graph.call_function(funcol.wait_tensor.default, (second,)))
+    graph.output(tuple(waited))
+    values = {"x": torch.arange(6.0).reshape(2, 3), "y": torch.arange(6.0).reshape(3, 2)}
+    for node in graph.nodes:  # the pass reads shapes (and layouts) from tracing metadata
+        if node.op == "placeholder":
+            node.meta["val"] = values[node.name]
+        elif node.op != "output":
+            source = node.args[0].meta["val"]
+            node.meta["val"] = source.t() if node.target is torch.ops.aten.transpose.int else source
+    gm = bucket_all_reduces(torch.fx.GraphModule(torch.nn.Module(), graph), 2**30)
+    assert count(gm, ALL_REDUCE) == 2  # one bucket per group
+    a, b = gm(values["x"], values["y"])
+    assert torch.equal(a, values["x"]) and torch.equal(b, values["y"].t())
+
+
 def test_overlap_issues_collectives_during_backward_and_waits_late():
     step = capture()
     grads = [n.args[0].meta["val"] for n in step.graph.graph.nodes if is_call(n, {ALL_REDUCE})]

@@ -103,6 +103,10 @@ def bucket_all_reduces(gm: torch.fx.GraphModule, bucket_bytes: int) -> torch.fx.
     for groups in buckets.values():
         for members in groups:
             if len(members) > 1:
+                if any(_reduced(m) not in order for m in members):
+                    # a gradient reduced over one group, then another (summed over tp, then averaged
+                    # over ep or dp): its second all_reduce now reads the first bucket's result
+                    order = {n: i for i, n in enumerate(graph.nodes)}
                 _fuse(graph, members, order)
     stable_topological_sort(graph)
     graph.lint()

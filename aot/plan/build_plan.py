@@ -144,6 +144,7 @@ def plan_for_build(options, profile: dict, progress) -> BuildPlan:
             hierarchical=options.hierarchical,
             precision=options.precision,
             reduce_dtype=options.reduce_dtype,
+            moe_capacity_factor=options.moe_capacity_factor,
         )
         chosen = best_plan(plans)
     p = chosen.prediction

@@ -106,7 +106,15 @@ class ModelSteps:
     derivation. A graph that fits costs nothing more."""
 
     def __init__(
-        self, model_path: Path, batch_size: int, seed: int = 0, sequence_parallel: bool = False, pricing: Pricing | None = None, note=None, compose: bool = True
+        self,
+        model_path: Path,
+        batch_size: int,
+        seed: int = 0,
+        sequence_parallel: bool = False,
+        pricing: Pricing | None = None,
+        note=None,
+        compose: bool = True,
+        moe_capacity_factor: float | None = None,
     ):
         from aot.capture.model_file import load_model_file
         from aot.capture.training_state import build_training_state
@@ -119,7 +127,8 @@ class ModelSteps:
         self.seconds = {"recording": 0.0, "tracing": 0.0, "pipelines": 0.0}
         self.note = note or (lambda line: None)
         mf = load_model_file(model_path)
-        self.request = (Path(model_path), batch_size, seed, sequence_parallel)  # what `retargeted` copies may share
+        self.request = (Path(model_path), batch_size, seed, sequence_parallel, moe_capacity_factor)  # what `retargeted` copies may share
+        self.moe_capacity_factor = moe_capacity_factor  # ep meshes priced with this expert capacity (None: dropless)
         inputs, targets = split_batch_tensors(mf.example_batch(batch_size), "batch()")
         self.rec = Recording(mf, build_training_state(mf, seed, 1), inputs, targets)  # every trace's, as the build's (aot/compile_step.py)
         self.seconds["recording"] = time.perf_counter() - started
@@ -204,7 +213,7 @@ class ModelSteps:
         return self._cut
 
     def target(self, dp: int, fsdp: int, tp: int, ep: int = 1) -> Target:
-        return Target.of({DP: dp, FSDP: fsdp, TP: tp, EP: ep}, self.precision, self.sequence_parallel)
+        return Target.of({DP: dp, FSDP: fsdp, TP: tp, EP: ep}, self.precision, self.sequence_parallel, self.moe_capacity_factor)
 
     def layout(self, dp: int, fsdp: int, tp: int, ep: int = 1):
         """The build's layout of a dp x fsdp x tp (x ep) mesh (aot.compile_step.step_layout); Unsupported where the build would refuse."""
@@ -428,7 +437,7 @@ class ModelSteps:
             self.note(f"tracing every pipeline rank's program of {mesh} ({', '.join(how)})")
             try:
                 check_microbatches(schedule, pp, microbatches, self.targets.shape[0])
-                group = Target.of(degrees, self.precision, self.sequence_parallel).group(PP)
+                group = Target.of(degrees, self.precision, self.sequence_parallel, self.moe_capacity_factor).group(PP)
                 assert group is not None  # a pipeline mesh
                 made = pipeline_programs(
                     self.rec,

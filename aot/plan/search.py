@@ -533,6 +533,7 @@ def plan_model(
     reduce_dtype: str | None = None,
     reuse: ModelSteps | None = None,
     note=None,
+    moe_capacity_factor: float | None = None,
 ):
     """(ranked plans, skipped meshes, planner, model steps) for a model file on a profile.
     `hierarchical`: all_reduces over groups spanning nodes in two levels where cheaper ("auto"),
@@ -562,10 +563,10 @@ def plan_model(
         machine = Machine(profile, world_size)
         memory_limit = MemoryLimit(MEMORY_HEADROOM * machine.memory_bytes, bucket_mbs) if machine.memory_bytes else None
         pricing = Pricing(profile, world_size, machine.per_node, precision, reduce_dtype, memory_limit, machine.compute)
-        if reuse is not None and reuse.request == (Path(model_path), batch_size, seed, sequence_parallel):
+        if reuse is not None and reuse.request == (Path(model_path), batch_size, seed, sequence_parallel, moe_capacity_factor):
             steps = reuse.retargeted(pricing)
         else:
-            steps = ModelSteps(model_path, batch_size, seed, sequence_parallel, pricing, note=note)
+            steps = ModelSteps(model_path, batch_size, seed, sequence_parallel, pricing, note=note, moe_capacity_factor=moe_capacity_factor)
         planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing, pipeline=steps.pipeline, batch_size=batch_size)
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
         # every axis the planner searches; ep for a model with experts

@@ -55,6 +55,7 @@ EXPERT_STRATEGIES: dict[str, tuple[tuple, int, int, tuple]] = {
     "ep=2,fsdp=2": (("--strategy", "ep=2,fsdp=2"), 4, 4, ()),
     "ep=2,dp=2": (("--strategy", "ep=2,dp=2"), 4, 4, ()),
     "pp=2,ep=2": (("--strategy", "pp=2,ep=2"), 4, 2, ()),
+    "ep=2,tp=2": (("--strategy", "ep=2,tp=2"), 4, 2, ()),
     "ep=2,fsdp=2 bf16": (("--strategy", "ep=2,fsdp=2", "--topology", "cpu", "--precision", "bf16"), 4, 4, ("--precision", "bf16", "--param-dtype", "bf16")),
 }
 # Cells with no eager run to judge them by, and why (the table says so in their place)
