@@ -175,3 +175,23 @@ def test_the_planner_searches_ep_and_prices_it_as_the_build_predicts(capacity, t
     assert rows[(strategy, bucket)]["memory_bytes"]["peak"] == manifest["memory"]["predicted"]["peak"]
     built_a2a = [c for c in manifest["programs"]["train"]["collectives"] if c["kind"] == "all_to_all_single"]
     assert rows[(strategy, bucket)]["algorithms"]["all_to_all:pairwise"] == len(built_a2a) == 8  # 2 layers x dispatch and return x forward and backward
+
+
+def test_init_from_a_weights_file_gives_each_rank_its_experts(tmp_path):
+    """`aot run --init-from` on ep=2,fsdp=2: each rank reads only its experts' rows (its ep slice of
+    dimension 0, then its fsdp piece), and training from those weights equals eager DDP's from the
+    same file."""
+    import importlib.util
+
+    from safetensors.torch import save_file
+
+    from helpers.training import assert_same_training, train_both
+
+    spec = importlib.util.spec_from_file_location("moe_init_from", QWEN3_MOE)
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    torch.manual_seed(7)  # not the weights the init program makes
+    weights = tmp_path / "user.safetensors"
+    save_file({k: v.clone().contiguous() for k, v in user.model().state_dict().items()}, weights)
+    losses, ref_losses, ours, ref = train_both(QWEN3_MOE, 4, tmp_path, strategy="ep=2,fsdp=2", init_from=weights)
+    assert_same_training(losses, ref_losses, ours, ref)
