@@ -46,7 +46,8 @@ def cli():
     "--strategy",
     metavar="AXIS=N[,...]",
     help="Mesh as axis=degree pairs: dp=4 (data parallel), fsdp=4 (sharded, ZeRO-3), tp=2 (tensor parallel), "
-    "pp=2 (pipeline stages, first), combined as dp=2,tp=2, fsdp=2,tp=2 or pp=2,dp=2; or auto: the best plan of "
+    "pp=2 (pipeline stages, first), ep=2 (a mixture-of-experts model's experts split, tokens sent by all_to_all), "
+    "combined as dp=2,tp=2, fsdp=2,tp=2, pp=2,dp=2 or ep=2,fsdp=2; or auto: the best plan of "
     "`aot plan`. Default: data parallel over all ranks.",
 )
 @click.option("--microbatches", type=int, default=None, help="With pp: microbatches each rank's --batch-size is split into (equal sizes). Default: pp.")
