@@ -67,6 +67,7 @@ def planner(model: Path, world_size: int, precision: str | None = None) -> Model
         (CHECKPOINTED6, "dp=2", None),
         (MOE, "ep=2", None),
         (MOE6, "ep=2,fsdp=2", None),
+        (MOE, "ep=2,tp=2", None),
     ],
     ids=lambda v: v.stem if isinstance(v, Path) else str(v),
 )

@@ -34,7 +34,7 @@ QWEN3_MOE = MODELS / "zoo" / "qwen3_moe_sgd.py"
         pytest.param("qwen3_moe_sgd", "ep=2,dp=2", marks=pytest.mark.slow),
         pytest.param("mixtral_sgd", "ep=2", marks=pytest.mark.slow),
         pytest.param("qwen3_moe_sgd", "pp=2,ep=2", marks=pytest.mark.slow),  # a stage per layer, experts split in each
-        pytest.param("qwen3_moe_sgd", "ep=2,tp=2", marks=pytest.mark.slow),  # attention split, experts whole on each tp rank
+        pytest.param("qwen3_moe_sgd", "ep=2,tp=2", marks=pytest.mark.slow),  # attention split; each tp rank dispatches half the tokens
         pytest.param("qwen3_moe", "ep=2,fsdp=2 bf16", marks=pytest.mark.slow),  # against FSDP2 with MixedPrecisionPolicy
     ],
 )
@@ -74,7 +74,8 @@ def test_resume_is_exact_and_a_merged_checkpoint_holds_every_expert(built, tmp_p
     [
         (EXAMPLES / "mlp.py", "ep=2", (), "no mixture-of-experts layer"),
         (QWEN3_MOE, "ep=3", (), "holds 4 experts, which 3 ep ranks cannot share evenly"),
-        (QWEN3_MOE, "pp=2,ep=2", ("--moe-capacity-factor", 1), "with pp is not built yet"),
+        (QWEN3_MOE, "pp=2,ep=2", ("--moe-capacity-factor", 1), "with pp or tp is not built yet"),
+        (QWEN3_MOE, "ep=2,tp=2", ("--moe-capacity-factor", 1), "with pp or tp is not built yet"),
         # 64 tokens x top-2 / 4 experts x 0.01 = 0.32 rows
         (QWEN3_MOE, "ep=2", ("--batch-size", 4, "--moe-capacity-factor", 0.01), "under one token per expert"),
         (QWEN3_MOE, "fsdp=2", ("--moe-capacity-factor", 1), "needs --strategy with ep=N"),

@@ -164,11 +164,31 @@ class Dispatch:
     group: str
     factor: float | None
     record: Dispatches
+    tp: tuple[int, str] | None = None  # (size, group name): each tp rank dispatches its 1/tp of the tokens
 
 
 def dispatched_forward(module: nn.Module, how: Dispatch, hidden, top_k_index, top_k_weights):
     """The experts' forward with this rank's E/N experts (`module.gate_up_proj` and `down_proj` are
-    the local slices while the step is traced): see the module docstring."""
+    the local slices while the step is traced): see the module docstring. Under tensor parallelism
+    the tp ranks hold the same tokens: each dispatches its 1/tp of them (a reduce-scatter, as
+    sequence parallelism splits the stream) and the results are all-gathered back, so the experts'
+    work is not repeated tp times; their gradients are then parts, summed over tp (as
+    aot/capture/replicas.py finds for any whole weight used on split values)."""
+    if how.tp is None:
+        return _dispatched(module, how, hidden, top_k_index, top_k_weights)
+    from aot.capture.tensor_parallel import gather_sequence, split_sequence
+
+    size, group = how.tp
+    if hidden.shape[0] % size:
+        raise AotError(f"expert parallelism with tp={size}: {hidden.shape[0]} tokens per rank cannot be split {size} ways between the tp ranks")
+    mine = lambda t: split_sequence(t.unsqueeze(0), size, group)[0]  # noqa: E731
+    with torch.no_grad():  # the routing is the same on every tp rank: each takes its rows (exact: small integers)
+        index = mine(top_k_index.to(torch.float32)).round().long()
+    out = _dispatched(module, how, mine(hidden), index, mine(top_k_weights))
+    return gather_sequence(out.unsqueeze(0), size, group)[0]
+
+
+def _dispatched(module: nn.Module, how: Dispatch, hidden, top_k_index, top_k_weights):
     tokens, width = hidden.shape
     experts, ranks, group = how.experts, how.ranks, how.group
     local = experts // ranks
@@ -190,14 +210,16 @@ def dispatched_forward(module: nn.Module, how: Dispatch, hidden, top_k_index, to
     return (chosen * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
 
 
-def experts_in_graph(model: nn.Module, layers: tuple[ExpertLayer, ...], ranks: int, group: str, factor: float | None, record: Dispatches):
+def experts_in_graph(
+    model: nn.Module, layers: tuple[ExpertLayer, ...], ranks: int, group: str, factor: float | None, record: Dispatches, tp: tuple[int, str] | None = None
+):
     """While the step is traced: each experts module of `layers` dispatches its tokens to the ep
     ranks holding their experts (`dispatched_forward`, capacity `factor`: None for dropless),
     recording what it made in `record`; nothing when `layers` is empty."""
     modules = dict(model.named_modules())
 
     def forward_of(module: nn.Module, experts: int):
-        how = Dispatch(experts, ranks, group, factor, record)
+        how = Dispatch(experts, ranks, group, factor, record, tp)
 
         def forward(hidden, top_k_index, top_k_weights):
             return dispatched_forward(module, how, hidden, top_k_index, top_k_weights)

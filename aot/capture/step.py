@@ -565,7 +565,8 @@ def experts_of(model: torch.nn.Module, layout: StepLayout, dispatches: Dispatche
     recording what it made in `dispatches` where given."""
     if layout.ep is None:
         return contextlib.nullcontext()
-    return experts_in_graph(model, layout.ep_layers, layout.ep.size, layout.ep.name, layout.ep_capacity_factor, dispatches or Dispatches())
+    tp = (layout.tp.size, layout.tp.name) if layout.tp is not None else None
+    return experts_in_graph(model, layout.ep_layers, layout.ep.size, layout.ep.name, layout.ep_capacity_factor, dispatches or Dispatches(), tp)
 
 
 @dataclass
