@@ -114,7 +114,8 @@ def summarize(artifact: Artifact) -> dict:
     for name, program in m["programs"].items():
         collectives = program["collectives"]
         programs[name] = {
-            "ranks": [r["rank"] for r in m["ranks"] if r["program"] == name],
+            # the ranks that run it: as their training program, or as their eval program
+            "ranks": [r["rank"] for r in m["ranks"] if name in (r["program"], r.get("eval_program"))],
             "graph_nodes": program.get("graph_nodes"),
             "collectives_per_step": len(collectives),
             "collective_bytes_per_step": sum(c["bytes"] for c in collectives),
