@@ -8,7 +8,6 @@ inside it, and parameters, buffers and optimizer state are updated in place.
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from runner.execution.graph_loader import input_shapes, load_portable, uses_batc
 from runner.execution.init_from import check_init_from
 from runner.execution.init_program import SCALER_PREFIX, initial_state, stage_tensors
 from runner.execution.launch import Launch, resolve_launch
+from runner.execution.launched_step import LaunchedStep, StepTiming
 from runner.execution.log import RankLogger
 from runner.execution.memory_tracking import measure_step
 from runner.execution.p2p import failed_transfer, forget_waits, install_kernels
@@ -563,74 +563,3 @@ class Trainer:
                 for key, tensor in saved.items():
                     live[key].copy_(tensor)
         self.step_index = int(index["step"])
-
-
-class StepTiming:
-    """How long a step ran: on CUDA, between two events recorded around it (read once it is done,
-    so timing waits for nothing); elsewhere the host's time in the call, which ran the step."""
-
-    def __init__(self, device: torch.device):
-        self._cuda = device.type == "cuda"
-        self._started = time.perf_counter()
-        self._host_s = 0.0
-        self._events = None
-        if self._cuda:
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-
-    def stop(self) -> None:
-        self._host_s = time.perf_counter() - self._started
-        if self._events is not None:
-            self._events[1].record()
-
-    def seconds(self) -> float:
-        if self._events is None:
-            return self._host_s
-        self._events[1].synchronize()
-        return self._events[0].elapsed_time(self._events[1]) / 1e3
-
-
-class LaunchedStep:
-    """A queued step's results, left on the device until read: `loss()`, `skipped()` (fp16: the
-    update was skipped on overflow), `loss_scale()` (fp16: the scale after it) and `seconds()`.
-    Reading one waits for the step (a collective that timed out is reported then, as one line)."""
-
-    def __init__(
-        self,
-        trainer: Trainer,
-        number: int,
-        loss: torch.Tensor,
-        found_inf: torch.Tensor | None,
-        scale: torch.Tensor | None,
-        timing: StepTiming,
-        dropped: torch.Tensor | None = None,
-    ):
-        self.number = number  # 1-based: the step this was
-        self._trainer, self._loss, self._found_inf, self._scale, self._timing = trainer, loss, found_inf, scale, timing
-        self._dropped = dropped
-
-    def _read(self, read):
-        try:
-            return read()
-        except RuntimeError as e:
-            raise self._trainer.stuck_error(e) from e
-
-    def loss(self) -> float:
-        return self._read(lambda: float(self._loss))
-
-    def skipped(self) -> bool:
-        found_inf = self._found_inf
-        return found_inf is not None and self._read(lambda: bool(found_inf.item() > 0))
-
-    def moe_dropped(self) -> int | None:
-        """Expert parallelism with a capacity factor: the token choices the step's experts dropped,
-        over every data rank (None without one)."""
-        dropped = self._dropped
-        return None if dropped is None else self._read(lambda: int(dropped.item()))
-
-    def loss_scale(self) -> float | None:
-        scale = self._scale
-        return None if scale is None else self._read(lambda: float(scale.item()))
-
-    def seconds(self) -> float:
-        return self._read(self._timing.seconds)
