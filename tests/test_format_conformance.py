@@ -307,3 +307,20 @@ def test_the_golden_format_5_artifact_loads_validates_and_trains_to_known_losses
     assert list(state) == list(eager_state)
     for key, value in eager_state.items():
         assert torch.allclose(state[key], value, atol=1e-6), key
+
+
+@pytest.mark.parametrize("program", ["train", "init"])
+def test_program_json_is_torchs_serializer_output_with_the_debug_metadata_dropped(program):
+    """encode_program turns the serde's schema objects into JSON with its own converter (torch's
+    reflects on every object: half of a large build's writing); the bytes must be those of
+    torch's own serializer, made reproducible as before."""
+    from runner.format import program as codec
+
+    folder = FIXTURES / "artifact_v6_mlp" / "programs"
+    constants = folder / f"{program}.safetensors"
+    ep = codec.decode_program((folder / f"{program}.json").read_bytes(), constants.read_bytes() if constants.exists() else None)
+    ours, _ = codec.encode_program(ep)
+    serde = codec._serde()
+    with codec._no_canonical_form_check(serde):
+        theirs = codec._reproducible(serde.serialize(ep, **codec._no_pickled_tables(serde)).exported_program)
+    assert ours == theirs

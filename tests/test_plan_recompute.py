@@ -162,3 +162,22 @@ def test_the_recomputing_graphs_priced_are_the_builds():
             choice = by_budget(trial.graph, fraction, cost)
             built = analyze(run_passes(recompute_activations(trial, choice), PassOptions(bucket_bytes=0)), captured.slots)
             assert _facts(graph) == _facts(built), (key, fraction)
+
+
+@pytest.mark.parametrize("budget", [5, 35, 55, 62, 75, 95])
+@pytest.mark.parametrize("slope", [1.0, 0.6, 0.3])
+def test_the_budget_search_finds_what_trying_every_point_from_the_top_finds(budget, slope):
+    """A memory budget's search over the grid of activation budgets measures only the points the
+    peaks measured so far say may fit: with a peak falling linearly in the bytes recomputation
+    frees (by a byte per byte freed or less), it finds the point a walk from the top (least
+    recomputation first) finds, or none, measuring each point at most once and few of them."""
+    from aot.plan.recompute import least_fitting
+
+    peak, freed = 100, [10, 20, 30, 40, 50, 60, 70, 80, 90]
+    peaks = [peak - slope * f for f in freed]
+    measured: list[int] = []
+    found = least_fitting(freed, peak, budget, lambda i: measured.append(i) or peaks[i])  # type: ignore[func-returns-value]
+    assert found == next((i for i, p in enumerate(peaks) if p <= budget), None)
+    assert len(measured) == len(set(measured))
+    if found is not None:
+        assert len(measured) <= 4, measured

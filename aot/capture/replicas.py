@@ -107,6 +107,7 @@ class Flow:
     reduced: dict = field(default_factory=dict)
     differs_storage: set = field(default_factory=set)
     reduced_storage: set = field(default_factory=set)
+    keys: dict = field(default_factory=dict)  # node -> its values' storage keys
 
     def _get(self, table: dict, storages: set, value, index: int | None = None) -> bool:
         if not isinstance(value, torch.fx.Node):
@@ -114,7 +115,13 @@ class Flow:
         got = table.get(value, False)
         if isinstance(got, list):
             got = got[index] if index is not None and index < len(got) else any(got)
-        return bool(got) or any(storage_key(t) in storages for t in _vals(value))
+        return bool(got) or (bool(storages) and not storages.isdisjoint(self._storage_keys(value)))
+
+    def _storage_keys(self, node: torch.fx.Node) -> tuple:
+        # asked of every input of every node (millions of times at DeepSeek-V3 size): kept per node
+        if node not in self.keys:
+            self.keys[node] = tuple(storage_key(t) for t in _vals(node))
+        return self.keys[node]
 
     def node_differs(self, value, index: int | None = None) -> bool:
         return self._get(self.differs, self.differs_storage, value, index)

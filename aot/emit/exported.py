@@ -4,8 +4,8 @@ make_fx already gives what torch.export would: ATen ops with a fake value on eve
 input a user input, every output a user output, in-place updates of inputs kept as in-place ops
 (torch.export's training IR). So the graph is wrapped as it is and checked by torch's own
 verifier for that IR, which is about 3x faster than having torch.export trace it once more (36 s
-of a 77 s build of an 8B-parameter model). A graph the verifier refuses is re-traced by
-torch.export, as before.
+of a 77 s build of an 8B-parameter model). Tensor constants (get_attr) are lifted to constant
+inputs as torch.export lifts them. A graph the verifier refuses is re-traced by torch.export.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch.export.exported_program import ExportedProgram, ModuleCallEntry, Modu
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec, TensorArgument
 
 from aot.errors import AotError
+from aot.passes.graph_utils import copy_graph
 
 
 def _fill_missing_values(gm: torch.fx.GraphModule) -> None:
@@ -34,14 +35,41 @@ def _fill_missing_values(gm: torch.fx.GraphModule) -> None:
             node.meta["val"] = node.target(*args, **kwargs)
 
 
+def _lift_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Tensor constants the graph reads by get_attr (an init program's `torch.tensor(...)`) made
+    inputs of the kind torch.export lifts them to (CONSTANT_TENSOR, stored in the program's
+    constants), placed before the graph's own inputs: (name, tensor) by placeholder name."""
+    lifted: dict[str, torch.Tensor] = {}
+    first = next(iter(gm.graph.nodes), None)
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or not isinstance(getattr(gm, str(node.target), None), torch.Tensor):
+            continue
+        with gm.graph.inserting_before(first):
+            placeholder = gm.graph.placeholder(f"c_{node.target}")
+        placeholder.meta.update(node.meta)
+        node.replace_all_uses_with(placeholder)
+        gm.graph.erase_node(node)
+        lifted[placeholder.name] = getattr(gm, str(node.target))
+        delattr(gm, str(node.target))
+    return lifted
+
+
 def _wrapped(gm: torch.fx.GraphModule, example_args: list) -> ExportedProgram:
     _fill_missing_values(gm)
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        gm = copy_graph(gm)  # the caller's graph keeps its constants
+    constants = _lift_constants(gm)
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     outputs = pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args)
     if not all(isinstance(o, torch.fx.Node) for o in outputs):
         raise SpecViolationError("an output is not a tensor of the graph")
     signature = ExportGraphSignature(
-        [InputSpec(InputKind.USER_INPUT, TensorArgument(n.name), None) for n in inputs],
+        [
+            InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(n.name), n.name)
+            if n.name in constants
+            else InputSpec(InputKind.USER_INPUT, TensorArgument(n.name), None)
+            for n in inputs
+        ],
         [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(n.name), None) for n in outputs],
     )
     calls = ModuleCallSignature(
@@ -52,6 +80,7 @@ def _wrapped(gm: torch.fx.GraphModule, example_args: list) -> ExportedProgram:
         graph=gm.graph,
         graph_signature=signature,
         state_dict={},
+        constants={**constants},
         range_constraints={},
         module_call_graph=[ModuleCallEntry("", calls)],
         verifiers=[TrainingIRVerifier],

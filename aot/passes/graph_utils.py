@@ -84,15 +84,15 @@ def fake_in_storage(like: torch.Tensor, storage, mode) -> torch.Tensor:
     return FakeTensor(mode, elem, like.device)
 
 
-def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def copy_graph(gm: torch.fx.GraphModule, node_map: dict | None = None) -> torch.fx.GraphModule:
     """A copy of the graph whose nodes share their fake values with the original's (the passes
     give new nodes new values and never change an existing one's), so storage identities, and
     the aliases keyed by them, hold in both: a deepcopy of a large step's fake tensors would also
-    cost more than all the passes."""
+    cost more than all the passes. `node_map`, where given, is filled with each node's copy."""
     from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
 
     graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.output(graph.graph_copy(gm.graph, node_map if node_map is not None else {}))
     # a lazy module's copy is lazy too (the planner's: aot.plan.pricing.trace_for_pricing), so
     # neither it nor the passes' recompile() after each change writes Python code no one runs
     # (a fifth of planning Llama 8B's step at 128 nodes)
@@ -130,9 +130,13 @@ def first_user(node: torch.fx.Node) -> torch.fx.Node | None:
     return min((u for u in node.users if u > node), default=None)
 
 
-def place_after(anchor: torch.fx.Node, node: torch.fx.Node) -> None:
-    """Move `node` right after `anchor`, but never among the graph's placeholders."""
+def place_after(anchor: torch.fx.Node, node: torch.fx.Node, last_placeholder: torch.fx.Node | None = None) -> None:
+    """Move `node` right after `anchor`, but never among the graph's placeholders (`last_placeholder`:
+    the graph's last one, where the caller knows it; a walk over thousands of parameters per call
+    otherwise)."""
     if anchor.op == "placeholder":
+        if last_placeholder is not None:
+            anchor = last_placeholder
         while anchor.next.op == "placeholder":
             anchor = anchor.next
     if anchor is not node and anchor.next is not node:

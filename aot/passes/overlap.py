@@ -33,13 +33,13 @@ _PACKING = {
 _UNPACKING = {aten.view.default, aten.split_with_sizes.default, aten._unsafe_view.default, operator.getitem, aten.slice.Tensor}
 
 
-def _hoist(node: torch.fx.Node) -> None:
+def _hoist(node: torch.fx.Node, last_placeholder: torch.fx.Node | None) -> None:
     for inp in node.all_input_nodes:
         if is_call(inp, _PACKING) and len(inp.users) == 1:
-            _hoist(inp)
+            _hoist(inp, last_placeholder)
     anchor = latest_input(node)
     if anchor is not None:
-        place_after(anchor, node)
+        place_after(anchor, node, last_placeholder)
 
 
 def _sink(node: torch.fx.Node) -> None:
@@ -53,9 +53,10 @@ def _sink(node: torch.fx.Node) -> None:
 
 def issue_early_wait_late(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     nodes = list(gm.graph.nodes)
+    last_placeholder = next((n for n in reversed(nodes) if n.op == "placeholder"), None)
     for node in nodes:
         if is_call(node, COLLECTIVES):
-            _hoist(node)
+            _hoist(node, last_placeholder)
     for node in reversed(nodes):
         if is_call(node, {WAIT}):
             _sink(node)

@@ -159,17 +159,34 @@ def by_budget(graph: torch.fx.Graph, fraction: float, cost: Callable) -> Choice:
     (calls of a ModuleList's or Sequential's children, `blocks.3`) are checkpointed whole, one
     more at a time from the first, with single values chosen around them. With fraction 0 the
     result is the most this can recompute: its `fraction` is the smallest feasible budget."""
+    return budget_choices(graph, cost)(fraction)
+
+
+def budget_choices(graph: torch.fx.Graph, cost: Callable) -> Callable[[float], Choice]:
+    """by_budget for any number of fractions over one walk of `graph` (the memory-budget search
+    asks several)."""
     fwd = Forward(graph)
     layered = _Layered(fwd, _layers(fwd), cost)
-    best: Choice | None = None
-    for k in range(len(layered.layers) + 1):
-        choice = layered.with_values(k, fraction)
-        if choice.kept_bytes <= fraction * choice.saved_bytes:
-            return choice
-        if best is None or choice.kept_bytes < best.kept_bytes:
-            best = choice
-    assert best is not None  # the loop runs at least once (k = 0)
-    return best
+
+    made: dict[float, Choice] = {}
+
+    def choose(fraction: float) -> Choice:
+        if fraction not in made:
+            made[fraction] = _choose(fraction)
+        return made[fraction]
+
+    def _choose(fraction: float) -> Choice:
+        best: Choice | None = None
+        for k in range(len(layered.layers) + 1):
+            choice = layered.with_values(k, fraction)
+            if choice.kept_bytes <= fraction * choice.saved_bytes:
+                return choice
+            if best is None or choice.kept_bytes < best.kept_bytes:
+                best = choice
+        assert best is not None  # the loop runs at least once (k = 0)
+        return best
+
+    return choose
 
 
 class _Layered:
@@ -207,9 +224,10 @@ class _Layered:
         if layer in self._parts:
             return self._parts[layer]
         fwd, outputs = self.fwd, self.outputs.get(layer, set())
-        chosen = {o for o in self.saved_in.get(layer, ()) if o not in outputs and fwd.recomputable(o)}
+        in_order = [o for o in self.saved_in.get(layer, ()) if o not in outputs and fwd.recomputable(o)]
+        chosen = set(in_order)
         nodes, pinned, added = set(), set(), set()
-        for owner in chosen:
+        for owner in in_order:  # graph order: each walk stops at what the earlier ones added, so a set's order made builds differ
             found, stops, extra = fwd.recipe(
                 owner,
                 lambda a: self.layer_of.get(a) != layer or (fwd.owner[a] in fwd.saved and fwd.owner[a] not in chosen) or fwd.owner[a] in added,
@@ -317,7 +335,7 @@ def _checkpoint(fwd: Forward, region: dict, keep: Callable) -> Choice:
     chosen = {o for o in fwd.saved if region.get(o) is not None and o not in outputs and fwd.recomputable(o) and not keep(o)}
     choice = Choice(saved_bytes=sum(fwd.saved.values()))
     kept = set(fwd.saved) - chosen
-    for owner in chosen:
+    for owner in [o for o in fwd.saved if o in chosen]:  # graph order, as in _Layered._part
         nodes, stops, extra = fwd.recipe(owner, lambda a, r=region[owner]: region.get(a) != r or fwd.owner[a] in kept or keep(a))
         choice.nodes |= nodes
         choice.pinned |= stops
@@ -346,6 +364,7 @@ def recompute_activations(gm: torch.fx.GraphModule, choice: Choice) -> torch.fx.
     nodes = list(graph.nodes)
     backward = nodes[nodes.index(turn) + 1 :]
     copies: dict = {}
+    changed: set = set()  # nodes whose value now lives in a recomputed storage: every copy, as it is made
 
     def materialize(node, anchor):
         if node not in choice.nodes:
@@ -355,17 +374,16 @@ def recompute_activations(gm: torch.fx.GraphModule, choice: Choice) -> torch.fx.
                 copy = graph.node_copy(node, lambda a: materialize(a, anchor))
             fresh_value(copy)
             copies[node] = copy
+            changed.add(copy)
         return copies[node]
 
     key = lambda n: storage_key(n.meta["val"]) if isinstance(n.meta.get("val"), torch.Tensor) else None
     # backward nodes that view an input (detach, transpose): their values must follow the copy's storage
     aliasing = {n for n in backward if key(n) is not None and key(n) in {key(a) for a in n.all_input_nodes} - {None}}
-    changed = set()  # nodes whose value now lives in a recomputed storage
     for node in backward:
         for a in node.all_input_nodes:
             if a in choice.nodes:
                 node.replace_input_with(a, materialize(a, node))
-        changed |= set(copies.values())
         if node in aliasing and any(a in changed for a in node.all_input_nodes):
             fresh_value(node)
             changed.add(node)

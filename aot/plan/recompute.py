@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from aot.errors import AotError
 from aot.passes.graph_utils import copy_graph
-from aot.passes.recompute import Choice, by_budget, by_checkpoint_calls, by_modules, has_checkpoint_calls, recompute_activations
+from aot.passes.recompute import Choice, budget_choices, by_budget, by_checkpoint_calls, by_modules, has_checkpoint_calls, recompute_activations
 from aot.plan.cost_model import analyze, node_seconds
 from runner.commands.formatting import human
 
@@ -133,26 +133,41 @@ def apply_request(
 
 def _fit(gm, slots, request: Request, cost, finish):
     def attempt(fraction: float | None):
-        trial = copy_graph(gm)
-        choice = by_budget(trial.graph, fraction, cost) if fraction is not None else None
+        copies: dict = {}
+        trial = copy_graph(gm, copies)
+        choice = None
+        if fraction is not None:  # the choice made on gm's graph, on the copy's nodes
+            chosen = choose(fraction)
+            choice = replace(chosen, nodes={copies[n] for n in chosen.nodes}, kept=set(), pinned=set())
         trial = finish(recompute_activations(trial, choice) if choice else trial)
         return trial, choice, analyze(trial, slots).memory.peak
 
     budget = request.memory_bytes
     assert budget is not None  # apply_request comes here only for a memory budget
+    choices: list = []  # by_budget over gm's graph for any fraction, walked once when first asked
+
+    def choose(fraction: float) -> Choice:
+        if not choices:
+            choices.append(budget_choices(gm.graph, cost))
+        return choices[0](fraction)
+
     trial, _, peak = attempt(None)
     if peak <= budget:
         return trial, {**_summary(request, None), "peak_without_recompute": peak}
-    # The peak is not monotone in the activation budget (a whole checkpointed layer is rebuilt at
-    # once in backward), so budgets are tried on a grid, from the least recomputation down.
-    least = by_budget(gm.graph, 0.0, cost).fraction
-    smallest, tried = peak, []
-    for fraction in [f / GRID for f in range(GRID - 1, 0, -1) if f / GRID > least] + [least]:
-        trial, choice, candidate = attempt(fraction)
-        if candidate <= budget:
-            return trial, {**_summary(request, choice), "peak_without_recompute": peak}
-        smallest = min(smallest, candidate)
-        tried.append((trial, choice, candidate))
+    # Budgets are tried on a grid, the least recomputation that fits wins. Each try runs every pass
+    # over the whole step (seconds at DeepSeek-V3 size), so the peaks are predicted from the tries
+    # made (least_fitting) and only points that may fit are tried.
+    most = choose(0.0)
+    grid = [f / GRID for f in range(GRID - 1, 0, -1) if f / GRID > most.fraction] + [most.fraction]
+    made: dict[int, tuple] = {}
+    tries = lambda i: made[i] if i in made else made.setdefault(i, attempt(grid[i]))  # noqa: E731
+    freed = [most.saved_bytes - choose(fraction).kept_bytes for fraction in grid]
+    found = least_fitting(freed, peak, budget, lambda i: tries(i)[2])
+    if found is not None:
+        trial, choice, _ = made[found]
+        return trial, {**_summary(request, choice), "peak_without_recompute": peak}
+    tried = [tries(i) for i in range(len(grid))]  # none fits: every point is tried, for the smallest peak
+    smallest = min(peak, *(t[2] for t in tried))
     if request.source == "device memory":  # not the user's demand: build the smallest peak there is, and say so
         trial, choice, candidate = min(tried, key=lambda t: t[2])
         return trial, {
@@ -167,6 +182,39 @@ def _fit(gm, slots, request: Request, cost, finish):
         f"--memory-budget {human(budget)} is below the smallest peak recomputation reaches for this step, "
         f"{human(smallest)} per rank (without recomputation: {human(peak)})"
     )
+
+
+def least_fitting(freed: list[int], peak: int, budget: int, measure: Callable[[int], int]) -> int | None:
+    """The grid point with the least recomputation (lowest index; `freed[i]`, the activation bytes
+    point i stops keeping, grows with i) whose measured peak meets `budget`, or None; `peak` is the
+    peak without recomputation. A point is measured only where the peaks known so far, linear in the
+    bytes freed between them (past the last, along the last two; before any, byte for byte: the
+    most a freed byte can lower the peak), say it may fit; where none may, the point predicted
+    lowest is measured. So a point above the answer is passed over only where the measured points
+    around it say it misses: with a peak falling linearly, this is what trying every point from
+    the top finds, in two or three measurements instead of up to ten."""
+    known: dict[int, int] = {}
+
+    def predicted(i: int) -> float:
+        points = sorted([(0, peak), *((freed[j], p) for j, p in known.items())])
+        below = max((q for q in points if q[0] <= freed[i]), default=points[0])
+        above = min((q for q in points if q[0] > freed[i]), default=None)
+        if above is None:  # past the last point measured: along the last two (byte for byte from the first)
+            before = max((q for q in points if q[0] < below[0]), default=None)
+            slope = 1.0 if before is None else (before[1] - below[1]) / (below[0] - before[0])
+            return below[1] - slope * (freed[i] - below[0])
+        return below[1] + (above[1] - below[1]) * (freed[i] - below[0]) / (above[0] - below[0])
+
+    while True:
+        fitting = min((i for i, p in known.items() if p <= budget), default=None)
+        open_ = [i for i in range(len(freed) if fitting is None else fitting) if i not in known]
+        if not open_:
+            return fitting
+        hopeful = [i for i in open_ if predicted(i) <= budget]
+        if fitting is not None and not hopeful:
+            return fitting
+        i = hopeful[0] if hopeful else min(open_, key=predicted)
+        known[i] = measure(i)
 
 
 def _summary(request: Request, choice: Choice | None) -> dict:

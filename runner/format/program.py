@@ -10,7 +10,9 @@ alone. No example inputs are stored, so weights are never duplicated inside a pr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -36,10 +38,11 @@ def encode_program(ep: torch.export.ExportedProgram) -> tuple[bytes, bytes | Non
             if not isinstance(value, torch.Tensor):
                 raise AotError(f"program constant {name!r} is a {type(value).__name__}; only tensors can be stored")
             tensors[f"{table}/{name}"] = value.detach().contiguous().cpu()
-    with _no_canonical_form_check(serde):
+    with _no_canonical_form_check(serde), _no_debug_listing(serde), _schema_fields_cached(serde), _reproducible_json(serde) as direct:
         artifact = serde.serialize(ep, **_no_pickled_tables(serde))
     constants = save_safetensors(tensors) if tensors else None
-    return _reproducible(artifact.exported_program), constants
+    program = artifact.exported_program
+    return (program if direct else _reproducible(program)), constants
 
 
 def _no_pickled_tables(serde) -> dict[str, bool]:
@@ -68,10 +71,94 @@ def _no_canonical_form_check(serde):
 def _reproducible(program_json: bytes) -> bytes:
     """Drop per-node debug metadata (source stack traces, Python object ids of the tracing
     session): nothing at run time reads it, and it would make two identical builds differ."""
-    program = json.loads(program_json)
+    return _dumps(json.loads(program_json))
+
+
+def _dumps(program: dict, encoder: type[json.JSONEncoder] | None = None) -> bytes:
     for node in program["graph_module"]["graph"]["nodes"]:
         node["metadata"] = {}
-    return json.dumps(program, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps(program, sort_keys=True, separators=(",", ":"), cls=encoder, allow_nan=False).encode()
+
+
+@contextlib.contextmanager
+def _reproducible_json(serde):
+    """The serializer's last step, turning its schema objects into JSON, made directly in
+    _reproducible's form (no metadata, keys sorted, compact) by a converter that reads each
+    schema class's fields once: torch's reflects on every object (dataclasses.fields and the
+    union's checked attribute access, millions of calls), 15 s of a DeepSeek-V3-sized build's
+    30 s of writing, and its bytes were then parsed again to be made reproducible. Yields
+    whether the direct form is in use (torch's without `_to_json_bytes` keeps its own, then
+    _reproducible). tests/test_format_conformance.py checks the bytes equal torch's path."""
+    original = getattr(serde, "_to_json_bytes", None)
+    union = getattr(serde, "_Union", None)
+    if original is None or union is None:
+        yield False
+        return
+    names: dict[type, tuple[str, ...]] = {}
+    read = object.__getattribute__  # the union's own __getattribute__ checks every read
+
+    def plain(obj):
+        if isinstance(obj, union):
+            tag = read(obj, "_type")
+            return {str(tag): plain(read(obj, str(tag)))}
+        kind = type(obj)
+        if kind in names or dataclasses.is_dataclass(obj):
+            fields = names.get(kind) or names.setdefault(kind, tuple(f.name for f in dataclasses.fields(obj)))
+            return {name: plain(getattr(obj, name)) for name in fields}
+        if isinstance(obj, (list, tuple)):
+            return [plain(x) for x in obj]
+        if isinstance(obj, dict):
+            return {k: plain(v) for k, v in obj.items()}
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return "NaN" if math.isnan(obj) else "Infinity" if obj > 0 else "-Infinity"
+        return obj
+
+    serde._to_json_bytes = lambda obj: _dumps(plain(obj), serde.EnumEncoder)  # enums as values, bytes as base64
+    try:
+        yield True
+    finally:
+        serde._to_json_bytes = original
+
+
+@contextlib.contextmanager
+def _no_debug_listing(serde):
+    """The serializer passes a listing of the whole graph module (print_readable) to a debug log
+    call, made whether the log is on or not: 3 s of a DeepSeek-V3-sized build. While the log is
+    off, the listing is not made."""
+    import logging
+
+    if serde.log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    listing = torch.fx.GraphModule.print_readable
+    torch.fx.GraphModule.print_readable = lambda self, *args, **kwargs: ""  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.fx.GraphModule.print_readable = listing  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _schema_fields_cached(serde):
+    """The schema union's create() and __post_init__ call dataclasses.fields on every object made
+    (hundreds of thousands for a large step); a class's fields never change, so while a program
+    is written the union module sees them remembered per class."""
+    from torch._export.serde import union
+
+    original = union.fields
+    known: dict[type, tuple] = {}
+
+    def fields(obj):
+        kind = obj if isinstance(obj, type) else type(obj)
+        if kind not in known:
+            known[kind] = original(obj)
+        return known[kind]
+
+    union.fields = fields
+    try:
+        yield
+    finally:
+        union.fields = original
 
 
 def decode_program(program_json: bytes, constants: bytes | None) -> torch.export.ExportedProgram:
