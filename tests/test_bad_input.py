@@ -197,6 +197,16 @@ def test_trunc_normal_with_a_generator_of_its_own_is_refused(tmp_path):
     assert f"bad_trunc_normal_generator.py:{line_of(path, 'MARK: own generator')}" in line
 
 
+def test_a_shape_that_depends_on_values_is_refused_in_one_line(tmp_path):
+    """A mixture of experts looping over the tokens each expert got (torch.where, then indexing)
+    traces to sizes known only from values: refused after the trace, naming the op, before a pass
+    meets them (it was an internal error from the passes)."""
+    r = aot("build", MODELS / "bad_moe_module_list.py", "--world-size", "2", "--no-onnx", "-o", tmp_path / "out")
+    line = assert_user_error(r, "the training step: nonzero", "size depends on values", "static graph")
+    assert "internal error" not in line and "u0" not in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_plan_of_an_untraceable_model_prints_one_line_and_nothing_else():
     """The planner traces in two processes and exports the forward to find a tp plan; torch's
     own logs and the partial graph it prints stay out of the user's way."""

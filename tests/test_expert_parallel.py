@@ -73,6 +73,7 @@ def test_resume_is_exact_and_a_merged_checkpoint_holds_every_expert(built, tmp_p
     "model,strategy,extra,needle",
     [
         (EXAMPLES / "mlp.py", "ep=2", (), "no mixture-of-experts layer"),
+        (MODELS / "bad_moe_module_list.py", "ep=2", (), "holds the 4 experts of experts as an nn.ModuleList"),
         (QWEN3_MOE, "ep=3", (), "holds 4 experts, which 3 ep ranks cannot share evenly"),
         (QWEN3_MOE, "pp=2,ep=2", ("--moe-capacity-factor", 1), "with pp or tp is not built yet"),
         (QWEN3_MOE, "ep=2,tp=2", ("--moe-capacity-factor", 1), "with pp or tp is not built yet"),

@@ -75,11 +75,30 @@ def expert_layers(model: nn.Module) -> tuple[ExpertLayer, ...]:
     return tuple(ExpertLayer(name, m.gate_up_proj.shape[0]) for name, m in model.named_modules() if _is_experts(m))
 
 
+def _listed_experts(model: nn.Module) -> tuple[str, int] | None:
+    """(name, count) of the first nn.ModuleList named `experts` holding modules of one class with
+    parameters (the layout of transformers 4's Mixtral and of hand-written MoE blocks), or None."""
+    for name, m in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "experts" and isinstance(m, nn.ModuleList) and len(m) > 1:
+            if len({type(e) for e in m}) == 1 and any(True for _ in m[0].parameters()):
+                return name, len(m)
+    return None
+
+
 def check_expert_parallel(model: nn.Module, ep: int, where: str) -> tuple[ExpertLayer, ...]:
     """The experts modules ep=`ep` splits, or AotError in one line: no experts, E not divisible by
     ep, or experts whose layout the dispatch does not compute (biases, transposed or interleaved
     weights, no gate)."""
     layers = expert_layers(model)
+    listed = _listed_experts(model)
+    if listed and not layers:
+        name, count = listed
+        raise AotError(
+            f"--strategy ep={ep}: {where} holds the {count} experts of {name} as an nn.ModuleList; ep splits experts held as "
+            f"3-D weights ({' and '.join(EXPERT_WEIGHTS)} [E, ...], transformers v5's layout), whose call "
+            f"experts(hidden, top_k_index, top_k_weights) it can replace: a ModuleList's experts are called from the "
+            f"block's own loop, which aot cannot dispatch without rewriting its routing; use dp or fsdp"
+        )
     if not layers:
         raise AotError(
             f"--strategy ep={ep}: {where} has no mixture-of-experts layer aot can split (a module holding 3-D expert weights "

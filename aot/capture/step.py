@@ -25,6 +25,7 @@ from aot.capture.fused_attention import FusedAttention
 from aot.capture.inert_calls import drop_inert_calls
 from aot.capture.loss_scaling import LossScaling
 from aot.capture.model_file import ModelFile, call_user, describe_error
+from aot.capture.static_shapes import refuse_data_dependent_shapes
 from aot.capture.module_calls import annotate_module_calls
 from aot.capture.precision import Precision
 from aot.capture.sync_batchnorm import sync_batchnorm_in_graph
@@ -269,6 +270,7 @@ def trace_user_code(fn, args: list, mf: ModelFile, what: str, *contexts, tracer=
                 stack.enter_context(context)
             graph = (tracer or fake_make_fx)(fn, args)
         drop_inert_calls(graph)
+        refuse_data_dependent_shapes(graph, f"{mf.path.name}: {what}")
     except AotError:
         raise
     except Exception as e:

@@ -32,6 +32,7 @@ Choosing what to recompute (a `Choice`, the nodes to copy):
 from __future__ import annotations
 
 import fnmatch
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Callable
@@ -275,7 +276,7 @@ class _Layered:
         for owner in chosen:
             choice.nodes.update(self.views.get(owner, ()))
         choice.values = len(chosen)
-        choice.cost_s = sum(self.cost(n) for n in choice.nodes)  # each copied once, however many values share it
+        choice.cost_s = math.fsum(self.cost(n) for n in choice.nodes)  # each copied once; fsum: the same in any set order
         return choice
 
 
@@ -310,7 +311,7 @@ def by_modules(graph: torch.fx.Graph, patterns, save_matmuls: bool, cost: Callab
     fwd = Forward(graph)
     region = {n: _region_of(n, lambda call: any(fnmatch.fnmatchcase(call[0], p) for p in patterns)) for n in fwd.nodes}
     choice = _checkpoint(fwd, region, lambda n: save_matmuls and fwd.owner[n] is not None and getattr(fwd.owner[n], "target", None) in MATMULS)
-    choice.cost_s = sum(cost(n) for n in choice.nodes) if cost else 0.0
+    choice.cost_s = math.fsum(cost(n) for n in choice.nodes) if cost else 0.0
     return choice
 
 
@@ -319,7 +320,7 @@ def by_checkpoint_calls(graph: torch.fx.Graph, cost: Callable | None = None) -> 
     fwd = Forward(graph)
     region = {n: checkpoint_call_of(n) for n in fwd.nodes}
     choice = _checkpoint(fwd, region, lambda n: False)
-    choice.cost_s = sum(cost(n) for n in choice.nodes) if cost else 0.0
+    choice.cost_s = math.fsum(cost(n) for n in choice.nodes) if cost else 0.0
     return choice
 
 
