@@ -86,10 +86,10 @@ def step_layout(rec: Recording, target: Target, tp_plan: dict[str, str]) -> Step
         sequence = sequence_parallel_layout(rec.state.model, tp_plan, "the plan")
         check_sequence_length(rec.state.model, rec.inputs, sequence["blocks"][0], tp.size)
     ep = target.group(EP)
-    if ep is not None and target.moe_capacity_factor is not None and (target.group(PP) is not None or tp is not None):
-        # a pipeline dispatches each microbatch on its own, a tp rank its share of the tokens: the
-        # capacity would be a microbatch's or a share's, not the rank's batch's
-        raise AotError("--moe-capacity-factor with pp or tp is not built yet: there the experts take every token (dropless)")
+    if ep is not None and target.moe_capacity_factor is not None and target.group(PP) is not None:
+        # a pipeline dispatches each microbatch on its own, and its stages' drop counts would have
+        # to be summed across the stage programs
+        raise AotError("--moe-capacity-factor with pp is not built yet: there the experts take every token (dropless)")
     return StepLayout(
         target.group(DP),
         target.group(FSDP),

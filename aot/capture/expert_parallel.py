@@ -26,9 +26,10 @@ With a capacity factor f (`aot build --moe-capacity-factor f`), C = ceil(f x T x
 rank sends each expert at most C of its own tokens' choices, in the order above (every first
 choice, in token order, then every second choice, ...); a choice past C is dropped: it adds nothing
 to its token's output (the residual still carries the token) and its routing weight gets no
-gradient. Which choices drop depends only on the rank's own batch. The step then also returns the
-number of choices dropped over every data rank (the artifact's output `moe_dropped`, in `aot run
---metrics`).
+gradient. Which choices drop depends only on the rank's own batch. Under tensor parallelism each
+tp rank dispatches its contiguous 1/tp of the rank's tokens (below), and T, the capacity and the
+drop rule are those of that share. The step then also returns the number of choices dropped over
+every data and tp rank (the artifact's output `moe_dropped`, in `aot run --metrics`).
 
 Gradients: the reverse all_to_all sums every ep rank's tokens' contributions into the holder's
 expert gradient, so expert gradients are reduced over the ranks holding the same experts (fsdp,

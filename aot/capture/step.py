@@ -457,7 +457,7 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
         if dispatches is None or not dispatches.dropped:
             return finished
         dropped = torch.stack(dispatches.dropped).sum()
-        for group in (layout.fsdp, layout.dp, layout.ep):
+        for group in (layout.fsdp, layout.dp, layout.ep, layout.tp):  # tp ranks dispatch shares of the tokens
             if group is not None:
                 dropped = _sum_over(dropped, group)
         return (*finished, dropped)
