@@ -31,7 +31,7 @@ from aot.plan.tensor_parallel import check_degree, check_divisible, explain_plan
 from aot.plan.tensor_parallel_summary import summarize, summarize_whole, unsplit_weights
 from aot.plan.tensor_parallel_trial import split_forward_failure
 from aot.target import Target
-from runner.format.axes import DP, EP, FSDP, PP, TP
+from runner.format.axes import DP, EP, FSDP, TP
 from runner.commands.formatting import tp_layer
 
 
@@ -86,10 +86,6 @@ def step_layout(rec: Recording, target: Target, tp_plan: dict[str, str]) -> Step
         sequence = sequence_parallel_layout(rec.state.model, tp_plan, "the plan")
         check_sequence_length(rec.state.model, rec.inputs, sequence["blocks"][0], tp.size)
     ep = target.group(EP)
-    if ep is not None and target.moe_capacity_factor is not None and target.group(PP) is not None:
-        # a pipeline dispatches each microbatch on its own, and its stages' drop counts would have
-        # to be summed across the stage programs
-        raise AotError("--moe-capacity-factor with pp is not built yet: there the experts take every token (dropless)")
     return StepLayout(
         target.group(DP),
         target.group(FSDP),

@@ -75,7 +75,6 @@ def test_resume_is_exact_and_a_merged_checkpoint_holds_every_expert(built, tmp_p
         (EXAMPLES / "mlp.py", "ep=2", (), "no mixture-of-experts layer"),
         (MODELS / "bad_moe_module_list.py", "ep=2", (), "holds the 4 experts of experts as an nn.ModuleList"),
         (QWEN3_MOE, "ep=3", (), "holds 4 experts, which 3 ep ranks cannot share evenly"),
-        (QWEN3_MOE, "pp=2,ep=2", ("--moe-capacity-factor", 1), "with pp is not built yet"),
         # 64 tokens x top-2 / 4 experts x 0.01 = 0.32 rows
         (QWEN3_MOE, "ep=2", ("--batch-size", 4, "--moe-capacity-factor", 0.01), "under one token per expert"),
         (QWEN3_MOE, "fsdp=2", ("--moe-capacity-factor", 1), "needs --strategy with ep=N"),
@@ -121,6 +120,7 @@ def test_dispatch_fills_each_experts_rows_choice_first_and_drops_past_capacity()
         ("qwen3_moe_capacity", 1.0),  # the documented drop rule, computed in plain torch by the eager runs
         ("qwen3_moe_aux", None),  # transformers' load-balancing loss from each rank's own router logits
         pytest.param("qwen3_moe_capacity_tp2", 1.0, marks=pytest.mark.slow),  # ep=2,tp=2: the rule per tp rank's half of the tokens
+        pytest.param("qwen3_moe_capacity_pp2", 1.0, marks=pytest.mark.slow),  # pp=2,ep=2: the rule per microbatch
     ],
 )
 def test_per_rank_semantics_equal_eager_ddp_over_the_same_ranks(name, capacity, built, tmp_path):
@@ -133,17 +133,19 @@ def test_per_rank_semantics_equal_eager_ddp_over_the_same_ranks(name, capacity, 
     every step."""
     model = MODELS / "zoo" / f"{name}.py"
     extra = ("--moe-capacity-factor", capacity) if capacity else ()
-    tp = 2 if name.endswith("_tp2") else 1
-    strategy = "ep=2" + (f",tp={tp}" if tp > 1 else "")
-    art = built(model, "--world-size", 2 * tp, "--strategy", strategy, "--batch-size", 4, *extra, "--no-onnx", "--no-eval")
+    # a second axis splits a rank's tokens into shares dispatched apart: tp ranks' halves, pp's two microbatches
+    second = {"_tp2": "tp=2", "_pp2": "pp=2"}.get(name[-4:])
+    strategy = {"pp=2": "pp=2,ep=2", "tp=2": "ep=2,tp=2"}.get(second, "ep=2")  # pp outermost
+    ranks = 4 if second else 2
+    art = built(model, "--world-size", ranks, "--strategy", strategy, "--batch-size", 4, *extra, "--no-onnx", "--no-eval")
     manifest = json.loads((art / "manifest.json").read_text())
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    ok(torchrun(2 * tp, "run", art, "--steps", STEPS, "--metrics", metrics, "--save", ckpt, "--quiet"))
+    ok(torchrun(ranks, "run", art, "--steps", STEPS, "--metrics", metrics, "--save", ckpt, "--quiet"))
     ok(aot("checkpoint", "merge", ckpt, "-o", tmp_path / "merged.safetensors"))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     if capacity:
-        # 64 tokens (32 per tp rank under tp=2) x top-2 / 4 experts
-        assert manifest["expert_parallel"]["capacity"] == {"factor": 1.0, "rows": 32 // tp}
+        # 64 tokens (32 per share: a tp rank's, a microbatch's) x top-2 / 4 experts
+        assert manifest["expert_parallel"]["capacity"] == {"factor": 1.0, "rows": 16 if second else 32}
         assert all(r["moe_dropped"] > 0 for r in records), records
         assert_user_error(aot("verify", art, model), "no eager counterpart")
     else:

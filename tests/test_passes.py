@@ -298,3 +298,29 @@ def test_fsdp_prefetch_holds_gathered_parameters_within_its_memory_budget():
         assert all(torch.equal(a, b) for a, b in zip(before_state, after_state))
     assert depths[0] == 1 and depths[1] < depths[2] < depths[3]
     assert peaks[0] <= peaks[1] <= peaks[2] < peaks[3]
+
+
+def test_overlap_never_moves_a_collective_above_a_transfer_on_its_group():
+    """A pipeline rank's all_reduce over the pipeline group whose input is a constant there (a
+    stage without the loss) must stay after the rank's transfers on that group: the group runs
+    operations in the order each rank issues them, and the other ranks issue theirs later (the
+    build deadlocked when an expert-capacity count was all_reduced so)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from aot.passes.overlap import issue_early_wait_late
+
+    funcol = torch.ops._c10d_functional
+
+    def program(x):
+        constant = torch.zeros(2)  # made first, as the pipeline step's sums are
+        received = funcol.wait_tensor(funcol.irecv(torch.empty(4), 1, 0, "aot.pp"))
+        y = (x * received).sum()
+        total = funcol.wait_tensor(funcol.all_reduce(constant, "sum", "aot.pp"))
+        return y + total.sum()
+
+    gm = make_fx(program, tracing_mode="fake")(torch.ones(4))
+    gm = issue_early_wait_late(gm)
+    pos = position(gm)
+    (recv,) = [n for n in gm.graph.nodes if "irecv" in str(n.target)]
+    (reduce,) = [n for n in gm.graph.nodes if is_call(n, {ALL_REDUCE})]
+    assert pos[recv] < pos[reduce]

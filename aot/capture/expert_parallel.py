@@ -27,9 +27,11 @@ rank sends each expert at most C of its own tokens' choices, in the order above 
 choice, in token order, then every second choice, ...); a choice past C is dropped: it adds nothing
 to its token's output (the residual still carries the token) and its routing weight gets no
 gradient. Which choices drop depends only on the rank's own batch. Under tensor parallelism each
-tp rank dispatches its contiguous 1/tp of the rank's tokens (below), and T, the capacity and the
-drop rule are those of that share. The step then also returns the number of choices dropped over
-every data and tp rank (the artifact's output `moe_dropped`, in `aot run --metrics`).
+tp rank dispatches its contiguous 1/tp of the rank's tokens (below), and a pipeline each
+microbatch on its own: T, the capacity and the drop rule are then those of that share. The step
+then also returns the number of choices dropped over every data and tp rank (with pp, every
+microbatch's, counted in the last stage: aot/capture/stages.py; the artifact's output
+`moe_dropped`, in `aot run --metrics`).
 
 Gradients: the reverse all_to_all sums every ep rank's tokens' contributions into the holder's
 expert gradient, so expert gradients are reduced over the ranks holding the same experts (fsdp,

@@ -28,12 +28,13 @@ import torch
 import torch.fx.traceback as fx_traceback
 
 from aot.capture.model_file import ModelFile
-from aot.capture.stages import Stage
+from aot.capture.stages import MOE_CAPACITY, Stage
 from aot.capture.step import (
     CapturedStep,
     Group,
     StepLayout,
     _gather,
+    dropped_over_ranks,
     partial_gradients,
     prove,
     rank_state,
@@ -123,7 +124,11 @@ def capture_pipeline(
     # zero-bubble's weight passes are tagged through the node metadata torch keeps while tracing
     split = any(a.kind == "W" for a in pipeline.actions)
     graph = trace_user_code(step, args, mf, f"pipeline rank {pipeline.rank}'s step", fx_traceback.preserve_node_meta() if split else contextlib.nullcontext())
-    captured = CapturedStep(graph=graph, slots=slots, example_args=[a.detach() for a in args], tp_summed=layout.tp_summed)
+    capacity = pipeline.stages[-1].module.meta.get(MOE_CAPACITY)
+    counted = ["moe_dropped"] if len(pipeline.stages[-1].outputs) > 1 else []
+    outputs = ("loss", "global_loss", *(["found_inf"] if layout.precision.scaler else []), *counted)
+    example = [a.detach() for a in args]
+    captured = CapturedStep(graph=graph, slots=slots, example_args=example, tp_summed=layout.tp_summed, outputs=outputs, ep_capacity=capacity)
     if layout.tp is not None:
         summed = partial_gradients(captured, layout, state, f"{mf.path.name} (pipeline rank {pipeline.rank})")
         if summed:  # again, with those gradients summed over tp (as capture_step does)
@@ -209,6 +214,9 @@ def forward_action(s: Stage, mb: int, stages: dict, batch: tuple, receive, send,
     return outputs, received
 
 
+DROPPED_PART = 2**20  # a count's low part, below float32's exact integers (2**24) as is its high part up to 2**44
+
+
 def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n_inputs: int, finish, tied: dict):
     from runner.format.artifact import SCALER_KEYS
     from aot.capture.loss_scaling import LossScaling
@@ -221,6 +229,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
     pp, group, rank, m = pipeline.group.size, pipeline.group.name, pipeline.rank, pipeline.microbatches
     stages = {s.index: s for s in pipeline.stages}
     last = len(pipeline.stages) - 1
+    counting = len(pipeline.stages[-1].outputs) > 1  # the forward returns a dropped-choice count (stages.cut)
     split = any(a.kind == "W" for a in pipeline.actions)  # zero-bubble: weight gradients apart
 
     def step(*flat):
@@ -243,6 +252,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
         deferred: dict = {}  # zero-bubble: (microbatch, stage) -> (roots, seeds) of its backward, for its W
         receive, send, sent = transfers(pipeline)
         loss_sum = torch.zeros((), dtype=torch.float32)  # not from the targets: a middle stage reads no batch tensor
+        dropped_sum = torch.zeros((), dtype=torch.int64)  # an expert capacity's dropped choices, counted in the last stage
 
         for action in pipeline.actions:
             s = stages[action.stage(rank, pp)]
@@ -251,6 +261,8 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
                 outputs, received = forward_action(s, mb, stages, (leaves, buffers, batch_inputs, batch_targets, size), receive, send, pipeline.recompute)
                 if s.index == last:
                     loss_sum = loss_sum + outputs[0].detach().float()
+                    if counting:
+                        dropped_sum = dropped_sum + outputs[1]
                 saved[(mb, s.index)] = (outputs, received)
             elif action.kind == "W":
                 roots, seeds = deferred.pop((mb, s.index))
@@ -296,6 +308,9 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
         # reorder): the last stage's loss for every rank, and the gradients of weights two ranks
         # hold (a tied embedding and output layer) summed, as Megatron does.
         pieces = [(loss_sum / m).reshape(1)]
+        if counting:  # the dropped count rides along, exact as two float32 parts (a separate all_reduce, its
+            # input made at the start on the other ranks, was issued there first: out of order with the p2p)
+            pieces.append(torch.stack([dropped_sum // DROPPED_PART, dropped_sum % DROPPED_PART]).float())
         for name, like in tied.items():
             mine = sums.get(name)
             pieces.append(
@@ -303,12 +318,16 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
             )  # made in the graph: `like` is no input of it
         total = _funcol.wait_tensor(_funcol.all_reduce(torch.cat(pieces), "sum", group))
         local_loss = total[0]
-        at = 1
+        at = 3 if counting else 1
         for name, like in tied.items():
             if name in by_name:
                 sums[name] = total[at : at + like.numel()].reshape(like.shape).to(like.dtype)
             at += like.numel()
         grads = [sums.get(n) for n in param_names]
-        return finish(params, grads, local_loss, opt_state, lrs, scaling)
+        finished = finish(params, grads, local_loss, opt_state, lrs, scaling)
+        if not counting:
+            return finished
+        dropped = total[1].round().long() * DROPPED_PART + total[2].round().long()
+        return (*finished, dropped_over_ranks(dropped, layout))
 
     return step

@@ -10,12 +10,14 @@ a later one reads crosses as a point-to-point transfer (aot/capture/pipeline.py)
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
+from aot.capture.expert_parallel import Dispatches
 from aot.capture.model_file import ModelFile, call_user
 from aot.capture.module_calls import annotate_module_calls, layer_of
 from aot.capture.model_file import describe_error
@@ -25,6 +27,9 @@ from aot.capture.tensor_parallel_regions import differentiable_regions
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.capture.training_state import TrainingState
 from aot.errors import AotError
+
+
+MOE_CAPACITY = "aot_moe_capacity"  # graph and stage module meta: rows each rank sends each expert, or None
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,8 @@ def _trace_forward(mf, state, layout, inputs, targets, tp):
     model = state.model if tp is None else tp.model
     full_shapes = {n: p.shape for n, p in state.params.items()}
 
+    dispatches = Dispatches()
+
     def forward(*flat):
         used = dict(zip(param_names, flat[:n_params]))
         if tp is not None:
@@ -97,6 +104,8 @@ def _trace_forward(mf, state, layout, inputs, targets, tp):
             loss = call_user(mf.loss, "loss(outputs, targets)", mf.path, outputs, flat[-1])
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise AotError(f"{mf.path.name}: loss(outputs, targets) must return a scalar tensor")
+        if dispatches.dropped:  # an expert capacity: the microbatch's dropped choices, a second output (see cut)
+            return loss, torch.stack(dispatches.dropped).sum()
         return loss
 
     local = rank_state(state, replace(layout, fsdp=None))
@@ -112,12 +121,13 @@ def _trace_forward(mf, state, layout, inputs, targets, tp):
         Source("target"),
     ]
     try:
-        with traced_as_compiled(), quiet_trace_logs(), annotate_module_calls(model), experts_of(model, layout):
+        with traced_as_compiled(), quiet_trace_logs(), annotate_module_calls(model), experts_of(model, layout, dispatches):
             graph = make_fx(forward, tracing_mode="fake")(*args)
     except AotError:
         raise
     except Exception as e:
         raise AotError(f"{mf.path.name}: the forward cannot be traced: {describe_error(e, mf.path)}") from e
+    graph.meta[MOE_CAPACITY] = max(dispatches.capacity) if dispatches.capacity else None
     return graph, sources
 
 
@@ -151,6 +161,9 @@ def cut(graph: torch.fx.GraphModule, sources: list[Source], stage_of_layer: dict
             users = [stage[u] for u in node.users if u is not output and stage.get(u) is not None]
             stage[node] = min(users, default=stages - 1)
     loss = output.args[0]
+    for extra in loss[1:] if isinstance(loss, (list, tuple)) else ():
+        assert isinstance(extra, torch.fx.Node)  # the forward's outputs: the loss and the dropped count
+        _to_last_stage(extra, stage, stages - 1)
     loss = loss[0] if isinstance(loss, (list, tuple)) else loss
     if stage.get(loss) != stages - 1:
         raise AotError(
@@ -163,7 +176,38 @@ def cut(graph: torch.fx.GraphModule, sources: list[Source], stage_of_layer: dict
     # partitions in dependency order (a stage's nodes need not come before the next stage's in the
     # graph: a tensor-parallel weight slice's view is made at the top, where DTensor unwraps it)
     split = split_module(graph, graph, lambda n: stage[n])  # root_m "Not currently used" (torch 2.13's docstring)
-    return _stages(split, source_of, stages)
+    cut_stages = _stages(split, source_of, stages)
+    _outputs_in_graph_order(split, cut_stages[-1])
+    for s in cut_stages:
+        s.module.meta[MOE_CAPACITY] = graph.meta.get(MOE_CAPACITY)
+    return cut_stages
+
+
+def _to_last_stage(value: torch.fx.Node, stage: dict, last: int) -> None:
+    """A forward output besides the loss (the dropped-choice count of an expert capacity) made in
+    the last stage, with the nodes outside every layer that only feed it (the stack and sum of the
+    layers' counts): the last stage's outputs are then the forward's, and the layers' counts travel
+    to it as any stage output does."""
+    stage[value] = last
+    for a in value.all_input_nodes:
+        if a in stage and layer_of(a) is None and all(stage.get(u) == last for u in a.users):
+            _to_last_stage(a, stage, last)
+
+
+def _outputs_in_graph_order(split: torch.fx.GraphModule, last: Stage) -> None:
+    """The last stage's outputs ordered as the forward returns them (the loss first), whatever
+    order split_module gave them."""
+    returned = split.graph.output_node().args[0]
+    if not isinstance(returned, (list, tuple)) or len(returned) < 2:
+        return
+    order = [typing.cast(int, typing.cast(torch.fx.Node, node).args[1]) for node in returned]  # getitems of the last stage's outputs
+    out_node = last.module.graph.output_node()
+    values = out_node.args[0]
+    assert isinstance(values, tuple)  # _stages makes every stage return a tuple
+    out_node.args = (tuple(values[i] for i in order),)
+    last.module.recompile()
+    last.outputs = [last.outputs[i] for i in order]
+    last.readers = [last.readers[i] for i in order]
 
 
 def _carries_gradient(module: torch.fx.GraphModule, inputs: list[bool]) -> list[bool]:

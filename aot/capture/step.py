@@ -456,11 +456,7 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
         finished = finish(params, grads, local_loss, opt_state, lrs, scaling)
         if dispatches is None or not dispatches.dropped:
             return finished
-        dropped = torch.stack(dispatches.dropped).sum()
-        for group in (layout.fsdp, layout.dp, layout.ep, layout.tp):  # tp ranks dispatch shares of the tokens
-            if group is not None:
-                dropped = _sum_over(dropped, group)
-        return (*finished, dropped)
+        return (*finished, dropped_over_ranks(torch.stack(dispatches.dropped).sum(), layout))
 
     return step, finish
 
@@ -512,6 +508,15 @@ def _any_rank(found_inf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
         if group is not None:
             found_inf = _sum_over(found_inf, group)
     return found_inf
+
+
+def dropped_over_ranks(dropped: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+    """An expert capacity's dropped-choice count summed over every rank holding other tokens
+    (the data axes, and tp, whose ranks dispatch shares of them)."""
+    for group in (layout.fsdp, layout.dp, layout.ep, layout.tp):
+        if group is not None:
+            dropped = _sum_over(dropped, group)
+    return dropped
 
 
 def step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tensor], targets: torch.Tensor) -> tuple[list[torch.Tensor], list[dict]]:

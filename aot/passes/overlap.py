@@ -33,13 +33,30 @@ _PACKING = {
 _UNPACKING = {aten.view.default, aten.split_with_sizes.default, aten._unsafe_view.default, operator.getitem, aten.slice.Tensor}
 
 
-def _hoist(node: torch.fx.Node, last_placeholder: torch.fx.Node | None) -> None:
+def _hoist(node: torch.fx.Node, last_placeholder: torch.fx.Node | None, fence: torch.fx.Node | None = None) -> None:
     for inp in node.all_input_nodes:
         if is_call(inp, _PACKING) and len(inp.users) == 1:
             _hoist(inp, last_placeholder)
-    anchor = latest_input(node)
+    anchor = max((n for n in (latest_input(node), fence) if n is not None), default=None)
     if anchor is not None:
         place_after(anchor, node, last_placeholder)
+
+
+def _p2p_fences(nodes: list) -> dict:
+    """collective -> the last point-to-point transfer (a pipeline's isend or irecv) on its group
+    before it. A collective never moves above one: a process group runs its operations in the
+    order each rank issues them, and the pipeline ranks' programs differ (a collective whose
+    input is a constant on one rank would be issued there before transfers another rank issues
+    first: a deadlock)."""
+    last: dict = {}
+    fences: dict = {}
+    for node in nodes:
+        name = getattr(getattr(node.target, "_schema", None), "name", "") if node.op == "call_function" else ""
+        if name.split("::")[-1] in ("isend", "irecv"):
+            last[node.args[-1]] = node
+        elif is_call(node, COLLECTIVES):
+            fences[node] = last.get(node.args[-1])
+    return fences
 
 
 def _sink(node: torch.fx.Node) -> None:
@@ -54,9 +71,10 @@ def _sink(node: torch.fx.Node) -> None:
 def issue_early_wait_late(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     nodes = list(gm.graph.nodes)
     last_placeholder = next((n for n in reversed(nodes) if n.op == "placeholder"), None)
+    fences = _p2p_fences(nodes)
     for node in nodes:
         if is_call(node, COLLECTIVES):
-            _hoist(node, last_placeholder)
+            _hoist(node, last_placeholder, fences[node])
     for node in reversed(nodes):
         if is_call(node, {WAIT}):
             _sink(node)
