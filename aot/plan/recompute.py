@@ -216,7 +216,8 @@ def least_fitting(freed: list[int], peak: int, budget: int, measure: Callable[[i
         hopeful = [i for i in open_ if predicted(i) <= budget]
         if not hopeful and (fitting is not None or len(freed) - 1 in known):
             return fitting  # no point left that the measured ones say may fit
-        known[hopeful[0] if hopeful else len(freed) - 1] = measure(hopeful[0] if hopeful else len(freed) - 1)
+        i = hopeful[0] if hopeful else len(freed) - 1
+        known[i] = measure(i)
 
 
 def _summary(request: Request, choice: Choice | None) -> dict:
