@@ -16,14 +16,13 @@ from dataclasses import replace
 
 import torch
 
+from aot.capture.group_collectives import average, gather_shard
 from aot.capture.model_file import ModelFile
 from aot.capture.step import (
     _funcol,
     CapturedStep,
     StepLayout,
-    _average,
     _capture_tp,
-    _gather,
     _slot,
     experts_of,
     forward_and_loss,
@@ -61,14 +60,14 @@ def eval_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
         by_name = dict(zip(param_names, flat[:n_params]))
         buffers = dict(zip(buffer_names, flat[n_params : n_params + n_buffers]))
         batch_inputs, batch_targets = flat[-1 - n_inputs : -1], flat[-1]
-        used = by_name if layout.fsdp is None else {n: _gather(p, local_shapes[n], layout.fsdp, layout.precision) for n, p in by_name.items()}
+        used = by_name if layout.fsdp is None else {n: gather_shard(p, local_shapes[n], layout.fsdp, layout.precision) for n, p in by_name.items()}
         if tp is not None:
             used = tp.wrap(used, full_shapes)
         local_loss = forward_and_loss(mf, model, layout.precision, {**used, **buffers}, batch_inputs, batch_targets).detach()
         global_loss = local_loss
         for group in (layout.fsdp, layout.dp, layout.ep):  # the training step's order
             if group is not None:
-                global_loss = _average(global_loss, group)
+                global_loss = average(global_loss, group)
         return local_loss, global_loss
 
     return evaluate
@@ -128,7 +127,7 @@ def capture_pipeline_eval(mf: ModelFile, state: TrainingState, pipeline, layout:
         by_name = dict(zip(param_names, flat[:n_params]))
         buffers = dict(zip(buffer_names, flat[n_params : n_params + n_buffers]))
         batch_inputs, batch_targets = flat[-1 - n_inputs : -1], flat[-1]
-        used = by_name if layout.fsdp is None else {n: _gather(p, local_shapes[n], layout.fsdp, layout.precision) for n, p in by_name.items()}
+        used = by_name if layout.fsdp is None else {n: gather_shard(p, local_shapes[n], layout.fsdp, layout.precision) for n, p in by_name.items()}
         batch = (used, buffers, batch_inputs, batch_targets, batch_targets.shape[0] // m)
         receive, send, sent = transfers(pipeline)
         loss_sum = torch.zeros((), dtype=torch.float32)  # not from the targets: a middle stage reads no batch tensor
@@ -143,7 +142,7 @@ def capture_pipeline_eval(mf: ModelFile, state: TrainingState, pipeline, layout:
         global_loss = local_loss
         for group in (layout.fsdp, layout.dp):
             if group is not None:
-                global_loss = _average(global_loss, group)
+                global_loss = average(global_loss, group)
         return local_loss, global_loss
 
     args, slots = eval_args(own, replace(layout, pp=None), inputs, targets)

@@ -27,13 +27,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx.traceback as fx_traceback
 
+from aot.capture.group_collectives import gather_shard
 from aot.capture.model_file import ModelFile
 from aot.capture.stages import MOE_CAPACITY, Stage
 from aot.capture.step import (
     CapturedStep,
     Group,
     StepLayout,
-    _gather,
     dropped_over_ranks,
     partial_gradients,
     prove,
@@ -69,6 +69,12 @@ class Pipeline:
     @property
     def held(self) -> list:
         return [s for s in self.stages if s.index % self.group.size == self.rank]
+
+    @property
+    def counts_dropped(self) -> bool:
+        """Whether the forward returns an expert capacity's dropped-choice count, the last stage's
+        second output (aot/capture/stages.py `cut`)."""
+        return len(self.stages[-1].outputs) > 1
 
     def peer(self, stage: int) -> int:
         """The rank, within the pipeline group, that runs `stage`."""
@@ -125,7 +131,7 @@ def capture_pipeline(
     split = any(a.kind == "W" for a in pipeline.actions)
     graph = trace_user_code(step, args, mf, f"pipeline rank {pipeline.rank}'s step", fx_traceback.preserve_node_meta() if split else contextlib.nullcontext())
     capacity = pipeline.stages[-1].module.meta.get(MOE_CAPACITY)
-    counted = ["moe_dropped"] if len(pipeline.stages[-1].outputs) > 1 else []
+    counted = ["moe_dropped"] if pipeline.counts_dropped else []
     outputs = ("loss", "global_loss", *(["found_inf"] if layout.precision.scaler else []), *counted)
     example = [a.detach() for a in args]
     captured = CapturedStep(graph=graph, slots=slots, example_args=example, tp_summed=layout.tp_summed, outputs=outputs, ep_capacity=capacity)
@@ -229,7 +235,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
     pp, group, rank, m = pipeline.group.size, pipeline.group.name, pipeline.rank, pipeline.microbatches
     stages = {s.index: s for s in pipeline.stages}
     last = len(pipeline.stages) - 1
-    counting = len(pipeline.stages[-1].outputs) > 1  # the forward returns a dropped-choice count (stages.cut)
+    counting = pipeline.counts_dropped
     split = any(a.kind == "W" for a in pipeline.actions)  # zero-bubble: weight gradients apart
 
     def step(*flat):
@@ -243,7 +249,7 @@ def _pipeline_step(own: TrainingState, pipeline: Pipeline, layout: StepLayout, n
         size = batch_targets.shape[0] // m
         by_name = dict(zip(param_names, params))
         if layout.fsdp is not None:  # gathered once per step; the gradients are reduce-scattered once, after all microbatches
-            gathered = {n: _gather(p, local_shapes[n], layout.fsdp, precision) for n, p in by_name.items()}
+            gathered = {n: gather_shard(p, local_shapes[n], layout.fsdp, precision) for n, p in by_name.items()}
             leaves = {n: g.detach().requires_grad_() for n, g in gathered.items()}
         else:
             leaves = by_name

@@ -29,7 +29,7 @@ from aot.capture.training_state import TrainingState
 from aot.errors import AotError
 
 
-MOE_CAPACITY = "aot_moe_capacity"  # graph and stage module meta: rows each rank sends each expert, or None
+MOE_CAPACITY = "aot_moe_capacity"  # forward graph and last stage module meta: rows each rank sends each expert, or None
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,7 @@ def cut(graph: torch.fx.GraphModule, sources: list[Source], stage_of_layer: dict
     split = split_module(graph, graph, lambda n: stage[n])  # root_m "Not currently used" (torch 2.13's docstring)
     cut_stages = _stages(split, source_of, stages)
     _outputs_in_graph_order(split, cut_stages[-1])
-    for s in cut_stages:
-        s.module.meta[MOE_CAPACITY] = graph.meta.get(MOE_CAPACITY)
+    cut_stages[-1].module.meta[MOE_CAPACITY] = graph.meta.get(MOE_CAPACITY)  # with the count it is the capacity of
     return cut_stages
 
 

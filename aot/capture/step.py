@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from aot.capture import replicas
 from aot.capture.expert_parallel import Dispatches, ExpertLayer, experts_in_graph
 from aot.capture.fused_attention import FusedAttention
+from aot.capture.group_collectives import Group, average, gather_shard, sum_over, sum_over_groups
 from aot.capture.inert_calls import drop_inert_calls
 from aot.capture.loss_scaling import LossScaling
 from aot.capture.model_file import ModelFile, call_user, describe_error
@@ -42,14 +43,6 @@ from runner.format.sharding import expert_slice, shard, tp_slice, tp_slice_shape
 from runner.format.axes import EP, TP
 
 _funcol = torch.ops._c10d_functional
-
-
-@dataclass(frozen=True)
-class Group:
-    """A process group as the graph names it, and how many ranks it has."""
-
-    name: str
-    size: int
 
 
 @dataclass(frozen=True)
@@ -155,47 +148,6 @@ def _store_counters(stored: list[torch.Tensor], used: list[torch.Tensor]) -> Non
             before.copy_(after)
 
 
-def _sum_over(t: torch.Tensor, group: Group) -> torch.Tensor:
-    return _funcol.wait_tensor(_funcol.all_reduce(t, "sum", group.name))
-
-
-def _average(t: torch.Tensor, group: Group, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The mean of `t` over `group`, summed in `dtype` (the precision's reduce dtype) when given:
-    DDP's bf16 compression hook, which casts back to the gradient's own dtype after."""
-    sent = t if dtype is None or t.dtype == dtype else t.to(dtype)
-    summed = _sum_over(sent, group).to(t.dtype)
-    return summed / group.size
-
-
-class _GatherInDtype(torch.autograd.Function):
-    """FSDP2's MixedPrecisionPolicy for one parameter: all-gather the fp32 shard cast to
-    `param_dtype`; backward reduce-scatters the (param_dtype) gradient cast to `reduce_dtype`
-    and returns it in the shard's dtype. Traced through by make_fx like any autograd code."""
-
-    @staticmethod
-    def forward(ctx, piece, group_size: int, group_name: str, param_dtype, reduce_dtype):
-        ctx.group = (group_size, group_name)
-        ctx.dtypes = (reduce_dtype, piece.dtype)
-        return _funcol.wait_tensor(_funcol.all_gather_into_tensor(piece.to(param_dtype), group_size, group_name))
-
-    @staticmethod
-    def backward(ctx, grad):
-        (size, name), (reduce_dtype, dtype) = ctx.group, ctx.dtypes
-        scattered = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(grad.to(reduce_dtype), "sum", size, name))
-        return scattered.to(dtype), None, None, None, None
-
-
-def _gather(piece: torch.Tensor, shape: torch.Size, group: Group, precision: Precision) -> torch.Tensor:
-    """The whole parameter (of `shape`) from this rank's shard. The autograd variant of all_gather
-    makes backward reduce-scatter the gradient, so it arrives summed over the group and sharded.
-    With mixed precision the gather carries the compute dtype and the scatter the reduce dtype."""
-    if precision.mixed:
-        gathered = _GatherInDtype.apply(piece, group.size, group.name, precision.compute_dtype, precision.reduce_dtype)
-    else:
-        gathered = _funcol.wait_tensor(torch.ops._c10d_functional_autograd.all_gather_into_tensor(piece, group.size, group.name))
-    return gathered[: shape.numel()].view(shape)
-
-
 def _squares(grads: list[torch.Tensor]) -> torch.Tensor:
     # one foreach node for all norms, as clip_grad_norm_ computes them
     return torch.stack(torch._foreach_norm(grads)).pow(2).sum()
@@ -214,11 +166,11 @@ def _clip_distributed(grads: list[torch.Tensor], split_by: list[str], max_norm: 
         split = [g for g, s, c in zip(grads, split_by, counted) if s == axis and c]
         if split:
             assert group is not None  # only the axis's own layout splits a gradient along it
-            total = total + _sum_over(_squares(split), group)
+            total = total + sum_over(_squares(split), group)
     if layout.fsdp is not None:
-        total = _sum_over(total, layout.fsdp)
+        total = sum_over(total, layout.fsdp)
     if layout.pp is not None:
-        total = _sum_over(total, layout.pp)
+        total = sum_over(total, layout.pp)
     coef = torch.clamp(max_norm / (torch.sqrt(total) + 1e-6), max=1.0)
     torch._foreach_mul_(grads, coef)
 
@@ -380,18 +332,18 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
         if layout.tp_summed:
             assert layout.tp is not None  # only tensor parallelism leaves a part of a gradient per rank
             summed = set(layout.tp_summed)
-            grads = [_sum_over(g, layout.tp) if g is not None and n in summed else g for n, g in zip(param_names, grads)]
+            grads = [sum_over(g, layout.tp) if g is not None and n in summed else g for n, g in zip(param_names, grads)]
         if layout.fsdp is not None:  # already summed over the shard group by the reduce-scatter
             grads = [None if g is None else g / layout.fsdp.size for g in grads]
-            global_loss = _average(global_loss, layout.fsdp)
+            global_loss = average(global_loss, layout.fsdp)
         if layout.dp is not None:
-            grads = [None if g is None else _average(g, layout.dp, reduce_dtype) for g in grads]
-            global_loss = _average(global_loss, layout.dp)
+            grads = [None if g is None else average(g, layout.dp, reduce_dtype) for g in grads]
+            global_loss = average(global_loss, layout.dp)
         if layout.ep is not None:
             # an expert's gradient already holds every ep rank's tokens (the reverse all_to_all
             # summed them): divided by the ep ranks, not averaged over them; the rest as under dp
-            grads = [None if g is None else g / layout.ep.size if s else _average(g, layout.ep, reduce_dtype) for g, s in zip(grads, ep_split)]
-            global_loss = _average(global_loss, layout.ep)
+            grads = [None if g is None else g / layout.ep.size if s else average(g, layout.ep, reduce_dtype) for g, s in zip(grads, ep_split)]
+            global_loss = average(global_loss, layout.ep)
 
         optimizer = call_user(mf.optimizer, "optimizer(params)", mf.path, params)
         # optimizer() sees this rank's pieces (flat fsdp shards, tp slices) and may group them by
@@ -444,7 +396,7 @@ def step_program(mf: ModelFile, state: TrainingState, n_inputs: int, layout: Ste
         by_name = dict(zip(param_names, params))
 
         if layout.fsdp is not None:
-            used = {n: _gather(p, local_shapes[n], layout.fsdp, precision) for n, p in by_name.items()}
+            used = {n: gather_shard(p, local_shapes[n], layout.fsdp, precision) for n, p in by_name.items()}
         else:
             used = by_name
         if tp is not None:
@@ -504,19 +456,13 @@ def _any_rank(found_inf: torch.Tensor, layout: StepLayout) -> torch.Tensor:
     slices, pipeline stages), so every rank skips the same steps, as FSDP's ShardedGradScaler
     does. Data-parallel replicas hold the same averaged gradients already, so their checks agree
     without one."""
-    for group in (layout.fsdp, layout.tp, layout.pp, layout.ep):
-        if group is not None:
-            found_inf = _sum_over(found_inf, group)
-    return found_inf
+    return sum_over_groups(found_inf, (layout.fsdp, layout.tp, layout.pp, layout.ep))
 
 
 def dropped_over_ranks(dropped: torch.Tensor, layout: StepLayout) -> torch.Tensor:
     """An expert capacity's dropped-choice count summed over every rank holding other tokens
     (the data axes, and tp, whose ranks dispatch shares of them)."""
-    for group in (layout.fsdp, layout.dp, layout.ep, layout.tp):
-        if group is not None:
-            dropped = _sum_over(dropped, group)
-    return dropped
+    return sum_over_groups(dropped, (layout.fsdp, layout.dp, layout.ep, layout.tp))
 
 
 def step_args(state: TrainingState, layout: StepLayout, inputs: list[torch.Tensor], targets: torch.Tensor) -> tuple[list[torch.Tensor], list[dict]]:

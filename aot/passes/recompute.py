@@ -32,6 +32,7 @@ Choosing what to recompute (a `Choice`, the nodes to copy):
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -169,14 +170,8 @@ def budget_choices(graph: torch.fx.Graph, cost: Callable) -> Callable[[float], C
     fwd = Forward(graph)
     layered = _Layered(fwd, _layers(fwd), cost)
 
-    made: dict[float, Choice] = {}
-
+    @functools.cache
     def choose(fraction: float) -> Choice:
-        if fraction not in made:
-            made[fraction] = _choose(fraction)
-        return made[fraction]
-
-    def _choose(fraction: float) -> Choice:
         best: Choice | None = None
         for k in range(len(layered.layers) + 1):
             choice = layered.with_values(k, fraction)

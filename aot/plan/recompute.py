@@ -10,6 +10,7 @@ device's memory) is not the user's demand: there the build takes the smallest pe
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, replace
@@ -132,39 +133,30 @@ def apply_request(
 
 
 def _fit(gm, slots, request: Request, cost, finish):
-    def attempt(fraction: float | None):
+    def attempt(chosen: Choice | None):
         copies: dict = {}
         trial = copy_graph(gm, copies)
-        choice = None
-        if fraction is not None:  # the choice made on gm's graph, on the copy's nodes
-            chosen = choose(fraction)
-            choice = replace(chosen, nodes={copies[n] for n in chosen.nodes}, kept=set(), pinned=set())
+        # the choice made on gm's graph, on the copy's nodes
+        choice = None if chosen is None else replace(chosen, nodes={copies[n] for n in chosen.nodes}, kept=set(), pinned=set())
         trial = finish(recompute_activations(trial, choice) if choice else trial)
         return trial, choice, analyze(trial, slots).memory.peak
 
     budget = request.memory_bytes
     assert budget is not None  # apply_request comes here only for a memory budget
-    choices: list = []  # by_budget over gm's graph for any fraction, walked once when first asked
-
-    def choose(fraction: float) -> Choice:
-        if not choices:
-            choices.append(budget_choices(gm.graph, cost))
-        return choices[0](fraction)
-
     trial, _, peak = attempt(None)
     if peak <= budget:
         return trial, {**_summary(request, None), "peak_without_recompute": peak}
     # Budgets are tried on a grid, the least recomputation that fits wins. Each try runs every pass
     # over the whole step (seconds at DeepSeek-V3 size), so the peaks are predicted from the tries
     # made (least_fitting) and only points that may fit are tried.
+    choose = budget_choices(gm.graph, cost)
     most = choose(0.0)
     grid = [f / GRID for f in range(GRID - 1, 0, -1) if f / GRID > most.fraction] + [most.fraction]
-    made: dict[int, tuple] = {}
-    tries = lambda i: made[i] if i in made else made.setdefault(i, attempt(grid[i]))  # noqa: E731
+    tries = functools.cache(lambda i: attempt(choose(grid[i])))
     freed = [most.saved_bytes - choose(fraction).kept_bytes for fraction in grid]
     found = least_fitting(freed, peak, budget, lambda i: tries(i)[2])
     if found is not None:
-        trial, choice, _ = made[found]
+        trial, choice, _ = tries(found)
         return trial, {**_summary(request, choice), "peak_without_recompute": peak}
     # None fits: every point is tried for the smallest peak there is (the peak is not monotone in the
     # recomputation: its transient rebuilds add to it, and the most recomputation was measured 3%

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
+import typing
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -94,17 +96,14 @@ def _reproducible_json(serde):
     if original is None or union is None:
         yield False
         return
-    names: dict[type, tuple[str, ...]] = {}
     read = object.__getattribute__  # the union's own __getattribute__ checks every read
 
     def plain(obj):
         if isinstance(obj, union):
             tag = read(obj, "_type")
             return {str(tag): plain(read(obj, str(tag)))}
-        kind = type(obj)
-        if kind in names or dataclasses.is_dataclass(obj):
-            fields = names.get(kind) or names.setdefault(kind, tuple(f.name for f in dataclasses.fields(obj)))
-            return {name: plain(getattr(obj, name)) for name in fields}
+        if dataclasses.is_dataclass(obj):
+            return {f.name: plain(getattr(obj, f.name)) for f in _fields(typing.cast(type, type(obj)))}
         if isinstance(obj, (list, tuple)):
             return [plain(x) for x in obj]
         if isinstance(obj, dict):
@@ -146,19 +145,17 @@ def _schema_fields_cached(serde):
     from torch._export.serde import union
 
     original = union.fields
-    known: dict[type, tuple] = {}
-
-    def fields(obj):
-        kind = obj if isinstance(obj, type) else type(obj)
-        if kind not in known:
-            known[kind] = original(obj)
-        return known[kind]
-
-    union.fields = fields
+    union.fields = lambda obj: _fields(obj if isinstance(obj, type) else type(obj))  # type: ignore[assignment]
     try:
         yield
     finally:
         union.fields = original
+
+
+@functools.cache
+def _fields(kind: type) -> tuple[dataclasses.Field, ...]:
+    """dataclasses.fields of a schema class, read once per class."""
+    return dataclasses.fields(kind)
 
 
 def decode_program(program_json: bytes, constants: bytes | None) -> torch.export.ExportedProgram:
