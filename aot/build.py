@@ -25,7 +25,8 @@ from aot.compile_step import Recording, finish_program, step_layout, tensor_para
 from aot.passes import CLEANUP, PassOptions, run_passes
 from aot.defaults import DEFAULT_BUCKET_MB
 from aot.plan import hierarchy
-from aot.plan.cost_model import Memory, analyze
+from aot.plan.cost_model import Memory
+from aot.plan.step_reading import analyze
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.target import Target

@@ -23,7 +23,8 @@ from aot.passes import CLEANUP, PassOptions, run_passes
 from aot.target import Target
 from aot.errors import AotError
 from aot.passes.recompute import has_checkpoint_calls
-from aot.plan.cost_model import Memory, analyze
+from aot.plan.cost_model import Memory
+from aot.plan.step_reading import analyze
 from aot.plan.pipeline import bubble_fraction, chunks_of
 from aot.plan.pipeline_programs import Reporting, Schedule, pipeline_programs
 from aot.plan.pipeline_timeline import simulate_pipeline

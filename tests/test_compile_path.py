@@ -19,7 +19,7 @@ import pytest
 
 from aot.build import BuildOptions, compile_step, place_mesh
 from aot.passes import PRICED_ANALYTICALLY
-from aot.plan.cost_model import analyze
+from aot.plan.step_reading import analyze
 from aot.plan.mesh import Mesh
 from aot.plan.model_steps import ModelSteps, Pricing
 from aot.plan.recompute import Request

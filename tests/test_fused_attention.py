@@ -58,7 +58,7 @@ def test_the_cost_model_prices_it_as_a_matmul():
     model's matmul class."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-    from aot.plan.cost_model import node_op
+    from aot.plan.step_reading import node_op
     from aot.plan.gpu_model import MATMUL, op_class
 
     q, k, v = _qkv()

@@ -244,7 +244,7 @@ def test_fsdp_regathers_parameters_for_backward_and_lowers_peak_memory():
     from aot.passes.overlap import issue_early_wait_late
     from aot.capture.graph_reading import loss_node as _loss_node
     from aot.passes.regather import _view_chain, regather_in_backward
-    from aot.plan.cost_model import analyze
+    from aot.plan.step_reading import analyze
 
     step = capture("gpt.py", axis="fsdp")
     before_out, before_state = run_graph(step.graph, step.example_args)
@@ -274,7 +274,7 @@ def test_fsdp_prefetch_holds_gathered_parameters_within_its_memory_budget():
     from aot.passes.overlap import issue_early_wait_late
     from aot.passes.prefetch import prefetch_parameter_gathers
     from aot.passes.regather import regather_in_backward
-    from aot.plan.cost_model import analyze
+    from aot.plan.step_reading import analyze
 
     step = capture("gpt.py", axis="fsdp")
     before_out, before_state = run_graph(step.graph, step.example_args)

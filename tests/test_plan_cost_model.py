@@ -17,7 +17,8 @@ from aot.capture.step import Group, StepLayout, capture_step
 from aot.capture.training_state import build_training_state
 from aot.passes import PassOptions, run_passes
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
-from aot.plan.cost_model import CommSite, Memory, Op, StepGraph, analyze, microbatched_seconds, simulate
+from aot.plan.cost_model import CommSite, Memory, Op, StepGraph, microbatched_seconds, simulate
+from aot.plan.step_reading import analyze
 from aot.plan.derived_steps import drop_group, rescale, shard_scale
 from aot.plan.cpu_gloo_model import CpuGlooModel, median_of_sum
 from aot.plan.gpu_model import GpuModel

@@ -20,7 +20,8 @@ import pytest
 import aot.plan.pricing as pricing
 from aot.capture.step import capture_step
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
-from aot.plan.cost_model import analyze, storage_key
+from aot.plan.step_reading import analyze
+from aot.capture.graph_reading import storage_key
 from aot.plan.machine import Machine
 from aot.plan.model_steps import ModelSteps, Pricing, Unsupported, factorizations
 from aot.plan.search import Planner

@@ -129,7 +129,7 @@ def test_the_recomputing_graphs_priced_are_the_builds():
     from aot.passes.cleanup import drop_profiler_calls, plain_collectives
     from aot.passes.recompute import by_budget, recompute_activations
     from aot.passes import PassOptions, run_passes
-    from aot.plan.cost_model import analyze, node_seconds
+    from aot.plan.step_reading import analyze, node_seconds
     from aot.plan.machine import Machine
     from aot.plan.model_steps import ModelSteps, Pricing
     from runner.hardware.topology import for_nodes

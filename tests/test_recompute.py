@@ -19,7 +19,7 @@ import torch
 from aot.errors import AotError
 from aot.passes.recompute import MATMULS, Forward, by_budget, by_checkpoint_calls, by_modules, has_checkpoint_calls, recompute_activations
 from aot.passes import run_passes
-from aot.plan.cost_model import analyze, node_seconds
+from aot.plan.step_reading import analyze, node_seconds
 from aot.plan.machine import Machine
 from aot.plan.recompute import Request, apply_request
 from helpers.commands import EXAMPLES, MODELS, aot, ok

@@ -104,7 +104,8 @@ def test_a_graph_without_fsdp_derived_from_a_written_out_one_is_the_traced_one()
     """The planner derives a mesh's graph without fsdp from the fsdp=2 graph of its tp degree
     (aot.plan.pricing.derive_without_fsdp); from a written-out graph it must still be the trace
     of that mesh, node for node, and priced alike."""
-    from aot.plan.cost_model import analyze, storage_key
+    from aot.plan.step_reading import analyze
+    from aot.capture.graph_reading import storage_key
     from aot.plan.pricing import derive_without_fsdp
 
     steps = planner(GPT6, 8)

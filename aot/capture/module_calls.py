@@ -34,6 +34,7 @@ from aot.errors import AotError
 MODULE_CALLS = "aot_module_calls"
 CHECKPOINT_CALLS = "aot_checkpoint_calls"
 BLOCK_BACKWARD = "aot_block_backward"  # node.meta["custom"] key: the block whose backward made the node
+STAMPED_BLOCK = "aot_stamped_block"  # node.meta["custom"] key: the block the planner wrote a node out for (aot/plan/repeated_blocks.py)
 
 # The dotted name of a ModuleList of repeated blocks whose backward regions a trace annotates
 # (`annotating_blocks`, around the planner's traces of a model cut to a few blocks).

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aot.errors import AotError
-from aot.plan.cost_model import StepGraph, analyze
+from aot.plan.cost_model import StepGraph
+from aot.plan.step_reading import analyze
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.plan.placement import Placement

@@ -260,7 +260,7 @@ def _reference_step(device, width: int, rows: int):
 
 def measure_compute(device, reps: int = 7) -> dict:
     """This rank's matmul FLOP/s, memory bandwidth (by bytes touched, on CPUs) and per-op cost."""
-    from aot.plan.cost_model import analyze
+    from aot.plan.step_reading import analyze
     from aot.plan.cpu_gloo_model import CpuGlooModel
     from aot.plan.gpu_model import GpuModel
 

@@ -1,16 +1,8 @@
 """Cost model of one rank's training step: compute per graph node, collectives over the links
 their group spans, memory from graph liveness, and step time with overlap.
 
-`analyze(graph)` reads a captured step graph once (FX, with fake tensors in `meta["val"]`):
-
-- every op's FLOPs (torch.utils.flop_counter's formulas, applied to the fake tensors' shapes) and
-  the bytes it reads and writes (views move nothing; they still cost a dispatch);
-- every collective with the point where its inputs exist and the point where its result is first
-  needed (issue early, wait late: what aot.passes.overlap makes of the graph, so a graph before
-  or after that pass gives the same schedule);
-- memory: parameters, buffers, optimizer state and the batch are resident; every other storage
-  lives from the op that creates it to the last op that reads any view of it; the peak of the sum
-  over graph order is the step's transient peak (activations, gradients, buckets, temporaries).
+A step is a StepGraph: its ops, its collectives (CommSite: where each is issued and waited for)
+and its memory, read off a captured step graph by aot.plan.step_reading.analyze.
 
 aot.plan.rebucket packs the all_reduces of an unbucketed graph as aot.passes.bucketing would, and
 aot.plan.derived_steps re-reads a step for another fsdp degree or without an axis, so candidates are
@@ -22,30 +14,12 @@ collective ends. The step time is when the last op (or collective) finishes.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch.utils.flop_counter import flop_registry
 
-from aot.capture.graph_reading import loss_node, storage_key, written_values
-from aot.passes.graph_utils import is_view
-from aot.passes.graph_utils import tensors as _tensors
 from aot.plan.device_model import DeviceModel
-
-
-_FUNCOL = "_c10d_functional"
-_WAIT = "wait_tensor"
-_COLLECTIVES = {
-    "all_reduce": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "broadcast": "broadcast",
-    "all_to_all_single": "all_to_all",
-}
-_FREE = {operator.getitem}
-_RESIDENT_SLOTS = ("param", "buffer", "optim", "lr", "input", "target")
 
 
 @dataclass
@@ -161,241 +135,6 @@ class StepGraph:
         return sum(op.flops for op in self.ops)
 
 
-# -- reading a graph ----------------------------------------------------------------------------
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
-
-
-def _map_args(args):
-    return torch.fx.node.map_aggregate(args, lambda a: _val(a) if isinstance(a, torch.fx.Node) else a)
-
-
-def _flops(node) -> float:
-    packet = getattr(node.target, "overloadpacket", None)
-    formula = flop_registry.get(packet) if packet is not None else None
-    if formula is None:
-        return 0.0
-    try:
-        return float(formula(*_map_args(node.args), **_map_args(node.kwargs), out_val=_val(node)))
-    except Exception:  # a formula that does not accept these arguments: count no FLOPs
-        return 0.0
-
-
-def _written_args(node) -> list[torch.Tensor]:
-    """The tensors an op that returns nothing writes in place: its arguments the schema marks
-    mutable (`Tensor(a!)[] self` of `_foreach_mul_`). They are its output: what it writes counts
-    in its bytes (and its elements), as the output of an out-of-place op does."""
-    return [t for value in written_values(node) for t in _tensors(_map_args(value))]
-
-
-def _launches(node, name: str) -> int:
-    """A foreach op's tensor count (the length of its first list argument: `_foreach_pow(scalar,
-    tensors)` has it second); 1 for other ops."""
-    if not name.startswith("_foreach_"):
-        return 1
-    return max(1, next((len(a) for a in node.args if isinstance(a, (list, tuple))), 1))
-
-
-def _target_name(target) -> str:
-    name = getattr(target, "__name__", None) or str(target)
-    schema = getattr(target, "_schema", None)
-    return schema.name.split("::")[-1] if schema is not None else name
-
-
-def _collective_kind(node) -> str | None:
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.name.startswith(_FUNCOL + "::"):
-        return None
-    return _COLLECTIVES.get(schema.name.split("::")[-1])
-
-
-def _is_wait(node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and schema.name == f"{_FUNCOL}::{_WAIT}"
-
-
-def _group_size(node) -> int:
-    for a in node.args[1:]:
-        if isinstance(a, int) and not isinstance(a, bool):
-            return a
-    return 1
-
-
-def node_op(node: torch.fx.Node) -> Op:
-    """The cost-relevant facts of one compute node (not a collective or a wait)."""
-    outs = _tensors(_val(node)) or _written_args(node)
-    dtype = str(outs[0].dtype).replace("torch.", "") if outs else "float32"
-    name = _target_name(node.target)
-    if node.target in _FREE:
-        return Op(node.name, name, kind="free", dtype=dtype)
-    if is_view(node.target):
-        return Op(node.name, name, kind="view", dtype=dtype)
-    ins = [t for a in node.all_input_nodes for t in _tensors(_val(a))]
-    tensors = tuple((t.numel(), t.element_size(), t.dim() <= 1) for t in (*ins, *outs))
-    return Op(
-        node.name,
-        name,
-        flops=_flops(node),
-        bytes=float(sum(n * e for n, e, _ in tensors)),
-        dtype=dtype,
-        tensors=tensors,
-        elements=sum(t.numel() for t in outs),
-        launches=_launches(node, name),
-    )
-
-
-def node_seconds(node: torch.fx.Node, compute: DeviceModel) -> float:
-    """Predicted time of one compute node on `compute` (what recomputing it costs)."""
-    return _op_s(node_op(node), compute)
-
-
-def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = None, aliases: dict | None = None) -> StepGraph:
-    """The cost-relevant facts of a step graph (see the module docstring). `slots` (the captured
-    step's input kinds, in placeholder order) split resident memory into its parts. `aliases`
-    (storage key -> storage key) makes values of a graph put together from several traces share the
-    storage they would share in one (aot.plan.pricing.derive_without_fsdp)."""
-    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
-    nodes = list(graph.nodes)
-    ops: list[Op] = []
-    ops_before: dict = {}
-    op_of: dict = {}
-    comm_nodes = []
-    for node in nodes:
-        ops_before[node] = len(ops)
-        if node.op != "call_function":
-            continue
-        if _collective_kind(node) is not None:
-            comm_nodes.append(node)
-            continue
-        if _is_wait(node):
-            continue
-        op_of[node] = len(ops)
-        ops.append(node_op(node))
-
-    position = {n: i for i, n in enumerate(nodes)}
-    comms = []
-    for node in comm_nodes:
-        kind = _collective_kind(node)
-        assert kind is not None  # comm_nodes holds the collectives only
-        val = _val(node.args[0])
-        numel = val.numel() if isinstance(val, torch.Tensor) else 0
-        elsize = val.element_size() if isinstance(val, torch.Tensor) else 4
-        size = _group_size(node) if kind in ("all_gather", "reduce_scatter") else None
-        # issue once the latest input exists (aot.passes.overlap: issue early)
-        producers = [a for a in node.all_input_nodes if a.op != "placeholder"]
-        latest = max(producers, key=position.__getitem__) if producers else None
-        issue_at = 0 if latest is None else ops_before[latest] + (1 if latest in op_of else 0)
-        # wait before the first op that reads the result (wait late), through the wait node
-        readers = [u for w in node.users for u in (w.users if _is_wait(w) else [w])]
-        first = min(readers, key=position.__getitem__) if readers else None
-        wait_at = len(ops) if first is None or first.op == "output" else ops_before[first]
-        dtype = str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else "float32"
-        site = CommSite(
-            node.name,
-            kind,
-            str(node.args[-1]),
-            0,
-            0,
-            dtype,
-            issue_at,
-            max(wait_at, issue_at),
-            input_numel=numel,
-            group_size=size or 1,
-            readers=tuple(sorted(op_of[r] for r in readers if r in op_of)),
-        )
-        comms.append(site.sized(elsize))
-    memory, interval_of = _memory(nodes, slots, aliases or {})
-    for node, site in zip(comm_nodes, comms):
-        site.buffers = (_interval_of_value(node.args[0], interval_of, aliases), _interval_of_value(node, interval_of, aliases))
-    return StepGraph(ops=ops, comms=comms, memory=memory, graph_nodes=len(nodes))
-
-
-def _interval_of_value(node, interval_of: dict, aliases: dict | None) -> int:
-    """The index in memory.intervals of the storage `node`'s value lives in; -1 if resident or none."""
-    values = _tensors(_val(node)) if isinstance(node, torch.fx.Node) else []
-    if len(values) != 1:
-        return -1
-    key = storage_key(values[0])
-    return interval_of.get((aliases or {}).get(key, key), -1)
-
-
-def _storage_bytes(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().nbytes())
-    except Exception:
-        return _nbytes(t)
-
-
-_PARTS = {"param": "params", "buffer": "buffers", "optim": "optimizer", "lr": "batch", "input": "batch", "target": "batch"}
-
-
-def _memory(nodes: list, slots: list[dict] | None, aliases: dict | None = None) -> tuple[Memory, dict]:
-    """The graph's memory, and each transient storage's index in its intervals (by storage key)."""
-    aliases = aliases or {}
-
-    def key_of_storage(t: torch.Tensor):
-        key = storage_key(t)
-        return aliases.get(key, key)
-
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    resident_keys = set()
-    resident = []
-    for i, node in enumerate(placeholders):
-        kind = slots[i]["kind"] if slots and i < len(slots) else "param"
-        for t in _tensors(_val(node)):
-            key = key_of_storage(t)
-            if key in resident_keys:
-                continue
-            resident_keys.add(key)
-            # the tensor, not its storage: an input may be traced as a slice of a larger batch
-            resident.append((_PARTS.get(kind, "params"), t.numel(), t.element_size()))
-
-    loss = loss_node(nodes[0].graph) if nodes else None
-    turn = nodes.index(loss) if loss is not None else len(nodes)
-    key_of: dict = {}  # node -> storage keys its value lives in
-    born: dict = {}  # storage key -> (index, numel, element size, part)
-    last: dict = {}  # storage key -> last index that reads it
-    for i, node in enumerate(nodes):
-        if node.op == "placeholder":
-            key_of[node] = [key_of_storage(t) for t in _tensors(_val(node))]
-            continue
-        for a in node.all_input_nodes:
-            for key in key_of.get(a, ()):
-                last[key] = i
-        if node.op == "output":
-            for a in node.all_input_nodes:  # what the step returns after the loss: its new state
-                for key in key_of.get(a, ()):
-                    if key in born and born[key][0] > turn and born[key][3] == "gradients":
-                        born[key] = (*born[key][:3], "updated_state")
-            continue
-        if _is_wait(node):  # the wait returns the collective's own buffer
-            key_of[node] = key_of.get(node.args[0], [])
-            continue
-        keys = []
-        for t in _tensors(_val(node)):
-            key = key_of_storage(t)
-            keys.append(key)
-            if key not in resident_keys and key not in born:
-                elsize = t.element_size()
-                born[key] = (i, _storage_bytes(t) // elsize, elsize, _transient_part(node, i, turn))
-                last.setdefault(key, i)
-        key_of[node] = keys
-    intervals = tuple((start, last.get(key, start), numel, elsize, part) for key, (start, numel, elsize, part) in born.items())
-    return memory_of(tuple(resident), intervals, len(nodes)), {key: i for i, key in enumerate(born)}
-
-
-def _transient_part(node, index: int, turn: int) -> str:
-    if _collective_kind(node) is not None or (node.users and all(_collective_kind(u) for u in node.users)):
-        return "collective_buffers"  # a collective's result, or a bucket packed for one
-    return "activations" if index <= turn else "gradients"
-
-
 def memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Memory:
     """Memory of resident tensors (part, numel, element size) and transient `intervals`, the
     peak found by sweeping the graph's `length` nodes: what is live at each node is a running sum
@@ -456,7 +195,7 @@ class Prediction:
 
 
 def op_seconds(step: StepGraph, compute: DeviceModel) -> list[float]:
-    return [_op_s(op, compute) for op in step.ops]
+    return [op_time(op, compute) for op in step.ops]
 
 
 def microbatched_seconds(step: StepGraph, compute: DeviceModel, parts: int) -> float:
@@ -468,10 +207,10 @@ def microbatched_seconds(step: StepGraph, compute: DeviceModel, parts: int) -> f
     reduced = [c.wait_at for c in step.comms if c.kind == "all_reduce" and c.input_numel > 1]
     end = min(reduced, default=len(step.ops))
     scaled = (replace(op, flops=op.flops / parts, bytes=op.bytes / parts, elements=op.elements // parts) for op in step.ops[:end])
-    return parts * sum(_op_s(op, compute) for op in scaled) + sum(_op_s(op, compute) for op in step.ops[end:])
+    return parts * sum(op_time(op, compute) for op in scaled) + sum(op_time(op, compute) for op in step.ops[end:])
 
 
-def _op_s(op: Op, compute: DeviceModel) -> float:
+def op_time(op: Op, compute: DeviceModel) -> float:
     if op.kind == "free":
         return 0.0
     if op.kind == "view":
@@ -528,7 +267,7 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
     def issue(c: CommSite):
         nonlocal comm_free, comm_total, comm_bytes, t, exposed
         for op in c.pre_ops:
-            run(op, _op_s(op, compute))
+            run(op, op_time(op, compute))
         algorithm, seconds = comm_cost(c)
         if not overlap:  # blocking: what the calibration saw a collective cost inside a step
             seconds = max(0.0, seconds + stall)
@@ -557,7 +296,7 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
             exposed += done - t
             t = done
         for op in c.post_ops:
-            run(op, _op_s(op, compute))
+            run(op, op_time(op, compute))
 
     n = len(step.ops)
     done = 0  # ops run so far
@@ -582,7 +321,7 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
             if c.issue_at == k:
                 wait(c)
     step_s = max(t, comm_free)
-    compute_s = sum(times) + sum(_op_s(op, compute) for c in step.comms for op in (*c.pre_ops, *c.post_ops))
+    compute_s = sum(times) + sum(op_time(op, compute) for c in step.comms for op in (*c.pre_ops, *c.post_ops))
     return Prediction(
         step_s=step_s,
         compute_s=compute_s,

@@ -30,7 +30,7 @@ def measure_dispatch_seconds(device, gm, args, reps: int = 7) -> dict[str, list[
     from torch.utils._pytree import tree_map
 
     from aot.passes.graph_utils import is_view
-    from aot.plan.cost_model import _FREE, _collective_kind, _is_wait, _launches, _target_name
+    from aot.plan.step_reading import _FREE, _collective_kind, _is_wait, _launches, _target_name
 
     def copies(value):
         return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)

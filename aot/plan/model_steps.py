@@ -17,10 +17,14 @@ from aot.compile_step import Recording, finish_program, step_layout, tensor_para
 from aot.capture.expert_parallel import expert_layers
 from aot.errors import AotError
 from aot.passes import PRICED_ANALYTICALLY, PassOptions
-from aot.plan.cost_model import StepGraph, analyze, storage_key
+from aot.plan.cost_model import StepGraph
+from aot.plan.step_reading import analyze
+from aot.capture.graph_reading import storage_key
 from aot.plan.mesh import Mesh
 from aot.plan.recompute import Request
 from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan
+from aot.plan.step_synthesis import NotSynthesizable
+from aot.plan.written_out import DEPTHS, written_out
 from aot.capture.module_calls import annotating_blocks
 from aot.target import Target
 from runner.format.axes import DP, EP, FSDP, PP, TP, group_name
@@ -138,6 +142,9 @@ class ModelSteps:
         self._tp_plans: dict[int, dict[str, str] | AotError] = {}  # degree -> the build's plan, or why it refuses
         # (name, count) of the model's repeated blocks, traced cut to a few (aot.plan.repeated_blocks)
         self.blocks = find_blocks(self.state.model) if compose else None
+        # a deeper model's graphs written out from a few depths' (aot.plan.written_out); False:
+        # from its graph of every block, written out from the cut trace
+        self.write_out = True
         # a model with experts (aot.capture.expert_parallel) is searched over ep too
         self.has_experts = bool(expert_layers(self.state.model))
         self._cut: Recording | None = None
@@ -246,22 +253,30 @@ class ModelSteps:
 
     def _composed(self, dp: int, fsdp: int, tp: int, ep: int = 1):
         assert self.blocks is not None
-        path, depth = self.blocks
-        cut = self._cut_recording()
+        captured = self._cut_trace(dp, fsdp, tp, ep)
+        return stamp(captured.graph, captured.slots, *self.blocks)
+
+    def _cut_trace(self, dp: int, fsdp: int, tp: int, ep: int = 1):
+        """The mesh's step of the model cut to 3 blocks, traced with its blocks annotated."""
+        assert self.blocks is not None
+        path = self.blocks[0]
         plan = cut_plan(self.tp_plan(tp), path) if tp > 1 else {}
         try:
-            layout = step_layout(cut, self.target(dp, fsdp, tp, ep), plan)
+            layout = step_layout(self._cut_recording(), self.target(dp, fsdp, tp, ep), plan)
         except AotError as e:
             raise Unsupported(str(e)) from None
         with annotating_blocks(path):
-            captured = trace_program(cut, layout, for_pricing=True)
-        return stamp(captured.graph, captured.slots, path, depth)
+            return trace_program(self._cut_recording(), layout, for_pricing=True)
 
     def program(self, dp: int, fsdp: int, tp: int = 1, skip: tuple[str, ...] = PRICED_ANALYTICALLY, ep: int = 1):
         """The graph module the planner prices for a dp x fsdp x tp (x ep) mesh, traced (not derived):
         the build's program for it but for the passes in `skip` (tests/test_compile_path.py)."""
         gm, slots = self._capture(dp, fsdp, tp, ep)
         return self._program(gm, slots, NO_RECOMPUTE, skip)
+
+    def passed(self, gm, slots):
+        """`gm` (changed in place) as the passes leave it for pricing (see _finished)."""
+        return self._program(gm, slots, NO_RECOMPUTE)
 
     def _program(self, gm, slots, request: Request, skip: tuple[str, ...] = PRICED_ANALYTICALLY):
         gm, _ = finish_program(gm, slots, request, self._compute, PassOptions(), skip=skip)
@@ -281,6 +296,10 @@ class ModelSteps:
         derivation does not apply). What a derived graph's own trace raises is raised when asked."""
         from aot.plan.pricing import derive_without_fsdp
 
+        if self.write_out and self.blocks is not None and self.blocks[1] > max(DEPTHS):
+            made = self._written_out(key, source)
+            if made is not None:
+                return made
         gm, slots = self._capture(*source)
         out = {}
         for other, (dp, _, tp, *ep) in self._derived.get(key, ()):
@@ -303,6 +322,34 @@ class ModelSteps:
                 self._failed[other] = e
         out[key] = self._priced(key, gm, slots)  # after the derivations: it changes `gm`
         return out
+
+    def _written_out(self, key: tuple, source: tuple) -> dict[tuple, StepGraph] | None:
+        """The graphs `_trace` makes, each written out from the model at a few depths
+        (aot.plan.written_out); the graphs from which a plan may not fit get their recomputing
+        variants from the whole depth. None (with a note) where they cannot be written out."""
+        derived = [(other, mesh) for other, mesh in self._derived.get(key, ()) if other not in self.traced and other not in self._failed]
+        try:
+            captured = self._cut_trace(*source)
+            made = written_out(self, captured, key, derived)
+        except (NotSynthesizable, NotComposable) as e:
+            self.note(f"pricing {_named(source)} from every block: its step cannot be written out from a few ({e})")
+            return None
+        needs = [k for k, graph in made.items() if self._needs_variants(k, graph)]
+        if needs and self.blocks is not None:  # recomputation chooses over the whole depth: it is made there
+            gm, slots = stamp(captured.graph, captured.slots, *self.blocks)
+            for other, (dp, _, tp, *ep) in derived:
+                if other in needs:
+                    from aot.plan.pricing import derive_without_fsdp
+
+                    got = derive_without_fsdp(self.mf, self.state, self.inputs, self.targets, self.layout(dp, 1, tp, *ep), gm, Mesh.group_name(FSDP))
+                    if got is None:
+                        return None
+                    derived_gm, derived_slots, shared = got
+                    aliases = {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
+                    self._recompute(other, self._kept(derived_gm), derived_slots, made[other], aliases)
+            if key in needs:
+                self._recompute(key, self._kept(gm), slots, made[key])  # a copy, as _priced's: recomputation ties fall alike
+        return made
 
     def _captured(self, key: tuple, dp: int, fsdp: int, tp: int, ep: int = 1) -> StepGraph:
         return self._priced(key, *self._capture(dp, fsdp, tp, ep))
@@ -333,7 +380,7 @@ class ModelSteps:
         from aot.passes.graph_utils import copy_graph
         from aot.passes.recompute import by_budget
         from aot.plan.recompute import smallest_fraction
-        from aot.plan.cost_model import node_seconds
+        from aot.plan.step_reading import node_seconds
 
         cost = lambda n: node_seconds(n, self.compute)  # noqa: E731
 
@@ -519,12 +566,16 @@ class ModelSteps:
         traced = [(key, source) for key, source in sorted(todo, key=lambda job: job[0][1] != 2) if not (key[1] == 1 and key[2:] in sharded)]
         for i, (key, source) in enumerate(traced):  # the graphs others are derived from first (those made with them skipped)
             derived = len(self._derived.get(key, ()))
-            mesh = " x ".join(a if a == DP else f"{a}={d}" for a, d in zip((DP, FSDP, TP, EP), source) if d > 1) or "one rank"
-            self.note(f"tracing the step on {mesh} ({i + 1} of {len(traced)})" + (f", {derived} more graph(s) derived from it" if derived else ""))
+            self.note(f"tracing the step on {_named(source)} ({i + 1} of {len(traced)})" + (f", {derived} more graph(s) derived from it" if derived else ""))
             try:
                 self._traced(*source)
             except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
                 self._failed[key] = e
+
+
+def _named(source: tuple) -> str:
+    """A traced mesh (dp, fsdp, tp[, ep]) in words."""
+    return " x ".join(a if a == DP else f"{a}={d}" for a, d in zip((DP, FSDP, TP, EP), source) if d > 1) or "one rank"
 
 
 RECOMPUTE_FRACTION = 0.5  # the activation budget a graph that does not fit is priced at first

@@ -16,7 +16,7 @@ from aot.capture.pipeline import Pipeline, capture_pipeline, draws_random
 from aot.capture.stages import Stage, cut, trace_forward
 from aot.capture.step import CapturedStep, Group, StepLayout
 from aot.errors import AotError
-from aot.plan.cost_model import analyze, node_seconds
+from aot.plan.step_reading import analyze, node_seconds
 from aot.plan.pipeline import check, schedule_actions, split
 
 

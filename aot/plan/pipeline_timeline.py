@@ -2,7 +2,7 @@
 
 A pipeline rank's program alone does not say how long a step takes: its receives wait for other
 ranks' sends, so the bubble is where the programs meet. Each program is walked in its own order
-on its own clock: an op costs the cost model's seconds (aot.plan.cost_model.node_seconds); a
+on its own clock: an op costs the cost model's seconds (aot.plan.step_reading.node_seconds); a
 send is issued at once (the transfer runs beside compute); the wait for a receive ends no earlier
 than the peer's send of the same tag was issued plus the transfer (alpha + bytes x beta over the
 link the placement gives the two ranks: the calibration's point-to-point line where the profile
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aot.plan.collectives import SEND_RECV
-from aot.plan.cost_model import analyze, node_seconds
+from aot.plan.step_reading import analyze, node_seconds
 from aot.plan.placement import Placement
 from runner.format.axes import PP
 

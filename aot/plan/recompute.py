@@ -21,7 +21,7 @@ import torch
 from aot.errors import AotError
 from aot.passes.graph_utils import copy_graph
 from aot.passes.recompute import Choice, budget_choices, by_budget, by_checkpoint_calls, by_modules, has_checkpoint_calls, recompute_activations
-from aot.plan.cost_model import analyze, node_seconds
+from aot.plan.step_reading import analyze, node_seconds
 from runner.commands.formatting import human
 
 GRID = 10  # a memory budget tries activation budgets 0.9, 0.8, ... down to the smallest feasible

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from aot.capture.graph_reading import storage_key
-from aot.capture.module_calls import BLOCK_BACKWARD, CHECKPOINT_CALLS, MODULE_CALLS, block_backward_of, layer_of
+from aot.capture.module_calls import BLOCK_BACKWARD, CHECKPOINT_CALLS, MODULE_CALLS, STAMPED_BLOCK, block_backward_of, layer_of
 from aot.compile_step import Recording
 from aot.passes.graph_utils import fake_in_storage
 
@@ -91,10 +91,10 @@ def _settings(block: torch.nn.Module) -> dict:
     return out
 
 
-def truncated(rec: Recording, blocks: str) -> Recording:
-    """The recording with the block list `blocks` cut to its first KEEP blocks: the same module
+def truncated(rec: Recording, blocks: str, keep: int = KEEP) -> Recording:
+    """The recording with the block list `blocks` cut to its first `keep` blocks: the same module
     objects, the training state restricted to the parameters, buffers and optimizer state kept."""
-    model = _cut(rec.state.model, blocks.split("."))
+    model = _cut(rec.state.model, blocks.split("."), keep)
     state = rec.state
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     buffers: dict[str, torch.Tensor] = dict(model.named_buffers())
@@ -116,25 +116,25 @@ def truncated(rec: Recording, blocks: str) -> Recording:
     return Recording(rec.mf, cut, rec.inputs, rec.targets)
 
 
-def _cut(module: torch.nn.Module, path: list[str]) -> torch.nn.Module:
-    """A shallow copy of `module` whose submodule at `path` keeps its first KEEP children."""
+def _cut(module: torch.nn.Module, path: list[str], keep: int) -> torch.nn.Module:
+    """A shallow copy of `module` whose submodule at `path` keeps its first `keep` children."""
     out = copy.copy(module)
     out._modules = dict(module._modules)
     child = module._modules[path[0]]
     assert child is not None
     if len(path) > 1:
-        out._modules[path[0]] = _cut(child, path[1:])
+        out._modules[path[0]] = _cut(child, path[1:], keep)
     else:
         listed = copy.copy(child)
-        listed._modules = dict(list(child._modules.items())[:KEEP])
+        listed._modules = dict(list(child._modules.items())[:keep])
         out._modules[path[0]] = listed
     return out
 
 
-def cut_plan(plan: dict[str, str], blocks: str) -> dict[str, str]:
-    """A tensor-parallel plan restricted to the modules of the cut model."""
+def cut_plan(plan: dict[str, str], blocks: str, keep: int = KEEP) -> dict[str, str]:
+    """A tensor-parallel plan restricted to the modules of the model cut to `keep` blocks."""
     prefix = re.compile(rf"^{re.escape(blocks)}\.(\d+)(\.|$)")
-    return {n: s for n, s in plan.items() if not ((m := prefix.match(n)) and int(m.group(1)) >= KEEP)}
+    return {n: s for n, s in plan.items() if not ((m := prefix.match(n)) and int(m.group(1)) >= keep)}
 
 
 def widen_plan(plan: dict[str, str], blocks: str, depth: int) -> dict[str, str]:
@@ -396,6 +396,8 @@ class _Stamper:
             new = self.graph.create_node(node.op, node.target, args, self._args(node.kwargs, block, layer), name=node.name)
         new.meta = dict(node.meta)
         self._relabel(new, layer, block)
+        if layer is not None:  # which block it is, for whatever reads the graph after the passes (aot.plan.step_synthesis)
+            new.meta["custom"] = {**new.meta.get("custom", {}), STAMPED_BLOCK: block}
         if "val" in node.meta:
             new.meta["val"] = self._deep_val(node, new, layer, block)
         self.made[(node, block)] = new
