@@ -61,11 +61,30 @@ def fresh_value(node: torch.fx.Node) -> None:
         # planner's passes make of a deep model's step
         node.meta["val"] = _in_new_storages(val, mode)
         return
+    base = _viewed_input(node, schema)
+    if base is not None and isinstance(val, FakeTensor):
+        # a view of the copy's input, which is laid out as the original's: the original view's
+        # shape, strides and offset in the input's storage, as cheaply
+        node.meta["val"] = fake_in_storage(val, base.untyped_storage(), mode)
+        return
     as_value = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a
     # the passes copy only call_function nodes (aten ops), whose target is the op to call
     assert callable(node.target), node.format_node()
     with mode:
         node.meta["val"] = node.target(*torch.fx.node.map_aggregate(node.args, as_value), **torch.fx.node.map_aggregate(node.kwargs, as_value))
+
+
+def _viewed_input(node: torch.fx.Node, schema) -> torch.Tensor | None:
+    """The value of the argument a one-output view op returns a view of (`Tensor(a) self` of
+    `view`, `slice`, `t`); None for any other op or where that argument is not a node's tensor."""
+    if schema is None or len(schema.returns) != 1 or schema.returns[0].alias_info is None or schema.returns[0].alias_info.is_write:
+        return None
+    sets = schema.returns[0].alias_info.before_set
+    for argument, value in zip(schema.arguments, node.args):
+        if argument.alias_info is not None and argument.alias_info.before_set == sets and isinstance(value, torch.fx.Node):
+            base = value.meta.get("val")
+            return base if isinstance(base, FakeTensor) else None
+    return None
 
 
 def _in_new_storages(val, mode):

@@ -153,7 +153,7 @@ class NodeRecord:
 
     kind: str  # "placeholder", "compute", "collective", "wait", "output" or "other" (get_attr)
     inputs: tuple[int, ...] = ()  # the records of the node's input nodes (all_input_nodes' order)
-    keys: tuple = ()  # the storage each tensor of its value lives in (a wait's: its collective's)
+    keys: tuple = ()  # the storage each tensor of its value lives in, numbered (a wait's: its collective's)
     sizes: tuple = ()  # per tensor: (numel, numel of its storage, element size)
     part: str = ""  # placeholder: its resident part; else COLLECTIVE_BUFFERS where it is or feeds only collectives
     op: Op | None = None  # compute: its cost
@@ -170,11 +170,14 @@ def read(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = N
     index = {n: i for i, n in enumerate(nodes)}
     loss = loss_node(graph) if nodes else None
     out: list[NodeRecord] = []
+    ids: dict = {}
     placeholders = 0
     for node in nodes:
         record = NodeRecord("other", inputs=tuple(index[a] for a in node.all_input_nodes), loss=node is loss)
         values = _tensors(_val(node))
-        record.keys = tuple(aliases.get(k, k) for k in map(storage_key, values))
+        # each storage by a number: a storage key hashes in Python, and assembling a deep step
+        # looks its storages up millions of times
+        record.keys = tuple(ids.setdefault(aliases.get(k, k), len(ids)) for k in map(storage_key, values))
         record.sizes = tuple((t.numel(), _storage_bytes(t) // t.element_size(), t.element_size()) for t in values)
         if node.op == "placeholder":
             kind = slots[placeholders]["kind"] if slots and placeholders < len(slots) else "param"

@@ -164,6 +164,7 @@ class _Writer:
             for k, key in enumerate(r.keys):
                 self.owner.setdefault(key, (i, k))
         self.grown = _grown(base, before, self.extra)
+        self._counterparts: dict = {}
 
     # -- blocks ----------------------------------------------------------------------------------
 
@@ -184,6 +185,13 @@ class _Writer:
         t = self.base.tags[i]
         if t == block:
             return i
+        found = self._counterparts.get((i, block))
+        if found is None:
+            found = self._counterparts[(i, block)] = self._counterpart(i, block)
+        return found
+
+    def _counterpart(self, i: int, block: int) -> int:
+        t = self.base.tags[i]
         assert t is not None  # only a record of a block has counterparts
         if not (self.alike[t] and self.alike[block]):
             raise NotSynthesizable("a block reads a record of the first or last block that the middle ones lack")
@@ -258,10 +266,9 @@ class _Writer:
             for a in r.inputs:
                 for h in self.reads(handle, a):
                     inputs.append(position[h])
-            keys, sizes = self.storages(handle)
-            new = replace(r, inputs=tuple(inputs), keys=keys, sizes=sizes)
-            if r.source is not None:
-                new.source = position[self.reads(handle, r.source)[0]]
+            keys, sizes = self.storages(handle) if r.keys else ((), ())
+            source = position[self.reads(handle, r.source)[0]] if r.source is not None else None
+            new = NodeRecord(r.kind, tuple(inputs), keys, sizes, r.part, r.op, r.comm, source, r.loss)
             if i in self.grown:
                 new = self.grown[i](new)
             if copy is not None and r.comm is not None:
