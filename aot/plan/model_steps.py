@@ -346,9 +346,9 @@ class ModelSteps:
                         return None
                     derived_gm, derived_slots, shared = got
                     aliases = {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
-                    self._recompute(other, self._kept(derived_gm), derived_slots, made[other], aliases)
+                    self._recompute(other, derived_gm, derived_slots, made[other], aliases)
             if key in needs:
-                self._recompute(key, self._kept(gm), slots, made[key])  # a copy, as _priced's: recomputation ties fall alike
+                self._recompute(key, gm, slots, made[key])
         return made
 
     def _captured(self, key: tuple, dp: int, fsdp: int, tp: int, ep: int = 1) -> StepGraph:
@@ -384,9 +384,9 @@ class ModelSteps:
 
         cost = lambda n: node_seconds(n, self.compute)  # noqa: E731
 
-        def variant(fraction: float):
-            try:  # as the build given --activation-budget `fraction`
-                return fraction, self._finished(copy_graph(gm), slots, aliases, Request(fraction=fraction, source="plan"))
+        def variant(fraction: float, last: bool = False):
+            try:  # as the build given --activation-budget `fraction` (the last one on `gm` itself)
+                return fraction, self._finished(gm if last else copy_graph(gm), slots, aliases, Request(fraction=fraction, source="plan"))
             except AotError:
                 return None  # the budget is below the smallest feasible
 
@@ -398,7 +398,7 @@ class ModelSteps:
             if first is None or limit.more_may_help(first[1]):
                 least = smallest_fraction(by_budget(gm.graph, 0.0, cost).fraction)
                 if least < RECOMPUTE_FRACTION or first is None:
-                    variants += [v for v in [variant(least)] if v is not None]
+                    variants += [v for v in [variant(least, last=True)] if v is not None]
         except Exception as e:  # noqa: BLE001  (the plans without recomputation stand; the search says why)
             self.recompute_failed[key] = f"{type(e).__name__}: {e}"
             return
