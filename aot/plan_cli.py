@@ -230,9 +230,11 @@ def plan(
 
 def time_spent(total: float, parts: dict[str, float]) -> dict[str, float]:
     """Where planning's time went (`--json`'s "time"): recording the model (model() and its
-    optimizer on fake tensors), tracing the step's graphs, tracing pipeline programs, and the rest
-    (pricing every candidate, placing meshes, the search)."""
-    spent = {"recording_s": parts["recording"], "tracing_s": parts["tracing"], "pipeline_programs_s": parts["pipelines"]}
+    optimizer on fake tensors), tracing the step's graphs, making the graphs that recompute
+    activations (those a plan may need to fit device memory), tracing pipeline programs, and the
+    rest (pricing every candidate, placing meshes, the search)."""
+    tracing = parts["tracing"] - parts["recomputing"]
+    spent = {"recording_s": parts["recording"], "tracing_s": tracing, "recomputing_s": parts["recomputing"], "pipeline_programs_s": parts["pipelines"]}
     spent["pricing_s"] = max(0.0, total - sum(spent.values()))
     return {"total_s": round(total, 3), **{part: round(s, 3) for part, s in spent.items()}}
 

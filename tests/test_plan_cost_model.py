@@ -291,6 +291,24 @@ def test_analytic_bucketing_matches_the_bucketing_pass():
         assert a == pytest.approx(b, rel=0.05), bucket
 
 
+def test_rebucketed_memory_is_the_sweep_of_its_intervals():
+    """rebucket corrects the unbucketed step's sweep by the intervals it moves (memory_with): the
+    same memory as sweeping every interval again, at every bucket size, rescaled too."""
+    from aot.plan.cost_model import memory_of
+    from aot.plan.derived_steps import rescale, shard_scale
+
+    captured, state = _mlp_capture(2, 2)
+    step = analyze(plain_collectives(drop_profiler_calls(captured.graph)), captured.slots)
+    wider = rescale(step, shard_scale([p.numel() for p in state.params.values()], 2, 6), "aot.fsdp", 6)
+    for graph in (step, wider):
+        for bucket in (1, 10_000, 25 * 2**20):
+            got = rebucket(graph, bucket).memory
+            m = graph.memory
+            assert got.intervals != m.intervals or bucket == 1
+            again = memory_of(m.resident_tensors, got.intervals, m.length, m.scale)
+            assert got.itemized() == again.itemized() and got.at_peak == again.at_peak, bucket
+
+
 def test_wider_fsdp_and_no_dp_are_derived_without_tracing():
     real, state = _mlp_capture(1, 4)
     real_step = analyze(plain_collectives(drop_profiler_calls(real.graph)), real.slots)

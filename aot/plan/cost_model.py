@@ -91,6 +91,7 @@ class Memory:
     intervals: tuple = ()  # (first node, last node, numel, element size, part) of every transient storage
     length: int = 0  # the graph's nodes: intervals lie in [0, length]
     scale: Callable | None = None  # numel -> numel of a rescaled graph (rescale); intervals keep the traced sizes
+    sweep: torch.Tensor | None = field(default=None, repr=False, compare=False)  # births and deaths per part and node (memory_with)
 
     @property
     def resident(self) -> int:
@@ -143,27 +144,57 @@ def memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Mem
     mem = Memory(resident_tensors=resident, intervals=intervals, length=length, scale=scale)
     for part, numel, elsize in resident:
         setattr(mem, part, getattr(mem, part) + numel * elsize)
+    if intervals:
+        _swept(mem, _births_and_deaths(intervals, length, scale))
+    return mem
+
+
+def memory_with(memory: Memory, changed: dict[int, tuple]) -> Memory:
+    """`memory` with the intervals at the indices of `changed` replaced by its values: the sweep
+    of `memory` corrected by what changed (aot.plan.rebucket moves a few hundred of a deep step's
+    hundred thousand intervals, for every bucket size of every mesh)."""
+    intervals = list(memory.intervals)
+    before = tuple(intervals[i] for i in changed)
+    for i, interval in changed.items():
+        intervals[i] = interval
+    mem = replace(memory, intervals=tuple(intervals), peak_transient=0, at_peak={}, activations_peak=0, sweep=None)
     if not intervals:
         return mem
+    if memory.sweep is None:
+        memory.sweep = _births_and_deaths(memory.intervals, memory.length, memory.scale)
+    delta = memory.sweep
+    if changed:
+        delta = delta - _births_and_deaths(before, memory.length, memory.scale) + _births_and_deaths(tuple(changed.values()), memory.length, memory.scale)
+    _swept(mem, delta)
+    return mem
+
+
+def _births_and_deaths(intervals: tuple, length: int, scale) -> torch.Tensor:
+    """[part, node]: the bytes of each part born (+) and freed (-) at each node."""
     starts, ends, numels, elsizes, parts = zip(*intervals)
     part_index = {part: i for i, part in enumerate(TRANSIENT_PARTS)}
     rows = torch.tensor([part_index[part] for part in parts])
     at = torch.cat([torch.tensor(starts), torch.tensor(ends).clamp(max=length) + 1])
     sizes = torch.tensor(numels, dtype=torch.int64)
-    if mem.scale is not None:  # a rescaled graph's sizes: `scale` asked once per distinct size
+    if scale is not None:  # a rescaled graph's sizes: `scale` asked once per distinct size
         distinct, where = sizes.unique(return_inverse=True)
-        sizes = torch.tensor([mem.scale(n) for n in distinct.tolist()], dtype=torch.int64)[where]
+        sizes = torch.tensor([scale(n) for n in distinct.tolist()], dtype=torch.int64)[where]
     sizes = sizes * torch.tensor(elsizes, dtype=torch.int64)
     delta = torch.zeros(len(TRANSIENT_PARTS), length + 2, dtype=torch.int64)
     delta.index_put_((rows.repeat(2), at), torch.cat([sizes, -sizes]), accumulate=True)
+    return delta
+
+
+def _swept(mem: Memory, delta: torch.Tensor) -> None:
+    """`mem`'s peaks from its births and deaths; the sweep kept for memory_with."""
+    mem.sweep = delta
     live = delta.cumsum(1)
     total = live.sum(0)
     first_peak = int(total.argmax())  # the first node where the most is live
     if total[first_peak] > 0:
         mem.peak_transient = int(total[first_peak])
         mem.at_peak = dict(zip(TRANSIENT_PARTS, live[:, first_peak].tolist()))
-    mem.activations_peak = max(0, int(live[part_index["activations"]].max()))
-    return mem
+    mem.activations_peak = max(0, int(live[TRANSIENT_PARTS.index("activations")].max()))
 
 
 # -- step time ---------------------------------------------------------------------------------

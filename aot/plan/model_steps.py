@@ -128,7 +128,7 @@ class ModelSteps:
             raise AotError(f"--batch-size must be at least 1, got {batch_size}")
         started = time.perf_counter()
         # where planning's time goes (`aot plan --json`'s "time"), and a line per long piece of work
-        self.seconds = {"recording": 0.0, "tracing": 0.0, "pipelines": 0.0}
+        self.seconds = {"recording": 0.0, "tracing": 0.0, "recomputing": 0.0, "pipelines": 0.0}  # recomputing: part of tracing
         self.note = note or (lambda line: None)
         mf = load_model_file(model_path)
         self.request = (Path(model_path), batch_size, seed, sequence_parallel, moe_capacity_factor)  # what `retargeted` copies may share
@@ -375,6 +375,13 @@ class ModelSteps:
         smallest feasible budget."""
         if not self._needs_variants(key, graph):
             return
+        started = time.perf_counter()
+        try:
+            self._variants(key, gm, slots, aliases)
+        finally:
+            self.seconds["recomputing"] += time.perf_counter() - started
+
+    def _variants(self, key: tuple, gm, slots, aliases: dict | None) -> None:
         limit = self.memory_limit
         assert limit is not None  # _needs_variants: there is one
         from aot.passes.graph_utils import copy_graph

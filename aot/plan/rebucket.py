@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from aot.plan.cost_model import CommSite, Op, StepGraph, memory_of
+from aot.plan.cost_model import CommSite, Op, StepGraph, memory_with
 
 
 def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
@@ -36,13 +36,14 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
         filling[(c.group, c.dtype)] = (size + c.input_bytes, max(issue, c.issue_at), min(wait, c.wait_at))
     comms = list(others)
     intervals = list(step.memory.intervals)
+    changed: dict[int, tuple] = {}
     for buckets in open_.values():
         for b in buckets:
             if len(b) == 1:
                 comms.append(b[0])
                 continue
             total = sum(m.input_bytes for m in b)
-            _retime(intervals, b)
+            _retime(intervals, b, changed)
             dtype = b[0].dtype
             pre = [Op(f"view_{m.name}", "view", kind="view", dtype=dtype) for m in b]
             pre.append(Op(f"cat_{b[0].name}", "cat", bytes=2.0 * total, dtype=dtype))
@@ -66,13 +67,12 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
                 )
             )
     comms.sort(key=lambda c: (c.issue_at, c.name))
-    m = step.memory
-    memory = memory_of(m.resident_tensors, tuple(intervals), m.length, m.scale)
+    memory = memory_with(step.memory, changed)
     return StepGraph(ops=step.ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes)
 
 
-def _retime(intervals: list, bucket: list[CommSite]) -> None:
-    """The storages of `bucket`'s members as one bucket holds them: packed (the cat) once the last
+def _retime(intervals: list, bucket: list[CommSite], changed: dict) -> None:
+    """The storages of `bucket`'s members as one bucket holds them (each change also in `changed`): packed (the cat) once the last
     member's result would have been made, the bucket alive until the last read of any result. The
     bucket stays one interval per member so a rescaled graph's sizes still apply per tensor."""
     if any(m.buffers[1] < 0 for m in bucket):
@@ -81,7 +81,7 @@ def _retime(intervals: list, bucket: list[CommSite]) -> None:
     packed = max(start for start, *_ in results)
     last = max(end for _, end, *_ in results)
     for m, (_, _, numel, elsize, part) in zip(bucket, results):
-        intervals[m.buffers[1]] = (packed, last, numel, elsize, part)
+        intervals[m.buffers[1]] = changed[m.buffers[1]] = (packed, last, numel, elsize, part)
         if m.buffers[0] >= 0:
             start, end, *rest = intervals[m.buffers[0]]
-            intervals[m.buffers[0]] = (start, max(end, packed), *rest)
+            intervals[m.buffers[0]] = changed[m.buffers[0]] = (start, max(end, packed), *rest)
