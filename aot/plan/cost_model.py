@@ -91,7 +91,9 @@ class Memory:
     intervals: tuple = ()  # (first node, last node, numel, element size, part) of every transient storage
     length: int = 0  # the graph's nodes: intervals lie in [0, length]
     scale: Callable | None = None  # numel -> numel of a rescaled graph (rescale); intervals keep the traced sizes
-    sweep: torch.Tensor | None = field(default=None, repr=False, compare=False)  # births and deaths per part and node (memory_with)
+    # births and deaths per part and node, kept by memory_with on the step it corrects (not on what
+    # it makes: a search keeps every plan's memory)
+    sweep: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def resident(self) -> int:
@@ -164,13 +166,22 @@ def memory_with(memory: Memory, changed: dict[int, tuple]) -> Memory:
         memory.sweep = _births_and_deaths(memory.intervals, memory.length, memory.scale)
     delta = memory.sweep
     if changed:
-        delta = delta - _births_and_deaths(before, memory.length, memory.scale) + _births_and_deaths(tuple(changed.values()), memory.length, memory.scale)
+        delta = delta.clone()
+        _add_births_and_deaths(delta, before, memory.length, memory.scale, -1)
+        _add_births_and_deaths(delta, tuple(changed.values()), memory.length, memory.scale, 1)
     _swept(mem, delta)
     return mem
 
 
 def _births_and_deaths(intervals: tuple, length: int, scale) -> torch.Tensor:
     """[part, node]: the bytes of each part born (+) and freed (-) at each node."""
+    delta = torch.zeros(len(TRANSIENT_PARTS), length + 2, dtype=torch.int64)
+    _add_births_and_deaths(delta, intervals, length, scale, 1)
+    return delta
+
+
+def _add_births_and_deaths(delta: torch.Tensor, intervals: tuple, length: int, scale, sign: int) -> None:
+    """Add (sign 1) or take away (-1) `intervals`' births and deaths in `delta`."""
     starts, ends, numels, elsizes, parts = zip(*intervals)
     part_index = {part: i for i, part in enumerate(TRANSIENT_PARTS)}
     rows = torch.tensor([part_index[part] for part in parts])
@@ -179,15 +190,12 @@ def _births_and_deaths(intervals: tuple, length: int, scale) -> torch.Tensor:
     if scale is not None:  # a rescaled graph's sizes: `scale` asked once per distinct size
         distinct, where = sizes.unique(return_inverse=True)
         sizes = torch.tensor([scale(n) for n in distinct.tolist()], dtype=torch.int64)[where]
-    sizes = sizes * torch.tensor(elsizes, dtype=torch.int64)
-    delta = torch.zeros(len(TRANSIENT_PARTS), length + 2, dtype=torch.int64)
+    sizes = sign * sizes * torch.tensor(elsizes, dtype=torch.int64)
     delta.index_put_((rows.repeat(2), at), torch.cat([sizes, -sizes]), accumulate=True)
-    return delta
 
 
 def _swept(mem: Memory, delta: torch.Tensor) -> None:
-    """`mem`'s peaks from its births and deaths; the sweep kept for memory_with."""
-    mem.sweep = delta
+    """`mem`'s peaks from its births and deaths."""
     live = delta.cumsum(1)
     total = live.sum(0)
     first_peak = int(total.argmax())  # the first node where the most is live

@@ -180,6 +180,7 @@ class ModelSteps:
             compute = CpuGlooModel.from_profile({})
         self._compute = compute
         self.recomputed: dict[tuple, list[tuple[float, StepGraph]]] = {}  # key -> [(activation budget, graph)]
+        self._recomputing: dict[tuple, list[tuple[float, StepGraph]]] = {}  # `recomputing`'s, by what the mesh's graphs depend on
         self.recompute_failed: dict[tuple, str] = {}  # key -> why its variants could not be made
 
     # the recording's parts, as the search and the tests ask for them
@@ -469,8 +470,11 @@ class ModelSteps:
         key = _key(*source)
         if key in self.recompute_failed:
             raise Unsupported(f"recomputing activations: {self.recompute_failed[key]}")
-        variants = self.recomputed.get(key, ())
-        return [(fraction, self._derive(graph, source, dp, fsdp, tp, ep)) for fraction, graph in variants]
+        derived = (key, dp > 1, fsdp, tp, ep)  # the data-parallel degree changes only the group's size
+        if derived not in self._recomputing:
+            variants = self.recomputed.get(key, ())
+            self._recomputing[derived] = [(fraction, self._derive(graph, source, dp, fsdp, tp, ep)) for fraction, graph in variants]
+        return self._recomputing[derived]
 
     def pipeline(
         self, axes: tuple, shape: tuple, microbatches: int, schedule: str = "1f1b", virtual: int = 1, recompute: bool = False

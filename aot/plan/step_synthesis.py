@@ -30,6 +30,7 @@ where the rules above do not apply (NotSynthesizable).
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -83,7 +84,7 @@ def tag(gm: torch.fx.GraphModule, slots: list[dict], aliases: dict | None, block
         lists = [a for a in node.args if isinstance(a, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in a)]
         source = node.args[0] if node.args else None
         block = None
-        if source in elements and isinstance(node.args[1], int):
+        if node.target is operator.getitem and isinstance(source, torch.fx.Node) and source in elements:
             block = elements[source][node.args[1]]  # an element of a foreach op's result
         elif lists:
             val = node.meta.get("val")
