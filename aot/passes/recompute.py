@@ -283,7 +283,7 @@ def _value_candidates(fwd: Forward, cost: Callable) -> list:
         if size == 0 or not fwd.recomputable(owner):
             continue
         nodes, stops, extra = fwd.recipe(owner, lambda a, o=owner: fwd.owner[a] in fwd.saved and fwd.owner[a] is not o)
-        seconds = sum(cost(n) for n in nodes)
+        seconds = math.fsum(cost(n) for n in nodes)  # fsum: the same in any set order, so equal candidates tie alike
         gain = size - sum(_storage_bytes(e) for e in extra)
         if gain > 0:
             candidates.append((seconds / gain, owner, nodes, stops, extra))
