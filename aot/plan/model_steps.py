@@ -19,7 +19,6 @@ from aot.errors import AotError
 from aot.passes import PRICED_ANALYTICALLY, PassOptions
 from aot.plan.cost_model import StepGraph
 from aot.plan.step_reading import analyze
-from aot.capture.graph_reading import storage_key
 from aot.plan.mesh import Mesh
 from aot.plan.recompute import Request
 from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan
@@ -295,7 +294,7 @@ class ModelSteps:
         """The graph of `key`, traced on mesh `source`, and the graphs derived from it (`_derived`:
         meshes without fsdp from the fsdp=2 graph of the same tp degree, each traced where the
         derivation does not apply). What a derived graph's own trace raises is raised when asked."""
-        from aot.plan.pricing import derive_without_fsdp
+        from aot.plan.pricing import derive_without_fsdp, storage_aliases
 
         if self.write_out and self.blocks is not None and self.blocks[1] > max(DEPTHS):
             made = self._written_out(key, source)
@@ -311,7 +310,7 @@ class ModelSteps:
                 derived = None
                 if got is not None:
                     derived_gm, derived_slots, shared = got
-                    aliases = {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
+                    aliases = storage_aliases(shared)
                     kept = self._kept(derived_gm)
                     derived = self._finished(derived_gm, derived_slots, aliases)
                     self._recompute(other, kept, derived_slots, derived, aliases)
@@ -337,17 +336,16 @@ class ModelSteps:
             return None
         needs = [k for k, graph in made.items() if self._needs_variants(k, graph)]
         if needs and self.blocks is not None:  # recomputation chooses over the whole depth: it is made there
+            from aot.plan.pricing import derive_without_fsdp, storage_aliases
+
             gm, slots = stamp(captured.graph, captured.slots, *self.blocks)
             for other, (dp, _, tp, *ep) in derived:
                 if other in needs:
-                    from aot.plan.pricing import derive_without_fsdp
-
                     got = derive_without_fsdp(self.mf, self.state, self.inputs, self.targets, self.layout(dp, 1, tp, *ep), gm, Mesh.group_name(FSDP))
                     if got is None:
                         return None
                     derived_gm, derived_slots, shared = got
-                    aliases = {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
-                    self._recompute(other, derived_gm, derived_slots, made[other], aliases)
+                    self._recompute(other, derived_gm, derived_slots, made[other], storage_aliases(shared))
             if key in needs:
                 self._recompute(key, gm, slots, made[key])
         return made

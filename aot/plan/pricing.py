@@ -201,6 +201,14 @@ def derive_without_fsdp(
         return _make_graph_module(torch.nn.Module(), graph, "step"), slots, shared
 
 
+def storage_aliases(shared) -> dict:
+    """derive_without_fsdp's [(node, node whose storage it shares)] as the cost model's aliases
+    (storage key -> storage key, aot.plan.step_reading.analyze)."""
+    from aot.capture.graph_reading import storage_key
+
+    return {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
+
+
 # -- tracing for the planner ---------------------------------------------------------------------
 
 

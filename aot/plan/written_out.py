@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from aot.capture.graph_reading import storage_key
 from aot.plan.repeated_blocks import cut_plan, stamp, truncated
 from aot.plan.step_reading import assemble
 from aot.plan.step_synthesis import BASE, NotSynthesizable, Tagged, same_step, synthesize, tag
@@ -55,7 +54,7 @@ def _derived(steps: Any, mesh: tuple, gm, slots, n: int):
     `gm` of the model cut to `n` blocks; None where it is not derived."""
     from aot.compile_step import step_layout
     from aot.plan.mesh import Mesh
-    from aot.plan.pricing import derive_without_fsdp
+    from aot.plan.pricing import derive_without_fsdp, storage_aliases
     from runner.format.axes import FSDP
 
     dp, _, tp, *ep = mesh
@@ -67,4 +66,4 @@ def _derived(steps: Any, mesh: tuple, gm, slots, n: int):
     if got is None:
         return None
     derived_gm, derived_slots, shared = got
-    return derived_gm, derived_slots, {storage_key(a.meta["val"]): storage_key(b.meta["val"]) for a, b in shared}
+    return derived_gm, derived_slots, storage_aliases(shared)
