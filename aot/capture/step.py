@@ -17,6 +17,7 @@ import contextlib
 from dataclasses import asdict, dataclass, replace
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture import replicas
@@ -538,12 +539,22 @@ def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp
     parts = layout.fsdp.size if layout.fsdp else 1
     experts = set(layout.ep_params)
 
-    def place(name: str, value: torch.Tensor) -> torch.Tensor:
+    def cut(name: str, value: torch.Tensor) -> torch.Tensor:
         piece = tp_slice(value, dims.get(name), tp_size, tp_index, fused.get(name, 1))
         if name in experts:
             assert layout.ep is not None  # ep_params is empty without an ep group
             piece = expert_slice(piece, layout.ep.size, ep_index)
         return piece if parts == 1 else shard(piece, parts, fsdp_index)
+
+    def place(name: str, value: torch.Tensor) -> torch.Tensor:
+        if not isinstance(value, FakeTensor):
+            return cut(name, value)
+        # A fake tensor's piece (the build's, which the trace reads for its shape only) is cut from
+        # a meta stand-in and made anew: cut through the fake mode, op by op, it was 4 s of a
+        # DeepSeek-V3-sized build.
+        piece = cut(name, torch.empty(value.shape, dtype=value.dtype, device="meta"))
+        with value.fake_mode:
+            return torch.empty(piece.shape, dtype=piece.dtype, device=value.device)
 
     params = {n: place(n, p) for n, p in state.params.items()}
     optimizer_state = {}

@@ -17,6 +17,7 @@ import torch
 from aot.defaults import DEFAULT_BUCKET_MB
 from aot.passes.bucketing import bucket_all_reduces
 from aot.passes.cleanup import drop_profiler_calls, plain_collectives
+from aot.passes.graph_utils import lint_once
 from aot.passes.hierarchical import split_hierarchical
 from aot.passes.overlap import issue_early_wait_late
 from aot.passes.prefetch import prefetch_parameter_gathers
@@ -58,9 +59,11 @@ def run_passes(gm: torch.fx.GraphModule, options: PassOptions = PassOptions(), *
     """`gm` through PASSES in order: those named in `only` (all by default) but for those in `skip`."""
     unknown = {*(only or ()), *skip} - {name for name, _ in PASSES}
     assert not unknown, f"no such pass: {sorted(unknown)}"
-    for name, run in PASSES:
-        if (only is None or name in only) and name not in skip:
-            gm = run(gm, options)
+    with lint_once():
+        for name, run in PASSES:
+            if (only is None or name in only) and name not in skip:
+                gm = run(gm, options)
+    gm.graph.lint()
     return gm
 
 

@@ -13,7 +13,7 @@ import operator
 
 import torch
 
-from aot.passes.graph_utils import ALL_REDUCE, PER_PROGRAM_GROUPS, WAIT, funcol, is_call, stable_topological_sort, tensor_bytes
+from aot.passes.graph_utils import ALL_REDUCE, PER_PROGRAM_GROUPS, WAIT, funcol, is_call, lint, stable_topological_sort, tensor_bytes
 
 aten = torch.ops.aten
 
@@ -109,6 +109,6 @@ def bucket_all_reduces(gm: torch.fx.GraphModule, bucket_bytes: int) -> torch.fx.
                     order = {n: i for i, n in enumerate(graph.nodes)}
                 _fuse(graph, members, order)
     stable_topological_sort(graph)
-    graph.lint()
+    lint(graph)
     gm.recompile()
     return gm

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -21,6 +24,28 @@ COLLECTIVES = {
     funcol.broadcast.default,
     funcol.all_to_all_single.default,  # expert parallelism's token dispatch (aot/capture/expert_parallel.py)
 }
+
+
+# set while run_passes runs a sequence of passes, which lints the graph once after the last
+_LINT_DEFERRED = contextvars.ContextVar("lint_deferred", default=False)
+
+
+def lint(graph: torch.fx.Graph) -> None:
+    """A pass's check of the graph it leaves (graph.lint()), made once after the whole sequence
+    where `lint_once` runs one: a fifth of a second per pass on a 60-layer step, run for every
+    point the memory-budget search and the planner try."""
+    if not _LINT_DEFERRED.get():
+        graph.lint()
+
+
+@contextlib.contextmanager
+def lint_once():
+    """Passes run inside skip their own lint; the caller lints the graph it ends with."""
+    token = _LINT_DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _LINT_DEFERRED.reset(token)
 
 
 def is_call(node: torch.fx.Node, targets) -> bool:

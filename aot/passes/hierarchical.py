@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from aot.passes.graph_utils import ALL_GATHER, ALL_REDUCE, WAIT, funcol, is_call
+from aot.passes.graph_utils import ALL_GATHER, ALL_REDUCE, WAIT, funcol, is_call, lint
 
 aten = torch.ops.aten
 REDUCE_SCATTER = funcol.reduce_scatter_tensor.default
@@ -85,6 +85,6 @@ def split_hierarchical(gm: torch.fx.GraphModule, choose: Callable[[str, int], Su
             _split(graph, reduce, waits[0], levels)
             changed = True
     if changed:
-        graph.lint()
+        lint(graph)
         gm.recompile()
     return gm

@@ -13,7 +13,7 @@ import operator
 
 import torch
 
-from aot.passes.graph_utils import COLLECTIVES, WAIT, first_user, is_call, latest_input, place_after
+from aot.passes.graph_utils import COLLECTIVES, WAIT, first_user, is_call, latest_input, lint, place_after
 
 aten = torch.ops.aten
 # Ops that only reshape, pack, pad or cast a tensor for a collective: free to move with it. The
@@ -78,6 +78,6 @@ def issue_early_wait_late(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for node in reversed(nodes):
         if is_call(node, {WAIT}):
             _sink(node)
-    gm.graph.lint()
+    lint(gm.graph)
     gm.recompile()
     return gm

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from aot.passes.graph_utils import shard_gathers, tensor_bytes
+from aot.passes.graph_utils import lint, shard_gathers, tensor_bytes
 
 
 def prefetch_parameter_gathers(gm: torch.fx.GraphModule, budget_bytes: int | None = None) -> torch.fx.GraphModule:
@@ -37,6 +37,6 @@ def prefetch_parameter_gathers(gm: torch.fx.GraphModule, budget_bytes: int | Non
             j -= 1
         for node in [*casts[gathers[k]], gathers[k]]:  # a shard's cast to the gather dtype goes with it
             waits[j].prepend(node)  # later gathers land after earlier ones before the same wait
-    gm.graph.lint()
+    lint(gm.graph)
     gm.recompile()
     return gm

@@ -42,7 +42,7 @@ import torch
 
 from aot.capture.module_calls import MODULE_CALLS, checkpoint_call_of
 from aot.capture.graph_reading import loss_node, storage_key, written_values
-from aot.passes.graph_utils import COLLECTIVES, WAIT, fresh_value, tensors
+from aot.passes.graph_utils import COLLECTIVES, WAIT, fresh_value, lint, tensors
 
 aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the expensive ones (names, as some exist only in some builds)
@@ -386,7 +386,7 @@ def recompute_activations(gm: torch.fx.GraphModule, choice: Choice) -> torch.fx.
     for node in reversed(nodes[: nodes.index(turn)]):  # forward nodes only backward read are now dead
         if node in choice.nodes and not node.users:
             graph.erase_node(node)
-    graph.lint()
+    lint(graph)
     gm.recompile()
     return gm
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from aot.capture.graph_reading import loss_node
-from aot.passes.graph_utils import WAIT, fresh_value, is_call, shard_gathers
+from aot.passes.graph_utils import WAIT, fresh_value, is_call, lint, shard_gathers
 
 _aten = torch.ops.aten
 # Ops that only view their input: a chain of them from a gather still is "the parameter".
@@ -67,7 +67,7 @@ def regather_in_backward(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         for node in reversed(chain):  # views that only backward read are now dead: drop them
             if not node.users and node is not chain[0]:
                 graph.erase_node(node)
-    graph.lint()
+    lint(graph)
     gm.recompile()
     return gm
 

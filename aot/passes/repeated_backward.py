@@ -26,7 +26,7 @@ import torch
 
 from aot.capture.pipeline import WEIGHT_GRADIENT
 from aot.capture.graph_reading import written_values
-from aot.passes.graph_utils import is_view
+from aot.passes.graph_utils import is_view, lint
 
 _NO_SHARING = ("_c10d_functional", "c10d", "_dtensor")
 
@@ -153,6 +153,6 @@ def merge_repeated_backward(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             merged += 1
     if merged:
         graph.eliminate_dead_code()
-        graph.lint()
+        lint(graph)
         gm.recompile()
     return gm

@@ -19,9 +19,9 @@ from typing import Callable
 import torch
 
 from aot.errors import AotError
-from aot.passes.graph_utils import copy_graph
+from aot.passes.graph_utils import copy_graph, lint_once
 from aot.passes.recompute import Choice, budget_choices, by_budget, by_checkpoint_calls, by_modules, has_checkpoint_calls, recompute_activations
-from aot.plan.step_reading import analyze, node_seconds
+from aot.plan.step_reading import node_seconds, peak_memory
 from runner.commands.formatting import human
 
 GRID = 10  # a memory budget tries activation budgets 0.9, 0.8, ... down to the smallest feasible
@@ -138,8 +138,9 @@ def _fit(gm, slots, request: Request, cost, finish):
         trial = copy_graph(gm, copies)
         # the choice made on gm's graph, on the copy's nodes
         choice = None if chosen is None else replace(chosen, nodes={copies[n] for n in chosen.nodes}, kept=set(), pinned=set())
-        trial = finish(recompute_activations(trial, choice) if choice else trial)
-        return trial, choice, analyze(trial, slots).memory.peak
+        with lint_once():  # finish (run_passes) lints the step once, after the recomputation and every pass
+            trial = finish(recompute_activations(trial, choice) if choice else trial)
+        return trial, choice, peak_memory(trial, slots)
 
     budget = request.memory_bytes
     assert budget is not None  # apply_request comes here only for a memory budget

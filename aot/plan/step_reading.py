@@ -162,8 +162,9 @@ class NodeRecord:
     loss: bool = False  # the step's loss: forward ends here
 
 
-def read(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = None, aliases: dict | None = None) -> list[NodeRecord]:
-    """A NodeRecord of every node of `gm`, in graph order (see `analyze`)."""
+def read(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = None, aliases: dict | None = None, priced: bool = True) -> list[NodeRecord]:
+    """A NodeRecord of every node of `gm`, in graph order (see `analyze`). Without `priced`, no
+    op's cost nor collective's site is read (`peak_memory` needs neither: two fifths of reading)."""
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     aliases = aliases or {}
     nodes = list(graph.nodes)
@@ -189,10 +190,10 @@ def read(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = N
             source = out[index[node.args[0]]]
             record.kind, record.keys, record.sizes = "wait", source.keys, source.sizes
         elif node.op == "call_function" and _collective_kind(node) is not None:
-            record.kind, record.comm = "collective", _site(node)
+            record.kind, record.comm = "collective", _site(node) if priced else None
             record.source = index[node.args[0]] if isinstance(node.args[0], torch.fx.Node) else None
         elif node.op == "call_function":
-            record.kind, record.op = "compute", node_op(node)
+            record.kind, record.op = "compute", node_op(node) if priced else None
         if record.kind != "placeholder" and (_collective_kind(node) is not None or (node.users and all(_collective_kind(u) for u in node.users))):
             record.part = COLLECTIVE_BUFFERS  # a collective's result, or a bucket packed for one
         out.append(record)
@@ -256,6 +257,12 @@ def analyze(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None 
     (storage key -> storage key) makes values of a graph put together from several traces share the
     storage they would share in one (aot.plan.pricing.derive_without_fsdp)."""
     return assemble(read(gm, slots, aliases))
+
+
+def peak_memory(gm: torch.fx.GraphModule, slots: list[dict] | None = None) -> int:
+    """The step's predicted peak memory per rank: `analyze(gm, slots).memory.peak`, without pricing
+    its ops (the memory-budget search measures a step's peak several times per build)."""
+    return _memory(read(gm, slots, priced=False))[0].peak
 
 
 def _memory(records: list[NodeRecord]):

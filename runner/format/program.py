@@ -40,7 +40,13 @@ def encode_program(ep: torch.export.ExportedProgram) -> tuple[bytes, bytes | Non
             if not isinstance(value, torch.Tensor):
                 raise AotError(f"program constant {name!r} is a {type(value).__name__}; only tensors can be stored")
             tensors[f"{table}/{name}"] = value.detach().contiguous().cpu()
-    with _no_canonical_form_check(serde), _no_debug_listing(serde), _schema_fields_cached(serde), _reproducible_json(serde) as direct:
+    with (
+        _no_canonical_form_check(serde),
+        _no_debug_listing(serde),
+        _schema_fields_cached(serde),
+        _tensor_metas_shared(serde),
+        _reproducible_json(serde) as direct,
+    ):
         artifact = serde.serialize(ep, **_no_pickled_tables(serde))
     constants = save_safetensors(tensors) if tensors else None
     program = artifact.exported_program
@@ -97,20 +103,37 @@ def _reproducible_json(serde):
         yield False
         return
     read = object.__getattribute__  # the union's own __getattribute__ checks every read
+    converters: dict[type, typing.Callable] = {}
 
     def plain(obj):
-        if isinstance(obj, union):
-            tag = read(obj, "_type")
-            return {str(tag): plain(read(obj, str(tag)))}
-        if dataclasses.is_dataclass(obj):
-            return {f.name: plain(getattr(obj, f.name)) for f in _fields(typing.cast(type, type(obj)))}
-        if isinstance(obj, (list, tuple)):
-            return [plain(x) for x in obj]
-        if isinstance(obj, dict):
-            return {k: plain(v) for k, v in obj.items()}
-        if isinstance(obj, float) and not math.isfinite(obj):
-            return "NaN" if math.isnan(obj) else "Infinity" if obj > 0 else "-Infinity"
-        return obj
+        convert = converters.get(type(obj))
+        if convert is None:
+            convert = converters[type(obj)] = converter(type(obj))
+        return convert(obj)
+
+    def converter(kind: type) -> typing.Callable:
+        # one per class, chosen once: a large step's schema has millions of objects of a few dozen classes
+        if issubclass(kind, union):
+
+            def tagged(obj):
+                tag = str(read(obj, "_type"))
+                return {tag: plain(read(obj, tag))}
+
+            return tagged
+        if dataclasses.is_dataclass(kind):
+            names = tuple(f.name for f in _fields(kind))
+            fields = lambda obj: {name: plain(getattr(obj, name)) for name in names}  # noqa: E731
+            if kind is not serde.TensorMeta:
+                return fields
+            done: dict[int, dict] = {}  # tensors' metadata objects are shared (_tensor_metas_shared): each converted once
+            return lambda obj: done[id(obj)] if id(obj) in done else done.setdefault(id(obj), fields(obj))
+        if issubclass(kind, (list, tuple)):
+            return lambda obj: [plain(x) for x in obj]
+        if issubclass(kind, dict):
+            return lambda obj: {k: plain(v) for k, v in obj.items()}
+        if issubclass(kind, float):
+            return lambda obj: obj if math.isfinite(obj) else "NaN" if math.isnan(obj) else "Infinity" if obj > 0 else "-Infinity"
+        return lambda obj: obj
 
     serde._to_json_bytes = lambda obj: _dumps(plain(obj), serde.EnumEncoder)  # enums as values, bytes as base64
     try:
@@ -139,17 +162,67 @@ def _no_debug_listing(serde):
 
 @contextlib.contextmanager
 def _schema_fields_cached(serde):
-    """The schema union's create() and __post_init__ call dataclasses.fields on every object made
-    (hundreds of thousands for a large step); a class's fields never change, so while a program
-    is written the union module sees them remembered per class."""
+    """The schema union's create() builds each object through the dataclass's __init__ with every
+    field named, its __post_init__ and the union's checked attribute access, calling
+    dataclasses.fields on the way: 10 s of writing a DeepSeek-V3-sized step's hundreds of
+    thousands of unions. While a program is written, a union is made directly: its fields None
+    but the one set, and its tag (the same object state create() leaves, the tag checked
+    against the class's fields as __init__ would)."""
     from torch._export.serde import union
 
-    original = union.fields
-    union.fields = lambda obj: _fields(obj if isinstance(obj, type) else type(obj))  # type: ignore[assignment]
+    original = union._Union.__dict__["create"]
+
+    def create(cls, /, **kwargs):
+        if len(kwargs) != 1:
+            raise AssertionError(f"expected exactly 1 kwarg, got {len(kwargs)}")
+        ((tag, value),) = kwargs.items()
+        unset = _unset_fields(cls)
+        if tag not in unset:
+            raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {tag!r}")
+        obj = object.__new__(cls)
+        state = object.__getattribute__(obj, "__dict__")
+        state.update(unset)
+        state[tag] = value
+        state["_type"] = union._UnionTag.create(tag, cls)
+        return obj
+
+    union._Union.create = classmethod(create)  # type: ignore[assignment, method-assign]
     try:
         yield
     finally:
-        union.fields = original
+        union._Union.create = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _tensor_metas_shared(serde):
+    """Every tensor's metadata (dtype, sizes, strides, ...) is written as a schema object made
+    anew, a union per size and stride: a third of writing a large step, whose tensors have a few
+    thousand distinct metadata among tens of thousands. While a program is written, tensors of
+    the same (static) metadata share one object; the JSON is the same."""
+    original = serde.serialize_tensor_meta
+    made: dict[tuple, object] = {}
+
+    def shared(t: torch.Tensor):
+        shape, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+        if not all(type(x) is int for x in (*shape, *stride, offset)):  # symbolic sizes: torch's own
+            return original(t)
+        key = (t.dtype, shape, stride, offset, t.requires_grad, t.device, t.layout)
+        meta = made.get(key)
+        if meta is None:
+            meta = made[key] = original(t)
+        return meta
+
+    serde.serialize_tensor_meta = shared
+    try:
+        yield
+    finally:
+        serde.serialize_tensor_meta = original
+
+
+@functools.cache
+def _unset_fields(kind: type) -> dict[str, None]:
+    """Every field of a schema union, None."""
+    return dict.fromkeys(f.name for f in _fields(kind))
 
 
 @functools.cache
