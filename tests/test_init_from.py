@@ -274,3 +274,30 @@ def test_index_naming_a_key_its_shard_lacks(files, tmp_path):
     index["weight_map"]["pos"] = "model-00001-of-00002.safetensors"
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     assert "1 key(s) are not in the shard it names (pos in model-00001-of-00002.safetensors)" in refused(tmp_path)
+
+
+def test_a_fake_tensors_piece_has_the_shape_and_strides_of_the_real_ones():
+    """The build cuts each rank's fake parameters from meta stand-ins (aot.capture.step.cut_like):
+    every cut (tp slices, fused q/k/v, expert slices, flat-padded fsdp shards) gives the shape,
+    strides and dtype the real tensor's piece has."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from aot.capture.step import cut_like
+    from runner.format.sharding import expert_slice, shard, tp_slice
+
+    real = torch.randn(8, 6, 10, dtype=torch.bfloat16)
+    with FakeTensorMode() as mode:
+        fake = torch.empty(8, 6, 10, dtype=torch.bfloat16)
+    cuts = [
+        lambda t: tp_slice(t, 1, 2, 1),
+        lambda t: tp_slice(t, 1, 2, 0, fused=3),
+        lambda t: expert_slice(t, 4, 3),
+        lambda t: shard(t, 7, 6),  # padded: 480 elements over 7 shards
+        lambda t: shard(expert_slice(tp_slice(t, 2, 2, 1), 2, 1), 3, 2),
+        lambda t: t.detach().transpose(0, 1),  # a view: its strides, not a contiguous copy's
+    ]
+    for cut in cuts:
+        want, got = cut(real), cut_like(fake, cut)
+        assert isinstance(got, FakeTensor) and got.fake_mode is mode
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+        assert cut_like(real, cut).equal(want)

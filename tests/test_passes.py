@@ -324,3 +324,27 @@ def test_overlap_never_moves_a_collective_above_a_transfer_on_its_group():
     (recv,) = [n for n in gm.graph.nodes if "irecv" in str(n.target)]
     (reduce,) = [n for n in gm.graph.nodes if is_call(n, {ALL_REDUCE})]
     assert pos[recv] < pos[reduce]
+
+
+def test_a_malformed_graph_is_caught_once_per_run_of_the_passes():
+    """The passes check the graph they leave (graph.lint()); run_passes checks once after its last
+    pass instead of after each (aot.passes.graph_utils.lint_once): a graph a pass left malformed
+    (here: a node reading a value made after it) is still refused, by run_passes, and by a pass run
+    on its own."""
+    from aot.passes.graph_utils import lint, lint_once
+
+    def malformed() -> torch.fx.GraphModule:
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        y = graph.call_function(torch.ops.aten.relu.default, (x,))
+        z = graph.call_function(torch.ops.aten.neg.default, (y,))
+        graph.output(z)
+        y.prepend(z)  # z now comes before the value it reads
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    with pytest.raises(RuntimeError, match="used before it has been defined"):
+        lint(malformed().graph)
+    with lint_once():
+        lint(malformed().graph)  # deferred: the caller checks the graph it ends with
+    with pytest.raises(RuntimeError, match="used before it has been defined"):
+        run_passes(malformed(), only=("drop_profiler_calls",))

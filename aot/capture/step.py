@@ -529,6 +529,18 @@ class RankState:
     optimizer_state: dict[str, torch.Tensor]
 
 
+def cut_like(value: torch.Tensor, cut) -> torch.Tensor:
+    """`cut(value)`, a piece of `value` (a slice, a shard). A fake tensor's piece (the build's,
+    which the trace reads for its shape only) is cut from a meta stand-in and made anew with the
+    piece's shape and strides: cut through the fake mode, op by op, it was 4 s of a
+    DeepSeek-V3-sized build."""
+    if not isinstance(value, FakeTensor):
+        return cut(value)
+    piece = cut(torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta"))
+    with value.fake_mode:
+        return torch.empty_strided(piece.shape, piece.stride(), dtype=piece.dtype, device=value.device)
+
+
 def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp_index: int = 0, ep_index: int = 0) -> RankState:
     """The parameters and optimizer state one rank holds: its tensor-parallel slice of every
     parameter `tp_plan` splits, its ep slice of every experts weight (whole otherwise), then its
@@ -547,14 +559,7 @@ def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp
         return piece if parts == 1 else shard(piece, parts, fsdp_index)
 
     def place(name: str, value: torch.Tensor) -> torch.Tensor:
-        if not isinstance(value, FakeTensor):
-            return cut(name, value)
-        # A fake tensor's piece (the build's, which the trace reads for its shape only) is cut from
-        # a meta stand-in and made anew: cut through the fake mode, op by op, it was 4 s of a
-        # DeepSeek-V3-sized build.
-        piece = cut(name, torch.empty(value.shape, dtype=value.dtype, device="meta"))
-        with value.fake_mode:
-            return torch.empty(piece.shape, dtype=piece.dtype, device=value.device)
+        return cut_like(value, lambda v: cut(name, v))
 
     params = {n: place(n, p) for n, p in state.params.items()}
     optimizer_state = {}
