@@ -284,6 +284,13 @@ def test_world_size_2_artifact_without_torchrun(artifact2):
     assert_user_error(r, "world size 2", "1 process", "torchrun")
 
 
+def test_cuda_graphs_on_a_cpu_rank_is_refused_before_any_step(artifact1):
+    """`aot run --cuda-graphs on` where no graph can be captured (a CPU rank) is one line, before
+    the process group starts; auto (the default) runs there uncaptured."""
+    r = aot("run", artifact1, "--steps", "1", "--cuda-graphs", "on", "--quiet")
+    assert_user_error(r, "--cuda-graphs on", "this rank runs on cpu", "--cuda-graphs off")
+
+
 # -- 5. missing and altered artifact files --------------------------------------------------
 
 

@@ -270,6 +270,40 @@ def test_queueing_steps_never_waits_for_the_gpu(builds, target, tmp_path, figure
     assert all(s > 0 for s in result["seconds"])
 
 
+# A replayed step runs the kernels of an uncaptured one on the same values: equal, but for a kernel
+# that is itself nondeterministic (atomics); far below the CPU-vs-CUDA bounds above.
+GRAPHS_TOL = 1e-6
+
+
+@pytest.mark.parametrize("name", ["cuda-dp", "cuda-bf16"])
+def test_cuda_graphs_train_like_the_uncaptured_step(name, builds, target, gpt_data, tmp_path, figures):
+    """Issue #46 item 2: `aot run --cuda-graphs on` captures the whole step after its eager warm-up
+    and replays it. The replays run the kernels the uncaptured steps run, on the same inputs, the
+    batch and learning rates copied into the graph's buffers and dropout drawing the masks of each
+    step's seed: 5 steps train to the losses and weights of `--cuda-graphs off`. The two runs are
+    made one after the other, so their step times compare."""
+    art = builds(name)
+    on, on_w, on_err = _train(art, tmp_path / "graphs", gpt_data, "--cuda-graphs", "on", *target[1])
+    off, off_w, off_err = _train(art, tmp_path / "eager", gpt_data, "--cuda-graphs", "off", *target[1])
+    captured = [line for line in on_err.splitlines() if "cuda graphs:" in line]
+    losses, ref = _losses(on), _losses(off)
+    figures(
+        f"cuda_graphs_{name}",
+        lines=captured,
+        losses=losses,
+        uncaptured_losses=ref,
+        max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref)),
+        worst_weight_diff=_worst(on_w, off_w),
+        replayed_step_ms=statistics.median(r["step_time_s"] for r in on[4:]) * 1e3,
+        uncaptured_step_ms=statistics.median(r["step_time_s"] for r in off[4:]) * 1e3,
+    )
+    assert captured and "captured after 3 eager step(s)" in captured[0], on_err
+    assert "cuda graphs:" not in off_err
+    # the same kernels on the same inputs: equal but for the kernels' own nondeterminism
+    assert max(abs(a - b) for a, b in zip(losses, ref)) <= GRAPHS_TOL, (losses, ref)
+    assert _worst(on_w, off_w) <= GRAPHS_TOL, _worst(on_w, off_w)
+
+
 NCCL_SCRIPT = """
 import os
 import torch

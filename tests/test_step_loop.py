@@ -62,3 +62,24 @@ def test_the_run_loop_prints_and_records_every_step_in_order(built, tmp_path):
     printed = [int(line.split()[1]) for line in r.stderr.splitlines() if line.startswith("step ")]
     assert printed == list(range(1, 8)), r.stderr
     assert json.loads((ckpt / "checkpoint.json").read_text())["step"] == 7
+
+
+def test_cuda_graphs_are_captured_only_where_a_step_can_be():
+    """`--cuda-graphs`: auto captures on a CUDA rank whose step a graph can hold, and runs
+    uncaptured elsewhere (a CPU rank, a pipeline stage, collectives over gloo) without a word; on
+    is an error there, naming why; off never captures. (The capture itself: tests/test_gpu.py.)"""
+    import pytest
+    import torch
+
+    from runner.errors import AotError
+    from runner.execution.cuda_graphs import graphs_refused, resolve_graphs
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert graphs_refused(gpu, pipeline=False, host_collectives=False) is None
+    assert "runs on cpu" in str(graphs_refused(cpu, pipeline=False, host_collectives=False))
+    assert "pipeline" in str(graphs_refused(gpu, pipeline=True, host_collectives=False))
+    assert "gloo" in str(graphs_refused(gpu, pipeline=False, host_collectives=True))
+    assert resolve_graphs("auto", None) and resolve_graphs("on", None) and not resolve_graphs("off", None)
+    assert not resolve_graphs("auto", "a reason") and not resolve_graphs("off", "a reason")
+    with pytest.raises(AotError, match="--cuda-graphs on: a reason"):
+        resolve_graphs("on", "a reason")

@@ -91,6 +91,18 @@ def _restarted() -> bool:
     "notice. compiled: the package or fail. portable: the portable program.",
 )
 @click.option(
+    "--cuda-graphs",
+    type=click.Choice(["auto", "on", "off"]),
+    default="off",
+    show_default=True,
+    help="Run each training step as one CUDA graph: after 3 eager steps the step (forward, backward, "
+    "collectives, optimizer) is captured once and replayed, the batch and learning rates copied into its "
+    "buffers; a step then costs one launch. auto: on CUDA devices where the step can be captured (not over "
+    "gloo, not a pipeline stage), else off; a capture that fails is named in one line and the run goes on "
+    "uncaptured. on: as auto, but an error where no graph can be captured. off: never. The default becomes "
+    "auto once captured training has been checked on a GPU (issue #46).",
+)
+@click.option(
     "--profile",
     "profile_dir",
     type=click.Path(path_type=Path),
@@ -119,6 +131,7 @@ def run(
     init_from,
     tier,
     log_every,
+    cuda_graphs,
     profile_dir,
     quiet,
     **job,
@@ -175,7 +188,9 @@ def run(
 
     tag = f"[rank {launch.rank}] " if launch.world_size != 1 else ""
     opened = tuple((path, token_dtype) for path in (data, eval_data) if path is not None)  # checked before any process group
-    trainer = start_trainer(artifact, launch, tag, quiet, tier=tier, init_from=init_from, evaluates=eval_data is not None, data_files=opened, **job)
+    trainer = start_trainer(
+        artifact, launch, tag, quiet, tier=tier, cuda_graphs=cuda_graphs, init_from=init_from, evaluates=eval_data is not None, data_files=opened, **job
+    )
     say = (lambda msg: click.echo(msg, err=True)) if (trainer.rank == 0 and not quiet) else (lambda msg: None)
 
     target = None

@@ -28,6 +28,7 @@ from runner.execution.graph_loader import input_shapes, load_portable, uses_batc
 from runner.execution.init_from import check_init_from
 from runner.execution.init_program import SCALER_PREFIX, initial_state, stage_tensors
 from runner.execution.launch import Launch, resolve_launch
+from runner.execution.cuda_graphs import GraphedStep, graphs_refused, resolve_graphs
 from runner.execution.launched_step import LaunchedStep, StepTiming
 from runner.execution.log import RankLogger
 from runner.execution.memory_tracking import measure_step
@@ -79,7 +80,8 @@ class Trainer:
     of the data-parallel ranks' losses). `state_dict()` and `save(dir)` give the training state
     under the user's parameter names. `tier` picks the program (runner/execution/compiled.py); when a
     compiled package is passed over, rank 0 gives `notice` its one-line reason (also kept as
-    `tier_notice`) before the process group starts. `warn`, `log` and `notice` take one line each;
+    `tier_notice`) before the process group starts. `cuda_graphs` ("auto", "on", "off"): whether
+    the step runs as one CUDA graph (runner/execution/cuda_graphs.py). `warn`, `log` and `notice` take one line each;
     not given, the lines go to the `aot` logger with the rank (runner/execution/log.py).
     """
 
@@ -103,6 +105,7 @@ class Trainer:
         launch: Launch | None = None,
         evaluates: bool = False,
         data_files: tuple = (),
+        cuda_graphs: str = "off",
     ):
         self.artifact = artifact = Artifact(path, trusted_keys, torch_skew=allow_torch_skew)
         manifest = artifact.manifest
@@ -137,6 +140,8 @@ class Trainer:
         # The CPU cores and memory node nearest this rank's GPU, before the process group starts its
         # threads and before the tier check below asks CUDA for the GPU's compute capability.
         self._log = log
+        # --cuda-graphs on where no graph can be captured fails here, before any process group
+        resolve_graphs(cuda_graphs, graphs_refused(self.device, bool(manifest.get("pipeline")), host_collectives=False))
         self.binding = bind_rank(self.device, enabled=bind, log=log)
         entry = artifact.rank(self.rank)
         if evaluates and entry.get("eval_program") is None:  # before any process group: every rank refuses alike
@@ -210,10 +215,15 @@ class Trainer:
         self.seed = int(manifest["build"].get("seed", 0))
         self._slots = program["inputs"]
         self._outputs = list(program["outputs"])
-        self._lrs = [torch.zeros((), dtype=torch.float64) for _ in range(len(self.schedule["lr"][0]))]
+        # Whole-step CUDA graphs (runner/execution/cuda_graphs.py): the learning rates are then
+        # device scalars, filled in place, since a graph reads a CPU scalar once, at capture.
+        graphed = resolve_graphs(cuda_graphs, graphs_refused(self.device, pipeline is not None, self.on_gloo()))
+        self._lrs = [torch.zeros((), dtype=torch.float64, device=self.device if graphed else "cpu") for _ in range(len(self.schedule["lr"][0]))]
         self._check_bindings()
         self._args = [self._bind(slot) for slot in self._slots]
         self._check_shapes()
+        batch = [i for i, slot in enumerate(self._slots) if slot["kind"] in ("input", "target")]
+        self._run = GraphedStep(self._module, batch, log) if graphed else self._module
         self.step_index = 0
         self.last_step_skipped = False
         self.measured_peak_bytes: int | None = None  # of the last step run with measure_memory
@@ -382,7 +392,7 @@ class Trainer:
             if measure_memory:
                 outputs, (self.measured_peak_bytes, self.memory_method) = measure_step(self._module, args, self.device, self.tier)
             else:
-                outputs = self._module(*args)
+                outputs = self._run(*args)
         except RuntimeError as e:
             raise self.stuck_error(e) from e
         timing.stop()
