@@ -26,6 +26,7 @@ from aot.passes import CLEANUP, PassOptions, run_passes
 from aot.defaults import DEFAULT_BUCKET_MB
 from aot.plan import hierarchy
 from aot.plan.cost_model import Memory
+from aot.garbage_collection import collected_less_often
 from aot.plan.step_reading import analyze
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
@@ -110,6 +111,11 @@ def build(options: BuildOptions, progress: Progress) -> dict:
     """Run the stages (6, plus the ONNX export unless options.onnx is False, plus the AOTInductor
     compile with options.compile == "aoti") and write the artifact: the options checked, the plan
     applied where asked (`--strategy auto`), the step compiled for the target, the artifact emitted."""
+    with collected_less_often():
+        return _build(options, progress)
+
+
+def _build(options: BuildOptions, progress: Progress) -> dict:
     _check_options(options)
     profile = load_profile(options.topology) if options.topology else live_profile()
     profile = for_nodes(profile, options.nodes, options.world_size)

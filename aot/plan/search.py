@@ -542,24 +542,12 @@ def plan_model(
     parallelism on another profile; the graphs that stay valid on this one are not traced again
     (ModelSteps.retargeted), so planning one model for several profiles traces it about once.
     `note(line)` hears each long piece of work as it starts (a trace, a pipeline's programs)."""
-    import atexit
-    import gc
-
+    from aot.garbage_collection import collected_less_often
     from aot.plan.mesh import PLANNED_AXES
     from runner.format.axes import EP
 
-    # When the process ends, Python's last garbage collections walk every object torch, its
-    # compiler stack and the traces made, several times over (about a second of `aot plan`'s run).
-    # Frozen at exit (atexit handlers run first), they are skipped: the memory goes with the
-    # process. Registered once however often a process plans.
-    atexit.unregister(gc.freeze)
-    atexit.register(gc.freeze)
-    # Tracing makes millions of short-lived objects: with the default thresholds the cyclic garbage
-    # collector runs a thousand times and walks every object of torch several times over (a tenth
-    # of the search's time). Collect less often while planning.
-    thresholds = gc.get_threshold()
-    gc.set_threshold(max(thresholds[0], 50_000), max(thresholds[1], 20), max(thresholds[2], 20))
-    try:
+    # tracing many small graphs: young collections less often too (aot/garbage_collection.py)
+    with collected_less_often(young=50_000, middle=20):
         machine = Machine(profile, world_size)
         memory_limit = MemoryLimit(MEMORY_HEADROOM * machine.memory_bytes, bucket_mbs) if machine.memory_bytes else None
         pricing = Pricing(profile, world_size, machine.per_node, precision, reduce_dtype, memory_limit, machine.compute)
@@ -573,6 +561,4 @@ def plan_model(
         searched = tuple(axes or (*PLANNED_AXES, *([EP] if steps.has_experts else [])))
         steps.prefetch(searched)
         plans, skipped = planner.search(searched, bucket_mbs, prune_pipelines=axes is None)
-    finally:
-        gc.set_threshold(*thresholds)
     return plans, skipped, planner, steps

@@ -1,0 +1,42 @@
+"""How often Python's cyclic garbage collector walks the objects while aot builds or plans.
+
+A build or a plan of a large step holds millions of long-lived objects (fake tensors, FX nodes and
+their metadata) that it allocates all along. CPython collects its oldest generation whenever the
+objects that reached it have grown by a quarter, walking every one of them each time: in a
+DeepSeek-V3-sized build (61 layers, 1,024 ranks) that was 12.5 s of 62 (gc.callbacks), for
+garbage that the young generations mostly free on their own. Inside `collected_less_often` the
+oldest generation is never collected automatically (the thresholds are restored after, and the
+next collection takes what accumulated): the same build took 45-48 s, its artifact byte for byte
+the same, its peak resident memory 6% higher (1.30 GB instead of 1.23 GB); planning Llama-3-8B
+for 1,024 ranks about a second less, with 14% more memory (0.87 GB).
+
+The young generations' best thresholds differ: tracing the planner's many small graphs made a
+thousand young collections at the default thresholds (a tenth of its search's time), so it raises
+them; a build's one large trace is fastest with the defaults (raised, its young collections took
+2.8 s instead of 1.2). And when the process ends, Python's last collections walk every object
+torch and the traces made, several times over (about a second): frozen at exit (atexit handlers
+run first), they are skipped, and the memory goes with the process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+
+# gen1 collections between automatic collections of the oldest generation: never, in practice
+DEFERRED = 10**9
+
+
+@contextlib.contextmanager
+def collected_less_often(young: int = 0, middle: int = 0):
+    """Inside: no automatic collection of the oldest generation, and the young generations'
+    thresholds raised to at least `young` and `middle`; at exit, the objects frozen."""
+    atexit.unregister(gc.freeze)  # registered once however often a process builds or plans
+    atexit.register(gc.freeze)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(max(thresholds[0], young), max(thresholds[1], middle), DEFERRED)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
