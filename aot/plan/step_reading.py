@@ -164,7 +164,7 @@ class NodeRecord:
 
 def read(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = None, aliases: dict | None = None, priced: bool = True) -> list[NodeRecord]:
     """A NodeRecord of every node of `gm`, in graph order (see `analyze`). Without `priced`, no
-    op's cost nor collective's site is read (`peak_memory` needs neither: two fifths of reading)."""
+    op's cost nor collective's site is read (`peak_memory` needs neither)."""
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     aliases = aliases or {}
     nodes = list(graph.nodes)
