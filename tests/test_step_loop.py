@@ -8,7 +8,12 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
+import torch
+
 from helpers.commands import EXAMPLES, MODELS, ok, torchrun
+from runner.errors import AotError
+from runner.execution.cuda_graphs import graphs_refused, resolve_graphs
 
 WORKER = textwrap.dedent("""
     import json, sys
@@ -68,12 +73,6 @@ def test_cuda_graphs_are_captured_only_where_a_step_can_be():
     """`--cuda-graphs`: auto captures on a CUDA rank whose step a graph can hold, and runs
     uncaptured elsewhere (a CPU rank, a pipeline stage, collectives over gloo) without a word; on
     is an error there, naming why; off never captures. (The capture itself: tests/test_gpu.py.)"""
-    import pytest
-    import torch
-
-    from runner.errors import AotError
-    from runner.execution.cuda_graphs import graphs_refused, resolve_graphs
-
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert graphs_refused(gpu, pipeline=False, host_collectives=False) is None
     assert "runs on cpu" in str(graphs_refused(cpu, pipeline=False, host_collectives=False))

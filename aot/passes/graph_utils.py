@@ -26,7 +26,8 @@ COLLECTIVES = {
 }
 
 
-# set while run_passes runs a sequence of passes, which lints the graph once after the last
+# set inside lint_once: while run_passes (or the memory-budget search around it) runs a sequence
+# of passes, which lints the graph once after the last
 _LINT_DEFERRED = contextvars.ContextVar("lint_deferred", default=False)
 
 

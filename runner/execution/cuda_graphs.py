@@ -58,18 +58,14 @@ class GraphedStep:
     every later step runs eagerly. Outputs are copied out of the graph's buffers, so a step's
     results stay readable after the next replay (the runner reads them a step late)."""
 
-    def __init__(self, module: Callable, batch: list[int], log: Callable[[str], None], warmup: int = WARMUP_STEPS):
+    def __init__(self, module: Callable, batch: list[int], log: Callable[[str], None]):
         self.module, self.batch, self.log = module, batch, log
-        self.warmup, self.warmup_steps = warmup, warmup
+        self.warmup = WARMUP_STEPS  # eager calls left before the capture
         self.graph: torch.cuda.CUDAGraph | None = None
         self.failed: str | None = None
         self._buffers: list = []
         self._outputs: tuple = ()
         self._pinned: list = []  # the arguments captured that are not copied: they must not change
-
-    @property
-    def captured(self) -> bool:
-        return self.graph is not None
 
     def __call__(self, *args):
         if self.failed is not None or self.warmup > 0:
@@ -110,5 +106,5 @@ class GraphedStep:
         self.graph, self._buffers = graph, buffers
         self._outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
         self._pinned = [(i, a) for i, a in enumerate(args) if i not in self.batch and isinstance(a, torch.Tensor)]
-        self.log(f"cuda graphs: the step captured after {self.warmup_steps} eager step(s); each step is one replay")
+        self.log(f"cuda graphs: the step captured after {WARMUP_STEPS} eager step(s); each step is one replay")
         return True

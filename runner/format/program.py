@@ -43,7 +43,7 @@ def encode_program(ep: torch.export.ExportedProgram) -> tuple[bytes, bytes | Non
     with (
         _no_canonical_form_check(serde),
         _no_debug_listing(serde),
-        _schema_fields_cached(serde),
+        _unions_made_directly(serde),
         _tensor_metas_shared(serde),
         _reproducible_json(serde) as direct,
     ):
@@ -161,7 +161,7 @@ def _no_debug_listing(serde):
 
 
 @contextlib.contextmanager
-def _schema_fields_cached(serde):
+def _unions_made_directly(serde):
     """The schema union's create() builds each object through the dataclass's __init__ with every
     field named, its __post_init__ and the union's checked attribute access, calling
     dataclasses.fields on the way: 10 s of writing a DeepSeek-V3-sized step's hundreds of
