@@ -63,6 +63,14 @@ SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json
 )
 @options.reduce_dtype("Dtype gradients are reduced in, as `aot build --reduce-dtype`.")
 @options.moe_capacity_factor("Price ep meshes with this expert capacity, as `aot build --moe-capacity-factor` builds them (default: dropless).")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes that trace the model's layout classes (each tensor-parallel degree, with and "
+    "without fsdp) at once. Default: one per core this process may use (Linux; elsewhere 1); 1 "
+    "traces them all in this process. The plans are the same either way.",
+)
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print every candidate as JSON.")
 @debug_option
@@ -80,6 +88,7 @@ def plan(
     precision,
     reduce_dtype,
     moe_capacity_factor,
+    workers,
     top,
     as_json,
 ):
@@ -136,6 +145,7 @@ def plan(
         precision=precision,
         reduce_dtype=reduce_dtype,
         moe_capacity_factor=moe_capacity_factor,
+        workers=workers,
     )
     if moe_capacity_factor is not None and not moe_capacity_factor > 0:
         raise AotError(f"--moe-capacity-factor must be positive, got {moe_capacity_factor:g}")

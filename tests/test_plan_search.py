@@ -32,8 +32,9 @@ def _plan(*args) -> dict:
 
 def test_planning_says_what_it_traces_as_it_starts():
     """Each trace and each pipeline's programs announced (`aot plan` prints them on a terminal):
-    the layout classes of 8 ranks over dp, fsdp and tp (the graphs without fsdp derived), and a
-    pipeline's programs for each schedule and microbatch count priced."""
+    the layout classes of 8 ranks over dp, fsdp and tp (the graphs without fsdp derived; the
+    longest first, aot/plan/layout_traces.py), and a pipeline's programs for each schedule and
+    microbatch count priced."""
     from aot.plan.search import plan_model
     from runner.hardware.topology import for_nodes, load_profile
 
@@ -41,9 +42,9 @@ def test_planning_says_what_it_traces_as_it_starts():
     profile = for_nodes(load_profile("dgx_a100"), 1, 8)
     plan_model(Path(MLP), profile, 8, 8, axes=("dp", "fsdp", "tp"), note=said.append)
     assert said == [
-        "tracing the step on fsdp=2 x tp=4 (1 of 4), 1 more graph(s) derived from it",
+        "tracing the step on dp x fsdp=2 (1 of 4), 1 more graph(s) derived from it",
         "tracing the step on dp x fsdp=2 x tp=2 (2 of 4), 1 more graph(s) derived from it",
-        "tracing the step on dp x fsdp=2 (3 of 4), 1 more graph(s) derived from it",
+        "tracing the step on fsdp=2 x tp=4 (3 of 4), 1 more graph(s) derived from it",
         "tracing the step on tp=8 (4 of 4)",
     ], said
     said.clear()

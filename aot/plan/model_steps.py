@@ -533,53 +533,21 @@ class ModelSteps:
         numels = [s.numel() for s in self.layout(1, 1, tp, ep).local_shapes(self.state).values()]
         return rescale(graph, shard_scale(numels, 2, fsdp), group_name(FSDP), fsdp)
 
-    # -- making the graphs ahead of a search --------------------------------------------------------
+    # -- making the graphs ahead of a search (aot.plan.layout_traces) ---------------------------------
 
     def needed(self, axes: tuple) -> list[tuple]:
         """What a search over `axes` will ask to trace: [(key, (dp, fsdp, tp) traced)] in the order
-        it first asks (a mesh refused before any trace is left out; a degree the plan cannot take
-        is found out when tracing)."""
-        from aot.plan.tensor_parallel import check_degree
+        it first asks (aot.plan.layout_traces.needed)."""
+        from aot.plan.layout_traces import needed
 
-        first: dict[tuple, tuple] = {}
-        for shape in factorizations(self.world_size or 1, tuple(axes)):
-            degrees = dict(zip(axes, shape))
-            dp, fsdp, tp, ep = degrees.get(DP, 1), degrees.get(FSDP, 1), degrees.get(TP, 1), degrees.get(EP, 1)
-            if any(a not in (DP, FSDP, TP, EP) and d > 1 for a, d in degrees.items()) or (tp > 1 and self.max_tp is not None and tp > self.max_tp):
-                continue
-            try:
-                if tp > 1:
-                    check_degree(self.mf, self.state.model, tp)
-                if ep > 1:
-                    self.layout(1, 1, tp, ep)  # a model without experts, or experts ep does not divide
-            except (AotError, Unsupported):
-                continue
-            source = self._source(dp, fsdp, tp, ep)
-            first.setdefault(_key(*source), source)
-        return list(first.items())
+        return needed(self, axes)
 
-    def prefetch(self, axes: tuple) -> None:
-        """Trace, before a search over `axes`, the graphs it will ask for, each graph without fsdp
-        derived from the fsdp=2 graph of its tp degree where the search needs that one too. What a
-        trace raises is raised again when the search asks for it."""
-        if self.world_size is None:
-            return
-        todo = [(key, source) for key, source in self.needed(axes) if key not in self.traced and key not in self._failed]
-        # mixed precision: the fsdp graph gathers parameters in the compute dtype, which the graph
-        # without fsdp does not, so its forward is not the one to derive from: each is traced
-        # keyed by (tp, ep): a graph without fsdp is derived from the fsdp=2 graph of its tp and ep degrees
-        sharded = {} if self.precision.mixed else {key[2:]: key for key, _ in todo if key[1] == 2}
-        for key, source in todo:
-            if key[1] == 1 and key[2:] in sharded:
-                self._derived.setdefault(sharded[key[2:]], []).append((key, source))
-        traced = [(key, source) for key, source in sorted(todo, key=lambda job: job[0][1] != 2) if not (key[1] == 1 and key[2:] in sharded)]
-        for i, (key, source) in enumerate(traced):  # the graphs others are derived from first (those made with them skipped)
-            derived = len(self._derived.get(key, ()))
-            self.note(f"tracing the step on {_named(source)} ({i + 1} of {len(traced)})" + (f", {derived} more graph(s) derived from it" if derived else ""))
-            try:
-                self._traced(*source)
-            except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
-                self._failed[key] = e
+    def prefetch(self, axes: tuple, workers: int = 1) -> None:
+        """Trace, before a search over `axes`, the graphs it will ask for, in up to `workers`
+        processes at once (aot.plan.layout_traces.prefetch)."""
+        from aot.plan.layout_traces import prefetch
+
+        prefetch(self, axes, workers)
 
 
 def _named(source: tuple) -> str:

@@ -534,6 +534,7 @@ def plan_model(
     reuse: ModelSteps | None = None,
     note=None,
     moe_capacity_factor: float | None = None,
+    workers: int | None = None,
 ):
     """(ranked plans, skipped meshes, planner, model steps) for a model file on a profile.
     `hierarchical`: all_reduces over groups spanning nodes in two levels where cheaper ("auto"),
@@ -541,8 +542,11 @@ def plan_model(
     model steps an earlier call returned for the same model file, batch size, seed and sequence
     parallelism on another profile; the graphs that stay valid on this one are not traced again
     (ModelSteps.retargeted), so planning one model for several profiles traces it about once.
-    `note(line)` hears each long piece of work as it starts (a trace, a pipeline's programs)."""
+    `note(line)` hears each long piece of work as it starts (a trace, a pipeline's programs).
+    `workers`: processes that trace the model's layout classes at once (aot.plan.workers; None:
+    one per core this process may use, 1: all in this process)."""
     from aot.garbage_collection import collected_less_often
+    from aot.plan.workers import usable_cores
     from aot.plan.mesh import PLANNED_AXES
     from runner.format.axes import EP
 
@@ -559,6 +563,6 @@ def plan_model(
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
         # every axis the planner searches; ep for a model with experts
         searched = tuple(axes or (*PLANNED_AXES, *([EP] if steps.has_experts else [])))
-        steps.prefetch(searched)
+        steps.prefetch(searched, usable_cores() if workers is None else workers)
         plans, skipped = planner.search(searched, bucket_mbs, prune_pipelines=axes is None)
     return plans, skipped, planner, steps

@@ -1,0 +1,128 @@
+"""The step graphs a search will ask for, made before it: one trace per layout class, at once.
+
+A search over a mesh's axes prices many meshes, but ModelSteps (aot.plan.model_steps) reads them
+all from a handful of traced graphs, one per layout class (the tensor-parallel degree, with or
+without fsdp, the graphs without fsdp derived from the fsdp=2 graph of their degree). `needed`
+lists those classes for a search; `prefetch` makes them before it, each class in its own worker
+process where the machine has the cores (aot.plan.workers: Llama-3-8B's four classes for 1,024
+ranks are each several seconds of single-threaded tracing, recomputing and analysis), and merges
+what each made (its graphs, their recomputing variants, what failed and why, the
+tensor-parallel plans found on the way) into the planner's ModelSteps, as if it had made them
+itself: the plans are the same (tests/test_plan_workers.py).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from typing import Any
+
+from aot.errors import AotError
+from aot.plan.model_steps import ModelSteps, Unsupported, _key, _named, factorizations
+from runner.format.axes import DP, EP, FSDP, TP
+
+# what a layout class's trace adds to ModelSteps: a worker sends these entries back
+_MADE = ("traced", "recomputed", "recompute_failed", "_failed", "_tp_plans")
+
+
+def needed(steps: ModelSteps, axes: tuple) -> list[tuple]:
+    """What a search over `axes` will ask to trace: [(key, (dp, fsdp, tp) traced)] in the order
+    it first asks (a mesh refused before any trace is left out; a degree the plan cannot take
+    is found out when tracing)."""
+    from aot.plan.tensor_parallel import check_degree
+
+    first: dict[tuple, tuple] = {}
+    for shape in factorizations(steps.world_size or 1, tuple(axes)):
+        degrees = dict(zip(axes, shape))
+        dp, fsdp, tp, ep = degrees.get(DP, 1), degrees.get(FSDP, 1), degrees.get(TP, 1), degrees.get(EP, 1)
+        if any(a not in (DP, FSDP, TP, EP) and d > 1 for a, d in degrees.items()) or (tp > 1 and steps.max_tp is not None and tp > steps.max_tp):
+            continue
+        try:
+            if tp > 1:
+                check_degree(steps.mf, steps.state.model, tp)
+            if ep > 1:
+                steps.layout(1, 1, tp, ep)  # a model without experts, or experts ep does not divide
+        except (AotError, Unsupported):
+            continue
+        source = steps._source(dp, fsdp, tp, ep)
+        first.setdefault(_key(*source), source)
+    return list(first.items())
+
+
+def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1) -> None:
+    """Trace, before a search over `axes`, the graphs it will ask for, each graph without fsdp
+    derived from the fsdp=2 graph of its tp degree where the search needs that one too, in up to
+    `workers` processes at once. What a trace raises is raised again when the search asks for it."""
+    from aot.plan.workers import in_workers
+
+    if steps.world_size is None:
+        return
+    todo = [(key, source) for key, source in needed(steps, axes) if key not in steps.traced and key not in steps._failed]
+    # mixed precision: the fsdp graph gathers parameters in the compute dtype, which the graph
+    # without fsdp does not, so its forward is not the one to derive from: each is traced
+    # keyed by (tp, ep): a graph without fsdp is derived from the fsdp=2 graph of its tp and ep degrees
+    sharded = {} if steps.precision.mixed else {key[2:]: key for key, _ in todo if key[1] == 2}
+    for key, source in todo:
+        if key[1] == 1 and key[2:] in sharded:
+            steps._derived.setdefault(sharded[key[2:]], []).append((key, source))
+    traced = [(key, source) for key, source in todo if not (key[1] == 1 and key[2:] in sharded)]
+    # the longest first, so that the workers finish together: the graphs others are derived from,
+    # then the lower tp degrees (larger per-rank graphs, the likelier to need recomputing variants)
+    traced.sort(key=lambda job: (not steps._derived.get(job[0]), job[0][2]))
+    jobs = [(i, key, source, len(traced), os.getpid()) for i, (key, source) in enumerate(traced)]
+    started = time.perf_counter()
+    spent = {"tracing": 0.0, "recomputing": 0.0}
+    for made in in_workers(jobs, lambda job: _trace(steps, *job), workers, started=lambda job: _announce(steps, *job)):
+        for line in made.pop("notes"):  # what a worker said while tracing, said here once it is done
+            steps.note(line)
+        seconds = made.pop("seconds")
+        for part in spent:
+            spent[part] += seconds[part]
+        for name, entries in made.items():
+            getattr(steps, name).update(entries)
+    # the seconds the traces took, split between tracing and recomputing as the workers' were
+    # (summed over workers they exceed the wall time the search waited)
+    wall = time.perf_counter() - started
+    share = spent["recomputing"] / spent["tracing"] if spent["tracing"] else 0.0
+    steps.seconds["tracing"] += wall
+    steps.seconds["recomputing"] += wall * share
+
+
+def _announce(steps: ModelSteps, i: int, key: tuple, source: tuple, count: int, planner: int) -> None:
+    derived = len(steps._derived.get(key, ()))
+    steps.note(f"tracing the step on {_named(source)} ({i + 1} of {count})" + (f", {derived} more graph(s) derived from it" if derived else ""))
+
+
+def _trace(steps: ModelSteps, i: int, key: tuple, source: tuple, count: int, planner: int) -> dict[str, Any]:
+    """Trace one layout class (`source`, and the graphs derived from it) into `steps`, and return
+    what that added (the entries of _MADE, what it noted, and the seconds it took): in a worker
+    (a process other than `planner`'s), those go back to the planner; in the planner's own
+    process they are already there, and its notes said."""
+    before = {name: set(getattr(steps, name)) for name in _MADE}
+    seconds = dict(steps.seconds)
+    apart = os.getpid() != planner
+    notes: list[str] = []
+    if apart:
+        steps.note = notes.append
+    try:
+        steps._traced(*source)
+    except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
+        steps._failed[key] = e
+    made: dict[str, Any] = {name: {k: v for k, v in getattr(steps, name).items() if k not in before[name]} for name in _MADE}
+    made["notes"] = notes
+    if apart:
+        made["_failed"] = {k: _portable(e) for k, e in made["_failed"].items()}
+        made["_tp_plans"] = {k: _portable(p) if isinstance(p, Exception) else p for k, p in made["_tp_plans"].items()}
+    made["seconds"] = {part: steps.seconds[part] - seconds[part] for part in ("tracing", "recomputing")}
+    return made
+
+
+def _portable(error: Exception) -> Exception:
+    """`error`, or where it cannot travel back from a worker (pickle refuses it), one of its type's
+    name and message: the search reports it, or raises it, alike."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001  (any exception the pickling raises)
+        return RuntimeError(f"{type(error).__name__}: {error}")

@@ -1,0 +1,86 @@
+"""Planning's independent pieces of work run at once, in worker processes forked from the planner.
+
+Most of a large model's planning is tracing and analyzing one step graph per layout class (the
+tensor-parallel degree, with or without fsdp: aot.plan.model_steps), each independent of the
+others and each single-threaded Python. A planner in one process leaves every core but one idle,
+so `in_workers` forks one worker per core (the planner's state, the model's fake tensors and the
+recorded step, is shared copy-on-write, nothing is traced or loaded again) and sends each piece of
+work to the next free worker; what a worker makes comes back pickled over a pipe (a step's
+analysis, lists and numbers; never written anywhere).
+
+Forking is used only where it is safe and cheap: on Linux, for more than one piece of work and
+more than one core. Each worker runs torch single-threaded before anything else: a child of a
+process whose OpenMP pool has run hangs in its first parallel region (GNU OpenMP is not fork-safe;
+seen here with torch 2.13), and the workers share the cores between them anyway. Elsewhere
+(macOS, Windows: fork is unsafe or missing; `--workers 1`) the work runs in this process, in
+order, with the same results (tests/test_plan_workers.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+_WORK: Callable[[Any], Any] | None = None  # what the forked workers run: set before they fork, read in them
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS says, else the count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def forks_safely() -> bool:
+    """Whether workers may be forked here (Linux: fork is neither missing nor unsafe)."""
+    return sys.platform.startswith("linux")
+
+
+def in_workers(jobs: list, work: Callable[[Any], Any], workers: int, started: Callable[[Any], None] | None = None) -> list:
+    """[work(job) for job in jobs], in that order, run by up to `workers` forked processes at once,
+    each job given to the next free one (list the longest first); `started(job)` is called here
+    as each job starts. In this process, in order, where one worker would do (`workers` 1, a
+    single job) or fork is unsafe here. `work` returns something picklable; what it raises is
+    raised here."""
+    started = started or (lambda job: None)
+    if workers <= 1 or len(jobs) <= 1 or not forks_safely():
+        made = []
+        for job in jobs:
+            started(job)
+            made.append(work(job))
+        return made
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    global _WORK
+    _WORK = work
+    results: dict[int, Any] = {}
+    try:
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context, initializer=_single_threaded) as pool:
+            waiting = list(enumerate(jobs))
+            running: dict = {}
+            while waiting or running:
+                while waiting and len(running) < workers:  # a job starts when a worker is free
+                    i, job = waiting.pop(0)
+                    started(job)
+                    running[pool.submit(_run, job)] = i
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    results[running.pop(future)] = future.result()
+    finally:
+        _WORK = None
+    return [results[i] for i in range(len(jobs))]
+
+
+def _single_threaded() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _run(job: Any) -> Any:
+    assert _WORK is not None  # set in the parent before the fork
+    return _WORK(job)

@@ -1,0 +1,79 @@
+"""Planning in worker processes (aot/plan/workers.py, aot/plan/layout_traces.py): the layout
+classes traced at once in forked workers give the plans that tracing them one after another in
+the planner's process gives, say what they trace as each starts, and carry back what failed."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from aot.cli import cli
+from aot.plan.search import MEMORY_HEADROOM
+from aot.plan.workers import in_workers
+from runner.hardware.topology import load_profile
+
+MODELS = Path(__file__).resolve().parent / "models"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _plan(*args) -> dict:
+    result = CliRunner().invoke(cli, ["plan", *args, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    out.pop("seconds")
+    out.pop("time")
+    return out
+
+
+def test_layout_classes_traced_in_workers_plan_what_one_process_plans(tmp_path):
+    """llama8 (written out from 4, 5 and 6 of its 8 blocks) on 8 ranks over dp, fsdp and tp, of a
+    dgx_a100 whose GPUs hold one byte less than the leanest plan needs (so the graphs are priced
+    as traced and with recomputing variants): every plan, prediction, itemized memory and skipped
+    mesh the same with 2 workers as with 1."""
+    args = [str(MODELS / "llama8.py"), "--world-size", "8", "--axes", "dp,fsdp,tp"]
+    roomy = _plan(*args, "--topology", "dgx_a100", "--workers", "2")
+    profile = copy.deepcopy(load_profile("dgx_a100"))
+    profile["name"] = "dgx_a100_tight"
+    for gpu in profile["node"]["gpus"].values():
+        gpu["memory_bytes"] = int((min(p["memory_bytes"]["peak"] for p in roomy["plans"]) - 1) / MEMORY_HEADROOM)
+    (tmp_path / "tight.json").write_text(json.dumps(profile))
+    tight = _plan(*args, "--topology", str(tmp_path / "tight.json"), "--workers", "2")
+    assert tight == _plan(*args, "--topology", str(tmp_path / "tight.json"), "--workers", "1")
+    assert any(p["recompute"] is not None for p in tight["plans"]) and len(tight["plans"]) > len(roomy["plans"])
+
+
+def test_workers_announce_each_trace_as_it_starts_and_carry_back_failures():
+    """The planner's notes come from its own process, in the order the traces start; a layout
+    class that fails in a worker is skipped with the reason tracing it in the planner gives."""
+    from aot.plan.search import plan_model
+    from runner.hardware.topology import for_nodes, load_profile
+
+    profile = for_nodes(load_profile("dgx_a100"), 1, 8)
+    for model in (REPO / "examples" / "mlp.py", MODELS / "bad_tp_plan.py"):  # the second's tp plan names a module it lacks
+        runs = {}
+        for workers in (1, 2):
+            said: list[str] = []
+            plans, skipped, _, steps = plan_model(model, profile, 8, 8, axes=("dp", "fsdp", "tp"), note=said.append, workers=workers)
+            runs[workers] = (said, [(p.axes, p.shape, p.bucket_mb, p.prediction.step_s, p.prediction.memory.peak) for p in plans], skipped, sorted(steps.traced))
+        assert runs[1] == runs[2]
+        said, _, skipped, _ = runs[2]
+        assert said[0].startswith("tracing the step on ") and said[0].endswith("(1 of 4), 1 more graph(s) derived from it"), said
+    assert len(skipped) == 6 and all("tp_plan names module 'fc2', which the model does not have" in why for why in skipped), skipped
+
+
+def test_in_workers_keeps_the_order_of_the_jobs_and_raises_what_a_job_raises():
+    import os
+
+    pids = in_workers(list(range(5)), lambda job: (job, os.getpid()), 2)
+    assert [job for job, _ in pids] == list(range(5))
+    assert os.getpid() not in {pid for _, pid in pids}  # forked: none ran here
+    assert len({pid for _, pid in pids}) <= 2
+    try:
+        in_workers([1, 0], lambda job: 1 // job, 2)
+    except ZeroDivisionError:
+        pass
+    else:
+        raise AssertionError("a job's error was not raised")
