@@ -23,6 +23,7 @@ from aot.passes.cleanup import drop_profiler_calls, plain_collectives
 from aot.plan.step_reading import analyze
 from aot.capture.graph_reading import storage_key
 from aot.plan.machine import Machine
+from aot.plan.layout_traces import prefetch
 from aot.plan.model_steps import ModelSteps, Pricing, Unsupported, factorizations
 from aot.plan.search import Planner
 from helpers.graphs import graph_nodes
@@ -171,7 +172,7 @@ def test_prefetch_gives_the_graphs_traced_one_by_one(model, world, max_tp, keys,
     _search_all(lazy, world)
     assert not lazy._derived
     ahead = ModelSteps(model, 8, pricing=Pricing(world_size=world, max_tp=max_tp))
-    ahead.prefetch(axes)
+    prefetch(ahead, axes)
     assert len(ahead.traced) == keys
     assert sum(len(v) for v in ahead._derived.values()) == derived
     assert ahead._tp_plans == lazy._tp_plans

@@ -131,6 +131,7 @@ def test_the_recomputing_graphs_priced_are_the_builds():
     from aot.passes import PassOptions, run_passes
     from aot.plan.step_reading import analyze, node_seconds
     from aot.plan.machine import Machine
+    from aot.plan.layout_traces import prefetch
     from aot.plan.model_steps import ModelSteps, Pricing
     from runner.hardware.topology import for_nodes
     from test_plan_derived_graphs import _facts
@@ -149,7 +150,7 @@ def test_the_recomputing_graphs_priced_are_the_builds():
             return True
 
     steps = ModelSteps(GPT, 8, pricing=Pricing(profile, world_size=2, max_tp=8, memory_limit=NothingFits(), compute=machine.compute))
-    steps.prefetch(("dp", "fsdp", "tp"))
+    prefetch(steps, ("dp", "fsdp", "tp"))
     assert sorted(steps.recomputed) == [(False, 1, 2), (False, 2, 1), (True, 1, 1)] and not steps.recompute_failed
     assert (True, 1, 1) in steps._derived[(False, 2, 1)][0]  # dp=2's graph derived from fsdp=2's
     cost = lambda n: node_seconds(n, machine.compute)  # noqa: E731

@@ -57,7 +57,8 @@ def test_workers_announce_each_trace_as_it_starts_and_carry_back_failures():
         for workers in (1, 2):
             said: list[str] = []
             plans, skipped, _, steps = plan_model(model, profile, 8, 8, axes=("dp", "fsdp", "tp"), note=said.append, workers=workers)
-            runs[workers] = (said, [(p.axes, p.shape, p.bucket_mb, p.prediction.step_s, p.prediction.memory.peak) for p in plans], skipped, sorted(steps.traced))
+            priced = [(p.axes, p.shape, p.bucket_mb, p.prediction.step_s, p.prediction.memory.peak) for p in plans]
+            runs[workers] = (said, priced, skipped, sorted(steps.traced))
         assert runs[1] == runs[2]
         said, _, skipped, _ = runs[2]
         assert said[0].startswith("tracing the step on ") and said[0].endswith("(1 of 4), 1 more graph(s) derived from it"), said

@@ -98,7 +98,7 @@ class ModelSteps:
     (dp, fsdp=1) graph is derived from the (dp, fsdp=2) one of its tp degree: the same forward and
     backward, then the step's end (averaging, clipping, the optimizer) traced alone
     (aot.plan.pricing.derive_without_fsdp; traced in full where the graph is not of that form), each
-    the very graph the build traces for that mesh (tests/test_plan_derived_graphs.py). `prefetch`
+    the very graph the build traces for that mesh (tests/test_plan_derived_graphs.py). aot.plan.layout_traces.prefetch
     makes, before the search, the graphs it will ask for.
 
     Recomputation (`recomputing`): a graph (traced or derived) from which a plan may not fit device
@@ -167,7 +167,7 @@ class ModelSteps:
         self.pipelines: dict[tuple, tuple[list, list[StepGraph]]] = {}
         self._forwards: dict[tuple, dict] = {}  # (dp, fsdp, tp) -> that layout's traced microbatch forwards (pipeline_programs)
         self._failed: dict[tuple, Exception] = {}  # key -> what tracing it raised (raised again when asked)
-        self._derived: dict[tuple, list] = {}  # traced key -> [(key, mesh)] derived from its graph (`prefetch`)
+        self._derived: dict[tuple, list] = {}  # traced key -> [(key, mesh)] derived from its graph (layout_traces.prefetch)
         # graphs from which a plan may not fit device memory (`memory_limit`: the planner's
         # aot.plan.search.MemoryLimit) also get recomputing variants, their choices priced on
         # `compute` (the device model, aot.plan.device_model: the build's, for the same profile)
@@ -532,22 +532,6 @@ class ModelSteps:
             return graph
         numels = [s.numel() for s in self.layout(1, 1, tp, ep).local_shapes(self.state).values()]
         return rescale(graph, shard_scale(numels, 2, fsdp), group_name(FSDP), fsdp)
-
-    # -- making the graphs ahead of a search (aot.plan.layout_traces) ---------------------------------
-
-    def needed(self, axes: tuple) -> list[tuple]:
-        """What a search over `axes` will ask to trace: [(key, (dp, fsdp, tp) traced)] in the order
-        it first asks (aot.plan.layout_traces.needed)."""
-        from aot.plan.layout_traces import needed
-
-        return needed(self, axes)
-
-    def prefetch(self, axes: tuple, workers: int = 1) -> None:
-        """Trace, before a search over `axes`, the graphs it will ask for, in up to `workers`
-        processes at once (aot.plan.layout_traces.prefetch)."""
-        from aot.plan.layout_traces import prefetch
-
-        prefetch(self, axes, workers)
 
 
 def _named(source: tuple) -> str:

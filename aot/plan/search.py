@@ -546,6 +546,7 @@ def plan_model(
     `workers`: processes that trace the model's layout classes at once (aot.plan.workers; None:
     one per core this process may use, 1: all in this process)."""
     from aot.garbage_collection import collected_less_often
+    from aot.plan.layout_traces import prefetch
     from aot.plan.workers import usable_cores
     from aot.plan.mesh import PLANNED_AXES
     from runner.format.axes import EP
@@ -563,6 +564,6 @@ def plan_model(
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
         # every axis the planner searches; ep for a model with experts
         searched = tuple(axes or (*PLANNED_AXES, *([EP] if steps.has_experts else [])))
-        steps.prefetch(searched, usable_cores() if workers is None else workers)
+        prefetch(steps, searched, usable_cores() if workers is None else workers)
         plans, skipped = planner.search(searched, bucket_mbs, prune_pipelines=axes is None)
     return plans, skipped, planner, steps
