@@ -78,3 +78,14 @@ def test_in_workers_keeps_the_order_of_the_jobs_and_raises_what_a_job_raises():
         pass
     else:
         raise AssertionError("a job's error was not raised")
+
+
+def test_pipeline_meshes_priced_in_workers_plan_what_one_process_plans():
+    """examples/mlp.py on 8 ranks over dp and pp: every pipeline mesh (pp=2, 4 and 8) priced at
+    once in workers, the refusals among them (a stage without weights, more stages than layers)
+    included, gives the plans and skipped meshes of pricing them one at a time."""
+    args = [str(REPO / "examples" / "mlp.py"), "--topology", "dgx_a100", "--world-size", "8", "--batch-size", "8", "--axes", "dp,pp"]
+    apart = _plan(*args, "--workers", "2")
+    assert apart == _plan(*args, "--workers", "1")
+    assert any(p["strategy"] == "pp=2,dp=4" for p in apart["plans"])
+    assert any("8 stages need at least 8 layers" in why for why in apart["skipped"]), apart["skipped"]

@@ -23,6 +23,7 @@ first (Planner.pipeline_may_win) or nothing without pp fits.
 from __future__ import annotations
 
 import math
+import time
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -131,6 +132,7 @@ class Planner:
         # groups and the levels of its axes (which walk every rank) are found once per placement
         self._spans: dict = {}
         self._levels: dict = {}
+        self.pipelines_apart_s = 0.0  # seconds pipeline meshes were priced in worker processes (_pipelines_ahead)
 
     def step_graph(self, axes, shape) -> StepGraph:
         key = tuple((a, d > 1 if a == DP else d) for a, d in zip(axes, shape))
@@ -247,11 +249,14 @@ class Planner:
         return self.machine.compute.overlaps_communication
 
     # -- the search ---------------------------------------------------------------------------
-    def search(self, axes: tuple[str, ...], bucket_mbs: tuple[float, ...] | None = None, prune_pipelines: bool = False) -> tuple[list[Plan], list[str]]:
+    def search(
+        self, axes: tuple[str, ...], bucket_mbs: tuple[float, ...] | None = None, prune_pipelines: bool = False, workers: int = 1
+    ) -> tuple[list[Plan], list[str]]:
         """Every mesh over `axes` for the machine's world size x every distinct bucketing, ranked.
         `prune_pipelines`: price a pipeline mesh only where it could rank first (pipeline_may_win)
         or where nothing without pp fits; its every pipeline rank's program is traced at each
-        schedule, ten times a mesh without pp."""
+        schedule, ten times a mesh without pp. `workers`: processes that price pipeline meshes at
+        once (`_pipelines_ahead`)."""
         plans, skipped = [], []
         pipelines = [shape for shape in factorizations(self.machine.world_size, axes) if dict(zip(axes, shape)).get(PP, 1) > 1]
         for shape in factorizations(self.machine.world_size, axes):
@@ -283,6 +288,7 @@ class Planner:
                 except Unsupported as e:
                     skipped.append(f"{mesh_name(axes, shape)}: {e}")
         seeds = self.pipeline_seeds(axes, plans) if prune_pipelines else None
+        ahead = self._pipelines_ahead(axes, pipelines, plans, seeds, workers)
         unpriced: dict[tuple[int, str], int] = {}
         too_deep = None  # the fewest stages the model has too few layers for
         for shape in sorted(pipelines, key=lambda s: dict(zip(axes, s))[PP]):
@@ -301,7 +307,10 @@ class Planner:
                 unpriced[(pp, why)] = unpriced.get((pp, why), 0) + 1
                 continue
             try:
-                plans.append(self.pipeline_plan(axes, shape))
+                outcome = ahead[shape] if shape in ahead else self.pipeline_plan(axes, shape)
+                if isinstance(outcome, Unsupported):
+                    raise outcome
+                plans.append(outcome)
             except Unsupported as e:
                 skipped.append(f"{mesh_name(axes, shape)}: {e}")
                 if "need at least" in str(e) and "layers" in str(e):  # more stages than layers: deeper pipelines too
@@ -311,6 +320,34 @@ class Planner:
             skipped.append(f"pp={pp} ({meshes} mesh{'es' if meshes > 1 else ''}): not priced, {why}{hint}")
         plans.sort(key=rank_key)
         return plans, skipped
+
+    def _pipelines_ahead(self, axes: tuple, pipelines: list[tuple], plans: list[Plan], seeds: set | None, workers: int) -> dict:
+        """{shape: its pipeline_plan, or the Unsupported it raised} for every pipeline mesh `search`
+        could price, priced at once by `workers` forked processes (aot.plan.workers; a pipeline
+        mesh is minutes of tracing for a 70B model); empty where they would run one at a time here
+        anyway (search then prices each as it comes). Each mesh `search` prices is among them: its
+        pruning only grows as it goes (a priced pipeline plan can only lower the best time per
+        sample that pipeline_may_win compares with; more stages than layers stays so), so the
+        meshes allowed before any pipeline plan is priced are a superset, and `search` keeps to
+        its own order and discards what it would not have priced: the plans are those of pricing
+        one at a time. `pipelines_apart_s` keeps the wall time, which the workers' own clocks
+        (ModelSteps.seconds) do not bring back."""
+        from aot.plan.workers import in_workers, will_fork
+
+        candidates = [shape for shape in pipelines if seeds is None or (shape in seeds and self.pipeline_may_win(plans, dict(zip(axes, shape))[PP]))]
+        if not will_fork(candidates, workers):
+            return {}
+
+        def price(shape):
+            try:
+                return self.pipeline_plan(axes, shape)
+            except Unsupported as e:
+                return e
+
+        started = time.perf_counter()
+        priced = dict(zip(candidates, in_workers(candidates, price, workers)))
+        self.pipelines_apart_s += time.perf_counter() - started
+        return priced
 
     def pipeline_seeds(self, axes: tuple[str, ...], plans: list[Plan]) -> set[tuple]:
         """The pipeline meshes a default search prices: each of the PIPELINE_SEEDS best meshes
@@ -564,6 +601,8 @@ def plan_model(
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
         # every axis the planner searches; ep for a model with experts
         searched = tuple(axes or (*PLANNED_AXES, *([EP] if steps.has_experts else [])))
-        prefetch(steps, searched, usable_cores() if workers is None else workers)
-        plans, skipped = planner.search(searched, bucket_mbs, prune_pipelines=axes is None)
+        workers = usable_cores() if workers is None else workers
+        prefetch(steps, searched, workers)
+        plans, skipped = planner.search(searched, bucket_mbs, prune_pipelines=axes is None, workers=workers)
+        steps.seconds["pipelines"] += planner.pipelines_apart_s
     return plans, skipped, planner, steps

@@ -38,6 +38,11 @@ def forks_safely() -> bool:
     return sys.platform.startswith("linux")
 
 
+def will_fork(jobs: list, workers: int) -> bool:
+    """Whether in_workers forks for `jobs` (else it runs them in this process)."""
+    return workers > 1 and len(jobs) > 1 and forks_safely()
+
+
 def in_workers(jobs: list, work: Callable[[Any], Any], workers: int, started: Callable[[Any], None] | None = None) -> list:
     """[work(job) for job in jobs], in that order, run by up to `workers` forked processes at once,
     each job given to the next free one (list the longest first); `started(job)` is called here
@@ -45,7 +50,7 @@ def in_workers(jobs: list, work: Callable[[Any], Any], workers: int, started: Ca
     single job) or fork is unsafe here. `work` returns something picklable; what it raises is
     raised here."""
     started = started or (lambda job: None)
-    if workers <= 1 or len(jobs) <= 1 or not forks_safely():
+    if not will_fork(jobs, workers):
         made = []
         for job in jobs:
             started(job)
