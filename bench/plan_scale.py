@@ -1,7 +1,7 @@
 """Benchmark: how long `aot plan` takes for a large machine.
 
     python bench/plan_scale.py [--model examples/gpt.py] [--size 8b] [--batch-size 2] [--topology dgx_a100] [--nodes 128]
-                               [--repeats 3] [--axes dp,fsdp] [--code DIR] [--quiet-patience S]
+                               [--repeats 3] [--axes dp,fsdp] [--workers N] [--code DIR] [--quiet-patience S]
 
 Runs `aot plan MODEL --topology T --nodes N --json` as a fresh process `--repeats` times and
 reports its wall time (process start to exit, interpreter and torch import included), the time the
@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--axes", default=None, help="passed to `aot plan --axes` (default: the command's own)")
     ap.add_argument("--size", default=None, help="AOT_SIZE for the model file (examples/llama.py: 1b, 8b, 70b)")
     ap.add_argument("--batch-size", type=int, default=None, help="passed to `aot plan --batch-size`")
+    ap.add_argument("--workers", type=int, default=None, help="passed to `aot plan --workers` (default: the command's own, one per core)")
     ap.add_argument("--code", type=Path, default=None, help="the checkout whose aot to run (default: this one)")
     ap.add_argument(
         "--quiet-patience", type=float, default=0.0, help="before each run, wait up to this many seconds for other processes to use at most 0.2 cores"
@@ -53,6 +54,8 @@ def main() -> None:
         cmd += ["--axes", args.axes]
     if args.batch_size:
         cmd += ["--batch-size", str(args.batch_size)]
+    if args.workers:
+        cmd += ["--workers", str(args.workers)]
     environment = env()
     if args.size:
         environment["AOT_SIZE"] = args.size
