@@ -24,7 +24,8 @@ def _plan(*args) -> dict:
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
     out.pop("seconds")
-    out.pop("time")
+    spent = out.pop("time")  # where the time went: its parts add up to the whole, however many workers
+    assert sum(s for part, s in spent.items() if part != "total_s") <= spent["total_s"] + 0.01, spent
     return out
 
 

@@ -54,7 +54,7 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1) -> None:
     """Trace, before a search over `axes`, the graphs it will ask for, each graph without fsdp
     derived from the fsdp=2 graph of its tp degree where the search needs that one too, in up to
     `workers` processes at once. What a trace raises is raised again when the search asks for it."""
-    from aot.plan.workers import in_workers
+    from aot.plan.workers import in_workers, will_fork
 
     if steps.world_size is None:
         return
@@ -81,12 +81,14 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1) -> None:
             spent[part] += seconds[part]
         for name, entries in made.items():
             getattr(steps, name).update(entries)
-    # the seconds the traces took, split between tracing and recomputing as the workers' were
-    # (summed over workers they exceed the wall time the search waited)
-    wall = time.perf_counter() - started
-    share = spent["recomputing"] / spent["tracing"] if spent["tracing"] else 0.0
-    steps.seconds["tracing"] += wall
-    steps.seconds["recomputing"] += wall * share
+    if will_fork(jobs, workers):
+        # the seconds the traces took, split between tracing and recomputing as the workers' were
+        # (their clocks ran in their own copies of `steps`; summed, they exceed the wall time the
+        # search waited). In this process `steps` has counted them already.
+        wall = time.perf_counter() - started
+        share = spent["recomputing"] / spent["tracing"] if spent["tracing"] else 0.0
+        steps.seconds["tracing"] += wall
+        steps.seconds["recomputing"] += wall * share
 
 
 def _announce(steps: ModelSteps, i: int, key: tuple, source: tuple, count: int, planner: int) -> None:
