@@ -132,6 +132,11 @@ class StepGraph:
     comms: list[CommSite]
     memory: Memory
     graph_nodes: int
+    # aot.plan.derived_steps.rescale's: (the graph this one was resized from, the indices of the
+    # ops it replaced); its other ops are that graph's own Op objects, whose seconds the search
+    # reuses (Planner._op_times_for: a deep step has a hundred thousand ops, a few percent resized)
+    resized_from: tuple | None = field(default=None, repr=False, compare=False)
+    flat_ops: list | None = field(default=None, repr=False, compare=False)  # rescale's: its ops with a flat tensor, found once
 
     @property
     def flops(self) -> float:

@@ -56,14 +56,13 @@ def rescale(step: StepGraph, scale: ShardScale, group: str, degree: int) -> Step
     # Before the first reduce-scattered gradient is read, flat tensors are whole parameters and
     # gradients (gathered, padded); after it, the optimizer works on shards.
     boundary = min((c.wait_at for c in step.comms if c.kind == "reduce_scatter"), default=len(step.ops))
-    ops = []
-    for i, op in enumerate(step.ops):
-        # shards and padded whole parameters are flat; shaped tensors keep their size (and the op)
-        if any(flat for _, _, flat in op.tensors):
-            resize = scale.full_first if i < boundary else scale
-            tensors = tuple((resize(n) if flat else n, e, flat) for n, e, flat in op.tensors)
-            op = replace(op, tensors=tensors, bytes=float(sum(n * e for n, e, _ in tensors)))
-        ops.append(op)
+    ops = list(step.ops)
+    flat_ops = _flat_ops(step)
+    for i in flat_ops:  # shards and padded whole parameters are flat; shaped tensors keep their size (and the op)
+        op = ops[i]
+        resize = scale.full_first if i < boundary else scale
+        tensors = tuple((resize(n) if flat else n, e, flat) for n, e, flat in op.tensors)
+        ops[i] = replace(op, tensors=tensors, bytes=float(sum(n * e for n, e, _ in tensors)))
     comms = []
     for c in step.comms:
         elsize = c.element_size
@@ -78,7 +77,15 @@ def rescale(step: StepGraph, scale: ShardScale, group: str, degree: int) -> Step
         comms.append(c.sized(elsize))
     resident = tuple((part, scale.shard(n) if part in ("params", "optimizer") else n, e) for part, n, e in step.memory.resident_tensors)
     memory = memory_of(resident, step.memory.intervals, step.memory.length, scale)
-    return StepGraph(ops=ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes)
+    return StepGraph(ops=ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes, resized_from=(step, flat_ops))
+
+
+def _flat_ops(step: StepGraph) -> list[int]:
+    """The indices of `step`'s ops that read or write a flat tensor (those rescale resizes), found
+    once per graph: the search rescales one graph to every fsdp degree of every mesh."""
+    if step.flat_ops is None:
+        step.flat_ops = [i for i, op in enumerate(step.ops) if any(flat for _, _, flat in op.tensors)]
+    return step.flat_ops
 
 
 def drop_group(step: StepGraph, group: str) -> StepGraph:

@@ -68,7 +68,7 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
             )
     comms.sort(key=lambda c: (c.issue_at, c.name))
     memory = memory_with(step.memory, changed)
-    return StepGraph(ops=step.ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes)
+    return StepGraph(ops=step.ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes, resized_from=step.resized_from)
 
 
 def _retime(intervals: list, bucket: list[CommSite], changed: dict) -> None:

@@ -31,7 +31,7 @@ from typing import Callable
 
 from aot.errors import AotError
 from aot.plan import collectives, hierarchy
-from aot.plan.cost_model import Prediction, StepGraph, microbatched_seconds, op_seconds, simulate
+from aot.plan.cost_model import Prediction, StepGraph, microbatched_seconds, op_seconds, op_time, simulate
 from aot.plan.rebucket import rebucket
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
@@ -142,9 +142,18 @@ class Planner:
         return self._graphs[key]
 
     def _op_times_for(self, step: StepGraph) -> list[float]:
+        """op_seconds(step), once per graph; a graph resized from another (rescale) prices only
+        the ops it replaced."""
         key = id(step.ops)
         if key not in self._op_times:
-            self._op_times[key] = (step.ops, op_seconds(step, self.machine.compute))
+            if step.resized_from is not None:
+                base, replaced = step.resized_from
+                times = list(self._op_times_for(base))
+                for i in replaced:
+                    times[i] = op_time(step.ops[i], self.machine.compute)
+            else:
+                times = op_seconds(step, self.machine.compute)
+            self._op_times[key] = (step.ops, times)
         return self._op_times[key][1]
 
     # -- collectives ------------------------------------------------------------------------
