@@ -268,34 +268,10 @@ class Planner:
         once (`_pipelines_ahead`)."""
         plans, skipped = [], []
         pipelines = [shape for shape in factorizations(self.machine.world_size, axes) if dict(zip(axes, shape)).get(PP, 1) > 1]
-        for shape in factorizations(self.machine.world_size, axes):
-            if shape in pipelines:
-                continue
-            try:
-                step = self.step_graph(axes, shape)
-            except Unsupported as e:
-                skipped.append(f"{mesh_name(axes, shape)}: {e}")
-                continue
-            placement = None
-            seen: dict[tuple, Plan] = {}
-            for mb in _bucket_candidates(step, bucket_mbs):
-                graph = rebucket(step, int(mb * MiB))
-                signature = tuple((c.kind, c.group, c.bytes, c.issue_at, c.wait_at) for c in graph.comms)
-                if signature in seen:  # same buckets as a size already priced: the same plan
-                    if abs(mb - DEFAULT_BUCKET_MB) < abs(seen[signature].bucket_mb - DEFAULT_BUCKET_MB):
-                        seen[signature].bucket_mb = mb
-                    continue
-                if placement is None:
-                    placement = place(self.machine, tuple(axes), tuple(shape), _traffic(graph))
-                plan = self.evaluate(axes, shape, mb, step=graph, bucketed=True, placement=placement)
-                seen[signature] = plan
-                plans.append(plan)
-            over = [p for p in seen.values() if not p.fits]
-            if over and self._recomputing is not None:
-                try:
-                    plans += self.recomputing(axes, shape, over)
-                except Unsupported as e:
-                    skipped.append(f"{mesh_name(axes, shape)}: {e}")
+        meshes = [shape for shape in factorizations(self.machine.world_size, axes) if shape not in pipelines]
+        for made, missed in self._meshes_priced(axes, meshes, bucket_mbs, workers):
+            plans += made
+            skipped += missed
         seeds = self.pipeline_seeds(axes, plans) if prune_pipelines else None
         ahead = self._pipelines_ahead(axes, pipelines, plans, seeds, workers)
         unpriced: dict[tuple[int, str], int] = {}
@@ -324,11 +300,55 @@ class Planner:
                 skipped.append(f"{mesh_name(axes, shape)}: {e}")
                 if "need at least" in str(e) and "layers" in str(e):  # more stages than layers: deeper pipelines too
                     too_deep = (pp, f"more stages than the model has layers (pp={pp} already)")
-        for (pp, why), meshes in unpriced.items():
+        for (pp, why), count in unpriced.items():
             hint = " (--axes dp,fsdp,tp,pp prices them all)" if seeds is not None and "layers" not in why else ""
-            skipped.append(f"pp={pp} ({meshes} mesh{'es' if meshes > 1 else ''}): not priced, {why}{hint}")
+            skipped.append(f"pp={pp} ({count} mesh{'es' if count > 1 else ''}): not priced, {why}{hint}")
         plans.sort(key=rank_key)
         return plans, skipped
+
+    def _meshes_priced(self, axes: tuple, meshes: list[tuple], bucket_mbs, workers: int) -> list[tuple[list[Plan], list[str]]]:
+        """[(plans, skipped)] of each mesh without pp (`_mesh_priced`), in order; by `workers`
+        forked processes at once, each taking the meshes read from one graph (those that differ in
+        their dp degree only: the graph's derivations and op times are made once), where there
+        is more than one such group (aot.plan.workers)."""
+        from aot.plan.workers import in_workers
+
+        groups: dict[tuple, list[tuple]] = {}
+        for shape in meshes:
+            groups.setdefault(tuple((a, d > 1 if a == DP else d) for a, d in zip(axes, shape)), []).append(shape)
+        priced = in_workers(list(groups.values()), lambda group: [self._mesh_priced(axes, shape, bucket_mbs) for shape in group], workers)
+        by_mesh = {shape: made for group, made in zip(groups.values(), priced) for shape, made in zip(group, made)}
+        return [by_mesh[shape] for shape in meshes]
+
+    def _mesh_priced(self, axes: tuple, shape: tuple, bucket_mbs) -> tuple[list[Plan], list[str]]:
+        """(plans, skipped) of one mesh without pp: a plan per distinct bucketing, and where one does
+        not fit, the plans recomputing activations."""
+        plans: list[Plan] = []
+        try:
+            step = self.step_graph(axes, shape)
+        except Unsupported as e:
+            return [], [f"{mesh_name(axes, shape)}: {e}"]
+        placement = None
+        seen: dict[tuple, Plan] = {}
+        for mb in _bucket_candidates(step, bucket_mbs):
+            graph = rebucket(step, int(mb * MiB))
+            signature = tuple((c.kind, c.group, c.bytes, c.issue_at, c.wait_at) for c in graph.comms)
+            if signature in seen:  # same buckets as a size already priced: the same plan
+                if abs(mb - DEFAULT_BUCKET_MB) < abs(seen[signature].bucket_mb - DEFAULT_BUCKET_MB):
+                    seen[signature].bucket_mb = mb
+                continue
+            if placement is None:
+                placement = place(self.machine, tuple(axes), tuple(shape), _traffic(graph))
+            plan = self.evaluate(axes, shape, mb, step=graph, bucketed=True, placement=placement)
+            seen[signature] = plan
+            plans.append(plan)
+        over = [p for p in seen.values() if not p.fits]
+        if over and self._recomputing is not None:
+            try:
+                plans += self.recomputing(axes, shape, over)
+            except Unsupported as e:
+                return plans, [f"{mesh_name(axes, shape)}: {e}"]
+        return plans, []
 
     def _pipelines_ahead(self, axes: tuple, pipelines: list[tuple], plans: list[Plan], seeds: set | None, workers: int) -> dict:
         """{shape: its pipeline_plan, or the Unsupported it raised} for every pipeline mesh `search`
