@@ -67,9 +67,10 @@ SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json
     "--workers",
     type=click.IntRange(min=1),
     default=None,
-    help="Processes that trace the model's layout classes (each tensor-parallel degree, with and "
-    "without fsdp) at once. Default: one per core this process may use (Linux; elsewhere 1); 1 "
-    "traces them all in this process. The plans are the same either way.",
+    help="Processes that plan at once: each traces some of the model's layout classes (a "
+    "tensor-parallel degree, with and without fsdp), then prices some of the meshes and pipeline "
+    "meshes. Default: one per core this process may use (forked, on Linux; elsewhere 1); 1 plans "
+    "in this process. The plans are the same either way.",
 )
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print every candidate as JSON.")

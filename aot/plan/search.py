@@ -609,8 +609,8 @@ def plan_model(
     parallelism on another profile; the graphs that stay valid on this one are not traced again
     (ModelSteps.retargeted), so planning one model for several profiles traces it about once.
     `note(line)` hears each long piece of work as it starts (a trace, a pipeline's programs).
-    `workers`: processes that trace the model's layout classes at once (aot.plan.workers; None:
-    one per core this process may use, 1: all in this process)."""
+    `workers`: processes that trace the model's layout classes, then price its meshes, at once
+    (aot.plan.workers; None: one per core this process may use, 1: all in this process)."""
     from aot.garbage_collection import collected_less_often
     from aot.plan.layout_traces import prefetch
     from aot.plan.workers import usable_cores

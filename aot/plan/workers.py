@@ -1,12 +1,14 @@
 """Planning's independent pieces of work run at once, in worker processes forked from the planner.
 
-Most of a large model's planning is tracing and analyzing one step graph per layout class (the
-tensor-parallel degree, with or without fsdp: aot.plan.model_steps), each independent of the
-others and each single-threaded Python. A planner in one process leaves every core but one idle,
-so `in_workers` forks one worker per core (the planner's state, the model's fake tensors and the
-recorded step, is shared copy-on-write, nothing is traced or loaded again) and sends each piece of
-work to the next free worker; what a worker makes comes back pickled over a pipe (a step's
-analysis, lists and numbers; never written anywhere).
+Most of a large model's planning is single-threaded Python over independent pieces: tracing and
+analyzing one step graph per layout class (the tensor-parallel degree, with or without fsdp:
+aot.plan.layout_traces), then pricing every mesh (aot.plan.search: the meshes read from one graph
+together, and each pipeline mesh, whose programs are traced). A planner in one process leaves
+every core but one idle, so `in_workers` forks one worker per core (the planner's state, the
+model's fake tensors, the recorded step and the graphs traced so far, is shared copy-on-write:
+nothing is traced or loaded again) and sends each piece of work to the next free worker; what a
+worker makes comes back pickled over a pipe (analyses and plans: lists and numbers, never
+written anywhere; the plans of a 16,384-rank search of Llama-3-8B are 51 MB, 0.5 s to send).
 
 Forking is used only where it is safe and cheap: on Linux, for more than one piece of work and
 more than one core. Each worker runs torch single-threaded before anything else: a child of a
