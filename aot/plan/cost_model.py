@@ -152,7 +152,10 @@ def memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Mem
     for part, numel, elsize in resident:
         setattr(mem, part, getattr(mem, part) + numel * elsize)
     if intervals:
-        _swept(mem, _births_and_deaths(intervals, length, scale))
+        delta = _births_and_deaths(intervals, length, scale)
+        _swept(mem, delta)
+        if scale is not None:  # a graph the search resized: memory_with corrects it next, for each bucket size
+            mem.sweep = delta
     return mem
 
 
