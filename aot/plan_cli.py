@@ -69,8 +69,9 @@ SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json
     default=None,
     help="Processes that plan at once: each traces some of the model's layout classes (a "
     "tensor-parallel degree, with and without fsdp), then prices some of the meshes and pipeline "
-    "meshes. Default: one per core this process may use (forked, on Linux; elsewhere 1); 1 plans "
-    "in this process. The plans are the same either way.",
+    "meshes. Default: AOT_PLAN_WORKERS, else one per core this process may use and 1.5 GiB of "
+    "available memory (forked, on Linux; elsewhere 1); 1 plans in this process. The plans are the "
+    "same either way.",
 )
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print every candidate as JSON.")

@@ -90,3 +90,23 @@ def test_pipeline_meshes_priced_in_workers_plan_what_one_process_plans():
     assert apart == _plan(*args, "--workers", "1")
     assert any(p["strategy"] == "pp=2,dp=4" for p in apart["plans"])
     assert any("8 stages need at least 8 layers" in why for why in apart["skipped"]), apart["skipped"]
+
+
+def test_a_worker_that_dies_is_one_line_naming_fewer_workers(monkeypatch):
+    """A worker killed mid-plan (the kernel's OOM killer, here os._exit) is one line that says how
+    to plan with fewer; AOT_PLAN_WORKERS sets the default and is refused when it is not a count."""
+    import os
+
+    import pytest
+
+    from aot.errors import AotError
+    from aot.plan.workers import default_workers
+
+    with pytest.raises(AotError) as died:
+        in_workers([0, 1], lambda job: os._exit(9) if job else job, 2)
+    assert "ended abruptly (out of memory?): plan with fewer, `aot plan --workers 1`" in str(died.value)
+    monkeypatch.setenv("AOT_PLAN_WORKERS", "3")
+    assert default_workers() == 3
+    monkeypatch.setenv("AOT_PLAN_WORKERS", "many")
+    with pytest.raises(AotError, match="AOT_PLAN_WORKERS='many': expected a whole number of processes"):
+        default_workers()

@@ -610,10 +610,10 @@ def plan_model(
     (ModelSteps.retargeted), so planning one model for several profiles traces it about once.
     `note(line)` hears each long piece of work as it starts (a trace, a pipeline's programs).
     `workers`: processes that trace the model's layout classes, then price its meshes, at once
-    (aot.plan.workers; None: one per core this process may use, 1: all in this process)."""
+    (aot.plan.workers; None: default_workers(), about one per core; 1: all in this process)."""
     from aot.garbage_collection import collected_less_often
     from aot.plan.layout_traces import prefetch
-    from aot.plan.workers import usable_cores
+    from aot.plan.workers import default_workers
     from aot.plan.mesh import PLANNED_AXES
     from runner.format.axes import EP
 
@@ -630,7 +630,7 @@ def plan_model(
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
         # every axis the planner searches; ep for a model with experts
         searched = tuple(axes or (*PLANNED_AXES, *([EP] if steps.has_experts else [])))
-        workers = usable_cores() if workers is None else workers
+        workers = default_workers() if workers is None else workers
         prefetch(steps, searched, workers)
         plans, skipped = planner.search(searched, bucket_mbs, prune_pipelines=axes is None, workers=workers)
         steps.seconds["pipelines"] += planner.pipelines_apart_s

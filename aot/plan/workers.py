@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
+
+from aot.errors import AotError
 
 _WORK: Callable[[Any], Any] | None = None  # what the forked workers run: set before they fork, read in them
 
@@ -33,6 +36,35 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def default_workers() -> int:
+    """Workers a plan runs without `aot plan --workers`: AOT_PLAN_WORKERS where set (how
+    `aot build --strategy auto` is told), else one per core this process may use but no more than
+    the memory available holds at WORKER_BYTES each (a worker's own graphs and the pages of the
+    planner it copies as it touches them: about 1 GB planning Llama-3-70B), at least 1."""
+    told = os.environ.get("AOT_PLAN_WORKERS", "").strip()
+    if told:
+        if not told.isdigit() or int(told) < 1:
+            raise AotError(f"AOT_PLAN_WORKERS={told!r}: expected a whole number of processes, at least 1")
+        return int(told)
+    available = _available_bytes()
+    fit = available // WORKER_BYTES if available is not None else usable_cores()
+    return max(1, min(usable_cores(), fit))
+
+
+WORKER_BYTES = 3 << 29  # 1.5 GiB
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def forks_safely() -> bool:
@@ -59,26 +91,40 @@ def in_workers(jobs: list, work: Callable[[Any], Any], workers: int, started: Ca
             made.append(work(job))
         return made
     import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     global _WORK
     _WORK = work
-    results: dict[int, Any] = {}
     try:
         context = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context, initializer=_single_threaded) as pool:
-            waiting = list(enumerate(jobs))
-            running: dict = {}
-            while waiting or running:
-                while waiting and len(running) < workers:  # a job starts when a worker is free
-                    i, job = waiting.pop(0)
-                    started(job)
-                    running[pool.submit(_run, job)] = i
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    results[running.pop(future)] = future.result()
+            return _run_all(pool, jobs, workers, started)
+    except BrokenProcessPool:
+        fewer = max(1, workers // 2)
+        raise AotError(
+            f"a planning worker process ended abruptly (out of memory?): plan with fewer, `aot plan --workers {fewer}` "
+            f"(AOT_PLAN_WORKERS={fewer} for `aot build --strategy auto`)"
+        ) from None
     finally:
         _WORK = None
+
+
+def _run_all(pool, jobs: list, workers: int, started: Callable[[Any], None]) -> list:
+    """in_workers' loop: each job submitted when a worker is free, the results in job order."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    results: dict[int, Any] = {}
+    waiting = list(enumerate(jobs))
+    running: dict = {}
+    while waiting or running:
+        while waiting and len(running) < workers:  # a job starts when a worker is free
+            i, job = waiting.pop(0)
+            started(job)
+            running[pool.submit(_run, job)] = i
+        done, _ = wait(running, return_when=FIRST_COMPLETED)
+        for future in done:
+            results[running.pop(future)] = future.result()
     return [results[i] for i in range(len(jobs))]
 
 
