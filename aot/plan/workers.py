@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -98,7 +99,10 @@ def in_workers(jobs: list, work: Callable[[Any], Any], workers: int, started: Ca
     _WORK = work
     try:
         context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context, initializer=_single_threaded) as pool:
+        with warnings.catch_warnings(), ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context, initializer=_single_threaded) as pool:
+            # Python 3.12+ warns at a fork from a process with threads: torch's OpenMP pool's, which
+            # the workers never use (_single_threaded); aot itself starts none
+            warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning)
             return _run_all(pool, jobs, workers, started)
     except BrokenProcessPool:
         fewer = max(1, workers // 2)
