@@ -273,11 +273,14 @@ class Planner:
             plans += made
             skipped += missed
         seeds = self.pipeline_seeds(axes, plans) if prune_pipelines else None
-        ahead = self._pipelines_ahead(axes, pipelines, plans, seeds, workers)
+        ahead: dict[tuple, Plan | Unsupported] = {}  # pipeline meshes priced in workers, one pp degree at a time
         unpriced: dict[tuple[int, str], int] = {}
         too_deep = None  # the fewest stages the model has too few layers for
         for shape in sorted(pipelines, key=lambda s: dict(zip(axes, s))[PP]):
             pp = dict(zip(axes, shape))[PP]
+            degree = [s for s in pipelines if dict(zip(axes, s))[PP] == pp]
+            if shape == degree[0] and (too_deep is None or pp < too_deep[0]):  # the first of this degree's meshes
+                ahead = self._pipelines_ahead(axes, degree, plans, seeds, workers)
             why = None
             if too_deep is not None and pp >= too_deep[0]:
                 why = too_deep[1]
@@ -351,16 +354,17 @@ class Planner:
         return plans, []
 
     def _pipelines_ahead(self, axes: tuple, pipelines: list[tuple], plans: list[Plan], seeds: set | None, workers: int) -> dict:
-        """{shape: its pipeline_plan, or the Unsupported it raised} for every pipeline mesh `search`
-        could price, priced at once by `workers` forked processes (aot.plan.workers; a pipeline
-        mesh is minutes of tracing for a 70B model); empty where they would run one at a time here
-        anyway (search then prices each as it comes). Each mesh `search` prices is among them: its
-        pruning only grows as it goes (a priced pipeline plan can only lower the best time per
-        sample that pipeline_may_win compares with; more stages than layers stays so), so the
-        meshes allowed before any pipeline plan is priced are a superset, and `search` keeps to
+        """{shape: its pipeline_plan, or the Unsupported it raised} for every mesh of `pipelines`
+        (one pp degree's) that `search` could price, priced at once by `workers` forked processes
+        (aot.plan.workers; a pipeline mesh is minutes of tracing for a 70B model); empty where they
+        would run one at a time here anyway (search then prices each as it comes). Each mesh
+        `search` prices is among them: its pruning only grows as it goes (a priced pipeline plan
+        can only lower the best time per sample that pipeline_may_win compares with), so the
+        meshes allowed before this degree's first is priced are a superset, and `search` keeps to
         its own order and discards what it would not have priced: the plans are those of pricing
-        one at a time. `pipelines_apart_s` keeps the wall time, which the workers' own clocks
-        (ModelSteps.seconds) do not bring back."""
+        one at a time. (One degree at a time: past a degree with more stages than the model has
+        layers, search prices none.) `pipelines_apart_s` keeps the wall time, which the workers'
+        own clocks (ModelSteps.seconds) do not bring back."""
         from aot.plan.workers import in_workers, will_fork
 
         candidates = [shape for shape in pipelines if seeds is None or (shape in seeds and self.pipeline_may_win(plans, dict(zip(axes, shape))[PP]))]
