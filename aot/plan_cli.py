@@ -183,6 +183,7 @@ def plan(
                     "memory_headroom": MEMORY_HEADROOM,
                     "seconds": round(seconds, 3),
                     "time": spent,
+                    "workers": steps.workers,
                     "skipped": skipped,
                     "plans": rows,
                 },
@@ -237,7 +238,8 @@ def plan(
             smallest = min(range(len(plans)), key=lambda i: plans[i].prediction.memory.peak)
             click.echo(f"memory of #{smallest + 1} (the smallest peak): {describe_memory(rows[smallest])}")
     parts = ", ".join(f"{part[:-2].replace('_', ' ')} {s:.1f} s" for part, s in spent.items() if part != "total_s")
-    click.echo(f"planned in {seconds:.1f} s ({parts})", err=True)
+    workers = f" by {steps.workers} worker processes" if steps.workers > 1 else ""
+    click.echo(f"planned in {seconds:.1f} s{workers} ({parts})", err=True)
 
 
 def time_spent(total: float, parts: dict[str, float]) -> dict[str, float]:

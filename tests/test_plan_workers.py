@@ -23,6 +23,7 @@ def _plan(*args) -> dict:
     result = CliRunner().invoke(cli, ["plan", *args, "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
+    assert out.pop("workers") == int(args[args.index("--workers") + 1])
     out.pop("seconds")
     spent = out.pop("time")  # where the time went: its parts add up to the whole, however many workers
     assert sum(s for part, s in spent.items() if part != "total_s") <= spent["total_s"] + 0.01, spent

@@ -128,6 +128,7 @@ class ModelSteps:
         started = time.perf_counter()
         # where planning's time goes (`aot plan --json`'s "time"), and a line per long piece of work
         self.seconds = {"recording": 0.0, "tracing": 0.0, "recomputing": 0.0, "pipelines": 0.0}  # recomputing: part of tracing
+        self.workers = 1  # processes that made the graphs and prices (aot.plan.workers; plan_model sets it)
         self.note = note or (lambda line: None)
         mf = load_model_file(model_path)
         self.request = (Path(model_path), batch_size, seed, sequence_parallel, moe_capacity_factor)  # what `retargeted` copies may share

@@ -635,6 +635,7 @@ def plan_model(
         # every axis the planner searches; ep for a model with experts
         searched = tuple(axes or (*PLANNED_AXES, *([EP] if steps.has_experts else [])))
         workers = default_workers() if workers is None else workers
+        steps.workers = workers  # `aot plan` says how many planned
         prefetch(steps, searched, workers)
         plans, skipped = planner.search(searched, bucket_mbs, prune_pipelines=axes is None, workers=workers)
         steps.seconds["pipelines"] += planner.pipelines_apart_s
