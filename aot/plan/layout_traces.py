@@ -14,7 +14,6 @@ itself: the plans are the same (tests/test_plan_workers.py).
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from typing import Any
 
@@ -121,10 +120,11 @@ def _trace(steps: ModelSteps, i: int, key: tuple, source: tuple, count: int, pla
 
 
 def _portable(error: Exception) -> Exception:
-    """`error`, or where it cannot travel back from a worker (pickle refuses it), one of its type's
-    name and message: the search reports it, or raises it, alike."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001  (any exception the pickling raises)
-        return RuntimeError(f"{type(error).__name__}: {error}")
+    """A worker's failure as it travels back to the planner: Unsupported and AotError keep their
+    kind and message (the search skips that mesh, or the command ends on that one line, as in one
+    process; a subclass, whose constructor may take other arguments, as its base); anything else
+    becomes a RuntimeError naming its type (an internal error either way)."""
+    for kind in (Unsupported, AotError):
+        if isinstance(error, kind):
+            return error if type(error) is kind else kind(str(error))
+    return RuntimeError(f"{type(error).__name__}: {error}")

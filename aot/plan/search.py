@@ -276,11 +276,13 @@ class Planner:
         ahead: dict[tuple, Plan | Unsupported] = {}  # pipeline meshes priced in workers, one pp degree at a time
         unpriced: dict[tuple[int, str], int] = {}
         too_deep = None  # the fewest stages the model has too few layers for
+        by_degree: dict[int, list[tuple]] = {}
         for shape in sorted(pipelines, key=lambda s: dict(zip(axes, s))[PP]):
+            by_degree.setdefault(dict(zip(axes, shape))[PP], []).append(shape)
+        for shape in [s for degree in by_degree.values() for s in degree]:
             pp = dict(zip(axes, shape))[PP]
-            degree = [s for s in pipelines if dict(zip(axes, s))[PP] == pp]
-            if shape == degree[0] and (too_deep is None or pp < too_deep[0]):  # the first of this degree's meshes
-                ahead = self._pipelines_ahead(axes, degree, plans, seeds, workers)
+            if shape == by_degree[pp][0] and (too_deep is None or pp < too_deep[0]):  # the first of this degree's meshes
+                ahead = self._pipelines_ahead(axes, by_degree[pp], plans, seeds, workers)
             why = None
             if too_deep is not None and pp >= too_deep[0]:
                 why = too_deep[1]
