@@ -146,6 +146,62 @@ def test_plans_rank_by_time_per_sample_and_price_pipelines_where_they_could_win(
     assert any(s.startswith("pp=2 (1 mesh): not priced, none can beat the best plan without pp") for s in out["skipped"]), out["skipped"]
 
 
+WIDE_MLP = str(REPO / "tests" / "models" / "wide_mlp.py")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_pipeline_rank_holds_at_least_its_share_of_the_gradients(precision):
+    """The floor the search prunes pipeline meshes with (Planner.pipeline_cannot_fit): the busiest
+    pipeline rank's predicted transient peak is at least 1/pp of every parameter's gradient, whole
+    and in the dtype it is summed in (the gathered parameter's under fsdp with mixed precision,
+    else the parameter's), at each schedule, microbatch count and recomputation, with and without
+    fsdp. On a model whose gradients are most of what a rank holds, it is within 4x of it."""
+    from aot.plan.model_steps import ModelSteps, Pricing
+
+    steps = ModelSteps(Path(WIDE_MLP), 4, pricing=Pricing(precision=precision))
+    gradients = {fsdp: steps.pipeline_gradients(fsdp, 1) for fsdp in (1, 2)}
+    params = sum(p.numel() for p in steps.state.params.values())
+    assert gradients[1] == 4 * params and gradients[2] == (4 if precision == "fp32" else 2) * params
+    configurations = [
+        (("pp", "fsdp"), (2, 2), 2, "1f1b", 1, False),
+        (("pp", "fsdp"), (2, 2), 2, "zero-bubble", 1, False),
+        (("pp", "fsdp"), (2, 2), 4, "1f1b", 1, True),
+    ]
+    if precision == "fp32":  # the dtype changes under fsdp only: the other schedules once
+        configurations += [(("pp",), (2,), 2, "1f1b", 1, False), (("pp",), (2,), 4, "interleaved-1f1b", 2, False)]
+    for axes, shape, microbatches, schedule, virtual, recompute in configurations:
+        _, analyses = steps.pipeline(axes, shape, microbatches, schedule, virtual, recompute=recompute)
+        floor = gradients[dict(zip(axes, shape)).get("fsdp", 1)] / 2
+        busiest = max(a.memory.peak_transient for a in analyses)
+        assert floor <= busiest <= 4 * floor, (shape, schedule, microbatches, recompute, floor, busiest)
+
+
+def test_pipeline_meshes_that_cannot_fit_are_not_priced(tmp_path):
+    """Where a plan without pp fits, a default search does not trace a pipeline mesh whose every
+    rank would hold more than the device allows in gradients alone (the wide MLP at pp=2: 8 MiB
+    of its 16 MiB of gradients, on GPUs with room for 7.2 MiB, where fsdp=8 fits) and says so
+    with the figures; asked for pipelines (`--axes`), the search prices them, and none fits."""
+    from aot.plan.search import MEMORY_HEADROOM
+
+    profile = copy.deepcopy(load_profile("dgx_a100"))
+    for gpu in profile["node"]["gpus"].values():
+        gpu["memory_bytes"] = int(7.5e6 / MEMORY_HEADROOM)
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(profile))
+    common = [WIDE_MLP, "--topology", str(path), "--world-size", "8", "--batch-size", "2"]
+    searched = _plan(*common)
+    assert searched["plans"][0]["fits"] and "pp" not in searched["plans"][0]["strategy"]
+    assert not any("pp" in p["strategy"] for p in searched["plans"])
+    assert (
+        "pp=2 (1 mesh): not priced, none fits: each pipeline rank holds its parameters' gradients whole, summed over "
+        "microbatches until the step's end (8.0 MiB on the busiest rank at the least, over the 7.2 MiB a rank may hold)"
+    ) in " | ".join(searched["skipped"]), searched["skipped"]
+    asked = _plan(*common, "--axes", "fsdp,pp")
+    pipelines = [p for p in asked["plans"] if p["strategy"] == "pp=2,fsdp=4"]
+    assert pipelines and not any(p["fits"] for p in pipelines)
+    assert all(p["memory_bytes"]["peak"] > 7.5e6 for p in pipelines)
+
+
 @pytest.mark.slow  # a search and a pipeline build (20 s); CI runs it
 def test_build_strategy_auto_builds_a_pipeline_where_links_are_slow(tmp_path):
     """With 10 MB/s between the GPUs, dp, fsdp and tp wait on their collectives while a pipeline

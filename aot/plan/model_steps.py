@@ -512,6 +512,18 @@ class ModelSteps:
             self.seconds["pipelines"] += time.perf_counter() - started
         return self.pipelines[key]
 
+    def pipeline_gradients(self, fsdp: int, tp: int, ep: int = 1) -> int:
+        """Bytes of every parameter's gradient as the pipeline ranks of a mesh (fsdp, tp, ep) sum
+        them over microbatches, all ranks together (aot/capture/pipeline.py: each gradient is
+        whole on its rank, of its tensor-parallel slice's shape, in the dtype of what it
+        differentiates: the parameter gathered once per step under fsdp, in the compute dtype with
+        mixed precision, else the parameter itself). Every parameter is counted: one the loss does
+        not reach has none, so a model with many is held to more than it holds. Unsupported where
+        the build refuses the layout."""
+        shapes = self.layout(1, 1, tp, ep).local_shapes(self.state)
+        gathered = self.precision.compute_dtype.itemsize if fsdp > 1 and self.precision.mixed else None
+        return sum(shapes[name].numel() * (gathered or p.element_size()) for name, p in self.state.params.items())
+
     def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int, int]:
         degrees = dict(zip(axes, shape))
         other = [a for a, d in degrees.items() if a not in (DP, FSDP, TP, EP) and d > 1]

@@ -39,7 +39,7 @@ from aot.plan.model_steps import ModelSteps, Pricing, Unsupported, factorization
 from aot.plan.pipeline import bubble_floor
 from aot.plan.placement import Placement, identity, place
 from aot.defaults import DEFAULT_BUCKET_MB
-from runner.format.axes import DATA_AXES, DP, FSDP, PP
+from runner.format.axes import DATA_AXES, DP, EP, FSDP, PP, TP
 
 BUCKET_MB_CANDIDATES = (1.0, 4.0, DEFAULT_BUCKET_MB, 100.0)
 MEMORY_HEADROOM = 0.9  # of device memory: the CUDA context, allocator caching and fragmentation take the rest
@@ -117,11 +117,14 @@ class Planner:
         recomputing: Callable[[tuple, tuple], list[tuple[float, StepGraph]]] | None = None,
         pipeline: Callable | None = None,
         batch_size: int | None = None,
+        pipeline_gradients: Callable | None = None,
     ):
         self.machine = machine
         self.batch_size = batch_size  # per data-parallel rank: the microbatch counts a pipeline can take (None: any)
         # (axes, shape, microbatches) -> (programs, their analyses), one per pipeline rank (ModelSteps.pipeline)
         self._pipeline = pipeline
+        # (fsdp, tp, ep) -> bytes of the gradients a pipeline mesh's ranks sum over microbatches (ModelSteps.pipeline_gradients)
+        self._pipeline_gradients = pipeline_gradients
         self.hierarchical = hierarchical  # all_reduces in two levels: "auto" (where cheaper), "always", "never"
         self._step_graph = step_graph
         # (axes, shape) -> [(activation budget, the mesh's graph recomputing at it)] (ModelSteps.recomputing)
@@ -286,13 +289,8 @@ class Planner:
             why = None
             if too_deep is not None and pp >= too_deep[0]:
                 why = too_deep[1]
-            elif seeds is not None and shape not in seeds:
-                why = f"not one of the best plans without pp with {pp} of its data-parallel ranks made stages"
-            elif seeds is not None and not self.pipeline_may_win(plans, pp):
-                why = (
-                    "none can beat the best plan without pp: its step's ops, run once per microbatch and spread over every "
-                    "rank, with the smallest bubble a schedule leaves, are slower per sample"
-                )
+            elif seeds is not None:
+                why = self.unpriced_pipeline(axes, shape, plans, seeds)
             if why is not None:
                 unpriced[(pp, why)] = unpriced.get((pp, why), 0) + 1
                 continue
@@ -369,7 +367,7 @@ class Planner:
         own clocks (ModelSteps.seconds) do not bring back."""
         from aot.plan.workers import in_workers, will_fork
 
-        candidates = [shape for shape in pipelines if seeds is None or (shape in seeds and self.pipeline_may_win(plans, dict(zip(axes, shape))[PP]))]
+        candidates = [shape for shape in pipelines if seeds is None or self.unpriced_pipeline(axes, shape, plans, seeds) is None]
         if not will_fork(candidates, workers):
             return {}
 
@@ -405,6 +403,49 @@ class Planner:
                         seeds.add(tuple(derived.get(a, 1) for a in axes))
                         break
         return seeds
+
+    def unpriced_pipeline(self, axes: tuple, shape: tuple, plans: list[Plan], seeds: set) -> str | None:
+        """Why a default search does not price pipeline mesh `shape` (one of `seeds` or not, none
+        fits, none can win), given the plans priced so far; None where it prices it."""
+        pp = dict(zip(axes, shape))[PP]
+        if shape not in seeds:
+            return f"not one of the best plans without pp with {pp} of its data-parallel ranks made stages"
+        unfit = self.pipeline_cannot_fit(axes, shape, plans)
+        if unfit is not None:
+            return unfit
+        if not self.pipeline_may_win(plans, pp):
+            return (
+                "none can beat the best plan without pp: its step's ops, run once per microbatch and spread over every "
+                "rank, with the smallest bubble a schedule leaves, are slower per sample"
+            )
+        return None
+
+    def pipeline_cannot_fit(self, axes: tuple, shape: tuple, plans: list[Plan]) -> str | None:
+        """Where a plan in `plans` fits, why no plan of pipeline mesh `shape` can (then it ranks
+        after that one); None where one may. A pipeline rank sums each of its parameters'
+        gradients over the microbatches whole (fsdp gathers once per step and reduce-scatters after
+        the last microbatch: aot/capture/pipeline.py), so when its last microbatch's backward
+        begins it holds every sum at once: at least two microbatches (pp >= 2) have run, and none
+        is reduced before the last is added. The busiest of the pp ranks holds at least 1/pp of
+        all of them: at every schedule, microbatch count and recomputation pipeline_plan tries.
+        For Llama-3-70B at pp=2 in fp32 that is 140 GB a rank, where each would cost a minute of
+        tracing to find it does not fit."""
+        limit = self.machine.memory_bytes
+        if self._pipeline_gradients is None or limit is None or not any(p.fits for p in plans):
+            return None
+        size = dict(zip(axes, shape))
+        try:
+            floor = self._pipeline_gradients(size.get(FSDP, 1), size.get(TP, 1), size.get(EP, 1)) / size[PP]
+        except Unsupported:
+            return None  # pipeline_plan says why
+        if floor <= MEMORY_HEADROOM * limit:
+            return None
+        from runner.commands.formatting import human
+
+        return (
+            f"none fits: each pipeline rank holds its parameters' gradients whole, summed over microbatches until the step's end "
+            f"({human(floor)} on the busiest rank at the least, over the {human(MEMORY_HEADROOM * limit)} a rank may hold)"
+        )
 
     def pipeline_may_win(self, plans: list[Plan], pp: int) -> bool:
         """Whether a mesh with `pp` pipeline stages could rank before the best plan in `plans` that
@@ -621,7 +662,6 @@ def plan_model(
     from aot.plan.layout_traces import prefetch
     from aot.plan.workers import default_workers
     from aot.plan.mesh import PLANNED_AXES
-    from runner.format.axes import EP
 
     # tracing many small graphs: young collections less often too (aot/garbage_collection.py)
     with collected_less_often(young=50_000, middle=20):
@@ -632,7 +672,15 @@ def plan_model(
             steps = reuse.retargeted(pricing)
         else:
             steps = ModelSteps(model_path, batch_size, seed, sequence_parallel, pricing, note=note, moe_capacity_factor=moe_capacity_factor)
-        planner = Planner(machine, steps, hierarchical, recomputing=steps.recomputing, pipeline=steps.pipeline, batch_size=batch_size)
+        planner = Planner(
+            machine,
+            steps,
+            hierarchical,
+            recomputing=steps.recomputing,
+            pipeline=steps.pipeline,
+            batch_size=batch_size,
+            pipeline_gradients=steps.pipeline_gradients,
+        )
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
         # every axis the planner searches; ep for a model with experts
         searched = tuple(axes or (*PLANNED_AXES, *([EP] if steps.has_experts else [])))
