@@ -16,8 +16,9 @@ includes the extra ops and its peak the activations no longer kept; the variant 
 fastest (else the one with the lowest peak) is a candidate of its own. Ranking: plans that fit
 first, then predicted time per sample (`--batch-size` is per data-parallel rank), then memory,
 then the fewest collectives. Pipeline meshes are priced by tracing every pipeline rank's program
-at each schedule, so a default search prices them only where a lower bound says they could rank
-first (Planner.pipeline_may_win) or nothing without pp fits.
+at each schedule, so a default search prices them only where nothing without pp fits, or where
+they could both fit (Planner.pipeline_cannot_fit: the gradients a pipeline rank sums whole) and
+rank first (Planner.pipeline_may_win: a lower bound on time per sample).
 """
 
 from __future__ import annotations
