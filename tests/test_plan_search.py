@@ -176,6 +176,24 @@ def test_a_pipeline_rank_holds_at_least_its_share_of_the_gradients(precision):
         assert floor <= busiest <= 4 * floor, (shape, schedule, microbatches, recompute, floor, busiest)
 
 
+def test_each_pipeline_split_tried_to_fit_device_memory_is_announced():
+    """Where a pipeline's balanced stages peak over device memory, each other split captured to
+    fit (as long as the first capture) is said as it starts, naming the mesh, the schedule and
+    where its stages begin."""
+    from aot.plan.model_steps import ModelSteps, Pricing
+    from aot.plan.search import MemoryLimit
+
+    profile = load_profile("dgx_a100")
+    said: list[str] = []
+    pricing = Pricing(profile, 2, memory_limit=MemoryLimit(5_300_000), compute=Machine(profile, 2).compute)
+    steps = ModelSteps(REPO / "tests" / "models" / "llama8.py", 4, pricing=pricing, note=said.append)
+    steps.pipeline(("pp",), (2,), 2, "1f1b")
+    assert said == [
+        "tracing every pipeline rank's program of pp=2 (1f1b, 2 microbatches)",
+        "pp=2 (1f1b, 2 microbatches): over device memory (5.2 MiB a rank, 5.1 MiB allowed): trying stages beginning at layers.3",
+    ], said
+
+
 def test_pipeline_meshes_that_cannot_fit_are_not_priced(tmp_path):
     """Where a plan without pp fits, a default search does not trace a pipeline mesh whose every
     rank would hold more than the device allows in gradients alone (the wide MLP at pp=2: 8 MiB

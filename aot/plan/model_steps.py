@@ -482,7 +482,7 @@ class ModelSteps:
         bucket size; `recompute`: every stage's forward again in its backward), and their
         analyses; Unsupported where the build would refuse the mesh."""
         from aot.plan.pipeline import check_microbatches
-        from aot.plan.pipeline_programs import Schedule, pipeline_programs
+        from aot.plan.pipeline_programs import Reporting, Schedule, pipeline_programs
 
         degrees = dict(zip(axes, shape))
         pp, dp, fsdp = degrees[PP], degrees.get(DP, 1), degrees.get(FSDP, 1)
@@ -500,6 +500,7 @@ class ModelSteps:
                     self.rec,
                     self.layout(dp, fsdp, degrees.get(TP, 1), degrees.get(EP, 1)),
                     Schedule(group, microbatches, schedule, virtual, recompute),
+                    reporting=Reporting(trying=lambda line: self.note(f"{mesh} ({', '.join(how)}): {line}")),
                     compute=self._compute,
                     passes=PassOptions(),  # the build's default options
                     memory_limit=self.memory_limit.bytes if self.memory_limit is not None else None,

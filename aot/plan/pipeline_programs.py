@@ -18,6 +18,7 @@ from aot.capture.step import CapturedStep, Group, StepLayout
 from aot.errors import AotError
 from aot.plan.step_reading import analyze, node_seconds
 from aot.plan.pipeline import check, schedule_actions, split
+from runner.commands.formatting import human
 
 
 @dataclass
@@ -30,10 +31,13 @@ class PipelinePrograms:
 @dataclass(frozen=True)
 class Reporting:
     """Where pipeline_programs reports its work: `stage(title)`, a context around each part (a
-    progress line), and `note(line)`, a fact worth a line (which stages hold which layers)."""
+    progress line), `note(line)`, a fact worth a line (which stages hold which layers), and
+    `trying(line)`, said as each other split is captured to fit device memory (each as long as
+    the programs' first capture: the planner says it)."""
 
     stage: Callable = lambda title: nullcontext()
     note: Callable = lambda line: None
+    trying: Callable = lambda line: None
 
 
 @dataclass(frozen=True)
@@ -138,14 +142,14 @@ def pipeline_programs(
 
     made = programs(None)
     if memory_limit is not None and given is None and max(made[2]) > memory_limit:
-        made = _fit_split(programs, made, pp, memory_limit, note)
+        made = _fit_split(programs, made, pp, memory_limit, note, reporting.trying)
     stages, captures, _ = made
     for s in stages:
         note(f"stage {s.index} on pipeline rank {s.index % pp}: {_span(s.layers)}, {sum(state.params[n].numel() for n in s.params):,} parameters")
     return PipelinePrograms(stages, actions, captures)
 
 
-def _fit_split(programs, made: tuple, pp: int, limit: float, note) -> tuple:
+def _fit_split(programs, made: tuple, pp: int, limit: float, note, trying=lambda line: None) -> tuple:
     """Move stage boundaries away from the pipeline rank that peaks until every rank fits `limit`
     or no move lowers the highest peak: the (stages, captures, peaks) of the split whose highest
     peak is lowest, `made` (the balanced split's) if none is lower. Stage s runs on rank s % pp
@@ -168,6 +172,7 @@ def _fit_split(programs, made: tuple, pp: int, limit: float, note) -> tuple:
             if tuple(move) in tried or any(a >= b for a, b in zip(bounds, bounds[1:])):
                 continue
             tried.add(tuple(move))
+            trying(f"over device memory ({human(max(peaks))} a rank, {human(limit)} allowed): trying stages beginning at {', '.join(order[i] for i in move)}")
             try:
                 trial = programs([order[i] for i in move], trial=True)
             except AotError:
