@@ -179,19 +179,22 @@ def test_a_pipeline_rank_holds_at_least_its_share_of_the_gradients(precision):
 def test_each_pipeline_split_tried_to_fit_device_memory_is_announced():
     """Where a pipeline's balanced stages peak over device memory, each other split captured to
     fit (as long as the first capture) is said as it starts, naming the mesh, the schedule and
-    where its stages begin."""
+    where its stages begin. Where the first move shows the peaks would meet far over the limit
+    (llama16 at pp=2: 15.9 and 12.0 MiB, then 14.0 and 13.4, meeting near 13.6 MiB, with 2.9 MiB
+    allowed), no other split is tried: the programs are those of the split tried, the lower."""
     from aot.plan.model_steps import ModelSteps, Pricing
     from aot.plan.search import MemoryLimit
 
     profile = load_profile("dgx_a100")
     said: list[str] = []
-    pricing = Pricing(profile, 2, memory_limit=MemoryLimit(5_300_000), compute=Machine(profile, 2).compute)
-    steps = ModelSteps(REPO / "tests" / "models" / "llama8.py", 4, pricing=pricing, note=said.append)
-    steps.pipeline(("pp",), (2,), 2, "1f1b")
+    pricing = Pricing(profile, 2, memory_limit=MemoryLimit(3_000_000), compute=Machine(profile, 2).compute)
+    steps = ModelSteps(REPO / "tests" / "models" / "llama16.py", 8, pricing=pricing, note=said.append)
+    _, analyses = steps.pipeline(("pp",), (2,), 2, "1f1b")
     assert said == [
         "tracing every pipeline rank's program of pp=2 (1f1b, 2 microbatches)",
-        "pp=2 (1f1b, 2 microbatches): over device memory (5.2 MiB a rank, 5.1 MiB allowed): trying stages beginning at layers.3",
+        "pp=2 (1f1b, 2 microbatches): over device memory (15.9 MiB a rank, 2.9 MiB allowed): trying stages beginning at layers.7",
     ], said
+    assert max(a.memory.peak for a in analyses) < 16_675_120  # the balanced split's highest peak
 
 
 def test_pipeline_meshes_that_cannot_fit_are_not_priced(tmp_path):

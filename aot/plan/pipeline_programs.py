@@ -21,6 +21,11 @@ from aot.plan.pipeline import check, schedule_actions, split
 from runner.commands.formatting import human
 
 
+# A pipeline's split search stops where its peaks would meet this far over the limit
+# (_fit_split): no split fits, and recomputing the stages is tried next.
+HOPELESS = 0.1
+
+
 @dataclass
 class PipelinePrograms:
     stages: list[Stage]
@@ -154,7 +159,9 @@ def _fit_split(programs, made: tuple, pp: int, limit: float, note, trying=lambda
     or no move lowers the highest peak: the (stages, captures, peaks) of the split whose highest
     peak is lowest, `made` (the balanced split's) if none is lower. Stage s runs on rank s % pp
     (one stage per rank, or interleaved), so a move from one of the peaking rank's stages hands a
-    layer to a neighbouring stage on another rank."""
+    layer to a neighbouring stage on another rank. Each split tried is every rank's program
+    captured (a minute for an 8B model): with one boundary, once the peaks the moves lead to meet
+    more than HOPELESS over the limit (`_crossing`), the search stops there."""
     stages = made[0]
     order = [layer for s in stages for layer in s.layers]
     current = [order.index(s.layers[0]) for s in stages[1:]]  # where stages 1.. begin
@@ -178,15 +185,33 @@ def _fit_split(programs, made: tuple, pp: int, limit: float, note, trying=lambda
             except AotError:
                 continue  # a rank left without weights
             if max(trial[2]) < max(peaks):
-                current, peaks = move, trial[2]
+                before, current, peaks = peaks, move, trial[2]
                 if max(peaks) < max(best[2]):
                     best = trial
                 break
         else:
             break  # no move lowers the highest peak
+        crossing = _crossing(before, peaks) if len(current) == 1 else None
+        if crossing is not None and crossing > (1 + HOPELESS) * limit:
+            note(f"no split of the stages fits: moving layers one at a time, the peaks would meet at about {human(crossing)} a rank")
+            break
     if best is not made:
         note(f"stages moved from the compute balance: the highest predicted peak {max(made[2]) / 2**20:.2f} -> {max(best[2]) / 2**20:.2f} MiB per rank")
     return best
+
+
+def _crossing(before: list[int], after: list[int]) -> float | None:
+    """Where the two ranks' peaks of a pipeline with one stage boundary would meet, moving one
+    layer at a time as the move from `before` to `after` did: the stages are alike, so each layer
+    moved lowers the one rank's peak and raises the other's by about as much as the first did.
+    None where the move did not lower the one and raise the other, or the peaks have met."""
+    high = max(range(2), key=before.__getitem__)
+    low = 1 - high
+    down, up = before[high] - after[high], after[low] - before[low]
+    gap = after[high] - after[low]
+    if down <= 0 or up < 0 or gap <= 0:
+        return None
+    return after[high] - down * gap / (down + up)
 
 
 def _span(layers: list[str]) -> str:
