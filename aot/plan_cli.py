@@ -45,12 +45,13 @@ SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json
     default=None,
     help="Parallel axes to search, comma-separated (default: dp,fsdp,tp,pp, as `aot build --strategy "
     "auto` searches, with pipeline meshes made from the best plans without pp and priced only where "
-    "they could rank first: where no plan without pp fits, or where a lower bound of their time per "
+    "they could rank first: where no plan without pp fits, or where they could fit (a pipeline rank "
+    "holds 1/pp of the model's gradients whole at the least) and a lower bound of their time per "
     "sample beats the best plan's). Each tensor-parallel degree the "
     "model takes costs one trace of the step and a shorter one of its optimizer (about a second "
     "each); --axes dp,fsdp searches without tp. Naming pp prices every pipeline mesh (pp outermost; "
     "1f1b, interleaved-1f1b and zero-bubble at 1, 2 and 4 microbatches per pipeline rank; every pipeline rank's "
-    "program is traced, so it takes about ten times longer).",
+    "program is traced, so it takes about ten times longer: minutes for an 8B model).",
 )
 @options.sequence_parallel("Price tensor-parallel meshes with sequence parallelism, as `aot build --sequence-parallel` builds them.")
 @options.hierarchical(
