@@ -17,95 +17,38 @@ fastest (else the one with the lowest peak) is a candidate of its own. Ranking: 
 first, then predicted time per sample (`--batch-size` is per data-parallel rank), then memory,
 then the fewest collectives. Pipeline meshes are priced by tracing every pipeline rank's program
 at each schedule, so a default search prices them only where nothing without pp fits, or where
-they could both fit (Planner.pipeline_cannot_fit: the gradients a pipeline rank sums whole) and
-rank first (Planner.pipeline_may_win: a lower bound on time per sample).
+they could both fit (pipeline_cannot_fit: the gradients a pipeline rank sums whole) and rank
+first (pipeline_may_win: a lower bound on time per sample): aot/plan/pipeline_search.py. Plans
+and their ranking: aot/plan/plans.py.
 """
 
 from __future__ import annotations
 
-import math
-import time
-
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from aot.errors import AotError
 from aot.plan import collectives, hierarchy
-from aot.plan.cost_model import Prediction, StepGraph, microbatched_seconds, op_seconds, op_time, simulate
+from aot.plan.cost_model import StepGraph, op_seconds, op_time, simulate
 from aot.plan.rebucket import rebucket
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.plan.model_steps import ModelSteps, Pricing, Unsupported, factorizations
-from aot.plan.pipeline import bubble_floor
-from aot.plan.placement import Placement, identity, place
+from aot.plan.pipeline_search import PipelineSearch
+from aot.plan.placement import Placement, place
+from aot.plan.plans import MEMORY_HEADROOM, Plan, mesh_name, per_sample_s, rank_key
 from aot.defaults import DEFAULT_BUCKET_MB
-from runner.format.axes import DATA_AXES, DP, EP, FSDP, PP, TP
+from runner.format.axes import DP, EP, PP
+
+__all__ = ["MEMORY_HEADROOM", "MemoryLimit", "Plan", "Planner", "per_sample_s", "plan_model", "rank_key"]
 
 BUCKET_MB_CANDIDATES = (1.0, 4.0, DEFAULT_BUCKET_MB, 100.0)
-MEMORY_HEADROOM = 0.9  # of device memory: the CUDA context, allocator caching and fragmentation take the rest
-# What a pipeline mesh is priced at (Planner.pipeline_plan): microbatches per pipeline rank, and
-# (schedule, stages per rank)
-PIPELINE_MICROBATCHES_PER_RANK = (1, 2, 4)
-PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1))
-PIPELINE_SEEDS = 2  # a default search's pipeline meshes come from this many best meshes without pp
 TIMELINE_FILE = "plan/timeline.json"
 MiB = 2**20
 
 
-def strategy_string(axes, shape) -> str:
-    return ",".join(f"{a}={d}" for a, d in zip(axes, shape))
-
-
-def mesh_name(axes, shape) -> str:
-    """A mesh as --strategy writes it: the axes with degree > 1 (the first axis if none)."""
-    kept = [(a, d) for a, d in zip(axes, shape) if d > 1] or [(axes[0], shape[0])]
-    return strategy_string(*zip(*kept))
-
-
-@dataclass
-class Plan:
-    axes: tuple[str, ...]
-    shape: tuple[int, ...]
-    bucket_mb: float
-    placement: Placement
-    prediction: Prediction
-    fits: bool
-    nccl_algo: str | None = None
-    notes: list[str] = field(default_factory=list)
-    recompute: float | None = None  # the activation budget recomputation was priced at (None: none)
-    pipeline: dict | None = None  # pp plans: microbatches, schedule, bubble_s
-
-    @property
-    def data_ranks(self) -> int:
-        """Ranks that take a batch of their own (dp x fsdp x ep): a step trains on that many batches."""
-        size = dict(zip(self.axes, self.shape))
-        return math.prod(size.get(a, 1) for a in DATA_AXES)
-
-    @property
-    def strategy(self) -> str:
-        """The --strategy that builds this plan: axes with degree > 1, outermost first (the build
-        applies the plan's placement to the mesh written in this order)."""
-        size = dict(zip(self.axes, self.shape))
-        order = [a for a in self.placement.order if size[a] > 1] or [self.axes[0]]
-        return strategy_string(order, [size[a] for a in order])
-
-    def row(self) -> dict:
-        p = self.prediction
-        return {
-            "strategy": self.strategy,
-            "bucket_mb": self.bucket_mb,
-            "recompute": self.recompute,
-            "fits": self.fits,
-            "data_ranks": self.data_ranks,
-            **p.to_json(),
-            "placement": self.placement.to_json(),
-            "nccl_algo": self.nccl_algo,
-            **({"pipeline": self.pipeline} if self.pipeline else {}),
-        }
-
-
-class Planner:
+class Planner(PipelineSearch):
     """Prices plans for one machine. `step_graph(axes, shape)` gives the unbucketed step graph of
     one rank for a mesh (raising Unsupported when the build cannot trace it); without it the
     planner prices only graphs it is given (`evaluate(step=...)`)."""
@@ -354,197 +297,6 @@ class Planner:
                 return plans, [f"{mesh_name(axes, shape)}: {e}"]
         return plans, []
 
-    def _pipelines_ahead(self, axes: tuple, pipelines: list[tuple], plans: list[Plan], seeds: set | None, workers: int) -> dict:
-        """{shape: its pipeline_plan, or the Unsupported it raised} for every mesh of `pipelines`
-        (one pp degree's) that `search` could price, priced at once by `workers` forked processes
-        (aot.plan.workers; a pipeline mesh is minutes of tracing for a 70B model); empty where they
-        would run one at a time here anyway (search then prices each as it comes). Each mesh
-        `search` prices is among them: its pruning only grows as it goes (a priced pipeline plan
-        can only lower the best time per sample that pipeline_may_win compares with), so the
-        meshes allowed before this degree's first is priced are a superset, and `search` keeps to
-        its own order and discards what it would not have priced: the plans are those of pricing
-        one at a time. (One degree at a time: past a degree with more stages than the model has
-        layers, search prices none.) `pipelines_apart_s` keeps the wall time, which the workers'
-        own clocks (ModelSteps.seconds) do not bring back."""
-        from aot.plan.workers import in_workers, will_fork
-
-        candidates = [shape for shape in pipelines if seeds is None or self.unpriced_pipeline(axes, shape, plans, seeds) is None]
-        if not will_fork(candidates, workers):
-            return {}
-
-        def price(shape):
-            try:
-                return self.pipeline_plan(axes, shape)
-            except Unsupported as e:
-                return e
-
-        started = time.perf_counter()
-        priced = dict(zip(candidates, in_workers(candidates, price, workers)))
-        self.pipelines_apart_s += time.perf_counter() - started
-        return priced
-
-    def pipeline_seeds(self, axes: tuple[str, ...], plans: list[Plan]) -> set[tuple]:
-        """The pipeline meshes a default search prices: each of the PIPELINE_SEEDS best meshes
-        without pp (those that fit first) with pp of its data-parallel ranks made pipeline stages
-        (dp's, else fsdp's), for every pp that divides them. Pricing every pipeline mesh traces
-        every pipeline rank's program at each schedule, for hundreds of meshes at 16,384 ranks."""
-        meshes: list[dict] = []
-        for plan in sorted(plans, key=rank_key):
-            size = dict(zip(plan.axes, plan.shape))
-            if size not in meshes:
-                meshes.append(size)
-            if len(meshes) == PIPELINE_SEEDS:
-                break
-        seeds = set()
-        for size in meshes:
-            for pp in range(2, self.machine.world_size + 1):
-                for axis in (DP, FSDP):
-                    if size.get(axis, 1) % pp == 0 and axis in axes:
-                        derived = {**size, axis: size[axis] // pp, PP: pp}
-                        seeds.add(tuple(derived.get(a, 1) for a in axes))
-                        break
-        return seeds
-
-    def unpriced_pipeline(self, axes: tuple, shape: tuple, plans: list[Plan], seeds: set) -> str | None:
-        """Why a default search does not price pipeline mesh `shape` (one of `seeds` or not, none
-        fits, none can win), given the plans priced so far; None where it prices it."""
-        pp = dict(zip(axes, shape))[PP]
-        if shape not in seeds:
-            return f"not one of the best plans without pp with {pp} of its data-parallel ranks made stages"
-        unfit = self.pipeline_cannot_fit(axes, shape, plans)
-        if unfit is not None:
-            return unfit
-        if not self.pipeline_may_win(plans, pp):
-            return (
-                "none can beat the best plan without pp: its step's ops, run once per microbatch and spread over every "
-                "rank, with the smallest bubble a schedule leaves, are slower per sample"
-            )
-        return None
-
-    def pipeline_cannot_fit(self, axes: tuple, shape: tuple, plans: list[Plan]) -> str | None:
-        """Where a plan in `plans` fits, why no plan of pipeline mesh `shape` can (then it ranks
-        after that one); None where one may. A pipeline rank sums each of its parameters'
-        gradients over the microbatches whole (fsdp gathers once per step and reduce-scatters after
-        the last microbatch: aot/capture/pipeline.py), so when its last microbatch's backward
-        begins it holds every sum at once: at least two microbatches (pp >= 2) have run, and none
-        is reduced before the last is added. The busiest of the pp ranks holds at least 1/pp of
-        all of them: at every schedule, microbatch count and recomputation pipeline_plan tries.
-        For Llama-3-70B at pp=2 in fp32 that is 140 GB a rank, where each would cost a minute of
-        tracing to find it does not fit."""
-        limit = self.machine.memory_bytes
-        if self._pipeline_gradients is None or limit is None or not any(p.fits for p in plans):
-            return None
-        size = dict(zip(axes, shape))
-        try:
-            floor = self._pipeline_gradients(size.get(FSDP, 1), size.get(TP, 1), size.get(EP, 1)) / size[PP]
-        except Unsupported:
-            return None  # pipeline_plan says why
-        if floor <= MEMORY_HEADROOM * limit:
-            return None
-        from runner.commands.formatting import human
-
-        return (
-            f"none fits: each pipeline rank holds its parameters' gradients whole, summed over microbatches until the step's end "
-            f"({human(floor)} on the busiest rank at the least, over the {human(MEMORY_HEADROOM * limit)} a rank may hold)"
-        )
-
-    def pipeline_may_win(self, plans: list[Plan], pp: int) -> bool:
-        """Whether a mesh with `pp` pipeline stages could rank before the best plan in `plans` that
-        fits: true when none fits (the stages split the model's memory), else when its lower bound
-        on time per sample is below that plan's. The bound: a pipeline runs each forward and
-        backward op once per microbatch on 1/m of the batch, m >= pp (1F1B's fewest), and the
-        step's end once (cost_model.microbatched_seconds at m = pp, on the data-parallel mesh's
-        graph: W seconds for one batch); its pipeline ranks share W at best, and idle at least the
-        smallest bubble share b any schedule pipeline_plan tries leaves at the most microbatches it
-        tries that the batch splits into (aot.plan.pipeline.bubble_floor: (pp-1)/(v m + pp-1) for
-        1F1B and interleaved, (pp-1)/(3 m + pp-1) for zero-bubble). Per sample: W / world size /
-        (1 - b)."""
-        fitting = [p for p in plans if p.fits]
-        if not fitting:
-            return True
-        world = self.machine.world_size
-        whole = next((p for p in plans if p.recompute is None and dict(zip(p.axes, p.shape)).get(DP, 1) == world), None)
-        if whole is None:
-            return True
-        # the microbatch counts pipeline_plan tries that the batch splits into (a batch of 2 at
-        # pp=2: only 2, whose bubble is a third of 1F1B's step, not the 8 it would try)
-        tried = [k * pp for k in PIPELINE_MICROBATCHES_PER_RANK if self.batch_size is None or self.batch_size % (k * pp) == 0]
-        if not tried:
-            return True  # pipeline_plan says why none can be priced
-        work = microbatched_seconds(self.step_graph(whole.axes, whole.shape), self.machine.compute, pp)
-        m = max(tried)
-        bubble = min(bubble_floor(schedule, pp, m, virtual) for schedule, virtual in PIPELINE_SCHEDULES)
-        bound = work / world / (1 - bubble)
-        return min(per_sample_s(p) for p in fitting) > bound
-
-    def pipeline_plan(self, axes, shape) -> Plan:
-        """A pipeline mesh, priced by simulating its pipeline ranks' programs side by side
-        (aot.plan.pipeline_timeline) at 1, 2 and 4 microbatches per pipeline rank, with 1f1b,
-        interleaved-1f1b (2 stages per rank, where the model has the layers) and zero-bubble: the
-        fastest that fits. Where a configuration's plain programs do not fit, it is priced
-        recomputing every stage's forward in its backward, as the build then recomputes (not
-        zero-bubble, whose build refuses to recompute: it holds activations until the weight
-        gradients by design; nor is zero-bubble priced where 1F1B's plain programs do not fit at the
-        same microbatches, since every rank of it may hold as many microbatches as 1F1B's first
-        rank does). pp is the outermost axis
-        (across nodes); the other axes are placed inside it."""
-        if self._pipeline is None:
-            raise Unsupported("no pipeline graphs for this planner")
-        size = dict(zip(axes, shape))
-        order = (PP, *[a for a in axes if a != PP])
-        ordered = tuple(size[a] for a in order)
-        placement = place(self.machine, order, ordered)
-        if placement.order[0] != PP and size[PP] < self.machine.world_size:
-            placement = identity(order, ordered)
-        best, last = None, None
-        over: set[int] = set()  # microbatch counts at which 1F1B's plain programs do not fit
-        for microbatches, schedule, virtual in [
-            (k * size[PP], schedule, virtual) for k in PIPELINE_MICROBATCHES_PER_RANK for schedule, virtual in PIPELINE_SCHEDULES
-        ]:
-            if schedule == "zero-bubble" and microbatches in over:
-                continue  # it holds as many microbatches as 1F1B's first rank on every rank, each until its W
-            try:
-                plan = self._pipeline_priced(order, ordered, placement, microbatches, schedule, virtual, recompute=False)
-            except Unsupported as e:
-                last = last or e  # the first reason: the fewest microbatches, 1f1b
-                continue
-            if schedule == "1f1b" and not plan.fits:
-                over.add(microbatches)
-            if not plan.fits and schedule != "zero-bubble":  # as the build does over device memory: every stage recomputed, kept if its peak is lower
-                try:
-                    recomputed = self._pipeline_priced(order, ordered, placement, microbatches, schedule, virtual, recompute=True)
-                except Unsupported:  # a stage draws random numbers (dropout): the build would not recompute it either
-                    recomputed = None
-                if recomputed is not None and recomputed.prediction.memory.peak < plan.prediction.memory.peak:
-                    plan = recomputed
-            if best is None or rank_key(plan) < rank_key(best):
-                best = plan
-        if best is None:
-            raise last or Unsupported("no microbatch count fits the batch")
-        return best
-
-    def _pipeline_priced(self, order: tuple, ordered: tuple, placement, microbatches: int, schedule: str, virtual: int, recompute: bool) -> Plan:
-        """One pipeline configuration: its pipeline ranks' programs as built, simulated side by side."""
-        from aot.plan.pipeline_timeline import simulate_pipeline
-
-        assert self._pipeline is not None  # pipeline_plan checks
-        programs, analyses = self._pipeline(order, ordered, microbatches, schedule, virtual, recompute=recompute)
-        timeline = simulate_pipeline(programs, self, placement, Mesh.group_name(PP))
-        busiest = max(range(len(programs)), key=lambda r: timeline.busy_s[r])
-        plan = self.evaluate(order, ordered, DEFAULT_BUCKET_MB, step=analyses[busiest], bucketed=True, placement=placement, as_built=True)
-        memory = max((a.memory for a in analyses), key=lambda m: m.peak)
-        plan.prediction = replace(plan.prediction, step_s=timeline.step_s, memory=memory)
-        limit = self.machine.memory_bytes
-        plan.fits = limit is None or memory.peak <= MEMORY_HEADROOM * limit
-        plan.pipeline = {
-            "microbatches": microbatches,
-            "schedule": schedule,
-            "stages_per_rank": virtual,
-            "bubble_s": timeline.step_s - timeline.busy_s[busiest],
-            **({"recompute": "stages"} if recompute else {}),
-        }
-        return plan
-
     def recomputing(self, axes, shape, over: list[Plan]) -> list[Plan]:
         """For each plan of one mesh that does not fit, the plan recomputing activations: of the
         activation budgets priced, the fastest that fits, else the one with the lowest peak."""
@@ -591,19 +343,6 @@ class MemoryLimit:
         recomputing more might: activations are part of what is live at its peak, enough to matter."""
         m = rebucket(step, int(DEFAULT_BUCKET_MB * MiB)).memory
         return m.peak > self.bytes and not m.peak - m.at_peak.get("activations", 0) > self.bytes
-
-
-def per_sample_s(plan: Plan) -> float:
-    """Predicted seconds per sample of the batch size: `--batch-size` is per data-parallel rank, so
-    a step trains on data_ranks batches (tp ranks and pipeline stages share one)."""
-    return plan.prediction.step_s / plan.data_ranks
-
-
-def rank_key(plan: Plan):
-    """Plans that fit first, then by predicted time per sample (the most samples per second), then
-    memory, then the fewest collectives."""
-    p = plan.prediction
-    return (not plan.fits, round(per_sample_s(plan), 15), p.memory.peak, p.collectives, abs(plan.bucket_mb - DEFAULT_BUCKET_MB))
 
 
 NCCL_NAMES = {"ring": "ring", "double_binary_tree": "tree"}

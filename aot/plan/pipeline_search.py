@@ -1,0 +1,230 @@
+"""The strategy search's pipeline meshes (aot.plan.search.Planner inherits PipelineSearch): which a
+default search prices (seeds from the best plans without pp, a memory floor and a time bound),
+each priced by simulating its pipeline ranks' programs as built, at several schedules and
+microbatch counts, and priced ahead in worker processes one pp degree at a time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Callable
+
+from aot.defaults import DEFAULT_BUCKET_MB
+from aot.plan.cost_model import StepGraph, microbatched_seconds
+from aot.plan.machine import Machine
+from aot.plan.mesh import Mesh
+from aot.plan.model_steps import Unsupported
+from aot.plan.pipeline import bubble_floor
+from aot.plan.placement import identity, place
+from aot.plan.plans import MEMORY_HEADROOM, Plan, per_sample_s, rank_key
+from runner.commands.formatting import human
+from runner.format.axes import DP, EP, FSDP, PP, TP
+
+# What a pipeline mesh is priced at (PipelineSearch.pipeline_plan): microbatches per pipeline rank,
+# and (schedule, stages per rank)
+PIPELINE_MICROBATCHES_PER_RANK = (1, 2, 4)
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1))
+PIPELINE_SEEDS = 2  # a default search's pipeline meshes come from this many best meshes without pp
+
+
+class PipelineSearch:
+    """The pipeline half of aot.plan.search.Planner: it reads the planner's machine, batch size,
+    `_pipeline` (ModelSteps.pipeline), `_pipeline_gradients` (ModelSteps.pipeline_gradients),
+    step_graph and evaluate."""
+
+    machine: Machine
+    batch_size: int | None
+    _pipeline: Callable | None
+    _pipeline_gradients: Callable | None
+    pipelines_apart_s: float
+    step_graph: Callable[..., StepGraph]
+    evaluate: Callable[..., Plan]
+
+    def _pipelines_ahead(self, axes: tuple, pipelines: list[tuple], plans: list[Plan], seeds: set | None, workers: int) -> dict:
+        """{shape: its pipeline_plan, or the Unsupported it raised} for every mesh of `pipelines`
+        (one pp degree's) that `search` could price, priced at once by `workers` forked processes
+        (aot.plan.workers; a pipeline mesh is minutes of tracing for a 70B model); empty where they
+        would run one at a time here anyway (search then prices each as it comes). Each mesh
+        `search` prices is among them: its pruning only grows as it goes (a priced pipeline plan
+        can only lower the best time per sample that pipeline_may_win compares with), so the
+        meshes allowed before this degree's first is priced are a superset, and `search` keeps to
+        its own order and discards what it would not have priced: the plans are those of pricing
+        one at a time. (One degree at a time: past a degree with more stages than the model has
+        layers, search prices none.) `pipelines_apart_s` keeps the wall time, which the workers'
+        own clocks (ModelSteps.seconds) do not bring back."""
+        from aot.plan.workers import in_workers, will_fork
+
+        candidates = [shape for shape in pipelines if seeds is None or self.unpriced_pipeline(axes, shape, plans, seeds) is None]
+        if not will_fork(candidates, workers):
+            return {}
+
+        def price(shape):
+            try:
+                return self.pipeline_plan(axes, shape)
+            except Unsupported as e:
+                return e
+
+        started = time.perf_counter()
+        priced = dict(zip(candidates, in_workers(candidates, price, workers)))
+        self.pipelines_apart_s += time.perf_counter() - started
+        return priced
+
+    def pipeline_seeds(self, axes: tuple[str, ...], plans: list[Plan]) -> set[tuple]:
+        """The pipeline meshes a default search prices: each of the PIPELINE_SEEDS best meshes
+        without pp (those that fit first) with pp of its data-parallel ranks made pipeline stages
+        (dp's, else fsdp's), for every pp that divides them. Pricing every pipeline mesh traces
+        every pipeline rank's program at each schedule, for hundreds of meshes at 16,384 ranks."""
+        meshes: list[dict] = []
+        for plan in sorted(plans, key=rank_key):
+            size = dict(zip(plan.axes, plan.shape))
+            if size not in meshes:
+                meshes.append(size)
+            if len(meshes) == PIPELINE_SEEDS:
+                break
+        seeds = set()
+        for size in meshes:
+            for pp in range(2, self.machine.world_size + 1):
+                for axis in (DP, FSDP):
+                    if size.get(axis, 1) % pp == 0 and axis in axes:
+                        derived = {**size, axis: size[axis] // pp, PP: pp}
+                        seeds.add(tuple(derived.get(a, 1) for a in axes))
+                        break
+        return seeds
+
+    def unpriced_pipeline(self, axes: tuple, shape: tuple, plans: list[Plan], seeds: set) -> str | None:
+        """Why a default search does not price pipeline mesh `shape` (one of `seeds` or not, none
+        fits, none can win), given the plans priced so far; None where it prices it."""
+        pp = dict(zip(axes, shape))[PP]
+        if shape not in seeds:
+            return f"not one of the best plans without pp with {pp} of its data-parallel ranks made stages"
+        unfit = self.pipeline_cannot_fit(axes, shape, plans)
+        if unfit is not None:
+            return unfit
+        if not self.pipeline_may_win(plans, pp):
+            return (
+                "none can beat the best plan without pp: its step's ops, run once per microbatch and spread over every "
+                "rank, with the smallest bubble a schedule leaves, are slower per sample"
+            )
+        return None
+
+    def pipeline_cannot_fit(self, axes: tuple, shape: tuple, plans: list[Plan]) -> str | None:
+        """Where a plan in `plans` fits, why no plan of pipeline mesh `shape` can (then it ranks
+        after that one); None where one may. A pipeline rank sums each of its parameters'
+        gradients over the microbatches whole (fsdp gathers once per step and reduce-scatters after
+        the last microbatch: aot/capture/pipeline.py), so when its last microbatch's backward
+        begins it holds every sum at once: at least two microbatches (pp >= 2) have run, and none
+        is reduced before the last is added. The busiest of the pp ranks holds at least 1/pp of
+        all of them: at every schedule, microbatch count and recomputation pipeline_plan tries.
+        For Llama-3-70B at pp=2 in fp32 that is 140 GB a rank, where each would cost a minute of
+        tracing to find it does not fit."""
+        limit = self.machine.memory_bytes
+        if self._pipeline_gradients is None or limit is None or not any(p.fits for p in plans):
+            return None
+        size = dict(zip(axes, shape))
+        try:
+            floor = self._pipeline_gradients(size.get(FSDP, 1), size.get(TP, 1), size.get(EP, 1)) / size[PP]
+        except Unsupported:
+            return None  # pipeline_plan says why
+        if floor <= MEMORY_HEADROOM * limit:
+            return None
+        return (
+            f"none fits: each pipeline rank holds its parameters' gradients whole, summed over microbatches until the step's end "
+            f"({human(floor)} on the busiest rank at the least, over the {human(MEMORY_HEADROOM * limit)} a rank may hold)"
+        )
+
+    def pipeline_may_win(self, plans: list[Plan], pp: int) -> bool:
+        """Whether a mesh with `pp` pipeline stages could rank before the best plan in `plans` that
+        fits: true when none fits (the stages split the model's memory), else when its lower bound
+        on time per sample is below that plan's. The bound: a pipeline runs each forward and
+        backward op once per microbatch on 1/m of the batch, m >= pp (1F1B's fewest), and the
+        step's end once (cost_model.microbatched_seconds at m = pp, on the data-parallel mesh's
+        graph: W seconds for one batch); its pipeline ranks share W at best, and idle at least the
+        smallest bubble share b any schedule pipeline_plan tries leaves at the most microbatches it
+        tries that the batch splits into (aot.plan.pipeline.bubble_floor: (pp-1)/(v m + pp-1) for
+        1F1B and interleaved, (pp-1)/(3 m + pp-1) for zero-bubble). Per sample: W / world size /
+        (1 - b)."""
+        fitting = [p for p in plans if p.fits]
+        if not fitting:
+            return True
+        world = self.machine.world_size
+        whole = next((p for p in plans if p.recompute is None and dict(zip(p.axes, p.shape)).get(DP, 1) == world), None)
+        if whole is None:
+            return True
+        # the microbatch counts pipeline_plan tries that the batch splits into (a batch of 2 at
+        # pp=2: only 2, whose bubble is a third of 1F1B's step, not the 8 it would try)
+        tried = [k * pp for k in PIPELINE_MICROBATCHES_PER_RANK if self.batch_size is None or self.batch_size % (k * pp) == 0]
+        if not tried:
+            return True  # pipeline_plan says why none can be priced
+        work = microbatched_seconds(self.step_graph(whole.axes, whole.shape), self.machine.compute, pp)
+        m = max(tried)
+        bubble = min(bubble_floor(schedule, pp, m, virtual) for schedule, virtual in PIPELINE_SCHEDULES)
+        bound = work / world / (1 - bubble)
+        return min(per_sample_s(p) for p in fitting) > bound
+
+    def pipeline_plan(self, axes, shape) -> Plan:
+        """A pipeline mesh, priced by simulating its pipeline ranks' programs side by side
+        (aot.plan.pipeline_timeline) at 1, 2 and 4 microbatches per pipeline rank, with 1f1b,
+        interleaved-1f1b (2 stages per rank, where the model has the layers) and zero-bubble: the
+        fastest that fits. Where a configuration's plain programs do not fit, it is priced
+        recomputing every stage's forward in its backward, as the build then recomputes (not
+        zero-bubble, whose build refuses to recompute: it holds activations until the weight
+        gradients by design; nor is zero-bubble priced where 1F1B's plain programs do not fit at the
+        same microbatches, since every rank of it may hold as many microbatches as 1F1B's first
+        rank does). pp is the outermost axis
+        (across nodes); the other axes are placed inside it."""
+        if self._pipeline is None:
+            raise Unsupported("no pipeline graphs for this planner")
+        size = dict(zip(axes, shape))
+        order = (PP, *[a for a in axes if a != PP])
+        ordered = tuple(size[a] for a in order)
+        placement = place(self.machine, order, ordered)
+        if placement.order[0] != PP and size[PP] < self.machine.world_size:
+            placement = identity(order, ordered)
+        best, last = None, None
+        over: set[int] = set()  # microbatch counts at which 1F1B's plain programs do not fit
+        for microbatches, schedule, virtual in [
+            (k * size[PP], schedule, virtual) for k in PIPELINE_MICROBATCHES_PER_RANK for schedule, virtual in PIPELINE_SCHEDULES
+        ]:
+            if schedule == "zero-bubble" and microbatches in over:
+                continue  # it holds as many microbatches as 1F1B's first rank on every rank, each until its W
+            try:
+                plan = self._pipeline_priced(order, ordered, placement, microbatches, schedule, virtual, recompute=False)
+            except Unsupported as e:
+                last = last or e  # the first reason: the fewest microbatches, 1f1b
+                continue
+            if schedule == "1f1b" and not plan.fits:
+                over.add(microbatches)
+            if not plan.fits and schedule != "zero-bubble":  # as the build does over device memory: every stage recomputed, kept if its peak is lower
+                try:
+                    recomputed = self._pipeline_priced(order, ordered, placement, microbatches, schedule, virtual, recompute=True)
+                except Unsupported:  # a stage draws random numbers (dropout): the build would not recompute it either
+                    recomputed = None
+                if recomputed is not None and recomputed.prediction.memory.peak < plan.prediction.memory.peak:
+                    plan = recomputed
+            if best is None or rank_key(plan) < rank_key(best):
+                best = plan
+        if best is None:
+            raise last or Unsupported("no microbatch count fits the batch")
+        return best
+
+    def _pipeline_priced(self, order: tuple, ordered: tuple, placement, microbatches: int, schedule: str, virtual: int, recompute: bool) -> Plan:
+        """One pipeline configuration: its pipeline ranks' programs as built, simulated side by side."""
+        from aot.plan.pipeline_timeline import simulate_pipeline
+
+        assert self._pipeline is not None  # pipeline_plan checks
+        programs, analyses = self._pipeline(order, ordered, microbatches, schedule, virtual, recompute=recompute)
+        timeline = simulate_pipeline(programs, self, placement, Mesh.group_name(PP))
+        busiest = max(range(len(programs)), key=lambda r: timeline.busy_s[r])
+        plan = self.evaluate(order, ordered, DEFAULT_BUCKET_MB, step=analyses[busiest], bucketed=True, placement=placement, as_built=True)
+        memory = max((a.memory for a in analyses), key=lambda m: m.peak)
+        plan.prediction = replace(plan.prediction, step_s=timeline.step_s, memory=memory)
+        limit = self.machine.memory_bytes
+        plan.fits = limit is None or memory.peak <= MEMORY_HEADROOM * limit
+        plan.pipeline = {
+            "microbatches": microbatches,
+            "schedule": schedule,
+            "stages_per_rank": virtual,
+            "bubble_s": timeline.step_s - timeline.busy_s[busiest],
+            **({"recompute": "stages"} if recompute else {}),
+        }
+        return plan
