@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -47,9 +48,7 @@ def main() -> None:
     from runner.hardware.topology import for_nodes, load_profile
 
     degrees = {axis: int(n) for axis, n in (part.split("=") for part in args.mesh.split(","))}
-    world = 1
-    for n in degrees.values():
-        world *= n
+    world = math.prod(degrees.values())
     profile = for_nodes(load_profile(args.topology), args.nodes, world)
     machine = Machine(profile, world)
     limit = MemoryLimit(MEMORY_HEADROOM * machine.memory_bytes) if machine.memory_bytes else None
