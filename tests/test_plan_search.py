@@ -279,23 +279,45 @@ def test_pipelines_priced_recomputing_stages_where_the_plain_ones_do_not_fit(tmp
     assert manifest["memory"]["predicted"]["peak"] == best["memory_bytes"]["peak"]
 
 
-@pytest.mark.slow  # 5 builds beside a search (15 s); CI runs it
-def test_every_plans_peak_memory_is_its_builds(tmp_path):
-    """The planner's peak per rank is the build's prediction for the same mesh and bucket size,
-    byte for byte: buckets packed analytically live as the built step holds them (each member's
-    gradient until packed, the bucket until its last member's result is read, through backward
-    since the overlap pass issues it early), and fsdp gathers one parameter ahead as built."""
-    out = _plan(GPT, "--topology", "dgx_a100", "--world-size", "4")
-    rows = {(p["strategy"], p["bucket_mb"]): p for p in out["plans"]}
-    picked = [("dp=4", 0.05), ("dp=4", 25.0), ("dp=2,fsdp=2", 0.05), ("fsdp=4", 25.0), ("dp=2,tp=2", 25.0)]
-    assert set(picked) <= set(rows), sorted(rows)
-    for strategy, bucket in picked:
-        art = tmp_path / f"{strategy}-{bucket}"
-        args = ["build", GPT, "--topology", "dgx_a100", "--world-size", "4", "--strategy", strategy, "--bucket-mb", str(bucket), "--no-onnx", "--quiet"]
-        result = CliRunner().invoke(cli, [*args, "-o", str(art)], catch_exceptions=False)
-        assert result.exit_code == 0, result.output
-        built = Artifact(art).manifest["memory"]["predicted"]
-        assert rows[(strategy, bucket)]["memory_bytes"]["peak"] == built["peak"], (strategy, bucket, rows[(strategy, bucket)]["memory_bytes"], built)
+# Models the planner composes from a few of their blocks (6 blocks, traced cut to 3 and stamped
+# out: aot/plan/repeated_blocks.py), dense and mixture-of-experts, and the meshes to build from
+# each plan: every axis, a wider fsdp axis derived from the fsdp=2 trace, 2-D meshes
+GPT6, MOE6 = (str(REPO / "tests" / "models" / name) for name in ("gpt6.py", "moe6.py"))
+PLAN_VS_BUILD = [
+    (GPT6, "dgx_a100", (), ["dp=4", "fsdp=4", "dp=2,fsdp=2", "tp=4", "dp=2,tp=2", "fsdp=2,tp=2"]),
+    # experts' gradients laid out transposed (copied contiguous before bucketing), flat routing
+    # values the size of a parameter's shard (not resized with the fsdp axis)
+    (MOE6, "dgx_h100", ("--axes", "dp,fsdp,ep"), ["dp=2,ep=2", "ep=4", "fsdp=4", "fsdp=2,ep=2"]),
+]
+
+
+@pytest.mark.slow  # 2 searches and 10 builds (70 s); CI runs it
+@pytest.mark.parametrize("model,topology,axes,strategies", PLAN_VS_BUILD, ids=["gpt6", "moe6"])
+def test_every_plans_step_and_peak_are_its_builds(model, topology, axes, strategies, tmp_path):
+    """The planner's predicted step time and peak per rank are the build's prediction for the same
+    mesh and bucket size, exactly: buckets packed analytically are issued in the build's order
+    (collectives due at one op in graph order) and priced with the copies the build makes, live
+    as the built step holds them (each member's gradient until packed, the bucket until its last
+    member's result is read), fsdp gathers one parameter ahead as built, and a graph derived
+    for a wider fsdp axis resizes only its shards and padded whole parameters. Each mesh at its
+    default bucket size and at its smallest (the most buckets)."""
+    out = _plan(model, "--topology", topology, "--world-size", "4", *axes)
+    rows: dict[tuple, dict] = {}
+    for p in out["plans"]:
+        if p["recompute"] is None:
+            rows[(p["strategy"], p["bucket_mb"])] = p
+    for strategy in strategies:
+        buckets = sorted(b for s, b in rows if s == strategy)
+        assert buckets, (strategy, sorted(rows))
+        for bucket in sorted({25.0, buckets[0]} & set(buckets)):
+            art = tmp_path / f"{strategy}-{bucket}"
+            args = ["build", model, "--topology", topology, "--world-size", "4", "--strategy", strategy, "--bucket-mb", str(bucket), "--no-onnx", "--quiet"]
+            result = CliRunner().invoke(cli, [*args, "-o", str(art)], catch_exceptions=False)
+            assert result.exit_code == 0, result.output
+            manifest = Artifact(art).manifest
+            planned, built = rows[(strategy, bucket)], manifest["time"]["predicted"]
+            assert planned["step_s"] == built["step_s"], (strategy, bucket, planned["step_s"], built["step_s"])
+            assert planned["memory_bytes"]["peak"] == manifest["memory"]["predicted"]["peak"], (strategy, bucket, planned["memory_bytes"])
 
 
 def test_build_strategy_auto_records_the_plan_and_its_timeline(tmp_path):

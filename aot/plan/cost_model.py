@@ -58,6 +58,9 @@ class CommSite:
     # (input, result): indices into the step's memory.intervals of the storages the collective
     # reads and makes (-1: resident, or none), so a pass that packs collectives re-times them
     buffers: tuple = (-1, -1)
+    # the input's shape, where it is laid out other than contiguously (a batched matmul's
+    # gradient): bucketing copies it contiguous before packing it (aot.passes.bucketing)
+    strided_shape: tuple | None = None
 
     @property
     def element_size(self) -> int:
@@ -88,7 +91,7 @@ class Memory:
     at_peak: dict = field(default_factory=dict)  # peak_transient by TRANSIENT_PARTS
     activations_peak: int = 0  # the most bytes of forward-made storages live at any point
     resident_tensors: tuple = ()  # (part, numel, element size) of every resident storage
-    intervals: tuple = ()  # (first node, last node, numel, element size, part) of every transient storage
+    intervals: tuple = ()  # (first node, last node, numel, element size, part, 1 if flat) of every transient storage
     length: int = 0  # the graph's nodes: intervals lie in [0, length]
     scale: Callable | None = None  # numel -> numel of a rescaled graph (rescale); intervals keep the traced sizes
     # births and deaths per part and node, kept by memory_with on the step it corrects (not on what
@@ -190,14 +193,16 @@ def _births_and_deaths(intervals: tuple, length: int, scale) -> torch.Tensor:
 
 def _add_births_and_deaths(delta: torch.Tensor, intervals: tuple, length: int, scale, sign: int) -> None:
     """Add (sign 1) or take away (-1) `intervals`' births and deaths in `delta`."""
-    starts, ends, numels, elsizes, parts = zip(*intervals)
+    starts, ends, numels, elsizes, parts, shapes = zip(*intervals)
     part_index = {part: i for i, part in enumerate(TRANSIENT_PARTS)}
     rows = torch.tensor([part_index[part] for part in parts])
     at = torch.cat([torch.tensor(starts), torch.tensor(ends).clamp(max=length) + 1])
     sizes = torch.tensor(numels, dtype=torch.int64)
-    if scale is not None:  # a rescaled graph's sizes: `scale` asked once per distinct size
+    if scale is not None:  # a rescaled graph's flat storages (aot.plan.step_reading._shape_class): `scale` asked once per distinct size
         distinct, where = sizes.unique(return_inverse=True)
-        sizes = torch.tensor([scale(n) for n in distinct.tolist()], dtype=torch.int64)[where]
+        shape = torch.tensor(shapes, dtype=torch.int64)
+        for kind, resize in ((1, scale), (2, getattr(scale, "full_first", scale))):  # FLAT, PADDED_WHOLE (ShardScale's)
+            sizes = torch.where(shape == kind, torch.tensor([resize(n) for n in distinct.tolist()], dtype=torch.int64)[where], sizes)
     sizes = sign * sizes * torch.tensor(elsizes, dtype=torch.int64)
     delta.index_put_((rows.repeat(2), at), torch.cat([sizes, -sizes]), accumulate=True)
 

@@ -34,6 +34,9 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
             size, issue, wait = 0, c.issue_at, c.wait_at
         b.append(c)
         filling[(c.group, c.dtype)] = (size + c.input_bytes, max(issue, c.issue_at), min(wait, c.wait_at))
+    # the build's analysis lists collectives in graph order, and the simulation issues those due at
+    # one op in list order: each keeps its place, a bucket its last member's (bucketing packs there)
+    place = {id(c): i for i, c in enumerate(step.comms)}
     comms = list(others)
     intervals = list(step.memory.intervals)
     changed: dict[int, tuple] = {}
@@ -45,30 +48,41 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
             total = sum(m.input_bytes for m in b)
             _retime(intervals, b, changed)
             dtype = b[0].dtype
-            pre = [Op(f"view_{m.name}", "view", kind="view", dtype=dtype) for m in b]
+            pre = [op for m in b for op in _flattened(m)]
             pre.append(Op(f"cat_{b[0].name}", "cat", bytes=2.0 * total, dtype=dtype))
             post = [Op(f"split_{b[0].name}", "split_with_sizes", kind="view", dtype=dtype)]
             post += [Op(f"unpack_{m.name}", "view", kind="view", dtype=dtype) for m in b]
-            comms.append(
-                CommSite(
-                    f"bucket_{b[0].name}",
-                    "all_reduce",
-                    b[0].group,
-                    total,
-                    total,
-                    dtype,
-                    issue_at=max(m.issue_at for m in b),
-                    wait_at=min(m.wait_at for m in b),
-                    members=len(b),
-                    pre_ops=pre,
-                    post_ops=post,
-                    input_numel=sum(m.input_numel for m in b),
-                    readers=tuple(sorted(r for m in b for r in m.readers)),
-                )
+            site = CommSite(
+                f"bucket_{b[0].name}",
+                "all_reduce",
+                b[0].group,
+                total,
+                total,
+                dtype,
+                issue_at=max(m.issue_at for m in b),
+                wait_at=min(m.wait_at for m in b),
+                members=len(b),
+                pre_ops=pre,
+                post_ops=post,
+                input_numel=sum(m.input_numel for m in b),
+                readers=tuple(sorted(r for m in b for r in m.readers)),
             )
-    comms.sort(key=lambda c: (c.issue_at, c.name))
+            place[id(site)] = max(place[id(m)] for m in b)
+            comms.append(site)
+    comms.sort(key=lambda c: (c.issue_at, place[id(c)]))
     memory = memory_with(step.memory, changed)
     return StepGraph(ops=step.ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes, resized_from=step.resized_from)
+
+
+def _flattened(member: CommSite) -> list[Op]:
+    """The ops that flatten a member for packing: a view, after a contiguous copy where its input is
+    laid out otherwise (aot.passes.bucketing; the copy priced as aot.plan.step_reading prices one)."""
+    view = Op(f"view_{member.name}", "view", kind="view", dtype=member.dtype)
+    if member.strided_shape is None:
+        return [view]
+    n, size, flat = member.input_numel, member.element_size, len(member.strided_shape) <= 1
+    copy = Op(f"clone_{member.name}", "clone", bytes=2.0 * n * size, dtype=member.dtype, tensors=((n, size, flat), (n, size, flat)), elements=n)
+    return [copy, view]
 
 
 def _retime(intervals: list, bucket: list[CommSite], changed: dict) -> None:
@@ -80,8 +94,8 @@ def _retime(intervals: list, bucket: list[CommSite], changed: dict) -> None:
     results = [intervals[m.buffers[1]] for m in bucket]
     packed = max(start for start, *_ in results)
     last = max(end for _, end, *_ in results)
-    for m, (_, _, numel, elsize, part) in zip(bucket, results):
-        intervals[m.buffers[1]] = changed[m.buffers[1]] = (packed, last, numel, elsize, part)
+    for m, (_, _, *rest) in zip(bucket, results):
+        intervals[m.buffers[1]] = changed[m.buffers[1]] = (packed, last, *rest)
         if m.buffers[0] >= 0:
             start, end, *rest = intervals[m.buffers[0]]
             intervals[m.buffers[0]] = changed[m.buffers[0]] = (start, max(end, packed), *rest)

@@ -154,7 +154,7 @@ class NodeRecord:
     kind: str  # "placeholder", "compute", "collective", "wait", "output" or "other" (get_attr)
     inputs: tuple[int, ...] = ()  # the records of the node's input nodes (all_input_nodes' order)
     keys: tuple = ()  # the storage each tensor of its value lives in, numbered (a wait's: its collective's)
-    sizes: tuple = ()  # per tensor: (numel, numel of its storage, element size)
+    sizes: tuple = ()  # per tensor: (numel, numel of its storage, element size, NOT_FLAT, FLAT or PADDED_WHOLE)
     part: str = ""  # placeholder: its resident part; else COLLECTIVE_BUFFERS where it is or feeds only collectives
     op: Op | None = None  # compute: its cost
     comm: CommSite | None = None  # collective: its site, but for where it is issued, waited and read
@@ -179,7 +179,8 @@ def read(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = N
         # each storage by a number: a storage key hashes in Python, and assembling a deep step
         # looks its storages up millions of times
         record.keys = tuple(ids.setdefault(aliases.get(k, k), len(ids)) for k in map(storage_key, values))
-        record.sizes = tuple((t.numel(), _storage_bytes(t) // t.element_size(), t.element_size()) for t in values)
+        classes = _shape_classes(node, values, out, index)
+        record.sizes = tuple((t.numel(), _storage_bytes(t) // t.element_size(), t.element_size(), c) for t, c in zip(values, classes))
         if node.op == "placeholder":
             kind = slots[placeholders]["kind"] if slots and placeholders < len(slots) else "param"
             record.kind, record.part = "placeholder", _PARTS.get(kind, "params")
@@ -200,6 +201,27 @@ def read(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = N
     return out
 
 
+# What a tensor is to a wider or narrower fsdp axis (aot.plan.derived_steps.rescale): shaped
+# tensors keep their size; flat ones (0-d or 1-d) are resized where they have a shard's size, or a
+# padded whole parameter's: what an all_gather makes, what a reduce-scatter takes, and flat values
+# of the same size computed from those (a shard's size is tried first for the others).
+NOT_FLAT, FLAT, PADDED_WHOLE = 0, 1, 2
+
+
+def _shape_classes(node, values: list, records: list[NodeRecord], index: dict) -> list[int]:
+    """The class of each tensor of `node`'s value (`records`: those of the nodes before it)."""
+    classes = [NOT_FLAT if t.dim() > 1 else FLAT for t in values]
+    if FLAT not in classes:
+        return classes
+    kind = _collective_kind(node)
+    if kind == "all_gather" or (node.users and all(_collective_kind(u) == "reduce_scatter" for u in node.users)):
+        return [PADDED_WHOLE if c == FLAT else c for c in classes]
+    if kind is not None or node.op != "call_function":
+        return classes
+    wholes = {size[0] for a in node.all_input_nodes for size in records[index[a]].sizes if size[3] == PADDED_WHOLE}
+    return [PADDED_WHOLE if c == FLAT and t.numel() in wholes else c for t, c in zip(values, classes)]
+
+
 def _site(node) -> CommSite:
     kind = _collective_kind(node)
     assert kind is not None  # a collective's node
@@ -208,7 +230,8 @@ def _site(node) -> CommSite:
     elsize = val.element_size() if isinstance(val, torch.Tensor) else 4
     size = _group_size(node) if kind in ("all_gather", "reduce_scatter") else None
     dtype = str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else "float32"
-    return CommSite(node.name, kind, str(node.args[-1]), 0, 0, dtype, 0, 0, input_numel=numel, group_size=size or 1).sized(elsize)
+    strided = tuple(val.shape) if isinstance(val, torch.Tensor) and not val.is_contiguous() else None
+    return CommSite(node.name, kind, str(node.args[-1]), 0, 0, dtype, 0, 0, input_numel=numel, group_size=size or 1, strided_shape=strided).sized(elsize)
 
 
 def assemble(records: list[NodeRecord]) -> StepGraph:
@@ -270,11 +293,11 @@ def _memory(records: list[NodeRecord]):
     resident_keys: set = set()
     resident = []
     turn = next((i for i, r in enumerate(records) if r.loss), len(records))
-    born: dict = {}  # storage key -> (index, numel, element size, part)
+    born: dict = {}  # storage key -> (index, numel, element size, part, flat)
     last: dict = {}  # storage key -> last index that reads it
     for i, r in enumerate(records):
         if r.kind == "placeholder":
-            for key, (numel, _, elsize) in zip(r.keys, r.sizes):
+            for key, (numel, _, elsize, _) in zip(r.keys, r.sizes):
                 if key not in resident_keys:
                     resident_keys.add(key)
                     # the tensor, not its storage: an input may be traced as a slice of a larger batch
@@ -287,13 +310,13 @@ def _memory(records: list[NodeRecord]):
             for a in r.inputs:  # what the step returns after the loss: its new state
                 for key in records[a].keys:
                     if key in born and born[key][0] > turn and born[key][3] == "gradients":
-                        born[key] = (*born[key][:3], "updated_state")
+                        born[key] = (*born[key][:3], "updated_state", born[key][4])
             continue
         if r.kind == "wait":  # the wait returns the collective's own buffer
             continue
-        for key, (_, storage, elsize) in zip(r.keys, r.sizes):
+        for key, (_, storage, elsize, flat) in zip(r.keys, r.sizes):
             if key not in resident_keys and key not in born:
-                born[key] = (i, storage, elsize, r.part or ("activations" if i <= turn else "gradients"))
+                born[key] = (i, storage, elsize, r.part or ("activations" if i <= turn else "gradients"), flat)
                 last.setdefault(key, i)
-    intervals = tuple((start, last.get(key, start), numel, elsize, part) for key, (start, numel, elsize, part) in born.items())
+    intervals = tuple((start, last.get(key, start), numel, elsize, part, flat) for key, (start, numel, elsize, part, flat) in born.items())
     return memory_of(tuple(resident), intervals, len(records)), {key: i for i, key in enumerate(born)}
