@@ -121,16 +121,15 @@ def test_aot_plan_prices_the_mode_it_is_given():
     assert "all_reduce:hierarchical" not in algorithms("never")
 
 
-def test_build_prices_the_flat_all_reduce_with_the_plans_nccl_algorithm():
-    """The build's per-collective choice compares against the algorithm the plan pinned
-    (NCCL_ALGO), as the planner's pricing did."""
-    from types import SimpleNamespace
-
-    from aot.plan.build_plan import BuildPlan
-
-    def pinned(setting):
-        return BuildPlan(None, SimpleNamespace(nccl_algo=setting), [], 8).all_reduce_algorithm
-
-    assert pinned("allgather:ring;allreduce:tree;reducescatter:ring") == "double_binary_tree"
-    assert pinned("allreduce:ring") == "ring"
-    assert pinned(None) is None and pinned("allgather:ring") is None
+def test_build_strategy_auto_splits_as_the_plan_priced_it(tmp_path):
+    """On 2 DGX A100 nodes mlp's best plan (dp=16) reduces its one small bucket in two levels; the
+    build's choice prices the flat all_reduce with the algorithm the planner's did
+    (BuildPlan.all_reduce_algorithm), so it splits the same collectives, and the plan's predicted
+    step is the build's prediction for its program, to the bit."""
+    art = tmp_path / "art"
+    ok(aot("build", EXAMPLES / "mlp.py", "--topology", "dgx_a100", "--nodes", 2, "--world-size", 16, "--strategy", "auto", "--no-onnx", "-o", art, "--quiet"))
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["build"]["strategy"] == "dp=16"
+    assert manifest["plan"]["predicted"]["algorithms"] == {"all_reduce:hierarchical": 1}
+    assert {c["group"] for c in manifest["programs"]["train"]["collectives"]} == {"aot.dp.intra", "aot.dp.inter"}
+    assert manifest["plan"]["predicted"]["step_s"] == manifest["time"]["predicted"]["step_s"]

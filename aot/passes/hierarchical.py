@@ -49,15 +49,29 @@ def _split(graph: torch.fx.Graph, reduce: torch.fx.Node, wait: torch.fx.Node, le
     numel, g = val.numel(), levels.intra_size
     padded = -(-numel // g) * g
     piece = val.new_empty((padded // g,))
+    # The buffer flattened and padded, and the reduce-scatter, the all_reduce across nodes and the
+    # all-gather issued, right where the buffer is made, each of the first two waited for before the
+    # next takes its result: the all_reduce's start, wherever the overlap pass would have issued it.
+    # Only the all-gather's wait and the cut back to shape stay where the all_reduce was waited for.
+    # (The overlap pass moves collectives and waits, not ops: a chain left at the all_reduce's place
+    # started where the step had put it, late for a value made early such as the loss.)
+    cursor = x if x.op != "placeholder" else [n for n in graph.nodes if n.op == "placeholder"][-1]  # ops follow every input
+
+    def after(node: torch.fx.Node) -> torch.fx.Node:
+        nonlocal cursor
+        cursor.append(node)
+        cursor = node
+        return node
+
+    flat = after(_with_val(graph.call_function(aten.view.default, (x, [-1])), val.reshape(-1)))
+    if padded != numel:
+        flat = after(_with_val(graph.call_function(aten.constant_pad_nd.default, (flat, [0, padded - numel])), val.new_empty((padded,))))
+    scattered = after(_with_val(graph.call_function(REDUCE_SCATTER, (flat, op, g, levels.intra)), piece))
+    scattered_done = after(_with_val(graph.call_function(WAIT, (scattered,)), piece))
+    across = after(_with_val(graph.call_function(ALL_REDUCE, (scattered_done, op, levels.inter)), piece))
+    across_done = after(_with_val(graph.call_function(WAIT, (across,)), piece))
+    gathered = after(_with_val(graph.call_function(ALL_GATHER, (across_done, g, levels.intra)), val.new_empty((padded,))))
     with graph.inserting_before(reduce):
-        flat = _with_val(graph.call_function(aten.view.default, (x, [-1])), val.reshape(-1))
-        if padded != numel:
-            flat = _with_val(graph.call_function(aten.constant_pad_nd.default, (flat, [0, padded - numel])), val.new_empty((padded,)))
-        scattered = _with_val(graph.call_function(REDUCE_SCATTER, (flat, op, g, levels.intra)), piece)
-        scattered_done = _with_val(graph.call_function(WAIT, (scattered,)), piece)
-        across = _with_val(graph.call_function(ALL_REDUCE, (scattered_done, op, levels.inter)), piece)
-        across_done = _with_val(graph.call_function(WAIT, (across,)), piece)
-        gathered = _with_val(graph.call_function(ALL_GATHER, (across_done, g, levels.intra)), val.new_empty((padded,)))
         out = _with_val(graph.call_function(WAIT, (gathered,)), val.new_empty((padded,)))
         if padded != numel:
             out = _with_val(graph.call_function(aten.slice.Tensor, (out, 0, 0, numel)), val.reshape(-1))

@@ -12,7 +12,7 @@ from aot.plan.step_reading import analyze
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.plan.placement import Placement
-from aot.plan.search import NCCL_NAMES, TIMELINE_FILE, Plan, Planner, plan_model
+from aot.plan.search import TIMELINE_FILE, Plan, Planner, plan_model
 
 
 def time_entry(machine: Machine, mesh: Mesh, placement: Placement, built: StepGraph, bucket_mb: float, recompute_s: float = 0.0) -> dict:
@@ -115,13 +115,9 @@ class BuildPlan:
 
     @property
     def all_reduce_algorithm(self) -> str | None:
-        """The algorithm the plan pins for NCCL's all_reduces (None: the backend's only one), which
-        the build's hierarchical choice prices the flat all_reduce with, as the planner did."""
-        for setting in (self.chosen.nccl_algo or "").split(";"):
-            kind, _, name = setting.partition(":")
-            if kind == "allreduce":
-                return next((ours for ours, theirs in NCCL_NAMES.items() if theirs == name), None)
-        return None
+        """The algorithm the planner's split of all_reduces in two levels priced the flat ones with
+        (None: none split), which the build's hierarchical choice prices them with, as the planner did."""
+        return self.chosen.split_flat_algorithm
 
     def finish(self, graph, slots) -> tuple[dict, dict[str, bytes]]:
         return manifest_entry(self.planner, self.chosen, graph, slots, self.ranked, self.batch_size)

@@ -290,6 +290,18 @@ def _segments(step: StepGraph, times: list[float]) -> tuple[list[float], list[st
     return [wrapped] + [prefix[i] - prefix[j] for j, i in zip(at[:-1], at[1:])], [c.kind for c in issued]
 
 
+def _counted_as(c: CommSite, algorithm: str) -> tuple[str, str] | None:
+    """How a collective counts in a prediction's `algorithms`: the three collectives of an
+    all_reduce split in two levels (over "aot.<axis>.intra" and ".inter", aot/passes/hierarchical.py)
+    as one hierarchical all_reduce, counted at its level across nodes."""
+    level = c.group.rsplit(".", 1)[-1]
+    if level == "inter":
+        return ("all_reduce", "hierarchical")
+    if level == "intra":
+        return None
+    return (c.kind, algorithm)
+
+
 def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool = True, trace: bool = False, op_times: list[float] | None = None) -> Prediction:
     """Predicted step time. `comm_cost(site) -> (algorithm, seconds)`. With overlap=False every
     collective blocks the compute clock from issue to completion (ranks whose communication
@@ -323,7 +335,9 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
         algorithm, seconds = comm_cost(c)
         if not overlap:  # blocking: what the calibration saw a collective cost inside a step
             seconds = max(0.0, seconds + stall)
-        algos[(c.kind, algorithm)] = algos.get((c.kind, algorithm), 0) + 1
+        counted = _counted_as(c, algorithm)
+        if counted is not None:
+            algos[counted] = algos.get(counted, 0) + 1
         start = max(t, comm_free)
         comm_free = start + seconds
         end[c.name] = comm_free

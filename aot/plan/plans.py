@@ -37,6 +37,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     recompute: float | None = None  # the activation budget recomputation was priced at (None: none)
     pipeline: dict | None = None  # pp plans: microbatches, schedule, bubble_s
+    # the all_reduce algorithm the split in two levels priced flat all_reduces with (search.py
+    # Planner._split_levels), which the build's own choice must use to split the same ones
+    split_flat_algorithm: str | None = None
 
     @property
     def data_ranks(self) -> int:

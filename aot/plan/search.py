@@ -32,6 +32,7 @@ from aot.errors import AotError
 from aot.plan import collectives, hierarchy
 from aot.plan.cost_model import StepGraph, op_seconds, op_time, simulate
 from aot.plan.rebucket import rebucket
+from aot.plan.hierarchical_split import split_levels
 from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.plan.model_steps import ModelSteps, Pricing, Unsupported, factorizations
@@ -78,7 +79,6 @@ class Planner(PipelineSearch):
         # a search prices every bucket size of a mesh on the same placement: the spans of its
         # groups and the levels of its axes (which walk every rank) are found once per placement
         self._spans: dict = {}
-        self._levels: dict = {}
         self.pipelines_apart_s = 0.0  # seconds pipeline meshes were priced in worker processes (_pipelines_ahead)
 
     def step_graph(self, axes, shape) -> StepGraph:
@@ -104,11 +104,12 @@ class Planner(PipelineSearch):
         return self._op_times[key][1]
 
     # -- collectives ------------------------------------------------------------------------
-    def comm_pricer(self, placement: Placement, step: StepGraph, hierarchical: str | None = None) -> tuple[Callable, str | None]:
+    def comm_pricer(self, placement: Placement, step: StepGraph) -> tuple[Callable, str | None]:
         """(site -> (algorithm, seconds), NCCL_ALGO setting). The groups of one axis run at once,
         so a collective costs what it costs on the slowest of them. NCCL's algorithm is set per
         collective kind for the whole run (NCCL_ALGO), so each kind gets the one algorithm that
-        makes that kind's collectives cheapest in sum; other backends run what they implement."""
+        makes that kind's collectives cheapest in sum; other backends run what they implement. A
+        hierarchical all_reduce is priced as its three collectives (aot.plan.hierarchical_split)."""
         machine = self.machine
         realizable = collectives.REALIZABLE.get(machine.backend, collectives.REALIZABLE["gloo"])
         spans = self._spans
@@ -147,8 +148,6 @@ class Planner(PipelineSearch):
             nccl = ";".join(f"{names[k]}:{_nccl_name(pinned[k])}" for k in used)
 
         cache: dict = {}
-        levels = self._levels
-        hierarchical = hierarchical or self.hierarchical
 
         def cost(site):
             kind = site.kind if site.kind in collectives.ALGORITHMS else "all_reduce"
@@ -156,17 +155,6 @@ class Planner(PipelineSearch):
             if key not in cache:
                 algorithm = pinned.get(kind, "ring")
                 cache[key] = (algorithm, price(site, algorithm))
-                if kind == "all_reduce" and hierarchical != "never":
-                    # a hierarchical all_reduce is three graph collectives over sub-groups
-                    # (aot/passes/hierarchical.py), chosen per collective where it is cheaper
-                    axis = Mesh.axis_of(site.group)
-                    if (placement, axis) not in levels:
-                        levels[(placement, axis)] = hierarchy.levels(machine, placement, axis) if axis in placement.axes else None
-                    found = levels[(placement, axis)]
-                    if found is not None:
-                        seconds = hierarchy.hierarchical_seconds(machine, found, site.bytes, algorithm)
-                        if hierarchical == "always" or seconds < cache[key][1]:
-                            cache[key] = ("hierarchical", seconds)
             return cache[key]
 
         return cost, nccl
@@ -190,12 +178,26 @@ class Planner(PipelineSearch):
         graph = base if bucketed else rebucket(base, int(bucket_mb * MiB))
         if placement is None:
             placement = place(self.machine, tuple(axes), tuple(shape), _traffic(graph))
-        cost, nccl = self.comm_pricer(placement, graph, "never" if as_built else None)
+        flat_algorithm = None
+        if not as_built:  # the all_reduces split in two levels as the build's pass will split them
+            graph, flat_algorithm = self._split_levels(graph, placement)
+        cost, nccl = self.comm_pricer(placement, graph)
         times = self._op_times_for(base)
         prediction = simulate(graph, self.machine.compute, cost, overlap=self.overlaps, trace=trace, op_times=times)
         limit = self.machine.memory_bytes
         fits = limit is None or prediction.memory.peak <= MEMORY_HEADROOM * limit
-        return Plan(tuple(axes), tuple(shape), bucket_mb, placement, prediction, fits, nccl)
+        return Plan(tuple(axes), tuple(shape), bucket_mb, placement, prediction, fits, nccl, split_flat_algorithm=flat_algorithm)
+
+    def _split_levels(self, graph: StepGraph, placement: Placement) -> tuple[StepGraph, str | None]:
+        """(`graph` with the all_reduces aot.passes.hierarchical splits on this placement split,
+        the all_reduce algorithm the choice priced the flat ones with): hierarchy.chooser's choice,
+        the flat all_reduce at the algorithm NCCL_ALGO pins for the unsplit graph's all_reduces,
+        which `--strategy auto` hands the build's chooser (BuildPlan.all_reduce_algorithm)."""
+        if self.hierarchical == "never" or not any(c.kind == "all_reduce" for c in graph.comms):
+            return graph, None
+        cost, _ = self.comm_pricer(placement, graph)
+        flat = next(cost(c)[0] for c in graph.comms if c.kind == "all_reduce")
+        return split_levels(graph, hierarchy.chooser(self.machine, placement, self.hierarchical, flat)), flat
 
     @property
     def overlaps(self) -> bool:
