@@ -24,6 +24,8 @@ and their ranking: aot/plan/plans.py.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -104,12 +106,13 @@ class Planner(PipelineSearch):
         return self._op_times[key][1]
 
     # -- collectives ------------------------------------------------------------------------
-    def comm_pricer(self, placement: Placement, step: StepGraph) -> tuple[Callable, str | None]:
+    def comm_pricer(self, placement: Placement, step: StepGraph, kinds: tuple[str, ...] = collectives.KINDS) -> tuple[Callable, str | None]:
         """(site -> (algorithm, seconds), NCCL_ALGO setting). The groups of one axis run at once,
         so a collective costs what it costs on the slowest of them. NCCL's algorithm is set per
         collective kind for the whole run (NCCL_ALGO), so each kind gets the one algorithm that
         makes that kind's collectives cheapest in sum; other backends run what they implement. A
-        hierarchical all_reduce is priced as its three collectives (aot.plan.hierarchical_split)."""
+        hierarchical all_reduce is priced as its three collectives (aot.plan.hierarchical_split).
+        `kinds`: the kinds to pin (the others run their first algorithm)."""
         machine = self.machine
         realizable = collectives.REALIZABLE.get(machine.backend, collectives.REALIZABLE["gloo"])
         spans = self._spans
@@ -128,18 +131,22 @@ class Planner(PipelineSearch):
                 spans[key] = hierarchy.distinct_spans(machine, groups, kind)
             return spans[key]
 
+        def seconds(kind: str, group: str, nbytes: int, algorithm: str) -> float:
+            kind = kind if kind in collectives.ALGORITHMS else "all_reduce"
+            return max(machine.compute.collective_seconds(kind, algorithm, s, nbytes) for s in spans_of(group, kind))
+
         def price(site, algorithm: str) -> float:
-            kind = site.kind if site.kind in collectives.ALGORITHMS else "all_reduce"
-            return max(machine.compute.collective_seconds(kind, algorithm, s, site.bytes) for s in spans_of(site.group, kind))
+            return seconds(site.kind, site.group, site.bytes, algorithm)
 
         pinned: dict[str, str] = {}
         for kind in collectives.KINDS:
-            sites = [c for c in step.comms if c.kind == kind]
+            # a deep step repeats each block's collectives: each (group, size) priced once
+            sites = Counter((c.group, c.bytes) for c in step.comms if c.kind == kind)
             options = realizable.get(kind, ("ring",))
-            if not sites or len(options) == 1:
+            if not sites or len(options) == 1 or kind not in kinds:
                 pinned[kind] = options[0]
                 continue
-            totals = [(sum(price(c, a) for c in sites), i, a) for i, a in enumerate(options)]
+            totals = [(math.fsum(n * seconds(kind, g, b, a) for (g, b), n in sites.items()), i, a) for i, a in enumerate(options)]
             pinned[kind] = min(totals)[2]
         nccl = None
         if machine.backend == "nccl" and step.comms:
@@ -195,7 +202,7 @@ class Planner(PipelineSearch):
         which `--strategy auto` hands the build's chooser (BuildPlan.all_reduce_algorithm)."""
         if self.hierarchical == "never" or not any(c.kind == "all_reduce" for c in graph.comms):
             return graph, None
-        cost, _ = self.comm_pricer(placement, graph)
+        cost, _ = self.comm_pricer(placement, graph, kinds=("all_reduce",))
         flat = next(cost(c)[0] for c in graph.comms if c.kind == "all_reduce")
         return split_levels(graph, hierarchy.chooser(self.machine, placement, self.hierarchical, flat)), flat
 
