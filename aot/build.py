@@ -97,14 +97,29 @@ def _stored_example(mf, batch_size: int, data_ranks: int, progress: Progress) ->
     return mf.example_batch(batch_size * data_ranks)
 
 
-def place_mesh(mesh: Mesh, profile: dict, planned=None) -> Placement:
+def place_mesh(mesh: Mesh, profile: dict, planned=None, traffic: dict | None = None) -> Placement:
     """Which physical rank (torchrun's RANK, one per GPU) holds each coordinate of the mesh: the
-    plan's placement for `--strategy auto`, else the cheapest `place()` finds on the profile with
-    each axis's usual traffic (the mesh's own order on a tie, so CPU profiles and profiles whose
-    fast islands follow the GPU numbering keep mesh rank r on rank r)."""
+    plan's placement for `--strategy auto`, else the cheapest `place()` finds on the profile for
+    the bytes the step sends over each axis (`traffic`, as the planner places a mesh; None: each
+    axis's usual traffic), the mesh's own order on a tie (so CPU profiles and profiles whose fast
+    islands follow the GPU numbering keep mesh rank r on rank r)."""
     if planned is not None:
         return planned.chosen.placement.reordered(mesh.axes, mesh.shape)
-    return place(Machine(profile, mesh.world_size), mesh.axes, mesh.shape)
+    return place(Machine(profile, mesh.world_size), mesh.axes, mesh.shape, traffic)
+
+
+def placed_by_traffic(mesh: Mesh, profile: dict, graph: torch.fx.GraphModule) -> Placement:
+    """The mesh placed as `aot plan` places it: by the bytes each axis carries in the step as the
+    planner prices it (`graph`, as traced, through every pass but those it prices analytically,
+    which move no bytes between axes), so that a plan's row built by its --strategy runs where it
+    was priced."""
+    from aot.passes import PRICED_ANALYTICALLY, run_passes
+    from aot.passes.graph_utils import copy_graph
+    from aot.plan.placement import traffic_of
+    from aot.plan.step_reading import collective_sites
+
+    passed = run_passes(copy_graph(graph), skip=PRICED_ANALYTICALLY)
+    return place_mesh(mesh, profile, traffic=traffic_of(collective_sites(passed)))
 
 
 def build(options: BuildOptions, progress: Progress) -> dict:
@@ -122,10 +137,10 @@ def _build(options: BuildOptions, progress: Progress) -> dict:
     options, planned = _apply_plan(options, profile, progress)
     mesh = Mesh.parse(options.strategy, options.world_size)
     _check_pipeline_options(options, mesh, progress)
-    placement = place_mesh(mesh, profile, planned)
+    placement = place_mesh(mesh, profile, planned) if planned is not None else None  # else placed once traced
     compile_device = _compile_device(options, profile)
     step = compile_step(options, profile, mesh, placement, planned, progress)
-    return _emit(options, profile, mesh, placement, planned, step, compile_device, progress)
+    return _emit(options, profile, mesh, step.placement, planned, step, compile_device, progress)
 
 
 def _check_options(options: BuildOptions) -> None:
@@ -235,23 +250,31 @@ class CompiledStep:
     proof: replicas.Proof
     subgroups: dict  # hierarchical all_reduce's level groups
     evaluations: dict  # eval program name -> CapturedStep (aot/capture/eval_step.py): one, or one per pipeline rank
+    placement: Placement  # which physical rank holds each coordinate of the mesh
 
 
-def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement, planned, progress: Progress) -> CompiledStep:
+def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement | None, planned, progress: Progress) -> CompiledStep:
     """The model file's whole training step for the mesh: loaded, its state recorded, traced (one
-    program, or one per pipeline rank), the passes run and priced (aot/compile_step.py)."""
+    program, or one per pipeline rank), the passes run and priced (aot/compile_step.py).
+    `placement` None: the mesh placed once traced, as the planner places it (placed_by_traffic;
+    a pipeline mesh by each axis's usual traffic)."""
     machine = Machine(profile, mesh.world_size)
     rec, target, request, example, batchnorm = _record(options, profile, mesh, machine, progress)
-    if not placement.identity:
-        progress.note(f"placement: {describe_placement(placement)}")
     layout = _layout(rec, target, progress)
     prefetch = None if options.prefetch_mb is None else int(options.prefetch_mb * 2**20)
-    chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
-    passes = PassOptions(bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch, hierarchical=chooser)
+
+    def passes_for(placement: Placement) -> PassOptions:
+        if not placement.identity:
+            progress.note(f"placement: {describe_placement(placement)}")
+        chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
+        return PassOptions(bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch, hierarchical=chooser)
+
     pipeline_entry, program_of, pipeline_files = None, (lambda coords: PROGRAM), {}
     if target.group(PP) is not None:
         from aot.pipeline_build import build_programs
 
+        placement = placement or place_mesh(mesh, profile)
+        passes = passes_for(placement)
         built = build_programs(options, rec, layout, target, (mesh, placement, machine), request, passes, progress)
         captures, memory, time, recompute = built.captures, built.memory, built.time, built.recompute
         pipeline_entry, program_of, pipeline_files = built.entry, built.program_of, built.files
@@ -267,6 +290,9 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
                 evaluation.graph = run_passes(evaluation.graph, only=CLEANUP)
                 evaluations = {EVAL_PROGRAM: evaluation}
         with progress.stage("running graph passes (recomputation, bucketing, hierarchical all_reduce, overlap)"):
+            if placement is None:
+                placement = placed_by_traffic(mesh, profile, captured.graph) if sum(d > 1 for d in mesh.shape) > 1 else place_mesh(mesh, profile)
+            passes = passes_for(placement)
             captured.graph, recompute = finish_program(captured.graph, captured.slots, request, machine.compute, passes)
             analysis = analyze(captured.graph, captured.slots)
             memory = analysis.memory
@@ -279,7 +305,7 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
     layout, proof, subgroups = _programs_read(captures, layout, profile, machine, placement, progress)
     return CompiledStep(
         rec.mf, target.precision, example, rec.inputs, rec.state, batchnorm, layout, captures, memory, time, recompute,
-        pipeline_entry, program_of, pipeline_files, proof, subgroups, evaluations,
+        pipeline_entry, program_of, pipeline_files, proof, subgroups, evaluations, placement,
     )  # fmt: skip
 
 

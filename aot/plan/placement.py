@@ -188,6 +188,16 @@ def axis_cost(machine: Machine, placement: Placement, axis: str, nbytes: float) 
     return worst
 
 
+def traffic_of(sites) -> dict[str, float]:
+    """Bytes per step each rank sends over each mesh axis: `sites`' (CommSite) `bytes`, by the
+    axis their group belongs to (what `place` weighs the axes by)."""
+    out: dict[str, float] = {}
+    for c in sites:
+        axis = Mesh.axis_of(c.group)
+        out[axis] = out.get(axis, 0.0) + c.bytes
+    return out
+
+
 def place(
     machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...], traffic: dict[str, float] | None = None, devices: list[int] | None = None
 ) -> Placement:

@@ -39,7 +39,7 @@ from aot.plan.machine import Machine
 from aot.plan.mesh import Mesh
 from aot.plan.model_steps import ModelSteps, Pricing, Unsupported, factorizations
 from aot.plan.pipeline_search import PipelineSearch
-from aot.plan.placement import Placement, place
+from aot.plan.placement import Placement, place, traffic_of
 from aot.plan.plans import MEMORY_HEADROOM, Plan, mesh_name, per_sample_s, rank_key
 from aot.defaults import DEFAULT_BUCKET_MB
 from runner.format.axes import DP, EP, PP
@@ -362,11 +362,7 @@ def _nccl_name(algorithm: str) -> str:
 
 
 def _traffic(step: StepGraph) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for c in step.comms:
-        axis = Mesh.axis_of(c.group)
-        out[axis] = out.get(axis, 0.0) + c.bytes
-    return out
+    return traffic_of(step.comms)
 
 
 def _bucket_candidates(step: StepGraph, given) -> list[float]:

@@ -222,6 +222,12 @@ def _shape_classes(node, values: list, records: list[NodeRecord], index: dict) -
     return [PADDED_WHOLE if c == FLAT and t.numel() in wholes else c for t, c in zip(values, classes)]
 
 
+def collective_sites(gm: torch.fx.GraphModule) -> list[CommSite]:
+    """The collectives of `gm`, each as `analyze` reads it (what it moves, over which group), in
+    graph order; not where it is issued or waited for."""
+    return [_site(n) for n in gm.graph.nodes if n.op == "call_function" and _collective_kind(n) is not None]
+
+
 def _site(node) -> CommSite:
     kind = _collective_kind(node)
     assert kind is not None  # a collective's node
