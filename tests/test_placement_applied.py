@@ -3,7 +3,8 @@
 tests/fixtures/topology/pcie_4gpu_nvlink_pairs_crossed.json is a 4-GPU PCIe server whose NVLink
 bridges join GPU0-GPU2 and GPU1-GPU3: the axis whose collectives carry the most bytes belongs on
 those pairs (as `aot plan` places a mesh; mlp's: the data-parallel gradients, more than tp's
-activations), so with the mesh written tp first (`tp=2,dp=2`) mesh rank r no longer runs on rank r. The manifest's `ranks` and `process_groups` are then written in physical ranks
+activations), so with the mesh written tp first (`tp=2,dp=2`) mesh rank r no longer runs on
+rank r. The manifest's `ranks` and `process_groups` are then written in physical ranks
 (torchrun's RANK), and a real torchrun job on this CPU machine (gloo; the GPU profile's topology
 check told to allow the mismatch) must still train exactly like eager DDP over the data-parallel
 ranks: data rank, state shard, checkpoint writer and every collective's member order follow the
