@@ -37,11 +37,27 @@ def cli():
     """
 
 
+def default_world_size(strategy: str | None, topology: str | None, nodes: int | None) -> int:
+    """`aot build`'s ranks where --world-size is not given: the product of --strategy's degrees;
+    with --strategy auto, every GPU of every node (cpu profiles: one rank per node), as `aot plan`."""
+    from aot.plan.mesh import Mesh
+
+    if strategy != "auto":
+        return Mesh.parse(strategy, None).world_size
+    from runner.hardware.nvml_probe import live_profile
+    from runner.hardware.topology import every_rank, for_nodes, load_profile
+
+    return every_rank(for_nodes(load_profile(topology) if topology else live_profile(), nodes))
+
+
 @cli.command()
 @click.argument("model_file", type=click.Path(path_type=Path))
 @click.option("--topology", metavar="PROFILE", help="Built-in profile name (e.g. cpu) or a profile JSON file. Default: this machine.")
 @options.nodes("Nodes the job spans (one rank per GPU, ranks split evenly). Default: the profile's node count.")
-@options.world_size("Number of ranks to build for. Default: the product of --strategy's degrees, else 1.")
+@options.world_size(
+    "Number of ranks to build for. Default: the product of --strategy's degrees; with --strategy auto, every GPU of every node "
+    "(cpu profiles: one rank per node), as `aot plan`."
+)
 @click.option(
     "--strategy",
     metavar="AXIS=N[,...]",
@@ -158,12 +174,11 @@ def build(model_file, compile_tier, quiet, as_json, **flags):
     tensors: any world size builds on this machine, and no collective runs.
     """
     from aot.build import BuildOptions, build as run_build
-    from aot.plan.mesh import Mesh
     from aot.progress import Progress
     from runner.commands.formatting import human
 
     if flags["world_size"] is None:
-        flags["world_size"] = Mesh.parse(flags["strategy"], None).world_size if flags["strategy"] != "auto" else 1
+        flags["world_size"] = default_world_size(flags["strategy"], flags["topology"], flags["nodes"])
     options = BuildOptions(model_path=model_file, compile=compile_tier, **flags)  # every other option is a field of the same name
     progress = Progress(total=6 + (options.onnx is not False) + (compile_tier == "aoti"), quiet=quiet or as_json)
     manifest = run_build(options, progress)

@@ -119,7 +119,7 @@ def plan(
     from aot.plan.search import MEMORY_HEADROOM, plan_model
     from runner.commands.formatting import human
     from runner.hardware.nvml_probe import live_profile
-    from runner.hardware.topology import for_nodes, gpus_in_order, load_profile
+    from runner.hardware.topology import every_rank, for_nodes, load_profile
 
     started = time.perf_counter()
 
@@ -128,7 +128,7 @@ def plan(
         profile = for_nodes(profile, nodes)
         ranks = world_size
         if ranks is None:
-            ranks = profile["nodes"] * (len(gpus_in_order(profile)) if profile["device_kind"] == "cuda" else 1)
+            ranks = every_rank(profile)
         if ranks < 1:
             raise AotError(f"--world-size must be at least 1, got {ranks}")
         return for_nodes(profile, None, ranks), ranks

@@ -127,8 +127,9 @@ def test_build_strategy_auto_splits_as_the_plan_priced_it(tmp_path):
     (BuildPlan.all_reduce_algorithm), so it splits the same collectives, and the plan's predicted
     step is the build's prediction for its program, to the bit."""
     art = tmp_path / "art"
-    ok(aot("build", EXAMPLES / "mlp.py", "--topology", "dgx_a100", "--nodes", 2, "--world-size", 16, "--strategy", "auto", "--no-onnx", "-o", art, "--quiet"))
+    ok(aot("build", EXAMPLES / "mlp.py", "--topology", "dgx_a100", "--nodes", 2, "--strategy", "auto", "--no-onnx", "-o", art, "--quiet"))
     manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["world_size"] == 16  # every GPU of both nodes, as `aot plan` plans them by default
     assert manifest["build"]["strategy"] == "dp=16"
     assert manifest["plan"]["predicted"]["algorithms"] == {"all_reduce:hierarchical": 1}
     assert {c["group"] for c in manifest["programs"]["train"]["collectives"]} == {"aot.dp.intra", "aot.dp.inter"}

@@ -360,6 +360,11 @@ def normalize_profile(profile: dict) -> dict:
 # -- reading a profile ------------------------------------------------------------------------
 
 
+def every_rank(profile: dict) -> int:
+    """Ranks of a job over every node of `profile` (for_nodes'): one per GPU, one per node of a cpu profile."""
+    return profile["nodes"] * (len(gpus_in_order(profile)) if profile["device_kind"] == "cuda" else 1)
+
+
 def gpus_in_order(profile: dict) -> list[tuple[str | None, dict]]:
     """(bus id, GPU) in CUDA device order (the profile's `index`); version-1 lists have no bus ids."""
     gpus = profile.get("node", {}).get("gpus", {})

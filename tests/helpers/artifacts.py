@@ -32,13 +32,12 @@ _NOT_KEYED = ("output", "quiet", "as_json")
 
 def build_key(model, args) -> str:
     """A digest of the model file's bytes and the build options `aot build MODEL ARGS` parses to."""
-    from aot.cli import build as command
-    from aot.plan.mesh import Mesh
+    from aot.cli import build as command, default_world_size
 
     ctx = command.make_context("build", [str(model), *map(str, args), "-o", "unused"])
     params = dict(ctx.params)
     if params["world_size"] is None:  # what the command fills in (aot/cli.py: build)
-        params["world_size"] = Mesh.parse(params["strategy"], None).world_size if params["strategy"] != "auto" else 1
+        params["world_size"] = default_world_size(params["strategy"], params["topology"], params["nodes"])
     params = {k: str(v) for k, v in sorted(params.items()) if k not in _NOT_KEYED}
     params["model_file"] = str(Path(model).resolve())
     text = json.dumps(params, sort_keys=True) + hashlib.sha256(Path(model).read_bytes()).hexdigest()
