@@ -108,18 +108,21 @@ def place_mesh(mesh: Mesh, profile: dict, planned=None, traffic: dict | None = N
     return place(Machine(profile, mesh.world_size), mesh.axes, mesh.shape, traffic)
 
 
-def placed_by_traffic(mesh: Mesh, profile: dict, graph: torch.fx.GraphModule) -> Placement:
-    """The mesh placed as `aot plan` places it: by the bytes each axis carries in the step as the
-    planner prices it (`graph`, as traced, through every pass but those it prices analytically,
-    which move no bytes between axes), so that a plan's row built by its --strategy runs where it
-    was priced."""
-    from aot.passes import PRICED_ANALYTICALLY, run_passes
+def placed_as_planned(mesh: Mesh, profile: dict, graph: torch.fx.GraphModule, passes: PassOptions) -> tuple[Placement, str | None]:
+    """(the mesh's placement, the algorithm a flat all_reduce is priced with where one may be split
+    in two levels) as `aot plan` finds them for this step, so that a plan's row built by its
+    --strategy runs where and as it was priced: the placement by the bytes each axis carries, the
+    algorithm NCCL_ALGO pins for the step's all_reduces, read off `graph` (as traced) through
+    every pass but the split in two levels (which needs the placement; the others move no bytes
+    between axes)."""
     from aot.passes.graph_utils import copy_graph
     from aot.plan.placement import traffic_of
+    from aot.plan.search import Planner
     from aot.plan.step_reading import collective_sites
 
-    passed = run_passes(copy_graph(graph), skip=PRICED_ANALYTICALLY)
-    return place_mesh(mesh, profile, traffic=traffic_of(collective_sites(passed)))
+    sites = collective_sites(run_passes(copy_graph(graph), passes, skip=("split_hierarchical",)))
+    placement = place_mesh(mesh, profile, traffic=traffic_of(sites)) if sum(d > 1 for d in mesh.shape) > 1 else place_mesh(mesh, profile)
+    return placement, Planner(Machine(profile, mesh.world_size), step_graph=None).flat_all_reduce_algorithm(placement, sites)
 
 
 def build(options: BuildOptions, progress: Progress) -> dict:
@@ -263,18 +266,19 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
     layout = _layout(rec, target, progress)
     prefetch = None if options.prefetch_mb is None else int(options.prefetch_mb * 2**20)
 
-    def passes_for(placement: Placement) -> PassOptions:
+    plain = PassOptions(bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch)
+
+    def passes_for(placement: Placement, flat_algorithm: str | None) -> PassOptions:
         if not placement.identity:
             progress.note(f"placement: {describe_placement(placement)}")
-        chooser = hierarchy.chooser(machine, placement, options.hierarchical, planned.all_reduce_algorithm if planned else None)
-        return PassOptions(bucket_bytes=int(options.bucket_mb * 2**20), prefetch_bytes=prefetch, hierarchical=chooser)
+        return replace(plain, hierarchical=hierarchy.chooser(machine, placement, options.hierarchical, flat_algorithm))
 
     pipeline_entry, program_of, pipeline_files = None, (lambda coords: PROGRAM), {}
     if target.group(PP) is not None:
         from aot.pipeline_build import build_programs
 
         placement = placement or place_mesh(mesh, profile)
-        passes = passes_for(placement)
+        passes = passes_for(placement, planned.all_reduce_algorithm if planned else None)
         built = build_programs(options, rec, layout, target, (mesh, placement, machine), request, passes, progress)
         captures, memory, time, recompute = built.captures, built.memory, built.time, built.recompute
         pipeline_entry, program_of, pipeline_files = built.entry, built.program_of, built.files
@@ -291,8 +295,10 @@ def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Pl
                 evaluations = {EVAL_PROGRAM: evaluation}
         with progress.stage("running graph passes (recomputation, bucketing, hierarchical all_reduce, overlap)"):
             if placement is None:
-                placement = placed_by_traffic(mesh, profile, captured.graph) if sum(d > 1 for d in mesh.shape) > 1 else place_mesh(mesh, profile)
-            passes = passes_for(placement)
+                placement, flat_algorithm = placed_as_planned(mesh, profile, captured.graph, plain)
+            else:
+                flat_algorithm = planned.all_reduce_algorithm if planned else None
+            passes = passes_for(placement, flat_algorithm)
             captured.graph, recompute = finish_program(captured.graph, captured.slots, request, machine.compute, passes)
             analysis = analyze(captured.graph, captured.slots)
             memory = analysis.memory

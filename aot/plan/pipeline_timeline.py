@@ -75,7 +75,7 @@ def simulate_pipeline(programs: list[torch.fx.GraphModule], planner, placement: 
     pricers = []
     for gm in programs:
         step = analyze(gm)
-        cost, _ = planner.comm_pricer(placement, step)
+        cost, _ = planner.comm_pricer(placement, step.comms)
         pricers.append(({c.name: c for c in step.comms}, cost))
 
     def transfer(a: int, b: int, nbytes: int) -> float:

@@ -106,8 +106,8 @@ class Planner(PipelineSearch):
         return self._op_times[key][1]
 
     # -- collectives ------------------------------------------------------------------------
-    def comm_pricer(self, placement: Placement, step: StepGraph, kinds: tuple[str, ...] = collectives.KINDS) -> tuple[Callable, str | None]:
-        """(site -> (algorithm, seconds), NCCL_ALGO setting). The groups of one axis run at once,
+    def comm_pricer(self, placement: Placement, comms: list, kinds: tuple[str, ...] = collectives.KINDS) -> tuple[Callable, str | None]:
+        """(site -> (algorithm, seconds), NCCL_ALGO setting) for a step's collectives `comms`. The groups of one axis run at once,
         so a collective costs what it costs on the slowest of them. NCCL's algorithm is set per
         collective kind for the whole run (NCCL_ALGO), so each kind gets the one algorithm that
         makes that kind's collectives cheapest in sum; other backends run what they implement. A
@@ -141,7 +141,7 @@ class Planner(PipelineSearch):
         pinned: dict[str, str] = {}
         for kind in collectives.KINDS:
             # a deep step repeats each block's collectives: each (group, size) priced once
-            sites = Counter((c.group, c.bytes) for c in step.comms if c.kind == kind)
+            sites = Counter((c.group, c.bytes) for c in comms if c.kind == kind)
             options = realizable.get(kind, ("ring",))
             if not sites or len(options) == 1 or kind not in kinds:
                 pinned[kind] = options[0]
@@ -149,9 +149,9 @@ class Planner(PipelineSearch):
             totals = [(math.fsum(n * seconds(kind, g, b, a) for (g, b), n in sites.items()), i, a) for i, a in enumerate(options)]
             pinned[kind] = min(totals)[2]
         nccl = None
-        if machine.backend == "nccl" and step.comms:
+        if machine.backend == "nccl" and comms:
             names = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reducescatter"}
-            used = sorted({c.kind for c in step.comms if c.kind in names})
+            used = sorted({c.kind for c in comms if c.kind in names})
             nccl = ";".join(f"{names[k]}:{_nccl_name(pinned[k])}" for k in used)
 
         cache: dict = {}
@@ -188,7 +188,7 @@ class Planner(PipelineSearch):
         flat_algorithm = None
         if not as_built:  # the all_reduces split in two levels as the build's pass will split them
             graph, flat_algorithm = self._split_levels(graph, placement)
-        cost, nccl = self.comm_pricer(placement, graph)
+        cost, nccl = self.comm_pricer(placement, graph.comms)
         times = self._op_times_for(base)
         prediction = simulate(graph, self.machine.compute, cost, overlap=self.overlaps, trace=trace, op_times=times)
         limit = self.machine.memory_bytes
@@ -200,11 +200,20 @@ class Planner(PipelineSearch):
         the all_reduce algorithm the choice priced the flat ones with): hierarchy.chooser's choice,
         the flat all_reduce at the algorithm NCCL_ALGO pins for the unsplit graph's all_reduces,
         which `--strategy auto` hands the build's chooser (BuildPlan.all_reduce_algorithm)."""
-        if self.hierarchical == "never" or not any(c.kind == "all_reduce" for c in graph.comms):
+        flat = self.flat_all_reduce_algorithm(placement, graph.comms) if self.hierarchical != "never" else None
+        if flat is None:
             return graph, None
-        cost, _ = self.comm_pricer(placement, graph, kinds=("all_reduce",))
-        flat = next(cost(c)[0] for c in graph.comms if c.kind == "all_reduce")
         return split_levels(graph, hierarchy.chooser(self.machine, placement, self.hierarchical, flat)), flat
+
+    def flat_all_reduce_algorithm(self, placement: Placement, comms: list) -> str | None:
+        """The algorithm NCCL_ALGO pins for the all_reduces of `comms` (a step's collectives, its
+        buckets packed, none split): what a flat all_reduce is priced with where the planner and
+        the build choose which to split in two levels. None: no all_reduce."""
+        reduces = [c for c in comms if c.kind == "all_reduce"]
+        if not reduces:
+            return None
+        cost, _ = self.comm_pricer(placement, reduces, kinds=("all_reduce",))
+        return cost(reduces[0])[0]
 
     @property
     def overlaps(self) -> bool:
