@@ -155,7 +155,9 @@ def test_a_pipeline_rank_holds_at_least_its_share_of_the_gradients(precision):
     pipeline rank's predicted transient peak is at least 1/pp of every parameter's gradient, whole
     and in the dtype it is summed in (the gathered parameter's under fsdp with mixed precision,
     else the parameter's), at each schedule, microbatch count and recomputation, with and without
-    fsdp. On a model whose gradients are most of what a rank holds, it is within 4x of it."""
+    fsdp. On a model whose gradients are most of what a rank holds, it is within 4x of it. With
+    the resident shards of the parameters and optimizer state beside them
+    (ModelSteps.pipeline_floor), 1/pp of the sum is at most the busiest rank's peak."""
     from aot.plan.model_steps import ModelSteps, Pricing
 
     steps = ModelSteps(Path(WIDE_MLP), 4, pricing=Pricing(precision=precision))
@@ -174,6 +176,8 @@ def test_a_pipeline_rank_holds_at_least_its_share_of_the_gradients(precision):
         floor = gradients[dict(zip(axes, shape)).get("fsdp", 1)] / 2
         busiest = max(a.memory.peak_transient for a in analyses)
         assert floor <= busiest <= 4 * floor, (shape, schedule, microbatches, recompute, floor, busiest)
+        fsdp = dict(zip(axes, shape)).get("fsdp", 1)
+        assert gradients[fsdp] < steps.pipeline_floor(fsdp, 1) <= 2 * max(a.memory.peak for a in analyses)
 
 
 def test_each_pipeline_split_tried_to_fit_device_memory_is_announced():
@@ -199,8 +203,9 @@ def test_each_pipeline_split_tried_to_fit_device_memory_is_announced():
 
 def test_pipeline_meshes_that_cannot_fit_are_not_priced(tmp_path):
     """Where a plan without pp fits, a default search does not trace a pipeline mesh whose every
-    rank would hold more than the device allows in gradients alone (the wide MLP at pp=2: 8 MiB
-    of its 16 MiB of gradients, on GPUs with room for 7.2 MiB, where fsdp=8 fits) and says so
+    rank would hold more than the device allows in gradients and resident state alone (the wide
+    MLP at pp=2,fsdp=4: 8 MiB of its 16 MiB of gradients and 2 MiB of shards, on GPUs with room
+    for 7.2 MiB, where fsdp=8 fits) and says so
     with the figures; asked for pipelines (`--axes`), the search prices them, and none fits."""
     from aot.plan.search import MEMORY_HEADROOM
 
@@ -215,7 +220,8 @@ def test_pipeline_meshes_that_cannot_fit_are_not_priced(tmp_path):
     assert not any("pp" in p["strategy"] for p in searched["plans"])
     assert (
         "pp=2 (1 mesh): not priced, none fits: each pipeline rank holds its parameters' gradients whole, summed over "
-        "microbatches until the step's end (8.0 MiB on the busiest rank at the least, over the 7.2 MiB a rank may hold)"
+        "microbatches until the step's end, beside its shards of the parameters and optimizer state "
+        "(10.0 MiB on the busiest rank at the least, over the 7.2 MiB a rank may hold)"
     ) in " | ".join(searched["skipped"]), searched["skipped"]
     asked = _plan(*common, "--axes", "fsdp,pp")
     pipelines = [p for p in asked["plans"] if p["strategy"] == "pp=2,fsdp=4"]

@@ -525,6 +525,18 @@ class ModelSteps:
         gathered = self.precision.compute_dtype.itemsize if fsdp > 1 and self.precision.mixed else None
         return sum(shapes[name].numel() * (gathered or p.element_size()) for name, p in self.state.params.items())
 
+    def pipeline_floor(self, fsdp: int, tp: int, ep: int = 1) -> int:
+        """Bytes the pipeline ranks of a mesh (fsdp, tp, ep) hold at once, all ranks together, at the
+        least: the gradients they sum (pipeline_gradients) beside the state each holds resident,
+        its stage's shards of the parameters and optimizer state (their sum over the stages is a
+        rank's of the mesh without pp: aot.capture.step.rank_state) and the buffers. The busiest
+        pipeline rank holds at least 1/pp of it. Unsupported where the build refuses the layout."""
+        from aot.capture.step import rank_state
+
+        local = rank_state(self.state, self.layout(1, fsdp, tp, ep))
+        resident = [*local.params.values(), *local.optimizer_state.values(), *self.state.buffers.values()]
+        return self.pipeline_gradients(fsdp, tp, ep) + sum(t.numel() * t.element_size() for t in resident)
+
     def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int, int]:
         degrees = dict(zip(axes, shape))
         other = [a for a, d in degrees.items() if a not in (DP, FSDP, TP, EP) and d > 1]

@@ -29,13 +29,13 @@ PIPELINE_SEEDS = 2  # a default search's pipeline meshes come from this many bes
 
 class PipelineSearch:
     """The pipeline half of aot.plan.search.Planner: it reads the planner's machine, batch size,
-    `_pipeline` (ModelSteps.pipeline), `_pipeline_gradients` (ModelSteps.pipeline_gradients),
+    `_pipeline` (ModelSteps.pipeline), `_pipeline_floor` (ModelSteps.pipeline_floor),
     step_graph and evaluate."""
 
     machine: Machine
     batch_size: int | None
     _pipeline: Callable | None
-    _pipeline_gradients: Callable | None
+    _pipeline_floor: Callable | None
     pipelines_apart_s: float
     step_graph: Callable[..., StepGraph]
     evaluate: Callable[..., Plan]
@@ -113,22 +113,24 @@ class PipelineSearch:
         gradients over the microbatches whole (fsdp gathers once per step and reduce-scatters after
         the last microbatch: aot/capture/pipeline.py), so when its last microbatch's backward
         begins it holds every sum at once: at least two microbatches (pp >= 2) have run, and none
-        is reduced before the last is added. The busiest of the pp ranks holds at least 1/pp of
-        all of them: at every schedule, microbatch count and recomputation pipeline_plan tries.
-        For Llama-3-70B at pp=2 in fp32 that is 140 GB a rank, where each would cost a minute of
-        tracing to find it does not fit."""
+        is reduced before the last is added. Beside them it holds its shards of its stage's
+        parameters and optimizer state. The busiest of the pp ranks holds at least 1/pp of all of
+        it (ModelSteps.pipeline_floor): at every schedule, microbatch count and recomputation
+        pipeline_plan tries. For Llama-3-70B at pp=2 in fp32 that is 140 GB a rank, where each
+        would cost a minute of tracing to find it does not fit."""
         limit = self.machine.memory_bytes
-        if self._pipeline_gradients is None or limit is None or not any(p.fits for p in plans):
+        if self._pipeline_floor is None or limit is None or not any(p.fits for p in plans):
             return None
         size = dict(zip(axes, shape))
         try:
-            floor = self._pipeline_gradients(size.get(FSDP, 1), size.get(TP, 1), size.get(EP, 1)) / size[PP]
+            floor = self._pipeline_floor(size.get(FSDP, 1), size.get(TP, 1), size.get(EP, 1)) / size[PP]
         except Unsupported:
             return None  # pipeline_plan says why
         if floor <= MEMORY_HEADROOM * limit:
             return None
         return (
-            f"none fits: each pipeline rank holds its parameters' gradients whole, summed over microbatches until the step's end "
+            f"none fits: each pipeline rank holds its parameters' gradients whole, summed over microbatches until the step's end, "
+            f"beside its shards of the parameters and optimizer state "
             f"({human(floor)} on the busiest rank at the least, over the {human(MEMORY_HEADROOM * limit)} a rank may hold)"
         )
 
