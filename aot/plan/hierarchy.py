@@ -70,6 +70,20 @@ def levels(machine: Machine, placement: Placement, axis: str) -> Levels | None:
     return Levels(axis, pieces.reshape(-1, width), pieces.transpose(0, 2, 1).reshape(-1, n // width))
 
 
+def level_spans(machine: Machine, placement: Placement, name: str, kind: str) -> list:
+    """The distinct spans (Machine.span) of the groups of a level "aot.<axis>.<level>", found once
+    per placement (the planner prices the split all_reduces of every mesh it searches). Raises
+    ValueError as group_ranks does."""
+    axis, _, level = Mesh.axis_of(name).partition(".")
+    key = ("levels", axis, machine)
+    if key not in placement._cache:
+        placement._cache[key] = levels(machine, placement, axis) if axis in placement.axes else None
+    found = placement._cache[key]
+    if level not in LEVELS or found is None:
+        return distinct_spans(machine, group_ranks(placement, machine, name), kind)  # raises ValueError, saying why
+    return found.spans(machine, level, kind)
+
+
 def group_ranks(placement: Placement, machine: Machine, name: str) -> list[list[int]]:
     """Physical rank lists of the groups a graph names: "aot.<axis>" or "aot.<axis>.<level>"."""
     body = Mesh.axis_of(name)
@@ -117,13 +131,10 @@ def hierarchical_seconds(machine: Machine, found: Levels, n: float, inter_algori
 
 def flat_seconds(machine: Machine, placement: Placement, axis: str, n: float, algorithm: str | None = None) -> float:
     realizable = collectives.REALIZABLE.get(machine.backend, collectives.REALIZABLE["gloo"])
-    return _seconds(
-        machine,
-        distinct_spans(machine, placement.distinct_groups(axis, machine.per_node), "all_reduce"),
-        "all_reduce",
-        n,
-        (algorithm,) if algorithm else realizable["all_reduce"],
-    )
+    key = ("flat all_reduce spans", axis, machine)  # the planner asks this of every all_reduce it may split
+    if key not in placement._cache:
+        placement._cache[key] = distinct_spans(machine, placement.distinct_groups(axis, machine.per_node), "all_reduce")
+    return _seconds(machine, placement._cache[key], "all_reduce", n, (algorithm,) if algorithm else realizable["all_reduce"])
 
 
 def chooser(machine: Machine, placement: Placement, mode: str = "auto", flat_algorithm: str | None = None) -> Callable[[str, int], SubGroups | None] | None:

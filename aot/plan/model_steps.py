@@ -167,6 +167,7 @@ class ModelSteps:
         # profile's compute, so `retargeted` keeps none of them
         self.pipelines: dict[tuple, tuple[list, list[StepGraph]]] = {}
         self._forwards: dict[tuple, dict] = {}  # (dp, fsdp, tp) -> that layout's traced microbatch forwards (pipeline_programs)
+        self._floors: dict[tuple, int] = {}  # (fsdp, tp, ep) -> pipeline_floor's bytes
         self._failed: dict[tuple, Exception] = {}  # key -> what tracing it raised (raised again when asked)
         self._derived: dict[tuple, list] = {}  # traced key -> [(key, mesh)] derived from its graph (layout_traces.prefetch)
         # graphs from which a plan may not fit device memory (`memory_limit`: the planner's
@@ -427,6 +428,7 @@ class ModelSteps:
         (and pipeline programs, whose stages are balanced on the profile's compute) are traced again."""
         other = copy.copy(self)
         other.seconds = {part: 0.0 for part in self.seconds}  # the graphs kept cost this plan nothing
+        other._floors = {}  # in the other profile's precision
         other._target(pricing)
         if other.precision == self.precision:
             other.traced = {
@@ -533,9 +535,11 @@ class ModelSteps:
         pipeline rank holds at least 1/pp of it. Unsupported where the build refuses the layout."""
         from aot.capture.step import rank_state
 
-        local = rank_state(self.state, self.layout(1, fsdp, tp, ep))
-        resident = [*local.params.values(), *local.optimizer_state.values(), *self.state.buffers.values()]
-        return self.pipeline_gradients(fsdp, tp, ep) + sum(t.numel() * t.element_size() for t in resident)
+        if (fsdp, tp, ep) not in self._floors:  # the search asks it of every pipeline mesh
+            local = rank_state(self.state, self.layout(1, fsdp, tp, ep))
+            resident = [*local.params.values(), *local.optimizer_state.values(), *self.state.buffers.values()]
+            self._floors[(fsdp, tp, ep)] = self.pipeline_gradients(fsdp, tp, ep) + sum(t.numel() * t.element_size() for t in resident)
+        return self._floors[(fsdp, tp, ep)]
 
     def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int, int]:
         degrees = dict(zip(axes, shape))

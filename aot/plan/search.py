@@ -123,12 +123,12 @@ class Planner(PipelineSearch):
                 axis = Mesh.axis_of(group)
                 if axis in placement.axes:
                     groups = placement.distinct_groups(axis, machine.per_node)
+                    spans[key] = hierarchy.distinct_spans(machine, groups, kind)
                 else:  # a level of a hierarchical all_reduce ("aot.dp.intra")
                     try:
-                        groups = hierarchy.group_ranks(placement, machine, group)
+                        spans[key] = hierarchy.level_spans(machine, placement, group, kind)
                     except ValueError as e:
                         raise AotError(f"the step's collective names group {group!r}: {e}") from None
-                spans[key] = hierarchy.distinct_spans(machine, groups, kind)
             return spans[key]
 
         def seconds(kind: str, group: str, nbytes: int, algorithm: str) -> float:
