@@ -114,14 +114,15 @@ def placed_as_planned(mesh: Mesh, profile: dict, graph: torch.fx.GraphModule, pa
     --strategy runs where and as it was priced: the placement by the bytes each axis carries, the
     algorithm NCCL_ALGO pins for the step's all_reduces, read off `graph` (as traced) through
     every pass but the split in two levels (which needs the placement; the others move no bytes
-    between axes)."""
+    between axes). The passes run twice, on a copy for this and then for the build (about a
+    second for an 8B step): the split needs the placement, the placement the bytes."""
     from aot.passes.graph_utils import copy_graph
     from aot.plan.placement import traffic_of
     from aot.plan.search import Planner
     from aot.plan.step_reading import collective_sites
 
     sites = collective_sites(run_passes(copy_graph(graph), passes, skip=("split_hierarchical",)))
-    placement = place_mesh(mesh, profile, traffic=traffic_of(sites)) if sum(d > 1 for d in mesh.shape) > 1 else place_mesh(mesh, profile)
+    placement = place_mesh(mesh, profile, traffic=traffic_of(sites))
     return placement, Planner(Machine(profile, mesh.world_size), step_graph=None).flat_all_reduce_algorithm(placement, sites)
 
 
@@ -259,7 +260,7 @@ class CompiledStep:
 def compile_step(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement | None, planned, progress: Progress) -> CompiledStep:
     """The model file's whole training step for the mesh: loaded, its state recorded, traced (one
     program, or one per pipeline rank), the passes run and priced (aot/compile_step.py).
-    `placement` None: the mesh placed once traced, as the planner places it (placed_by_traffic;
+    `placement` None: the mesh placed once traced, as the planner places it (placed_as_planned;
     a pipeline mesh by each axis's usual traffic)."""
     machine = Machine(profile, mesh.world_size)
     rec, target, request, example, batchnorm = _record(options, profile, mesh, machine, progress)

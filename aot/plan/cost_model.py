@@ -14,7 +14,7 @@ collective ends. The step time is when the last op (or collective) finishes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -91,9 +91,9 @@ class Memory:
     at_peak: dict = field(default_factory=dict)  # peak_transient by TRANSIENT_PARTS
     activations_peak: int = 0  # the most bytes of forward-made storages live at any point
     resident_tensors: tuple = ()  # (part, numel, element size) of every resident storage
-    intervals: tuple = ()  # (first node, last node, numel, element size, part, 1 if flat) of every transient storage
+    intervals: tuple = ()  # (first node, last node, numel, element size, part, shape class) of every transient storage
     length: int = 0  # the graph's nodes: intervals lie in [0, length]
-    scale: Callable | None = None  # numel -> numel of a rescaled graph (rescale); intervals keep the traced sizes
+    scale: Any = None  # derived_steps.ShardScale of a rescaled graph (rescale); intervals keep the traced sizes
     # births and deaths per part and node, kept by memory_with on the step it corrects (not on what
     # it makes: a search keeps every plan's memory)
     sweep: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -144,6 +144,14 @@ class StepGraph:
     @property
     def flops(self) -> float:
         return sum(op.flops for op in self.ops)
+
+
+# What a storage is to a wider or narrower fsdp axis (aot.plan.derived_steps.rescale, whose
+# ShardScale resizes it): shaped tensors keep their size; flat ones (0-d or 1-d) are resized where
+# they have a shard's size, or a padded whole parameter's: what an all_gather makes, what a
+# reduce-scatter takes, and flat values of the same size computed from those (a shard's size is
+# tried first for the other flat ones). aot.plan.step_reading classes each storage.
+NOT_FLAT, FLAT, PADDED_WHOLE = 0, 1, 2
 
 
 def memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Memory:
@@ -198,10 +206,10 @@ def _add_births_and_deaths(delta: torch.Tensor, intervals: tuple, length: int, s
     rows = torch.tensor([part_index[part] for part in parts])
     at = torch.cat([torch.tensor(starts), torch.tensor(ends).clamp(max=length) + 1])
     sizes = torch.tensor(numels, dtype=torch.int64)
-    if scale is not None:  # a rescaled graph's flat storages (aot.plan.step_reading._shape_class): `scale` asked once per distinct size
+    if scale is not None:  # a rescaled graph's flat storages, by their shape class: `scale` asked once per distinct size
         distinct, where = sizes.unique(return_inverse=True)
         shape = torch.tensor(shapes, dtype=torch.int64)
-        for kind, resize in ((1, scale), (2, getattr(scale, "full_first", scale))):  # FLAT, PADDED_WHOLE (ShardScale's)
+        for kind, resize in ((FLAT, scale), (PADDED_WHOLE, scale.full_first)):
             sizes = torch.where(shape == kind, torch.tensor([resize(n) for n in distinct.tolist()], dtype=torch.int64)[where], sizes)
     sizes = sign * sizes * torch.tensor(elsizes, dtype=torch.int64)
     delta.index_put_((rows.repeat(2), at), torch.cat([sizes, -sizes]), accumulate=True)

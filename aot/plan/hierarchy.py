@@ -71,31 +71,35 @@ def levels(machine: Machine, placement: Placement, axis: str) -> Levels | None:
 
 
 def level_spans(machine: Machine, placement: Placement, name: str, kind: str) -> list:
-    """The distinct spans (Machine.span) of the groups of a level "aot.<axis>.<level>", found once
-    per placement (the planner prices the split all_reduces of every mesh it searches). Raises
-    ValueError as group_ranks does."""
-    axis, _, level = Mesh.axis_of(name).partition(".")
-    key = ("levels", axis, machine)
-    if key not in placement._cache:
-        placement._cache[key] = levels(machine, placement, axis) if axis in placement.axes else None
-    found = placement._cache[key]
-    if level not in LEVELS or found is None:
-        return distinct_spans(machine, group_ranks(placement, machine, name), kind)  # raises ValueError, saying why
+    """The distinct spans (Machine.span) of the groups of a level "aot.<axis>.<level>" (the
+    planner prices the split all_reduces of every mesh it searches). Raises ValueError as
+    group_ranks does."""
+    found, level = _named_level(machine, placement, name)
     return found.spans(machine, level, kind)
 
 
 def group_ranks(placement: Placement, machine: Machine, name: str) -> list[list[int]]:
     """Physical rank lists of the groups a graph names: "aot.<axis>" or "aot.<axis>.<level>"."""
-    body = Mesh.axis_of(name)
-    axis, _, level = body.partition(".")
+    axis, _, level = Mesh.axis_of(name).partition(".")
+    if axis in placement.axes and not level:
+        return placement.groups(axis)
+    found, level = _named_level(machine, placement, name)
+    return getattr(found, level).tolist()
+
+
+def _named_level(machine: Machine, placement: Placement, name: str) -> tuple[Levels, str]:
+    """(the levels of the axis, the level) a group name "aot.<axis>.<level>" names, the levels found
+    once per placement (they walk every rank); ValueError where it names none."""
+    axis, _, level = Mesh.axis_of(name).partition(".")
     if axis not in placement.axes:
         raise ValueError(f"group {name!r} names no axis of mesh {placement.axes}")
-    if not level:
-        return placement.groups(axis)
-    found = levels(machine, placement, axis)
+    key = ("levels", axis, machine)
+    if key not in placement._cache:
+        placement._cache[key] = levels(machine, placement, axis)
+    found = placement._cache[key]
     if level not in LEVELS or found is None:
         raise ValueError(f"group {name!r}: axis {axis!r} has no {level!r} level on {machine.describe()}")
-    return getattr(found, level).tolist()
+    return found, level
 
 
 def distinct_spans(machine: Machine, groups: list[list[int]], kind: str) -> list:

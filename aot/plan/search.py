@@ -79,7 +79,7 @@ class Planner(PipelineSearch):
         self._graphs: dict = {}
         self._op_times: dict = {}
         # a search prices every bucket size of a mesh on the same placement: the spans of its
-        # groups and the levels of its axes (which walk every rank) are found once per placement
+        # groups (which walk every rank) are found once per placement
         self._spans: dict = {}
         self.pipelines_apart_s = 0.0  # seconds pipeline meshes were priced in worker processes (_pipelines_ahead)
 
@@ -184,7 +184,7 @@ class Planner(PipelineSearch):
         base = step if step is not None else self.step_graph(axes, shape)
         graph = base if bucketed else rebucket(base, int(bucket_mb * MiB))
         if placement is None:
-            placement = place(self.machine, tuple(axes), tuple(shape), _traffic(graph))
+            placement = place(self.machine, tuple(axes), tuple(shape), traffic_of(graph.comms))
         flat_algorithm = None
         if not as_built:  # the all_reduces split in two levels as the build's pass will split them
             graph, flat_algorithm = self._split_levels(graph, placement)
@@ -303,7 +303,7 @@ class Planner(PipelineSearch):
                     seen[signature].bucket_mb = mb
                 continue
             if placement is None:
-                placement = place(self.machine, tuple(axes), tuple(shape), _traffic(graph))
+                placement = place(self.machine, tuple(axes), tuple(shape), traffic_of(graph.comms))
             plan = self.evaluate(axes, shape, mb, step=graph, bucketed=True, placement=placement)
             seen[signature] = plan
             plans.append(plan)
@@ -368,10 +368,6 @@ NCCL_NAMES = {"ring": "ring", "double_binary_tree": "tree"}
 
 def _nccl_name(algorithm: str) -> str:
     return NCCL_NAMES.get(algorithm, algorithm)
-
-
-def _traffic(step: StepGraph) -> dict[str, float]:
-    return traffic_of(step.comms)
 
 
 def _bucket_candidates(step: StepGraph, given) -> list[float]:

@@ -29,7 +29,7 @@ from torch.utils.flop_counter import flop_registry
 from aot.capture.graph_reading import loss_node, storage_key, written_values
 from aot.passes.graph_utils import is_view
 from aot.passes.graph_utils import tensors as _tensors
-from aot.plan.cost_model import CommSite, Op, StepGraph, memory_of, op_time
+from aot.plan.cost_model import FLAT, NOT_FLAT, PADDED_WHOLE, CommSite, Op, StepGraph, memory_of, op_time
 from aot.plan.device_model import DeviceModel
 
 _FUNCOL = "_c10d_functional"
@@ -201,15 +201,9 @@ def read(gm: torch.fx.GraphModule | torch.fx.Graph, slots: list[dict] | None = N
     return out
 
 
-# What a tensor is to a wider or narrower fsdp axis (aot.plan.derived_steps.rescale): shaped
-# tensors keep their size; flat ones (0-d or 1-d) are resized where they have a shard's size, or a
-# padded whole parameter's: what an all_gather makes, what a reduce-scatter takes, and flat values
-# of the same size computed from those (a shard's size is tried first for the others).
-NOT_FLAT, FLAT, PADDED_WHOLE = 0, 1, 2
-
-
 def _shape_classes(node, values: list, records: list[NodeRecord], index: dict) -> list[int]:
-    """The class of each tensor of `node`'s value (`records`: those of the nodes before it)."""
+    """The shape class (aot.plan.cost_model.NOT_FLAT, FLAT or PADDED_WHOLE) of each tensor of
+    `node`'s value (`records`: those of the nodes before it)."""
     classes = [NOT_FLAT if t.dim() > 1 else FLAT for t in values]
     if FLAT not in classes:
         return classes
@@ -299,7 +293,7 @@ def _memory(records: list[NodeRecord]):
     resident_keys: set = set()
     resident = []
     turn = next((i for i, r in enumerate(records) if r.loss), len(records))
-    born: dict = {}  # storage key -> (index, numel, element size, part, flat)
+    born: dict = {}  # storage key -> (index, numel, element size, part, shape class)
     last: dict = {}  # storage key -> last index that reads it
     for i, r in enumerate(records):
         if r.kind == "placeholder":
@@ -320,9 +314,9 @@ def _memory(records: list[NodeRecord]):
             continue
         if r.kind == "wait":  # the wait returns the collective's own buffer
             continue
-        for key, (_, storage, elsize, flat) in zip(r.keys, r.sizes):
+        for key, (_, storage, elsize, shape) in zip(r.keys, r.sizes):
             if key not in resident_keys and key not in born:
-                born[key] = (i, storage, elsize, r.part or ("activations" if i <= turn else "gradients"), flat)
+                born[key] = (i, storage, elsize, r.part or ("activations" if i <= turn else "gradients"), shape)
                 last.setdefault(key, i)
-    intervals = tuple((start, last.get(key, start), numel, elsize, part, flat) for key, (start, numel, elsize, part, flat) in born.items())
+    intervals = tuple((start, last.get(key, start), *rest) for key, (start, *rest) in born.items())
     return memory_of(tuple(resident), intervals, len(records)), {key: i for i, key in enumerate(born)}
