@@ -9,6 +9,7 @@ over the same global batch (gpt.py's tied embedding included), checkpoints merge
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ import pytest
 
 from aot.errors import AotError
 from aot.plan.pipeline import SCHEDULES, balance, bubble_floor, bubble_fraction, check, schedule_actions, unit_step
+from aot.plan.pipeline_floor import busiest_share, rank_holdings
 from helpers.commands import EXAMPLES, MODELS, aot, ok, show
 from helpers.training import TOL, adamw_lr, assert_same_training, train_both
 from runner.format.program import decode_program
@@ -83,6 +85,33 @@ def test_bubble_and_balance():
     assert balance([5, 1, 1, 1, 1, 1], 2) == [1]  # the costly first layer alone
     with pytest.raises(AotError, match="cannot cut 2 layer"):
         balance([1, 1], 3)
+
+
+def test_the_busiest_ranks_share_is_the_least_over_every_split():
+    """aot.plan.pipeline_floor.busiest_share: the least, over every stage split, of the most any
+    rank holds at the start of one of its actions, per byte of gradient. Checked by brute force
+    over splits on a grid (pp=2, one and two stages per rank): no split holds less (a floor) and
+    the best split holds it (exact). 1F1B at pp=2 with 2 microbatches: the sums alone give 1/2;
+    the last rank runs its second forward after its first backward, so with the gathered
+    parameters read by forwards 2/3; read until each stage's last backward, every rank holds all of
+    its sums and gathered parameters at its last backward: the whole of it."""
+    one = schedule_actions("1f1b", 2, 2)
+    assert busiest_share(one, None, 0.0) == pytest.approx(1 / 2)
+    assert busiest_share(one, "forward", 0.0) == pytest.approx(2 / 3)
+    assert busiest_share(one, "backward", 0.0) == pytest.approx(1.0)
+    grid = [i / 40 for i in range(41)]
+    for schedule, m, virtual in [("1f1b", 2, 1), ("1f1b", 4, 1), ("zero-bubble", 2, 1), ("interleaved-1f1b", 2, 2), ("interleaved-1f1b", 4, 2)]:
+        actions = schedule_actions(schedule, 2, m, virtual)
+        stages = 2 * virtual
+        splits = [x for x in itertools.product(grid, repeat=stages - 1) if sum(x) <= 1 + 1e-9]
+        for gathered in (None, "forward", "backward"):
+            share = busiest_share(actions, gathered, 0.25)
+            most = []
+            for x in splits:
+                fractions = [*x, 1 - sum(x)]  # stage c * pp + r holds fractions[c * 2 + r]
+                most.append(max(sum(h[c] * fractions[c * 2 + r] for c in range(virtual)) for r in range(2) for h in rank_holdings(actions[r], gathered, 0.25)))
+            assert min(most) >= share - 1e-9, (schedule, m, gathered)
+            assert min(most) <= share + 0.03, (schedule, m, gathered, min(most), share)
 
 
 def _transfers(program_file: Path) -> list[tuple]:

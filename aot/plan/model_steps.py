@@ -20,6 +20,7 @@ from aot.passes import PRICED_ANALYTICALLY, PassOptions
 from aot.plan.cost_model import StepGraph
 from aot.plan.step_reading import analyze
 from aot.plan.mesh import Mesh
+from aot.plan.pipeline_floor import PipelineHoldings
 from aot.plan.recompute import Request
 from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan
 from aot.plan.step_synthesis import NotSynthesizable
@@ -147,6 +148,7 @@ class ModelSteps:
         self.write_out = True
         # a model with experts (aot.capture.expert_parallel) is searched over ep too
         self.has_experts = bool(expert_layers(self.state.model))
+        self._backward_reads: set[str] | None | bool = False  # _read_in_backward's (False: not yet asked)
         self._cut: Recording | None = None
         self._target(pricing or Pricing())
 
@@ -167,7 +169,7 @@ class ModelSteps:
         # profile's compute, so `retargeted` keeps none of them
         self.pipelines: dict[tuple, tuple[list, list[StepGraph]]] = {}
         self._forwards: dict[tuple, dict] = {}  # (dp, fsdp, tp) -> that layout's traced microbatch forwards (pipeline_programs)
-        self._floors: dict[tuple, int] = {}  # (fsdp, tp, ep) -> pipeline_floor's bytes
+        self._floors: dict[tuple, PipelineHoldings] = {}  # (fsdp, tp, ep) -> pipeline_holdings
         self._failed: dict[tuple, Exception] = {}  # key -> what tracing it raised (raised again when asked)
         self._derived: dict[tuple, list] = {}  # traced key -> [(key, mesh)] derived from its graph (layout_traces.prefetch)
         # graphs from which a plan may not fit device memory (`memory_limit`: the planner's
@@ -523,23 +525,51 @@ class ModelSteps:
         mixed precision, else the parameter itself). Every parameter is counted: one the loss does
         not reach has none, so a model with many is held to more than it holds. Unsupported where
         the build refuses the layout."""
+        return sum(self._gradient_bytes(fsdp, tp, ep).values())
+
+    def _gradient_bytes(self, fsdp: int, tp: int, ep: int) -> dict[str, int]:
+        """pipeline_gradients, parameter by parameter."""
         shapes = self.layout(1, 1, tp, ep).local_shapes(self.state)
         gathered = self.precision.compute_dtype.itemsize if fsdp > 1 and self.precision.mixed else None
-        return sum(shapes[name].numel() * (gathered or p.element_size()) for name, p in self.state.params.items())
+        return {name: shapes[name].numel() * (gathered or p.element_size()) for name, p in self.state.params.items()}
 
-    def pipeline_floor(self, fsdp: int, tp: int, ep: int = 1) -> int:
-        """Bytes the pipeline ranks of a mesh (fsdp, tp, ep) hold at once, all ranks together, at the
-        least: the gradients they sum (pipeline_gradients) beside the state each holds resident,
-        its stage's shards of the parameters and optimizer state (their sum over the stages is a
-        rank's of the mesh without pp: aot.capture.step.rank_state) and the buffers. The busiest
-        pipeline rank holds at least 1/pp of it. Unsupported where the build refuses the layout."""
+    def pipeline_holdings(self, fsdp: int, tp: int, ep: int = 1) -> PipelineHoldings:
+        """What the pipeline ranks of a mesh (fsdp, tp, ep) hold at the least, all ranks together,
+        per byte of the gradients they sum (pipeline_gradients): the state each holds resident
+        (its stage's shards of the parameters and optimizer state, whose sum over the stages is
+        a rank's of the mesh without pp: aot.capture.step.rank_state), the least of it per
+        parameter, and under fsdp the gathered parameters the backward may not read. The
+        busiest rank's share of it follows from the schedule (aot/plan/pipeline_floor.py).
+        Unsupported where the build refuses the layout."""
         from aot.capture.step import rank_state
+        from runner.format.checkpoint import optimizer_key
 
         if (fsdp, tp, ep) not in self._floors:  # the search asks it of every pipeline mesh
             local = rank_state(self.state, self.layout(1, fsdp, tp, ep))
-            resident = [*local.params.values(), *local.optimizer_state.values(), *self.state.buffers.values()]
-            self._floors[(fsdp, tp, ep)] = self.pipeline_gradients(fsdp, tp, ep) + sum(t.numel() * t.element_size() for t in resident)
+            gradients = self._gradient_bytes(fsdp, tp, ep)
+            held = {name: p.numel() * p.element_size() for name, p in local.params.items()}
+            for name, key in self.state.optimizer_slots:
+                value = local.optimizer_state[optimizer_key(name, key)]
+                held[name] += value.numel() * value.element_size()
+            unread = None
+            if fsdp > 1:
+                read = self._read_in_backward()
+                unread = None if read is None else sum(b for name, b in gradients.items() if name not in read)
+            self._floors[(fsdp, tp, ep)] = PipelineHoldings(
+                gradients=sum(gradients.values()),
+                resident=min((held[name] / b for name, b in gradients.items() if b), default=0.0),
+                gathered=fsdp > 1,
+                unread=unread,
+            )
         return self._floors[(fsdp, tp, ep)]
+
+    def _read_in_backward(self) -> set[str] | None:
+        """The parameters the model's backward reads (aot.capture.backward_reads), found once."""
+        from aot.capture.backward_reads import parameters_read_in_backward
+
+        if self._backward_reads is False:
+            self._backward_reads = parameters_read_in_backward(self.mf, self.state, self.rec.inputs, self.rec.targets)
+        return None if isinstance(self._backward_reads, bool) else self._backward_reads
 
     def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int, int]:
         degrees = dict(zip(axes, shape))

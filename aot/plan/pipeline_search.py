@@ -29,13 +29,13 @@ PIPELINE_SEEDS = 2  # a default search's pipeline meshes come from this many bes
 
 class PipelineSearch:
     """The pipeline half of aot.plan.search.Planner: it reads the planner's machine, batch size,
-    `_pipeline` (ModelSteps.pipeline), `_pipeline_floor` (ModelSteps.pipeline_floor),
+    `_pipeline` (ModelSteps.pipeline), `_pipeline_holdings` (ModelSteps.pipeline_holdings),
     step_graph and evaluate."""
 
     machine: Machine
     batch_size: int | None
     _pipeline: Callable | None
-    _pipeline_floor: Callable | None
+    _pipeline_holdings: Callable | None
     pipelines_apart_s: float
     step_graph: Callable[..., StepGraph]
     evaluate: Callable[..., Plan]
@@ -111,27 +111,36 @@ class PipelineSearch:
         """Where a plan in `plans` fits, why no plan of pipeline mesh `shape` can (then it ranks
         after that one); None where one may. A pipeline rank sums each of its parameters'
         gradients over the microbatches whole (fsdp gathers once per step and reduce-scatters after
-        the last microbatch: aot/capture/pipeline.py), so when its last microbatch's backward
-        begins it holds every sum at once: at least two microbatches (pp >= 2) have run, and none
-        is reduced before the last is added. Beside them it holds its shards of its stage's
-        parameters and optimizer state. The busiest of the pp ranks holds at least 1/pp of all of
-        it (ModelSteps.pipeline_floor): at every schedule, microbatch count and recomputation
-        pipeline_plan tries. For Llama-3-70B at pp=2 in fp32 that is 140 GB a rank, where each
-        would cost a minute of tracing to find it does not fit."""
+        the last microbatch: aot/capture/pipeline.py); under fsdp it holds its stages' gathered
+        parameters while their forwards and backwards run; beside them its shards of the
+        parameters and optimizer state. aot.plan.pipeline_floor.busiest_floor finds the least the
+        busiest rank holds at once from the schedule alone, over every stage split; the floor is
+        the least of it over every schedule and microbatch count pipeline_plan tries, with or
+        without recomputation. For Llama-3-70B at pp=2,tp=2 in fp32 that is 86 GiB a rank, where
+        each configuration would cost a minute or more of tracing to find it does not fit."""
+        from aot.plan.pipeline import schedule_actions
+        from aot.plan.pipeline_floor import busiest_floor
+
         limit = self.machine.memory_bytes
-        if self._pipeline_floor is None or limit is None or not any(p.fits for p in plans):
+        if self._pipeline_holdings is None or limit is None or not any(p.fits for p in plans):
             return None
         size = dict(zip(axes, shape))
+        pp = size[PP]
+        tried = [k * pp for k in PIPELINE_MICROBATCHES_PER_RANK if self.batch_size is None or self.batch_size % (k * pp) == 0]
+        if not tried:
+            return None  # pipeline_plan says why none can be priced
         try:
-            floor = self._pipeline_floor(size.get(FSDP, 1), size.get(TP, 1), size.get(EP, 1)) / size[PP]
+            holdings = self._pipeline_holdings(size.get(FSDP, 1), size.get(TP, 1), size.get(EP, 1))
         except Unsupported:
             return None  # pipeline_plan says why
+        floor = min(busiest_floor(holdings, schedule_actions(schedule, pp, m, virtual)) for m in tried for schedule, virtual in PIPELINE_SCHEDULES)
         if floor <= MEMORY_HEADROOM * limit:
             return None
+        gathered = ", its stages' gathered parameters while they run" if holdings.gathered else ""
         return (
-            f"none fits: each pipeline rank holds its parameters' gradients whole, summed over microbatches until the step's end, "
-            f"beside its shards of the parameters and optimizer state "
-            f"({human(floor)} on the busiest rank at the least, over the {human(MEMORY_HEADROOM * limit)} a rank may hold)"
+            f"none fits: each pipeline rank holds its parameters' gradients whole, summed over microbatches until the step's end"
+            f"{gathered}, and its shards of the parameters and optimizer state "
+            f"({human(floor)} on the busiest rank at the least, at any schedule and split, over the {human(MEMORY_HEADROOM * limit)} a rank may hold)"
         )
 
     def pipeline_may_win(self, plans: list[Plan], pp: int) -> bool:

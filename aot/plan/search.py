@@ -64,14 +64,14 @@ class Planner(PipelineSearch):
         recomputing: Callable[[tuple, tuple], list[tuple[float, StepGraph]]] | None = None,
         pipeline: Callable | None = None,
         batch_size: int | None = None,
-        pipeline_floor: Callable | None = None,
+        pipeline_holdings: Callable | None = None,
     ):
         self.machine = machine
         self.batch_size = batch_size  # per data-parallel rank: the microbatch counts a pipeline can take (None: any)
         # (axes, shape, microbatches) -> (programs, their analyses), one per pipeline rank (ModelSteps.pipeline)
         self._pipeline = pipeline
-        # (fsdp, tp, ep) -> bytes a pipeline mesh's ranks hold at once at the least (ModelSteps.pipeline_floor)
-        self._pipeline_floor = pipeline_floor
+        # (fsdp, tp, ep) -> what a pipeline mesh's ranks hold at the least (ModelSteps.pipeline_holdings)
+        self._pipeline_holdings = pipeline_holdings
         self.hierarchical = hierarchical  # all_reduces in two levels: "auto" (where cheaper), "always", "never"
         self._step_graph = step_graph
         # (axes, shape) -> [(activation budget, the mesh's graph recomputing at it)] (ModelSteps.recomputing)
@@ -429,7 +429,7 @@ def plan_model(
             recomputing=steps.recomputing,
             pipeline=steps.pipeline,
             batch_size=batch_size,
-            pipeline_floor=steps.pipeline_floor,
+            pipeline_holdings=steps.pipeline_holdings,
         )
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
         # every axis the planner searches; ep for a model with experts
