@@ -307,11 +307,13 @@ PLAN_VS_BUILD = [
     (MOE6, ("--topology", "dgx_h100", "--world-size", "4"), ("--axes", "dp,fsdp,ep"), ["dp=2,ep=2", "ep=4", "fsdp=4", "fsdp=2,ep=2"]),
     # two nodes: all_reduces across them split in two levels (aot/passes/hierarchical.py)
     (GPT6, ("--topology", "dgx_a100", "--nodes", "2", "--world-size", "16"), (), ["dp=16", "dp=4,fsdp=4", "dp=8,tp=2"]),
+    # pipelines, built at the schedule, microbatches and stages per rank they were priced at
+    (GPT6, ("--topology", "dgx_a100", "--world-size", "4"), ("--axes", "fsdp,pp"), ["pp=4", "pp=2,fsdp=2"]),
 ]
 
 
-@pytest.mark.slow  # 3 searches and 13 builds (90 s); CI runs it
-@pytest.mark.parametrize("model,machine,axes,strategies", PLAN_VS_BUILD, ids=["gpt6", "moe6", "gpt6-2-nodes"])
+@pytest.mark.slow  # 4 searches and 15 builds (2 min); CI runs it
+@pytest.mark.parametrize("model,machine,axes,strategies", PLAN_VS_BUILD, ids=["gpt6", "moe6", "gpt6-2-nodes", "gpt6-pipelines"])
 def test_every_plans_step_and_peak_are_its_builds(model, machine, axes, strategies, tmp_path):
     """The planner's predicted step time and peak per rank are the build's prediction for the same
     mesh and bucket size, exactly: buckets packed analytically are issued in the build's order
@@ -320,7 +322,9 @@ def test_every_plans_step_and_peak_are_its_builds(model, machine, axes, strategi
     member's result is read), fsdp gathers one parameter ahead as built, and a graph derived
     for a wider fsdp axis resizes only its shards and padded whole parameters, and an all_reduce
     across nodes is priced as the three collectives it is split into, compute waiting for the
-    first two. Each mesh at its default bucket size and at its smallest (the most buckets)."""
+    first two. Each mesh at its default bucket size and at its smallest (the most buckets); a
+    pipeline mesh (one stage per rank, and fsdp inside the stages) at the schedule, microbatches
+    and stages per rank it was priced at."""
     out = _plan(model, *machine, *axes)
     rows: dict[tuple, dict] = {}
     for p in out["plans"]:
@@ -332,6 +336,10 @@ def test_every_plans_step_and_peak_are_its_builds(model, machine, axes, strategi
         for bucket in sorted({25.0, buckets[0]} & set(buckets)):
             art = tmp_path / f"{strategy}-{bucket}"
             args = ["build", model, *machine, "--strategy", strategy, "--bucket-mb", str(bucket), "--no-onnx", "--quiet"]
+            pipeline = rows[(strategy, bucket)].get("pipeline")
+            if pipeline:
+                args += ["--microbatches", str(pipeline["microbatches"]), "--pp-schedule", pipeline["schedule"]]
+                args += ["--stages-per-rank", str(pipeline["stages_per_rank"])]
             result = CliRunner().invoke(cli, [*args, "-o", str(art)], catch_exceptions=False)
             assert result.exit_code == 0, result.output
             manifest = Artifact(art).manifest
