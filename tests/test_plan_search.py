@@ -36,7 +36,7 @@ def test_planning_says_what_it_traces_as_it_starts():
     """Each trace and each pipeline's programs announced (`aot plan` prints them on a terminal):
     the layout classes of 8 ranks over dp, fsdp and tp (the graphs without fsdp derived; the
     longest first, aot/plan/layout_traces.py), and a pipeline's programs for each schedule and
-    microbatch count priced."""
+    microbatch count traced."""
     from aot.plan.search import plan_model
     from runner.hardware.topology import for_nodes, load_profile
 
@@ -51,8 +51,32 @@ def test_planning_says_what_it_traces_as_it_starts():
     ], said
     said.clear()
     plan_model(Path(MLP), for_nodes(load_profile("dgx_a100"), 1, 2), 2, 8, axes=("pp",), note=said.append)
-    assert "tracing every pipeline rank's program of pp=2 (interleaved-1f1b, 2 stages per rank, 4 microbatches)" in said, said
-    assert len(said) == 9 and all(line.startswith("tracing every pipeline rank's program of pp=2 (") for line in said), said
+    assert said[0] == "tracing every pipeline rank's program of pp=2 (interleaved-1f1b, 2 stages per rank, 2 microbatches)", said
+    assert all(line.startswith("tracing every pipeline rank's program of pp=2 (") for line in said), said
+
+
+def test_pipeline_configurations_that_cannot_beat_a_priced_one_are_not_traced():
+    """A pipeline mesh's configurations are tried in the order of a lower bound on their time per
+    sample (their ops at m microbatches shared by every rank, idle at least the schedule's bubble
+    floor: PipelineSearch._configurations), and one whose bound is above a configuration priced
+    that fits is not traced. The mesh's plan is the one pricing all nine finds (mlp.py, pp=2 of 2
+    A100s, a batch of 8: three traced, each microbatch's ops costing at least the GPU's launch
+    overhead, so that 4 and 8 microbatches cannot be faster)."""
+    from aot.plan.search import plan_model
+    from runner.hardware.topology import for_nodes, load_profile
+
+    said: list[str] = []
+    plans, _, planner, _ = plan_model(Path(MLP), for_nodes(load_profile("dgx_a100"), 1, 2), 2, 8, axes=("pp",), note=said.append)
+    assert [line.split("(")[1] for line in said] == [
+        "interleaved-1f1b, 2 stages per rank, 2 microbatches)",
+        "1f1b, 2 microbatches)",
+        "zero-bubble, 2 microbatches)",
+    ], said
+    pruned = next(p for p in plans if p.shape == (2,))
+    planner._work = None  # no bounds: every configuration priced, in the order 1F1B, interleaved, zero-bubble
+    every = planner.pipeline_plan(("pp",), (2,))
+    assert len(said) == 9
+    assert (every.prediction, every.pipeline, every.fits) == (pruned.prediction, pruned.pipeline, pruned.fits)
 
 
 def test_factorizations_cover_every_mesh():

@@ -37,6 +37,7 @@ class PipelineSearch:
     _pipeline: Callable | None
     _pipeline_holdings: Callable | None
     pipelines_apart_s: float
+    _work: StepGraph | None = None  # pipeline_work's graph
     step_graph: Callable[..., StepGraph]
     evaluate: Callable[..., Plan]
 
@@ -158,7 +159,7 @@ class PipelineSearch:
         if not fitting:
             return True
         world = self.machine.world_size
-        whole = next((p for p in plans if p.recompute is None and dict(zip(p.axes, p.shape)).get(DP, 1) == world), None)
+        whole = self.pipeline_work(plans)
         if whole is None:
             return True
         # the microbatch counts pipeline_plan tries that the batch splits into (a batch of 2 at
@@ -166,11 +167,49 @@ class PipelineSearch:
         tried = [k * pp for k in PIPELINE_MICROBATCHES_PER_RANK if self.batch_size is None or self.batch_size % (k * pp) == 0]
         if not tried:
             return True  # pipeline_plan says why none can be priced
-        work = microbatched_seconds(self.step_graph(whole.axes, whole.shape), self.machine.compute, pp)
+        work = microbatched_seconds(whole, self.machine.compute, pp)
         m = max(tried)
         bubble = min(bubble_floor(schedule, pp, m, virtual) for schedule, virtual in PIPELINE_SCHEDULES)
         bound = work / world / (1 - bubble)
         return min(per_sample_s(p) for p in fitting) > bound
+
+    def pipeline_work(self, plans: list[Plan]) -> StepGraph | None:
+        """The graph of the data-parallel mesh (every rank a data-parallel rank, nothing
+        recomputed), whose ops the time bounds on pipelines run once per microbatch: the one
+        priced among `plans`, else traced (axes without dp); kept for pipeline_plan's bounds (and
+        its worker processes). None where the build cannot make it."""
+        world = self.machine.world_size
+        whole = next((p for p in plans if p.recompute is None and dict(zip(p.axes, p.shape)).get(DP, 1) == world), None)
+        try:
+            self._work = self.step_graph(whole.axes, whole.shape) if whole is not None else self.step_graph((DP,), (world,))
+        except Unsupported:
+            self._work = None
+        return self._work
+
+    def _configurations(self, pp: int) -> list[tuple[int, str, int, float]]:
+        """(microbatches, schedule, stages per rank, a lower bound on its time per sample) of each
+        configuration pipeline_plan tries, in the order it tries them: by that bound where the
+        data-parallel graph is known (pipeline_work; else the bound is 0 and the order 1F1B,
+        interleaved, zero-bubble at each microbatch count), zero-bubble after 1F1B at the same
+        microbatches (it is not priced where 1F1B's plain programs do not fit). The bound, as
+        pipeline_may_win's for one configuration: its ops at m microbatches
+        (cost_model.microbatched_seconds), shared by every rank, idle at least its schedule's bubble
+        floor: W / world size / (1 - b)."""
+        configurations = [(k * pp, schedule, virtual) for k in PIPELINE_MICROBATCHES_PER_RANK for schedule, virtual in PIPELINE_SCHEDULES]
+        work = self._work
+        if work is None:
+            return [(*c, 0.0) for c in configurations]
+        world = self.machine.world_size
+        bound = {
+            (m, schedule, virtual): microbatched_seconds(work, self.machine.compute, m) / world / (1 - bubble_floor(schedule, pp, m, virtual))
+            for m, schedule, virtual in configurations
+        }
+
+        def order(c):
+            m, schedule, _ = c
+            return max(bound[c], bound[(m, "1f1b", 1)]) if schedule == "zero-bubble" else bound[c]
+
+        return [(*c, bound[c]) for c in sorted(configurations, key=order)]
 
     def pipeline_plan(self, axes, shape) -> Plan:
         """A pipeline mesh, priced by simulating its pipeline ranks' programs side by side
@@ -181,8 +220,11 @@ class PipelineSearch:
         zero-bubble, whose build refuses to recompute: it holds activations until the weight
         gradients by design; nor is zero-bubble priced where 1F1B's plain programs do not fit at the
         same microbatches, since every rank of it may hold as many microbatches as 1F1B's first
-        rank does). pp is the outermost axis
-        (across nodes); the other axes are placed inside it."""
+        rank does). Configurations are tried in the order of a lower bound on their time per
+        sample (_configurations), and one whose bound is above a configuration priced that fits is
+        not traced: it could not be the fastest, recomputing or not (where that skips 1F1B,
+        zero-bubble at the same microbatches is priced). pp is the outermost axis (across nodes);
+        the other axes are placed inside it."""
         if self._pipeline is None:
             raise Unsupported("no pipeline graphs for this planner")
         size = dict(zip(axes, shape))
@@ -191,17 +233,18 @@ class PipelineSearch:
         placement = place(self.machine, order, ordered)
         if placement.order[0] != PP and size[PP] < self.machine.world_size:
             placement = identity(order, ordered)
-        best, last = None, None
+        best = None
+        refused: dict[tuple, Unsupported] = {}  # configuration -> why the build refuses it
         over: set[int] = set()  # microbatch counts at which 1F1B's plain programs do not fit
-        for microbatches, schedule, virtual in [
-            (k * size[PP], schedule, virtual) for k in PIPELINE_MICROBATCHES_PER_RANK for schedule, virtual in PIPELINE_SCHEDULES
-        ]:
+        for microbatches, schedule, virtual, bound in self._configurations(size[PP]):
             if schedule == "zero-bubble" and microbatches in over:
                 continue  # it holds as many microbatches as 1F1B's first rank on every rank, each until its W
+            if best is not None and best.fits and bound > per_sample_s(best):
+                continue  # slower, recomputing or not, than a configuration priced that fits
             try:
                 plan = self._pipeline_priced(order, ordered, placement, microbatches, schedule, virtual, recompute=False)
             except Unsupported as e:
-                last = last or e  # the first reason: the fewest microbatches, 1f1b
+                refused[(microbatches, schedule)] = e
                 continue
             if schedule == "1f1b" and not plan.fits:
                 over.add(microbatches)
@@ -215,7 +258,9 @@ class PipelineSearch:
             if best is None or rank_key(plan) < rank_key(best):
                 best = plan
         if best is None:
-            raise last or Unsupported("no microbatch count fits the batch")
+            if refused:  # the first reason in the order of the fewest microbatches, 1f1b first
+                raise refused[min(refused, key=lambda c: (c[0], [s for s, _ in PIPELINE_SCHEDULES].index(c[1])))]
+            raise Unsupported("no microbatch count fits the batch")
         return best
 
     def _pipeline_priced(self, order: tuple, ordered: tuple, placement, microbatches: int, schedule: str, virtual: int, recompute: bool) -> Plan:

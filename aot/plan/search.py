@@ -238,6 +238,8 @@ class Planner(PipelineSearch):
             plans += made
             skipped += missed
         seeds = self.pipeline_seeds(axes, plans) if prune_pipelines else None
+        if pipelines:
+            self.pipeline_work(plans)  # each pipeline configuration's time bound reads it (pipeline_plan)
         ahead: dict[tuple, Plan | Unsupported] = {}  # pipeline meshes priced in workers, one pp degree at a time
         unpriced: dict[tuple[int, str], int] = {}
         too_deep = None  # the fewest stages the model has too few layers for
