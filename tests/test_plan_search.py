@@ -213,6 +213,55 @@ def test_a_pipeline_ranks_floor_is_at_most_its_traced_peak(model, precision):
         assert floor == pytest.approx(1.75 * holdings.gradients - holdings.unread, rel=1e-3)
 
 
+UNUSED_LAYER = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.spare = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))  # `spare` is never called
+
+
+def model():
+    return Model()
+
+
+def batch(batch_size):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, 64, generator=g), torch.randn(batch_size, 64, generator=g)
+
+
+def loss(outputs, targets):
+    return torch.nn.functional.mse_loss(outputs, targets)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.01)
+"""
+
+
+def test_a_pipeline_floor_counts_the_gradients_the_loss_reaches(tmp_path):
+    """The floor's gradients are those of the parameters the loss reaches (a walk of autograd's
+    graph from the loss, on the model's fake tensors: aot/capture/backward_reads.py): a layer the
+    forward never calls gets none. Of those, the backward reads the second layer's weight (for its
+    input's gradient) but neither bias nor the first layer's weight (its input is the batch)."""
+    from aot.plan.model_steps import ModelSteps
+
+    path = tmp_path / "unused_layer.py"
+    path.write_text(UNUSED_LAYER)
+    steps = ModelSteps(path, 2)
+    params = steps.state.params
+    reached = ["first.weight", "first.bias", "second.weight", "second.bias"]
+    holdings = steps.pipeline_holdings(2, 1)
+    assert holdings.gradients == 4 * sum(params[n].numel() for n in reached) < steps.pipeline_gradients(2, 1)
+    assert holdings.unread == 4 * sum(params[n].numel() for n in ("first.weight", "first.bias", "second.bias"))
+
+
 def test_each_pipeline_split_tried_to_fit_device_memory_is_announced():
     """Where a pipeline's balanced stages peak over device memory, each other split captured to
     fit (as long as the first capture) is said as it starts, naming the mesh, the schedule and

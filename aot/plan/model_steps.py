@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aot.capture.backward_reads import BackwardReads
 from aot.compile_step import Recording, finish_program, step_layout, tensor_parallel_plan, trace_program
 from aot.capture.expert_parallel import expert_layers
 from aot.errors import AotError
@@ -148,7 +149,7 @@ class ModelSteps:
         self.write_out = True
         # a model with experts (aot.capture.expert_parallel) is searched over ep too
         self.has_experts = bool(expert_layers(self.state.model))
-        self._backward_reads: set[str] | None | bool = False  # _read_in_backward's (False: not yet asked)
+        self._backward_reads: BackwardReads | None | bool = False  # _backward_reads_found's (False: not yet asked)
         self._cut: Recording | None = None
         self._target(pricing or Pricing())
 
@@ -522,9 +523,9 @@ class ModelSteps:
         them over microbatches, all ranks together (aot/capture/pipeline.py: each gradient is
         whole on its rank, of its tensor-parallel slice's shape, in the dtype of what it
         differentiates: the parameter gathered once per step under fsdp, in the compute dtype with
-        mixed precision, else the parameter itself). Every parameter is counted: one the loss does
-        not reach has none, so a model with many is held to more than it holds. Unsupported where
-        the build refuses the layout."""
+        mixed precision, else the parameter itself). Every parameter is counted, reached by the
+        loss or not (pipeline_holdings keeps those it reaches). Unsupported where the build
+        refuses the layout."""
         return sum(self._gradient_bytes(fsdp, tp, ep).values())
 
     def _gradient_bytes(self, fsdp: int, tp: int, ep: int) -> dict[str, int]:
@@ -535,10 +536,11 @@ class ModelSteps:
 
     def pipeline_holdings(self, fsdp: int, tp: int, ep: int = 1) -> PipelineHoldings:
         """What the pipeline ranks of a mesh (fsdp, tp, ep) hold at the least, all ranks together,
-        per byte of the gradients they sum (pipeline_gradients): the state each holds resident
-        (its stage's shards of the parameters and optimizer state, whose sum over the stages is
-        a rank's of the mesh without pp: aot.capture.step.rank_state), the least of it per
-        parameter, and under fsdp the gathered parameters the backward may not read. The
+        per byte of the gradients they sum (pipeline_gradients, of the parameters the loss
+        reaches where that is known): the state each holds resident (its stage's shards of the
+        parameters and optimizer state, whose sum over the stages is a rank's of the mesh
+        without pp: aot.capture.step.rank_state), the least of it per parameter, and under fsdp
+        the gathered parameters the backward may not read. The
         busiest rank's share of it follows from the schedule (aot/plan/pipeline_floor.py).
         Unsupported where the build refuses the layout."""
         from aot.capture.step import rank_state
@@ -551,10 +553,12 @@ class ModelSteps:
             for name, key in self.state.optimizer_slots:
                 value = local.optimizer_state[optimizer_key(name, key)]
                 held[name] += value.numel() * value.element_size()
+            reads = self._backward_reads_found()
+            if reads is not None:  # a parameter the loss does not reach gets no gradient: none summed, none counted
+                gradients = {name: b for name, b in gradients.items() if name in reads.reached}
             unread = None
-            if fsdp > 1:
-                read = self._read_in_backward()
-                unread = None if read is None else sum(b for name, b in gradients.items() if name not in read)
+            if fsdp > 1 and reads is not None:
+                unread = sum(b for name, b in gradients.items() if name not in reads.read)
             self._floors[(fsdp, tp, ep)] = PipelineHoldings(
                 gradients=sum(gradients.values()),
                 resident=min((held[name] / b for name, b in gradients.items() if b), default=0.0),
@@ -563,8 +567,9 @@ class ModelSteps:
             )
         return self._floors[(fsdp, tp, ep)]
 
-    def _read_in_backward(self) -> set[str] | None:
-        """The parameters the model's backward reads (aot.capture.backward_reads), found once."""
+    def _backward_reads_found(self) -> BackwardReads | None:
+        """The parameters the loss reaches and those the model's backward reads
+        (aot.capture.backward_reads), found once; None where they cannot be."""
         from aot.capture.backward_reads import parameters_read_in_backward
 
         if self._backward_reads is False:
