@@ -37,7 +37,8 @@ class PipelineSearch:
     _pipeline: Callable | None
     _pipeline_holdings: Callable | None
     pipelines_apart_s: float
-    _work: StepGraph | None = None  # pipeline_work's graph
+    _work: StepGraph | None  # pipeline_work's graph
+    _work_seconds: dict[int, float]  # microbatches -> microbatched_seconds of _work; pipeline_work resets it
     step_graph: Callable[..., StepGraph]
     evaluate: Callable[..., Plan]
 
@@ -167,7 +168,9 @@ class PipelineSearch:
         tried = [k * pp for k in PIPELINE_MICROBATCHES_PER_RANK if self.batch_size is None or self.batch_size % (k * pp) == 0]
         if not tried:
             return True  # pipeline_plan says why none can be priced
-        work = microbatched_seconds(whole, self.machine.compute, pp)
+        if pp not in self._work_seconds:
+            self._work_seconds[pp] = microbatched_seconds(whole, self.machine.compute, pp)
+        work = self._work_seconds[pp]
         m = max(tried)
         bubble = min(bubble_floor(schedule, pp, m, virtual) for schedule, virtual in PIPELINE_SCHEDULES)
         bound = work / world / (1 - bubble)
@@ -181,9 +184,11 @@ class PipelineSearch:
         world = self.machine.world_size
         whole = next((p for p in plans if p.recompute is None and dict(zip(p.axes, p.shape)).get(DP, 1) == world), None)
         try:
-            self._work = self.step_graph(whole.axes, whole.shape) if whole is not None else self.step_graph((DP,), (world,))
+            work = self.step_graph(whole.axes, whole.shape) if whole is not None else self.step_graph((DP,), (world,))
         except Unsupported:
-            self._work = None
+            work = None
+        if work is not self._work:
+            self._work, self._work_seconds = work, {}
         return self._work
 
     def _configurations(self, pp: int) -> list[tuple[int, str, int, float]]:
@@ -200,10 +205,14 @@ class PipelineSearch:
         if work is None:
             return [(*c, 0.0) for c in configurations]
         world = self.machine.world_size
-        bound = {
-            (m, schedule, virtual): microbatched_seconds(work, self.machine.compute, m) / world / (1 - bubble_floor(schedule, pp, m, virtual))
-            for m, schedule, virtual in configurations
-        }
+        bound = {}
+        for m, schedule, virtual in configurations:
+            if self.batch_size is not None and self.batch_size % m:
+                bound[(m, schedule, virtual)] = 0.0  # refused at once (the batch does not split): no bound needed
+                continue
+            if m not in self._work_seconds:  # a pass over every op of the step: once per microbatch count
+                self._work_seconds[m] = microbatched_seconds(work, self.machine.compute, m)
+            bound[(m, schedule, virtual)] = self._work_seconds[m] / world / (1 - bubble_floor(schedule, pp, m, virtual))
 
         def order(c):
             m, schedule, _ = c

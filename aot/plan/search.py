@@ -72,6 +72,7 @@ class Planner(PipelineSearch):
         self._pipeline = pipeline
         # (fsdp, tp, ep) -> what a pipeline mesh's ranks hold at the least (ModelSteps.pipeline_holdings)
         self._pipeline_holdings = pipeline_holdings
+        self._work, self._work_seconds = None, {}  # the data-parallel graph the pipelines' time bounds read (pipeline_work)
         self.hierarchical = hierarchical  # all_reduces in two levels: "auto" (where cheaper), "always", "never"
         self._step_graph = step_graph
         # (axes, shape) -> [(activation budget, the mesh's graph recomputing at it)] (ModelSteps.recomputing)
