@@ -21,7 +21,7 @@ from aot.passes import PRICED_ANALYTICALLY, PassOptions
 from aot.plan.cost_model import StepGraph
 from aot.plan.step_reading import analyze
 from aot.plan.mesh import Mesh
-from aot.plan.pipeline_floor import PipelineHoldings
+from aot.plan.pipeline_floor import PipelineHoldings, gradient_bytes, holdings_of
 from aot.plan.recompute import Request
 from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan
 from aot.plan.step_synthesis import NotSynthesizable
@@ -149,7 +149,7 @@ class ModelSteps:
         self.write_out = True
         # a model with experts (aot.capture.expert_parallel) is searched over ep too
         self.has_experts = bool(expert_layers(self.state.model))
-        self._backward_reads: BackwardReads | None | bool = False  # _backward_reads_found's (False: not yet asked)
+        self._backward_reads: BackwardReads | None | bool = False  # pipeline_holdings' (False: not yet asked)
         self._cut: Recording | None = None
         self._target(pricing or Pricing())
 
@@ -519,62 +519,24 @@ class ModelSteps:
         return self.pipelines[key]
 
     def pipeline_gradients(self, fsdp: int, tp: int, ep: int = 1) -> int:
-        """Bytes of every parameter's gradient as the pipeline ranks of a mesh (fsdp, tp, ep) sum
-        them over microbatches, all ranks together (aot/capture/pipeline.py: each gradient is
-        whole on its rank, of its tensor-parallel slice's shape, in the dtype of what it
-        differentiates: the parameter gathered once per step under fsdp, in the compute dtype with
-        mixed precision, else the parameter itself). Every parameter is counted, reached by the
-        loss or not (pipeline_holdings keeps those it reaches). Unsupported where the build
-        refuses the layout."""
-        return sum(self._gradient_bytes(fsdp, tp, ep).values())
-
-    def _gradient_bytes(self, fsdp: int, tp: int, ep: int) -> dict[str, int]:
-        """pipeline_gradients, parameter by parameter."""
-        shapes = self.layout(1, 1, tp, ep).local_shapes(self.state)
-        gathered = self.precision.compute_dtype.itemsize if fsdp > 1 and self.precision.mixed else None
-        return {name: shapes[name].numel() * (gathered or p.element_size()) for name, p in self.state.params.items()}
+        """Bytes of every parameter's gradient, reached by the loss or not, as the pipeline ranks
+        of a mesh (fsdp, tp, ep) sum them (aot.plan.pipeline_floor.gradient_bytes). Unsupported
+        where the build refuses the layout."""
+        return sum(gradient_bytes(self.state, self.layout(1, 1, tp, ep), self.precision, fsdp).values())
 
     def pipeline_holdings(self, fsdp: int, tp: int, ep: int = 1) -> PipelineHoldings:
-        """What the pipeline ranks of a mesh (fsdp, tp, ep) hold at the least, all ranks together,
-        per byte of the gradients they sum (pipeline_gradients, of the parameters the loss
-        reaches where that is known): the state each holds resident (its stage's shards of the
-        parameters and optimizer state, whose sum over the stages is a rank's of the mesh
-        without pp: aot.capture.step.rank_state), the least of it per parameter, and under fsdp
-        the gathered parameters the backward may not read. The
-        busiest rank's share of it follows from the schedule (aot/plan/pipeline_floor.py).
-        Unsupported where the build refuses the layout."""
-        from aot.capture.step import rank_state
-        from runner.format.checkpoint import optimizer_key
-
-        if (fsdp, tp, ep) not in self._floors:  # the search asks it of every pipeline mesh
-            local = rank_state(self.state, self.layout(1, fsdp, tp, ep))
-            gradients = self._gradient_bytes(fsdp, tp, ep)
-            held = {name: p.numel() * p.element_size() for name, p in local.params.items()}
-            for name, key in self.state.optimizer_slots:
-                value = local.optimizer_state[optimizer_key(name, key)]
-                held[name] += value.numel() * value.element_size()
-            reads = self._backward_reads_found()
-            if reads is not None:  # a parameter the loss does not reach gets no gradient: none summed, none counted
-                gradients = {name: b for name, b in gradients.items() if name in reads.reached}
-            unread = None
-            if fsdp > 1 and reads is not None:
-                unread = sum(b for name, b in gradients.items() if name not in reads.read)
-            self._floors[(fsdp, tp, ep)] = PipelineHoldings(
-                gradients=sum(gradients.values()),
-                resident=min((held[name] / b for name, b in gradients.items() if b), default=0.0),
-                gathered=fsdp > 1,
-                unread=unread,
-            )
-        return self._floors[(fsdp, tp, ep)]
-
-    def _backward_reads_found(self) -> BackwardReads | None:
-        """The parameters the loss reaches and those the model's backward reads
-        (aot.capture.backward_reads), found once; None where they cannot be."""
+        """What the pipeline ranks of a mesh (fsdp, tp, ep) hold at the least
+        (aot.plan.pipeline_floor.holdings_of), the model's backward reads found once. Unsupported
+        where the build refuses the layout."""
         from aot.capture.backward_reads import parameters_read_in_backward
 
-        if self._backward_reads is False:
-            self._backward_reads = parameters_read_in_backward(self.mf, self.state, self.rec.inputs, self.rec.targets)
-        return None if isinstance(self._backward_reads, bool) else self._backward_reads
+        if (fsdp, tp, ep) not in self._floors:  # the search asks it of every pipeline mesh
+            if self._backward_reads is False:
+                self._backward_reads = parameters_read_in_backward(self.mf, self.state, self.rec.inputs, self.rec.targets)
+            reads = None if isinstance(self._backward_reads, bool) else self._backward_reads
+            layouts = (self.layout(1, 1, tp, ep), self.layout(1, fsdp, tp, ep))
+            self._floors[(fsdp, tp, ep)] = holdings_of(self.state, *layouts, self.precision, reads)
+        return self._floors[(fsdp, tp, ep)]
 
     def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int, int]:
         degrees = dict(zip(axes, shape))

@@ -36,8 +36,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import combinations
+from typing import TYPE_CHECKING
 
 from aot.plan.pipeline import Action
+
+if TYPE_CHECKING:
+    from aot.capture.backward_reads import BackwardReads
+    from aot.capture.precision import Precision
+    from aot.capture.step import StepLayout
+    from aot.capture.training_state import TrainingState
 
 _EPSILON = 1e-12
 
@@ -54,6 +61,45 @@ class PipelineHoldings:
     resident: float
     gathered: bool
     unread: int | None = None
+
+
+def gradient_bytes(state: TrainingState, layout: StepLayout, precision: Precision, fsdp: int) -> dict[str, int]:
+    """Bytes of each parameter's gradient as a mesh's pipeline ranks sum it over microbatches,
+    all ranks together (aot/capture/pipeline.py: whole on its rank, of its slice's shape under
+    `layout`'s tensor and expert parallelism, in the dtype of what it differentiates: the
+    parameter gathered once per step under fsdp, in the compute dtype with mixed precision, else
+    the parameter itself)."""
+    shapes = layout.local_shapes(state)
+    gathered = precision.compute_dtype.itemsize if fsdp > 1 and precision.mixed else None
+    return {name: shapes[name].numel() * (gathered or p.element_size()) for name, p in state.params.items()}
+
+
+def holdings_of(state: TrainingState, layout: StepLayout, sharded: StepLayout, precision: Precision, reads: BackwardReads | None) -> PipelineHoldings:
+    """The PipelineHoldings of a mesh whose pipeline ranks run `layout` (its tensor and expert
+    parallelism) with `sharded`'s fsdp: the gradients (gradient_bytes) of the parameters the loss
+    reaches where `reads` (aot.capture.backward_reads.BackwardReads, or None: unknown) says; the
+    state each rank holds resident, its stage's shards of the parameters and optimizer state
+    (their sum over the stages is a rank's of the mesh without pp: aot.capture.step.rank_state),
+    the least of it per byte of a parameter's gradient; under fsdp the gathered parameters the
+    backward does not read."""
+    from aot.capture.step import rank_state
+    from runner.format.checkpoint import optimizer_key
+
+    fsdp = sharded.fsdp.size if sharded.fsdp is not None else 1
+    gradients = gradient_bytes(state, layout, precision, fsdp)
+    if reads is not None:  # a parameter the loss does not reach gets no gradient: none summed, none counted
+        gradients = {name: b for name, b in gradients.items() if name in reads.reached}
+    local = rank_state(state, sharded)
+    held = {name: p.numel() * p.element_size() for name, p in local.params.items()}
+    for name, key in state.optimizer_slots:
+        value = local.optimizer_state[optimizer_key(name, key)]
+        held[name] += value.numel() * value.element_size()
+    return PipelineHoldings(
+        gradients=sum(gradients.values()),
+        resident=min((held[name] / b for name, b in gradients.items() if b), default=0.0),
+        gathered=fsdp > 1,
+        unread=sum(b for name, b in gradients.items() if name not in reads.read) if fsdp > 1 and reads is not None else None,
+    )
 
 
 def busiest_floor(holdings: PipelineHoldings, actions: list[list[Action]]) -> float:

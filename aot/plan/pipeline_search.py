@@ -128,7 +128,7 @@ class PipelineSearch:
             return None
         size = dict(zip(axes, shape))
         pp = size[PP]
-        tried = [k * pp for k in PIPELINE_MICROBATCHES_PER_RANK if self.batch_size is None or self.batch_size % (k * pp) == 0]
+        tried = self._microbatch_counts(pp)
         if not tried:
             return None  # pipeline_plan says why none can be priced
         try:
@@ -163,14 +163,12 @@ class PipelineSearch:
         whole = self.pipeline_work(plans)
         if whole is None:
             return True
-        # the microbatch counts pipeline_plan tries that the batch splits into (a batch of 2 at
-        # pp=2: only 2, whose bubble is a third of 1F1B's step, not the 8 it would try)
-        tried = [k * pp for k in PIPELINE_MICROBATCHES_PER_RANK if self.batch_size is None or self.batch_size % (k * pp) == 0]
+        # a batch of 2 at pp=2 splits into 2 microbatches only, whose bubble is a third of 1F1B's
+        # step, not the 8 pipeline_plan would try
+        tried = self._microbatch_counts(pp)
         if not tried:
             return True  # pipeline_plan says why none can be priced
-        if pp not in self._work_seconds:
-            self._work_seconds[pp] = microbatched_seconds(whole, self.machine.compute, pp)
-        work = self._work_seconds[pp]
+        work = self._work_at(pp)
         m = max(tried)
         bubble = min(bubble_floor(schedule, pp, m, virtual) for schedule, virtual in PIPELINE_SCHEDULES)
         bound = work / world / (1 - bubble)
@@ -191,8 +189,21 @@ class PipelineSearch:
             self._work, self._work_seconds = work, {}
         return self._work
 
-    def _configurations(self, pp: int) -> list[tuple[int, str, int, float]]:
-        """(microbatches, schedule, stages per rank, a lower bound on its time per sample) of each
+    def _microbatch_counts(self, pp: int) -> list[int]:
+        """The microbatch counts pipeline_plan tries that the batch splits into."""
+        return [k * pp for k in PIPELINE_MICROBATCHES_PER_RANK if self.batch_size is None or self.batch_size % (k * pp) == 0]
+
+    def _work_at(self, microbatches: int) -> float:
+        """microbatched_seconds of pipeline_work's graph: a pass over every op of the step, made
+        once per microbatch count."""
+        assert self._work is not None
+        if microbatches not in self._work_seconds:
+            self._work_seconds[microbatches] = microbatched_seconds(self._work, self.machine.compute, microbatches)
+        return self._work_seconds[microbatches]
+
+    def _configurations(self, pp: int) -> list[tuple[int, int, str, int, float]]:
+        """(its place in the order 1F1B, interleaved, zero-bubble at the fewest microbatches first,
+        microbatches, schedule, stages per rank, a lower bound on its time per sample) of each
         configuration pipeline_plan tries, in the order it tries them: by that bound where the
         data-parallel graph is known (pipeline_work; else the bound is 0 and the order 1F1B,
         interleaved, zero-bubble at each microbatch count), zero-bubble after 1F1B at the same
@@ -201,24 +212,19 @@ class PipelineSearch:
         (cost_model.microbatched_seconds), shared by every rank, idle at least its schedule's bubble
         floor: W / world size / (1 - b)."""
         configurations = [(k * pp, schedule, virtual) for k in PIPELINE_MICROBATCHES_PER_RANK for schedule, virtual in PIPELINE_SCHEDULES]
-        work = self._work
-        if work is None:
-            return [(*c, 0.0) for c in configurations]
-        world = self.machine.world_size
-        bound = {}
-        for m, schedule, virtual in configurations:
-            if self.batch_size is not None and self.batch_size % m:
-                bound[(m, schedule, virtual)] = 0.0  # refused at once (the batch does not split): no bound needed
-                continue
-            if m not in self._work_seconds:  # a pass over every op of the step: once per microbatch count
-                self._work_seconds[m] = microbatched_seconds(work, self.machine.compute, m)
-            bound[(m, schedule, virtual)] = self._work_seconds[m] / world / (1 - bubble_floor(schedule, pp, m, virtual))
+        if self._work is None:
+            return [(i, *c, 0.0) for i, c in enumerate(configurations)]
+        world, splits = self.machine.world_size, self._microbatch_counts(pp)
+        bound = {  # 0 where the batch does not split into m: refused at once, no bound needed
+            (m, schedule, virtual): self._work_at(m) / world / (1 - bubble_floor(schedule, pp, m, virtual)) if m in splits else 0.0
+            for m, schedule, virtual in configurations
+        }
 
         def order(c):
             m, schedule, _ = c
             return max(bound[c], bound[(m, "1f1b", 1)]) if schedule == "zero-bubble" else bound[c]
 
-        return [(*c, bound[c]) for c in sorted(configurations, key=order)]
+        return sorted(((i, *c, bound[c]) for i, c in enumerate(configurations)), key=lambda row: order(row[1:4]))
 
     def pipeline_plan(self, axes, shape) -> Plan:
         """A pipeline mesh, priced by simulating its pipeline ranks' programs side by side
@@ -243,9 +249,9 @@ class PipelineSearch:
         if placement.order[0] != PP and size[PP] < self.machine.world_size:
             placement = identity(order, ordered)
         best = None
-        refused: dict[tuple, Unsupported] = {}  # configuration -> why the build refuses it
+        refused: dict[int, Unsupported] = {}  # configuration's place in the plain order -> why the build refuses it
         over: set[int] = set()  # microbatch counts at which 1F1B's plain programs do not fit
-        for microbatches, schedule, virtual, bound in self._configurations(size[PP]):
+        for place_in_order, microbatches, schedule, virtual, bound in self._configurations(size[PP]):
             if schedule == "zero-bubble" and microbatches in over:
                 continue  # it holds as many microbatches as 1F1B's first rank on every rank, each until its W
             if best is not None and best.fits and bound > per_sample_s(best):
@@ -253,7 +259,7 @@ class PipelineSearch:
             try:
                 plan = self._pipeline_priced(order, ordered, placement, microbatches, schedule, virtual, recompute=False)
             except Unsupported as e:
-                refused[(microbatches, schedule)] = e
+                refused[place_in_order] = e
                 continue
             if schedule == "1f1b" and not plan.fits:
                 over.add(microbatches)
@@ -267,8 +273,8 @@ class PipelineSearch:
             if best is None or rank_key(plan) < rank_key(best):
                 best = plan
         if best is None:
-            if refused:  # the first reason in the order of the fewest microbatches, 1f1b first
-                raise refused[min(refused, key=lambda c: (c[0], [s for s, _ in PIPELINE_SCHEDULES].index(c[1])))]
+            if refused:  # the first reason in the plain order: the fewest microbatches, 1f1b
+                raise refused[min(refused)]
             raise Unsupported("no microbatch count fits the batch")
         return best
 
