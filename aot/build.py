@@ -13,6 +13,7 @@ from aot.capture.custom_ops import custom_op_spec
 from aot.capture.model_file import ModelFile, load_model_file
 from aot.capture.precision import Precision, check_training_state, resolve_precision
 from aot.capture.eval_step import EVAL_PROGRAM, capture_eval
+from aot.capture.listed_experts import stack_experts
 from aot.capture.token_bounds import token_bounds
 from aot.capture.step import StepLayout
 from aot.capture.sync_batchnorm import convert_to_sync, manifest_entry as batchnorm_entry
@@ -332,6 +333,8 @@ def _record(options: BuildOptions, profile: dict, mesh: Mesh, machine: Machine, 
         check_training_state(precision, state.params, mf.path.name)
         if options.sync_batchnorm:
             state.model = convert_to_sync(state.model, mf.path.name)
+        if mesh.size(EP) > 1:  # a ModuleList's experts as one weight per parameter, which ep splits
+            state = stack_experts(state, mf.path.name)
         batchnorm = batchnorm_entry(state.model, [a for a in mesh.axes if a in DATA_AXES and mesh.size(a) > 1])
     progress.note(
         f"{sum(p.numel() for p in state.params.values()):,} parameters, {state.optimizer_class}, mesh {mesh.describe()} on topology {profile['name']!r}"
@@ -515,6 +518,8 @@ def describe_experts(layout: StepLayout, captures: dict) -> str:
     rows = max(c.ep_capacity or 0 for c in captures.values())  # 0: not recorded (a pipeline's stages)
     factor = layout.ep_capacity_factor
     how = "dropless" if factor is None else f"--moe-capacity-factor {factor:g}: choices past it are dropped and counted"
+    if any(layer.listed for layer in layout.ep_layers):  # a ModuleList's experts: stacked, the block's own dispatch
+        how, rows = "each block's own dispatch buffer and capacity; the ModuleList's weights stacked, one [E, ...] per parameter", 0
     return (
         f"expert parallel over {layout.ep.size} ranks: {len(layout.ep_layers)} experts layer(s) of {'/'.join(map(str, counts))}, "
         f"{counts[0] // layout.ep.size} per rank; tokens dispatched by all_to_all, " + (f"{rows} rows per expert and rank ({how})" if rows else how)

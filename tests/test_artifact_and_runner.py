@@ -82,7 +82,7 @@ def _user_module(path):
 
 def test_python_api_matches_eager_single_process(mlp1):
     """runner.load(...).step() against a plain eager loop in this process. The golden artifact of
-    the format before (tests/fixtures/artifact_v6_mlp) gets the same check, and known losses, in
+    the format before (tests/fixtures/artifact_v7_mlp) gets the same check, and known losses, in
     tests/test_format_conformance.py."""
     trainer = runner.load(mlp1, rank=0, world_size=1)
     assert trainer.artifact.manifest["format_version"] == FORMAT_VERSION

@@ -24,6 +24,7 @@ from helpers.zoo import run_cell
 from test_bad_input import assert_user_error
 
 QWEN3_MOE = MODELS / "zoo" / "qwen3_moe_sgd.py"
+GSHARD_MOE = MODELS / "zoo" / "gshard_moe_sgd.py"  # experts in an nn.ModuleList, the block's own static dispatch
 
 
 @pytest.mark.parametrize(
@@ -36,6 +37,9 @@ QWEN3_MOE = MODELS / "zoo" / "qwen3_moe_sgd.py"
         pytest.param("qwen3_moe_sgd", "pp=2,ep=2", marks=pytest.mark.slow),  # a stage per layer, experts split in each
         pytest.param("qwen3_moe_sgd", "ep=2,tp=2", marks=pytest.mark.slow),  # attention split; each tp rank dispatches half the tokens
         pytest.param("qwen3_moe", "ep=2,fsdp=2 bf16", marks=pytest.mark.slow),  # against FSDP2 with MixedPrecisionPolicy
+        ("gshard_moe_sgd", "ep=2"),  # a ModuleList's experts, stacked; the block's dispatch buffer exchanged in one all_to_all
+        pytest.param("gshard_moe_sgd", "ep=2,fsdp=2", marks=pytest.mark.slow),
+        pytest.param("gshard_moe_sgd", "pp=2,ep=2", marks=pytest.mark.slow),
     ],
 )
 def test_experts_split_over_ep_ranks_train_as_eager_ddp(family, strategy, tmp_path):
@@ -69,11 +73,50 @@ def test_resume_is_exact_and_a_merged_checkpoint_holds_every_expert(built, tmp_p
     assert ": OK" in ok(aot("verify", art, QWEN3_MOE, "--steps", 2)).stdout
 
 
+def test_a_module_lists_experts_are_stacked_resume_exactly_and_load_under_their_own_names(built, tmp_path):
+    """GShard-style experts (an nn.ModuleList) at ep=2,fsdp=2 on 4 ranks: stored as one [E, ...]
+    weight per parameter (the manifest's `state.stacked` maps each row to the model's own name);
+    3 steps straight == 1 step, save, resume, 2 steps (bit for bit); the merged checkpoint holds
+    exactly the model's state_dict keys, each expert's own tensor; and `--init-from` that file
+    starts the stacked artifact where it starts a dp=4 build of the same model."""
+    import importlib.util
+
+    art = built(GSHARD_MOE, "--world-size", 4, "--strategy", "ep=2,fsdp=2", "--batch-size", 4, "--no-onnx", "--no-eval")
+    manifest = json.loads((art / "manifest.json").read_text())
+    stacked = manifest["state"]["stacked"]
+    assert stacked["blocks.0.moe.experts.w1__weight"] == [f"blocks.0.moe.experts.{e}.w1.weight" for e in range(4)]
+    assert manifest["state"]["params"]["blocks.0.moe.experts.w1__weight"][0] == [4, 64, 32]
+    assert manifest["expert_parallel"]["capacity"] == "model" and "blocks.1.moe.experts.w2__bias" in manifest["expert_parallel"]["params"]
+    full, first, resumed = tmp_path / "full", tmp_path / "first", tmp_path / "resumed"
+    ok(torchrun(4, "run", art, "--steps", 3, "--save", full, "--quiet"))
+    ok(torchrun(4, "run", art, "--steps", 1, "--save", first, "--quiet"))
+    ok(torchrun(4, "run", art, "--steps", 2, "--resume", first, "--save", resumed, "--quiet"))
+    a = json.loads((full / "checkpoint.json").read_text())
+    assert a["stacked"] == stacked
+    for shard in a["shards"]:
+        for name in shard.values():
+            x, y = load_file(full / name), load_file(resumed / name)
+            assert all(torch.equal(x[k], y[k]) for k in x)
+    merged = tmp_path / "merged.safetensors"
+    ok(aot("checkpoint", "merge", full, "-o", merged))
+    spec = importlib.util.spec_from_file_location("gshard_moe", GSHARD_MOE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert sorted(load_file(merged)) == sorted(module.model().state_dict())
+    assert "ep=1  experts 2-3 of every layer" in ok(aot("inspect", art)).stdout
+    plain = built(GSHARD_MOE, "--world-size", 4, "--strategy", "dp=4", "--batch-size", 4, "--no-onnx", "--no-eval")
+    losses = []
+    for index, artifact in enumerate((art, plain)):
+        metrics = tmp_path / f"metrics{index}.jsonl"
+        ok(torchrun(4, "run", artifact, "--steps", 2, "--init-from", merged, "--metrics", metrics, "--quiet"))
+        losses.append([json.loads(line)["loss"] for line in metrics.read_text().splitlines()])
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6, rel=0), losses
+
+
 @pytest.mark.parametrize(
     "model,strategy,extra,needle",
     [
         (EXAMPLES / "mlp.py", "ep=2", (), "no mixture-of-experts layer"),
-        (MODELS / "bad_moe_module_list.py", "ep=2", (), "holds the 4 experts of experts as an nn.ModuleList"),
         (QWEN3_MOE, "ep=3", (), "holds 4 experts, which 3 ep ranks cannot share evenly"),
         # 64 tokens x top-2 / 4 experts x 0.01 = 0.32 rows
         (QWEN3_MOE, "ep=2", ("--batch-size", 4, "--moe-capacity-factor", 0.01), "under one token per expert"),
@@ -89,6 +132,23 @@ def test_an_expert_parallel_build_it_cannot_make_is_refused_in_one_line(model, s
     r = aot("build", model, "--world-size", world, "--strategy", strategy, "--no-onnx", *extra, "-o", tmp_path / "out")
     assert_user_error(r, needle)
     assert not (tmp_path / "out").exists()
+
+
+def test_module_list_experts_ep_cannot_split_are_refused_in_one_line(tmp_path):
+    """ModuleList experts ep refuses, each in one line and leaving no artifact: called after a
+    data-dependent selection (no static row count), trained by a layer-wise optimizer (stacking
+    would change its update), with tp or a capacity factor (the block's own capacity)."""
+    cases = [
+        (MODELS / "bad_moe_module_list.py", 2, "ep=2", (), "is not called on row block 0 of one [E, ...] dispatch buffer"),
+        (MODELS / "bad_moe_lars.py", 2, "ep=2", (), "may update a stacked weight differently"),
+        (GSHARD_MOE, 4, "ep=2,tp=2", (), "which ep does not split with tp yet"),
+        (GSHARD_MOE, 2, "ep=2", ("--moe-capacity-factor", 1), "its block dispatches with its own capacity"),
+    ]
+    for index, (model, world, strategy, extra, needle) in enumerate(cases):
+        out = tmp_path / f"out{index}"
+        r = aot("build", model, "--world-size", world, "--strategy", strategy, "--no-onnx", *extra, "-o", out)
+        assert_user_error(r, needle)
+        assert not out.exists()
 
 
 def test_dispatch_fills_each_experts_rows_choice_first_and_drops_past_capacity():

@@ -3,8 +3,8 @@
 Every manifest the build writes for a small matrix of strategies validates against the schema,
 and the schema is not vacuous: each field the runner's own structural check requires, removed
 or given a wrong type, fails the schema and is refused by the runner (runner.format.artifact.Artifact),
-which names the place. The golden artifact (tests/fixtures/artifact_v6_mlp, built by the aot of
-format 6) loads in the current runner, validates, and trains to the losses written below, the
+which names the place. The golden artifact (tests/fixtures/artifact_v7_mlp, built by the aot of
+format 7) loads in the current runner, validates, and trains to the losses written below, the
 same as eager PyTorch in the same test.
 """
 
@@ -62,7 +62,7 @@ BUILDS = {  # name -> aot build arguments (--quiet and -o added); one keeps the 
     # a capacity (expert_parallel.capacity an object) and its program output moe_dropped
     "moe-ep2-capacity": (MODELS / "zoo" / "qwen3_moe_sgd.py", "--world-size", 2, "--strategy", "ep=2", "--moe-capacity-factor", 1.0, "--no-onnx", "--no-eval"),
 }
-GOLDEN = FIXTURES / "artifact_v6_mlp"
+GOLDEN = FIXTURES / "artifact_v7_mlp"
 # What eager PyTorch computed on examples/mlp.py (torch.manual_seed(0), the example batch) for
 # the first 5 steps, measured once with torch 2.13.0 on the CPU; the artifact gave the same bits.
 GOLDEN_LOSSES = [2.2685635089874268, 2.1776123046875, 2.0583415031433105, 1.9123334884643555, 1.7299028635025024]
@@ -273,27 +273,30 @@ def test_the_schema_and_the_runner_refuse_the_same_broken_manifests(matrix, tmp_
     assert not failures, "\n".join(failures)
 
 
-def test_a_version_6_manifest_has_no_expert_parallelism(matrix, tmp_path):
-    """FORMAT.md "Version 6": a version-6 artifact has no `expert_parallel`; the schema and the
-    runner say so, and a version-6 manifest without one is valid."""
+def test_a_version_7_manifest_has_no_stacked_experts(matrix, tmp_path):
+    """FORMAT.md "Version 7": a version-7 artifact has no `state.stacked` (a ModuleList's experts
+    stacked under ep, version 8); the schema and the runner say so, and a version-7 manifest
+    without one is valid."""
     folder = writable_copy(matrix["moe-ep2"], tmp_path / "moe")
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["expert_parallel"]["size"] == 2
-    assert schema_errors({**manifest, "format_version": 6})
-    refusal = runner_refusal(folder, {**manifest, "format_version": 6})
-    assert refusal is not None and "expert_parallel is version 7" in refusal, refusal
-    plain = json.loads((matrix["mlp-dp2"] / "manifest.json").read_text())
-    assert schema_errors({**plain, "format_version": 6}) == []
+    name = manifest["expert_parallel"]["params"][0]
+    rows = manifest["state"]["params"][name][0][0]
+    stacked = {**manifest, "state": {**manifest["state"], "stacked": {name: manifest["state"]["state_dict_keys"][:rows]}}}
+    assert schema_errors(stacked) == []
+    assert schema_errors({**stacked, "format_version": 7})
+    refusal = runner_refusal(folder, {**stacked, "format_version": 7})
+    assert refusal is not None and "state.stacked is version 8" in refusal, refusal
+    assert schema_errors({**manifest, "format_version": 7}) == []
 
 
-def test_the_golden_format_5_artifact_loads_validates_and_trains_to_known_losses():
-    """An artifact built by the aot of format 6 runs in this runner (the compatibility window),
+def test_the_golden_artifact_of_the_format_before_loads_validates_and_trains_to_known_losses():
+    """An artifact built by the aot of format 7 runs in this runner (the compatibility window),
     its manifest conforms, and its training is what it was: the losses eager PyTorch gave when the
     test was written, and eager PyTorch now. (tests/test_artifact_and_runner.py checks the Python
-    API the same way on a freshly built format-7 artifact.)"""
+    API the same way on a freshly built format-8 artifact.)"""
     manifest = json.loads((GOLDEN / "manifest.json").read_text())
     # a format bump moves the window: replace the fixture with an artifact of the version before
-    assert manifest["format_version"] == spec.READABLE_VERSIONS[0] == 6, "rebuild the golden artifact"
+    assert manifest["format_version"] == spec.READABLE_VERSIONS[0] == 7, "rebuild the golden artifact"
     assert schema_errors(manifest) == []
     trainer = runner.load(GOLDEN, rank=0, world_size=1)
     assert trainer.artifact.manifest == manifest
@@ -316,7 +319,7 @@ def test_program_json_is_torchs_serializer_output_with_the_debug_metadata_droppe
     torch's own serializer, made reproducible as before."""
     from runner.format import program as codec
 
-    folder = FIXTURES / "artifact_v6_mlp" / "programs"
+    folder = FIXTURES / "artifact_v7_mlp" / "programs"
     constants = folder / f"{program}.safetensors"
     ep = codec.decode_program((folder / f"{program}.json").read_bytes(), constants.read_bytes() if constants.exists() else None)
     ours, _ = codec.encode_program(ep)

@@ -48,11 +48,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from aot.capture.listed_experts import ListedExperts, listed_forwards, stacked_layers, stacked_name
+from aot.capture.group_collectives import exchange
 from aot.capture.module_calls import forwards_replaced
 from aot.errors import AotError
 
-_funcol = torch.ops._c10d_functional
-_funcol_autograd = torch.ops._c10d_functional_autograd
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
@@ -62,8 +62,11 @@ class ExpertLayer:
 
     module: str
     experts: int
+    listed: tuple[str, ...] = ()  # an nn.ModuleList's experts, stacked: every expert's parameter paths (aot/capture/listed_experts.py)
 
     def params(self) -> tuple[str, ...]:
+        if self.listed:
+            return tuple(stacked_name(self.module, p) for p in self.listed)
         return tuple(f"{self.module}.{w}" for w in EXPERT_WEIGHTS)
 
 
@@ -74,44 +77,52 @@ def _is_experts(module: nn.Module) -> bool:
 
 
 def expert_layers(model: nn.Module) -> tuple[ExpertLayer, ...]:
-    """Every experts module of `model` (see the module docstring), in module order."""
-    return tuple(ExpertLayer(name, m.gate_up_proj.shape[0]) for name, m in model.named_modules() if _is_experts(m))
+    """Every experts module of `model` (see the module docstring), in module order, and every
+    ModuleList of experts whose weights the build stacked (aot/capture/listed_experts.py)."""
+    held = tuple(ExpertLayer(name, m.gate_up_proj.shape[0]) for name, m in model.named_modules() if _is_experts(m))
+    return held + tuple(ExpertLayer(layer.module, layer.experts, layer.paths) for layer in stacked_layers(model))
 
 
 def _listed_experts(model: nn.Module) -> tuple[str, int] | None:
-    """(name, count) of the first nn.ModuleList named `experts` holding modules of one class with
-    parameters (the layout of transformers 4's Mixtral and of hand-written MoE blocks), or None."""
+    """(name, count) of the first nn.ModuleList named `experts` holding modules with parameters,
+    or None."""
     for name, m in model.named_modules():
         if name.rsplit(".", 1)[-1] == "experts" and isinstance(m, nn.ModuleList) and len(m) > 1:
-            if len({type(e) for e in m}) == 1 and any(True for _ in m[0].parameters()):
+            if any(True for _ in m.parameters()):
                 return name, len(m)
     return None
 
 
-def check_expert_parallel(model: nn.Module, ep: int, where: str) -> tuple[ExpertLayer, ...]:
+def check_expert_parallel(model: nn.Module, ep: int, where: str, tp: bool = False, factor: float | None = None) -> tuple[ExpertLayer, ...]:
     """The experts modules ep=`ep` splits, or AotError in one line: no experts, E not divisible by
-    ep, or experts whose layout the dispatch does not compute (biases, transposed or interleaved
-    weights, no gate)."""
+    ep, experts whose layout the dispatch does not compute (biases, transposed or interleaved
+    weights, no gate), or a ModuleList's experts (which dispatch by the model's own capacity) with
+    tp or a capacity factor."""
     layers = expert_layers(model)
-    listed = _listed_experts(model)
-    if listed and not layers:
-        name, count = listed
+    listed = [layer.module for layer in layers if layer.listed]
+    if listed and (tp or factor is not None):
+        what = "with tp" if tp else "with --moe-capacity-factor (its block dispatches with its own capacity)"
+        raise AotError(f"--strategy ep={ep}: {where} holds the experts of {listed[0]} as an nn.ModuleList, which ep does not split {what} yet")
+    unstacked = _listed_experts(model)
+    if unstacked and not layers:
+        name, count = unstacked
         raise AotError(
-            f"--strategy ep={ep}: {where} holds the {count} experts of {name} as an nn.ModuleList; ep splits experts held as "
-            f"3-D weights ({' and '.join(EXPERT_WEIGHTS)} [E, ...], transformers v5's layout), whose call "
-            f"experts(hidden, top_k_index, top_k_weights) it can replace: a ModuleList's experts are called from the "
-            f"block's own loop, which aot cannot dispatch without rewriting its routing; use dp or fsdp"
+            f"--strategy ep={ep}: {where} holds the {count} experts of {name} as an nn.ModuleList whose experts differ (class, "
+            f"parameter shapes) or hold buffers; ep stacks a ModuleList's experts into one [E, ...] weight per parameter, "
+            f"which needs experts of one layout; use dp or fsdp"
         )
     if not layers:
         raise AotError(
             f"--strategy ep={ep}: {where} has no mixture-of-experts layer aot can split (a module holding 3-D expert weights "
-            f"{' and '.join(EXPERT_WEIGHTS)}, as transformers' MoE models do); use dp or fsdp"
+            f"{' and '.join(EXPERT_WEIGHTS)}, as transformers' MoE models do, or an nn.ModuleList named experts); use dp or fsdp"
         )
     modules = dict(model.named_modules())
     for layer in layers:
         if layer.experts % ep:
             raise AotError(f"--strategy ep={ep}: {layer.module} holds {layer.experts} experts, which {ep} ep ranks cannot share evenly")
         m = modules[layer.module]
+        if layer.listed:
+            continue
         unsupported = [
             flag
             for flag, bad in (
@@ -170,12 +181,6 @@ def dispatch_rows(top_k_index: torch.Tensor, experts: int, capacity: int) -> tup
     return source[:dump], row.view(k, tokens).t()
 
 
-def _exchange(rows: torch.Tensor, ranks: int, group: str) -> torch.Tensor:
-    """all_to_all of equal chunks along dim 0 (chunk r to ep rank r); its gradient travels back the same way."""
-    splits = [rows.shape[0] // ranks] * ranks
-    return _funcol.wait_tensor(_funcol_autograd.all_to_all_single(rows.contiguous(), splits, splits, group))
-
-
 @dataclass(frozen=True)
 class Dispatch:
     """How one experts module dispatches: its experts, the ep group's size and name, the capacity
@@ -221,13 +226,13 @@ def _dispatched(module: nn.Module, how: Dispatch, hidden, top_k_index, top_k_wei
         if how.factor is not None:
             how.record.dropped.append((slot == experts * c).sum())
     padded = torch.cat([hidden, hidden.new_zeros(1, width)])
-    received = _exchange(padded[source], ranks, group)  # [N * E/N * C, H]: from rank r, its rows for my experts
+    received = exchange(padded[source], ranks, group)  # [N * E/N * C, H]: from rank r, its rows for my experts
     rows = received.view(ranks, local, c, width).transpose(0, 1).reshape(local, ranks * c, width)
     # the local slices (the step's tensors, bound by functional_call), and the module's own
     # activation on the gate and up halves (transformers' `_apply_gate`)
     gate_up, down = (typing.cast(torch.Tensor, getattr(module, w)) for w in EXPERT_WEIGHTS)
     out = torch.bmm(module._apply_gate(torch.bmm(rows, gate_up.transpose(1, 2))), down.transpose(1, 2))  # type: ignore[operator]
-    back = _exchange(out.view(local, ranks, c, width).transpose(0, 1).reshape(experts * c, width), ranks, group)
+    back = exchange(out.view(local, ranks, c, width).transpose(0, 1).reshape(experts * c, width), ranks, group)
     chosen = torch.cat([back, back.new_zeros(1, width)])[slot]  # [T, K, H]
     return (chosen * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
 
@@ -248,4 +253,6 @@ def experts_in_graph(
 
         return forward
 
-    return forwards_replaced({modules[layer.module]: forward_of(modules[layer.module], layer.experts) for layer in layers})
+    forwards = {modules[layer.module]: forward_of(modules[layer.module], layer.experts) for layer in layers if not layer.listed}
+    listed = tuple(ListedExperts(layer.module, layer.experts, layer.listed) for layer in layers if layer.listed)
+    return forwards_replaced({**forwards, **listed_forwards(model, listed, ranks, group)})

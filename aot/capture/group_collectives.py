@@ -1,6 +1,6 @@
 """The step's collectives over one process group, as graph nodes (functional collectives): a sum,
 a mean in the reduce dtype, fsdp's gather of a parameter whose backward reduce-scatters its
-gradient, and a sum over several groups in turn."""
+gradient, a sum over several groups in turn, and expert parallelism's all_to_all of equal chunks."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from aot.capture.precision import Precision
 
 _funcol = torch.ops._c10d_functional
+_funcol_autograd = torch.ops._c10d_functional_autograd
 
 
 @dataclass(frozen=True)
@@ -68,3 +69,9 @@ def sum_over_groups(t: torch.Tensor, groups) -> torch.Tensor:
         if group is not None:
             t = sum_over(t, group)
     return t
+
+
+def exchange(rows: torch.Tensor, ranks: int, group: str) -> torch.Tensor:
+    """all_to_all of equal chunks along dim 0 (chunk r to ep rank r); its gradient travels back the same way."""
+    splits = [rows.shape[0] // ranks] * ranks
+    return _funcol.wait_tensor(_funcol_autograd.all_to_all_single(rows.contiguous(), splits, splits, group))

@@ -227,6 +227,9 @@ def trace_user_code(fn, args: list, mf: ModelFile, what: str, *contexts, tracer=
     except AotError:
         raise
     except Exception as e:
+        cause = e.__context__  # our refusal, which torch's annotation contexts failed to unwind from
+        if isinstance(cause, AotError):
+            raise cause from None
         raise AotError(f"{mf.path.name}: {what} cannot be traced: {describe_error(e, mf.path)}") from e
     return graph
 

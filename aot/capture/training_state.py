@@ -24,7 +24,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.inert_calls import drop_inert_calls
-from aot.capture.model_file import ModelFile, call_user
+from aot.capture.model_file import ModelFile, call_user, describe_error
 from aot.capture.recorded_initializers import recorded_initializers
 from aot.capture.trace_logs import quiet_trace_logs
 from aot.errors import AotError
@@ -34,6 +34,7 @@ from runner.format.checkpoint import optimizer_key
 # Constants a constructor may bake into a parameter or buffer (a small lookup table, say); a
 # bigger one was read from somewhere (a file, numpy) and would put weights back into the artifact.
 MAX_INIT_CONSTANT_BYTES = 1 << 20
+STEP_BRANCHES = "use an optimizer whose step() does not decide by values (SGD, Adam, AdamW, ...)"
 CONSTRUCTOR_READS_VALUES = (
     "the build records model() without running it on real tensors, so the constructor must not read tensor "
     "values: decide from Python numbers (a config), or initialize in a way that draws without looking"
@@ -56,6 +57,8 @@ class TrainingState:
     lr_constant: bool
     aliases: dict[str, str] = field(default_factory=dict)  # state_dict key -> canonical name
     state_dict_keys: list[str] = field(default_factory=list)
+    # a stacked experts weight -> the parameters it stacks, in expert order (aot/capture/listed_experts.py)
+    stacked: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def hyperparameters(self) -> list[dict]:
@@ -264,7 +267,12 @@ def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingSt
         groups = [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
         if sorted(n for g in groups for n in g) != sorted(params):
             raise AotError(f"{mf.path.name}: optimizer(params) must optimize every parameter of the model exactly once")
-        _init_optimizer_state(opt)
+        try:
+            _init_optimizer_state(opt)
+        except AotError:
+            raise
+        except Exception as e:  # Adafactor's step branches on a tensor's value, say
+            raise AotError(f"{mf.path.name}: {type(opt).__name__}.step() cannot be traced: {describe_error(e, mf.path, STEP_BRANCHES)}") from e
     slots, state = [], {}
     for group in groups:
         for name in group:

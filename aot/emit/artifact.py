@@ -87,6 +87,14 @@ def ep_rows(programs: dict) -> int:
     return max(captured.ep_capacity or 0 for _, captured in programs.values())
 
 
+def _capacity(layout: StepLayout, programs: dict):
+    """The manifest's `expert_parallel.capacity`: "model" where a ModuleList's experts are dispatched
+    by the model's own block (its own capacity), "dropless", or the factor and its rows."""
+    if any(layer.listed for layer in layout.ep_layers):
+        return "model"
+    return "dropless" if layout.ep_capacity_factor is None else {"factor": layout.ep_capacity_factor, "rows": ep_rows(programs)}
+
+
 def _check_shardable(state: TrainingState, layout: StepLayout) -> None:
     """Optimizer state unlike its parameter cannot follow a split or sharded parameter."""
     split = (set(layout.tp_dims(state)) if layout.tp else set()) | set(layout.ep_params)
@@ -209,7 +217,7 @@ def emit_artifact(
                 "size": layout.ep.size,
                 "experts": {layer.module: layer.experts for layer in layout.ep_layers},
                 "params": list(layout.ep_params),
-                "capacity": "dropless" if layout.ep_capacity_factor is None else {"factor": layout.ep_capacity_factor, "rows": ep_rows(programs)},
+                "capacity": _capacity(layout, programs),
             },
             "state": {
                 "params": {n: [list(t.shape), dtype_name(t.dtype)] for n, t in state.params.items()},
@@ -222,6 +230,7 @@ def emit_artifact(
                 },
                 "aliases": state.aliases,
                 "state_dict_keys": state.state_dict_keys,
+                **({"stacked": state.stacked} if state.stacked else {}),
             },
             "schedule": {"constant": state.lr_constant, "lr": state.lr_schedule},
             "data": {

@@ -11,6 +11,11 @@ from runner.commands.formatting import describe_batchnorm, describe_replicas, de
 from runner.format.sharding import shard_number, shard_numel, tp_slice_shape
 
 
+def describe_capacity(capacity) -> str:
+    """A manifest's `expert_parallel.capacity` in words."""
+    return "the model's own (its blocks fill their dispatch buffers)" if capacity == "model" else str(capacity)
+
+
 def _bytes(shape_dtype: list) -> int:
     import torch
 
@@ -79,7 +84,7 @@ def describe_experts(summary: dict) -> list[str]:
     counts = sorted(set(ep["experts"].values()))
     lines = [
         f"expert parallel over {ep['size']} ranks ({ep['group']}): {len(ep['experts'])} experts layer(s) of "
-        f"{'/'.join(map(str, counts))} experts, tokens dispatched by all_to_all, capacity {ep['capacity']}"
+        f"{'/'.join(map(str, counts))} experts, tokens dispatched by all_to_all, capacity {describe_capacity(ep['capacity'])}"
     ]
     for index in range(ep["size"]):
         runs = sorted({tuple(v) for v in held_experts(ep, {ep["axis"]: index}).values()})

@@ -23,7 +23,7 @@ from pathlib import Path
 from runner.format.artifact import Artifact
 from runner.errors import AotError
 from runner.commands.formatting import human, rank_ranges, tp_layer
-from runner.commands.artifact_summary import predicted_memory, predicted_time, summarize
+from runner.commands.artifact_summary import describe_capacity, predicted_memory, predicted_time, summarize
 from runner.format.integrity import read_verified
 
 # build arguments the plan level shows (with what the build made of them)
@@ -101,7 +101,7 @@ def _plan_fields(m: dict, s: dict) -> dict:
         "expert_parallel": m.get("expert_parallel")
         and (
             f"ep={m['expert_parallel']['size']} over {m['expert_parallel']['group']}, {len(m['expert_parallel']['experts'])} experts layer(s), "
-            f"capacity {m['expert_parallel']['capacity']}"
+            f"capacity {describe_capacity(m['expert_parallel']['capacity'])}"
         ),
         "pipeline": pipeline
         and (

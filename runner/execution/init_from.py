@@ -71,6 +71,7 @@ class InitFrom:
     tensor_parallel: dict | None = None
     expert_parallel: dict | None = None
     notes: list[str] = field(default_factory=list)  # "notice: ..." lines (dtype casts)
+    stacked: dict[str, list[str]] = field(default_factory=dict)  # a stacked experts weight -> its rows' names (sources)
 
 
 # -- validation (headers only) -------------------------------------------------------------------
@@ -83,7 +84,11 @@ def check_init_from(path: str | Path, manifest: dict) -> InitFrom:
     path = Path(path)
     headers = _headers(path)
     state = manifest["state"]
+    stacked = state.get("stacked", {})
     specs = {**state["buffers"], **state["params"]}
+    for weight, names in stacked.items():  # the model's files hold each expert's own tensor: matched by those
+        shape, dtype = specs.pop(weight)
+        specs.update({name: [shape[1:], dtype] for name in names})
     sources, notes = _match(path, headers, state, specs)
     return InitFrom(
         path=path,
@@ -93,6 +98,7 @@ def check_init_from(path: str | Path, manifest: dict) -> InitFrom:
         tensor_parallel=manifest.get("tensor_parallel"),
         expert_parallel=manifest.get("expert_parallel"),
         notes=notes,
+        stacked=stacked,
     )
 
 
@@ -245,8 +251,9 @@ def rank_weights(init: InitFrom, coords: dict[str, int], only: set[str] | None =
     fsdp_index, fsdp_size = axis_index(coords, fsdp), fsdp.get("size", 1)
     ep = init.expert_parallel or {}
     ep_index, experts = axis_index(coords, ep), set(ep.get("params", []))
-    out = {}
-    sources = init.sources if only is None else {n: src for n, src in init.sources.items() if n in only}
+    rows = {name for names in init.stacked.values() for name in names}
+    out = _stacked_pieces(init, ep_index if ep else None, fsdp_size, fsdp_index, only)
+    sources = {n: src for n, src in init.sources.items() if n not in rows and (only is None or n in only)}
     for file, names in _by_file(sources).items():
         with safe_open(str(file), framework="pt") as f:
             for name in names:
@@ -264,6 +271,27 @@ def rank_weights(init: InitFrom, coords: dict[str, int], only: set[str] | None =
                     out[name] = _fsdp_piece(f, src.key, region, fsdp_size, fsdp_index, init.dtypes[name])
                 else:
                     out[name] = _copy(_read(f, src.key, region), init.dtypes[name])
+    return out
+
+
+def _stacked_pieces(init: InitFrom, ep_index: int | None, fsdp_size: int, fsdp_index: int, only: set[str] | None) -> dict[str, torch.Tensor]:
+    """This rank's piece of each stacked experts weight (`only`: of those named): its ep rank's
+    experts' own tensors, each read whole, stacked, then cut flat-padded over fsdp where sharded."""
+    ep, fsdp = init.expert_parallel or {}, init.sharding or {}
+    out = {}
+    for weight, names in init.stacked.items():
+        if only is not None and weight not in only:
+            continue
+        if ep_index is not None and weight in ep.get("params", []):
+            local = len(names) // ep["size"]
+            names = names[ep_index * local : (ep_index + 1) * local]
+        tensors = []
+        for name in names:
+            src = init.sources[name]
+            with safe_open(str(src.file), framework="pt") as f:
+                tensors.append(_copy(_read(f, src.key, [(0, n) for n in src.shape]), init.dtypes[name]))
+        piece = torch.stack(tensors)
+        out[weight] = fsdp_shard(piece, fsdp_size, fsdp_index) if weight in fsdp.get("params", {}) else piece
     return out
 
 

@@ -35,6 +35,7 @@ from runner.execution.memory_tracking import measure_step
 from runner.execution.p2p import failed_transfer, forget_waits, install_kernels
 from runner.hardware.binding import bind_rank
 from runner.format.sharding import join_tp_slices, shard_number, tp_fused, tp_slice_shape, unshard
+from runner.format.stacked import held_names, model_tensors
 from runner.hardware.topology_check import verify_live
 
 
@@ -306,11 +307,10 @@ class Trainer:
                 raise AotError(f"{where}: program input index {slot['index']} out of range")
         if any(len(step) != n_groups for step in self.schedule["lr"]):
             raise AotError(f"{where}: schedule.lr steps do not all give {n_groups} learning rate(s)")
-        aliases = self.state_spec["aliases"]
         held = stage_tensors(self.artifact.manifest, self.coords)  # a pipeline rank: its stages' tensors
-        for key in self.state_spec["state_dict_keys"]:
-            if aliases.get(key, key) not in self._weights and (held is None or aliases.get(key, key) in held):
-                raise AotError(f"{where}: state_dict key {key!r} names no stored tensor")
+        for name in sorted(held_names(self.state_spec)):
+            if name not in self._weights and (held is None or name in held):
+                raise AotError(f"{where}: the state_dict's tensor {name!r} is not stored")
         if [s["kind"] for s in self._slots].count("target") != 1:
             raise AotError(f"{where}: the program must take exactly one targets input")
 
@@ -473,9 +473,7 @@ class Trainer:
         """The model's state_dict as the user's model would return it (tied weights under every
         name); a pipeline rank's holds its stages' tensors only. With sharded parameters this
         all-gathers them: every rank must call it."""
-        aliases = self.state_spec["aliases"]
-        weights = self._full_weights()
-        return {key: weights[aliases.get(key, key)] for key in self.state_spec["state_dict_keys"] if aliases.get(key, key) in weights}
+        return model_tensors(self._full_weights(), self.state_spec)
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
         full = dict(self._weights)

@@ -21,7 +21,9 @@ from runner.errors import AotError
 from runner.format.integrity import canonical_json, check_file, content_problem, read_verified, sha256_bytes
 
 FORMAT_NAME = "aot-artifact"
-FORMAT_VERSION = 7  # 7: expert parallelism (expert_parallel); 6: fused tensor-parallel layers (tensor_parallel.fused)
+# 8: a ModuleList's experts stacked (state.stacked, capacity "model"); 7: expert parallelism
+# (expert_parallel); 6: fused tensor-parallel layers (tensor_parallel.fused)
+FORMAT_VERSION = 8
 READABLE_VERSIONS = (FORMAT_VERSION - 1, FORMAT_VERSION)  # this version and the one before it
 MANIFEST = "manifest.json"
 
@@ -224,12 +226,28 @@ def _check_expert_parallel(m: dict, where: str, expect) -> None:
     expect(ep["group"] in m["process_groups"], "expert_parallel.group names no process group")
     capacity = ep["capacity"]
     bounded = isinstance(capacity, dict) and isinstance(capacity.get("factor"), (int, float)) and type(capacity.get("rows")) is int and capacity["rows"] > 0
-    expect(capacity == "dropless" or bounded, f'expert_parallel.capacity must be "dropless" or {{"factor": F, "rows": C}}, got {capacity!r}')
+    own = capacity == "model" and m["format_version"] >= 8  # a ModuleList's experts, dispatched by the model's own block
+    expect(capacity == "dropless" or bounded or own, f'expert_parallel.capacity must be "dropless", "model" or {{"factor": F, "rows": C}}, got {capacity!r}')
     expect(all(k > 0 and k % ep["size"] == 0 for k in ep["experts"].values()), f"expert_parallel.experts: a count {ep['size']} ranks cannot share evenly")
     for name in ep["params"]:
         shape = m["state"]["params"].get(name, [None])[0]
         expect(shape is not None, f"expert_parallel.params names unknown parameter {name!r}")
         expect(len(shape) >= 1 and shape[0] % ep["size"] == 0, f"expert_parallel.params: {name!r} cannot be split {ep['size']} ways along dimension 0")
+
+
+def _check_stacked(m: dict, expect) -> None:
+    """`state.stacked` (version 8): each stacked weight a known parameter of E rows, E names that
+    are the model's state_dict keys."""
+    stacked = m["state"].get("stacked", {})
+    expect(not stacked or m["format_version"] >= 8, f"state.stacked is version 8; this manifest says version {m['format_version']}")
+    expect(isinstance(stacked, dict), "state.stacked must map a stacked weight to the names it stacks")
+    keys = set(m["state"]["state_dict_keys"])
+    for name, names in stacked.items():
+        shape = m["state"]["params"].get(name, [None])[0]
+        expect(shape is not None, f"state.stacked names unknown parameter {name!r}")
+        expect(
+            isinstance(names, list) and shape[0] == len(names) and set(names) <= keys, f"state.stacked: {name!r} must list its {shape[0]} rows' state_dict keys"
+        )
 
 
 def _conform(value, schema, path: str) -> None:
@@ -370,6 +388,7 @@ def _check_structure(m: dict, where: str) -> None:
             )
     if m.get("expert_parallel") is not None:
         _check_expert_parallel(m, where, expect)
+    _check_stacked(m, expect)
     for key, schema in (
         ("inference", INFERENCE_SCHEMA),
         ("custom_ops", {"modules": [str], "ops": [str]}),

@@ -24,13 +24,15 @@ from safetensors.torch import save as save_safetensors
 from runner.errors import AotError
 from runner.format.integrity import canonical_json, check_writable_target, content_problem, read_verified, sha256_file
 from runner.format.sharding import assemble, shard_count
+from runner.format.stacked import model_tensors
 
 INDEX = "checkpoint.json"
 FORMAT_NAME = "aot-checkpoint"
-# 4: expert_parallel (experts' slices, shards numbered over ep); 3: tensor_parallel.fused (fused
+# 5: stacked (a ModuleList's experts stored as one weight per parameter); 4: expert_parallel
+# (experts' slices, shards numbered over ep); 3: tensor_parallel.fused (fused
 # layers' slices); 2: tensor_parallel and tp-major shard numbering
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (FORMAT_VERSION - 1, FORMAT_VERSION)  # a version-3 index reads as version 4 without expert parallelism
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (FORMAT_VERSION - 1, FORMAT_VERSION)  # a version-4 index reads as version 5 without stacked experts
 
 
 def optimizer_key(param: str, key: str) -> str:
@@ -120,6 +122,7 @@ def commit_checkpoint(
         "layout": {"model": layout_of(first[0]), "optimizer": layout_of(first[1])},
         "state_dict_keys": spec["state_dict_keys"],
         "aliases": spec["aliases"],
+        **({"stacked": spec["stacked"]} if spec.get("stacked") else {}),
         "files": files,
         **({"data_order": data_order} if data_order is not None else {}),
     }
@@ -220,14 +223,11 @@ def merge_checkpoint(folder: str | Path, output: str | Path) -> int:
     output = Path(output)
     check_writable_target(output, "file")
     index, weights = full_weights(folder)
-    aliases = index["aliases"]
-    state = {}
-    for key in index["state_dict_keys"]:
-        source = aliases.get(key, key)
-        if source not in weights:
-            raise AotError(f"{folder}: checkpoint lacks {source!r} needed for state_dict key {key!r}")
-        # safetensors refuses tensors sharing storage, so each alias gets its own copy
-        state[key] = weights[source].clone()
+    missing: list[str] = []
+    # safetensors refuses tensors sharing storage, so each alias (and stacked row) gets its own copy
+    state = {key: t.clone() for key, t in model_tensors(weights, index, missing).items()}
+    if missing:
+        raise AotError(f"{folder}: checkpoint lacks the tensor of state_dict key {missing[0]!r}")
     output.parent.mkdir(parents=True, exist_ok=True)
     _write_atomically(output, save_safetensors(state))
     return len(state)
