@@ -41,6 +41,7 @@ from aot.progress import Progress
 from runner.execution.data import split_batch_tensors
 from runner.commands.formatting import describe_batchnorm, describe_replicas, describe_time, human
 from runner.format.integrity import check_writable_target
+from runner.format.stacked import with_rows
 from runner.hardware.nvml_probe import live_profile
 from runner.hardware.topology import for_nodes, load_profile
 from runner.format.axes import DATA_AXES, EP, PP, TP
@@ -427,7 +428,7 @@ def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement
                 step.rank_inputs,
                 required=options.onnx is True,
                 warn=warnings.append,
-                weights=init_program_weights(state.init_graph, [*state.params, *state.buffers], options.seed),
+                weights=_with_rows(init_program_weights(state.init_graph, [*state.params, *state.buffers], options.seed), state.stacked),
             )
     for message in warnings:
         progress.warn(message)
@@ -509,6 +510,12 @@ def level_groups(gm, machine: Machine, placement: Placement) -> dict[str, dict]:
         if name.startswith("aot.") and level in hierarchy.LEVELS and name not in out:
             out[name] = {"axis": axis, "level": level, "groups": hierarchy.group_ranks(placement, machine, name)}
     return dict(sorted(out.items()))
+
+
+def _with_rows(make, stacked: dict[str, list[str]]):
+    """`make` (the initial weights, made when called) with each stacked experts weight's rows also
+    under the model's own names, which the ONNX export reads."""
+    return (lambda: with_rows(dict(make()), stacked)) if stacked else make
 
 
 def describe_experts(layout: StepLayout, captures: dict) -> str:

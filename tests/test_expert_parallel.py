@@ -134,6 +134,29 @@ def test_an_expert_parallel_build_it_cannot_make_is_refused_in_one_line(model, s
     assert not (tmp_path / "out").exists()
 
 
+def test_stacked_experts_export_to_onnx_under_their_own_names(built, tmp_path):
+    """The ONNX forward of an ep=2 build with ModuleList experts reads each expert's own weights:
+    `aot infer` (the init program's stacked weights, rows handed over by the model's names) gives
+    eager PyTorch's output for `torch.manual_seed(0); model()`, and `aot export` of a trained
+    checkpoint passes its own check against eager."""
+    import importlib.util
+
+    model_file = MODELS / "moe_fixed_capacity.py"
+    art = built(model_file, "--world-size", 2, "--strategy", "ep=2", "--batch-size", 2, "--no-eval")
+    example = art / "data" / "example_batch.safetensors"
+    ok(aot("infer", art, "--input", example, "-o", tmp_path / "out.safetensors"))
+    spec = importlib.util.spec_from_file_location("moe_fixed", model_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        eager = module.model()(load_file(example)["inputs"])
+    assert torch.allclose(load_file(tmp_path / "out.safetensors")["outputs"], eager, atol=1e-5)
+    ok(torchrun(2, "run", art, "--steps", 1, "--save", tmp_path / "ckpt", "--quiet"))
+    r = ok(aot("export", art, model_file, "--checkpoint", tmp_path / "ckpt", "-o", tmp_path / "trained.onnx"))
+    assert "max |ONNX Runtime - eager|" in r.stdout + r.stderr, r
+
+
 def test_module_list_experts_ep_cannot_split_are_refused_in_one_line(tmp_path):
     """ModuleList experts ep refuses, each in one line and leaving no artifact: called after a
     data-dependent selection (no static row count), trained by a layer-wise optimizer (stacking

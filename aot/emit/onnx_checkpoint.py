@@ -216,6 +216,7 @@ def export_checkpoint(
     from aot.capture.model_file import load_model_file
     from runner.format.artifact import Artifact
     from runner.format.checkpoint import full_weights
+    from runner.format.stacked import with_rows
     from runner.execution.data import split_batch_tensors
     from runner.format.integrity import check_writable_target, sha256_file
 
@@ -249,6 +250,7 @@ def export_checkpoint(
     rest = sorted(set(state["buffers"]) - set(weights))
     if rest:  # buffers a checkpoint need not hold (non-persistent ones): the init program's
         weights.update(_replay_init(artifact, set(rest)))
+    weights = with_rows(weights, state.get("stacked", {}))  # a ModuleList's experts: read under their own names
     mf = load_model_file(model_file)
     model = _fake_model(mf)
     metadata = {"aot.weights": f"checkpoint at step {index['step']}"}

@@ -379,18 +379,21 @@ def initial_weights(artifact, mapping: Mapping[str, str], where: str) -> tuple[d
     """(ONNX initializer name -> initial tensor, a description of the source): the artifact's init
     program replayed after its seed, whole tensors (no rank's piece), just those the graph reads."""
     from runner.execution.init_program import load_init_graph, replay
+    from runner.format.stacked import stored_names, with_rows
 
     manifest = artifact.manifest
     init = manifest.get("init")
     if init is None:
         raise AotError(f"{where}: holds no weights, and the artifact has no init program to make them")
-    unknown = sorted(set(mapping.values()) - set(init["outputs"]))
+    stacked = manifest["state"].get("stacked", {})  # a ModuleList's experts: the graph reads each expert's row
+    needed = stored_names(mapping.values(), stacked)
+    unknown = sorted(needed - set(init["outputs"]))
     if unknown:
         raise AotError(f"{where}: reads {unknown[0]!r}, which the artifact's init program does not make")
     graph = load_init_graph(artifact.read(init["file"]), artifact.read(init["constants"]) if init.get("constants") else None)
     seed = int(manifest["build"].get("seed", 0))
-    weights = replay(graph, init["outputs"], seed, only=set(mapping.values()))
-    return {name: weights[state] for name, state in mapping.items()}, f"the init program (seed {seed})"
+    weights = with_rows(replay(graph, init["outputs"], seed, only=needed), stacked)
+    return {name: weights[state].contiguous() for name, state in mapping.items()}, f"the init program (seed {seed})"
 
 
 def _bare_file(path: Path, model: bytes) -> tuple[Path | None, dict[str, str]]:

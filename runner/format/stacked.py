@@ -33,6 +33,17 @@ def model_tensors(weights: dict[str, torch.Tensor], state: dict, missing: list[s
 
 def held_names(state: dict) -> set[str]:
     """The stored names a state's state_dict keys read (a stacked row: its stacked weight)."""
-    aliases, rows = state.get("aliases", {}), stored_rows(state.get("stacked", {}))
-    sources = (aliases.get(k, k) for k in state["state_dict_keys"])
-    return {rows[s][0] if s in rows else s for s in sources}
+    aliases = state.get("aliases", {})
+    return stored_names((aliases.get(k, k) for k in state["state_dict_keys"]), state.get("stacked", {}))
+
+
+def with_rows(weights: dict[str, torch.Tensor], stacked: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """`weights` plus, for each stacked weight it holds, each row under its model name (views)."""
+    rows = {name: weights[weight][row] for name, (weight, row) in stored_rows(stacked).items() if weight in weights}
+    return {**weights, **rows}
+
+
+def stored_names(names, stacked: dict[str, list[str]]) -> set[str]:
+    """The stored tensors that hold `names` (model names): a stacked row's weight, else the name."""
+    rows = stored_rows(stacked)
+    return {rows[n][0] if n in rows else n for n in names}

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 VOCAB, DIM, EXPERTS, TOP_K, SEQ, LAYERS = 64, 32, 4, 2, 16, 2
+CAPACITY = None  # rows per expert; None: the tokens of the batch the block is given (dropless)
 max_grad_norm = 0.5
 
 
@@ -36,7 +37,7 @@ class MoE(nn.Module):
 
     def forward(self, x):
         tokens = x.reshape(-1, DIM)
-        capacity = tokens.shape[0]
+        capacity = CAPACITY or tokens.shape[0]
         weights, chosen = F.softmax(self.gate(tokens), dim=-1).topk(TOP_K, dim=-1)  # [T, K]
         mask = F.one_hot(chosen, EXPERTS)  # [T, K, E]
         choice_major = mask.transpose(0, 1).reshape(-1, EXPERTS)
