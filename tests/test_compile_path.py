@@ -35,6 +35,7 @@ CHECKPOINTED = REPO / "tests" / "models" / "checkpointed_dropout.py"
 GPT6, LLAMA6, CHECKPOINTED6 = (REPO / "tests" / "models" / name for name in ("gpt6.py", "llama6.py", "checkpointed6.py"))
 # transformers' Qwen3-MoE (examples/moe.py's tiny preset: 2 layers) and at 6 layers, for ep
 MOE, MOE6 = REPO / "examples" / "moe.py", REPO / "tests" / "models" / "moe6.py"
+GSHARD = REPO / "tests" / "models" / "zoo" / "gshard_moe_sgd.py"  # experts an nn.ModuleList, stacked under ep
 BATCH = 8
 
 
@@ -68,6 +69,7 @@ def planner(model: Path, world_size: int, precision: str | None = None) -> Model
         (MOE, "ep=2", None),
         (MOE6, "ep=2,fsdp=2", None),
         (MOE, "ep=2,tp=2", None),
+        (GSHARD, "ep=2,fsdp=2", None),
     ],
     ids=lambda v: v.stem if isinstance(v, Path) else str(v),
 )

@@ -373,6 +373,7 @@ def test_pipelines_priced_recomputing_stages_where_the_plain_ones_do_not_fit(tmp
 # out: aot/plan/repeated_blocks.py), dense and mixture-of-experts, and the meshes to build from
 # each plan: every axis, a wider fsdp axis derived from the fsdp=2 trace, 2-D meshes
 GPT6, MOE6 = (str(REPO / "tests" / "models" / name) for name in ("gpt6.py", "moe6.py"))
+GSHARD = str(REPO / "tests" / "models" / "zoo" / "gshard_moe_sgd.py")
 PLAN_VS_BUILD = [
     (GPT6, ("--topology", "dgx_a100", "--world-size", "4"), (), ["dp=4", "fsdp=4", "dp=2,fsdp=2", "tp=4", "dp=2,tp=2", "fsdp=2,tp=2"]),
     # experts' gradients laid out transposed (copied contiguous before bucketing), flat routing
@@ -382,11 +383,13 @@ PLAN_VS_BUILD = [
     (GPT6, ("--topology", "dgx_a100", "--nodes", "2", "--world-size", "16"), (), ["dp=16", "dp=4,fsdp=4", "dp=8,tp=2"]),
     # pipelines, built at the schedule, microbatches and stages per rank they were priced at
     (GPT6, ("--topology", "dgx_a100", "--world-size", "4"), ("--axes", "fsdp,pp"), ["pp=4", "pp=2,fsdp=2"]),
+    # a ModuleList's experts, stacked under ep as the build stacks them
+    (GSHARD, ("--topology", "dgx_h100", "--world-size", "4"), ("--axes", "dp,fsdp,ep"), ["dp=2,ep=2", "ep=4", "fsdp=2,ep=2"]),
 ]
 
 
 @pytest.mark.slow  # 4 searches and 15 builds (2 min); CI runs it
-@pytest.mark.parametrize("model,machine,axes,strategies", PLAN_VS_BUILD, ids=["gpt6", "moe6", "gpt6-2-nodes", "gpt6-pipelines"])
+@pytest.mark.parametrize("model,machine,axes,strategies", PLAN_VS_BUILD, ids=["gpt6", "moe6", "gpt6-2-nodes", "gpt6-pipelines", "gshard-module-list"])
 def test_every_plans_step_and_peak_are_its_builds(model, machine, axes, strategies, tmp_path):
     """The planner's predicted step time and peak per rank are the build's prediction for the same
     mesh and bucket size, exactly: buckets packed analytically are issued in the build's order

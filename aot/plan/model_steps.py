@@ -16,6 +16,7 @@ from typing import Any
 from aot.capture.backward_reads import BackwardReads
 from aot.compile_step import Recording, finish_program, step_layout, tensor_parallel_plan, trace_program
 from aot.capture.expert_parallel import expert_layers
+from aot.capture.listed_experts import listed_experts
 from aot.errors import AotError
 from aot.passes import PRICED_ANALYTICALLY, PassOptions
 from aot.plan.cost_model import StepGraph
@@ -147,8 +148,12 @@ class ModelSteps:
         # a deeper model's graphs written out from a few depths' (aot.plan.written_out); False:
         # from its graph of every block, written out from the cut trace
         self.write_out = True
-        # a model with experts (aot.capture.expert_parallel) is searched over ep too
-        self.has_experts = bool(expert_layers(self.state.model))
+        # a model with experts (aot.capture.expert_parallel, or a ModuleList's, stacked under ep
+        # as the build stacks them: aot.capture.listed_experts) is searched over ep too
+        self.listed_experts = bool(listed_experts(self.state.model))
+        self.has_experts = bool(expert_layers(self.state.model)) or self.listed_experts
+        self._stacked: Recording | None = None
+        self._stacked_cut: Recording | None = None
         self._backward_reads: BackwardReads | None | bool = False  # pipeline_holdings' (False: not yet asked)
         self._cut: Recording | None = None
         self._target(pricing or Pricing())
@@ -218,11 +223,28 @@ class ModelSteps:
             return tensor_parallel_plan(self.rec, tp)
         return widen_plan(tensor_parallel_plan(self._cut_recording(), tp), *self.blocks)
 
-    def _cut_recording(self) -> Recording:
+    def _cut_recording(self, ep: int = 1) -> Recording:
         assert self.blocks is not None
+        if ep > 1 and self.listed_experts:
+            if self._stacked_cut is None:
+                self._stacked_cut = truncated(self.recording(ep), self.blocks[0])
+            return self._stacked_cut
         if self._cut is None:
             self._cut = truncated(self.rec, self.blocks[0])
         return self._cut
+
+    def recording(self, ep: int = 1) -> Recording:
+        """What a mesh of ep degree `ep` traces: the model's state, or under ep with a ModuleList's
+        experts, that state with them stacked (the build's: aot/build.py `_record`)."""
+        if ep == 1 or not self.listed_experts:
+            return self.rec
+        if self._stacked is None:
+            from aot.capture.listed_experts import stack_experts
+            from aot.capture.training_state import build_training_state
+
+            state = stack_experts(build_training_state(self.mf, self.request[2], 1), self.mf.path.name)
+            self._stacked = Recording(self.mf, state, self.inputs, self.targets)
+        return self._stacked
 
     def target(self, dp: int, fsdp: int, tp: int, ep: int = 1) -> Target:
         return Target.of({DP: dp, FSDP: fsdp, TP: tp, EP: ep}, self.precision, self.sequence_parallel, self.moe_capacity_factor)
@@ -231,7 +253,7 @@ class ModelSteps:
         """The build's layout of a dp x fsdp x tp (x ep) mesh (aot.compile_step.step_layout); Unsupported where the build would refuse."""
         plan = self.tp_plan(tp) if tp > 1 else {}
         try:
-            return step_layout(self.rec, self.target(dp, fsdp, tp, ep), plan)
+            return step_layout(self.recording(ep), self.target(dp, fsdp, tp, ep), plan)
         except AotError as e:
             raise Unsupported(str(e)) from None
 
@@ -253,7 +275,7 @@ class ModelSteps:
                 why = str(e) if isinstance(e, NotComposable) else f"the model cut to 3 of them cannot be traced: {type(e).__name__}"
                 self.note(f"tracing the whole model: its blocks cannot be written out from a few ({why})")
                 self.blocks = None
-        captured = trace_program(self.rec, self.layout(dp, fsdp, tp, ep), for_pricing=True)
+        captured = trace_program(self.recording(ep), self.layout(dp, fsdp, tp, ep), for_pricing=True)
         return captured.graph, captured.slots
 
     def _composed(self, dp: int, fsdp: int, tp: int, ep: int = 1):
@@ -267,11 +289,11 @@ class ModelSteps:
         path = self.blocks[0]
         plan = cut_plan(self.tp_plan(tp), path) if tp > 1 else {}
         try:
-            layout = step_layout(self._cut_recording(), self.target(dp, fsdp, tp, ep), plan)
+            layout = step_layout(self._cut_recording(ep), self.target(dp, fsdp, tp, ep), plan)
         except AotError as e:
             raise Unsupported(str(e)) from None
         with annotating_blocks(path):
-            return trace_program(self._cut_recording(), layout, for_pricing=True)
+            return trace_program(self._cut_recording(ep), layout, for_pricing=True)
 
     def program(self, dp: int, fsdp: int, tp: int = 1, skip: tuple[str, ...] = PRICED_ANALYTICALLY, ep: int = 1):
         """The graph module the planner prices for a dp x fsdp x tp (x ep) mesh, traced (not derived):
@@ -299,7 +321,7 @@ class ModelSteps:
         """The graph of `key`, traced on mesh `source`, and the graphs derived from it (`_derived`:
         meshes without fsdp from the fsdp=2 graph of the same tp degree, each traced where the
         derivation does not apply). What a derived graph's own trace raises is raised when asked."""
-        from aot.plan.pricing import derive_without_fsdp, storage_aliases
+        from aot.plan.pricing import storage_aliases
 
         if self.write_out and self.blocks is not None and self.blocks[1] > max(DEPTHS):
             made = self._written_out(key, source)
@@ -311,7 +333,7 @@ class ModelSteps:
             if other in self.traced or other in self._failed:
                 continue
             try:
-                got = derive_without_fsdp(self.mf, self.state, self.inputs, self.targets, self.layout(dp, 1, tp, *ep), gm, Mesh.group_name(FSDP))
+                got = self._without_fsdp(gm, dp, tp, *ep)
                 derived = None
                 if got is not None:
                     derived_gm, derived_slots, shared = got
@@ -341,12 +363,12 @@ class ModelSteps:
             return None
         needs = [k for k, graph in made.items() if self._needs_variants(k, graph)]
         if needs and self.blocks is not None:  # recomputation chooses over the whole depth: it is made there
-            from aot.plan.pricing import derive_without_fsdp, storage_aliases
+            from aot.plan.pricing import storage_aliases
 
             gm, slots = stamp(captured.graph, captured.slots, *self.blocks)
             for other, (dp, _, tp, *ep) in derived:
                 if other in needs:
-                    got = derive_without_fsdp(self.mf, self.state, self.inputs, self.targets, self.layout(dp, 1, tp, *ep), gm, Mesh.group_name(FSDP))
+                    got = self._without_fsdp(gm, dp, tp, *ep)
                     if got is None:
                         return None
                     derived_gm, derived_slots, shared = got
@@ -354,6 +376,12 @@ class ModelSteps:
             if key in needs:
                 self._recompute(key, gm, slots, made[key])
         return made
+
+    def _without_fsdp(self, gm, dp: int, tp: int, ep: int = 1):
+        """aot.plan.pricing.derive_without_fsdp of mesh (dp, 1, tp, ep) from `gm`, its fsdp=2 graph."""
+        from aot.plan.pricing import derive_without_fsdp
+
+        return derive_without_fsdp(self.mf, self.recording(ep).state, self.inputs, self.targets, self.layout(dp, 1, tp, ep), gm, Mesh.group_name(FSDP))
 
     def _captured(self, key: tuple, dp: int, fsdp: int, tp: int, ep: int = 1) -> StepGraph:
         return self._priced(key, *self._capture(dp, fsdp, tp, ep))
@@ -502,7 +530,7 @@ class ModelSteps:
                 group = Target.of(degrees, self.precision, self.sequence_parallel, self.moe_capacity_factor).group(PP)
                 assert group is not None  # a pipeline mesh
                 made = pipeline_programs(
-                    self.rec,
+                    self.recording(degrees.get(EP, 1)),
                     self.layout(dp, fsdp, degrees.get(TP, 1), degrees.get(EP, 1)),
                     Schedule(group, microbatches, schedule, virtual, recompute),
                     reporting=Reporting(trying=lambda line: self.note(f"{mesh} ({', '.join(how)}): {line}")),
@@ -522,7 +550,7 @@ class ModelSteps:
         """Bytes of every parameter's gradient, reached by the loss or not, as the pipeline ranks
         of a mesh (fsdp, tp, ep) sum them (aot.plan.pipeline_floor.gradient_bytes). Unsupported
         where the build refuses the layout."""
-        return sum(gradient_bytes(self.state, self.layout(1, 1, tp, ep), self.precision, fsdp).values())
+        return sum(gradient_bytes(self.recording(ep).state, self.layout(1, 1, tp, ep), self.precision, fsdp).values())
 
     def pipeline_holdings(self, fsdp: int, tp: int, ep: int = 1) -> PipelineHoldings:
         """What the pipeline ranks of a mesh (fsdp, tp, ep) hold at the least
@@ -535,7 +563,8 @@ class ModelSteps:
                 self._backward_reads = parameters_read_in_backward(self.mf, self.state, self.rec.inputs, self.rec.targets)
             reads = None if isinstance(self._backward_reads, bool) else self._backward_reads
             layouts = (self.layout(1, 1, tp, ep), self.layout(1, fsdp, tp, ep))
-            self._floors[(fsdp, tp, ep)] = holdings_of(self.state, *layouts, self.precision, reads)
+            # (a stacked experts weight is not among the plain model's reads: counted as freed early, a lower floor)
+            self._floors[(fsdp, tp, ep)] = holdings_of(self.recording(ep).state, *layouts, self.precision, reads)
         return self._floors[(fsdp, tp, ep)]
 
     def _degrees(self, axes: tuple, shape: tuple) -> tuple[int, int, int, int]:
@@ -557,7 +586,7 @@ class ModelSteps:
         graph = base if dp > 1 or source[0] == 1 else drop_group(base, group_name(DP))
         if fsdp == 2:
             return graph
-        numels = [s.numel() for s in self.layout(1, 1, tp, ep).local_shapes(self.state).values()]
+        numels = [s.numel() for s in self.layout(1, 1, tp, ep).local_shapes(self.recording(ep).state).values()]
         return rescale(graph, shard_scale(numels, 2, fsdp), group_name(FSDP), fsdp)
 
 

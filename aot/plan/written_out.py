@@ -59,7 +59,7 @@ def _derived(steps: Any, mesh: tuple, gm, slots, n: int):
 
     dp, _, tp, *ep = mesh
     path = steps.blocks[0]
-    rec = truncated(steps.rec, path, n)
+    rec = truncated(steps.recording(*ep), path, n)
     plan = cut_plan(steps.tp_plan(tp), path, n) if tp > 1 else {}
     layout = step_layout(rec, steps.target(dp, 1, tp, *ep), plan)
     got = derive_without_fsdp(rec.mf, rec.state, rec.inputs, rec.targets, layout, gm, Mesh.group_name(FSDP))
