@@ -95,7 +95,7 @@ def step_layout(rec: Recording, target: Target, tp_plan: dict[str, str]) -> Step
         target.precision,
         tp_summed=summed_params(rec.mf, rec.state.model) if tp is not None else (),
         ep=ep,
-        ep_layers=check_expert_parallel(rec.state.model, ep.size, rec.mf.path.name, tp is not None, target.moe_capacity_factor) if ep is not None else (),
+        ep_layers=check_expert_parallel(rec.state.model, ep.size, rec.mf.path.name, target.moe_capacity_factor) if ep is not None else (),
         ep_capacity_factor=target.moe_capacity_factor,
     )
 

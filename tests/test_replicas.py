@@ -31,6 +31,19 @@ def test_a_whole_weight_with_a_per_rank_gradient_is_summed_over_tp(tmp_path):
     assert "replicas   tp: 4 reduced, 3 sharded (proved from the graph at build)" in shown
 
 
+def test_a_clipped_step_sums_only_the_weights_whose_own_gradient_is_a_part(tmp_path):
+    """With a global-norm clip, the gain's unsummed part makes the norm, and so every update,
+    differ between tp ranks in the first trace: the proof reads each weight's own gradient (the
+    clipping coefficient taken as shared) and its forward uses from the forward's values. Summing
+    `head` or `down.bias` too (as it once did: they meet a bias, or a split value, in forward)
+    would count their gradients twice: the training is eager's."""
+    model = MODELS / "per_rank_gain_clipped.py"
+    losses, ref_losses, weights, ref_weights = train_both(model, 2, tmp_path, strategy="tp=2")
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert manifest["tensor_parallel"]["summed"] == ["gain"]
+    assert_same_training(losses, ref_losses, weights, ref_weights, weight_tol=2 * TOL, adamw_lr=adamw_lr(model))
+
+
 def test_a_whole_weight_no_reduction_serves_is_refused_at_build(tmp_path):
     out = tmp_path / "art"
     r = aot("build", MODELS / "per_rank_gain.py", "--strategy", "tp=2", "--batch-size", 4, "--no-onnx", "-o", out, "--quiet", env={"AOT_GAIN_ON_INPUT": "1"})

@@ -93,16 +93,18 @@ def _listed_experts(model: nn.Module) -> tuple[str, int] | None:
     return None
 
 
-def check_expert_parallel(model: nn.Module, ep: int, where: str, tp: bool = False, factor: float | None = None) -> tuple[ExpertLayer, ...]:
+def check_expert_parallel(model: nn.Module, ep: int, where: str, factor: float | None = None) -> tuple[ExpertLayer, ...]:
     """The experts modules ep=`ep` splits, or AotError in one line: no experts, E not divisible by
     ep, experts whose layout the dispatch does not compute (biases, transposed or interleaved
     weights, no gate), or a ModuleList's experts (which dispatch by the model's own capacity) with
-    tp or a capacity factor."""
+    a capacity factor."""
     layers = expert_layers(model)
     listed = [layer.module for layer in layers if layer.listed]
-    if listed and (tp or factor is not None):
-        what = "with tp" if tp else "with --moe-capacity-factor (its block dispatches with its own capacity)"
-        raise AotError(f"--strategy ep={ep}: {where} holds the experts of {listed[0]} as an nn.ModuleList, which ep does not split {what} yet")
+    if listed and factor is not None:
+        raise AotError(
+            f"--moe-capacity-factor: {where} holds the experts of {listed[0]} as an nn.ModuleList, whose block dispatches "
+            f"with its own capacity; leave the factor out (set the capacity in the model)"
+        )
     unstacked = _listed_experts(model)
     if unstacked and not layers:
         name, count = unstacked
@@ -255,4 +257,4 @@ def experts_in_graph(
 
     forwards = {modules[layer.module]: forward_of(modules[layer.module], layer.experts) for layer in layers if not layer.listed}
     listed = tuple(ListedExperts(layer.module, layer.experts, layer.listed) for layer in layers if layer.listed)
-    return forwards_replaced({**forwards, **listed_forwards(model, listed, ranks, group)})
+    return forwards_replaced({**forwards, **listed_forwards(model, listed, ranks, group, tp)})

@@ -180,8 +180,8 @@ class _LayerDispatch:
     """One ModuleList's calls while a step is traced (module docstring): the first call exchanges
     every expert's rows; each call returns its expert's."""
 
-    def __init__(self, experts: nn.ModuleList, layer: ListedExperts, ranks: int, group: str):
-        self.experts, self.layer, self.ranks, self.group = experts, layer, ranks, group
+    def __init__(self, experts: nn.ModuleList, layer: ListedExperts, ranks: int, group: str, tp: tuple[int, str] | None = None):
+        self.experts, self.layer, self.ranks, self.group, self.tp = experts, layer, ranks, group, tp
         self.computing = False
         self.base: torch.Tensor | None = None
 
@@ -210,6 +210,14 @@ class _LayerDispatch:
         self.base, self.step = found
         self.shape, self.stride, self.offset = rows.shape, rows.stride(), rows.storage_offset()
         every = self.base.as_strided((self.layer.experts, *rows.shape), (self.step, *rows.stride()), self.offset)  # [E, *rows]
+        if self.tp is not None:  # the tp ranks hold the same buffer: each dispatches its 1/tp of every expert's rows
+            from aot.capture.tensor_parallel import split_sequence
+
+            size, group = self.tp
+            count = rows.shape[0] if rows.dim() else 1
+            if rows.dim() == 0 or count % size:
+                raise AotError(f"--strategy ep with tp={size}: {self.layer.module}'s experts take {count} rows, which {size} tp ranks cannot share evenly")
+            every = split_sequence(every, size, group)
         n, local = self.ranks, self.layer.experts // self.ranks
         received = exchange(every, n, self.group).view(n, local, *every.shape[1:])  # from rank s: its rows for my experts
         weights = {p: getattr(self.experts, stacked_name("", p)[1:]) for p in self.layer.paths}
@@ -219,6 +227,10 @@ class _LayerDispatch:
         finally:
             self.computing = False
         self.out = exchange(out.flatten(0, 1), n, self.group)  # my rows' results, in expert order
+        if self.tp is not None:  # every tp rank's share of the rows, whole again
+            from aot.capture.tensor_parallel import gather_sequence
+
+            self.out = gather_sequence(self.out, *self.tp)
 
     def _run(self, slot: int, rows: torch.Tensor, weights: dict) -> torch.Tensor:
         return torch.func.functional_call(self.experts[slot], {p: w[slot] for p, w in weights.items()}, (rows,))
@@ -258,14 +270,15 @@ def _row_of(rows: torch.Tensor, experts: int) -> tuple[torch.Tensor, int] | None
     return (base, left[0][1]) if len(left) == 1 and left[0][0] == experts else None
 
 
-def listed_forwards(model: nn.Module, layers: tuple[ListedExperts, ...], ranks: int, group: str) -> dict:
+def listed_forwards(model: nn.Module, layers: tuple[ListedExperts, ...], ranks: int, group: str, tp: tuple[int, str] | None = None) -> dict:
     """module -> the forward it runs while the step is traced, for every expert of `layers`
-    (aot/capture/module_calls.py `forwards_replaced`)."""
+    (aot/capture/module_calls.py `forwards_replaced`); with `tp` (size, group name) each tp rank
+    dispatches its 1/tp of every expert's rows, and the results are gathered back."""
     modules = dict(model.named_modules())
     forwards = {}
     for layer in layers:
         experts = modules[layer.module]
         assert isinstance(experts, nn.ModuleList)
-        dispatch = _LayerDispatch(experts, layer, ranks, group)
+        dispatch = _LayerDispatch(experts, layer, ranks, group, tp)
         forwards.update({experts[e]: dispatch.forward_of(e) for e in range(layer.experts)})
     return forwards

@@ -35,6 +35,10 @@ from runner.format.axes import DATA_AXES, DP, EP, FSDP, TP
 
 SHARDED, REDUCED, IDENTICAL, PER_RANK = "sharded", "reduced", "identical", "per rank"
 # collectives whose every rank gets the same result, and those that hand each rank its own piece
+# node.meta["custom"] key: the clipping coefficient's computation (aot/capture/step.py _clip_distributed).
+# One scalar for every gradient: before a weight's tp sum is in the graph, its per-rank part makes
+# every rank's norm, and so every update, differ; which weights are such parts is read without it.
+CLIP_COEFFICIENT = "aot_clip_coefficient"
 _SAME_RESULT = {"all_reduce", "all_reduce_", "all_gather_into_tensor", "all_gather_into_tensor_out", "broadcast", "broadcast_"}
 _PIECES = {"reduce_scatter_tensor", "all_to_all_single"}
 
@@ -108,6 +112,7 @@ class Flow:
     differs_storage: set = field(default_factory=set)
     reduced_storage: set = field(default_factory=set)
     keys: dict = field(default_factory=dict)  # node -> its values' storage keys
+    ignore_clipping: bool = False  # the clipping coefficient counts as equal on every rank (CLIP_COEFFICIENT)
 
     def _get(self, table: dict, storages: set, value, index: int | None = None) -> bool:
         if not isinstance(value, torch.fx.Node):
@@ -141,44 +146,57 @@ def _args(node: torch.fx.Node) -> list:
     return [*node.args, *node.kwargs.values()]
 
 
-def flow(graph: torch.fx.Graph, axis: Axis) -> Flow:
-    """Walk the graph once in order (see the module docstring)."""
-    f = Flow(axis)
+def flow(graph: torch.fx.Graph, axis: Axis, until: torch.fx.Node | None = None, ignore_clipping: bool = False) -> Flow:
+    """Walk the graph once in order (see the module docstring), up to and including `until` where
+    given: what the values are at that point, before later in-place writes (the optimizer's update
+    of a parameter whose gradient differs) mark their storage. `ignore_clipping`: the clipping
+    coefficient is taken as equal on every rank (CLIP_COEFFICIENT)."""
+    f = Flow(axis, ignore_clipping=ignore_clipping)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for i, node in enumerate(placeholders):
         if i in axis.sources:
             f.differs[node] = True
     for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-            source, index = node.args[0], node.args[1]
-            f.differs[node] = f.node_differs(source, index)
-            f.reduced[node] = f.node_reduced(source, index)
-            continue
-        collective = _collective(node)
-        if collective is not None and collective[0] == "irecv":
-            f.differs[node], f.reduced[node] = axis.received_differs, False
-            continue
-        if collective is not None and collective[1] == axis.group:
-            inputs_differ = any(f.node_differs(a) for a in _args(node) if isinstance(a, torch.fx.Node))
-            if collective[0] in _SAME_RESULT:
-                f.differs[node] = False
-                f.reduced[node] = inputs_differ or any(f.node_reduced(a) for a in _args(node))
-            else:
-                f.differs[node] = collective[0] in _PIECES or inputs_differ
-                f.reduced[node] = any(f.node_reduced(a) for a in _args(node))
-            continue
-        if _foreach(node):
-            _foreach_flow(f, node)
-            continue
-        differs = (axis.random_differs and _random(node)) or any(_any(f.node_differs, a) for a in _args(node))
-        reduced = any(_any(f.node_reduced, a) for a in _args(node))
-        f.differs[node], f.reduced[node] = differs, reduced
-        for written in written_values(node):
-            for w in written if isinstance(written, (list, tuple)) else [written]:
-                _mark(f, w, differs, reduced)
+        if node.op == "call_function":
+            _visit(f, node)
+        if node is until:
+            break
     return f
+
+
+def _visit(f: Flow, node: torch.fx.Node) -> None:
+    """One call's values in `f`: a getitem follows its item, a collective over the axis ends or
+    keeps a difference, anything else differs where an argument does; in-place writes mark storages."""
+    axis = f.axis
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and isinstance(node.args[1], int):
+        source, index = node.args[0], node.args[1]
+        f.differs[node] = f.node_differs(source, index)
+        f.reduced[node] = f.node_reduced(source, index)
+        return
+    collective = _collective(node)
+    if collective is not None and collective[0] == "irecv":
+        f.differs[node], f.reduced[node] = axis.received_differs, False
+        return
+    if collective is not None and collective[1] == axis.group:
+        inputs_differ = any(f.node_differs(a) for a in _args(node) if isinstance(a, torch.fx.Node))
+        if collective[0] in _SAME_RESULT:
+            f.differs[node] = False
+            f.reduced[node] = inputs_differ or any(f.node_reduced(a) for a in _args(node))
+        else:
+            f.differs[node] = collective[0] in _PIECES or inputs_differ
+            f.reduced[node] = any(f.node_reduced(a) for a in _args(node))
+        return
+    if _foreach(node):
+        _foreach_flow(f, node)
+        return
+    differs = (axis.random_differs and _random(node)) or any(_any(f.node_differs, a) for a in _args(node))
+    if f.ignore_clipping and node.meta.get("custom", {}).get(CLIP_COEFFICIENT):
+        differs = False
+    reduced = any(_any(f.node_reduced, a) for a in _args(node))
+    f.differs[node], f.reduced[node] = differs, reduced
+    for written in written_values(node):
+        for w in written if isinstance(written, (list, tuple)) else [written]:
+            _mark(f, w, differs, reduced)
 
 
 def _any(test, arg) -> bool:
@@ -274,14 +292,17 @@ def tp_partial(graph: torch.fx.Graph, slots: list[dict], tp: Axis, where: str, d
     `declared`: the weights a `tp_plan` entry "replicated_with_grad_allreduce" already sums (the
     graph sums them, so their update no longer differs): a sum is right only where every forward use
     meets split values (else it counts the same gradient once per tp rank), so any other is refused."""
-    f = flow(graph, tp)
+    f = flow(graph, tp, ignore_clipping=True)  # a weight's own gradient, not the norm every gradient shares
+    # forward uses read the forward's values: a flow that has not yet seen the update (where a part
+    # of a gradient, not yet summed, makes the clipping coefficient and so every update differ)
+    forward = flow(graph, tp, until=loss_node(graph))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     partial = []
     for i, (slot, node) in enumerate(zip(slots, placeholders)):
         if slot["kind"] != "param" or i in tp.sources:
             continue
         if slot["name"] in declared:
-            meets = _uses_meet(graph, node, f)
+            meets = _uses_meet(graph, node, forward)
             if not meets or not all(meets):
                 raise AotError(
                     f'{where}tp_plan makes {slot["name"]} "replicated_with_grad_allreduce", but it is used on values every tp rank '
@@ -290,7 +311,7 @@ def tp_partial(graph: torch.fx.Graph, slots: list[dict], tp: Axis, where: str, d
             continue
         if not f.node_differs(node):
             continue
-        meets = _uses_meet(graph, node, f)
+        meets = _uses_meet(graph, node, forward)
         if meets and all(meets):
             partial.append(slot["name"])
         elif meets and any(meets):

@@ -17,6 +17,7 @@ import contextlib
 from dataclasses import asdict, dataclass, replace
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -172,7 +173,8 @@ def _clip_distributed(grads: list[torch.Tensor], split_by: list[str], max_norm: 
         total = sum_over(total, layout.fsdp)
     if layout.pp is not None:
         total = sum_over(total, layout.pp)
-    coef = torch.clamp(max_norm / (torch.sqrt(total) + 1e-6), max=1.0)
+    with fx_traceback.annotate({replicas.CLIP_COEFFICIENT: True}):
+        coef = torch.clamp(max_norm / (torch.sqrt(total) + 1e-6), max=1.0)
     torch._foreach_mul_(grads, coef)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from aot.capture.listed_experts import stacked_layers
 from aot.capture.tensor_parallel import transposed_linear
 from aot.errors import AotError
 from runner.format.sharding import tp_style
@@ -280,7 +281,9 @@ def _read_plan(model: nn.Module, inputs: list[torch.Tensor]) -> Finding:
         ) from e
     graph = ep.graph
     modules = dict(model.named_modules())
-    projections = _projections(graph, modules)
+    # a ModuleList's experts stacked for ep stay whole, as 3-D experts weights do (aot/capture/listed_experts.py)
+    stacked = tuple(f"{layer.module}." for layer in stacked_layers(model))
+    projections = {n: i for n, i in _projections(graph, modules).items() if not _module_of(n).startswith(stacked)}
     linears = list(projections)
     module_of = {n: _module_of(n) for n in linears}
     activations = _activation_nodes(graph, set(ep.graph_signature.user_inputs))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-VOCAB, DIM, EXPERTS, TOP_K, SEQ, LAYERS = 64, 32, 4, 2, 16, 2
+VOCAB, DIM, EXPERTS, TOP_K, SEQ, LAYERS, HEADS = 64, 32, 4, 2, 16, 2, 4
 CAPACITY = None  # rows per expert; None: the tokens of the batch the block is given (dropless)
 max_grad_norm = 0.5
 
@@ -51,14 +51,28 @@ class MoE(nn.Module):
         return torch.einsum("tec,ech->th", combine, out).reshape_as(x)
 
 
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.o = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (proj(x).view(b, t, -1, DIM // HEADS).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.moe = MoE()
+        self.norm1, self.attn = nn.LayerNorm(DIM), Attention()
+        self.norm2, self.moe = nn.LayerNorm(DIM), MoE()
 
     def forward(self, x):
-        return x + self.moe(self.norm(x))
+        x = x + self.attn(self.norm1(x))
+        return x + self.moe(self.norm2(x))
 
 
 class Model(nn.Module):
