@@ -61,6 +61,8 @@ BUILDS = {  # name -> aot build arguments (--quiet and -o added); one keeps the 
     "moe-ep2": (MODELS / "zoo" / "qwen3_moe_sgd.py", "--world-size", 2, "--strategy", "ep=2", "--batch-size", 4, "--no-onnx", "--no-eval"),
     # a capacity (expert_parallel.capacity an object) and its program output moe_dropped
     "moe-ep2-capacity": (MODELS / "zoo" / "qwen3_moe_sgd.py", "--world-size", 2, "--strategy", "ep=2", "--moe-capacity-factor", 1.0, "--no-onnx", "--no-eval"),
+    # a ModuleList's experts stacked (state.stacked, capacity "model", format 8)
+    "moe-list-ep2": (MODELS / "zoo" / "gshard_moe_sgd.py", "--world-size", 2, "--strategy", "ep=2", "--batch-size", 4, "--no-onnx", "--no-eval"),
 }
 GOLDEN = FIXTURES / "artifact_v7_mlp"
 # What eager PyTorch computed on examples/mlp.py (torch.manual_seed(0), the example batch) for
@@ -112,6 +114,8 @@ def test_every_built_manifest_validates(matrix, name):
         assert manifest[expected[name]] is not None
     if name == "moe-ep2-capacity":
         assert manifest["expert_parallel"]["capacity"]["rows"] > 0 and manifest["programs"]["train"]["outputs"][-1] == "moe_dropped"
+    if name == "moe-list-ep2":
+        assert manifest["expert_parallel"]["capacity"] == "model" and len(manifest["state"]["stacked"]) == 6
     if name == "mlp-bf16":
         assert manifest["precision"]["compute"] == "bf16"
 

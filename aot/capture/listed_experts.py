@@ -43,9 +43,14 @@ STACK_SEPARATOR = "__"  # a parameter's leaf name may hold no "."
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "ASGD")
 
 
+def stacked_leaf(path: str) -> str:
+    """The attribute of the ModuleList holding every expert's `path` stacked."""
+    return path.replace(".", STACK_SEPARATOR)
+
+
 def stacked_name(module: str, path: str) -> str:
     """The stacked parameter of every expert's `path` in the ModuleList `module`."""
-    return f"{module}.{path.replace('.', STACK_SEPARATOR)}"
+    return f"{module}.{stacked_leaf(path)}"
 
 
 @dataclass(frozen=True)
@@ -220,7 +225,7 @@ class _LayerDispatch:
             every = split_sequence(every, size, group)
         n, local = self.ranks, self.layer.experts // self.ranks
         received = exchange(every, n, self.group).view(n, local, *every.shape[1:])  # from rank s: its rows for my experts
-        weights = {p: getattr(self.experts, stacked_name("", p)[1:]) for p in self.layer.paths}
+        weights = {p: getattr(self.experts, stacked_leaf(p)) for p in self.layer.paths}  # the local rows, bound by functional_call
         self.computing = True
         try:
             out = torch.stack([torch.stack([self._run(k, received[s, k], weights) for k in range(local)]) for s in range(n)])
