@@ -1,5 +1,6 @@
 """Expert parallelism (issue #44): transformers' mixture-of-experts models with their experts split
-over ep ranks and tokens dispatched by all_to_all inside the static graph.
+over ep ranks and tokens dispatched by all_to_all inside the static graph, and experts held as an
+nn.ModuleList (tests/models/zoo/gshard_moe_sgd.py: the block's own static dispatch), stacked.
 
 Trained under torchrun and judged against eager DDP over the same global batch, within eager's own
 noise floor (tests/helpers/zoo.py), dropless. The models train by SGD with clipping

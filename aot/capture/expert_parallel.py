@@ -9,7 +9,8 @@ parameters are transformers' 3-D expert weights, `gate_up_proj` [E, 2I, H] and `
 `use_experts_implementation`). While the step is traced, `experts_in_graph` puts an instance
 `forward` in front of each one's class forward (as SyncBatchNorm's is, aot/capture/sync_batchnorm.py);
 the router, the shared experts and the load-balancing loss stay the model's own code, so tokens
-are routed exactly as the model routes them.
+are routed exactly as the model routes them. Experts held as an nn.ModuleList are stacked into
+such weights and dispatched from the block's own buffer (aot/capture/listed_experts.py).
 
 Static dispatch (no data-dependent shapes, no host sync): every (rank, expert) pair exchanges
 exactly C rows. Slot (token t, choice k) takes position p inside its expert's C rows, counted
