@@ -112,6 +112,27 @@ def test_a_module_lists_experts_are_stacked_resume_exactly_and_load_under_their_
     assert sorted(again) == sorted(expected) and all(torch.equal(again[k], expected[k]) for k in expected)
 
 
+@pytest.mark.parametrize(
+    "model,strategy,extra,needle",
+    [
+        (EXAMPLES / "mlp.py", "ep=2", (), "no mixture-of-experts layer"),
+        (QWEN3_MOE, "ep=3", (), "holds 4 experts, which 3 ep ranks cannot share evenly"),
+        # 64 tokens x top-2 / 4 experts x 0.01 = 0.32 rows
+        (QWEN3_MOE, "ep=2", ("--batch-size", 4, "--moe-capacity-factor", 0.01), "under one token per expert"),
+        (QWEN3_MOE, "fsdp=2", ("--moe-capacity-factor", 1), "needs --strategy with ep=N"),
+        (QWEN3_MOE, "ep=2", ("--moe-capacity-factor", -1), "must be positive"),
+    ],
+)
+def test_an_expert_parallel_build_it_cannot_make_is_refused_in_one_line(model, strategy, extra, needle, tmp_path):
+    degrees = [int(part.split("=")[1]) for part in strategy.split(",")]
+    world = 1
+    for d in degrees:
+        world *= d
+    r = aot("build", model, "--world-size", world, "--strategy", strategy, "--no-onnx", *extra, "-o", tmp_path / "out")
+    assert_user_error(r, needle)
+    assert not (tmp_path / "out").exists()
+
+
 def test_stacked_experts_export_to_onnx_under_their_own_names(built, tmp_path):
     """The ONNX forward of an ep=2 build with ModuleList experts reads each expert's own weights:
     `aot infer` (the init program's stacked weights, rows handed over by the model's names) gives
