@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from aot.capture.group_collectives import exchange
+from aot.capture.training_state import TrainingState
 from aot.errors import AotError
 from runner.format.checkpoint import optimizer_key
 
@@ -85,13 +86,10 @@ def stacked_layers(model: nn.Module) -> tuple[ListedExperts, ...]:
     return tuple(layer for layer in listed_experts(model) if all(n.rsplit(".", 1)[1] in modules[layer.module]._parameters for n in layer.stacked()))
 
 
-def stack_experts(state, where: str):
+def stack_experts(state: TrainingState, where: str) -> TrainingState:
     """The training state with every listed experts layer's parameters stacked (module docstring);
     the same state when the model has none. Refuses tied expert weights, experts split between
     optimizer groups and optimizers that do not update element by element."""
-    from aot.capture.training_state import TrainingState
-
-    assert isinstance(state, TrainingState)
     layers = listed_experts(state.model)
     if not layers:
         return state
