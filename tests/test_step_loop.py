@@ -16,9 +16,25 @@ from runner.errors import AotError
 from runner.execution.cuda_graphs import graphs_refused, resolve_graphs
 
 WORKER = textwrap.dedent("""
-    import json, sys
+    import contextlib, json, sys
+    import torch
     from runner.execution.groups import leave_process_group
     from runner.execution.trainer import Trainer
+
+    @contextlib.contextmanager
+    def reads_refused():
+        # every way a tensor's value reaches the host raises while launching
+        ways = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+        saved = {way: getattr(torch.Tensor, way) for way in ways}
+        def refuse(self, *args, **kwargs):
+            raise AssertionError("a launch read a tensor's value back")
+        for way in ways:
+            setattr(torch.Tensor, way, refuse)
+        try:
+            yield
+        finally:
+            for way, f in saved.items():
+                setattr(torch.Tensor, way, f)
 
     artifact, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     at_once, queued = Trainer(artifact), None
@@ -28,7 +44,9 @@ WORKER = textwrap.dedent("""
         loss = at_once.step(*source.batch(step))
         read.append([loss, at_once.loss_scale(), at_once.last_step_skipped])
     queued = Trainer(artifact)
-    launched = [queued.launch(*source.batch(step)) for step in range(steps)]  # nothing read yet
+    batches = [source.batch(step) for step in range(steps)]
+    with reads_refused():  # on a GPU each of these would wait for the device
+        launched = [queued.launch(*batch) for batch in batches]  # nothing read yet
     later = [[s.loss(), s.loss_scale(), s.skipped()] for s in launched]
     with open(f"{out}.{queued.rank}.json", "w") as f:
         json.dump({"read": read, "later": later, "numbers": [s.number for s in launched]}, f)
@@ -47,7 +65,8 @@ def _compare(built, model, tmp_path, *args):
 def test_steps_read_back_after_later_steps_were_queued_give_the_same_figures(built, tmp_path):
     """fp16 with overflows (tests/models/fp16_overflow.py): a step's loss, the loss scale after it
     and whether its update was skipped are its own, read after five more steps have run, and a
-    varying schedule still waits for skipped updates."""
+    varying schedule still waits for skipped updates, picked on the device: no launch reads a
+    tensor back (the worker refuses every read while launching)."""
     result = _compare(built, MODELS / "fp16_overflow.py", tmp_path)
     assert result["later"] == result["read"]
     assert result["numbers"] == [1, 2, 3, 4, 5, 6]

@@ -219,7 +219,12 @@ class Trainer:
         # Whole-step CUDA graphs (runner/execution/cuda_graphs.py): the learning rates are then
         # device scalars, filled in place, since a graph reads a CPU scalar once, at capture.
         graphed = resolve_graphs(cuda_graphs, graphs_refused(self.device, pipeline is not None, self.on_gloo()))
-        self._lrs = [torch.zeros((), dtype=torch.float64, device=self.device if graphed else "cpu") for _ in range(len(self.schedule["lr"][0]))]
+        # A varying schedule under fp16 loss scaling stands where the applied updates say, a count
+        # on the device: the schedule is then a device table its rates are picked from, so the
+        # host never reads the count back (the learning rates live on the device too).
+        self._lr_table = self._schedule_on_device()
+        on_device = graphed or self._lr_table is not None
+        self._lrs = [torch.zeros((), dtype=torch.float64, device=self.device if on_device else "cpu") for _ in range(len(self.schedule["lr"][0]))]
         self._check_bindings()
         self._args = [self._bind(slot) for slot in self._slots]
         self._check_shapes()
@@ -361,6 +366,30 @@ class Trainer:
         skipped = self._optimizer.get(SCALER_PREFIX + "skipped_steps")
         return self.step_index - (int(skipped.item()) if skipped is not None else 0)
 
+    def _schedule_on_device(self) -> torch.Tensor | None:
+        """The varying schedule as a [steps, groups] table on the device, where fp16 loss scaling
+        keeps the count of skipped updates (None otherwise: the position is the step index)."""
+        if self.schedule["constant"] or SCALER_PREFIX + "skipped_steps" not in self._optimizer:
+            return None
+        return torch.tensor(self.schedule["lr"], dtype=torch.float64, device=self.device)
+
+    def _fill_learning_rates(self) -> None:
+        """This step's learning rates into the program's inputs, read from nothing on the device:
+        under fp16 the schedule's position (steps less skipped updates) selects a row of the
+        device table. It is at most the step index, so only a run past the table's end (possible
+        only where updates were skipped) reads the count, to tell a step still inside it from one
+        past it."""
+        table = self._lr_table
+        if table is None or self.step_index >= len(table):
+            rates = self.schedule["lr"][0] if self.schedule["constant"] else self.learning_rates(self.optimizer_steps)
+            for lr, value in zip(self._lrs, rates):
+                lr.fill_(value)
+            return
+        skipped = self._optimizer[SCALER_PREFIX + "skipped_steps"]
+        row = table.index_select(0, (self.step_index - skipped).reshape(1))[0]
+        for group, lr in enumerate(self._lrs):
+            lr.copy_(row[group])
+
     def loss_scale(self) -> float | None:
         """fp16's current loss scale (None without loss scaling)."""
         scale = self._optimizer.get(SCALER_PREFIX + "scale")
@@ -369,16 +398,14 @@ class Trainer:
     def launch(self, inputs, targets, measure_memory: bool = False) -> "LaunchedStep":
         """Queue one step and return without reading its results back: on a GPU the host can queue
         the next step while this one runs, and nothing in here waits for the device (the learning
-        rates are host numbers; only a varying schedule under fp16 loss scaling reads back how many
-        updates were skipped, which says where the schedule is). Read the results from the
+        rates are host numbers, or under fp16 a row of the schedule picked on the device by the
+        count of skipped updates). Read the results from the
         returned LaunchedStep, in step order. `measure_memory`: also measure this step's peak
         memory (runner/execution/memory_tracking.py; slower, so never a timed step) into
         `measured_peak_bytes` (None where it cannot be measured) and how into `memory_method`."""
         timing = StepTiming(self.device)
         inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-        rates = self.schedule["lr"][0] if self.schedule["constant"] else self.learning_rates(self.optimizer_steps)
-        for lr, value in zip(self._lrs, rates):
-            lr.fill_(value)
+        self._fill_learning_rates()
         given = iter(inputs)
         args = list(self._args)
         for i, slot in enumerate(self._slots):
