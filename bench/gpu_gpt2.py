@@ -1,8 +1,19 @@
-"""Benchmark: GPT-2 124M (transformers) training on one GPU in bf16, four ways in one run.
+"""Benchmark: GPT-2 124M (transformers) or Llama-3.2-1B's shape training on one GPU in bf16, eager
+PyTorch and torch.compile against aot's tiers, in one run.
 
     python bench/gpu_gpt2.py [--batch-size 16] [--steps 40] [--out gpu_gpt2.json]
+    python bench/gpu_gpt2.py --model llama-1b --batch-size auto          # the largest batch that fits
     python bench/gpu_gpt2.py --build-only --artifact DIR --out build.json   # the aot build alone
     python bench/gpu_gpt2.py --artifact DIR --build-json build.json ...     # measure on that build
+
+--model llama-1b (issue #46) is examples/llama.py at AOT_SIZE=1b (16 layers, 2048 wide, 32 heads
+of which 8 key/value, vocabulary 128,256, embeddings tied, 2048 tokens a sample; 1.24 B parameters),
+its own batch, loss, AdamW and schedule, made by its model() on the CPU as the file makes it.
+`--batch-size auto` takes the largest batch the build predicts fits 85% of the GPU's memory: the
+model is built once at a batch of 1 (portable tier), its predicted peak split into what a batch
+does not change and the activations and batch a sample adds (aot's predicted peak was 1.002x the
+measured one for GPT-2), and the artifact then built at that batch; the measuring run reads the
+batch from the artifact.
 
 The model is transformers' GPT2LMHeadModel(GPT2Config()) with the config's defaults (12 layers,
 12 heads, 768 wide, vocabulary 50257, context 1024, the embedding tied to the head; 124,439,808
@@ -28,6 +39,9 @@ The variants, each launched as a fresh process on one GPU, one after the other:
   portable-graphs, compiled-graphs
              the same with `--cuda-graphs on`: the step captured once as a CUDA graph after 3 eager
              steps and replayed (the steady steps are replays)
+  compile-graphs
+             torch.compile(model, mode="reduce-overhead"), its CUDA-graph mode (last: launched only
+             where the deadline leaves time)
 The artifact is built once, ahead of time, with `aot build --precision bf16 --compile aoti
 --world-size 1 --no-onnx` (its seconds are reported apart: they are not part of any cold start).
 
@@ -109,28 +123,56 @@ def optimizer(params):
     return torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+# -- the model files ---------------------------------------------------------------------------------------
+
+LLAMA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples", "llama.py")
+MODEL_FILES = {"gpt2": os.path.abspath(__file__), "llama-1b": os.path.abspath(LLAMA_FILE)}
+
+
+def model_file(name: str):
+    """The module whose model(), batch(), loss(), optimizer() (and scheduler(), max_grad_norm) a
+    run of `name` uses: this file for gpt2; examples/llama.py, at the AOT_SIZE in the environment,
+    for llama-1b."""
+    if name == "gpt2":
+        return sys.modules[__name__]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("aot_bench_llama", MODEL_FILES[name])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # -- a worker: eager or torch.compile, one process ------------------------------------------------------
 
+COMPILE_MODES = {"compile": "default", "compile-graphs": "reduce-overhead"}
 
-def worker(kind: str, batch_size: int, steps: int, result: str) -> None:
+
+def worker(kind: str, name: str, batch_size: int, steps: int, result: str) -> None:
     t_torch = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: --smoke only
+    mf = model_file(name)
     torch.manual_seed(0)
-    net = model().to(device)  # made on the CPU, as aot's init program makes it, then moved
+    net = mf.model().to(device)  # made on the CPU, as aot's init program makes it, then moved
     t_model = time.time()
     params = list(net.parameters())
-    opt = optimizer(params)
-    forward = torch.compile(net) if kind == "compile" else net
-    x, y = (t.to(device) for t in batch(batch_size))
+    opt = mf.optimizer(params)
+    schedule = mf.scheduler(opt) if hasattr(mf, "scheduler") else None
+    forward = torch.compile(net, mode=COMPILE_MODES[kind]) if kind in COMPILE_MODES else net
+    x, y = (t.to(device) for t in mf.batch(batch_size))
+    clip = getattr(mf, "max_grad_norm", None)
     losses, times, t_step1 = [], [], None
     for step in range(steps):
         start = time.perf_counter()
         torch.manual_seed((step * 1_009) % 2**63)  # aot run's per-step seed (seed 0, rank 0): the same dropout draws
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            value = loss(forward(x), y)
+            value = mf.loss(forward(x), y)
         value.backward()
-        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
+        if schedule is not None:
+            schedule.step()
         opt.zero_grad(set_to_none=True)
         losses.append(value.item())  # waits for the GPU
         times.append(time.perf_counter() - start)
@@ -152,7 +194,7 @@ def worker(kind: str, batch_size: int, steps: int, result: str) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     sys.exit(0)
 
 # -- the driver ------------------------------------------------------------------------------------------
@@ -167,8 +209,17 @@ WARMUP = 5  # steady state: steps 6..N
 PEAK_TFLOPS = 790.0  # H200 dense bf16 as measured by this workplace (8192^3 matmuls: 769-798 TFLOP/s)
 DATASHEET_TFLOPS = 989.0
 GOAL_STEP, GOAL_COLD = 1.0, 0.15  # compiled / torch.compile: step time, cold start
-VARIANTS = ("eager", "compiled", "compile", "portable", "compiled-graphs", "portable-graphs")  # the goals' variants first
+DESCRIPTIONS = {
+    "gpt2": "GPT-2 124M (transformers GPT2LMHeadModel, GPT2Config defaults, random init)",
+    "llama-1b": "Llama-3.2-1B's shape (examples/llama.py, AOT_SIZE=1b, random init)",
+}
+VARIANTS = ("eager", "compiled", "compile", "portable", "compiled-graphs", "portable-graphs", "compile-graphs")  # the goals' first
 SMOKE_ENV = {"AOT_GPT2_LAYERS": "2", "AOT_GPT2_EMBD": "64", "AOT_GPT2_HEADS": "4", "AOT_GPT2_SEQ": "64"}
+# the model file's environment per model (the size of examples/llama.py; --smoke: its tiny preset)
+MODEL_ENV = {"gpt2": {}, "llama-1b": {"AOT_SIZE": "1b"}}
+SMOKE_MODEL_ENV = {"gpt2": SMOKE_ENV, "llama-1b": {"AOT_SIZE": "tiny"}}
+FIT = 0.85  # --batch-size auto: of the GPU's memory, what the build's predicted peak may take
+SMOKE_MEMORY = 2**26  # --batch-size auto under --smoke: the "device" memory (there is no GPU)
 
 
 def say(msg: str) -> None:
@@ -183,18 +234,57 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
-def flops_per_step(cfg, batch_size: int) -> float:
-    """6 N + 12 L S d per token, N the parameters without the position embedding (nanoGPT, PaLM)."""
-    d, layers, vocab = cfg.n_embd, cfg.n_layer, cfg.vocab_size
-    per_layer = 12 * d * d + 13 * d  # attention c_attn, c_proj; MLP c_fc, c_proj; two LayerNorms
-    n = vocab * d + layers * per_layer + 2 * d  # tied embedding/head, blocks, final LayerNorm
+def flops_per_step(name: str, batch_size: int) -> float:
+    """6 N + 12 L S d per token, N the parameters without a position embedding (tied ones counted
+    once; nanoGPT, PaLM)."""
+    if name == "gpt2":
+        cfg = config()
+        d, layers, vocab = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+        per_layer = 12 * d * d + 13 * d  # attention c_attn, c_proj; MLP c_fc, c_proj; two LayerNorms
+        n = vocab * d + layers * per_layer + 2 * d  # tied embedding/head, blocks, final LayerNorm
+    else:
+        mf = model_file(name)
+        with torch.device("meta"):
+            n = sum(p.numel() for p in mf.model().parameters())  # a tied embedding is one parameter
+        d, layers = mf.dim, mf.n_layers
     return batch_size * SEQ_LEN * (6 * n + 12 * layers * SEQ_LEN * d)
 
 
 def build(artifact: Path, args, deadline: float) -> dict:
-    """`aot build` of this file with both tiers; its seconds and outcome. Where AOTInductor fails,
-    the error (with its traceback: --debug) is kept and the portable tier alone is built, so that
-    tier is still measured."""
+    """`aot build` of the model file with both tiers; its seconds and outcome. Where AOTInductor
+    fails, the error (with its traceback: --debug) is kept and the portable tier alone is built, so
+    that tier is still measured. `--batch-size auto`: at the largest batch predicted to fit."""
+    sizing = None
+    if args.batch_size == "auto":
+        sizing = fitting_batch(artifact.with_name(artifact.name + ".sizing"), args, deadline)
+        if not sizing["ok"]:
+            return sizing
+        args.batch_size = sizing["batch_size"]
+    out = _built(artifact, args, deadline)
+    if sizing is not None:
+        out["sizing"] = sizing
+    return out
+
+
+def fitting_batch(folder: Path, args, deadline: float) -> dict:
+    """The largest batch whose predicted peak takes at most FIT of the GPU's memory, from one
+    portable build at a batch of 1: what a batch does not change (parameters, optimizer state,
+    gradients) and what each sample adds (the activations live at the peak, the batch)."""
+    one = argparse.Namespace(**{**vars(args), "batch_size": 1})
+    out = build_once(folder, one, deadline, compiled=False)
+    if not out["ok"]:
+        return {**out, "error": f"sizing the batch: {out.get('error')}"}
+    memory = json.loads((folder / "manifest.json").read_text())["memory"]["predicted"]
+    shutil.rmtree(folder, ignore_errors=True)
+    device = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else SMOKE_MEMORY
+    per_sample = memory["at_peak"]["activations"] + memory["resident"]["batch"]
+    fixed = memory["peak"] - per_sample
+    batch = max(1, int((FIT * device - fixed) // per_sample))
+    say(f"batch {batch}: predicted peak {fixed / 2**30:.1f} GiB + {per_sample / 2**30:.2f} GiB a sample, under {FIT:.0%} of {device / 2**30:.1f} GiB")
+    return {"ok": True, "batch_size": batch, "fixed_bytes": fixed, "per_sample_bytes": per_sample, "device_bytes": device, "fit": FIT}
+
+
+def _built(artifact: Path, args, deadline: float) -> dict:
     out = build_once(artifact, args, deadline, compiled=True)
     if out["ok"] or time.time() > deadline - 60:
         return out
@@ -209,7 +299,7 @@ def build_once(artifact: Path, args, deadline: float, compiled: bool) -> dict:
         "-m",
         "aot",
         "build",
-        str(Path(__file__).resolve()),
+        MODEL_FILES[args.model],
         "--world-size",
         "1",
         "--batch-size",
@@ -286,16 +376,19 @@ def summarize(step_times: list[float], losses: list[float], t0: float, t_step1_e
     }
 
 
+WORKERS = ("eager", *COMPILE_MODES)  # the variants run by this file's worker (the others: aot run)
+
+
 def run_variant(name: str, args, artifact: Path | None, tmp: Path, deadline: float, flops: float) -> dict:
     result, log = tmp / f"{name}.json", tmp / f"{name}.log"
     timeout = min(args.variant_timeout, deadline - time.time())
     if timeout < 10:
         return {"ok": False, "error": "no time left before the deadline"}
-    if name in ("eager", "compile"):
+    if name in WORKERS:
         extra = {}
-        if name == "compile":  # a cold compile: nothing cached from earlier runs
-            extra = {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "compile-inductor-cache"), "TRITON_CACHE_DIR": str(tmp / "compile-triton-cache")}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, str(args.batch_size), str(args.steps), str(result)]
+        if name in COMPILE_MODES:  # a cold compile: nothing cached from earlier runs
+            extra = {"TORCHINDUCTOR_CACHE_DIR": str(tmp / f"{name}-inductor-cache"), "TRITON_CACHE_DIR": str(tmp / f"{name}-triton-cache")}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, args.model, str(args.batch_size), str(args.steps), str(result)]
     else:
         if artifact is None:
             return {"ok": False, "error": "no artifact (the build failed)"}
@@ -326,7 +419,7 @@ def run_variant(name: str, args, artifact: Path | None, tmp: Path, deadline: flo
         tail = log.read_text()[-3000:] if log.is_file() else ""
         say(f"{name}: failed ({rc})")
         return {"ok": False, "error": f"exit {rc}", "log_tail": tail}
-    if name in ("eager", "compile"):
+    if name in WORKERS:
         data = json.loads(result.read_text())
         out = summarize(data["step_times_s"], data["losses"], t0, data["t_step1_end"], flops, args.peak_tflops, args.batch_size)
         out.update(
@@ -376,7 +469,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog="See the module docstring (the head of bench/gpu_gpt2.py) for what is measured."
     )
-    parser.add_argument("--batch-size", type=int, default=16, help="samples per step (default 16 x 1024 tokens)")
+    parser.add_argument("--model", choices=sorted(MODEL_FILES), default="gpt2", help="the model trained (default gpt2: GPT-2 124M)")
+    parser.add_argument(
+        "--batch-size",
+        default=None,
+        help="samples per step, or auto: the largest the build predicts fits (default: 16 for gpt2, x 1024 tokens; auto for llama-1b)",
+    )
     parser.add_argument("--steps", type=int, default=40, help="steps per variant; the median of steps 6..N is reported")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
     parser.add_argument(
@@ -396,6 +494,13 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="check the harness on the CPU (tiny model; no figures)")
     args = parser.parse_args()
     deadline = time.time() + args.deadline_s
+    if args.batch_size is None:
+        args.batch_size = "16" if args.model == "gpt2" else "auto"
+    if args.batch_size != "auto":
+        try:
+            args.batch_size = int(args.batch_size)
+        except ValueError:
+            parser.error(f"--batch-size: a number of samples or auto, got {args.batch_size!r}")
 
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("gpu_gpt2: error: no CUDA device here; this benchmark needs one GPU (--smoke checks the harness on CPU)")
@@ -404,12 +509,15 @@ def main() -> None:
     except ImportError as e:
         sys.exit(f"gpu_gpt2: error: transformers cannot be imported ({e}); install transformers")
     os.environ["AOT_GPT2_ATTN"] = globals()["ATTN"] = args.attn
+    os.environ.update((SMOKE_MODEL_ENV if args.smoke else MODEL_ENV)[args.model])  # every process this starts reads the model's size
     if args.smoke:
-        os.environ.update(SMOKE_ENV)
         args.topology = args.topology or "cpu"
-        _SMALL.update(layers=2, embd=64, heads=4)
-        globals()["SEQ_LEN"] = int(SMOKE_ENV["AOT_GPT2_SEQ"])
-    os.environ["AOT_GPT2_SEQ"] = str(SEQ_LEN)
+        if args.model == "gpt2":
+            _SMALL.update(layers=2, embd=64, heads=4)
+            globals()["SEQ_LEN"] = int(SMOKE_ENV["AOT_GPT2_SEQ"])
+    if args.model != "gpt2":
+        globals()["SEQ_LEN"] = model_file(args.model).seq_len
+    os.environ["AOT_GPT2_SEQ"] = str(SEQ_LEN) if args.model == "gpt2" else os.environ.get("AOT_GPT2_SEQ", "1024")
 
     def write(results):
         if args.out:
@@ -422,11 +530,13 @@ def main() -> None:
         write({"build": build(args.artifact, args, deadline)})
         return
 
-    cfg = config()
-    flops = flops_per_step(cfg, args.batch_size)
+    prebuilt = args.artifact / "manifest.json" if args.artifact else None
+    if args.batch_size == "auto" and prebuilt is not None and prebuilt.is_file():  # the batch the build sized
+        args.batch_size = int(json.loads(prebuilt.read_text())["build"]["batch_size"])
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     results = {
-        "benchmark": "GPT-2 124M (transformers GPT2LMHeadModel, GPT2Config defaults, random init), 1 GPU, bf16 autocast",
+        "benchmark": DESCRIPTIONS[args.model] + ", 1 GPU, bf16 autocast",
+        "model": args.model,
         "smoke": args.smoke,
         "gpu": gpu,
         "torch": torch.__version__,
@@ -434,15 +544,10 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "batch_size": args.batch_size,
         "seq_len": SEQ_LEN,
-        "tokens_per_step": args.batch_size * SEQ_LEN,
-        "attention": args.attn,
-        "dropout": cfg.resid_pdrop,
-        "layers": cfg.n_layer,
-        "width": cfg.n_embd,
+        "attention": args.attn if args.model == "gpt2" else "torch's scaled_dot_product_attention",
         "steps": args.steps,
         "steady_steps": f"{WARMUP + 1}..{args.steps}",
-        "flops_per_step": flops,
-        "flops_formula": "tokens x (6 N + 12 L S d), N = parameters without wpe",
+        "flops_formula": "tokens x (6 N + 12 L S d), N = parameters without a position embedding",
         "peak_tflops": args.peak_tflops,
         "peak_source": "H200 dense bf16 measured by this workplace (769-798 TFLOP/s)",
         "datasheet_tflops": DATASHEET_TFLOPS,
@@ -469,6 +574,11 @@ def main() -> None:
                 results["build"] = build(artifact, args, deadline)
             if not (artifact / "manifest.json").is_file():
                 artifact = None
+        if args.batch_size == "auto":  # no artifact sized it (none asked for, or its build failed)
+            sys.exit("gpu_gpt2: error: --batch-size auto needs an aot build to size it; give a number")
+        results["batch_size"] = args.batch_size
+        results["tokens_per_step"] = args.batch_size * SEQ_LEN
+        flops = results["flops_per_step"] = flops_per_step(args.model, args.batch_size)
         write(results)
         for name in wanted:
             results["variants"][name] = run_variant(name, args, artifact, tmp, deadline, flops)

@@ -44,7 +44,11 @@
 #
 # Environment: GPU_CHECK_BUDGET_S (default 460), GPU_CHECK_TESTS=0 or GPU_CHECK_BENCH=0 to leave
 # that part out (a second, shorter try), BENCH_ARGS (more bench/gpu_gpt2.py options, e.g.
-# "--batch-size 8"), PYTHON (default python3). GPU_CHECK_SMOKE=1 checks this script itself on a
+# "--batch-size 8"), PYTHON (default python3). Issue #46's second model, Llama-3.2-1B's shape at the
+# largest batch the build predicts fits, in a lease of its own (its AOTInductor build is minutes):
+#
+#     run(command="GPU_CHECK_TESTS=0 GPU_CHECK_CALIBRATE=0 GPU_CHECK_AOTI_PROBE=0 BENCH_ARGS='--model llama-1b' bash scripts/gpu_check.sh", timeout_s=540)
+# GPU_CHECK_SMOKE=1 checks this script itself on a
 # machine without a GPU: the gpu tests skip and the benchmark runs --smoke (a tiny model on the
 # CPU, about 4 minutes on 2 cores); its figures mean nothing.
 set -uo pipefail
