@@ -234,6 +234,12 @@ def test_tier_choice_follows_device_kind_cpu_level_and_torch():
     assert choose_tier(cuda, "train", here_cpu)[1] == "notice: compiled package is for cuda, this run is cpu; using the portable program"
     assert choose_tier(cuda, "train", {"kind": "cuda", "capability": "9.0"}) == ("compiled", None)
     assert "compute capability 9.0, this GPU has 8.0" in choose_tier(cuda, "train", {"kind": "cuda", "capability": "8.0"})[1]
+    # the CUDA runtime the kernels were compiled against (where the package says it)
+    cu128 = {**entry, "device": {"kind": "cuda", "capability": "9.0", "cuda": "12.8"}}
+    assert choose_tier(cu128, "train", {"kind": "cuda", "capability": "9.0", "cuda": "12.8"}) == ("compiled", None)
+    assert choose_tier(cu128, "train", {"kind": "cuda", "capability": "9.0", "cuda": "12.6"})[1] == (
+        "notice: compiled package was built against CUDA runtime 12.8, this run's torch has CUDA 12.6; using the portable program"
+    )
     with pytest.raises(AotError, match="compiled package is for cuda, this run is cpu; .*--tier auto"):
         choose_tier(cuda, "train", here_cpu, "compiled")
     # below the package's CPU level, another architecture, another torch build

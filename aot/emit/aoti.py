@@ -130,7 +130,10 @@ def _cpu_target() -> tuple[dict, dict]:
 
 def _cuda_target(device: torch.device) -> tuple[dict, dict]:
     major, minor = torch.cuda.get_device_capability(device)
-    return {"kind": "cuda", "capability": f"{major}.{minor}", "name": torch.cuda.get_device_name(device)}, cuda_inductor_configs(torch.__version__)
+    # the CUDA runtime the kernels were compiled against (a torch whose version string carries no
+    # CUDA tag, a source or container build, still says it here)
+    entry = {"kind": "cuda", "capability": f"{major}.{minor}", "name": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
+    return entry, cuda_inductor_configs(torch.__version__)
 
 
 def cuda_inductor_configs(torch_version: str) -> dict:

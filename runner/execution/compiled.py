@@ -70,7 +70,7 @@ def live_device(device: torch.device) -> dict:
     """What a package must match to run on `device`: its kind and instruction set or capability."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return {"kind": "cuda", "capability": f"{major}.{minor}"}
+        return {"kind": "cuda", "capability": f"{major}.{minor}", "cuda": torch.version.cuda}
     live: dict[str, str | list[str]] = {"kind": device.type, "arch": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability()}
     if live["arch"] in ("x86_64", "AMD64"):
         live["features"] = x86_features()
@@ -88,6 +88,8 @@ def mismatch(package: dict, live: dict, package_torch: str, live_torch: str | No
     if live["kind"] == "cuda":
         if package.get("capability") != live.get("capability"):
             return f"compiled package is for CUDA compute capability {package.get('capability')}, this GPU has {live.get('capability')}"
+        if package.get("cuda") and package["cuda"] != live.get("cuda"):  # where the package says it (optional: FORMAT.md)
+            return f"compiled package was built against CUDA runtime {package['cuda']}, this run's torch has CUDA {live.get('cuda')}"
         return None
     if package.get("arch") != live.get("arch"):
         return f"compiled package is for {package.get('arch')} CPUs, this one is {live.get('arch')}"
