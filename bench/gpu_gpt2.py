@@ -68,6 +68,7 @@ import time
 T_TOP = time.time()  # first statement: as close to a worker's process start as Python code gets
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -129,6 +130,7 @@ LLAMA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
 MODEL_FILES = {"gpt2": os.path.abspath(__file__), "llama-1b": os.path.abspath(LLAMA_FILE)}
 
 
+@functools.cache  # the driver reads the file's sizes more than once; each read runs it
 def model_file(name: str):
     """The module whose model(), batch(), loss(), optimizer() (and scheduler(), max_grad_norm) a
     run of `name` uses: this file for gpt2; examples/llama.py, at the AOT_SIZE in the environment,
@@ -517,7 +519,8 @@ def main() -> None:
             globals()["SEQ_LEN"] = int(SMOKE_ENV["AOT_GPT2_SEQ"])
     if args.model != "gpt2":
         globals()["SEQ_LEN"] = model_file(args.model).seq_len
-    os.environ["AOT_GPT2_SEQ"] = str(SEQ_LEN) if args.model == "gpt2" else os.environ.get("AOT_GPT2_SEQ", "1024")
+    else:
+        os.environ["AOT_GPT2_SEQ"] = str(SEQ_LEN)  # this file's model, as built and as the workers make it
 
     def write(results):
         if args.out:
