@@ -62,6 +62,25 @@ def test_a_step_written_out_from_two_depths_is_the_step_of_the_deeper_graph(mode
             assert same_step(synthesize(made[5][0], made[4][0], depth), made[depth][1]) is None
 
 
+@pytest.mark.parametrize("model,mesh", [("llama8", (2, 2, 1)), ("llama8", (2, 2, 2)), ("gpt6", (2, 2, 2))], ids=str)
+def test_a_graph_without_fsdp_derived_from_the_cut_model_stamps_out_as_one_derived_at_each_depth(model, mesh):
+    """The planner derives a mesh's graph without fsdp once, from the trace of the model cut to 3
+    blocks, and stamps that out to each depth it reads (aot/plan/written_out.py): the same step, for
+    the passes and the cost model, as the graph derived from the model cut to that depth (whose
+    step's end is traced there)."""
+    dp, fsdp, tp = mesh
+    steps = planner(MODELS / f"{model}.py", dp * fsdp * tp)
+    assert steps.blocks is not None
+    path = steps.blocks[0]
+    captured = steps._cut_trace(dp, fsdp, tp)
+    cut_gm, cut_slots, cut_aliases = _derived(steps, (2 * dp, 1, tp), captured.graph, captured.slots, 3)
+    for n in (4, 6):
+        stamped_gm, stamped_slots = stamp(cut_gm, cut_slots, path, n)
+        derived_gm, derived_slots, aliases = _derived(steps, (2 * dp, 1, tp), *stamp(captured.graph, captured.slots, path, n), n)
+        stamped = analyze(steps.passed(stamped_gm, stamped_slots)[0], stamped_slots, cut_aliases)
+        assert same_step(stamped, analyze(steps.passed(derived_gm, derived_slots)[0], derived_slots, aliases)) is None, n
+
+
 def test_the_planners_graphs_of_a_deep_model_are_written_out_as_its_whole_graphs_price():
     """llama8 on 8 ranks over dp, fsdp and tp: every layout class's graph (those traced, and those
     without fsdp derived from them) written out from 4, 5 and 6 layers equals the graph the planner

@@ -234,9 +234,10 @@ class _Layered:
         self._parts[layer] = (chosen, nodes, pinned, added)
         return self._parts[layer]
 
-    def with_values(self, k: int, fraction: float) -> Choice:
+    def with_values(self, k: int, fraction: float, trail: list | None = None) -> Choice:
         """The first `k` layers checkpointed whole, then single values outside them (cheapest per
-        byte first) until `fraction` of the saved bytes is kept."""
+        byte first) until `fraction` of the saved bytes is kept. `trail`, where given, gets
+        (seconds per byte, bytes freed, kept bytes after it) of each value taken, in order."""
         fwd = self.fwd
         chosen_layers = set(self.layers[:k])
         choice = Choice(saved_bytes=sum(fwd.saved.values()))
@@ -255,7 +256,7 @@ class _Layered:
         chosen = {o for o in fwd.saved if o in choice.nodes}
         pinned = set(choice.pinned)
         kept_extra = set(choice.kept) - set(fwd.saved)
-        for _, owner, nodes, stops, extra in self.candidates:
+        for rate, owner, nodes, stops, extra in self.candidates:
             if choice.kept_bytes <= fraction * choice.saved_bytes:
                 break
             if self.layer_of.get(owner) in chosen_layers or owner in pinned or stops & chosen:
@@ -268,11 +269,52 @@ class _Layered:
             kept_extra |= extra
             choice.nodes |= nodes
             choice.kept_bytes -= gain
+            if trail is not None:
+                trail.append((rate, gain, choice.kept_bytes))
         for owner in chosen:
             choice.nodes.update(self.views.get(owner, ()))
         choice.values = len(chosen)
         choice.cost_s = math.fsum(self.cost(n) for n in choice.nodes)  # each copied once; fsum: the same in any set order
         return choice
+
+
+@dataclass
+class Breakpoints:
+    """Where by_budget's choices change with the budget, for the planner (issue #42,
+    aot/plan/variant_budgets.py).
+
+    `layered[k]`: the bytes kept with the first k layers checkpointed and every single value
+    beside them taken, for k = 0 .. every layer: by_budget checkpoints the fewest layers whose
+    entry is within the budget. Values alike (the same op in every block) cost the same per byte,
+    so with those layers checkpointed the greedy takes them one after another: `runs(k)` is, per
+    run of equal seconds per byte, (seconds per byte, values, bytes kept after the run, the least
+    bytes one of them frees). A budget between a run's kept bytes and those plus its least value
+    (and below `layered[k - 1]`) makes by_budget checkpoint exactly k layers and take exactly the
+    runs up to that one."""
+
+    saved_bytes: int
+    layered: list
+    _layered: "_Layered"
+
+    def runs(self, k: int) -> list[tuple]:
+        trail: list = []
+        self._layered.with_values(k, 0.0, trail)
+        out: list = []
+        for rate, gain, kept in trail:
+            if out and out[-1][0] == rate:
+                _, count, _, least = out[-1]
+                out[-1] = (rate, count + 1, kept, min(least, gain))
+            else:
+                out.append((rate, 1, kept, gain))
+        return out
+
+
+def budget_breakpoints(graph: torch.fx.Graph, cost: Callable) -> Breakpoints:
+    """The Breakpoints of by_budget on `graph`."""
+    fwd = Forward(graph)
+    layered = _Layered(fwd, _layers(fwd), cost)
+    kept = [layered.with_values(k, 0.0).kept_bytes for k in range(len(layered.layers) + 1)]
+    return Breakpoints(sum(fwd.saved.values()), kept, layered)
 
 
 def _value_candidates(fwd: Forward, cost: Callable) -> list:

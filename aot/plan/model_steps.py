@@ -26,7 +26,8 @@ from aot.plan.pipeline_floor import PipelineHoldings, gradient_bytes, holdings_o
 from aot.plan.recompute import Request
 from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan
 from aot.plan.step_synthesis import NotSynthesizable
-from aot.plan.written_out import DEPTHS, written_out
+from aot.plan.variant_budgets import FIRST_TARGET as RECOMPUTE_FRACTION  # the activation budget a graph that does not fit is priced at first
+from aot.plan.written_out import DEPTHS, recomputing_written_out, written_out
 from aot.capture.module_calls import annotating_blocks
 from aot.target import Target
 from runner.format.axes import DP, EP, FSDP, PP, TP, group_name
@@ -301,9 +302,10 @@ class ModelSteps:
         gm, slots = self._capture(dp, fsdp, tp, ep)
         return self._program(gm, slots, NO_RECOMPUTE, skip)
 
-    def passed(self, gm, slots):
-        """`gm` (changed in place) as the passes leave it for pricing (see _finished)."""
-        return self._program(gm, slots, NO_RECOMPUTE)
+    def passed(self, gm, slots, request: Request = NO_RECOMPUTE) -> tuple:
+        """(`gm`, changed in place, as the passes leave it for pricing (see _finished), with `request`'s
+        recomputation; what was recomputed, as the manifest's `memory.recompute`)."""
+        return finish_program(gm, slots, request, self._compute, PassOptions(), skip=PRICED_ANALYTICALLY)
 
     def _program(self, gm, slots, request: Request, skip: tuple[str, ...] = PRICED_ANALYTICALLY):
         gm, _ = finish_program(gm, slots, request, self._compute, PassOptions(), skip=skip)
@@ -353,16 +355,17 @@ class ModelSteps:
     def _written_out(self, key: tuple, source: tuple) -> dict[tuple, StepGraph] | None:
         """The graphs `_trace` makes, each written out from the model at a few depths
         (aot.plan.written_out); the graphs from which a plan may not fit get their recomputing
-        variants from the whole depth. None (with a note) where they cannot be written out."""
+        variants written out too, or from the whole depth where those cannot be. None (with a
+        note) where the graphs cannot be written out."""
         derived = [(other, mesh) for other, mesh in self._derived.get(key, ()) if other not in self.traced and other not in self._failed]
         try:
             captured = self._cut_trace(*source)
-            made = written_out(self, captured, key, derived)
+            made, shallow = written_out(self, captured, key, derived)
         except (NotSynthesizable, NotComposable) as e:
             self.note(f"pricing {_named(source)} from every block: its step cannot be written out from a few ({e})")
             return None
-        needs = [k for k, graph in made.items() if self._needs_variants(k, graph)]
-        if needs and self.blocks is not None:  # recomputation chooses over the whole depth: it is made there
+        needs = [k for k, graph in made.items() if self._needs_variants(k, graph) and not recomputing_written_out(self, k, shallow[k])]
+        if needs and self.blocks is not None:  # variants that cannot be written out are made from every block
             from aot.plan.pricing import storage_aliases
 
             gm, slots = stamp(captured.graph, captured.slots, *self.blocks)
@@ -593,6 +596,3 @@ class ModelSteps:
 def _named(source: tuple) -> str:
     """A traced mesh (dp, fsdp, tp[, ep]) in words."""
     return " x ".join(a if a == DP else f"{a}={d}" for a, d in zip((DP, FSDP, TP, EP), source) if d > 1) or "one rank"
-
-
-RECOMPUTE_FRACTION = 0.5  # the activation budget a graph that does not fit is priced at first

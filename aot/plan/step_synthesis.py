@@ -3,7 +3,7 @@ the deep one (issue #42; the design is docs/notes/stepgraph-composition.md).
 
 A decoder's blocks repeat, and so does what the passes make of them: the step of a model with L
 blocks is, record for record (aot.plan.step_reading.NodeRecord), the step with BASE blocks with
-its block REPEATED written out L - BASE + 1 times. Pricing then costs what a shallow model's
+its middle block (`repeated_block`) written out L - BASE + 1 times. Pricing then costs what a shallow model's
 graph costs, whatever the depth: no graph of L blocks is stamped, passed over or read.
 
 Every record of the shallow step is tagged with its block (`tag`): placeholders by the name of
@@ -23,6 +23,12 @@ parameter's gather, a gradient's reduction, per-parameter optimizer math), or no
   stack) are the base step's, with every figure that differs from the step one block shallower
   (`before`) extended along that line.
 
+A step whose first blocks differ from the rest (a recomputing variant that checkpoints the first
+k layers: aot/plan/variant_budgets.py) is written out the same way with its base k blocks deeper
+(the repeated block is always the third from the last), or where k is large in two passes
+(`synthesize_two`): the rest along its repeated block at two counts of first blocks, then the
+first region along its block 2 from those two.
+
 `synthesize` trusts nothing: ModelSteps writes out the step one block deeper than the base and
 compares it with the real one (`same_step`), and prices the model whole where they differ or
 where the rules above do not apply (NotSynthesizable).
@@ -41,7 +47,13 @@ from aot.plan.cost_model import StepGraph
 from aot.plan.step_reading import NodeRecord, assemble, read
 
 BASE = 5  # blocks of the step the deep one is written out from: the first, three alike, the last
-REPEATED = 2  # the block written out: its neighbours are middle blocks too
+
+
+def repeated_block(depth: int) -> int:
+    """The block written out of a base step of `depth` blocks: the third from the last, so that
+    its neighbours are middle blocks too. A deeper base than BASE has blocks before those that
+    differ from them (the first blocks checkpointed: aot.plan.variant_budgets), each written once."""
+    return depth - 3
 
 
 class NotSynthesizable(Exception):
@@ -112,9 +124,26 @@ def tag(gm: torch.fx.GraphModule, slots: list[dict], aliases: dict | None, block
 
 
 def synthesize(base: Tagged, before: Tagged, depth: int) -> StepGraph:
-    """The step of the model with `depth` blocks, from its steps with base.depth (BASE) blocks
-    and one fewer (`before`). Raises NotSynthesizable."""
-    return assemble(_Writer(base, before, depth).records())
+    """The step of the model with `depth` blocks, from its steps with base.depth (at least BASE)
+    blocks and one fewer (`before`), whose block repeated_block(base.depth) is the one written out.
+    Raises NotSynthesizable."""
+    return assemble(_Writer(base, before, depth).tagged().records)
+
+
+LEADING = 5  # the first blocks (alike among themselves) of the base of a step written out in two regions
+
+
+def synthesize_two(shallow: dict[tuple[int, int], Tagged], first: int, rest: int) -> StepGraph:
+    """The step of a model whose first `first` blocks differ from the `rest` after them (the first
+    ones checkpointed: aot.plan.variant_budgets), each region's blocks alike among themselves,
+    from its steps with (a, b) blocks in the two regions for a in (LEADING - 1, LEADING) and b in
+    (BASE - 1, BASE), `shallow`: the rest written out first (its repeated block, as `synthesize`'s),
+    then the first region (along its block 2). Raises NotSynthesizable."""
+    a, b = LEADING, BASE
+    if first < a or rest < b:
+        raise NotSynthesizable(f"two regions of at least {a} and {b} blocks")
+    written = {k: _Writer(shallow[(k, b)], shallow[(k, b - 1)], k + rest).tagged() for k in (a - 1, a)}
+    return assemble(_Writer(written[a], written[a - 1], first + rest, repeated=2).tagged().records)
 
 
 def same_step(a: StepGraph, b: StepGraph) -> str | None:
@@ -141,28 +170,30 @@ class _Writer:
     """synthesize's work: the deep step's records, each a handle (shallow record, copy) where
     copy is the deep block of a copy of the repeated block and None for every other record."""
 
-    def __init__(self, base: Tagged, before: Tagged, depth: int):
-        if base.depth != BASE or before.depth != BASE - 1 or depth < BASE:
-            raise NotSynthesizable(f"written out from {BASE} and {BASE - 1} blocks to at least {BASE}")
+    def __init__(self, base: Tagged, before: Tagged, depth: int, repeated: int | None = None):
+        n = base.depth
+        if n < BASE or before.depth != n - 1 or depth < n:
+            raise NotSynthesizable(f"written out from {n} and {n - 1} blocks (at least {BASE}) to at least {n}")
         self.base, self.depth = base, depth
-        self.extra = depth - BASE  # copies beyond the base's one
-        self.copies = range(REPEATED, REPEATED + self.extra + 1)
+        self.repeated = r = repeated_block(n) if repeated is None else repeated
+        self.extra = depth - n  # copies beyond the base's one
+        self.copies = range(r, r + self.extra + 1)
         tags = base.tags
-        self.sequence: list[list[int]] = [[] for _ in range(BASE)]  # each block's records, in order
+        self.sequence: list[list[int]] = [[] for _ in range(n)]  # each block's records, in order
         for i, t in enumerate(tags):
             if t is not None:
-                if not 0 <= t < BASE:
-                    raise NotSynthesizable(f"a record of block {t} in a step of {BASE}")
+                if not 0 <= t < n:
+                    raise NotSynthesizable(f"a record of block {t} in a step of {n}")
                 self.sequence[t].append(i)
         self.place = {i: k for seq in self.sequence for k, i in enumerate(seq)}
         shape = lambda seq: [_signature(base.records[i]) for i in seq]  # noqa: E731
-        middle = shape(self.sequence[REPEATED])
+        middle = shape(self.sequence[r])
         self.alike = [shape(seq) == middle for seq in self.sequence]
-        if not all(self.alike[1 : BASE - 1]):
+        if not all(self.alike[r - 1 : r + 2]):
             raise NotSynthesizable("the middle blocks' records differ")
         self.owner: dict = {}  # storage key -> (first record holding it, its place in that record's value)
-        for i, r in enumerate(base.records):
-            for k, key in enumerate(r.keys):
+        for i, record in enumerate(base.records):
+            for k, key in enumerate(record.keys):
                 self.owner.setdefault(key, (i, k))
         self.grown = _grown(base, before, self.extra)
         self._counterparts: dict = {}
@@ -171,12 +202,12 @@ class _Writer:
 
     def deep_block(self, t: int) -> int:
         """The deep block of shallow block `t` (not the repeated one)."""
-        return t if t < REPEATED else t + self.extra
+        return t if t < self.repeated else t + self.extra
 
     def shallow_block(self, e: int) -> int:
         if not 0 <= e < self.depth:
             raise NotSynthesizable("a block reads a block beyond the first or the last")
-        return e if e < REPEATED else REPEATED if e <= REPEATED + self.extra else e - self.extra
+        return e if e < self.repeated else self.repeated if e <= self.repeated + self.extra else e - self.extra
 
     def block_of(self, handle) -> int | None:
         i, copy = handle
@@ -202,7 +233,7 @@ class _Writer:
         """The handle of shallow record `i`'s counterpart in deep block `e`."""
         s = self.shallow_block(e)
         j = self.counterpart(i, s)
-        return (j, e) if s == REPEATED else (j, None)
+        return (j, e) if s == self.repeated else (j, None)
 
     def relative(self, handle, i: int):
         """What deep record `handle` takes for shallow record `i` it reads or follows: the same
@@ -211,7 +242,7 @@ class _Writer:
         if t is None:
             return (i, None)
         if mine is None:
-            if t == REPEATED:
+            if t == self.repeated:
                 raise NotSynthesizable("a record of no block reads one copy of the repeated block")
             return (i, None)
         block = self.block_of(handle)
@@ -219,7 +250,7 @@ class _Writer:
         try:
             return self.at(i, block + t - mine)
         except NotSynthesizable:
-            if handle[1] is not None or t == REPEATED:
+            if handle[1] is not None or t == self.repeated:
                 raise
             return (i, None)  # two blocks written once (the first's and the last's): each other's, whatever the depth
 
@@ -227,7 +258,7 @@ class _Writer:
 
     def handles(self) -> list:
         tags = self.base.tags
-        return [(i, e) for i, t in enumerate(tags) for e in (self.copies if t == REPEATED else [None])]
+        return [(i, e) for i, t in enumerate(tags) for e in (self.copies if t == self.repeated else [None])]
 
     def order(self) -> list:
         """The deep step's handles in order: each after the deep counterpart of what precedes it."""
@@ -237,12 +268,12 @@ class _Writer:
         for handle in every:
             i = handle[0]
             if i == 0:
-                if tags[0] == REPEATED:
+                if tags[0] == self.repeated:
                     raise NotSynthesizable("the step starts in the repeated block")
                 continue
-            if tags[i] == REPEATED and tags[i - 1] is None:
+            if tags[i] == self.repeated and tags[i - 1] is None:
                 raise NotSynthesizable("a run of the repeated block follows a record of no block")
-            if tags[i] is None and tags[i - 1] == REPEATED:
+            if tags[i] is None and tags[i - 1] == self.repeated:
                 raise NotSynthesizable("a record of no block follows the repeated block")
             anchor = self.relative(handle, i - 1)
             if anchor in after:
@@ -255,11 +286,14 @@ class _Writer:
             raise NotSynthesizable("the order does not chain")
         return out
 
-    def records(self) -> list[NodeRecord]:
+    def tagged(self) -> Tagged:
+        """The deep step's records, tagged with their deep blocks (so that it can be written out
+        again, along another repeated block: Chain)."""
         order = self.order()
         position = {h: k for k, h in enumerate(order)}
         base = self.base
-        out = []
+        out: list[NodeRecord] = []
+        key_tags: dict = {}
         for handle in order:
             i, copy = handle
             r = base.records[i]
@@ -267,7 +301,9 @@ class _Writer:
             for a in r.inputs:
                 for h in self.reads(handle, a):
                     inputs.append(position[h])
-            keys, sizes = self.storages(handle) if r.keys else ((), ())
+            keys, sizes, blocks = self.storages(handle) if r.keys else ((), (), ())
+            for key, block in zip(keys, blocks):
+                key_tags.setdefault(key, block)
             source = position[self.reads(handle, r.source)[0]] if r.source is not None else None
             new = NodeRecord(r.kind, tuple(inputs), keys, sizes, r.part, r.op, r.comm, source, r.loss)
             if i in self.grown:
@@ -275,30 +311,33 @@ class _Writer:
             if copy is not None and r.comm is not None:
                 new.comm = replace(r.comm, name=f"{r.comm.name}@{copy}")
             out.append(new)
-        return out
+        return Tagged(out, [self.block_of(h) for h in order], key_tags, self.depth)
 
     def reads(self, handle, a: int) -> list:
         """The deep handles deep record `handle` reads for shallow input `a`."""
-        if self.base.tags[handle[0]] is None and self.base.tags[a] == REPEATED:
+        if self.base.tags[handle[0]] is None and self.base.tags[a] == self.repeated:
             return [(a, e) for e in self.copies]
         return [self.relative(handle, a)]
 
-    def storages(self, handle) -> tuple[tuple, tuple]:
-        """The deep record's value: its storages and their sizes."""
+    def storages(self, handle) -> tuple[tuple, tuple, tuple]:
+        """The deep record's value: its storages, their sizes and the deep block of each (None: none)."""
         i, _ = handle
         r = self.base.records[i]
         mine = self.base.tags[i]
         if mine is None:  # a list over every block: each copy's elements, a run of them per copy
             tags = [self.base.key_tags.get(key) for key in r.keys]
-            expanded = _runs(list(zip(r.keys, r.sizes)), tags, self.copies)
-            return tuple(key if e is None else (key, e) for (key, _), e in expanded), tuple(size for (_, size), _ in expanded)
-        keys = []
-        for key in r.keys:
-            t = self.base.key_tags.get(key)
-            keys.append(key if t is None else self.deep_key(handle, key, t))
-        return tuple(keys), r.sizes
+            expanded = _runs(list(zip(r.keys, r.sizes)), tags, self.copies, self.repeated)
+            keys = tuple(key if e is None else (key, e) for (key, _), e in expanded)
+            blocks = tuple(e if e is not None else self._deep_or_none(self.base.key_tags.get(key)) for (key, _), e in expanded)
+            return keys, tuple(size for (_, size), _ in expanded), blocks
+        pairs = [(key, None) if self.base.key_tags.get(key) is None else self.deep_key(handle, key, self.base.key_tags[key]) for key in r.keys]
+        return tuple(k for k, _ in pairs), r.sizes, tuple(b for _, b in pairs)
 
-    def deep_key(self, handle, key, t: int):
+    def _deep_or_none(self, t: int | None) -> int | None:
+        return None if t is None else self.deep_block(t)
+
+    def deep_key(self, handle, key, t: int) -> tuple:
+        """(the deep storage key, its deep block) of `key` of block `t`, as deep record `handle` holds it."""
         block = self.block_of(handle)
         assert block is not None and self.base.tags[handle[0]] is not None  # a record of a block
         e = block + t - self.base.tags[handle[0]]
@@ -308,24 +347,24 @@ class _Writer:
             if self.base.tags[owner] != t:
                 raise NotSynthesizable("a block reads an element of another block's list")
             key = self.base.records[self.counterpart(owner, s)].keys[k]
-        return (key, e) if s == REPEATED else key
+        return ((key, e) if s == self.repeated else key), e
 
 
-def _runs(items: list, tags: list, copies: range) -> list:
+def _runs(items: list, tags: list, copies: range, repeated: int) -> list:
     """[(item, copy)] of a list over every block (a foreach op's), its run of the repeated block's
     items written once per copy (copy None: the item as it is), deepest first where a later
     block's items come before the run (the backward's order), as a deep model's list has them."""
     out: list = []
     k = 0
     while k < len(items):
-        if tags[k] != REPEATED:
+        if tags[k] != repeated:
             out.append((items[k], None))
             k += 1
             continue
         end = k
-        while end < len(tags) and tags[end] == REPEATED:
+        while end < len(tags) and tags[end] == repeated:
             end += 1
-        descending = any(t is not None and t > REPEATED for t in tags[:k])
+        descending = any(t is not None and t > repeated for t in tags[:k])
         out += [(item, e) for e in (reversed(copies) if descending else copies) for item in items[k:end]]
         k = end
     return out
