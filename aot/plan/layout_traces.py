@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from aot.errors import AotError
-from aot.plan.model_steps import ModelSteps, Unsupported, _key, _named, factorizations
+from aot.plan.model_steps import ModelSteps, Unsupported, _key, factorizations
+from aot.plan.plans import mesh_words
 from runner.format.axes import DP, EP, FSDP, TP
 
 # what a layout class's trace adds to ModelSteps: a worker sends these entries back
@@ -92,7 +93,7 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1) -> None:
 
 def _announce(steps: ModelSteps, i: int, key: tuple, source: tuple, count: int, planner: int) -> None:
     derived = len(steps._derived.get(key, ()))
-    steps.note(f"tracing the step on {_named(source)} ({i + 1} of {count})" + (f", {derived} more graph(s) derived from it" if derived else ""))
+    steps.note(f"tracing the step on {mesh_words(source)} ({i + 1} of {count})" + (f", {derived} more graph(s) derived from it" if derived else ""))
 
 
 def _trace(steps: ModelSteps, i: int, key: tuple, source: tuple, count: int, planner: int) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from aot.passes import PRICED_ANALYTICALLY, PassOptions
 from aot.plan.cost_model import StepGraph
 from aot.plan.step_reading import analyze
 from aot.plan.mesh import Mesh
+from aot.plan.plans import mesh_words
 from aot.plan.pipeline_floor import PipelineHoldings, gradient_bytes, holdings_of
 from aot.plan.recompute import Request
 from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan
@@ -362,7 +363,7 @@ class ModelSteps:
             captured = self._cut_trace(*source)
             made, shallow = written_out(self, captured, key, derived)
         except (NotSynthesizable, NotComposable) as e:
-            self.note(f"pricing {_named(source)} from every block: its step cannot be written out from a few ({e})")
+            self.note(f"pricing {mesh_words(source)} from every block: its step cannot be written out from a few ({e})")
             return None
         needs = [k for k, graph in made.items() if self._needs_variants(k, graph) and not recomputing_written_out(self, k, shallow[k])]
         if needs and self.blocks is not None:  # variants that cannot be written out are made from every block
@@ -591,8 +592,3 @@ class ModelSteps:
             return graph
         numels = [s.numel() for s in self.layout(1, 1, tp, ep).local_shapes(self.recording(ep).state).values()]
         return rescale(graph, shard_scale(numels, 2, fsdp), group_name(FSDP), fsdp)
-
-
-def _named(source: tuple) -> str:
-    """A traced mesh (dp, fsdp, tp[, ep]) in words."""
-    return " x ".join(a if a == DP else f"{a}={d}" for a, d in zip((DP, FSDP, TP, EP), source) if d > 1) or "one rank"

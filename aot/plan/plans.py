@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from aot.defaults import DEFAULT_BUCKET_MB
 from aot.plan.cost_model import Prediction
 from aot.plan.placement import Placement
-from runner.format.axes import DATA_AXES
+from runner.format.axes import DATA_AXES, DP, EP, FSDP, TP
 
 MEMORY_HEADROOM = 0.9  # of device memory: the CUDA context, allocator caching and fragmentation take the rest
 
@@ -23,6 +23,11 @@ def mesh_name(axes, shape) -> str:
     """A mesh as --strategy writes it: the axes with degree > 1 (the first axis if none)."""
     kept = [(a, d) for a, d in zip(axes, shape) if d > 1] or [(axes[0], shape[0])]
     return strategy_string(*zip(*kept))
+
+
+def mesh_words(source: tuple) -> str:
+    """A traced mesh (dp, fsdp, tp[, ep]) in words."""
+    return " x ".join(a if a == DP else f"{a}={d}" for a, d in zip((DP, FSDP, TP, EP), source) if d > 1) or "one rank"
 
 
 @dataclass

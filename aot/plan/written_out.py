@@ -105,9 +105,9 @@ def recomputing_written_out(steps: Any, key: tuple, shallow: Shallow) -> bool:
     try:
         steps.recomputed[key] = variants_written_out(steps, shallow)
     except (NotSynthesizable, NotPeriodic) as e:
-        from aot.plan.model_steps import _named
+        from aot.plan.plans import mesh_words
 
-        mesh = _named((2 if key[0] else 1, *key[1:]))
+        mesh = mesh_words((2 if key[0] else 1, *key[1:]))
         steps.note(f"recomputing activations on {mesh} priced from every block: its variants cannot be written out from a few ({e})")
         return False
     except Exception as e:  # noqa: BLE001  (the plans without recomputation stand; the search says why)
