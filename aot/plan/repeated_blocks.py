@@ -411,10 +411,44 @@ class _Stamper:
             return source.meta["val"][new.args[1]]
         if node.op == "call_function" and layer is None and (self._reads_every_block(node) or any(a in self.rerun for a in node.all_input_nodes)):
             self.rerun.add(node)
+            listed = self._listed_val(node, new)
+            if listed is not None:
+                return listed
             read = lambda v: torch.fx.node.map_arg(v, lambda a: a.meta.get("val"))  # noqa: E731
             with self.fake_mode:
                 return node.target(*read(new.args), **read(new.kwargs))
         return self._val(node, node.meta["val"], layer, block)
+
+    def _listed_val(self, node, new) -> list | None:
+        """The value of a foreach op's copy (an element per element of its list argument), made
+        from the cut graph's elements without running the op again on fake tensors (most of
+        a stamp's time, the optimizer's ops over every parameter): each element the shape of the
+        cut's for its block, in a storage of its own, or in its input element's where the cut's
+        element lives in its input element's. None where the value is not such a list."""
+        val = node.meta.get("val")
+        if not isinstance(val, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in val):
+            return None
+        lists = [i for i, a in enumerate(node.args) if isinstance(a, (list, tuple)) and len(a) == len(val)]
+        at = next((i for i in lists if all(isinstance(x, torch.fx.Node) for x in node.args[i])), None)
+        if at is None or not isinstance(new.args[at], (list, tuple)):
+            return None
+        cut_inputs, deep_inputs = node.args[at], new.args[at]
+        order = self._deep_order([self.layers.of.get(x) for x in cut_inputs])
+        if len(order) != len(deep_inputs):
+            return None
+        out = []
+        for (k, _), deep_input in zip(order, deep_inputs):
+            element, cut_input = val[k], cut_inputs[k].meta.get("val")
+            if not isinstance(cut_input, torch.Tensor) or not isinstance(deep_input.meta.get("val"), torch.Tensor):
+                return None
+            if storage_key(element) == storage_key(cut_input):
+                storage = deep_input.meta["val"].untyped_storage()
+            elif self.owner.get(storage_key(element)) is node:  # made by the op: a new storage, as running it makes
+                storage = torch.empty(element.untyped_storage().nbytes(), dtype=torch.uint8, device="meta").untyped_storage()
+            else:
+                return None
+            out.append(fake_in_storage(element, storage, self.fake_mode))
+        return type(val)(out)
 
     def _reads_every_block(self, node) -> bool:
         lists = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, (list, tuple))]
