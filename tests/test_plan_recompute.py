@@ -134,20 +134,11 @@ def test_the_recomputing_graphs_priced_are_the_builds():
     from aot.plan.layout_traces import prefetch
     from aot.plan.model_steps import ModelSteps, Pricing
     from runner.hardware.topology import for_nodes
+    from helpers.planning import NothingFits  # every graph gets its variants, at 0.5 and at the smallest feasible budget
     from test_plan_derived_graphs import _facts
 
     profile = for_nodes(load_profile("dgx_a100"), None, 2)
     machine = Machine(profile, 2)
-
-    class NothingFits:  # every graph gets its variants, at 0.5 and at the smallest feasible budget
-        def over(self, graph):
-            return True
-
-        def beyond_recompute(self, graph):
-            return False
-
-        def more_may_help(self, graph):
-            return True
 
     steps = ModelSteps(GPT, 8, pricing=Pricing(profile, world_size=2, max_tp=8, memory_limit=NothingFits(), compute=machine.compute))
     prefetch(steps, ("dp", "fsdp", "tp"))

@@ -10,30 +10,16 @@ says so."""
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import pytest
 
 from aot.plan import variant_budgets
+from helpers.planning import NothingFits
 from aot.plan.recompute import Request
 from aot.plan.step_synthesis import same_step
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_step_synthesis import MODELS  # noqa: E402
-
-
-class NothingFits:
-    """Every graph gets its variants: the first budget's and every layer's."""
-
-    def over(self, graph):
-        return True
-
-    def beyond_recompute(self, graph):
-        return False
-
-    def more_may_help(self, graph):
-        return True
+MODELS = Path(__file__).resolve().parent / "models"
 
 
 # (the first budget's fraction, {graph: the first layers it checkpoints}, graphs priced from every block)

@@ -419,7 +419,7 @@ class _Stamper:
                 return node.target(*read(new.args), **read(new.kwargs))
         return self._val(node, node.meta["val"], layer, block)
 
-    def _listed_val(self, node, new) -> list | None:
+    def _listed_val(self, node, new) -> list | tuple | None:
         """The value of a foreach op's copy (an element per element of its list argument), made
         from the cut graph's elements without running the op again on fake tensors (most of
         a stamp's time, the optimizer's ops over every parameter): each element the shape of the

@@ -1,0 +1,17 @@
+"""What the planner's tests share."""
+
+from __future__ import annotations
+
+
+class NothingFits:
+    """A memory limit (aot.plan.search.MemoryLimit's questions) under which every graph gets its
+    recomputing variants: the first budget's and the least one's."""
+
+    def over(self, graph):
+        return True
+
+    def beyond_recompute(self, graph):
+        return False
+
+    def more_may_help(self, graph):
+        return True
