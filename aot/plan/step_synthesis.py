@@ -127,7 +127,7 @@ def synthesize(base: Tagged, before: Tagged, depth: int) -> StepGraph:
     """The step of the model with `depth` blocks, from its steps with base.depth (at least BASE)
     blocks and one fewer (`before`), whose block repeated_block(base.depth) is the one written out.
     Raises NotSynthesizable."""
-    return assemble(_Writer(base, before, depth).tagged().records)
+    return assemble(_Writer(base, before, depth).tagged(keys=False).records)
 
 
 LEADING = 5  # the first blocks (alike among themselves) of the base of a step written out in two regions
@@ -143,7 +143,7 @@ def synthesize_two(shallow: dict[tuple[int, int], Tagged], first: int, rest: int
     if first < a or rest < b:
         raise NotSynthesizable(f"two regions of at least {a} and {b} blocks")
     written = {k: _Writer(shallow[(k, b)], shallow[(k, b - 1)], k + rest).tagged() for k in (a - 1, a)}
-    return assemble(_Writer(written[a], written[a - 1], first + rest, repeated=2).tagged().records)
+    return assemble(_Writer(written[a], written[a - 1], first + rest, repeated=2).tagged(keys=False).records)
 
 
 def same_step(a: StepGraph, b: StepGraph) -> str | None:
@@ -286,9 +286,10 @@ class _Writer:
             raise NotSynthesizable("the order does not chain")
         return out
 
-    def tagged(self) -> Tagged:
-        """The deep step's records, tagged with their deep blocks (so that it can be written out
-        again, along another repeated block: Chain)."""
+    def tagged(self, keys: bool = True) -> Tagged:
+        """The deep step's records, tagged with their deep blocks, and (`keys`) the deep block of
+        each storage: what writing it out again along another repeated block needs
+        (`synthesize_two`)."""
         order = self.order()
         position = {h: k for k, h in enumerate(order)}
         base = self.base
@@ -301,11 +302,12 @@ class _Writer:
             for a in r.inputs:
                 for h in self.reads(handle, a):
                     inputs.append(position[h])
-            keys, sizes, blocks = self.storages(handle) if r.keys else ((), (), ())
-            for key, block in zip(keys, blocks):
-                key_tags.setdefault(key, block)
+            storage_keys, sizes, blocks = self.storages(handle) if r.keys else ((), (), ())
+            if keys:
+                for key, block in zip(storage_keys, blocks):
+                    key_tags.setdefault(key, block)
             source = position[self.reads(handle, r.source)[0]] if r.source is not None else None
-            new = NodeRecord(r.kind, tuple(inputs), keys, sizes, r.part, r.op, r.comm, source, r.loss)
+            new = NodeRecord(r.kind, tuple(inputs), storage_keys, sizes, r.part, r.op, r.comm, source, r.loss)
             if i in self.grown:
                 new = self.grown[i](new)
             if copy is not None and r.comm is not None:
