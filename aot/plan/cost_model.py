@@ -170,24 +170,26 @@ def memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Mem
     return mem
 
 
-def memory_with(memory: Memory, changed: dict[int, tuple]) -> Memory:
-    """`memory` with the intervals at the indices of `changed` replaced by its values: the sweep
-    of `memory` corrected by what changed (aot.plan.rebucket moves a few hundred of a deep step's
-    hundred thousand intervals, for every bucket size of every mesh)."""
+def memory_with(memory: Memory, changed: dict[int, tuple], added: tuple = ()) -> Memory:
+    """`memory` with the intervals at the indices of `changed` replaced by its values, and the
+    intervals `added`: the sweep of `memory` corrected by what changed (aot.plan.rebucket moves a
+    few hundred of a deep step's hundred thousand intervals, for every bucket size of every mesh)."""
     intervals = list(memory.intervals)
     before = tuple(intervals[i] for i in changed)
     for i, interval in changed.items():
         intervals[i] = interval
+    intervals += added
     mem = replace(memory, intervals=tuple(intervals), peak_transient=0, at_peak={}, activations_peak=0, sweep=None)
     if not intervals:
         return mem
     if memory.sweep is None:
         memory.sweep = _births_and_deaths(memory.intervals, memory.length, memory.scale)
     delta = memory.sweep
-    if changed:
+    if changed or added:
         delta = delta.clone()
-        _add_births_and_deaths(delta, before, memory.length, memory.scale, -1)
-        _add_births_and_deaths(delta, tuple(changed.values()), memory.length, memory.scale, 1)
+        if changed:
+            _add_births_and_deaths(delta, before, memory.length, memory.scale, -1)
+        _add_births_and_deaths(delta, (*changed.values(), *added), memory.length, memory.scale, 1)
     _swept(mem, delta)
     return mem
 

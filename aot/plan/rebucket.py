@@ -40,13 +40,14 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
     comms = list(others)
     intervals = list(step.memory.intervals)
     changed: dict[int, tuple] = {}
+    added: list[tuple] = []
     for buckets in open_.values():
         for b in buckets:
             if len(b) == 1:
                 comms.append(b[0])
                 continue
             total = sum(m.input_bytes for m in b)
-            _retime(intervals, b, changed)
+            added += _retime(intervals, b, changed)
             dtype = b[0].dtype
             pre = [op for m in b for op in _flattened(m)]
             pre.append(Op(f"cat_{b[0].name}", "cat", bytes=2.0 * total, dtype=dtype))
@@ -70,7 +71,7 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
             place[id(site)] = max(place[id(m)] for m in b)
             comms.append(site)
     comms.sort(key=lambda c: (c.issue_at, place[id(c)]))
-    memory = memory_with(step.memory, changed)
+    memory = memory_with(step.memory, changed, tuple(added))
     return StepGraph(ops=step.ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes, resized_from=step.resized_from)
 
 
@@ -85,17 +86,26 @@ def _flattened(member: CommSite) -> list[Op]:
     return [copy, view]
 
 
-def _retime(intervals: list, bucket: list[CommSite], changed: dict) -> None:
+def _retime(intervals: list, bucket: list[CommSite], changed: dict) -> list[tuple]:
     """The storages of `bucket`'s members as one bucket holds them (each change also in `changed`): packed (the cat) once the last
     member's result would have been made, the bucket alive until the last read of any result. The
-    bucket stays one interval per member so a rescaled graph's sizes still apply per tensor."""
+    bucket stays one interval per member so a rescaled graph's sizes still apply per tensor.
+
+    Where the packing is, the members' inputs stand for the packed bucket (each gradient's last
+    read is its copy into it). A member whose input is read after the packing too (the loss,
+    averaged with the gradients, is read at the step's end) is in the bucket as a copy of its
+    own: the interval of that copy, at the packing, is returned to be added."""
     if any(m.buffers[1] < 0 for m in bucket):
-        return  # a result analyze could not place (not one tensor): priced as traced
+        return []  # a result analyze could not place (not one tensor): priced as traced
     results = [intervals[m.buffers[1]] for m in bucket]
     packed = max(start for start, *_ in results)
     last = max(end for _, end, *_ in results)
+    copies = []
     for m, (_, _, *rest) in zip(bucket, results):
         intervals[m.buffers[1]] = changed[m.buffers[1]] = (packed, last, *rest)
         if m.buffers[0] >= 0:
-            start, end, *rest = intervals[m.buffers[0]]
-            intervals[m.buffers[0]] = changed[m.buffers[0]] = (start, max(end, packed), *rest)
+            start, end, *kept = intervals[m.buffers[0]]
+            intervals[m.buffers[0]] = changed[m.buffers[0]] = (start, max(end, packed), *kept)
+            if end > packed:
+                copies.append((packed, packed, *rest))
+    return copies
