@@ -27,7 +27,7 @@ from aot.plan.pipeline_floor import PipelineHoldings, gradient_bytes, holdings_o
 from aot.plan.recompute import Request
 from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan
 from aot.plan.step_synthesis import NotSynthesizable
-from aot.plan.variant_budgets import FIRST_TARGET as RECOMPUTE_FRACTION  # the activation budget a graph that does not fit is priced at first
+from aot.plan import variant_budgets
 from aot.plan.written_out import DEPTHS, recomputing_written_out, written_out
 from aot.capture.module_calls import annotating_blocks
 from aot.target import Target
@@ -109,9 +109,11 @@ class ModelSteps:
     Recomputation (`recomputing`): a graph (traced or derived) from which a plan may not fit device
     memory (`memory_limit`) is also rewritten as the build would recompute it
     (aot.passes.recompute.by_budget on the graph before the other passes, as
-    aot.plan.recompute.apply_request does) and analyzed, at activation budget RECOMPUTE_FRACTION
-    and, where that may still not fit, at the smallest feasible one; its derived meshes get the same
-    derivation. A graph that fits costs nothing more."""
+    aot.plan.recompute.apply_request does) and analyzed, at the activation budgets of
+    aot.plan.variant_budgets where its step is written out from a few blocks (about FIRST_TARGET of
+    the saved bytes kept, and every layer checkpointed), else at FIRST_TARGET and, where that may
+    still not fit, at the smallest feasible one; its derived meshes get the same derivation. A
+    graph that fits costs nothing more."""
 
     def __init__(
         self,
@@ -303,14 +305,13 @@ class ModelSteps:
         gm, slots = self._capture(dp, fsdp, tp, ep)
         return self._program(gm, slots, NO_RECOMPUTE, skip)
 
-    def passed(self, gm, slots, request: Request = NO_RECOMPUTE) -> tuple:
+    def passed(self, gm, slots, request: Request = NO_RECOMPUTE, skip: tuple[str, ...] = PRICED_ANALYTICALLY) -> tuple:
         """(`gm`, changed in place, as the passes leave it for pricing (see _finished), with `request`'s
         recomputation; what was recomputed, as the manifest's `memory.recompute`)."""
-        return finish_program(gm, slots, request, self._compute, PassOptions(), skip=PRICED_ANALYTICALLY)
+        return finish_program(gm, slots, request, self._compute, PassOptions(), skip=skip)
 
     def _program(self, gm, slots, request: Request, skip: tuple[str, ...] = PRICED_ANALYTICALLY):
-        gm, _ = finish_program(gm, slots, request, self._compute, PassOptions(), skip=skip)
-        return gm
+        return self.passed(gm, slots, request, skip)[0]
 
     def _finished(self, gm, slots, aliases: dict | None = None, request: Request = NO_RECOMPUTE) -> StepGraph:
         """The analyzed graph of a traced step as the build's passes leave it (aot.compile_step.finish_program,
@@ -406,7 +407,7 @@ class ModelSteps:
 
     def _recompute(self, key: tuple, gm, slots, graph: StepGraph, aliases: dict | None = None) -> None:
         """Where plans read from `graph` (the analyzed `gm`) may not fit, its variants recomputing
-        activations into `self.recomputed[key]`: at activation budget RECOMPUTE_FRACTION, and where
+        activations into `self.recomputed[key]`: at activation budget FIRST_TARGET, and where
         that does not fit but recomputing more might (or is below what can be reached), at the
         smallest feasible budget."""
         if not self._needs_variants(key, graph):
@@ -435,12 +436,12 @@ class ModelSteps:
 
         variants = []
         try:
-            first = variant(RECOMPUTE_FRACTION)
+            first = variant(variant_budgets.FIRST_TARGET)
             if first is not None:
                 variants.append(first)
             if first is None or limit.more_may_help(first[1]):
                 least = smallest_fraction(by_budget(gm.graph, 0.0, cost).fraction)
-                if least < RECOMPUTE_FRACTION or first is None:
+                if least < variant_budgets.FIRST_TARGET or first is None:
                     variants += [v for v in [variant(least, last=True)] if v is not None]
         except Exception as e:  # noqa: BLE001  (the plans without recomputation stand; the search says why)
             self.recompute_failed[key] = f"{type(e).__name__}: {e}"

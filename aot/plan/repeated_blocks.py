@@ -240,13 +240,20 @@ class _Layers:
     def list_blocks(self, node) -> list | None:
         """The block of each element of a list-valued node's result: those of its first list
         argument of the same length (a foreach op's result follows its input list)."""
-        val = node.meta.get("val")
-        if not isinstance(val, (list, tuple)):
-            return None
-        for a in node.args:
-            if isinstance(a, (list, tuple)) and len(a) == len(val) and all(isinstance(x, torch.fx.Node) for x in a):
-                return [self.of.get(x) for x in a]
+        at = list_argument(node)
+        return None if at is None else [self.of.get(x) for x in node.args[at]]
+
+
+def list_argument(node) -> int | None:
+    """Which argument of a list-valued node its result follows, element for element: its first
+    list of nodes of the same length (a foreach op's); None where there is none."""
+    val = node.meta.get("val")
+    if not isinstance(val, (list, tuple)):
         return None
+    for i, a in enumerate(node.args):
+        if isinstance(a, (list, tuple)) and len(a) == len(val) and all(isinstance(x, torch.fx.Node) for x in a):
+            return i
+    return None
 
 
 def stamp(gm: torch.fx.GraphModule, slots: list[dict], blocks: str, depth: int) -> tuple[torch.fx.GraphModule, list[dict]]:
@@ -421,16 +428,12 @@ class _Stamper:
 
     def _listed_val(self, node, new) -> list | tuple | None:
         """The value of a foreach op's copy (an element per element of its list argument), made
-        from the cut graph's elements without running the op again on fake tensors (most of
-        a stamp's time, the optimizer's ops over every parameter): each element the shape of the
-        cut's for its block, in a storage of its own, or in its input element's where the cut's
-        element lives in its input element's. None where the value is not such a list."""
-        val = node.meta.get("val")
-        if not isinstance(val, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in val):
-            return None
-        lists = [i for i, a in enumerate(node.args) if isinstance(a, (list, tuple)) and len(a) == len(val)]
-        at = next((i for i in lists if all(isinstance(x, torch.fx.Node) for x in node.args[i])), None)
-        if at is None or not isinstance(new.args[at], (list, tuple)):
+        from the cut graph's elements without running the op again on fake tensors (the
+        optimizer's ops over every parameter: about a tenth of a stamp's time): each element the
+        shape of the cut's for its block, in a storage of its own, or in its input element's where
+        the cut's element lives in its input element's. None where the value is not such a list."""
+        val, at = node.meta.get("val"), list_argument(node)
+        if at is None or not all(isinstance(t, torch.Tensor) for t in val) or not isinstance(new.args[at], (list, tuple)):
             return None
         cut_inputs, deep_inputs = node.args[at], new.args[at]
         order = self._deep_order([self.layers.of.get(x) for x in cut_inputs])

@@ -112,6 +112,11 @@ class Deep:
         assert k <= self.depth - 2
         return self.known[k] if k < len(self.known) else self.known[-1] - (k - len(self.known) + 1) * self.step
 
+    def budget(self, cut: Cut, runs: tuple | list = ()) -> float:
+        """The budget that makes by_budget choose `cut` at the model's depth (`runs`: the runs of
+        values at the model's depth with cut.layers checkpointed)."""
+        return _window(cut, runs, self.leading, self.every, self.all_but_last, lambda: self.least_beside, self.saved)[0]
+
     def first_layers(self) -> int | None:
         """How many first layers by_budget checkpoints at FIRST_TARGET (None: it cannot reach
         it). Raises NotPeriodic where that is all layers but one or two."""
@@ -196,11 +201,20 @@ def budget(kept: int, more: int | None, fewer: float, saved: int) -> float:
 
 def shallow_budget(cut: Cut, bp: Breakpoints) -> tuple[float, int]:
     """(the budget, the bytes kept) of `cut` on the model cut to a few blocks, whose Breakpoints are `bp`."""
+    runs = bp.runs(cut.layers) if cut.layers is not None else []
+    least_beside = lambda: _least(bp.runs(len(bp.layered) - 1))  # noqa: E731
+    return _window(cut, runs, bp.layered.__getitem__, bp.layered[-1], bp.layered[-2], least_beside, bp.saved_bytes)
+
+
+def _window(cut: Cut, runs: tuple | list, leading: Callable, every: int, all_but_last: int, least_beside: Callable, saved: int) -> tuple[float, int]:
+    """(the budget, the bytes kept) of `cut` on a graph whose figures are these: `leading(k)` the
+    bytes kept with the first k layers checkpointed and every value beside them, `every` and
+    `all_but_last` those with every layer and all but the last, `least_beside()` the least a value
+    taken beside every layer frees, `runs` the runs of values with cut.layers checkpointed."""
+    fewer: float
     if cut.layers is None:
-        runs = bp.runs(len(bp.layered) - 1)
-        kept, more, fewer = bp.layered[-1], _least(runs), bp.layered[-2]
+        kept, more, fewer = every, least_beside(), all_but_last
     else:
-        runs = bp.runs(cut.layers)
-        kept, more = (bp.layered[cut.layers], None) if cut.run is None else runs[cut.run][2:4]
-        fewer = bp.layered[cut.layers - 1] if cut.layers else math.inf
-    return budget(kept, more, fewer, bp.saved_bytes), kept
+        kept, more = (leading(cut.layers), None) if cut.run is None else runs[cut.run][2:4]
+        fewer = leading(cut.layers - 1) if cut.layers else math.inf
+    return budget(kept, more, fewer, saved), kept

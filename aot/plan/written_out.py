@@ -87,10 +87,16 @@ def checked(tagged: dict[int, Tagged], depth: int) -> StepGraph:
     """The step at `depth` from the steps at three consecutive depths, once the deepest of them is
     found written out from the other two."""
     before, base, check = (tagged[n] for n in sorted(tagged))
-    why = same_step(synthesize(base, before, check.depth), assemble(check.records))
+    return _trusted(lambda n: synthesize(base, before, n), check, (check.depth,), (depth,))
+
+
+def _trusted(write: Callable[..., StepGraph], check: Tagged, at_check: tuple, at_depth: tuple) -> StepGraph:
+    """write(*at_depth), once write(*at_check) is the step `check` (of the model cut to that many
+    blocks) reads as; else NotSynthesizable."""
+    why = same_step(write(*at_check), assemble(check.records))
     if why is not None:
-        raise NotSynthesizable(f"written out to {check.depth} blocks, {why} from its trace")
-    return synthesize(base, before, depth)
+        raise NotSynthesizable(f"written out to {' + '.join(map(str, at_check))} blocks, {why} from its trace")
+    return write(*at_depth)
 
 
 def recomputing_written_out(steps: Any, key: tuple, shallow: Shallow) -> bool:
@@ -124,11 +130,10 @@ def variants_written_out(steps: Any, shallow: Shallow) -> list[tuple[float, Step
     checked against one deeper. Raises NotSynthesizable or aot.plan.variant_budgets.NotPeriodic
     (the message says why)."""
     import functools
-    import math
 
     from aot.passes.recompute import budget_breakpoints
     from aot.plan.step_reading import node_seconds
-    from aot.plan.variant_budgets import EVERY_LAYER, Deep, budget, first_cut
+    from aot.plan.variant_budgets import EVERY_LAYER, Deep, first_cut
 
     depth = steps.blocks[1]
     cost = lambda n: node_seconds(n, steps.compute)  # noqa: E731
@@ -139,13 +144,11 @@ def variants_written_out(steps: Any, shallow: Shallow) -> list[tuple[float, Step
     if layers is not None:
         shapes, runs, write = _first_layers(points, layers, depth)
         cut = first_cut(layers, runs, deep.saved)
-        kept, more = (deep.leading(layers), None) if cut.run is None else runs[cut.run][2:4]
-        fewer = deep.leading(layers - 1) if layers else math.inf
         chosen = {key: (n, replace(cut, layers=k)) for key, (n, k) in shapes.items()}
         # the least variant may take the same depths' graphs again
-        out.append((budget(kept, more, fewer, deep.saved), _variant(steps, shallow, points, chosen, write, keep=set(DEPTHS))))
+        out.append((deep.budget(cut, runs), _variant(steps, shallow, points, chosen, write, keep=set(DEPTHS))))
     if not out or steps.memory_limit.more_may_help(out[0][1]):
-        least = budget(deep.every, deep.least_beside, deep.all_but_last, deep.saved)
+        least = deep.budget(EVERY_LAYER)
         if not out or least < out[0][0]:
             chosen = {n: (n, EVERY_LAYER) for n in DEPTHS}
             out.append((least, _variant(steps, shallow, points, chosen, lambda tagged: checked(tagged, depth), keep=set())))
@@ -171,10 +174,7 @@ def _first_layers(points: Callable, layers: int, depth: int) -> tuple[dict, list
     check = (LEADING + 1, BASE + 1)
 
     def write(tagged: dict) -> StepGraph:
-        why = same_step(synthesize_two(tagged, *check), assemble(tagged[check].records))
-        if why is not None:
-            raise NotSynthesizable(f"written out to {check[0]} + {check[1]} blocks, {why} from its trace")
-        return synthesize_two(tagged, layers, rest)
+        return _trusted(lambda first, after: synthesize_two(tagged, first, after), tagged[check], check, (layers, rest))
 
     shapes = {(a, b): (a + b, a) for a, b in [*corners, check]}
     return shapes, deep_runs_two({(a, b): points(a + b) for a, b in corners}, layers, rest), write
