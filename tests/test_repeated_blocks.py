@@ -165,3 +165,18 @@ def test_model_code_as_written_is_written_out_or_traced_whole(tmp_path, family, 
     assert (steps.blocks is not None) == composed
     whole = trace_program(steps.rec, steps.layout(1, 2, 1), for_pricing=True)
     assert slots == whole.slots and canonical_nodes(gm) == canonical_nodes(whole.graph)
+
+
+def test_which_parameters_the_backward_reads_are_found_on_the_cut_model():
+    """The pipeline floor's finding (aot/capture/backward_reads.py: the parameters the loss
+    reaches and those the backward reads), made on llama6 cut to 3 blocks and read out to its 6
+    (repeated_blocks.widened_reads), is the one its whole forward makes: every parameter
+    reached, every one read but the embedding table (its gradient is a scatter of the rows)."""
+    from aot.capture.backward_reads import parameters_read_in_backward
+
+    steps = planner(LLAMA6, 4)
+    assert steps.blocks is not None and steps.blocks[1] == 6
+    steps.pipeline_holdings(2, 1)  # finds them on the cut model
+    whole = parameters_read_in_backward(steps.mf, steps.state, steps.rec.inputs, steps.rec.targets)
+    assert whole is not None and steps._backward_reads == whole
+    assert whole.reached == frozenset(steps.state.params) and whole.reached - whole.read == {"embed_tokens.weight"}

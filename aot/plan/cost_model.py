@@ -14,6 +14,8 @@ collective ends. The step time is when the last op (or collective) finishes.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any
 from dataclasses import dataclass, field, replace
 
@@ -72,6 +74,15 @@ class CommSite:
         self.input_bytes = self.input_numel * element_size
         self.bytes = self.input_bytes * (self.group_size if self.kind == "all_gather" else 1)
         return self
+
+
+def changed(record, **fields):
+    """A copy of dataclass `record` (an Op, a CommSite) with `fields` set: dataclasses.replace
+    without its per-field constructor call, for the hundreds of thousands of records a search
+    resizes (these dataclasses check nothing at construction)."""
+    new = object.__new__(type(record))
+    new.__dict__.update(record.__dict__, **fields)
+    return new
 
 
 # What a transient storage is, by where the graph makes it: forward (up to the loss) makes
@@ -203,18 +214,41 @@ def _births_and_deaths(intervals: tuple, length: int, scale) -> torch.Tensor:
 
 def _add_births_and_deaths(delta: torch.Tensor, intervals: tuple, length: int, scale, sign: int) -> None:
     """Add (sign 1) or take away (-1) `intervals`' births and deaths in `delta`."""
-    starts, ends, numels, elsizes, parts, shapes = zip(*intervals)
-    part_index = {part: i for i, part in enumerate(TRANSIENT_PARTS)}
-    rows = torch.tensor([part_index[part] for part in parts])
-    at = torch.cat([torch.tensor(starts), torch.tensor(ends).clamp(max=length) + 1])
-    sizes = torch.tensor(numels, dtype=torch.int64)
+    rows, starts, ends, sizes, elsizes, shapes = _columns(intervals)
+    at = torch.cat([starts, ends.clamp(max=length) + 1])
     if scale is not None:  # a rescaled graph's flat storages, by their shape class: `scale` asked once per distinct size
         distinct, where = sizes.unique(return_inverse=True)
-        shape = torch.tensor(shapes, dtype=torch.int64)
         for kind, resize in ((FLAT, scale), (PADDED_WHOLE, scale.full_first)):
-            sizes = torch.where(shape == kind, torch.tensor([resize(n) for n in distinct.tolist()], dtype=torch.int64)[where], sizes)
-    sizes = sign * sizes * torch.tensor(elsizes, dtype=torch.int64)
+            sizes = torch.where(shapes == kind, torch.tensor([resize(n) for n in distinct.tolist()], dtype=torch.int64)[where], sizes)
+    sizes = sign * sizes * elsizes
     delta.index_put_((rows.repeat(2), at), torch.cat([sizes, -sizes]), accumulate=True)
+
+
+_COLUMNS: dict[int, tuple] = {}  # id(intervals) -> (intervals, their columns), for the few deep graphs a search resizes
+
+
+def _columns(intervals: tuple) -> tuple:
+    """(part row, start, end, numel, element size, shape class) of `intervals` as integer tensors:
+    made once per deep graph's intervals, which every fsdp degree's rescale of it shares (making
+    them from Python lists is most of a sweep's time)."""
+    got = _COLUMNS.get(id(intervals))
+    if got is not None and got[0] is intervals:
+        return got[1]
+    starts, ends, numels, elsizes, parts, shapes = zip(*intervals)
+    part_index = {part: i for i, part in enumerate(TRANSIENT_PARTS)}
+    columns = (
+        torch.tensor([part_index[part] for part in parts]),
+        torch.tensor(starts),
+        torch.tensor(ends),
+        torch.tensor(numels, dtype=torch.int64),
+        torch.tensor(elsizes, dtype=torch.int64),
+        torch.tensor(shapes, dtype=torch.int64),
+    )
+    if len(intervals) > 1000:  # a graph's (a bucket's few changed intervals are made once)
+        if len(_COLUMNS) >= 16:
+            _COLUMNS.pop(next(iter(_COLUMNS)))
+        _COLUMNS[id(intervals)] = (intervals, columns)
+    return columns
 
 
 def _swept(mem: Memory, delta: torch.Tensor) -> None:
@@ -331,6 +365,14 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
     algos: dict = {}
     comm_bytes = 0
     stall = 0.0 if overlap or not step.comms else compute.blocking_stall(*_segments(step, times)) / len(step.comms)
+    # a collective's packing and unpacking ops, each priced once (the step's compute sums them again)
+    side_s: dict[int, float] = {}
+
+    def side_seconds(op: Op) -> float:
+        seconds = side_s.get(id(op))
+        if seconds is None:
+            seconds = side_s[id(op)] = op_time(op, compute)
+        return seconds
 
     def run(op: Op, seconds: float):
         nonlocal t
@@ -341,7 +383,7 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
     def issue(c: CommSite):
         nonlocal comm_free, comm_total, comm_bytes, t, exposed
         for op in c.pre_ops:
-            run(op, op_time(op, compute))
+            run(op, side_seconds(op))
         algorithm, seconds = comm_cost(c)
         if not overlap:  # blocking: what the calibration saw a collective cost inside a step
             seconds = max(0.0, seconds + stall)
@@ -372,15 +414,14 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
             exposed += done - t
             t = done
         for op in c.post_ops:
-            run(op, op_time(op, compute))
+            run(op, side_seconds(op))
 
     n = len(step.ops)
     done = 0  # ops run so far
     for k in sorted({n, *(k for k in {*issues, *waits} if k < n)}):
-        # the ops before node k, one after another (the same sums as an op at a time)
+        # the ops before node k, one after another (a left fold: the same sums as an op at a time)
         if events is None:
-            for seconds in times[done:k]:
-                t += seconds
+            t = functools.reduce(operator.add, times[done:k], t)
         else:
             for j in range(done, k):
                 run(step.ops[j], times[j])
@@ -397,7 +438,7 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
             if c.issue_at == k:
                 wait(c)
     step_s = max(t, comm_free)
-    compute_s = sum(times) + sum(op_time(op, compute) for c in step.comms for op in (*c.pre_ops, *c.post_ops))
+    compute_s = sum(times) + sum(side_seconds(op) for c in step.comms for op in (*c.pre_ops, *c.post_ops))
     return Prediction(
         step_s=step_s,
         compute_s=compute_s,

@@ -7,9 +7,7 @@ built.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from aot.plan.cost_model import CommSite, StepGraph, memory_of
+from aot.plan.cost_model import CommSite, StepGraph, changed, memory_of
 
 
 class ShardScale:
@@ -58,16 +56,21 @@ def rescale(step: StepGraph, scale: ShardScale, group: str, degree: int) -> Step
     boundary = min((c.wait_at for c in step.comms if c.kind == "reduce_scatter"), default=len(step.ops))
     ops = list(step.ops)
     flat_ops = _flat_ops(step)
+    resized: dict[tuple, tuple] = {}  # (tensors, before the boundary) -> (resized tensors, bytes): a deep step's blocks repeat them
     for i in flat_ops:  # shards and padded whole parameters are flat; shaped tensors keep their size (and the op)
         op = ops[i]
-        resize = scale.full_first if i < boundary else scale
-        tensors = tuple((resize(n) if flat else n, e, flat) for n, e, flat in op.tensors)
-        ops[i] = replace(op, tensors=tensors, bytes=float(sum(n * e for n, e, _ in tensors)))
+        key = (op.tensors, i < boundary)
+        got = resized.get(key)
+        if got is None:
+            resize = scale.full_first if i < boundary else scale
+            tensors = tuple((resize(n) if flat else n, e, flat) for n, e, flat in op.tensors)
+            got = resized[key] = (tensors, float(sum(n * e for n, e, _ in tensors)))
+        ops[i] = changed(op, tensors=got[0], bytes=got[1])
     comms = []
     for c in step.comms:
         elsize = c.element_size
         resize = scale.full if c.kind == "reduce_scatter" else scale.shard if c.kind == "all_gather" else scale
-        c = replace(
+        c = changed(
             c,
             input_numel=resize(c.input_numel),
             pre_ops=list(c.pre_ops),
@@ -100,7 +103,7 @@ def drop_group(step: StepGraph, group: str) -> StepGraph:
             k += 1
     ops = [op for i, op in enumerate(step.ops) if i not in gone]
     comms = [
-        replace(c, issue_at=new_index[c.issue_at], wait_at=new_index[c.wait_at], readers=tuple(new_index[r] for r in c.readers if r not in gone))
+        changed(c, issue_at=new_index[c.issue_at], wait_at=new_index[c.wait_at], readers=tuple(new_index[r] for r in c.readers if r not in gone))
         for c in step.comms
         if c.group != group
     ]

@@ -25,7 +25,7 @@ from aot.plan.mesh import Mesh
 from aot.plan.plans import mesh_words
 from aot.plan.pipeline_floor import PipelineHoldings, gradient_bytes, holdings_of
 from aot.plan.recompute import Request
-from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan
+from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan, widened_reads
 from aot.plan.step_synthesis import NotSynthesizable
 from aot.plan import variant_budgets
 from aot.plan.written_out import DEPTHS, recomputing_written_out, written_out
@@ -564,8 +564,10 @@ class ModelSteps:
         from aot.capture.backward_reads import parameters_read_in_backward
 
         if (fsdp, tp, ep) not in self._floors:  # the search asks it of every pipeline mesh
-            if self._backward_reads is False:
-                self._backward_reads = parameters_read_in_backward(self.mf, self.state, self.rec.inputs, self.rec.targets)
+            if self._backward_reads is False:  # found on the model cut to 3 blocks where it has them (repeated_blocks.widened_reads)
+                rec = self.rec if self.blocks is None else self._cut_recording()
+                reads = parameters_read_in_backward(self.mf, rec.state, rec.inputs, rec.targets)
+                self._backward_reads = reads if reads is None or self.blocks is None else widened_reads(reads, *self.blocks)
             reads = None if isinstance(self._backward_reads, bool) else self._backward_reads
             layouts = (self.layout(1, 1, tp, ep), self.layout(1, fsdp, tp, ep))
             # (a stacked experts weight is not among the plain model's reads: counted as freed early, a lower floor)

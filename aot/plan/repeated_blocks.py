@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from aot.capture.backward_reads import BackwardReads
 from aot.capture.graph_reading import storage_key
 from aot.capture.module_calls import BLOCK_BACKWARD, CHECKPOINT_CALLS, MODULE_CALLS, STAMPED_BLOCK, block_backward_of, layer_of
 from aot.compile_step import Recording
@@ -152,6 +153,17 @@ def widen_plan(plan: dict[str, str], blocks: str, depth: int) -> dict[str, str]:
         deep = [0] if index == 0 else range(1, depth - 1) if index == 1 else [depth - 1]
         out.update({f"{blocks}.{i}{rest}": style for i in deep})
     return out
+
+
+def widened_reads(reads: BackwardReads, blocks: str, depth: int) -> BackwardReads:
+    """aot.capture.backward_reads' finding on the cut model, read out to the deep one as
+    `widen_plan` reads a plan out (a deep block reads what its counterpart in the cut does): the
+    model's forward at full depth, run for it, was a second of an 8B plan's."""
+
+    def widened(names: frozenset[str]) -> frozenset[str]:
+        return frozenset(widen_plan(dict.fromkeys(names, ""), blocks, depth))
+
+    return BackwardReads(widened(reads.reached), widened(reads.read))
 
 
 # -- writing the middle block out -----------------------------------------------------------------
