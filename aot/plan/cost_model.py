@@ -14,8 +14,6 @@ collective ends. The step time is when the last op (or collective) finishes.
 
 from __future__ import annotations
 
-import functools
-import operator
 from typing import Any
 from dataclasses import dataclass, field, replace
 
@@ -198,9 +196,10 @@ def memory_with(memory: Memory, changed: dict[int, tuple], added: tuple = ()) ->
     delta = memory.sweep
     if changed or added:
         delta = delta.clone()
-        if changed:
-            _add_births_and_deaths(delta, before, memory.length, memory.scale, -1)
-        _add_births_and_deaths(delta, (*changed.values(), *added), memory.length, memory.scale, 1)
+        # what is taken away and what is put back, in one pass (their columns made at once)
+        after = (*changed.values(), *added)
+        signs = torch.tensor([-1] * len(before) + [1] * len(after), dtype=torch.int64)
+        _add_births_and_deaths(delta, _columns((*before, *after)), memory.length, memory.scale, signs)
     _swept(mem, delta)
     return mem
 
@@ -208,13 +207,19 @@ def memory_with(memory: Memory, changed: dict[int, tuple], added: tuple = ()) ->
 def _births_and_deaths(intervals: tuple, length: int, scale) -> torch.Tensor:
     """[part, node]: the bytes of each part born (+) and freed (-) at each node."""
     delta = torch.zeros(len(TRANSIENT_PARTS), length + 2, dtype=torch.int64)
-    _add_births_and_deaths(delta, intervals, length, scale, 1)
+    got = _COLUMNS.get(id(intervals))
+    if got is None or got[0] is not intervals:  # made once per deep graph: every fsdp degree's rescale of it shares them
+        if len(_COLUMNS) >= 16:
+            _COLUMNS.pop(next(iter(_COLUMNS)))
+        got = _COLUMNS[id(intervals)] = (intervals, _columns(intervals))
+    _add_births_and_deaths(delta, got[1], length, scale, 1)
     return delta
 
 
-def _add_births_and_deaths(delta: torch.Tensor, intervals: tuple, length: int, scale, sign: int) -> None:
-    """Add (sign 1) or take away (-1) `intervals`' births and deaths in `delta`."""
-    rows, starts, ends, sizes, elsizes, shapes = _columns(intervals)
+def _add_births_and_deaths(delta: torch.Tensor, columns: tuple, length: int, scale, sign) -> None:
+    """Add the births and deaths of the intervals whose `_columns` are `columns` in `delta`, each
+    times `sign` (1, -1 to take them away, or a tensor of one per interval)."""
+    rows, starts, ends, sizes, elsizes, shapes = columns
     at = torch.cat([starts, ends.clamp(max=length) + 1])
     if scale is not None:  # a rescaled graph's flat storages, by their shape class: `scale` asked once per distinct size
         distinct, where = sizes.unique(return_inverse=True)
@@ -224,19 +229,15 @@ def _add_births_and_deaths(delta: torch.Tensor, intervals: tuple, length: int, s
     delta.index_put_((rows.repeat(2), at), torch.cat([sizes, -sizes]), accumulate=True)
 
 
-_COLUMNS: dict[int, tuple] = {}  # id(intervals) -> (intervals, their columns), for the few deep graphs a search resizes
+_COLUMNS: dict[int, tuple] = {}  # id(intervals) -> (intervals, their columns): the few deep graphs a search resizes
 
 
 def _columns(intervals: tuple) -> tuple:
-    """(part row, start, end, numel, element size, shape class) of `intervals` as integer tensors:
-    made once per deep graph's intervals, which every fsdp degree's rescale of it shares (making
-    them from Python lists is most of a sweep's time)."""
-    got = _COLUMNS.get(id(intervals))
-    if got is not None and got[0] is intervals:
-        return got[1]
+    """(part row, start, end, numel, element size, shape class) of `intervals` as integer tensors
+    (making them from Python lists is most of a sweep's time)."""
     starts, ends, numels, elsizes, parts, shapes = zip(*intervals)
     part_index = {part: i for i, part in enumerate(TRANSIENT_PARTS)}
-    columns = (
+    return (
         torch.tensor([part_index[part] for part in parts]),
         torch.tensor(starts),
         torch.tensor(ends),
@@ -244,11 +245,6 @@ def _columns(intervals: tuple) -> tuple:
         torch.tensor(elsizes, dtype=torch.int64),
         torch.tensor(shapes, dtype=torch.int64),
     )
-    if len(intervals) > 1000:  # a graph's (a bucket's few changed intervals are made once)
-        if len(_COLUMNS) >= 16:
-            _COLUMNS.pop(next(iter(_COLUMNS)))
-        _COLUMNS[id(intervals)] = (intervals, columns)
-    return columns
 
 
 def _swept(mem: Memory, delta: torch.Tensor) -> None:
@@ -367,8 +363,11 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
     stall = 0.0 if overlap or not step.comms else compute.blocking_stall(*_segments(step, times)) / len(step.comms)
     # a collective's packing and unpacking ops, each priced once (the step's compute sums them again)
     side_s: dict[int, float] = {}
+    view_s = compute.view_seconds()  # op_time of a view (most of them: a bucket's members)
 
     def side_seconds(op: Op) -> float:
+        if op.kind == "view":
+            return view_s
         seconds = side_s.get(id(op))
         if seconds is None:
             seconds = side_s[id(op)] = op_time(op, compute)
@@ -419,9 +418,10 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
     n = len(step.ops)
     done = 0  # ops run so far
     for k in sorted({n, *(k for k in {*issues, *waits} if k < n)}):
-        # the ops before node k, one after another (a left fold: the same sums as an op at a time)
+        # the ops before node k, one after another (the same sums as an op at a time)
         if events is None:
-            t = functools.reduce(operator.add, times[done:k], t)
+            for seconds in times[done:k]:
+                t += seconds
         else:
             for j in range(done, k):
                 run(step.ops[j], times[j])

@@ -192,9 +192,12 @@ class Planner(PipelineSearch):
         cost, nccl = self.comm_pricer(placement, graph.comms)
         times = self._op_times_for(base)
         prediction = simulate(graph, self.machine.compute, cost, overlap=self.overlaps, trace=trace, op_times=times)
+        return Plan(tuple(axes), tuple(shape), bucket_mb, placement, prediction, self.fits(prediction.memory.peak), nccl, split_flat_algorithm=flat_algorithm)
+
+    def fits(self, peak: float) -> bool:
+        """Whether a rank peaking at `peak` bytes fits the device (MEMORY_HEADROOM of its memory)."""
         limit = self.machine.memory_bytes
-        fits = limit is None or prediction.memory.peak <= MEMORY_HEADROOM * limit
-        return Plan(tuple(axes), tuple(shape), bucket_mb, placement, prediction, fits, nccl, split_flat_algorithm=flat_algorithm)
+        return limit is None or peak <= MEMORY_HEADROOM * limit
 
     def _split_levels(self, graph: StepGraph, placement: Placement) -> tuple[StepGraph, str | None]:
         """(`graph` with the all_reduces aot.passes.hierarchical splits on this placement split,
@@ -325,11 +328,14 @@ class Planner(PipelineSearch):
         variants = self._recomputing(tuple(axes), tuple(shape))
         out = []
         for plan in over:
-            priced = [
-                self.evaluate(axes, shape, plan.bucket_mb, step=rebucket(graph, int(plan.bucket_mb * MiB)), bucketed=True, placement=plan.placement)
-                for _, graph in variants
-            ]
-            for variant, (fraction, _) in zip(priced, variants):
+            graphs = [(fraction, rebucket(graph, int(plan.bucket_mb * MiB))) for fraction, graph in variants]
+            # the peak is known before the step is simulated: of the variants that fit, the
+            # fastest; where none does, the one with the lowest peak (the first of equals)
+            chosen = [(f, g) for f, g in graphs if self.fits(g.memory.peak)]
+            if not chosen and graphs:
+                chosen = [min(graphs, key=lambda v: v[1].memory.peak)]
+            priced = [self.evaluate(axes, shape, plan.bucket_mb, step=graph, bucketed=True, placement=plan.placement) for _, graph in chosen]
+            for variant, (fraction, _) in zip(priced, chosen):
                 variant.recompute = fraction
             if priced:
                 out.append(min(priced, key=lambda p: (not p.fits, p.prediction.step_s if p.fits else p.prediction.memory.peak)))
