@@ -268,11 +268,14 @@ def list_argument(node) -> int | None:
     return None
 
 
-def stamp(gm: torch.fx.GraphModule, slots: list[dict], blocks: str, depth: int) -> tuple[torch.fx.GraphModule, list[dict]]:
+def stamp(gm: torch.fx.GraphModule, slots: list[dict], blocks: str, depth: int, shared: dict | None = None) -> tuple[torch.fx.GraphModule, list[dict]]:
     """The graph (and slots) of the model with `depth` blocks, from `gm`, the graph of the model cut
-    to KEEP blocks (traced under module_calls.annotating_blocks(`blocks`)). Raises NotComposable."""
+    to KEEP blocks (traced under module_calls.annotating_blocks(`blocks`)). `shared`: kept between
+    stamps of one `gm` at several depths, whose middle blocks then hold the same values (a middle
+    block's storages are the same at every depth; the passes never change a value). Raises
+    NotComposable."""
     layers = _Layers(gm.graph, slots, blocks)
-    return _Stamper(gm, slots, layers, depth).run()
+    return _Stamper(gm, slots, layers, depth, shared if shared is not None else {}).run()
 
 
 class _Stamper:
@@ -282,11 +285,12 @@ class _Stamper:
     0's counterparts come before it, as in the forward, descending where the last block's do, as in
     the backward and the gradients' reductions it orders)."""
 
-    def __init__(self, gm, slots, layers: _Layers, depth: int):
+    def __init__(self, gm, slots, layers: _Layers, depth: int, shared: dict):
         self.gm, self.slots, self.layers, self.depth = gm, slots, layers, depth
         self.graph = torch.fx.Graph()
         self.made: dict[tuple, torch.fx.Node] = {}  # (node, block) -> its copy in the deep graph
-        self.storages: dict[tuple, object] = {}  # (storage key, block) -> the deep graph's storage
+        self.storages: dict[tuple, object] = shared.setdefault("storages", {})  # (storage key, block) -> a middle block's storage
+        self.values: dict[tuple, torch.Tensor] = shared.setdefault("values", {})  # (id of a cut value, block) -> its copy there
         self.owner: dict = {}  # storage key -> the first node holding it
         self.new_slots: list[dict] = []
         self.calls: dict[tuple, int] = {}  # (block instance, call number) -> renumbered call
@@ -513,9 +517,20 @@ class _Stamper:
             if owner_layer == 1:
                 raise NotComposable(f"{node.name} outside the blocks holds a value of the middle block")
             return val
-        storage = self._storage(owner, key, block + (owner_layer - layer))
-        # made without the fake mode's dispatch, for the tens of thousands of values a deep model's copies hold
-        return val if storage is None else fake_in_storage(val, storage, self.fake_mode)
+        target = block + (owner_layer - layer)
+        storage = self._storage(owner, key, target)
+        if storage is None:
+            return val
+        if not self._middle(target):  # made without the fake mode's dispatch, for the tens of thousands of values a deep model's copies hold
+            return fake_in_storage(val, storage, self.fake_mode)
+        made = self.values.get((id(val), target))
+        if made is None:  # in a storage of self.storages: the same value at every depth
+            made = self.values[(id(val), target)] = fake_in_storage(val, storage, self.fake_mode)
+        return made
+
+    def _middle(self, block: int) -> bool:
+        """Whether `block` holds storages of its own (`_storage`): a middle block but the cut's own."""
+        return 0 < block < self.depth - 1 and block != 1
 
     def _storage(self, owner, key, block: int):
         """The deep graph's storage made by `owner`'s counterpart in `block` (None: the cut
@@ -525,7 +540,7 @@ class _Stamper:
         counterpart = self._counterpart(owner, block)
         index = [storage_key(t) for t in _tensors(owner.meta.get("val"))].index(key)
         tensor = _tensors(counterpart.meta.get("val"))[index]
-        if 0 < block < self.depth - 1 and block != 1:
+        if self._middle(block):
             made = self.storages.get((storage_key(tensor), block))
             if made is None:
                 made = torch.empty(tensor.untyped_storage().nbytes(), dtype=torch.uint8, device="meta").untyped_storage()

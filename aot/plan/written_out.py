@@ -37,11 +37,12 @@ class Shallow:
     def __init__(self, steps: Any, graph: Any, slots: list, aliases: dict | None):
         self.steps, self.graph, self.slots, self.aliases = steps, graph, slots, aliases
         self.kept: dict[int, tuple] = {}  # depth -> (graph module, slots, aliases), never passed
+        self.shared: dict = {}  # what the stamps at every depth share (repeated_blocks.stamp)
 
     def made(self, n: int) -> tuple:
         """(graph module, slots, aliases) at `n` blocks, before the passes (not to be changed)."""
         if n not in self.kept:
-            gm, slots = stamp(self.graph, self.slots, self.steps.blocks[0], n)
+            gm, slots = stamp(self.graph, self.slots, self.steps.blocks[0], n, self.shared)
             self.kept[n] = (gm, slots, self.aliases)
         return self.kept[n]
 
