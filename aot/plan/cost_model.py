@@ -106,6 +106,12 @@ class Memory:
     # births and deaths per part and node, kept by memory_with on the step it corrects (not on what
     # it makes: a search keeps every plan's memory)
     sweep: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # `intervals` as integer tensors (interval_columns), shared by the memories rescale makes of one graph
+    columns: tuple | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        """What a planning worker sends back (aot.plan.workers): not the columns, made again where needed."""
+        return {**self.__dict__, "columns": None}
 
     @property
     def resident(self) -> int:
@@ -163,16 +169,17 @@ class StepGraph:
 NOT_FLAT, FLAT, PADDED_WHOLE = 0, 1, 2
 
 
-def memory_of(resident: tuple, intervals: tuple, length: int, scale=None) -> Memory:
+def memory_of(resident: tuple, intervals: tuple, length: int, scale=None, columns: tuple | None = None) -> Memory:
     """Memory of resident tensors (part, numel, element size) and transient `intervals`, the
     peak found by sweeping the graph's `length` nodes: what is live at each node is a running sum
     of the sizes born and freed there (integer tensors: the planner sweeps graphs of a hundred
-    thousand nodes hundreds of times, too slow a loop in Python)."""
-    mem = Memory(resident_tensors=resident, intervals=intervals, length=length, scale=scale)
+    thousand nodes hundreds of times, too slow a loop in Python). `columns`: interval_columns of
+    another Memory of the same intervals (a graph rescale resizes), else made when needed."""
+    mem = Memory(resident_tensors=resident, intervals=intervals, length=length, scale=scale, columns=columns)
     for part, numel, elsize in resident:
         setattr(mem, part, getattr(mem, part) + numel * elsize)
     if intervals:
-        delta = _births_and_deaths(intervals, length, scale)
+        delta = _births_and_deaths(mem)
         _swept(mem, delta)
         if scale is not None:  # a graph the search resized: memory_with corrects it next, for each bucket size
             mem.sweep = delta
@@ -188,11 +195,11 @@ def memory_with(memory: Memory, changed: dict[int, tuple], added: tuple = ()) ->
     for i, interval in changed.items():
         intervals[i] = interval
     intervals += added
-    mem = replace(memory, intervals=tuple(intervals), peak_transient=0, at_peak={}, activations_peak=0, sweep=None)
+    mem = replace(memory, intervals=tuple(intervals), peak_transient=0, at_peak={}, activations_peak=0, sweep=None, columns=None)
     if not intervals:
         return mem
     if memory.sweep is None:
-        memory.sweep = _births_and_deaths(memory.intervals, memory.length, memory.scale)
+        memory.sweep = _births_and_deaths(memory)
     delta = memory.sweep
     if changed or added:
         delta = delta.clone()
@@ -204,16 +211,19 @@ def memory_with(memory: Memory, changed: dict[int, tuple], added: tuple = ()) ->
     return mem
 
 
-def _births_and_deaths(intervals: tuple, length: int, scale) -> torch.Tensor:
-    """[part, node]: the bytes of each part born (+) and freed (-) at each node."""
-    delta = torch.zeros(len(TRANSIENT_PARTS), length + 2, dtype=torch.int64)
-    got = _COLUMNS.get(id(intervals))
-    if got is None or got[0] is not intervals:  # made once per deep graph: every fsdp degree's rescale of it shares them
-        if len(_COLUMNS) >= 16:
-            _COLUMNS.pop(next(iter(_COLUMNS)))
-        got = _COLUMNS[id(intervals)] = (intervals, _columns(intervals))
-    _add_births_and_deaths(delta, got[1], length, scale, 1)
+def _births_and_deaths(memory: Memory) -> torch.Tensor:
+    """[part, node]: the bytes of each part born (+) and freed (-) at each node of `memory`."""
+    delta = torch.zeros(len(TRANSIENT_PARTS), memory.length + 2, dtype=torch.int64)
+    _add_births_and_deaths(delta, interval_columns(memory), memory.length, memory.scale, 1)
     return delta
+
+
+def interval_columns(memory: Memory) -> tuple:
+    """`_columns` of memory.intervals, made once per Memory and handed on to the memories of the
+    same intervals (aot.plan.derived_steps.rescale makes one per fsdp degree of a deep graph)."""
+    if memory.columns is None:
+        memory.columns = _columns(memory.intervals)
+    return memory.columns
 
 
 def _add_births_and_deaths(delta: torch.Tensor, columns: tuple, length: int, scale, sign) -> None:
@@ -227,9 +237,6 @@ def _add_births_and_deaths(delta: torch.Tensor, columns: tuple, length: int, sca
             sizes = torch.where(shapes == kind, torch.tensor([resize(n) for n in distinct.tolist()], dtype=torch.int64)[where], sizes)
     sizes = sign * sizes * elsizes
     delta.index_put_((rows.repeat(2), at), torch.cat([sizes, -sizes]), accumulate=True)
-
-
-_COLUMNS: dict[int, tuple] = {}  # id(intervals) -> (intervals, their columns): the few deep graphs a search resizes
 
 
 def _columns(intervals: tuple) -> tuple:
@@ -363,11 +370,8 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
     stall = 0.0 if overlap or not step.comms else compute.blocking_stall(*_segments(step, times)) / len(step.comms)
     # a collective's packing and unpacking ops, each priced once (the step's compute sums them again)
     side_s: dict[int, float] = {}
-    view_s = compute.view_seconds()  # op_time of a view (most of them: a bucket's members)
 
     def side_seconds(op: Op) -> float:
-        if op.kind == "view":
-            return view_s
         seconds = side_s.get(id(op))
         if seconds is None:
             seconds = side_s[id(op)] = op_time(op, compute)

@@ -7,7 +7,7 @@ built.
 
 from __future__ import annotations
 
-from aot.plan.cost_model import CommSite, StepGraph, changed, memory_of
+from aot.plan.cost_model import CommSite, StepGraph, changed, interval_columns, memory_of
 
 
 class ShardScale:
@@ -79,7 +79,7 @@ def rescale(step: StepGraph, scale: ShardScale, group: str, degree: int) -> Step
         )
         comms.append(c.sized(elsize))
     resident = tuple((part, scale.shard(n) if part in ("params", "optimizer") else n, e) for part, n, e in step.memory.resident_tensors)
-    memory = memory_of(resident, step.memory.intervals, step.memory.length, scale)
+    memory = memory_of(resident, step.memory.intervals, step.memory.length, scale, interval_columns(step.memory))
     return StepGraph(ops=ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes, resized_from=(step, flat_ops))
 
 

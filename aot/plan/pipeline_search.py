@@ -42,6 +42,11 @@ class PipelineSearch:
     step_graph: Callable[..., StepGraph]
     evaluate: Callable[..., Plan]
 
+    def fits(self, peak: float) -> bool:
+        """Whether a rank peaking at `peak` bytes fits the device (MEMORY_HEADROOM of its memory)."""
+        limit = self.machine.memory_bytes
+        return limit is None or peak <= MEMORY_HEADROOM * limit
+
     def _pipelines_ahead(self, axes: tuple, pipelines: list[tuple], plans: list[Plan], seeds: set | None, workers: int) -> dict:
         """{shape: its pipeline_plan, or the Unsupported it raised} for every mesh of `pipelines`
         (one pp degree's) that `search` could price, priced at once by `workers` forked processes
@@ -289,8 +294,7 @@ class PipelineSearch:
         plan = self.evaluate(order, ordered, DEFAULT_BUCKET_MB, step=analyses[busiest], bucketed=True, placement=placement, as_built=True)
         memory = max((a.memory for a in analyses), key=lambda m: m.peak)
         plan.prediction = replace(plan.prediction, step_s=timeline.step_s, memory=memory)
-        limit = self.machine.memory_bytes
-        plan.fits = limit is None or memory.peak <= MEMORY_HEADROOM * limit
+        plan.fits = self.fits(memory.peak)
         plan.pipeline = {
             "microbatches": microbatches,
             "schedule": schedule,

@@ -194,11 +194,6 @@ class Planner(PipelineSearch):
         prediction = simulate(graph, self.machine.compute, cost, overlap=self.overlaps, trace=trace, op_times=times)
         return Plan(tuple(axes), tuple(shape), bucket_mb, placement, prediction, self.fits(prediction.memory.peak), nccl, split_flat_algorithm=flat_algorithm)
 
-    def fits(self, peak: float) -> bool:
-        """Whether a rank peaking at `peak` bytes fits the device (MEMORY_HEADROOM of its memory)."""
-        limit = self.machine.memory_bytes
-        return limit is None or peak <= MEMORY_HEADROOM * limit
-
     def _split_levels(self, graph: StepGraph, placement: Placement) -> tuple[StepGraph, str | None]:
         """(`graph` with the all_reduces aot.passes.hierarchical splits on this placement split,
         the all_reduce algorithm the choice priced the flat ones with): hierarchy.chooser's choice,
