@@ -53,6 +53,14 @@ def test_planning_says_what_it_traces_as_it_starts():
     plan_model(Path(MLP), for_nodes(load_profile("dgx_a100"), 1, 2), 2, 8, axes=("pp",), note=said.append)
     assert said[0] == "tracing every pipeline rank's program of pp=2 (interleaved-1f1b, 2 stages per rank, 2 microbatches)", said
     assert all(line.startswith("tracing every pipeline rank's program of pp=2 (") for line in said), said
+    # a configuration the batch cannot take is refused before any tracing, and not announced
+    from aot.plan.model_steps import ModelSteps, Unsupported
+
+    said.clear()
+    steps = ModelSteps(Path(MLP), 2, note=said.append)
+    with pytest.raises(Unsupported, match="does not split into"):
+        steps.pipeline(("pp",), (2,), steps.targets.shape[0] + 1, "1f1b")
+    assert said == [], said
 
 
 def test_pipeline_configurations_that_cannot_beat_a_priced_one_are_not_traced():

@@ -529,9 +529,11 @@ class ModelSteps:
             started = time.perf_counter()
             mesh = ",".join(f"{a}={d}" for a, d in degrees.items() if d > 1)
             how = [schedule, *([f"{virtual} stages per rank"] if virtual > 1 else []), f"{microbatches} microbatches", *(["recomputing"] if recompute else [])]
-            self.note(f"tracing every pipeline rank's program of {mesh} ({', '.join(how)})")
             try:
                 check_microbatches(schedule, pp, microbatches, self.targets.shape[0])
+                # said only of a configuration the build would take: a batch too small for its
+                # microbatches is refused here, before any tracing
+                self.note(f"tracing every pipeline rank's program of {mesh} ({', '.join(how)})")
                 group = Target.of(degrees, self.precision, self.sequence_parallel, self.moe_capacity_factor).group(PP)
                 assert group is not None  # a pipeline mesh
                 made = pipeline_programs(
