@@ -27,7 +27,7 @@ from aot.errors import AotError
 from aot.passes import CLEANUP, PassOptions, run_passes
 from aot.plan.recompute import Request, apply_request
 from aot.plan.sequence_parallel import check_sequence_length, sequence_parallel_layout
-from aot.plan.tensor_parallel import check_degree, check_divisible, explain_plan, summed_params, user_plan
+from aot.plan.tensor_parallel import Finding, check_degree, check_divisible, explain_plan, summed_params, user_plan
 from aot.plan.tensor_parallel_summary import summarize, summarize_whole, unsplit_weights
 from aot.plan.tensor_parallel_trial import split_forward_failure
 from aot.target import Target
@@ -46,16 +46,18 @@ class Recording:
     targets: torch.Tensor
 
 
-def tensor_parallel_plan(rec: Recording, tp: int, note: Callable[[str], None] | None = None) -> dict[str, str]:
+def tensor_parallel_plan(rec: Recording, tp: int, note: Callable[[str], None] | None = None, read: Callable[[], Finding] | None = None) -> dict[str, str]:
     """The layers tensor parallelism splits at degree `tp`: the model file's tp_plan, or the
     column/row-wise pairs found in its forward (aot.plan.tensor_parallel), each run split at this
-    degree. `note(line)` hears which layers it splits and which it leaves whole, and why."""
+    degree. `note(line)` hears which layers it splits and which it leaves whole, and why.
+    `read()`: the pairs read from the forward where the caller keeps them for every degree
+    (aot.plan.tensor_parallel.read_plan of `rec`)."""
     mf, model = rec.mf, rec.state.model
     check_degree(mf, model, tp)
     plan = user_plan(mf, model)
     where, whole, found = f"tp_plan in {mf.path.name}", {}, None
     if plan is None:
-        found = explain_plan(model, rec.inputs, tp)
+        found = explain_plan(model, rec.inputs, tp, read() if read is not None else None)
         plan, whole, where = found.plan, found.whole, "the found plan"
         if not plan:
             reasons = "; ".join(summarize_whole(whole)[:3])

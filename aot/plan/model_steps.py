@@ -23,9 +23,10 @@ from aot.plan.cost_model import StepGraph
 from aot.plan.step_reading import analyze
 from aot.plan.mesh import Mesh
 from aot.plan.plans import mesh_words
-from aot.plan.pipeline_floor import PipelineHoldings, gradient_bytes, holdings_of
+from aot.plan.pipeline_floor import PipelineHoldings, holdings_of
 from aot.plan.recompute import Request
 from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan, widened_reads
+from aot.plan.tensor_parallel import read_plan
 from aot.plan.step_synthesis import NotSynthesizable
 from aot.plan import variant_budgets
 from aot.plan.written_out import DEPTHS, recomputing_written_out, written_out
@@ -160,6 +161,7 @@ class ModelSteps:
         self._stacked_cut: Recording | None = None
         self._backward_reads: BackwardReads | None | bool = False  # pipeline_holdings' (False: not yet asked)
         self._cut: Recording | None = None
+        self._plan_read = None  # _read_plan's, once read
         self._target(pricing or Pricing())
 
     def _target(self, pricing: Pricing) -> None:
@@ -225,7 +227,14 @@ class ModelSteps:
 
         if self.blocks is None or user_plan(self.mf, self.state.model) is not None:
             return tensor_parallel_plan(self.rec, tp)
-        return widen_plan(tensor_parallel_plan(self._cut_recording(), tp), *self.blocks)
+        return widen_plan(tensor_parallel_plan(self._cut_recording(), tp, read=self._read_plan), *self.blocks)
+
+    def _read_plan(self):
+        """The pairs read from the cut model's forward (tensor_parallel.read_plan: an export, half a
+        second for Llama-3-8B), once for every tp degree."""
+        if self._plan_read is None:
+            self._plan_read = read_plan(self._cut_recording().state.model, self._cut_recording().inputs)
+        return self._plan_read
 
     def _cut_recording(self, ep: int = 1) -> Recording:
         assert self.blocks is not None
@@ -531,8 +540,7 @@ class ModelSteps:
             how = [schedule, *([f"{virtual} stages per rank"] if virtual > 1 else []), f"{microbatches} microbatches", *(["recomputing"] if recompute else [])]
             try:
                 check_microbatches(schedule, pp, microbatches, self.targets.shape[0])
-                # said only of a configuration the build would take: a batch too small for its
-                # microbatches is refused here, before any tracing
+                # said only of a configuration the batch can take: refused here, nothing is traced
                 self.note(f"tracing every pipeline rank's program of {mesh} ({', '.join(how)})")
                 group = Target.of(degrees, self.precision, self.sequence_parallel, self.moe_capacity_factor).group(PP)
                 assert group is not None  # a pipeline mesh
@@ -552,12 +560,6 @@ class ModelSteps:
             self.pipelines[key] = ([c.graph for c in made.captures], [analyze(c.graph, c.slots) for c in made.captures])
             self.seconds["pipelines"] += time.perf_counter() - started
         return self.pipelines[key]
-
-    def pipeline_gradients(self, fsdp: int, tp: int, ep: int = 1) -> int:
-        """Bytes of every parameter's gradient, reached by the loss or not, as the pipeline ranks
-        of a mesh (fsdp, tp, ep) sum them (aot.plan.pipeline_floor.gradient_bytes). Unsupported
-        where the build refuses the layout."""
-        return sum(gradient_bytes(self.recording(ep).state, self.layout(1, 1, tp, ep), self.precision, fsdp).values())
 
     def pipeline_holdings(self, fsdp: int, tp: int, ep: int = 1) -> PipelineHoldings:
         """What the pipeline ranks of a mesh (fsdp, tp, ep) hold at the least

@@ -434,6 +434,8 @@ class _Stamper:
             return source.meta["val"][new.args[1]]
         if node.op == "call_function" and layer is None and (self._reads_every_block(node) or any(a in self.rerun for a in node.all_input_nodes)):
             self.rerun.add(node)
+            if node.meta["val"] is None:  # an in-place foreach op (the optimizer's): nothing to make
+                return None
             listed = self._listed_val(node, new)
             if listed is not None:
                 return listed

@@ -235,13 +235,14 @@ def find_plan(model: nn.Module, inputs: list[torch.Tensor], size: int = 2) -> di
 MAX_TRIALS = 4
 
 
-def explain_plan(model: nn.Module, inputs: list[torch.Tensor], size: int = 2) -> Finding:
+def explain_plan(model: nn.Module, inputs: list[torch.Tensor], size: int = 2, read: Finding | None = None) -> Finding:
     """find_plan, with the reason each Linear left out stays whole. The plan read from the graph
-    is then run (the forward on fake tensors, split over `size` ranks): the graph's shapes are
+    (`read_plan`, or `read` where the caller has it: it does not depend on the degree) is then
+    run (the forward on fake tensors, split over `size` ranks): the graph's shapes are
     numbers, so it cannot tell `view(B, T, self.n_head, hs)` (a head count fixed in code, which
     a rank's share of the heads cannot take) from `view(B, T, -1, hs)`. A module whose forward
     fails split keeps its layers whole, and every module of its class with it."""
-    found = _read_plan(model, inputs)
+    found = read if read is not None else read_plan(model, inputs)
     plan, whole = dict(found.plan), dict(found.whole)
     try:
         check_divisible(plan, model, size, "the found plan")
@@ -263,8 +264,9 @@ def explain_plan(model: nn.Module, inputs: list[torch.Tensor], size: int = 2) ->
     return Finding(plan, {name: why for name, why in whole.items() if name not in plan})
 
 
-def _read_plan(model: nn.Module, inputs: list[torch.Tensor]) -> Finding:
-    """The pairs read from the exported forward graph (the module docstring), not yet run."""
+def read_plan(model: nn.Module, inputs: list[torch.Tensor]) -> Finding:
+    """The pairs read from the exported forward graph (the module docstring), not yet run: the
+    same at every degree (a planner asking for several reads it once)."""
     import contextlib
     import io
 
