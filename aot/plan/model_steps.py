@@ -26,7 +26,7 @@ from aot.plan.plans import mesh_words
 from aot.plan.pipeline_floor import PipelineHoldings, holdings_of
 from aot.plan.recompute import Request
 from aot.plan.repeated_blocks import NotComposable, cut_plan, find_blocks, stamp, truncated, widen_plan, widened_reads
-from aot.plan.tensor_parallel import read_plan
+from aot.plan.tensor_parallel import Finding, read_plan
 from aot.plan.step_synthesis import NotSynthesizable
 from aot.plan import variant_budgets
 from aot.plan.written_out import DEPTHS, recomputing_written_out, written_out
@@ -161,7 +161,7 @@ class ModelSteps:
         self._stacked_cut: Recording | None = None
         self._backward_reads: BackwardReads | None | bool = False  # pipeline_holdings' (False: not yet asked)
         self._cut: Recording | None = None
-        self._plan_read = None  # _read_plan's, once read
+        self._plan_read: Finding | None = None  # _read_plan's, once read
         self._target(pricing or Pricing())
 
     def _target(self, pricing: Pricing) -> None:
