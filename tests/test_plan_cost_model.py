@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import subprocess
 import sys
@@ -266,6 +268,13 @@ def test_rebucket_packs_in_input_order_until_full_or_needed():
     assert [(c.members, c.bytes) for c in big.comms] == [(3, 300), (1, 100)]
     packed = big.comms[0]
     assert [op.target for op in packed.pre_ops] == ["view"] * 3 + ["cat"] and packed.pre_ops[-1].bytes == 600
+    # what packing takes at any size is found once per graph (the search tries many sizes), and
+    # a graph made from it with other collectives (hierarchical_split's) finds its own
+    again = rebucket(step, 150)
+    assert [(c.members, c.bytes, c.issue_at, c.wait_at) for c in again.comms] == [(2, 200, 2, 5), (1, 100, 3, 5), (1, 100, 6, 7)]
+    fewer = dataclasses.replace(step, comms=step.comms[2:])
+    assert step.packing is not None and fewer.packing is None
+    assert [(c.members, c.bytes) for c in rebucket(fewer, 10**9).comms] == [(1, 100), (1, 100)]
 
 
 def _mlp_capture(dp: int, fsdp: int):

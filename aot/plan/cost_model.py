@@ -155,6 +155,13 @@ class StepGraph:
     # reuses (Planner._op_times_for: a deep step has a hundred thousand ops, a few percent resized)
     resized_from: tuple | None = field(default=None, repr=False, compare=False)
     flat_ops: list | None = field(default=None, repr=False, compare=False)  # rescale's: its ops with a flat tensor, found once
+    # aot.plan.rebucket's: what packing its all_reduces takes at any bucket size, found once (the
+    # search rebuckets a graph at every size it tries, and each recomputing variant at those)
+    packing: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        """What a planning worker sends back (aot.plan.workers): not the packing, found again where needed."""
+        return {**self.__dict__, "packing": None}
 
     @property
     def flops(self) -> float:

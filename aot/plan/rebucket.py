@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from aot.plan.cost_model import CommSite, Op, StepGraph, memory_with
 
 
@@ -16,12 +18,11 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
     Memory is re-timed as the build's passes leave it (`step` analyzed after aot.passes.overlap):
     each member's gradient lives until the bucket is packed, and the bucket from then until the
     last read of any member's result, since the unpacked results are views of it."""
-    singles = [c for c in step.comms if c.kind == "all_reduce" and c.members == 1]
-    others = [c for c in step.comms if not (c.kind == "all_reduce" and c.members == 1)]
-    order = sorted(range(len(singles)), key=lambda i: (singles[i].issue_at, i))
+    packing = _packing(step)
+    singles = packing.singles
     open_: dict[tuple, list[list[CommSite]]] = {}
     filling: dict[tuple, tuple] = {}  # (group, dtype) -> the open bucket's bytes, latest issue, first wait
-    for i in order:
+    for i in packing.order:
         c = singles[i]
         buckets = open_.setdefault((c.group, c.dtype), [[]])
         b = buckets[-1]
@@ -36,8 +37,8 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
         filling[(c.group, c.dtype)] = (size + c.input_bytes, max(issue, c.issue_at), min(wait, c.wait_at))
     # the build's analysis lists collectives in graph order, and the simulation issues those due at
     # one op in list order: each keeps its place, a bucket its last member's (bucketing packs there)
-    place = {id(c): i for i, c in enumerate(step.comms)}
-    comms = list(others)
+    place = dict(packing.place)
+    comms = list(packing.others)
     intervals = list(step.memory.intervals)
     changed: dict[int, tuple] = {}
     added: list[tuple] = []
@@ -49,7 +50,7 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
             total = sum(m.input_bytes for m in b)
             added += _retime(intervals, b, changed)
             dtype = b[0].dtype
-            pre = [op for m in b for op in _flattened(m)]
+            pre = [op for m in b for op in packing.flattened(m)]
             pre.append(Op(f"cat_{b[0].name}", "cat", bytes=2.0 * total, dtype=dtype))
             post = [Op(f"split_{b[0].name}", "split_with_sizes", kind="view", dtype=dtype)]
             post += [Op(f"unpack_{m.name}", "view", kind="view", dtype=dtype) for m in b]
@@ -73,6 +74,34 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
     comms.sort(key=lambda c: (c.issue_at, place[id(c)]))
     memory = memory_with(step.memory, changed, tuple(added))
     return StepGraph(ops=step.ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes, resized_from=step.resized_from)
+
+
+@dataclass
+class _Packing:
+    """What rebucket takes from a graph at any bucket size: its single all_reduces in the order
+    their inputs are produced, its other collectives, each collective's place in the graph's
+    list, and each member's flattening ops (made once: the ops are never changed)."""
+
+    singles: list[CommSite]
+    order: list[int]
+    others: list[CommSite]
+    place: dict[int, int]
+    _flat: dict[int, list[Op]]
+
+    def flattened(self, member: CommSite) -> list[Op]:
+        ops = self._flat.get(id(member))
+        if ops is None:
+            ops = self._flat[id(member)] = _flattened(member)
+        return ops
+
+
+def _packing(step: StepGraph) -> _Packing:
+    if step.packing is None:
+        singles = [c for c in step.comms if c.kind == "all_reduce" and c.members == 1]
+        others = [c for c in step.comms if not (c.kind == "all_reduce" and c.members == 1)]
+        order = sorted(range(len(singles)), key=lambda i: (singles[i].issue_at, i))
+        step.packing = _Packing(singles, order, others, {id(c): i for i, c in enumerate(step.comms)}, {})
+    return step.packing
 
 
 def _flattened(member: CommSite) -> list[Op]:
