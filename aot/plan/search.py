@@ -412,13 +412,13 @@ def plan_model(
     `note(line)` hears each long piece of work as it starts (a trace, a pipeline's programs).
     `workers`: processes that trace the model's layout classes, then price its meshes, at once
     (aot.plan.workers; None: default_workers(), about one per core; 1: all in this process)."""
-    from aot.garbage_collection import collected_less_often
+    from aot.garbage_collection import DEFERRED, collected_less_often
     from aot.plan.layout_traces import prefetch
     from aot.plan.workers import default_workers
     from aot.plan.mesh import PLANNED_AXES
 
     # tracing many small graphs: young collections less often too (aot/garbage_collection.py)
-    with collected_less_often(young=50_000, middle=20):
+    with collected_less_often(young=50_000, middle=DEFERRED):
         machine = Machine(profile, world_size)
         memory_limit = MemoryLimit(MEMORY_HEADROOM * machine.memory_bytes, bucket_mbs) if machine.memory_bytes else None
         pricing = Pricing(profile, world_size, machine.per_node, precision, reduce_dtype, memory_limit, machine.compute)
