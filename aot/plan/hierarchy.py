@@ -155,13 +155,15 @@ def chooser(machine: Machine, placement: Placement, mode: str = "auto", flat_alg
     if not found:
         return None
 
+    chosen: dict[tuple, SubGroups | None] = {}  # a deep step's blocks ask the same (group, bytes) again and again
+
     def choose(group: str, nbytes: int) -> SubGroups | None:
-        lv = found.get(group)
-        if lv is None:
-            return None
-        if mode == "always" or hierarchical_wins(machine, placement, lv, nbytes, flat_algorithm):
-            return lv.subgroups
-        return None
+        key = (group, nbytes)
+        if key not in chosen:
+            lv = found.get(group)
+            wins = lv is not None and (mode == "always" or hierarchical_wins(machine, placement, lv, nbytes, flat_algorithm))
+            chosen[key] = lv.subgroups if wins and lv is not None else None
+        return chosen[key]
 
     return choose
 

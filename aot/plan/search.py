@@ -82,6 +82,7 @@ class Planner(PipelineSearch):
         # a search prices every bucket size of a mesh on the same placement: the spans of its
         # groups (which walk every rank) are found once per placement
         self._spans: dict = {}
+        self._choosers: dict = {}  # (placement, mode, flat algorithm) -> hierarchy.chooser's
         self.pipelines_apart_s = 0.0  # seconds pipeline meshes were priced in worker processes (_pipelines_ahead)
 
     def step_graph(self, axes, shape) -> StepGraph:
@@ -202,7 +203,10 @@ class Planner(PipelineSearch):
         flat = self.flat_all_reduce_algorithm(placement, graph.comms) if self.hierarchical != "never" else None
         if flat is None:
             return graph, None
-        return split_levels(graph, hierarchy.chooser(self.machine, placement, self.hierarchical, flat)), flat
+        key = (placement, self.hierarchical, flat)
+        if key not in self._choosers:  # every bucket size of a mesh is split on the same placement
+            self._choosers[key] = hierarchy.chooser(self.machine, placement, self.hierarchical, flat)
+        return split_levels(graph, self._choosers[key]), flat
 
     def flat_all_reduce_algorithm(self, placement: Placement, comms: list) -> str | None:
         """The algorithm NCCL_ALGO pins for the all_reduces of `comms` (a step's collectives, its
