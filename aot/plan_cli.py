@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import click
 
 from aot import cli_options as options
+from aot import json_text
 from aot.plan_tables import describe_memory, render_table
 from runner.commands.console import debug_option
 
@@ -169,7 +169,7 @@ def plan(
     rows = [p.row() for p in plans]
     if as_json:
         click.echo(
-            json.dumps(
+            json_text.dumps(
                 {
                     "model_file": str(model_file),
                     "topology": machine.name,
@@ -188,7 +188,6 @@ def plan(
                     "skipped": skipped,
                     "plans": rows,
                 },
-                indent=1,
             )
         )
         return

@@ -5,11 +5,11 @@ fastest first, so hardware can be chosen before anything is built."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
+from aot import json_text
 from aot.plan_tables import aligned, ms, samples_per_s, strategy_label
 
 
@@ -39,7 +39,7 @@ def what_if(model_file: Path, targets: list[tuple[str, tuple[dict, int]]], batch
     assert steps is not None  # planned at least once: `aot plan` calls this with two or more targets
     entries.sort(key=rank_key)
     if as_json:
-        click.echo(json.dumps(entries, indent=1))
+        click.echo(json_text.dumps(entries))
         return
     header = (
         f"{Path(model_file).name}: {steps.params:,} parameters, {steps.precision.compute}, "
