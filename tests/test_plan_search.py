@@ -35,8 +35,8 @@ def _plan(*args) -> dict:
 def test_planning_says_what_it_traces_as_it_starts():
     """Each trace and each pipeline's programs announced (`aot plan` prints them on a terminal):
     the layout classes of 8 ranks over dp, fsdp and tp (the graphs without fsdp derived; the
-    longest first, aot/plan/layout_traces.py), and a pipeline's programs for each schedule and
-    microbatch count traced."""
+    longest first, aot/plan/layout_traces.py), the meshes' pricing as it goes, and a pipeline's
+    programs for each schedule and microbatch count traced."""
     from aot.plan.search import plan_model
     from runner.hardware.topology import for_nodes, load_profile
 
@@ -48,6 +48,11 @@ def test_planning_says_what_it_traces_as_it_starts():
         "tracing the step on dp x fsdp=2 x tp=2 (2 of 4), 1 more graph(s) derived from it",
         "tracing the step on fsdp=2 x tp=4 (3 of 4), 1 more graph(s) derived from it",
         "tracing the step on tp=8 (4 of 4)",
+        # then the meshes priced: a line as that starts, and one at each quarter of them
+        "pricing 10 meshes without pp, each at every bucket size (recomputing activations where over device memory)",
+        "pricing mesh 3 of 10 (fsdp=4,tp=2)",
+        "pricing mesh 6 of 10 (dp=2,fsdp=2,tp=2)",
+        "pricing mesh 8 of 10 (dp=4,tp=2)",
     ], said
     said.clear()
     plan_model(Path(MLP), for_nodes(load_profile("dgx_a100"), 1, 2), 2, 8, axes=("pp",), note=said.append)

@@ -65,8 +65,10 @@ class Planner(PipelineSearch):
         pipeline: Callable | None = None,
         batch_size: int | None = None,
         pipeline_holdings: Callable | None = None,
+        note: Callable[[str], None] | None = None,
     ):
         self.machine = machine
+        self.note = note or (lambda line: None)  # hears the search's progress (`aot plan` on a terminal)
         self.batch_size = batch_size  # per data-parallel rank: the microbatch counts a pipeline can take (None: any)
         # (axes, shape, microbatches) -> (programs, their analyses), one per pipeline rank (ModelSteps.pipeline)
         self._pipeline = pipeline
@@ -286,7 +288,17 @@ class Planner(PipelineSearch):
         groups: dict[tuple, list[tuple]] = {}
         for shape in meshes:
             groups.setdefault(tuple((a, d > 1 if a == DP else d) for a, d in zip(axes, shape)), []).append(shape)
-        priced = in_workers(list(groups.values()), lambda group: [self._mesh_priced(axes, shape, bucket_mbs) for shape in group], workers)
+        jobs = list(groups.values())
+        before = {id(group): sum(len(g) for g in jobs[:i]) for i, group in enumerate(jobs)}  # meshes in the groups before each
+        quarters = {before[id(jobs[len(jobs) * q // 4])] for q in range(1, 4)} if jobs else set()
+
+        def started(group: list[tuple]) -> None:  # a line as the search starts, then at each quarter of it
+            if not before[id(group)]:
+                self.note(f"pricing {len(meshes)} mesh{'es' if len(meshes) != 1 else ''} without pp, each at every bucket size (recomputing activations where over device memory)")
+            elif before[id(group)] in quarters:
+                self.note(f"pricing mesh {before[id(group)] + 1} of {len(meshes)} ({mesh_name(axes, group[0])})")
+
+        priced = in_workers(jobs, lambda group: [self._mesh_priced(axes, shape, bucket_mbs) for shape in group], workers, started=started)
         by_mesh = {shape: made for group, made in zip(groups.values(), priced) for shape, made in zip(group, made)}
         return [by_mesh[shape] for shape in meshes]
 
@@ -438,6 +450,7 @@ def plan_model(
             pipeline=steps.pipeline,
             batch_size=batch_size,
             pipeline_holdings=steps.pipeline_holdings,
+            note=note,
         )
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
         # every axis the planner searches; ep for a model with experts
