@@ -294,7 +294,9 @@ class Planner(PipelineSearch):
 
         def started(group: list[tuple]) -> None:  # a line as the search starts, then at each quarter of it
             if not before[id(group)]:
-                self.note(f"pricing {len(meshes)} mesh{'es' if len(meshes) != 1 else ''} without pp, each at every bucket size (recomputing activations where over device memory)")
+                self.note(
+                    f"pricing {len(meshes)} mesh{'es' if len(meshes) != 1 else ''} without pp, each at every bucket size (recomputing activations where over device memory)"
+                )
             elif before[id(group)] in quarters:
                 self.note(f"pricing mesh {before[id(group)] + 1} of {len(meshes)} ({mesh_name(axes, group[0])})")
 
@@ -425,7 +427,8 @@ def plan_model(
     model steps an earlier call returned for the same model file, batch size, seed and sequence
     parallelism on another profile; the graphs that stay valid on this one are not traced again
     (ModelSteps.retargeted), so planning one model for several profiles traces it about once.
-    `note(line)` hears each long piece of work as it starts (a trace, a pipeline's programs).
+    `note(line)` hears each long piece of work as it starts (a trace, a pipeline's programs, each
+    quarter of the meshes priced).
     `workers`: processes that trace the model's layout classes, then price its meshes, at once
     (aot.plan.workers; None: default_workers(), about one per core; 1: all in this process)."""
     from aot.garbage_collection import DEFERRED, collected_less_often
