@@ -294,9 +294,8 @@ class Planner(PipelineSearch):
 
         def started(group: list[tuple]) -> None:  # a line as the search starts, then at each quarter of it
             if not before[id(group)]:
-                self.note(
-                    f"pricing {len(meshes)} mesh{'es' if len(meshes) != 1 else ''} without pp, each at every bucket size (recomputing activations where over device memory)"
-                )
+                count = f"{len(meshes)} mesh{'es' if len(meshes) != 1 else ''}"
+                self.note(f"pricing {count} without pp, each at every bucket size (recomputing activations where over device memory)")
             elif before[id(group)] in quarters:
                 self.note(f"pricing mesh {before[id(group)] + 1} of {len(meshes)} ({mesh_name(axes, group[0])})")
 
