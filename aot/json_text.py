@@ -1,5 +1,5 @@
 """JSON for people and programs at once: `--json` output indented as json.dumps(indent=1) writes
-it, but each list of plain values (numbers, strings, booleans, null) on one line.
+it, but each list of numbers (booleans, nulls) on one line; strings keep a line each.
 
 `aot plan --json` lists every plan a search priced, each with its placement's rank map (a list of
 every rank: 16,384 numbers at 2,048 nodes). Indented, json puts each number on a line of its own
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-_NESTED = (dict, list, tuple)
+_OWN_LINE = (dict, list, tuple, str)  # what keeps a line of its own in a list
 
 
 def dumps(value: Any) -> str:
@@ -30,8 +30,8 @@ def _write(value: Any, depth: int, out: list[str]) -> None:
         items = [(_key(k), v) for k, v in value.items()]
         opening, closing = "{", "}"
     elif isinstance(value, (list, tuple)):
-        if not any(isinstance(v, _NESTED) for v in value):
-            out.append(json.dumps(value))  # plain values: one line, by the C encoder
+        if not any(isinstance(v, _OWN_LINE) for v in value):
+            out.append(json.dumps(value))  # numbers: one line, by the C encoder
             return
         items = [(None, v) for v in value]
         opening, closing = "[", "]"
