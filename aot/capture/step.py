@@ -534,26 +534,23 @@ class RankState:
     optimizer_state: dict[str, torch.Tensor]
 
 
-def cut_like(value: torch.Tensor, cut, sizes_only: bool = False) -> torch.Tensor:
+def cut_like(value: torch.Tensor, cut) -> torch.Tensor:
     """`cut(value)`, a piece of `value` (a slice, a shard). A fake tensor's piece (the build's,
     which the trace reads for its shape only) is cut from a meta stand-in and made anew with the
     piece's shape and strides: cut through the fake mode, op by op, it was 4 s of a
-    DeepSeek-V3-sized build. `sizes_only`: the meta piece itself, for its shape and dtype."""
+    DeepSeek-V3-sized build."""
     if not isinstance(value, FakeTensor):
         return cut(value)
     piece = cut(torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta"))
-    if sizes_only:
-        return piece
     with value.fake_mode:
         return torch.empty_strided(piece.shape, piece.stride(), dtype=piece.dtype, device=value.device)
 
 
-def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp_index: int = 0, ep_index: int = 0, sizes_only: bool = False) -> RankState:
+def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp_index: int = 0, ep_index: int = 0) -> RankState:
     """The parameters and optimizer state one rank holds: its tensor-parallel slice of every
     parameter `tp_plan` splits, its ep slice of every experts weight (whole otherwise), then its
     fsdp shard of that; optimizer state shaped like its parameter follows the parameter, 0-dim
-    state (step counters) is replicated. `sizes_only` (a planner counting bytes): of a fake
-    state, meta pieces, and whole values not copied: not to be traced or written to."""
+    state (step counters) is replicated."""
     dims, fused = layout.tp_dims(state), layout.tp_fused(state)
     tp_size = layout.tp.size if layout.tp else 1
     parts = layout.fsdp.size if layout.fsdp else 1
@@ -567,21 +564,18 @@ def rank_state(state: TrainingState, layout: StepLayout, fsdp_index: int = 0, tp
         return piece if parts == 1 else shard(piece, parts, fsdp_index)
 
     def place(name: str, value: torch.Tensor) -> torch.Tensor:
-        return cut_like(value, lambda v: cut(name, v), sizes_only)
-
-    def whole(value: torch.Tensor) -> torch.Tensor:
-        return value if sizes_only else value.clone()
+        return cut_like(value, lambda v: cut(name, v))
 
     params = {n: place(n, p) for n, p in state.params.items()}
     optimizer_state = {}
     for name, key in state.optimizer_slots:
         value = state.optimizer_state[optimizer_key(name, key)]
         if value.dim() == 0:
-            optimizer_state[optimizer_key(name, key)] = whole(value)
+            optimizer_state[optimizer_key(name, key)] = value.clone()
         elif value.shape == state.params[name].shape:
             optimizer_state[optimizer_key(name, key)] = place(name, value)
         elif parts == 1 and name not in dims and name not in experts:
-            optimizer_state[optimizer_key(name, key)] = whole(value)
+            optimizer_state[optimizer_key(name, key)] = value.clone()
         else:
             raise AotError(f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, unlike its parameter; it cannot be sharded")
     return RankState(params, optimizer_state)

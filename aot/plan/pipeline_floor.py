@@ -89,7 +89,7 @@ def holdings_of(state: TrainingState, layout: StepLayout, sharded: StepLayout, p
     gradients = gradient_bytes(state, layout, precision, fsdp)
     if reads is not None:  # a parameter the loss does not reach gets no gradient: none summed, none counted
         gradients = {name: b for name, b in gradients.items() if name in reads.reached}
-    local = rank_state(state, sharded, sizes_only=True)  # its bytes only
+    local = rank_state(state, sharded)
     held = {name: p.numel() * p.element_size() for name, p in local.params.items()}
     for name, key in state.optimizer_slots:
         value = local.optimizer_state[optimizer_key(name, key)]
