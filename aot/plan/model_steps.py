@@ -229,11 +229,10 @@ class ModelSteps:
             return tensor_parallel_plan(self.rec, tp)
         return widen_plan(tensor_parallel_plan(self._cut_recording(), tp, read=self._read_plan), *self.blocks)
 
-    def _read_plan(self):
-        """The pairs read from the cut model's forward (tensor_parallel.read_plan: an export, half a
-        second for Llama-3-8B), once for every tp degree."""
-        if self._plan_read is None:
-            self._plan_read = read_plan(self._cut_recording().state.model, self._cut_recording().inputs)
+    def _read_plan(self) -> Finding:
+        """The pairs read from the cut model's forward (an export, 0.5 s for 8B), once for every tp degree."""
+        cut = self._cut_recording()
+        self._plan_read = self._plan_read or read_plan(cut.state.model, cut.inputs)
         return self._plan_read
 
     def _cut_recording(self, ep: int = 1) -> Recording:
