@@ -119,6 +119,12 @@ class Memory:
     def resident(self) -> int:
         return self.params + self.buffers + self.optimizer + self.batch
 
+    def figures(self) -> "Memory":
+        """This memory's figures without the storages they were read from: what a plan keeps (a
+        search keeps hundreds of plans, and a worker sends each back to the planner; a deep step's
+        intervals are a hundred thousand tuples, half a megabyte pickled)."""
+        return replace(self, resident_tensors=(), intervals=(), scale=None, sweep=None, columns=None)
+
     @property
     def peak(self) -> int:
         return self.resident + self.peak_transient
@@ -460,6 +466,6 @@ def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool 
         collectives=len(step.comms),
         comm_bytes=comm_bytes,
         algorithms=algos,
-        memory=step.memory,
+        memory=step.memory.figures(),
         events=events,
     )

@@ -54,6 +54,11 @@ class Placement:
     def __hash__(self) -> int:  # a search keys its caches by placement: hash 16,384 ranks once
         return self._hash
 
+    def __getstate__(self) -> dict:
+        """What a planning worker sends back with its plans (aot.plan.workers): not the cache, whose
+        group lists and spans over 16,384 ranks made the plans of a mesh megabytes to send."""
+        return {**self.__dict__, "_cache": {}}
+
     @property
     def world_size(self) -> int:
         return math.prod(self.shape)

@@ -143,9 +143,13 @@ class Planner(PipelineSearch):
             return seconds(site.kind, site.group, site.bytes, algorithm)
 
         pinned: dict[str, str] = {}
+        # a deep step repeats each block's collectives: each (group, size) of a kind priced once
+        counted = Counter((c.kind, c.group, c.bytes) for c in comms)
+        by_kind: dict[str, dict[tuple, int]] = {}
+        for (kind, group, nbytes), n in counted.items():
+            by_kind.setdefault(kind, {})[(group, nbytes)] = n
         for kind in collectives.KINDS:
-            # a deep step repeats each block's collectives: each (group, size) priced once
-            sites = Counter((c.group, c.bytes) for c in comms if c.kind == kind)
+            sites = by_kind.get(kind, {})
             options = realizable.get(kind, ("ring",))
             if not sites or len(options) == 1 or kind not in kinds:
                 pinned[kind] = options[0]
@@ -155,7 +159,7 @@ class Planner(PipelineSearch):
         nccl = None
         if machine.backend == "nccl" and comms:
             names = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reducescatter"}
-            used = sorted({c.kind for c in comms if c.kind in names})
+            used = sorted(k for k in by_kind if k in names)
             nccl = ";".join(f"{names[k]}:{_nccl_name(pinned[k])}" for k in used)
 
         cache: dict = {}
