@@ -99,6 +99,9 @@ class Machine:
         self._pair_cache: dict[tuple[int, int], tuple[str, Link]] = {}
         self._device_order: list[int] | None = None
         self._span_cache: dict[tuple, Span] = {}
+        # (axis size, its stride in the layout, the devices laid onto) -> whether its groups ascend,
+        # and the distinct spans of its groups (aot.plan.placement.place)
+        self.axis_groups: dict[tuple, tuple[bool, list[Span]]] = {}
 
     # -- compute ----------------------------------------------------------------------------
     def _compute(self) -> DeviceModel:

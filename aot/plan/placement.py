@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -179,10 +179,14 @@ def axis_cost(machine: Machine, placement: Placement, axis: str, nbytes: float) 
     """Seconds for one all_reduce of `nbytes` over `axis`: its slowest group, best algorithm."""
     if nbytes <= 0 or dict(zip(placement.axes, placement.shape)).get(axis, 1) <= 1:
         return 0.0
+    return _slowest(machine, [machine.span(group, "all_reduce") for group in placement.distinct_groups(axis, machine.per_node)], nbytes)
+
+
+def _slowest(machine: Machine, spans: list, nbytes: float) -> float:
+    """The most seconds any of `spans` takes for an all_reduce of `nbytes`, at its best algorithm."""
     worst = 0.0
     seen = set()
-    for group in placement.distinct_groups(axis, machine.per_node):
-        span = machine.span(group, "all_reduce")
+    for span in spans:
         key = (span.p, span.nodes, span.per_node, span.intra, span.inter, span.rails)
         if key in seen:
             continue
@@ -191,6 +195,32 @@ def axis_cost(machine: Machine, placement: Placement, axis: str, nbytes: float) 
             worst, min(machine.compute.collective_seconds("all_reduce", a, span, nbytes) for a in collectives.ALGORITHMS["all_reduce"]) if span.p > 1 else 0.0
         )
     return worst
+
+
+def _axis_groups(machine: Machine, size: int, stride: int, devices: tuple[int, ...] | str) -> tuple[bool, list]:
+    """(whether its groups' ranks ascend with the coordinate, the spans of one of each kind of
+    group) of a mesh axis of `size` whose coordinate steps `stride` places along `devices` (a
+    layout's; "islands": the machine's device order, "identity": rank order) in a placement of
+    every rank. An axis's groups
+    are the same sets of ranks whatever the other axes are, given its size and stride: a search
+    over 16,384 ranks tries six orders of a hundred meshes, with a few dozen (size, stride) among
+    them."""
+    key = (size, stride, devices)
+    if key not in machine.axis_groups:
+        world = machine.world_size
+        if devices == "islands":
+            laid: Sequence[int] = machine.device_order()
+        elif devices == "identity":
+            laid = range(world)
+        else:
+            assert not isinstance(devices, str), devices
+            laid = devices
+        slots = np.asarray(laid, dtype=np.int64)[:world]
+        groups = slots[np.arange(world, dtype=np.int64).reshape(-1, size, stride).transpose(0, 2, 1).reshape(-1, size)]
+        ascending = bool(np.all(np.diff(groups, axis=1) > 0))
+        spans = [machine.span(group, "all_reduce") for group in distinct_groups(groups, machine.per_node)]
+        machine.axis_groups[key] = (ascending, spans)
+    return machine.axis_groups[key]
 
 
 def traffic_of(sites) -> dict[str, float]:
@@ -211,20 +241,26 @@ def place(
     if math.prod(shape) != machine.world_size:
         raise ValueError(f"mesh of {math.prod(shape)} ranks on a machine of {machine.world_size}")
     traffic = traffic or {a: DEFAULT_TRAFFIC.get(a, 1.0) * 2**20 for a in axes}
+    size = dict(zip(axes, shape))
     active = tuple(a for a, d in zip(axes, shape) if d > 1)
     fixed = tuple(a for a in axes if a not in active)
+    laid = tuple(devices) if devices is not None else "islands"
     best, best_cost = None, math.inf
-    candidates = (layout(machine, axes, shape, fixed + perm, devices) for perm in itertools.permutations(active))
-    for candidate in itertools.chain(candidates, [identity(axes, shape)]):
-        if not candidate.ascending:  # torch would order some group's members otherwise than its coordinates
+    # the orders laid onto the devices, then the identity (each axis's groups as they would be:
+    # the Placement is made for the one chosen only)
+    candidates = [(fixed + perm, laid) for perm in itertools.permutations(active)] + [(tuple(axes), "identity")]
+    for order, onto in candidates:
+        groups = {a: _axis_groups(machine, size[a], math.prod(size[b] for b in order[order.index(a) + 1 :]), onto) for a in active}
+        if not all(ascending for ascending, _ in groups.values()):  # torch would order some group's members otherwise than its coordinates
             continue
-        cost = sum(axis_cost(machine, candidate, a, traffic.get(a, 0.0)) for a in active)
+        cost = sum(_slowest(machine, groups[a][1], traffic.get(a, 0.0)) if traffic.get(a, 0.0) > 0 else 0.0 for a in active)
         # strictly cheaper wins; permutations start with the mesh's own order, so it wins ties,
         # and the identity (last) is there for a machine where no laid-out order qualifies
         if cost < best_cost * (1 - 1e-9):
-            best, best_cost = candidate, cost
+            best, best_cost = (order, onto), cost
     assert best is not None  # the identity always qualifies
-    return best
+    order, onto = best
+    return identity(axes, shape) if onto == "identity" else layout(machine, axes, shape, order, devices)
 
 
 def identity(axes: tuple[str, ...], shape: tuple[int, ...]) -> Placement:
