@@ -44,11 +44,18 @@ def test_planning_says_what_it_traces_as_it_starts():
     profile = for_nodes(load_profile("dgx_a100"), 1, 8)
     plan_model(Path(MLP), profile, 8, 8, axes=("dp", "fsdp", "tp"), note=said.append)
     assert said == [
-        "tracing the step on dp x fsdp=2 (1 of 4), 1 more graph(s) derived from it",
-        "tracing the step on dp x fsdp=2 x tp=2 (2 of 4), 1 more graph(s) derived from it",
-        "tracing the step on fsdp=2 x tp=4 (3 of 4), 1 more graph(s) derived from it",
-        "tracing the step on tp=8 (4 of 4)",
-        # then the meshes priced: a line as that starts, and one at each quarter of them
+        # each class's meshes priced as soon as it is traced (8 ranks: 4 + 3 + 2 + 1 meshes)
+        "tracing the step on dp x fsdp=2 (1 of 4), 1 more graph(s) derived from it, then pricing the 4 meshes read from them",
+        "tracing the step on dp x fsdp=2 x tp=2 (2 of 4), 1 more graph(s) derived from it, then pricing the 3 meshes read from them",
+        "tracing the step on fsdp=2 x tp=4 (3 of 4), 1 more graph(s) derived from it, then pricing the 2 meshes read from them",
+        "tracing the step on tp=8 (4 of 4), then pricing the 1 mesh read from it",
+    ], said
+    said.clear()
+    # meshes left to price after the traces (a what-if plan on another profile reuses the graphs
+    # traced for the first): a line as that starts, and one at each quarter of them
+    steps = plan_model(Path(MLP), profile, 8, 8, axes=("dp", "fsdp", "tp"))[3]
+    plan_model(Path(MLP), profile, 8, 8, axes=("dp", "fsdp", "tp"), note=said.append, reuse=steps)
+    assert said == [
         "pricing 10 meshes without pp, each at every bucket size (recomputing activations where over device memory)",
         "pricing mesh 3 of 10 (fsdp=4,tp=2)",
         "pricing mesh 6 of 10 (dp=2,fsdp=2,tp=2)",

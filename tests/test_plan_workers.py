@@ -63,7 +63,8 @@ def test_workers_announce_each_trace_as_it_starts_and_carry_back_failures():
             runs[workers] = (said, priced, skipped, sorted(steps.traced))
         assert runs[1] == runs[2]
         said, _, skipped, _ = runs[2]
-        assert said[0].startswith("tracing the step on ") and said[0].endswith("(1 of 4), 1 more graph(s) derived from it"), said
+        first = "(1 of 4), 1 more graph(s) derived from it, then pricing the 4 meshes read from them"
+        assert said[0].startswith("tracing the step on ") and said[0].endswith(first), said
     assert len(skipped) == 6 and all("tp_plan names module 'fc2', which the model does not have" in why for why in skipped), skipped
 
 

@@ -8,14 +8,17 @@ process where the machine has the cores (aot.plan.workers: Llama-3-8B's four cla
 ranks are each several seconds of single-threaded tracing, recomputing and analysis), and merges
 what each made (its graphs, their recomputing variants, what failed and why, the
 tensor-parallel plans found on the way) into the planner's ModelSteps, as if it had made them
-itself: the plans are the same (tests/test_plan_workers.py).
+itself: the plans are the same (tests/test_plan_workers.py). Given the planner's pricing, each
+worker then prices the meshes read from the graphs it just made, where they are: the cores stay
+busy while the slower traces finish, and no graph travels to another worker to be priced (planning
+Llama-3-8B for 1,024 ranks, one worker had waited 1.5 s for the other's last trace).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from aot.errors import AotError
 from aot.plan.model_steps import ModelSteps, Unsupported, _key, factorizations
@@ -26,10 +29,10 @@ from runner.format.axes import DP, EP, FSDP, TP
 _MADE = ("traced", "recomputed", "recompute_failed", "_failed", "_tp_plans")
 
 
-def needed(steps: ModelSteps, axes: tuple) -> list[tuple]:
+def needed(steps: ModelSteps, axes: tuple, meshes: dict[tuple, list[tuple]] | None = None) -> list[tuple]:
     """What a search over `axes` will ask to trace: [(key, (dp, fsdp, tp) traced)] in the order
     it first asks (a mesh refused before any trace is left out; a degree the plan cannot take
-    is found out when tracing)."""
+    is found out when tracing). `meshes`, where given, gets each key's meshes (shapes over `axes`)."""
     from aot.plan.tensor_parallel import check_degree
 
     first: dict[tuple, tuple] = {}
@@ -47,18 +50,26 @@ def needed(steps: ModelSteps, axes: tuple) -> list[tuple]:
             continue
         source = steps._source(dp, fsdp, tp, ep)
         first.setdefault(_key(*source), source)
+        if meshes is not None:
+            meshes.setdefault(_key(*source), []).append(shape)
     return list(first.items())
 
 
-def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1) -> None:
+def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1, price: Callable[[list[tuple]], dict] | None = None) -> dict:
     """Trace, before a search over `axes`, the graphs it will ask for, each graph without fsdp
     derived from the fsdp=2 graph of its tp degree where the search needs that one too, in up to
-    `workers` processes at once. What a trace raises is raised again when the search asks for it."""
+    `workers` processes at once. What a trace raises is raised again when the search asks for it.
+
+    `price(meshes)` (the planner's Planner.priced, {mesh: what the search makes of it}), where
+    given, runs right after each trace on the meshes read from its graphs, in the worker that
+    holds them: no worker waits for the slowest trace before the pricing starts, and no graph is
+    sent to another worker. Returns what it made, for every such mesh ({} without `price`)."""
     from aot.plan.workers import in_workers, will_fork
 
     if steps.world_size is None:
-        return
-    todo = [(key, source) for key, source in needed(steps, axes) if key not in steps.traced and key not in steps._failed]
+        return {}
+    meshes: dict[tuple, list[tuple]] = {}
+    todo = [(key, source) for key, source in needed(steps, axes, meshes) if key not in steps.traced and key not in steps._failed]
     # mixed precision: the fsdp graph gathers parameters in the compute dtype, which the graph
     # without fsdp does not, so its forward is not the one to derive from: each is traced
     # keyed by (tp, ep): a graph without fsdp is derived from the fsdp=2 graph of its tp and ep degrees
@@ -71,29 +82,50 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1) -> None:
     # then the lower tp degrees (larger per-rank graphs, the likelier to need recomputing variants)
     traced.sort(key=lambda job: (not steps._derived.get(job[0]), job[0][2]))
     jobs = [(i, key, source, len(traced), os.getpid()) for i, (key, source) in enumerate(traced)]
+    # each job's meshes: its own graph's and those of the graphs derived from it
+    shapes = {key: [m for k in (key, *(other for other, _ in steps._derived.get(key, ()))) for m in meshes.get(k, ())] for key, _ in traced}
     started = time.perf_counter()
-    spent = {"tracing": 0.0, "recomputing": 0.0}
-    for made in in_workers(jobs, lambda job: _trace(steps, *job), workers, started=lambda job: _announce(steps, *job)):
+    spent = {"tracing": 0.0, "recomputing": 0.0, "pricing": 0.0}
+    priced: dict = {}
+
+    def work(job: tuple) -> dict[str, Any]:
+        made = _trace(steps, *job)
+        if price is not None:
+            before = time.perf_counter()
+            made["priced"] = price(shapes[job[1]])
+            made["seconds"]["pricing"] = time.perf_counter() - before
+        return made
+
+    announce = lambda job: _announce(steps, *job, priced=len(shapes[job[1]]) if price is not None else 0)  # noqa: E731
+    for made in in_workers(jobs, work, workers, started=announce):
         for line in made.pop("notes"):  # what a worker said while tracing, said here once it is done
             steps.note(line)
+        priced.update(made.pop("priced", {}))
         seconds = made.pop("seconds")
         for part in spent:
-            spent[part] += seconds[part]
+            spent[part] += seconds.get(part, 0.0)
         for name, entries in made.items():
             getattr(steps, name).update(entries)
+    wall = time.perf_counter() - started
     if will_fork(jobs, workers):
-        # the seconds the traces took, split between tracing and recomputing as the workers' were
-        # (their clocks ran in their own copies of `steps`; summed, they exceed the wall time the
-        # search waited). In this process `steps` has counted them already.
-        wall = time.perf_counter() - started
+        # the seconds the traces took, split between tracing, recomputing and pricing as the
+        # workers' were (their clocks ran in their own copies of `steps`; summed, they exceed the
+        # wall time the search waited). In this process `steps` has counted them already.
+        busy = spent["tracing"] + spent["pricing"]
+        traced_share = spent["tracing"] / busy if busy else 0.0
         share = spent["recomputing"] / spent["tracing"] if spent["tracing"] else 0.0
-        steps.seconds["tracing"] += wall
-        steps.seconds["recomputing"] += wall * share
+        steps.seconds["tracing"] += wall * traced_share
+        steps.seconds["recomputing"] += wall * traced_share * share
+    return priced
 
 
-def _announce(steps: ModelSteps, i: int, key: tuple, source: tuple, count: int, planner: int) -> None:
+def _announce(steps: ModelSteps, i: int, key: tuple, source: tuple, count: int, planner: int, priced: int = 0) -> None:
     derived = len(steps._derived.get(key, ()))
-    steps.note(f"tracing the step on {mesh_words(source)} ({i + 1} of {count})" + (f", {derived} more graph(s) derived from it" if derived else ""))
+    steps.note(
+        f"tracing the step on {mesh_words(source)} ({i + 1} of {count})"
+        + (f", {derived} more graph(s) derived from it" if derived else "")
+        + (f", then pricing the {priced} mesh{'es' if priced != 1 else ''} read from {'them' if derived else 'it'}" if priced else "")
+    )
 
 
 def _trace(steps: ModelSteps, i: int, key: tuple, source: tuple, count: int, planner: int) -> dict[str, Any]:

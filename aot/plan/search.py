@@ -233,17 +233,23 @@ class Planner(PipelineSearch):
 
     # -- the search ---------------------------------------------------------------------------
     def search(
-        self, axes: tuple[str, ...], bucket_mbs: tuple[float, ...] | None = None, prune_pipelines: bool = False, workers: int = 1
+        self,
+        axes: tuple[str, ...],
+        bucket_mbs: tuple[float, ...] | None = None,
+        prune_pipelines: bool = False,
+        workers: int = 1,
+        priced: dict[tuple, tuple[list[Plan], list[str]]] | None = None,
     ) -> tuple[list[Plan], list[str]]:
         """Every mesh over `axes` for the machine's world size x every distinct bucketing, ranked.
         `prune_pipelines`: price a pipeline mesh only where it could rank first (pipeline_may_win)
         or where nothing without pp fits; its every pipeline rank's program is traced at each
         schedule, ten times a mesh without pp. `workers`: processes that price pipeline meshes at
-        once (`_pipelines_ahead`)."""
+        once (`_pipelines_ahead`). `priced`: meshes without pp priced already (`priced`'s, as
+        their graphs were traced: aot.plan.layout_traces.prefetch)."""
         plans, skipped = [], []
         pipelines = [shape for shape in factorizations(self.machine.world_size, axes) if dict(zip(axes, shape)).get(PP, 1) > 1]
         meshes = [shape for shape in factorizations(self.machine.world_size, axes) if shape not in pipelines]
-        for made, missed in self._meshes_priced(axes, meshes, bucket_mbs, workers):
+        for made, missed in self._meshes_priced(axes, meshes, bucket_mbs, workers, priced or {}):
             plans += made
             skipped += missed
         seeds = self.pipeline_seeds(axes, plans) if prune_pipelines else None
@@ -282,29 +288,36 @@ class Planner(PipelineSearch):
         plans.sort(key=rank_key)
         return plans, skipped
 
-    def _meshes_priced(self, axes: tuple, meshes: list[tuple], bucket_mbs, workers: int) -> list[tuple[list[Plan], list[str]]]:
-        """[(plans, skipped)] of each mesh without pp (`_mesh_priced`), in order; by `workers`
-        forked processes at once, each taking the meshes read from one graph (those that differ in
-        their dp degree only: the graph's derivations and op times are made once), where there
-        is more than one such group (aot.plan.workers)."""
+    def priced(self, axes: tuple, bucket_mbs) -> Callable[[list[tuple]], dict[tuple, tuple[list[Plan], list[str]]]]:
+        """meshes -> {mesh: its (plans, skipped)} (`_mesh_priced`), for the meshes without pp of a
+        search over `axes` that are priced as their graphs are traced (`search`'s `priced`)."""
+        return lambda meshes: {shape: self._mesh_priced(axes, shape, bucket_mbs) for shape in meshes}
+
+    def _meshes_priced(self, axes: tuple, meshes: list[tuple], bucket_mbs, workers: int, priced: dict) -> list[tuple[list[Plan], list[str]]]:
+        """[(plans, skipped)] of each mesh without pp (`_mesh_priced`), in order, but those in
+        `priced` already; by `workers` forked processes at once, each taking the meshes read from
+        one graph (those that differ in their dp degree only: the graph's derivations and op times
+        are made once), where there is more than one such group (aot.plan.workers)."""
         from aot.plan.workers import in_workers
 
         groups: dict[tuple, list[tuple]] = {}
         for shape in meshes:
-            groups.setdefault(tuple((a, d > 1 if a == DP else d) for a, d in zip(axes, shape)), []).append(shape)
+            if shape not in priced:
+                groups.setdefault(tuple((a, d > 1 if a == DP else d) for a, d in zip(axes, shape)), []).append(shape)
         jobs = list(groups.values())
         before = {id(group): sum(len(g) for g in jobs[:i]) for i, group in enumerate(jobs)}  # meshes in the groups before each
         quarters = {before[id(jobs[len(jobs) * q // 4])] for q in range(1, 4)} if jobs else set()
+        left = sum(len(group) for group in jobs)
 
         def started(group: list[tuple]) -> None:  # a line as the search starts, then at each quarter of it
             if not before[id(group)]:
-                count = f"{len(meshes)} mesh{'es' if len(meshes) != 1 else ''}"
+                count = f"{left} mesh{'es' if left != 1 else ''}"
                 self.note(f"pricing {count} without pp, each at every bucket size (recomputing activations where over device memory)")
             elif before[id(group)] in quarters:
-                self.note(f"pricing mesh {before[id(group)] + 1} of {len(meshes)} ({mesh_name(axes, group[0])})")
+                self.note(f"pricing mesh {before[id(group)] + 1} of {left} ({mesh_name(axes, group[0])})")
 
-        priced = in_workers(jobs, lambda group: [self._mesh_priced(axes, shape, bucket_mbs) for shape in group], workers, started=started)
-        by_mesh = {shape: made for group, made in zip(groups.values(), priced) for shape, made in zip(group, made)}
+        made = in_workers(jobs, lambda group: [self._mesh_priced(axes, shape, bucket_mbs) for shape in group], workers, started=started)
+        by_mesh = {**priced, **{shape: one for group, ones in zip(groups.values(), made) for shape, one in zip(group, ones)}}
         return [by_mesh[shape] for shape in meshes]
 
     def _mesh_priced(self, axes: tuple, shape: tuple, bucket_mbs) -> tuple[list[Plan], list[str]]:
@@ -463,7 +476,8 @@ def plan_model(
         searched = tuple(axes or (*PLANNED_AXES, *([EP] if steps.has_experts else [])))
         workers = default_workers() if workers is None else workers
         steps.workers = workers  # `aot plan` says how many planned
-        prefetch(steps, searched, workers)
-        plans, skipped = planner.search(searched, bucket_mbs, prune_pipelines=axes is None, workers=workers)
+        # each layout class's meshes priced where it was traced, as soon as it is
+        priced = prefetch(steps, searched, workers, price=planner.priced(searched, bucket_mbs))
+        plans, skipped = planner.search(searched, bucket_mbs, prune_pipelines=axes is None, workers=workers, priced=priced)
         steps.seconds["pipelines"] += planner.pipelines_apart_s
     return plans, skipped, planner, steps
