@@ -96,7 +96,7 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1, price: Callable[[
             made["seconds"]["pricing"] = time.perf_counter() - before
         return made
 
-    announce = lambda job: _announce(steps, *job, priced=len(shapes[job[1]]) if price is not None else 0)  # noqa: E731
+    announce = lambda job: _announce(steps, job, len(shapes[job[1]]) if price is not None else 0)  # noqa: E731
     for made in in_workers(jobs, work, workers, started=announce):
         for line in made.pop("notes"):  # what a worker said while tracing, said here once it is done
             steps.note(line)
@@ -119,7 +119,9 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1, price: Callable[[
     return priced
 
 
-def _announce(steps: ModelSteps, i: int, key: tuple, source: tuple, count: int, planner: int, priced: int = 0) -> None:
+def _announce(steps: ModelSteps, job: tuple, priced: int) -> None:
+    """The note a trace job makes as it starts: what it traces, and how many meshes it prices after."""
+    i, key, source, count, _ = job
     derived = len(steps._derived.get(key, ()))
     steps.note(
         f"tracing the step on {mesh_words(source)} ({i + 1} of {count})"
