@@ -30,9 +30,13 @@ def _write(value: Any, depth: int, out: list[str]) -> None:
         items = [(_key(k), v) for k, v in value.items()]
         opening, closing = "{", "}"
     elif isinstance(value, (list, tuple)):
-        if not any(isinstance(v, _OWN_LINE) for v in value):
-            out.append(json.dumps(value))  # numbers: one line, by the C encoder
-            return
+        if not value or not isinstance(value[0], _OWN_LINE):
+            # numbers, most likely: one line, by the C encoder, where its text shows no string,
+            # list or object in it (a scan in C, not a Python loop over 16,384 ranks)
+            text = json.dumps(value)
+            if '"' not in text and "{" not in text and "[" not in text[1:]:
+                out.append(text)
+                return
         items = [(None, v) for v in value]
         opening, closing = "[", "]"
     else:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aot.capture.inert_calls import drop_inert_calls
@@ -127,7 +128,9 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     which are reset to 0. Parameters are restored bit for bit all the same.
     """
     params = [p for g in opt.param_groups for p in g["params"]]
-    saved = [p.detach().clone() for p in params]
+    # fake parameters (the model's, recorded) hold no values to restore: not copied twice over
+    # (a thousand fake ops for Llama-3-70B, planned and built with this step first)
+    saved = None if all(isinstance(p, FakeTensor) for p in params) else [p.detach().clone() for p in params]
     settings = [(g.get("lr"), g.get("weight_decay")) for g in opt.param_groups]
     for g in opt.param_groups:
         g["lr"] = 0.0
@@ -137,8 +140,9 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
         p.grad = torch.zeros_like(p)
     opt.step()
     with torch.no_grad():
-        for p, s in zip(params, saved):
-            p.copy_(s)
+        for i, p in enumerate(params):
+            if saved is not None:
+                p.copy_(saved[i])
             p.grad = None
     for g, (lr, wd) in zip(opt.param_groups, settings):
         g["lr"] = lr

@@ -115,7 +115,9 @@ class Placement:
 
     @property
     def identity(self) -> bool:
-        return list(self.physical) == list(range(len(self.physical)))
+        if "identity" not in self._cache:  # 16,384 ranks compared: once (every plan of a mesh writes its placement)
+            self._cache["identity"] = self.physical == tuple(range(len(self.physical)))
+        return self._cache["identity"]
 
     @property
     def ascending(self) -> bool:
