@@ -347,6 +347,9 @@ def merge(folder, output):
 
 
 def main() -> None:
+    from aot.garbage_collection import command_ends_process
+
+    command_ends_process()  # the process ends with the command: its objects are not collected first
     console_main(cli, "aot")
 
 

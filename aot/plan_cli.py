@@ -79,8 +79,8 @@ SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json
 @click.option("--json", "as_json", is_flag=True, help="Print every candidate as JSON.")
 @debug_option
 # as plan_model collects (aot/garbage_collection.py), until the command ends: its objects live that
-# long, and the full collection its end would start walks them all for nothing (2.4 s of 45
-# planning Llama-3-70B in one process)
+# long, and no full collection walks them all as it ends (2.4 s of 45 planning Llama-3-70B in one
+# process)
 @collected_less_often(young=50_000, middle=DEFERRED)
 def plan(
     model_file,
