@@ -282,6 +282,23 @@ def test_a_pipeline_floor_counts_the_gradients_the_loss_reaches(tmp_path):
     assert holdings.unread == 4 * sum(params[n].numel() for n in ("first.weight", "first.bias", "second.bias"))
 
 
+@pytest.mark.parametrize("model", ["gpt.py", "llama.py", "moe.py"])
+def test_a_pipeline_ranks_held_bytes_are_its_rank_states(model):
+    """held_bytes counts from shapes what rank_state's pieces hold, for every parameter and its
+    optimizer state: over tp (GPT-2's fused q/k/v), ep (stacked experts), and fsdp degrees that
+    pad the flat shards (3)."""
+    from aot.capture.step import rank_state
+    from aot.plan.model_steps import ModelSteps
+    from aot.plan.pipeline_floor import _held_in, held_bytes
+
+    steps = ModelSteps(REPO / "examples" / model, 2)
+    layouts = [(1, 1), (2, 1), (3, 1), (1, 2), (3, 2)] + ([(1, 1, 2), (3, 2, 2)] if steps.has_experts else [])
+    for fsdp, tp, *ep in layouts:
+        sharded = steps.layout(1, fsdp, tp, *ep)
+        state = steps.recording(*ep).state
+        assert held_bytes(state, sharded) == _held_in(rank_state(state, sharded), state.optimizer_slots), (model, fsdp, tp, ep)
+
+
 def test_each_pipeline_split_tried_to_fit_device_memory_is_announced():
     """Where a pipeline's balanced stages peak over device memory, each other split captured to
     fit (as long as the first capture) is said as it starts, naming the mesh, the schedule and

@@ -82,24 +82,48 @@ def holdings_of(state: TrainingState, layout: StepLayout, sharded: StepLayout, p
     (their sum over the stages is a rank's of the mesh without pp: aot.capture.step.rank_state),
     the least of it per byte of a parameter's gradient; under fsdp the gathered parameters the
     backward does not read."""
-    from aot.capture.step import rank_state
-    from runner.format.checkpoint import optimizer_key
-
     fsdp = sharded.fsdp.size if sharded.fsdp is not None else 1
     gradients = gradient_bytes(state, layout, precision, fsdp)
     if reads is not None:  # a parameter the loss does not reach gets no gradient: none summed, none counted
         gradients = {name: b for name, b in gradients.items() if name in reads.reached}
-    local = rank_state(state, sharded)
-    held = {name: p.numel() * p.element_size() for name, p in local.params.items()}
-    for name, key in state.optimizer_slots:
-        value = local.optimizer_state[optimizer_key(name, key)]
-        held[name] += value.numel() * value.element_size()
+    held = held_bytes(state, sharded)
     return PipelineHoldings(
         gradients=sum(gradients.values()),
         resident=min((held[name] / b for name, b in gradients.items() if b), default=0.0),
         gathered=fsdp > 1,
         unread=sum(b for name, b in gradients.items() if name not in reads.read) if fsdp > 1 and reads is not None else None,
     )
+
+
+def held_bytes(state: TrainingState, sharded: StepLayout) -> dict[str, int]:
+    """Bytes of each parameter's piece and its optimizer state's pieces that one rank of `sharded`
+    holds: aot.capture.step.rank_state's, counted from the shapes (its slices of Llama-3-70B's
+    fake state cost the planner a second; tests/test_plan_search.py compares), or from rank_state
+    itself where a state tensor is shaped unlike its parameter and not 0-dim."""
+    from aot.capture.step import rank_state
+    from runner.format.checkpoint import optimizer_key
+    from runner.format.sharding import shard_numel
+
+    parts = sharded.fsdp.size if sharded.fsdp is not None else 1
+    pieces = {name: shard_numel(shape.numel(), parts) for name, shape in sharded.local_shapes(state).items()}
+    held = {name: pieces[name] * p.element_size() for name, p in state.params.items()}
+    for name, key in state.optimizer_slots:
+        value = state.optimizer_state[optimizer_key(name, key)]
+        if value.dim() and value.shape != state.params[name].shape:  # rank_state's own rule (or its refusal)
+            return _held_in(rank_state(state, sharded), state.optimizer_slots)
+        held[name] += (pieces[name] if value.dim() else 1) * value.element_size()
+    return held
+
+
+def _held_in(local, slots: list) -> dict[str, int]:
+    """held_bytes of a rank state (aot.capture.step.RankState) made."""
+    from runner.format.checkpoint import optimizer_key
+
+    held = {name: p.numel() * p.element_size() for name, p in local.params.items()}
+    for name, key in slots:
+        value = local.optimizer_state[optimizer_key(name, key)]
+        held[name] += value.numel() * value.element_size()
+    return held
 
 
 def busiest_floor(holdings: PipelineHoldings, actions: list[list[Action]]) -> float:
