@@ -204,9 +204,9 @@ def memory_of(resident: tuple, intervals: tuple, length: int, scale=None, column
 def memory_with(memory: Memory, changed: dict[int, tuple], added: tuple = ()) -> Memory:
     """`memory` with the intervals at the indices of `changed` replaced by its values, and the
     intervals `added`: the sweep of `memory` corrected by what changed (aot.plan.rebucket moves a
-    few hundred of a deep step's hundred thousand intervals, for every bucket size of every mesh)."""
+    few hundred of a deep step's hundred thousand intervals, for every bucket size of every mesh).
+    A changed interval is the same storage re-timed: only its first and last node differ."""
     intervals = list(memory.intervals)
-    before = tuple(intervals[i] for i in changed)
     for i, interval in changed.items():
         intervals[i] = interval
     intervals += added
@@ -218,10 +218,15 @@ def memory_with(memory: Memory, changed: dict[int, tuple], added: tuple = ()) ->
     delta = memory.sweep
     if changed or added:
         delta = delta.clone()
-        # what is taken away and what is put back, in one pass (their columns made at once)
-        after = (*changed.values(), *added)
-        signs = torch.tensor([-1] * len(before) + [1] * len(after), dtype=torch.int64)
-        _add_births_and_deaths(delta, _columns((*before, *after)), memory.length, memory.scale, signs)
+        # what is taken away and what is put back, in one pass: the changed intervals' columns are
+        # the graph's own (made once per graph), with their new first and last nodes
+        index = torch.tensor(list(changed), dtype=torch.int64)
+        before = tuple(column[index] for column in interval_columns(memory))
+        nodes = torch.tensor([v[:2] for v in changed.values()], dtype=torch.int64).reshape(-1, 2)
+        after = (before[0], nodes[:, 0], nodes[:, 1], *before[3:])
+        columns = tuple(torch.cat(parts) for parts in zip(before, after, *([_columns(added)] if added else [])))
+        signs = torch.tensor([-1] * len(changed) + [1] * (len(changed) + len(added)), dtype=torch.int64)
+        _add_births_and_deaths(delta, columns, memory.length, memory.scale, signs)
     _swept(mem, delta)
     return mem
 
