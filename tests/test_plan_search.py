@@ -51,6 +51,10 @@ def test_planning_says_what_it_traces_as_it_starts():
         "tracing the step on tp=8 (4 of 4), then pricing the 1 mesh read from it",
     ], said
     said.clear()
+    # a mesh refused before any trace (tp=16 would span two nodes) is not announced as priced
+    _, skipped, _, _ = plan_model(Path(MLP), for_nodes(load_profile("dgx_a100"), 2, 16), 16, 8, axes=("fsdp", "tp"), note=said.append)
+    assert any(line.startswith("tp=16: ") for line in skipped) and all(line.startswith("tracing the step on ") for line in said), (said, skipped)
+    said.clear()
     # meshes left to price after the traces (a what-if plan on another profile reuses the graphs
     # traced for the first): a line as that starts, and one at each quarter of them
     steps = plan_model(Path(MLP), profile, 8, 8, axes=("dp", "fsdp", "tp"))[3]

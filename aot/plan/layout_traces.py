@@ -23,7 +23,7 @@ from typing import Any, Callable
 from aot.errors import AotError
 from aot.plan.model_steps import ModelSteps, Unsupported, _key, factorizations
 from aot.plan.plans import mesh_words
-from runner.format.axes import DP, EP, FSDP, TP
+from runner.format.axes import DP, EP, FSDP, PP, TP
 
 # what a layout class's trace adds to ModelSteps: a worker sends these entries back
 _MADE = ("traced", "recomputed", "recompute_failed", "_failed", "_tp_plans")
@@ -116,6 +116,9 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1, price: Callable[[
         share = spent["recomputing"] / spent["tracing"] if spent["tracing"] else 0.0
         steps.seconds["tracing"] += wall * traced_share
         steps.seconds["recomputing"] += wall * traced_share * share
+    if price is not None:  # the meshes without pp refused before any trace (each says why at once): priced here, unannounced
+        covered = {shape for shapes_of_key in meshes.values() for shape in shapes_of_key}
+        priced.update(price([s for s in factorizations(steps.world_size, tuple(axes)) if s not in covered and dict(zip(axes, s)).get(PP, 1) == 1]))
     return priced
 
 
