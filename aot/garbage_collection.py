@@ -41,6 +41,9 @@ def command_ends_process() -> None:
     _COMMAND_ENDS_PROCESS = True
 
 
+_DEPTH = 0  # collected_less_often blocks open
+
+
 @contextlib.contextmanager
 def collected_less_often(young: int = 0, middle: int = 0):
     """Inside: no automatic collection of the oldest generation, and the young generations'
@@ -62,6 +65,3 @@ def collected_less_often(young: int = 0, middle: int = 0):
         if _COMMAND_ENDS_PROCESS and not _DEPTH:  # the command's own block (a plan inside a build goes on to the build)
             gc.freeze()
         gc.set_threshold(*thresholds)
-
-
-_DEPTH = 0  # collected_less_often blocks open

@@ -140,10 +140,10 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
         p.grad = torch.zeros_like(p)
     opt.step()
     with torch.no_grad():
-        for i, p in enumerate(params):
-            if saved is not None:
-                p.copy_(saved[i])
-            p.grad = None
+        for p, s in zip(params, saved or []):
+            p.copy_(s)
+    for p in params:
+        p.grad = None
     for g, (lr, wd) in zip(opt.param_groups, settings):
         g["lr"] = lr
         if wd is not None:

@@ -29,29 +29,34 @@ from runner.format.axes import DP, EP, FSDP, PP, TP
 _MADE = ("traced", "recomputed", "recompute_failed", "_failed", "_tp_plans")
 
 
-def needed(steps: ModelSteps, axes: tuple, meshes: dict[tuple, list[tuple]] | None = None) -> list[tuple]:
+def needed(steps: ModelSteps, axes: tuple, meshes: dict[tuple | None, list[tuple]] | None = None) -> list[tuple]:
     """What a search over `axes` will ask to trace: [(key, (dp, fsdp, tp) traced)] in the order
     it first asks (a mesh refused before any trace is left out; a degree the plan cannot take
-    is found out when tracing). `meshes`, where given, gets each key's meshes (shapes over `axes`)."""
+    is found out when tracing). `meshes`, where given, gets each key's meshes without pp (shapes
+    over `axes`), and under None those refused before any trace."""
     from aot.plan.tensor_parallel import check_degree
 
     first: dict[tuple, tuple] = {}
     for shape in factorizations(steps.world_size or 1, tuple(axes)):
         degrees = dict(zip(axes, shape))
-        dp, fsdp, tp, ep = degrees.get(DP, 1), degrees.get(FSDP, 1), degrees.get(TP, 1), degrees.get(EP, 1)
-        if any(a not in (DP, FSDP, TP, EP) and d > 1 for a, d in degrees.items()) or (tp > 1 and steps.max_tp is not None and tp > steps.max_tp):
+        if degrees.get(PP, 1) > 1:  # the pipeline search's
             continue
+        dp, fsdp, tp, ep = degrees.get(DP, 1), degrees.get(FSDP, 1), degrees.get(TP, 1), degrees.get(EP, 1)
+        key = None
         try:
+            if any(a not in (DP, FSDP, TP, EP) and d > 1 for a, d in degrees.items()) or (tp > 1 and steps.max_tp is not None and tp > steps.max_tp):
+                raise Unsupported("refused before any trace")
             if tp > 1:
                 check_degree(steps.mf, steps.state.model, tp)
             if ep > 1:
                 steps.layout(1, 1, tp, ep)  # a model without experts, or experts ep does not divide
+            source = steps._source(dp, fsdp, tp, ep)
+            key = _key(*source)
+            first.setdefault(key, source)
         except (AotError, Unsupported):
-            continue
-        source = steps._source(dp, fsdp, tp, ep)
-        first.setdefault(_key(*source), source)
+            pass
         if meshes is not None:
-            meshes.setdefault(_key(*source), []).append(shape)
+            meshes.setdefault(key, []).append(shape)
     return list(first.items())
 
 
@@ -68,7 +73,7 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1, price: Callable[[
 
     if steps.world_size is None:
         return {}
-    meshes: dict[tuple, list[tuple]] = {}
+    meshes: dict[tuple | None, list[tuple]] = {}
     todo = [(key, source) for key, source in needed(steps, axes, meshes) if key not in steps.traced and key not in steps._failed]
     # mixed precision: the fsdp graph gathers parameters in the compute dtype, which the graph
     # without fsdp does not, so its forward is not the one to derive from: each is traced
@@ -116,9 +121,8 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1, price: Callable[[
         share = spent["recomputing"] / spent["tracing"] if spent["tracing"] else 0.0
         steps.seconds["tracing"] += wall * traced_share
         steps.seconds["recomputing"] += wall * traced_share * share
-    if price is not None:  # the meshes without pp refused before any trace (each says why at once): priced here, unannounced
-        covered = {shape for shapes_of_key in meshes.values() for shape in shapes_of_key}
-        priced.update(price([s for s in factorizations(steps.world_size, tuple(axes)) if s not in covered and dict(zip(axes, s)).get(PP, 1) == 1]))
+    if price is not None:  # the meshes refused before any trace (each says why at once): priced here, unannounced
+        priced.update(price(meshes.get(None, [])))
     return priced
 
 

@@ -177,13 +177,6 @@ def layout(machine: Machine, axes: tuple[str, ...], shape: tuple[int, ...], orde
     return Placement(tuple(axes), tuple(shape), tuple(order), tuple(physical.tolist()))
 
 
-def axis_cost(machine: Machine, placement: Placement, axis: str, nbytes: float) -> float:
-    """Seconds for one all_reduce of `nbytes` over `axis`: its slowest group, best algorithm."""
-    if nbytes <= 0 or dict(zip(placement.axes, placement.shape)).get(axis, 1) <= 1:
-        return 0.0
-    return _slowest(machine, [machine.span(group, "all_reduce") for group in placement.distinct_groups(axis, machine.per_node)], nbytes)
-
-
 def _slowest(machine: Machine, spans: list, nbytes: float) -> float:
     """The most seconds any of `spans` takes for an all_reduce of `nbytes`, at its best algorithm."""
     worst = 0.0
@@ -203,10 +196,9 @@ def _axis_groups(machine: Machine, size: int, stride: int, devices: tuple[int, .
     """(whether its groups' ranks ascend with the coordinate, the spans of one of each kind of
     group) of a mesh axis of `size` whose coordinate steps `stride` places along `devices` (a
     layout's; "islands": the machine's device order, "identity": rank order) in a placement of
-    every rank. An axis's groups
-    are the same sets of ranks whatever the other axes are, given its size and stride: a search
-    over 16,384 ranks tries six orders of a hundred meshes, with a few dozen (size, stride) among
-    them."""
+    every rank. An axis's groups are the same sets of ranks whatever the other axes are, given its
+    size and stride: a search over 16,384 ranks tries six orders of a hundred meshes, with a few
+    dozen (size, stride) among them."""
     key = (size, stride, devices)
     if key not in machine.axis_groups:
         world = machine.world_size
