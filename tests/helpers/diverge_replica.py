@@ -30,6 +30,9 @@ try:
     trainer.save(folder)
 except AotError as e:
     if r == 0:
-        print(str(e))
+        print(str(e), flush=True)
+    # rank 0's line out before either exits: torchrun stops every rank once one has exited (rank 0
+    # was once killed with the line still in its buffer: CI, 2026-12-07)
+    torch.distributed.barrier()
     sys.exit(3)
 sys.exit(0)
