@@ -460,6 +460,16 @@ def test_constructor_that_loads_weights_from_outside_torch(tmp_path):
     assert not out.exists()
 
 
+def test_plan_refuses_a_constructor_the_build_refuses():
+    """The planner makes the model without recording its construction (aot/capture/training_state.py
+    `_made_fake`), but where the build would refuse it, it records it and says the build's line."""
+    r = aot("plan", MODELS / "bad_constructor_loads_weights.py", "--world-size", "2")
+    assert_user_error(r, "parameter 'embedding'", "2.0 MiB", "--init-from")
+    path = MODELS / "bad_constructor_reads_values.py"
+    r = aot("plan", path, "--world-size", "2")
+    assert_user_error(r, f"bad_constructor_reads_values.py:{line_of(path, 'MARK: reads values')}", "must not read tensor values")
+
+
 def test_build_output_below_a_file(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder\n")

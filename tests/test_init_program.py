@@ -109,3 +109,37 @@ def test_initializers_that_draw_or_read_values_replay_as_eager():
         got = replay(graph, names, seed)
         for name, t in eager.items():
             assert torch.equal(got[name], t), (seed, name)
+
+
+def test_the_planners_state_is_the_builds_without_its_init_program():
+    """The planner makes the model on fake tensors of the mode make_fx records it in, without
+    recording (`build_training_state(..., record=False)`): every parameter, buffer, optimizer
+    state tensor and setting is the recorded state's; only the init program is missing."""
+    import os
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def facts(t: torch.Tensor) -> tuple:
+        return (tuple(t.shape), t.dtype, t.stride(), t.requires_grad, type(t).__name__)
+
+    # initializers.py draws with every torch.nn.init initializer (trunc_normal_ through the
+    # runner's init op, as the build records it); a constructor the build refuses is recorded (and
+    # refused) instead: tests/test_bad_input.py
+    for file, size in [("examples/gpt.py", None), ("examples/llama.py", "tiny"), ("examples/moe.py", "tiny"), ("tests/models/initializers.py", None)]:
+        path = REPO / file
+        if size:
+            os.environ["AOT_SIZE"] = size
+        try:
+            mf = load_model_file(path)
+            recorded, made = build_training_state(mf, 0, 3), build_training_state(mf, 0, 3, record=False)
+        finally:
+            os.environ.pop("AOT_SIZE", None)
+        assert recorded.init_graph is not None and made.init_graph is None, path
+        for name in ("params", "buffers", "optimizer_state"):
+            a, b = getattr(recorded, name), getattr(made, name)
+            assert {k: facts(v) for k, v in a.items()} == {k: facts(v) for k, v in b.items()}, (path, name)
+            assert all(isinstance(v, FakeTensor) for v in b.values()), (path, name)
+        settings = ("optimizer_slots", "optimizer_fills", "param_groups", "optimizer_class", "group_settings", "lr_schedule", "lr_constant")
+        for name in (*settings, "aliases", "state_dict_keys"):
+            assert getattr(recorded, name) == getattr(made, name), (path, name)
+        assert [n for n, _ in recorded.model.named_modules()] == [n for n, _ in made.model.named_modules()], path

@@ -47,7 +47,7 @@ class TrainingState:
     model: nn.Module  # on fake tensors: no parameter memory
     params: dict[str, torch.Tensor]  # named_parameters(): a tied weight once (fake)
     buffers: dict[str, torch.Tensor]  # every buffer, persistent or not (fake)
-    init_graph: torch.fx.GraphModule  # the init program: creates params then buffers, in that order
+    init_graph: torch.fx.GraphModule | None  # the init program: creates params then buffers, in that order (None: not recorded)
     optimizer_slots: list[tuple[str, str]]  # (parameter name, state key), in trace order
     optimizer_state: dict[str, torch.Tensor]  # keyed by runner.format.checkpoint.optimizer_key (fake)
     optimizer_fills: dict[str, float]  # the initial value of every element of each state tensor
@@ -175,9 +175,12 @@ def _evaluate_schedule(mf: ModelFile, opt: torch.optim.Optimizer, max_steps: int
     return schedule, False
 
 
-def _record_init(mf: ModelFile) -> tuple[nn.Module, torch.fx.GraphModule, int, int]:
+def _record_init(mf: ModelFile, record: bool = True) -> tuple[nn.Module, torch.fx.GraphModule | None, int, int]:
     """(the model on fake tensors, the init program's graph, #params, #buffers): `model()` traced
-    by make_fx, its parameters then its buffers as the graph's outputs."""
+    by make_fx, its parameters then its buffers as the graph's outputs. `record=False`: `model()`
+    run on fake tensors of the mode make_fx would make, without recording it (no graph: what the
+    planner asks, which never writes an init program; recording costs Llama-3-70B's planning a
+    second before any trace can start)."""
     made = {}
 
     def construct():
@@ -188,11 +191,44 @@ def _record_init(mf: ModelFile) -> tuple[nn.Module, torch.fx.GraphModule, int, i
         made["model"] = model
         return [*dict(model.named_parameters()).values(), *dict(model.named_buffers()).values()]
 
+    if not record and _made_fake(construct):
+        model = made["model"]
+        return model, None, len(dict(model.named_parameters())), len(dict(model.named_buffers()))
     with torch.no_grad(), quiet_trace_logs(), recorded_initializers():
         graph = make_fx(construct, tracing_mode="fake")()
     drop_inert_calls(graph)
     model = made["model"]
     return model, graph, len(dict(model.named_parameters())), len(dict(model.named_buffers()))
+
+
+def _made_fake(construct) -> bool:
+    """Whether `construct()` ran in the fake tensor mode make_fx(tracing_mode="fake") would trace
+    it in (torch.fx.experimental.proxy_tensor's _init_modes_from_inputs: the model the build
+    records) and made every tensor it returned there. False where it raised or returned a tensor
+    made outside that mode (a table from numpy): the recording then says what the build says."""
+    import torch._functorch.config as functorch_config
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
+        mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=False, shape_env=ShapeEnv(), static_shapes=True)
+    converter = mode.fake_tensor_converter
+    convert = converter.from_real_tensor
+    largest = [0]  # the most bytes of a real tensor the mode took in (make_fx records it as a constant)
+
+    def converted(fake_mode, t, *args, **kwargs):
+        largest[0] = max(largest[0], t.numel() * t.element_size())
+        return convert(fake_mode, t, *args, **kwargs)
+
+    converter.from_real_tensor = converted
+    try:
+        with torch.no_grad(), quiet_trace_logs(), recorded_initializers(), mode:
+            made = construct()
+    except Exception:  # noqa: BLE001  (recorded instead, which says why where it fails too)
+        return False
+    finally:
+        del converter.from_real_tensor
+    return largest[0] <= MAX_INIT_CONSTANT_BYTES and all(isinstance(t, FakeTensor) and t.fake_mode is mode for t in made)
 
 
 def _check_recordable(mf: ModelFile, graph: torch.fx.GraphModule, names: list[str], n_params: int) -> None:
@@ -242,11 +278,12 @@ def _optimizer_fills(mf: ModelFile, params: dict[str, torch.Tensor], slots: list
     return fills
 
 
-def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingState:
+def build_training_state(mf: ModelFile, seed: int, max_steps: int, record: bool = True) -> TrainingState:
     """The model on fake tensors and its init program, the optimizer's state layout and initial
     values, and the learning rate of every step. `seed` is the runner's to apply (the init
-    program is replayed after torch.manual_seed(seed)); it does not change what is recorded."""
-    model, graph, n_params, n_buffers = _record_init(mf)
+    program is replayed after torch.manual_seed(seed)); it does not change what is recorded.
+    `record=False`: no init program (`init_graph` None; the planner's), the rest as recorded."""
+    model, graph, n_params, n_buffers = _record_init(mf, record)
     model.train()
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     if not params:
@@ -259,7 +296,8 @@ def build_training_state(mf: ModelFile, seed: int, max_steps: int) -> TrainingSt
         )
     buffers = dict(model.named_buffers())
     _check_no_shared_storage(params, buffers, mf.path.name)
-    _check_recordable(mf, graph, [*params, *buffers], n_params)
+    if graph is not None:
+        _check_recordable(mf, graph, [*params, *buffers], n_params)
     fake_mode = torch._guards.detect_fake_mode(list(params.values()))
     assert fake_mode is not None  # _record_init builds the model on fake tensors
     names = {id(p): n for n, p in params.items()}

@@ -142,7 +142,7 @@ class ModelSteps:
         self.request = (Path(model_path), batch_size, seed, sequence_parallel, moe_capacity_factor)  # what `retargeted` copies may share
         self.moe_capacity_factor = moe_capacity_factor  # ep meshes priced with this expert capacity (None: dropless)
         inputs, targets = split_batch_tensors(mf.example_batch(batch_size), "batch()")
-        self.rec = Recording(mf, build_training_state(mf, seed, 1), inputs, targets)  # every trace's, as the build's (aot/compile_step.py)
+        self.rec = Recording(mf, build_training_state(mf, seed, 1, record=False), inputs, targets)  # every trace's, as the build's (aot/compile_step.py)
         self.seconds["recording"] = time.perf_counter() - started
         self.params = sum(p.numel() for p in self.state.params.values())
         self.param_numels = [p.numel() for p in self.state.params.values()]
@@ -176,6 +176,7 @@ class ModelSteps:
         self.precision = resolve_precision(precision, reduce_dtype, self.mf.globals, self.mf.path.name, profile)
         self.world_size = world_size
         self.max_tp = max_tp
+        self._numels: dict[tuple, list[int] | Unsupported] = {}  # (tp, ep) -> _local_numels' (or why the build refuses)
         self.traced: dict[tuple, StepGraph] = {}
         # `pipeline`'s (programs, analyses), apart from `traced`: their stages are balanced on the
         # profile's compute, so `retargeted` keeps none of them
@@ -584,8 +585,22 @@ class ModelSteps:
             raise Unsupported(f"no graph for axes {', '.join(other)} yet (priced once the build captures them)")
         dp, fsdp, tp, ep = degrees.get(DP, 1), degrees.get(FSDP, 1), degrees.get(TP, 1), degrees.get(EP, 1)
         if tp > 1 or ep > 1:
-            self.layout(1, 1, tp, ep)  # Unsupported here, before any trace, where the build would refuse tp or ep
+            self._local_numels(tp, ep)  # Unsupported here, before any trace, where the build would refuse tp or ep
         return dp, fsdp, tp, ep
+
+    def _local_numels(self, tp: int, ep: int) -> list[int]:
+        """Each parameter's numel on one rank of a tp x ep layout before fsdp sharding (what
+        `_derive` rescales shards from), once per (tp, ep): the search asks for every mesh it
+        prices, and the layout walks every module of the model (Llama-3-70B: 10 ms)."""
+        if (tp, ep) not in self._numels:
+            try:
+                self._numels[(tp, ep)] = [s.numel() for s in self.layout(1, 1, tp, ep).local_shapes(self.recording(ep).state).values()]
+            except Unsupported as e:
+                self._numels[(tp, ep)] = e
+        got = self._numels[(tp, ep)]
+        if isinstance(got, Unsupported):
+            raise got
+        return got
 
     def _derive(self, base: StepGraph, source: tuple, dp: int, fsdp: int, tp: int, ep: int = 1) -> StepGraph:
         """The graph of mesh (dp, fsdp, tp[, ep]) from `base`, the graph of its traced mesh `source`."""
@@ -596,5 +611,4 @@ class ModelSteps:
         graph = base if dp > 1 or source[0] == 1 else drop_group(base, group_name(DP))
         if fsdp == 2:
             return graph
-        numels = [s.numel() for s in self.layout(1, 1, tp, ep).local_shapes(self.recording(ep).state).values()]
-        return rescale(graph, shard_scale(numels, 2, fsdp), group_name(FSDP), fsdp)
+        return rescale(graph, shard_scale(self._local_numels(tp, ep), 2, fsdp), group_name(FSDP), fsdp)

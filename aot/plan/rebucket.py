@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from aot.plan.cost_model import CommSite, Op, StepGraph, memory_with
@@ -38,7 +39,7 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
     # the build's analysis lists collectives in graph order, and the simulation issues those due at
     # one op in list order: each keeps its place, a bucket its last member's (bucketing packs there)
     place = dict(packing.place)
-    comms = list(packing.others)
+    comms: list[CommSite] = []  # the single all_reduces and the buckets, merged into packing.others below
     intervals = list(step.memory.intervals)
     changed: dict[int, tuple] = {}
     added: list[tuple] = []
@@ -71,9 +72,8 @@ def rebucket(step: StepGraph, bucket_bytes: int) -> StepGraph:
             )
             place[id(site)] = max(place[id(m)] for m in b)
             comms.append(site)
-    comms.sort(key=lambda c: (c.issue_at, place[id(c)]))
     memory = memory_with(step.memory, changed, tuple(added))
-    return StepGraph(ops=step.ops, comms=comms, memory=memory, graph_nodes=step.graph_nodes, resized_from=step.resized_from)
+    return StepGraph(ops=step.ops, comms=packing.merged(comms, place), memory=memory, graph_nodes=step.graph_nodes, resized_from=step.resized_from)
 
 
 @dataclass
@@ -84,9 +84,25 @@ class _Packing:
 
     singles: list[CommSite]
     order: list[int]
-    others: list[CommSite]
+    others: list[CommSite]  # in the order the simulation issues them: by (issue_at, place)
     place: dict[int, int]
     _flat: dict[int, list[Op]]
+    _keys: list[tuple[int, int]]  # others' (issue_at, place)
+
+    def merged(self, comms: list[CommSite], place: dict[int, int]) -> list[CommSite]:
+        """`comms` (where `place` places each) among `others`, every collective by (issue_at,
+        place): a deep step's thousands of other collectives are in that order once, not sorted
+        again at every bucket size (no two collectives share a place, so the order is the sort's)."""
+        key = lambda c: (c.issue_at, place[id(c)])  # noqa: E731
+        out: list[CommSite] = []
+        done = 0
+        for c in sorted(comms, key=key):
+            at = bisect.bisect_right(self._keys, key(c), lo=done)
+            out += self.others[done:at]
+            out.append(c)
+            done = at
+        out += self.others[done:]
+        return out
 
     def flattened(self, member: CommSite) -> list[Op]:
         ops = self._flat.get(id(member))
@@ -100,7 +116,9 @@ def _packing(step: StepGraph) -> _Packing:
         singles = [c for c in step.comms if c.kind == "all_reduce" and c.members == 1]
         others = [c for c in step.comms if not (c.kind == "all_reduce" and c.members == 1)]
         order = sorted(range(len(singles)), key=lambda i: (singles[i].issue_at, i))
-        step.packing = _Packing(singles, order, others, {id(c): i for i, c in enumerate(step.comms)}, {})
+        place = {id(c): i for i, c in enumerate(step.comms)}
+        others.sort(key=lambda c: (c.issue_at, place[id(c)]))
+        step.packing = _Packing(singles, order, others, place, {}, [(c.issue_at, place[id(c)]) for c in others])
     return step.packing
 
 
