@@ -409,7 +409,7 @@ def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement
     with progress.stage("exporting the programs"):
         eps = {name: export_step(c) for name, c in captures.items()}
         evaluation = {name: (export_step(c), c) for name, c in step.evaluations.items()}
-        graphs = [state.init_graph.graph, *(ep.graph for ep in eps.values()), *(ep.graph for ep, _ in evaluation.values())]
+        graphs = [state.init_program.graph, *(ep.graph for ep in eps.values()), *(ep.graph for ep, _ in evaluation.values())]
         custom_ops = custom_op_spec(mf, graphs)  # the init program is stored too
     inference = None
     warnings: list[str] = []
@@ -428,7 +428,7 @@ def _emit(options: BuildOptions, profile: dict, mesh: Mesh, placement: Placement
                 step.rank_inputs,
                 required=options.onnx is True,
                 warn=warnings.append,
-                weights=_with_rows(init_program_weights(state.init_graph, [*state.params, *state.buffers], options.seed), state.stacked),
+                weights=_with_rows(init_program_weights(state.init_program, [*state.params, *state.buffers], options.seed), state.stacked),
             )
     for message in warnings:
         progress.warn(message)

@@ -136,7 +136,7 @@ def stack_experts(state: TrainingState, where: str) -> TrainingState:
     return replace(
         state,
         params=params,
-        init_graph=_stacked_init(state.init_graph, list(state.params), of, stacked),
+        init_graph=None if state.init_graph is None else _stacked_init(state.init_graph, list(state.params), of, stacked),
         optimizer_slots=list(dict.fromkeys((of.get(n, (n, 0))[0], k) for n, k in state.optimizer_slots)),
         optimizer_state=opt_state,
         optimizer_fills=fills,

@@ -62,6 +62,12 @@ class TrainingState:
     stacked: dict[str, list[str]] = field(default_factory=dict)
 
     @property
+    def init_program(self) -> torch.fx.GraphModule:
+        """The recorded init program (a state made with build_training_state(record=True), the build's)."""
+        assert self.init_graph is not None, "the state was made without recording model()'s construction (record=False: the planner's)"
+        return self.init_graph
+
+    @property
     def hyperparameters(self) -> list[dict]:
         """Each group's settings as JSON (the manifest's `optimizer.param_groups`)."""
         return [{k: _json_value(v) for k, v in g.items()} for g in self.group_settings]
@@ -220,7 +226,7 @@ def _made_fake(construct) -> bool:
         largest[0] = max(largest[0], t.numel() * t.element_size())
         return convert(fake_mode, t, *args, **kwargs)
 
-    converter.from_real_tensor = converted
+    converter.from_real_tensor = converted  # type: ignore[method-assign]  # this mode's converter only, while construct() runs
     try:
         with torch.no_grad(), quiet_trace_logs(), recorded_initializers(), mode:
             made = construct()

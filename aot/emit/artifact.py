@@ -42,7 +42,7 @@ def export_step(captured: CapturedStep) -> torch.export.ExportedProgram:
 
 def export_init(state: TrainingState) -> torch.export.ExportedProgram:
     """The init program (how every parameter and buffer is made) as an ExportedProgram."""
-    return exported_program(state.init_graph, [], "model()'s construction")
+    return exported_program(state.init_program, [], "model()'s construction")
 
 
 def collectives_of(graph: torch.fx.Graph) -> list[dict]:

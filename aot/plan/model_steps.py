@@ -255,7 +255,7 @@ class ModelSteps:
             from aot.capture.listed_experts import stack_experts
             from aot.capture.training_state import build_training_state
 
-            state = stack_experts(build_training_state(self.mf, self.request[2], 1), self.mf.path.name)
+            state = stack_experts(build_training_state(self.mf, self.request[2], 1, record=False), self.mf.path.name)
             self._stacked = Recording(self.mf, state, self.inputs, self.targets)
         return self._stacked
 
