@@ -274,8 +274,10 @@ def stamp(gm: torch.fx.GraphModule, slots: list[dict], blocks: str, depth: int, 
     stamps of one `gm` at several depths, whose middle blocks then hold the same values (a middle
     block's storages are the same at every depth; the passes never change a value). Raises
     NotComposable."""
-    layers = _Layers(gm.graph, slots, blocks)
-    return _Stamper(gm, slots, layers, depth, shared if shared is not None else {}).run()
+    shared = shared if shared is not None else {}
+    if "layers" not in shared:  # what the cut graph's nodes are: the same at every depth
+        shared["layers"] = _Layers(gm.graph, slots, blocks)
+    return _Stamper(gm, slots, shared["layers"], depth, shared).run()
 
 
 class _Stamper:
@@ -286,11 +288,12 @@ class _Stamper:
     the backward and the gradients' reductions it orders)."""
 
     def __init__(self, gm, slots, layers: _Layers, depth: int, shared: dict):
-        self.gm, self.slots, self.layers, self.depth = gm, slots, layers, depth
+        self.gm, self.slots, self.layers, self.depth, self.shared = gm, slots, layers, depth, shared
         self.graph = torch.fx.Graph()
         self.made: dict[tuple, torch.fx.Node] = {}  # (node, block) -> its copy in the deep graph
         self.storages: dict[tuple, object] = shared.setdefault("storages", {})  # (storage key, block) -> a middle block's storage
         self.values: dict[tuple, torch.Tensor] = shared.setdefault("values", {})  # (id of a cut value, block) -> its copy there
+        self.keys: dict[int, Any] = shared.setdefault("keys", {})  # id of a cut value -> its storage_key (a weak reference made once)
         self.owner: dict = {}  # storage key -> the first node holding it
         self.new_slots: list[dict] = []
         self.calls: dict[tuple, int] = {}  # (block instance, call number) -> renumbered call
@@ -301,12 +304,15 @@ class _Stamper:
         nodes = list(self.gm.graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
         placeholders = {n: s for n, s in zip([n for n in nodes if n.op == "placeholder"], self.slots)}
-        for node in nodes:
-            val = node.meta.get("val")
-            for t in _tensors(val):
-                self.owner.setdefault(storage_key(t), node)
-                if self.fake_mode is None:
-                    self.fake_mode = torch._guards.detect_fake_mode([t])
+        if "owner" not in self.shared:  # the cut graph's: the same at every depth
+            for node in nodes:
+                for t in _tensors(node.meta.get("val")):
+                    key = self.keys[id(t)] = storage_key(t)
+                    self.owner.setdefault(key, node)
+                    if self.fake_mode is None:
+                        self.fake_mode = torch._guards.detect_fake_mode([t])
+            self.shared["owner"] = (self.owner, self.fake_mode)
+        self.owner, self.fake_mode = self.shared["owner"]
         blocks = [self.layers.of[n] for n in nodes]
         for k, block in self._deep_order(blocks, lambda i: self._descending(nodes[i], order)):
             self._emit(nodes[k], block, placeholders.get(nodes[k]))
@@ -462,14 +468,21 @@ class _Stamper:
             element, cut_input = val[k], cut_inputs[k].meta.get("val")
             if not isinstance(cut_input, torch.Tensor) or not isinstance(deep_input.meta.get("val"), torch.Tensor):
                 return None
-            if storage_key(element) == storage_key(cut_input):
+            if self._key(element) == self._key(cut_input):
                 storage = deep_input.meta["val"].untyped_storage()
-            elif self.owner.get(storage_key(element)) is node:  # made by the op: a new storage, as running it makes
+            elif self.owner.get(self._key(element)) is node:  # made by the op: a new storage, as running it makes
                 storage = torch.empty(element.untyped_storage().nbytes(), dtype=torch.uint8, device="meta").untyped_storage()
             else:
                 return None
             out.append(fake_in_storage(element, storage, self.fake_mode))
         return type(val)(out)
+
+    def _key(self, t: torch.Tensor):
+        """storage_key of a value of the cut graph (a weak reference to its storage), made once for every depth."""
+        key = self.keys.get(id(t))
+        if key is None:
+            key = self.keys[id(t)] = storage_key(t)
+        return key
 
     def _reads_every_block(self, node) -> bool:
         lists = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, (list, tuple))]
@@ -510,7 +523,7 @@ class _Stamper:
             return type(val)(self._val(node, x, layer, block) for x in val)
         if not isinstance(val, torch.Tensor):
             return val
-        key = storage_key(val)
+        key = self._key(val)
         owner = self.owner.get(key)
         owner_layer = self.layers.of.get(owner) if owner is not None else None
         if owner_layer is None:
@@ -520,14 +533,15 @@ class _Stamper:
                 raise NotComposable(f"{node.name} outside the blocks holds a value of the middle block")
             return val
         target = block + (owner_layer - layer)
+        made = self.values.get((id(val), target)) if self._middle(target) else None
+        if made is not None:  # in a storage of self.storages: the same value at every depth (made at a shallower one)
+            return made
         storage = self._storage(owner, key, target)
         if storage is None:
             return val
         if not self._middle(target):  # made without the fake mode's dispatch, for the tens of thousands of values a deep model's copies hold
             return fake_in_storage(val, storage, self.fake_mode)
-        made = self.values.get((id(val), target))
-        if made is None:  # in a storage of self.storages: the same value at every depth
-            made = self.values[(id(val), target)] = fake_in_storage(val, storage, self.fake_mode)
+        made = self.values[(id(val), target)] = fake_in_storage(val, storage, self.fake_mode)
         return made
 
     def _middle(self, block: int) -> bool:
@@ -540,15 +554,15 @@ class _Stamper:
         if block == self._block(owner) and self.layers.of[owner] != 1:
             return None
         counterpart = self._counterpart(owner, block)
-        index = [storage_key(t) for t in _tensors(owner.meta.get("val"))].index(key)
+        index = [self._key(t) for t in _tensors(owner.meta.get("val"))].index(key)
         tensor = _tensors(counterpart.meta.get("val"))[index]
         if self._middle(block):
-            made = self.storages.get((storage_key(tensor), block))
+            made = self.storages.get((self._key(tensor), block))
             if made is None:
                 made = torch.empty(tensor.untyped_storage().nbytes(), dtype=torch.uint8, device="meta").untyped_storage()
-                self.storages[(storage_key(tensor), block)] = made
+                self.storages[(self._key(tensor), block)] = made
             return made
-        return None if storage_key(tensor) == key else tensor.untyped_storage()
+        return None if self._key(tensor) == key else tensor.untyped_storage()
 
 
 def _tensors(val) -> list[torch.Tensor]:
