@@ -317,8 +317,12 @@ class _Writer:
 
     def reads(self, handle, a: int) -> list:
         """The deep handles deep record `handle` reads for shallow input `a`."""
-        if self.base.tags[handle[0]] is None and self.base.tags[a] == self.repeated:
+        tags = self.base.tags
+        mine = tags[handle[0]]
+        if mine is None and tags[a] == self.repeated:
             return [(a, e) for e in self.copies]
+        if handle[1] is not None and tags[a] == mine:  # a copy of the repeated block reads its own record: that copy's (`relative`'s)
+            return [(a, handle[1])]
         return [self.relative(handle, a)]
 
     def storages(self, handle) -> tuple[tuple, tuple, tuple]:
@@ -332,7 +336,15 @@ class _Writer:
             keys = tuple(key if e is None else (key, e) for (key, _), e in expanded)
             blocks = tuple(e if e is not None else self._deep_or_none(self.base.key_tags.get(key)) for (key, _), e in expanded)
             return keys, tuple(size for (_, size), _ in expanded), blocks
-        pairs = [(key, None) if self.base.key_tags.get(key) is None else self.deep_key(handle, key, self.base.key_tags[key]) for key in r.keys]
+        copy, key_tags = handle[1], self.base.key_tags
+        pairs = [
+            (key, None)
+            if (t := key_tags.get(key)) is None
+            else ((key, copy), copy)  # a copy of the repeated block holds that copy's storages of its own block (`deep_key`'s)
+            if copy is not None and t == mine
+            else self.deep_key(handle, key, t)
+            for key in r.keys
+        ]
         return tuple(k for k, _ in pairs), r.sizes, tuple(b for _, b in pairs)
 
     def _deep_or_none(self, t: int | None) -> int | None:
