@@ -147,6 +147,7 @@ PRIVATE_TORCH = {
     "torch.compiler._is_compiling_flag": "what torch.compiler.is_compiling() reads: tracing takes torch.compile's path (tensor step counters)",
     "torch.distributed._functional_collectives": "the functional collectives (all_reduce, wait_tensor) torch documents live in this module",
     "torch._subclasses": "FakeTensorMode and FakeTensor: tracing on tensors that hold no memory",
+    "torch._functorch": "the config make_fx patches while it makes its fake mode, which the planner makes the same way (training_state._made_fake)",
     "torch.utils._pytree": "tree_flatten, tree_map, tree_leaves: torch 2.13 has no public pytree module",
     "torch._guards": "detect_fake_mode: the fake mode a traced graph's values were made in",
     "torch._C": "process-group registration by name, dispatch-key guards, the AOTInductor loader and profiler event kinds",
