@@ -176,7 +176,7 @@ class ModelSteps:
         self.precision = resolve_precision(precision, reduce_dtype, self.mf.globals, self.mf.path.name, profile)
         self.world_size = world_size
         self.max_tp = max_tp
-        self._numels: dict[tuple, list[int] | Unsupported] = {}  # (tp, ep) -> _local_numels' (or why the build refuses)
+        self._numels: dict[tuple, list[int]] = {}  # (tp, ep) -> _local_numels'
         self.traced: dict[tuple, StepGraph] = {}
         # `pipeline`'s (programs, analyses), apart from `traced`: their stages are balanced on the
         # profile's compute, so `retargeted` keeps none of them
@@ -312,15 +312,12 @@ class ModelSteps:
         """The graph module the planner prices for a dp x fsdp x tp (x ep) mesh, traced (not derived):
         the build's program for it but for the passes in `skip` (tests/test_compile_path.py)."""
         gm, slots = self._capture(dp, fsdp, tp, ep)
-        return self._program(gm, slots, NO_RECOMPUTE, skip)
+        return self.passed(gm, slots, NO_RECOMPUTE, skip)[0]
 
     def passed(self, gm, slots, request: Request = NO_RECOMPUTE, skip: tuple[str, ...] = PRICED_ANALYTICALLY) -> tuple:
         """(`gm`, changed in place, as the passes leave it for pricing (see _finished), with `request`'s
         recomputation; what was recomputed, as the manifest's `memory.recompute`)."""
         return finish_program(gm, slots, request, self._compute, PassOptions(), skip=skip)
-
-    def _program(self, gm, slots, request: Request, skip: tuple[str, ...] = PRICED_ANALYTICALLY):
-        return self.passed(gm, slots, request, skip)[0]
 
     def _finished(self, gm, slots, aliases: dict | None = None, request: Request = NO_RECOMPUTE) -> StepGraph:
         """The analyzed graph of a traced step as the build's passes leave it (aot.compile_step.finish_program,
@@ -328,7 +325,7 @@ class ModelSteps:
         those priced analytically (aot.passes.PRICED_ANALYTICALLY: bucketing and hierarchical all_reduce,
         aot/plan/rebucket.py). Peak memory then equals the build's prediction for the same mesh,
         bucket size and recomputation."""
-        return analyze(self._program(gm, slots, request), slots, aliases)
+        return analyze(self.passed(gm, slots, request)[0], slots, aliases)
 
     def _trace(self, key: tuple, source: tuple) -> dict[tuple, StepGraph]:
         """The graph of `key`, traced on mesh `source`, and the graphs derived from it (`_derived`:
@@ -428,34 +425,14 @@ class ModelSteps:
             self.seconds["recomputing"] += time.perf_counter() - started
 
     def _variants(self, key: tuple, gm, slots, aliases: dict | None) -> None:
-        limit = self.memory_limit
-        assert limit is not None  # _needs_variants: there is one
-        from aot.passes.graph_utils import copy_graph
-        from aot.passes.recompute import by_budget
-        from aot.plan.recompute import smallest_fraction
         from aot.plan.step_reading import node_seconds
 
-        cost = lambda n: node_seconds(n, self.compute)  # noqa: E731
-
-        def variant(fraction: float, last: bool = False):
-            try:  # as the build given --activation-budget `fraction` (the last one on `gm` itself)
-                return fraction, self._finished(gm if last else copy_graph(gm), slots, aliases, Request(fraction=fraction, source="plan"))
-            except AotError:
-                return None  # the budget is below the smallest feasible
-
-        variants = []
+        assert self.memory_limit is not None  # _needs_variants: there is one
+        finish = lambda g, fraction: self._finished(g, slots, aliases, Request(fraction=fraction, source="plan"))  # noqa: E731
         try:
-            first = variant(variant_budgets.FIRST_TARGET)
-            if first is not None:
-                variants.append(first)
-            if first is None or limit.more_may_help(first[1]):
-                least = smallest_fraction(by_budget(gm.graph, 0.0, cost).fraction)
-                if least < variant_budgets.FIRST_TARGET or first is None:
-                    variants += [v for v in [variant(least, last=True)] if v is not None]
+            self.recomputed[key] = variant_budgets.every_block_variants(gm, finish, lambda n: node_seconds(n, self.compute), self.memory_limit)
         except Exception as e:  # noqa: BLE001  (the plans without recomputation stand; the search says why)
             self.recompute_failed[key] = f"{type(e).__name__}: {e}"
-            return
-        self.recomputed[key] = sorted(variants, key=lambda v: v[0])
 
     def _needs_variants(self, key: tuple, graph: StepGraph) -> bool:
         """Whether plans read from `graph` may not fit device memory and recomputing could help:
@@ -591,16 +568,11 @@ class ModelSteps:
     def _local_numels(self, tp: int, ep: int) -> list[int]:
         """Each parameter's numel on one rank of a tp x ep layout before fsdp sharding (what
         `_derive` rescales shards from), once per (tp, ep): the search asks for every mesh it
-        prices, and the layout walks every module of the model (Llama-3-70B: 10 ms)."""
+        prices, and the layout walks every module of the model (Llama-3-70B: 10 ms). Unsupported
+        where the build refuses the layout."""
         if (tp, ep) not in self._numels:
-            try:
-                self._numels[(tp, ep)] = [s.numel() for s in self.layout(1, 1, tp, ep).local_shapes(self.recording(ep).state).values()]
-            except Unsupported as e:
-                self._numels[(tp, ep)] = e
-        got = self._numels[(tp, ep)]
-        if isinstance(got, Unsupported):
-            raise got
-        return got
+            self._numels[(tp, ep)] = [s.numel() for s in self.layout(1, 1, tp, ep).local_shapes(self.recording(ep).state).values()]
+        return self._numels[(tp, ep)]
 
     def _derive(self, base: StepGraph, source: tuple, dp: int, fsdp: int, tp: int, ep: int = 1) -> StepGraph:
         """The graph of mesh (dp, fsdp, tp[, ep]) from `base`, the graph of its traced mesh `source`."""

@@ -307,8 +307,7 @@ class _Stamper:
         if "owner" not in self.shared:  # the cut graph's: the same at every depth
             for node in nodes:
                 for t in _tensors(node.meta.get("val")):
-                    key = self.keys[id(t)] = storage_key(t)
-                    self.owner.setdefault(key, node)
+                    self.owner.setdefault(self._key(t), node)
                     if self.fake_mode is None:
                         self.fake_mode = torch._guards.detect_fake_mode([t])
             self.shared["owner"] = (self.owner, self.fake_mode)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from aot.passes.recompute import Breakpoints
 from aot.plan.step_synthesis import BASE
@@ -218,3 +218,33 @@ def _window(cut: Cut, runs: tuple | list, leading: Callable, every: int, all_but
         kept, more = (leading(cut.layers), None) if cut.run is None else runs[cut.run][2:4]
         fewer = leading(cut.layers - 1) if cut.layers else math.inf
     return budget(kept, more, fewer, saved), kept
+
+
+def every_block_variants(gm, finish: Callable, cost: Callable, limit) -> list[tuple[float, Any]]:
+    """[(budget, the step recomputing at it)] of a graph made from every block (where its variants
+    cannot be written out from a few), the budgets the planner has always priced there: FIRST_TARGET,
+    and where that does not fit but recomputing more might (or is below what can be reached), the
+    smallest feasible one. `finish(gm, budget)` is the analyzed step as the build given
+    --activation-budget makes it, changing `gm` (each budget but the last is given a copy), raising
+    AotError below the smallest feasible budget; `cost(node)` prices a node; `limit` is the
+    planner's aot.plan.search.MemoryLimit."""
+    from aot.errors import AotError
+    from aot.passes.graph_utils import copy_graph
+    from aot.passes.recompute import by_budget
+    from aot.plan.recompute import smallest_fraction
+
+    def variant(fraction: float, last: bool = False):
+        try:
+            return fraction, finish(gm if last else copy_graph(gm), fraction)
+        except AotError:
+            return None  # the budget is below the smallest feasible
+
+    variants = []
+    first = variant(FIRST_TARGET)
+    if first is not None:
+        variants.append(first)
+    if first is None or limit.more_may_help(first[1]):
+        least = smallest_fraction(by_budget(gm.graph, 0.0, cost).fraction)
+        if least < FIRST_TARGET or first is None:
+            variants += [v for v in [variant(least, last=True)] if v is not None]
+    return sorted(variants, key=lambda v: v[0])
