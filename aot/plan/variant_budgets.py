@@ -20,6 +20,10 @@ Each is stated as the shortest decimal in the middle of the range of budgets tha
 choose it at the model's own depth, read from the figures of the model cut to three depths along
 the line through them (they must be on it: NotPeriodic otherwise): what `aot plan` prints is what
 `aot build --activation-budget` chooses.
+
+A graph whose variants cannot be written out (a model of too few blocks, or one whose figures are
+off the line) is made from every block and priced at FIRST_TARGET itself and at the smallest
+feasible budget (`every_block_variants`).
 """
 
 from __future__ import annotations
