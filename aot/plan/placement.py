@@ -138,12 +138,13 @@ class Placement:
         order = tuple(a for a in axes if size.get(a, 1) <= 1) + tuple(a for a in self.order if a in axes and size[a] > 1)
         return Placement(tuple(axes), tuple(shape), order, physical)
 
-    def to_json(self, rank_map: bool = False) -> dict:
-        """The placement, axes outermost first, with the rank map where it is not the identity or
-        `rank_map` asks for it always (the manifest's `placement`, which the runner maps ranks
-        with); without it for the manifest's `plan` entry and `aot plan --json`."""
+    def to_json(self, rank_map: bool | None = None) -> dict:
+        """The placement, axes outermost first, with the rank map: where it is not the identity
+        (None: the manifest's `plan` entry), always (True: the manifest's `placement`, which the
+        runner maps ranks with) or never (False: `aot plan --json`, whose hundreds of plans over
+        16,384 ranks made 33 MB of rank maps; the build of a plan writes its map)."""
         out = {"axes_outer_to_inner": list(self.order), "identity": self.identity}
-        if rank_map or not self.identity:
+        if rank_map or (rank_map is None and not self.identity):
             out["physical_rank_of_mesh_rank"] = list(self.physical)
         return out
 

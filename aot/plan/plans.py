@@ -69,7 +69,7 @@ class Plan:
             "fits": self.fits,
             "data_ranks": self.data_ranks,
             **p.to_json(),
-            "placement": self.placement.to_json(),
+            "placement": self.placement.to_json(rank_map=False),
             "nccl_algo": self.nccl_algo,
             **({"pipeline": self.pipeline} if self.pipeline else {}),
         }
