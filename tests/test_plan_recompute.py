@@ -174,3 +174,54 @@ def test_the_budget_search_finds_what_trying_every_point_from_the_top_finds(budg
     assert len(measured) <= 4, measured
     if found is None:
         assert len(peaks) - 1 in measured  # the most recomputation, the smallest peak, was tried
+
+
+def test_every_layer_recomputed_is_priced_where_only_a_wider_fsdp_axis_fits_it(tmp_path):
+    """Issue #42, as Llama-3-70B at 2,048 nodes met it: the graph traced with fsdp=2 holds more
+    parameter and optimizer state than the GPU, so recomputing more activations cannot make *it*
+    fit; the mesh with fsdp over all 8 ranks holds a quarter of that state, and there recomputing
+    half the activations does not fit while every layer recomputed does. The planner prices that
+    variant, ranks it first, and `aot build` of it predicts the plan's step and peak exactly. The
+    GPU's memory is set from the planner's own graphs, between those two variants' peaks."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers.planning import NothingFits
+
+    from aot.plan.layout_traces import prefetch
+    from aot.plan.machine import Machine
+    from aot.plan.model_steps import ModelSteps, Pricing
+    from aot.plan.rebucket import rebucket
+    from aot.plan.search import DEFAULT_BUCKET_MB, MiB
+    from runner.hardware.topology import for_nodes
+
+    llama16, axes = str(REPO / "tests" / "models" / "llama16.py"), ("dp", "fsdp")
+    profile = for_nodes(load_profile("dgx_a100"), None, 8)
+    machine = Machine(profile, 8)
+    steps = ModelSteps(Path(llama16), 2, pricing=Pricing(profile, world_size=8, max_tp=8, memory_limit=NothingFits(), compute=machine.compute))
+    prefetch(steps, axes)
+    peaks = lambda graph: (lambda m: (m.peak, m.peak - m.at_peak.get("activations", 0)))(rebucket(graph, int(DEFAULT_BUCKET_MB * MiB)).memory)  # noqa: E731
+    (every, every_graph), (first, first_graph) = steps.recomputing(axes, (1, 8))
+    limit = (peaks(every_graph)[0] + peaks(first_graph)[0]) // 2
+    assert every < first and peaks(every_graph)[0] < limit < peaks(first_graph)[0]
+    # the traced fsdp=2 graph recomputing half: over the limit without its activations
+    (_, traced_first) = steps.recomputing(axes, (2, 2))[-1]
+    assert peaks(traced_first)[1] > limit
+
+    tight = copy.deepcopy(profile)
+    for gpu in tight["node"]["gpus"].values():
+        gpu["memory_bytes"] = int(limit / MEMORY_HEADROOM) + 1
+    path = tmp_path / "tight.json"
+    path.write_text(json.dumps(tight))
+    plans = _plan(llama16, "--topology", str(path), "--world-size", "8", "--batch-size", "2", "--axes", "dp,fsdp")["plans"]
+    best = plans[0]
+    assert best["fits"] and best["strategy"] == "fsdp=8" and best["recompute"] == every, best
+    assert not any(p["fits"] for p in plans if p["recompute"] == first or p["recompute"] is None)
+
+    art = tmp_path / "art"
+    args = ["build", llama16, "--topology", str(path), "--world-size", "8", "--batch-size", "2", "--strategy", "fsdp=8", "--bucket-mb", str(best["bucket_mb"])]
+    result = CliRunner().invoke(cli, [*args, "--activation-budget", str(every), "--no-onnx", "--quiet", "-o", str(art)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    manifest = Artifact(art).manifest
+    assert manifest["time"]["predicted"]["step_s"] == best["step_s"]
+    assert manifest["memory"]["predicted"]["peak"] == best["memory_bytes"]["peak"]

@@ -430,7 +430,7 @@ class ModelSteps:
         assert self.memory_limit is not None  # _needs_variants: there is one
         finish = lambda g, fraction: self._finished(g, slots, aliases, Request(fraction=fraction, source="plan"))  # noqa: E731
         try:
-            self.recomputed[key] = variant_budgets.every_block_variants(gm, finish, lambda n: node_seconds(n, self.compute), self.memory_limit)
+            self.recomputed[key] = variant_budgets.every_block_variants(gm, finish, lambda n: node_seconds(n, self.compute), self.memory_limit, key[1] > 1)
         except Exception as e:  # noqa: BLE001  (the plans without recomputation stand; the search says why)
             self.recompute_failed[key] = f"{type(e).__name__}: {e}"
 

@@ -224,14 +224,14 @@ def _window(cut: Cut, runs: tuple | list, leading: Callable, every: int, all_but
     return budget(kept, more, fewer, saved), kept
 
 
-def every_block_variants(gm, finish: Callable, cost: Callable, limit) -> list[tuple[float, Any]]:
+def every_block_variants(gm, finish: Callable, cost: Callable, limit, sharded: bool) -> list[tuple[float, Any]]:
     """[(budget, the step recomputing at it)] of a graph made from every block (where its variants
     cannot be written out from a few), the budgets the planner has always priced there: FIRST_TARGET,
     and where that does not fit but recomputing more might (or is below what can be reached), the
     smallest feasible one. `finish(gm, budget)` is the analyzed step as the build given
     --activation-budget makes it, changing `gm` (each budget but the last is given a copy), raising
     AotError below the smallest feasible budget; `cost(node)` prices a node; `limit` is the
-    planner's aot.plan.search.MemoryLimit."""
+    planner's aot.plan.search.MemoryLimit; `sharded`: `gm` has an fsdp axis (MemoryLimit.more_may_help)."""
     from aot.errors import AotError
     from aot.passes.graph_utils import copy_graph
     from aot.passes.recompute import by_budget
@@ -247,7 +247,7 @@ def every_block_variants(gm, finish: Callable, cost: Callable, limit) -> list[tu
     first = variant(FIRST_TARGET)
     if first is not None:
         variants.append(first)
-    if first is None or limit.more_may_help(first[1]):
+    if first is None or limit.more_may_help(first[1], sharded):
         least = smallest_fraction(by_budget(gm.graph, 0.0, cost).fraction)
         if least < FIRST_TARGET or first is None:
             variants += [v for v in [variant(least, last=True)] if v is not None]

@@ -110,7 +110,7 @@ def recomputing_written_out(steps: Any, key: tuple, shallow: Shallow) -> bool:
 
     started = time.perf_counter()
     try:
-        steps.recomputed[key] = variants_written_out(steps, shallow)
+        steps.recomputed[key] = variants_written_out(steps, shallow, sharded=key[1] > 1)
     except (NotSynthesizable, NotPeriodic) as e:
         from aot.plan.plans import mesh_words
 
@@ -124,7 +124,7 @@ def recomputing_written_out(steps: Any, key: tuple, shallow: Shallow) -> bool:
     return True
 
 
-def variants_written_out(steps: Any, shallow: Shallow) -> list[tuple[float, StepGraph]]:
+def variants_written_out(steps: Any, shallow: Shallow, sharded: bool) -> list[tuple[float, StepGraph]]:
     """[(activation budget, the deep step recomputing at it)] of the graph `shallow` makes: the
     budgets of aot.plan.variant_budgets, each cut applied to the graphs of the model cut to a few
     depths (checked to keep the bytes it says), the deep variant written out from them and
@@ -148,7 +148,7 @@ def variants_written_out(steps: Any, shallow: Shallow) -> list[tuple[float, Step
         chosen = {key: (n, replace(cut, layers=k)) for key, (n, k) in shapes.items()}
         # the least variant may take the same depths' graphs again
         out.append((deep.budget(cut, runs), _variant(steps, shallow, points, chosen, write, keep=set(DEPTHS))))
-    if not out or steps.memory_limit.more_may_help(out[0][1]):
+    if not out or steps.memory_limit.more_may_help(out[0][1], sharded):
         least = deep.budget(EVERY_LAYER)
         if not out or least < out[0][0]:
             chosen = {n: (n, EVERY_LAYER) for n in DEPTHS}

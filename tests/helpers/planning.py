@@ -13,5 +13,5 @@ class NothingFits:
     def beyond_recompute(self, graph):
         return False
 
-    def more_may_help(self, graph):
+    def more_may_help(self, graph, sharded):
         return True
