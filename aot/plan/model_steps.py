@@ -11,7 +11,7 @@ import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from aot.capture.backward_reads import BackwardReads
 from aot.compile_step import Recording, finish_program, step_layout, tensor_parallel_plan, trace_program
@@ -372,7 +372,7 @@ class ModelSteps:
         except (NotSynthesizable, NotComposable) as e:
             self.note(f"pricing {mesh_words(source)} from every block: its step cannot be written out from a few ({e})")
             return None
-        needs = [k for k, graph in made.items() if self._needs_variants(k, graph) and not recomputing_written_out(self, k, shallow[k])]
+        needs = [k for k, graph in made.items() if self._needs_variants(k, graph) and not recomputing_written_out(self, k, shallow[k], self._roomier(k, graph))]
         if needs and self.blocks is not None:  # variants that cannot be written out are made from every block
             from aot.plan.pricing import storage_aliases
 
@@ -420,19 +420,32 @@ class ModelSteps:
             return
         started = time.perf_counter()
         try:
-            self._variants(key, gm, slots, aliases)
+            self._variants(key, gm, slots, graph, aliases)
         finally:
             self.seconds["recomputing"] += time.perf_counter() - started
 
-    def _variants(self, key: tuple, gm, slots, aliases: dict | None) -> None:
+    def _variants(self, key: tuple, gm, slots, graph: StepGraph, aliases: dict | None) -> None:
         from aot.plan.step_reading import node_seconds
 
         assert self.memory_limit is not None  # _needs_variants: there is one
         finish = lambda g, fraction: self._finished(g, slots, aliases, Request(fraction=fraction, source="plan"))  # noqa: E731
+        cost = lambda n: node_seconds(n, self.compute)  # noqa: E731
         try:
-            self.recomputed[key] = variant_budgets.every_block_variants(gm, finish, lambda n: node_seconds(n, self.compute), self.memory_limit, key[1] > 1)
+            self.recomputed[key] = variant_budgets.every_block_variants(gm, finish, cost, self.memory_limit, key[1] > 1, self._roomier(key, graph))
         except Exception as e:  # noqa: BLE001  (the plans without recomputation stand; the search says why)
             self.recompute_failed[key] = f"{type(e).__name__}: {e}"
+
+    def _roomier(self, key: tuple, plain: StepGraph) -> Callable[[float, StepGraph], float | None]:
+        """variant_budgets.roomier_target for the variants of graph `key` (`plain`, recomputing
+        nothing) at the widest mesh read from it: fsdp over every rank of a tp (and ep) group,
+        which holds the least beside activations."""
+        _, fsdp, tp, *ep = key
+        source, ranks = _mesh(2 if key[0] else 1, fsdp, tp, *ep), tp * (ep[0] if ep else 1)
+        if fsdp == 1 or not self.world_size or self.world_size % ranks:
+            widest = lambda graph: graph  # noqa: E731  (every mesh of the graph holds alike)
+        else:
+            widest = lambda graph: self._derive(graph, source, 1, self.world_size // ranks, tp, *ep)  # noqa: E731
+        return lambda budget, graph: variant_budgets.roomier_target(self.memory_limit, plain, graph, budget, widest)
 
     def _needs_variants(self, key: tuple, graph: StepGraph) -> bool:
         """Whether plans read from `graph` may not fit device memory and recomputing could help:

@@ -394,6 +394,10 @@ class MemoryLimit:
         m = step.memory
         return m.peak - m.at_peak.get("activations", 0) > self.bytes
 
+    def default_peak(self, step: StepGraph) -> int:
+        """The peak of `step` with the default bucket size."""
+        return rebucket(step, int(DEFAULT_BUCKET_MB * MiB)).memory.peak
+
     def more_may_help(self, step: StepGraph, sharded: bool) -> bool:
         """Whether a graph recomputing activations does not fit (with the default bucket size) but
         recomputing more might: activations are part of what is live at its peak, enough to matter.

@@ -100,7 +100,7 @@ def _trusted(write: Callable[..., StepGraph], check: Tagged, at_check: tuple, at
     return write(*at_depth)
 
 
-def recomputing_written_out(steps: Any, key: tuple, shallow: Shallow) -> bool:
+def recomputing_written_out(steps: Any, key: tuple, shallow: Shallow, roomier: Callable | None = None) -> bool:
     """Whether the recomputing variants of ModelSteps `steps`' graph `key` are written out
     (variants_written_out, into steps.recomputed); else a note, and the planner makes them from
     every block."""
@@ -110,7 +110,7 @@ def recomputing_written_out(steps: Any, key: tuple, shallow: Shallow) -> bool:
 
     started = time.perf_counter()
     try:
-        steps.recomputed[key] = variants_written_out(steps, shallow, sharded=key[1] > 1)
+        steps.recomputed[key] = variants_written_out(steps, shallow, key[1] > 1, roomier)
     except (NotSynthesizable, NotPeriodic) as e:
         from aot.plan.plans import mesh_words
 
@@ -124,36 +124,58 @@ def recomputing_written_out(steps: Any, key: tuple, shallow: Shallow) -> bool:
     return True
 
 
-def variants_written_out(steps: Any, shallow: Shallow, sharded: bool) -> list[tuple[float, StepGraph]]:
+def variants_written_out(steps: Any, shallow: Shallow, sharded: bool, roomier: Callable | None = None) -> list[tuple[float, StepGraph]]:
     """[(activation budget, the deep step recomputing at it)] of the graph `shallow` makes: the
     budgets of aot.plan.variant_budgets, each cut applied to the graphs of the model cut to a few
     depths (checked to keep the bytes it says), the deep variant written out from them and
-    checked against one deeper. Raises NotSynthesizable or aot.plan.variant_budgets.NotPeriodic
-    (the message says why)."""
+    checked against one deeper. `roomier(budget, graph)`: a budget above the first worth a
+    variant too, or None (aot.plan.variant_budgets.roomier_target). Raises NotSynthesizable or
+    aot.plan.variant_budgets.NotPeriodic (the message says why)."""
     import functools
 
     from aot.passes.recompute import budget_breakpoints
     from aot.plan.step_reading import node_seconds
-    from aot.plan.variant_budgets import EVERY_LAYER, Deep, first_cut
+    from aot.plan.variant_budgets import EVERY_LAYER, FIRST_TARGET, Deep, NotPeriodic
 
     depth = steps.blocks[1]
     cost = lambda n: node_seconds(n, steps.compute)  # noqa: E731
     points = functools.cache(lambda n: budget_breakpoints(shallow.made(n)[0].graph, cost))
     deep = Deep.of({n: points(n) for n in DEPTHS}, depth)
     out = []
-    layers = deep.first_layers()
-    if layers is not None:
-        shapes, runs, write = _first_layers(points, layers, depth)
-        cut = first_cut(layers, runs, deep.saved)
-        chosen = {key: (n, replace(cut, layers=k)) for key, (n, k) in shapes.items()}
-        # the least variant may take the same depths' graphs again
-        out.append((deep.budget(cut, runs), _variant(steps, shallow, points, chosen, write, keep=set(DEPTHS))))
-    if not out or steps.memory_limit.more_may_help(out[0][1], sharded):
+    # the least variant may take the same depths' graphs again
+    first = _leading_variant(steps, shallow, points, deep, FIRST_TARGET, keep=set(DEPTHS))
+    if first is not None:
+        out.append(first)
+        target = roomier(*first) if roomier is not None else None
+        if target is not None:
+            try:
+                more = _leading_variant(steps, shallow, points, deep, target, keep=set(DEPTHS))
+            except (NotSynthesizable, NotPeriodic):
+                more = None  # the first budget's plans stand
+            if more is not None and more[0] > first[0]:
+                out.append(more)
+    if first is None or steps.memory_limit.more_may_help(first[1], sharded):
         least = deep.budget(EVERY_LAYER)
-        if not out or least < out[0][0]:
+        if first is None or least < first[0]:
             chosen = {n: (n, EVERY_LAYER) for n in DEPTHS}
             out.append((least, _variant(steps, shallow, points, chosen, lambda tagged: checked(tagged, depth), keep=set())))
     return sorted(out, key=lambda v: v[0])
+
+
+def _leading_variant(steps: Any, shallow: Shallow, points: Callable, deep: Any, target: float, keep: set) -> tuple[float, StepGraph] | None:
+    """(its budget, the deep step) of the variant at about `target` of the saved bytes: the
+    first layers and whole runs of values by_budget takes there (None: it cannot reach it);
+    the graphs of the depths in `keep` stay for another variant."""
+    from aot.plan.variant_budgets import first_cut
+
+    depth = steps.blocks[1]
+    layers = deep.first_layers(target)
+    if layers is None:
+        return None
+    shapes, runs, write = _first_layers(points, layers, depth)
+    cut = first_cut(layers, runs, deep.saved, target)
+    chosen = {key: (n, replace(cut, layers=k)) for key, (n, k) in shapes.items()}
+    return deep.budget(cut, runs), _variant(steps, shallow, points, chosen, write, keep=keep)
 
 
 def _first_layers(points: Callable, layers: int, depth: int) -> tuple[dict, list, Callable]:

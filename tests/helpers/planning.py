@@ -13,5 +13,10 @@ class NothingFits:
     def beyond_recompute(self, graph):
         return False
 
+    bytes = 0.0  # no budget above the first is worth a variant (aot.plan.variant_budgets.roomier_target)
+
+    def default_peak(self, graph):
+        return graph.memory.peak
+
     def more_may_help(self, graph, sharded):
         return True
