@@ -162,7 +162,9 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     groups = [g["params"] for g in opt.param_groups]
     kinds: list[dict] = [{} for _ in groups]  # per group: layout -> the parameter stepped for it
     for g, kind in zip(opt.param_groups, kinds):
-        g["params"] = [kind.setdefault(_layout(p), p) for p in g["params"] if _layout(p) not in kind]
+        for p in g["params"]:
+            kind.setdefault(_layout(p), p)
+        g["params"] = list(kind.values())
     try:
         _stepped_once(opt, fake)
     finally:

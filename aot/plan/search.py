@@ -396,7 +396,7 @@ class MemoryLimit:
 
     def default_peak(self, step: StepGraph) -> int:
         """The peak of `step` with the default bucket size."""
-        return rebucket(step, int(DEFAULT_BUCKET_MB * MiB)).memory.peak
+        return _default_memory(step).peak
 
     def more_may_help(self, step: StepGraph, sharded: bool) -> bool:
         """Whether a graph recomputing activations does not fit (with the default bucket size) but
@@ -406,8 +406,12 @@ class MemoryLimit:
         Asked only of the traced fsdp=2 graph, Llama-3-70B's 35 GB of state there hid that every
         layer recomputed fits at fsdp=512, where half of them does not: its best plan at 2,048 nodes
         (tp=1, 559 samples/s) went unpriced for tp=2's (516)."""
-        m = rebucket(step, int(DEFAULT_BUCKET_MB * MiB)).memory
+        m = _default_memory(step)
         return m.peak > self.bytes and (sharded or not m.peak - m.at_peak.get("activations", 0) > self.bytes)
+
+
+def _default_memory(step: StepGraph):
+    return rebucket(step, int(DEFAULT_BUCKET_MB * MiB)).memory
 
 
 NCCL_NAMES = {"ring": "ring", "double_binary_tree": "tree"}

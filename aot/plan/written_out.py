@@ -151,7 +151,7 @@ def variants_written_out(steps: Any, shallow: Shallow, sharded: bool, roomier: C
             # where it checkpoints no first layer: written out from the graphs of the three depths
             # the others read (with k first layers, from graphs k blocks deeper: Llama-3-70B's tp
             # classes, k about 30 of 80, took 40% longer to plan, their best plan unchanged)
-            more = _leading_variant(steps, shallow, points, deep, target, keep=set(DEPTHS)) if target is not None and deep.first_layers(target) == 0 else None
+            more = _leading_variant(steps, shallow, points, deep, target, keep=set(DEPTHS), most_layers=0) if target is not None else None
         except (NotSynthesizable, NotPeriodic):
             more = None  # the first budget's plans stand
         if more is not None and more[0] > first[0]:
@@ -164,15 +164,18 @@ def variants_written_out(steps: Any, shallow: Shallow, sharded: bool, roomier: C
     return sorted(out, key=lambda v: v[0])
 
 
-def _leading_variant(steps: Any, shallow: Shallow, points: Callable, deep: Any, target: float, keep: set) -> tuple[float, StepGraph] | None:
+def _leading_variant(
+    steps: Any, shallow: Shallow, points: Callable, deep: Any, target: float, keep: set, most_layers: int | None = None
+) -> tuple[float, StepGraph] | None:
     """(its budget, the deep step) of the variant at about `target` of the saved bytes: the
-    first layers and whole runs of values by_budget takes there (None: it cannot reach it);
-    the graphs of the depths in `keep` stay for another variant."""
+    first layers and whole runs of values by_budget takes there (None: it cannot reach it, or
+    it checkpoints more first layers than `most_layers`); the graphs of the depths in `keep`
+    stay for another variant."""
     from aot.plan.variant_budgets import first_cut
 
     depth = steps.blocks[1]
     layers = deep.first_layers(target)
-    if layers is None:
+    if layers is None or (most_layers is not None and layers > most_layers):
         return None
     shapes, runs, write = _first_layers(points, layers, depth)
     cut = first_cut(layers, runs, deep.saved, target)
