@@ -208,7 +208,7 @@ def test_pipeline_training_matches_eager_ddp(tmp_path, model, strategy, args):
         assert_same_training(losses, ref_losses, weights, ref_weights)
 
 
-@pytest.mark.slow  # 4 builds and 2 torchruns (25 s); CI runs it
+@pytest.mark.slow  # 4 builds and 2 torchruns (about 55 s); CI runs it
 def test_recomputing_stages_matches_eager_ddp_and_lowers_the_peak(built, tmp_path):
     """`--activation-budget 0` with pp: every stage's forward runs again inside its backward
     (torch.utils.checkpoint in the trace), so 1F1B's in-flight microbatches hold their inputs only.
