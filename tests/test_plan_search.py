@@ -367,7 +367,7 @@ def test_build_strategy_auto_builds_a_pipeline_where_links_are_slow(tmp_path):
     path = tmp_path / "slow.json"
     path.write_text(json.dumps(profile))
     art = tmp_path / "art"
-    args = ["build", GPT, "--topology", str(path), "--world-size", "2", "--strategy", "auto", "--no-onnx", "-o", str(art)]
+    args = ["build", GPT, "--topology", str(path), "--world-size", "2", "--strategy", "auto", "--no-onnx", "--no-eval", "-o", str(art)]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     manifest = Artifact(art).manifest  # digest, schema and files check out
@@ -399,7 +399,7 @@ def test_pipelines_priced_recomputing_stages_where_the_plain_ones_do_not_fit(tmp
     assert best["fits"] and best["pipeline"]["recompute"] == "stages", best
     pipeline = best["pipeline"]
     art = tmp_path / "art"
-    args = ["build", GPT, "--topology", str(path), "--world-size", "2", "--strategy", "pp=2", "--batch-size", "8", "--no-onnx", "-o", str(art)]
+    args = ["build", GPT, "--topology", str(path), "--world-size", "2", "--strategy", "pp=2", "--batch-size", "8", "--no-onnx", "--no-eval", "-o", str(art)]
     args += ["--microbatches", str(pipeline["microbatches"]), "--pp-schedule", pipeline["schedule"]]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
