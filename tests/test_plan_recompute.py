@@ -267,3 +267,35 @@ def test_a_plan_with_room_recomputes_less_than_half(llama16_memory, tmp_path):
     best, plans = _plan_and_build(llama16_memory, limit, tmp_path)
     assert best["fits"] and best["recompute"] > first, best
     assert not any(p["fits"] for p in plans if p["recompute"] is None)
+
+
+def test_variants_that_cannot_be_fastest_are_not_simulated_and_the_choice_is_the_same(llama16_memory):
+    """A mesh that does not fit takes the fastest of its variants that fit. The search simulates
+    them from the least recomputing and leaves out one whose op times alone add up to more than a
+    step already priced (cost_model.step_floor): every plan is the one pricing all of them
+    chooses, and the case arises (a fitting variant whose floor is over the chosen step)."""
+    from aot.plan.cost_model import simulate, step_floor
+    from aot.plan.rebucket import rebucket
+    from aot.plan.search import MiB, plan_model
+
+    at = llama16_memory["fsdp8"]
+    tight = copy.deepcopy(llama16_memory["profile"])
+    for gpu in tight["node"]["gpus"].values():  # room for half the activations recomputed, not for none
+        gpu["memory_bytes"] = int((at["first"][0] + 4 * (at["none"][0] - at["first"][0]) // 5) / MEMORY_HEADROOM) + 1
+    plans, _, planner, steps = plan_model(Path(LLAMA16), tight, 8, 2, axes=("dp", "fsdp"), workers=1)
+    recomputing = [p for p in plans if p.recompute is not None]
+    assert recomputing
+    left_out = 0
+    for plan in recomputing:
+        fitting = [(f, rebucket(g, int(plan.bucket_mb * MiB))) for f, g in steps.recomputing(plan.axes, plan.shape)]
+        fitting = [(f, g) for f, g in fitting if planner.fits(g.memory.peak)]
+        if not fitting:  # none fits: the variant with the lowest peak, always simulated
+            continue
+        every = [planner.evaluate(plan.axes, plan.shape, plan.bucket_mb, step=g, bucketed=True, placement=plan.placement) for _, g in fitting]
+        fastest = min(range(len(every)), key=lambda i: every[i].prediction.step_s)
+        assert (plan.recompute, plan.prediction.step_s) == (fitting[fastest][0], every[fastest].prediction.step_s)
+        for (_, g), p in zip(fitting, every):
+            assert step_floor(planner._op_times_for(g)) <= p.prediction.step_s
+            assert simulate(g, planner.machine.compute, lambda c: ("ring", 0.0)).step_s >= step_floor(planner._op_times_for(g))
+            left_out += step_floor(planner._op_times_for(g)) > plan.prediction.step_s
+    assert left_out

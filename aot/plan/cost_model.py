@@ -369,6 +369,15 @@ def _counted_as(c: CommSite, algorithm: str) -> tuple[str, str] | None:
     return (c.kind, algorithm)
 
 
+def step_floor(times: list[float]) -> float:
+    """A step `simulate` cannot beat, from its op times alone: their sum, added as the simulation
+    adds them (in order, from 0.0). The simulation's clock adds the same times in the same order
+    with waits and packing ops between them, and a rounded addition of more never gives less, so
+    its step is at least this, to the last bit (Python's own `sum` compensates from 3.12: not the
+    same bits)."""
+    return functools.reduce(operator.add, times, 0.0)
+
+
 def simulate(step: StepGraph, compute: DeviceModel, comm_cost, *, overlap: bool = True, trace: bool = False, op_times: list[float] | None = None) -> Prediction:
     """Predicted step time. `comm_cost(site) -> (algorithm, seconds)`. With overlap=False every
     collective blocks the compute clock from issue to completion (ranks whose communication
