@@ -355,36 +355,38 @@ class Planner(PipelineSearch):
         activation budgets priced, the fastest that fits, else the one with the lowest peak."""
         assert self._recomputing is not None  # search calls this only with one
         variants = self._recomputing(tuple(axes), tuple(shape))
-        out = []
-        for plan in over:
-            graphs = [(fraction, rebucket(graph, int(plan.bucket_mb * MiB))) for fraction, graph in variants]
-            # the peak is known before the step is simulated: of the variants that fit, the
-            # fastest; where none does, the one with the lowest peak (the first of equals)
-            chosen = [(f, g) for f, g in graphs if self.fits(g.memory.peak)]
-            if not chosen and graphs:
-                chosen = [min(graphs, key=lambda v: v[1].memory.peak)]
-            priced = self._fastest_first(axes, shape, plan, chosen)
-            if priced:
-                out.append(min(priced, key=lambda p: (not p.fits, p.prediction.step_s if p.fits else p.prediction.memory.peak)))
-        return out
+        return [self._fastest_variant(axes, shape, plan, variants) for plan in over if variants]
 
-    def _fastest_first(self, axes, shape, plan: Plan, chosen: list[tuple[float, StepGraph]]) -> list[Plan]:
-        """The plans of `chosen` (variants of `plan`'s mesh, rebucketed at its bucket size), in
-        their order, each with its budget, less those that cannot be the fastest: priced from the
-        least recomputing (usually the fastest), a variant whose op times alone add up to more
-        than a step already priced is not simulated (cost_model.step_floor: its step would be
-        longer still), so the fastest and the first of equals are as if all were priced.
-        Llama-3-8B over 128 nodes: 103 of 186 variants not simulated."""
-        priced: dict[int, Plan] = {}
+    def _fastest_variant(self, axes, shape, plan: Plan, variants: list[tuple[float, StepGraph]]) -> Plan:
+        """Of `variants` ([(budget, the mesh's graph recomputing at it)]) at `plan`'s bucket size,
+        the fastest that fits (the first of equals), else the one with the lowest peak. The peak
+        is known before a step is simulated. From the least recomputing (usually the fastest), a
+        variant whose op times alone add up to more than a step already priced is neither
+        rebucketed nor simulated (cost_model.step_floor: its step would be longer still, and one
+        that fits makes the lowest peak moot): the choice is the one pricing them all makes.
+        Llama-3-8B over 128 nodes: 103 of 186 variants that fit not simulated."""
+        fitting: dict[int, Plan] = {}
+        peaks: dict[int, tuple[int, StepGraph]] = {}
         best = math.inf
-        for i in sorted(range(len(chosen)), key=lambda i: -chosen[i][0]):
-            fraction, graph = chosen[i]
-            if len(chosen) > 1 and step_floor(self._op_times_for(graph)) > best:
+        for i in sorted(range(len(variants)), key=lambda i: -variants[i][0]):
+            fraction, graph = variants[i]
+            if step_floor(self._op_times_for(graph)) > best:
                 continue
-            p = priced[i] = self.evaluate(axes, shape, plan.bucket_mb, step=graph, bucketed=True, placement=plan.placement)
-            p.recompute = fraction
-            best = min(best, p.prediction.step_s)
-        return [priced[i] for i in sorted(priced)]
+            bucketed = rebucket(graph, int(plan.bucket_mb * MiB))
+            peaks[i] = (bucketed.memory.peak, bucketed)
+            if self.fits(bucketed.memory.peak):
+                p = fitting[i] = self._priced_variant(axes, shape, plan, fraction, bucketed)
+                if p.fits:
+                    best = min(best, p.prediction.step_s)
+        if fitting:
+            return min((fitting[i] for i in sorted(fitting)), key=lambda p: (not p.fits, p.prediction.step_s if p.fits else p.prediction.memory.peak))
+        lowest = min(sorted(peaks), key=lambda i: peaks[i][0])
+        return self._priced_variant(axes, shape, plan, variants[lowest][0], peaks[lowest][1])
+
+    def _priced_variant(self, axes, shape, plan: Plan, fraction: float, bucketed: StepGraph) -> Plan:
+        priced = self.evaluate(axes, shape, plan.bucket_mb, step=bucketed, bucketed=True, placement=plan.placement)
+        priced.recompute = fraction
+        return priced
 
 
 @dataclass(frozen=True)
