@@ -40,11 +40,18 @@ BATCH = 8
 
 
 def built(model: Path, strategy: str, tmp_path: Path, precision: str | None = None):
-    """The build's compiled step for `strategy` on one dgx_a100 node."""
+    """The build's compiled step for `strategy` on one dgx_a100 node (no eval program)."""
     mesh = Mesh.parse(strategy, None)
     profile = for_nodes(load_profile("dgx_a100"), 1, mesh.world_size)
     options = BuildOptions(
-        model, tmp_path / "never-written", topology="dgx_a100", world_size=mesh.world_size, strategy=strategy, batch_size=BATCH, precision=precision
+        model,
+        tmp_path / "never-written",
+        topology="dgx_a100",
+        world_size=mesh.world_size,
+        strategy=strategy,
+        batch_size=BATCH,
+        precision=precision,
+        eval=False,  # the train program is compared, not the eval program
     )
     progress = Progress(10, quiet=True, stream=io.StringIO())
     return compile_step(options, profile, mesh, place_mesh(mesh, profile), None, progress)
