@@ -366,22 +366,20 @@ class Planner(PipelineSearch):
         that fits makes the lowest peak moot): the choice is the one pricing them all makes.
         Llama-3-8B over 128 nodes: 103 of 186 variants that fit not simulated."""
         fitting: dict[int, Plan] = {}
-        peaks: dict[int, tuple[int, StepGraph]] = {}
+        bucketed: dict[int, StepGraph] = {}
         best = math.inf
         for i in sorted(range(len(variants)), key=lambda i: -variants[i][0]):
             fraction, graph = variants[i]
             if step_floor(self._op_times_for(graph)) > best:
                 continue
-            bucketed = rebucket(graph, int(plan.bucket_mb * MiB))
-            peaks[i] = (bucketed.memory.peak, bucketed)
-            if self.fits(bucketed.memory.peak):
-                p = fitting[i] = self._priced_variant(axes, shape, plan, fraction, bucketed)
-                if p.fits:
-                    best = min(best, p.prediction.step_s)
+            bucketed[i] = rebucket(graph, int(plan.bucket_mb * MiB))
+            if self.fits(bucketed[i].memory.peak):  # as the plan's own `fits` (pricing leaves memory as it is)
+                fitting[i] = self._priced_variant(axes, shape, plan, fraction, bucketed[i])
+                best = min(best, fitting[i].prediction.step_s)
         if fitting:
-            return min((fitting[i] for i in sorted(fitting)), key=lambda p: (not p.fits, p.prediction.step_s if p.fits else p.prediction.memory.peak))
-        lowest = min(sorted(peaks), key=lambda i: peaks[i][0])
-        return self._priced_variant(axes, shape, plan, variants[lowest][0], peaks[lowest][1])
+            return min((fitting[i] for i in sorted(fitting)), key=lambda p: p.prediction.step_s)
+        lowest = min(sorted(bucketed), key=lambda i: bucketed[i].memory.peak)
+        return self._priced_variant(axes, shape, plan, variants[lowest][0], bucketed[lowest])
 
     def _priced_variant(self, axes, shape, plan: Plan, fraction: float, bucketed: StepGraph) -> Plan:
         priced = self.evaluate(axes, shape, plan.bucket_mb, step=bucketed, bucketed=True, placement=plan.placement)
