@@ -204,8 +204,14 @@ def test_gpu_builds_record_attention_as_the_runners_fused_operator(tmp_path):
     has no kernel for; held to the math backend instead, it kept every B x H x S x S score for
     backward. GPU builds record it as the runner's aot::attention (runner/execution/attention.py: the
     device's fused kernel at run time), name the op library in the manifest, keep no softmax of
-    scores, and train as eager DDP (on CPU ranks here, where the op runs eager's own kernel)."""
-    from helpers.training import assert_same_training
+    scores, and train as eager DDP (on CPU ranks here, where the op runs eager's own kernel).
+
+    The step's gradients match eager's to the last bit, not bit for bit (the same without the
+    fused operator: the op itself gives eager's values exactly), and AdamW magnifies a last-bit
+    difference where a gradient is near zero; GPT-2 has such gradients by construction (its key
+    bias has none in exact arithmetic: softmax ignores the q.b_k it adds to a whole row of scores).
+    CI saw one element 1.12e-5 off, this machine 5.5e-6: helpers/training.py's AdamW bound."""
+    from helpers.training import adamw_lr, assert_same_training
 
     r = ok(aot("build", MODELS / "hf_gpt2.py", "--topology", "dgx_a100", "--world-size", 1, "--batch-size", 4, "--no-onnx", "-o", tmp_path / "a"))
     assert "math decomposition" not in r.stderr
@@ -218,7 +224,7 @@ def test_gpu_builds_record_attention_as_the_runners_fused_operator(tmp_path):
     losses, ref_losses, weights, ref_weights = train_both(
         MODELS / "hf_gpt2.py", 1, tmp_path, build_args=("--topology", "dgx_a100"), run_args=("--allow-topology-mismatch",)
     )
-    assert_same_training(losses, ref_losses, weights, ref_weights)
+    assert_same_training(losses, ref_losses, weights, ref_weights, adamw_lr=adamw_lr(MODELS / "hf_gpt2.py"))
 
 
 def _plans(r) -> dict[str, dict]:
