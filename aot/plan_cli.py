@@ -50,7 +50,9 @@ SKIPPED_SHOWN = 8  # meshes not priced listed in the table's text (all in --json
     "holds 1/pp of the model's gradients whole at the least) and a lower bound of their time per "
     "sample beats the best plan's). Each tensor-parallel degree the "
     "model takes costs one trace of the step and a shorter one of its optimizer (about a second "
-    "each); --axes dp,fsdp searches without tp. Naming pp prices every pipeline mesh (pp outermost; "
+    "each); the default search prices a tp degree's meshes only where its step's compute ops alone "
+    "could beat the two fastest meshes that fit, and naming the axes prices them all. "
+    "--axes dp,fsdp searches without tp. Naming pp prices every pipeline mesh (pp outermost; "
     "1f1b, interleaved-1f1b and zero-bubble at 1, 2 and 4 microbatches per pipeline rank; every pipeline rank's "
     "program is traced, so it takes about ten times longer: minutes for an 8B model).",
 )

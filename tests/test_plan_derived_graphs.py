@@ -24,7 +24,8 @@ from aot.plan.step_reading import analyze
 from aot.capture.graph_reading import storage_key
 from aot.plan.machine import Machine
 from aot.plan.layout_traces import prefetch
-from aot.plan.model_steps import ModelSteps, Pricing, Unsupported, factorizations
+from aot.plan.mesh import factorizations
+from aot.plan.model_steps import ModelSteps, Pricing, Unsupported
 from aot.plan.search import Planner
 from helpers.graphs import graph_nodes
 from runner.hardware.topology import for_nodes, load_profile

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from aot.cli import cli
 from aot.plan.machine import Machine
-from aot.plan.model_steps import factorizations
+from aot.plan.mesh import factorizations
 from aot.plan.pipeline import schedule_actions
 from aot.plan.pipeline_floor import busiest_floor
 from runner.format.artifact import Artifact

@@ -21,12 +21,13 @@ import time
 from typing import Any, Callable
 
 from aot.errors import AotError
-from aot.plan.model_steps import ModelSteps, Unsupported, _key, factorizations
+from aot.plan.mesh import factorizations
+from aot.plan.model_steps import ModelSteps, Unsupported, _key
 from aot.plan.plans import mesh_words
 from runner.format.axes import DP, EP, FSDP, PP, TP
 
 # what a layout class's trace adds to ModelSteps: a worker sends these entries back
-_MADE = ("traced", "recomputed", "recompute_failed", "_failed", "_tp_plans")
+_MADE = ("traced", "recomputed", "recompute_failed", "_failed", "_tp_plans", "class_floors")
 
 
 def needed(steps: ModelSteps, axes: tuple, meshes: dict[tuple | None, list[tuple]] | None = None) -> list[tuple]:

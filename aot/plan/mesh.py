@@ -94,3 +94,14 @@ class Mesh:
 
     def describe(self) -> str:
         return ",".join(f"{a}={d}" for a, d in zip(self.axes, self.shape))
+
+
+def factorizations(world_size: int, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
+    """Every way to give `axes` degrees whose product is world_size (degree 1 allowed)."""
+    if not axes:
+        return [()] if world_size == 1 else []
+    out = []
+    for d in range(1, world_size + 1):
+        if world_size % d == 0:
+            out += [(d, *rest) for rest in factorizations(world_size // d, axes[1:])]
+    return out

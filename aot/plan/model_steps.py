@@ -41,17 +41,6 @@ class Unsupported(Exception):
     """The build cannot yet trace a graph for this mesh."""
 
 
-def factorizations(world_size: int, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
-    """Every way to give `axes` degrees whose product is world_size (degree 1 allowed)."""
-    if not axes:
-        return [()] if world_size == 1 else []
-    out = []
-    for d in range(1, world_size + 1):
-        if world_size % d == 0:
-            out += [(d, *rest) for rest in factorizations(world_size // d, axes[1:])]
-    return out
-
-
 @dataclass(frozen=True)
 class Pricing:
     """What a model's steps are priced for, the part of the planning that depends on the profile:
@@ -137,6 +126,7 @@ class ModelSteps:
         # where planning's time goes (`aot plan --json`'s "time"), and a line per long piece of work
         self.seconds = {"recording": 0.0, "tracing": 0.0, "recomputing": 0.0, "pipelines": 0.0}  # recomputing: part of tracing
         self.workers = 1  # processes that made the graphs and prices (aot.plan.workers; plan_model sets it)
+        self.bound: Any = None  # the search's aot.plan.class_floor.ClassBound: which classes are left unpriced
         self.note = note or (lambda line: None)
         mf = load_model_file(model_path)
         self.request = (Path(model_path), batch_size, seed, sequence_parallel, moe_capacity_factor)  # what `retargeted` copies may share
@@ -198,6 +188,7 @@ class ModelSteps:
         self.recomputed: dict[tuple, list[tuple[float, StepGraph]]] = {}  # key -> [(activation budget, graph)]
         self._recomputing: dict[tuple, list[tuple[float, StepGraph]]] = {}  # `recomputing`'s, by what the mesh's graphs depend on
         self.recompute_failed: dict[tuple, str] = {}  # key -> why its variants could not be made
+        self.class_floors: dict[tuple, float] = {}  # key -> the least seconds a sample of its plans (`bound`'s)
 
     # the recording's parts, as the search and the tests ask for them
     mf = property(lambda self: self.rec.mf)
@@ -368,6 +359,8 @@ class ModelSteps:
         derived = [(other, mesh) for other, mesh in self._derived.get(key, ()) if other not in self.traced and other not in self._failed]
         try:
             captured = self._cut_trace(*source)
+            if self.bound is not None and self.bound.left_out(self, key, captured, derived):
+                return {}
             made, shallow = written_out(self, captured, key, derived)
         except (NotSynthesizable, NotComposable) as e:
             self.note(f"pricing {mesh_words(source)} from every block: its step cannot be written out from a few ({e})")
@@ -492,6 +485,10 @@ class ModelSteps:
         if dp > 1 or (self.world_size or 0) >= 4 * tp * ep:
             return _mesh(2, 2, tp, ep)
         return _mesh(1, 2, tp, ep)
+
+    def class_key(self, axes: tuple, shape: tuple) -> tuple:
+        """The layout class (key) the graph of a mesh without pp is read from."""
+        return _key(*self._source(*self._degrees(axes, shape)))
 
     def __call__(self, axes: tuple, shape: tuple) -> StepGraph:
         dp, fsdp, tp, ep = self._degrees(axes, shape)

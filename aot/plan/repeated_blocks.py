@@ -222,17 +222,10 @@ class _Layers:
             raise NotComposable("the middle block makes no node")
 
     def block_of_name(self, name: str) -> int | None:
-        if not name.startswith(self.prefix):
-            return None
-        head = name[len(self.prefix) :].split(".")[0]
-        return int(head) if head.isdigit() else None
+        return _block_of_name(name, self.prefix)
 
     def _tag(self, node) -> int | None:
-        backward = block_backward_of(node)
-        if backward is not None:
-            return backward
-        call = layer_of(node)
-        return self.block_of_name(call) if call is not None else None
+        return own_block(node, self.prefix)
 
     def _read_from(self, node, own: set) -> int | None:
         """A node of no block's own: in the block of what it reads (one list element of a foreach
@@ -254,6 +247,23 @@ class _Layers:
         argument of the same length (a foreach op's result follows its input list)."""
         at = list_argument(node)
         return None if at is None else [self.of.get(x) for x in node.args[at]]
+
+
+def own_block(node, prefix: str) -> int | None:
+    """The block (by index in the list `prefix` names, with its dot) `node` is its own node of:
+    its backward's (module_calls.annotating_blocks), else its forward's module call; None outside."""
+    backward = block_backward_of(node)
+    if backward is not None:
+        return backward
+    call = layer_of(node)
+    return _block_of_name(call, prefix) if call is not None else None
+
+
+def _block_of_name(name: str, prefix: str) -> int | None:
+    if not name.startswith(prefix):
+        return None
+    head = name[len(prefix) :].split(".")[0]
+    return int(head) if head.isdigit() else None
 
 
 def list_argument(node) -> int | None:

@@ -32,12 +32,13 @@ from typing import Callable
 
 from aot.errors import AotError
 from aot.plan import collectives, hierarchy
+from aot.plan.class_floor import CannotWin, ClassBound
 from aot.plan.cost_model import StepGraph, op_seconds, op_time, simulate, step_floor
 from aot.plan.rebucket import rebucket
 from aot.plan.hierarchical_split import split_levels
 from aot.plan.machine import Machine
-from aot.plan.mesh import Mesh
-from aot.plan.model_steps import ModelSteps, Pricing, Unsupported, factorizations
+from aot.plan.mesh import Mesh, factorizations
+from aot.plan.model_steps import ModelSteps, Pricing, Unsupported
 from aot.plan.pipeline_search import PipelineSearch
 from aot.plan.placement import Placement, place, traffic_of
 from aot.plan.plans import MEMORY_HEADROOM, Plan, mesh_name, per_sample_s, rank_key
@@ -66,8 +67,10 @@ class Planner(PipelineSearch):
         batch_size: int | None = None,
         pipeline_holdings: Callable | None = None,
         note: Callable[[str], None] | None = None,
+        bound: ClassBound | None = None,
     ):
         self.machine = machine
+        self.bound = bound  # layout classes that cannot rank first, left unpriced (aot.plan.class_floor)
         self.note = note or (lambda line: None)  # hears the search's progress (`aot plan` on a terminal)
         self.batch_size = batch_size  # per data-parallel rank: the microbatch counts a pipeline can take (None: any)
         # (axes, shape, microbatches) -> (programs, their analyses), one per pipeline rank (ModelSteps.pipeline)
@@ -252,6 +255,9 @@ class Planner(PipelineSearch):
         for made, missed in self._meshes_priced(axes, meshes, bucket_mbs, workers, priced or {}):
             plans += made
             skipped += missed
+        if self.bound is not None:
+            plans, left_out = self.bound.unpriced(plans, meshes, axes)
+            skipped += left_out
         seeds = self.pipeline_seeds(axes, plans) if prune_pipelines else None
         if pipelines:
             self.pipeline_work(plans)  # each pipeline configuration's time bound reads it (pipeline_plan)
@@ -291,7 +297,14 @@ class Planner(PipelineSearch):
     def priced(self, axes: tuple, bucket_mbs) -> Callable[[list[tuple]], dict[tuple, tuple[list[Plan], list[str]]]]:
         """meshes -> {mesh: its (plans, skipped)} (`_mesh_priced`), for the meshes without pp of a
         search over `axes` that are priced as their graphs are traced (`search`'s `priced`)."""
-        return lambda meshes: {shape: self._mesh_priced(axes, shape, bucket_mbs) for shape in meshes}
+
+        def priced(meshes: list[tuple]) -> dict:
+            made = {shape: self._mesh_priced(axes, shape, bucket_mbs) for shape in meshes}
+            if self.bound is not None:  # the classes traced after these are judged against them
+                self.bound.publish(made)
+            return made
+
+        return priced
 
     def _meshes_priced(self, axes: tuple, meshes: list[tuple], bucket_mbs, workers: int, priced: dict) -> list[tuple[list[Plan], list[str]]]:
         """[(plans, skipped)] of each mesh without pp (`_mesh_priced`), in order, but those in
@@ -326,6 +339,8 @@ class Planner(PipelineSearch):
         plans: list[Plan] = []
         try:
             step = self.step_graph(axes, shape)
+        except CannotWin:
+            return [], []  # its class is listed once, with why (`search`)
         except Unsupported as e:
             return [], [f"{mesh_name(axes, shape)}: {e}"]
         placement = None
@@ -499,7 +514,11 @@ def plan_model(
             batch_size=batch_size,
             pipeline_holdings=steps.pipeline_holdings,
             note=note,
+            # a default search leaves out the layout classes that cannot rank first (as it does
+            # pipelines); `--axes` prices every class of the axes asked for
+            bound=ClassBound(world_size, machine.compute, steps.class_floors, steps.class_key) if axes is None else None,
         )
+        steps.bound = planner.bound
         # every axis the build takes; pipeline meshes only where they could win, unless asked for
         # every axis the planner searches; ep for a model with experts
         searched = tuple(axes or (*PLANNED_AXES, *([EP] if steps.has_experts else [])))

@@ -109,6 +109,11 @@ def _group_size(node) -> int:
     return 1
 
 
+def is_compute(node: torch.fx.Node) -> bool:
+    """Whether the cost model reads `node` as a compute op (a function call, not a collective or its wait)."""
+    return node.op == "call_function" and not _is_wait(node) and _collective_kind(node) is None
+
+
 def node_op(node: torch.fx.Node) -> Op:
     """The cost-relevant facts of one compute node (not a collective or a wait)."""
     outs = _tensors(_val(node)) or _written_args(node)

@@ -1,0 +1,146 @@
+"""Layout classes that cannot rank first, left unpriced (issue #42).
+
+A layout class (a tensor-parallel degree, with ep where there is one: aot.plan.layout_traces) is
+traced cut to a few blocks, then its graphs are written out to the model's depth, with their
+recomputing variants, and every mesh read from them is priced: most of a plan's time. Before
+any of that, its cut trace says the least any of its plans can take: the step's compute ops,
+each block's once and the middle block's once per block it stands for, each priced as the search
+prices it (step_reading.node_op, cost_model.op_time). Every plan of the class runs at least
+those ops (the passes after the cut trace's cleanup reorder ops, add collectives, packing and
+recomputation; a wider or narrower fsdp axis resizes only flat tensors, whose ops, like views,
+are left out here), one after another on its compute clock, so its step is at least their sum
+(cost_model.simulate: the step is the later of the compute clock and the last collective).
+Over the class's data-parallel ranks, that is a floor on its time per sample.
+
+A class whose floor is over the time per sample of the two fastest meshes that fit, priced so
+far, cannot rank first, nor give a default search a pipeline mesh to price (pipeline_search's
+PIPELINE_SEEDS, the two best meshes without pp): its graphs are not written out and its meshes
+are not priced. The workers share those two figures (`ClassBound.best`, in memory they all
+see: forked after it is made), so a class traced after another is priced is judged against it.
+
+Which classes a plan leaves out then depends on the order the workers finish in, but what the
+plan says does not: `unpriced` lists every class over the two fastest meshes of the finished
+search, which are the same whatever was left out (a class left out had its floor over two meshes
+priced before it; the two fastest are never left out), and drops the plans of such a class that
+was priced anyway. The class of the mesh whose ranks are all data-parallel is always priced:
+pipelines' time bounds read its graph (pipeline_search.pipeline_work).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import multiprocessing
+import operator
+from typing import Any, Callable
+
+from aot.plan.cost_model import op_time
+from aot.plan.model_steps import Unsupported
+from aot.plan.plans import Plan, per_sample_s
+from aot.plan.repeated_blocks import KEEP, own_block
+from aot.plan.step_reading import is_compute, node_op
+
+# a floor is compared with margin to spare: its sum adds the ops in another order than the
+# simulation, which rounds differently in the last bits
+MARGIN = 1e-9
+FASTEST = 2  # the meshes that fit a class must be slower than (pipeline_search.PIPELINE_SEEDS)
+
+
+class CannotWin(Unsupported):
+    """The class's floor is over the fastest meshes that fit: its meshes are not priced."""
+
+
+def trace_floor(gm: Any, blocks: tuple[str, int], compute: Any) -> float:
+    """The least seconds a step of the model at full depth can take, from its graph cut to KEEP
+    blocks (the cut trace, cleaned up): its compute ops on shaped tensors, the middle block's
+    own (its forward and backward) once more for each block the cut left out."""
+    prefix, depth = blocks[0] + ".", blocks[1]
+    every: list[float] = []
+    middle: list[float] = []
+    for node in gm.graph.nodes:
+        if not is_compute(node):
+            continue
+        op = node_op(node)
+        if op.kind != "compute" or any(flat for _, _, flat in op.tensors):
+            continue
+        seconds = op_time(op, compute)
+        every.append(seconds)
+        if own_block(node, prefix) == 1:
+            middle.append(seconds)
+    add = functools.partial(functools.reduce, operator.add)
+    return add(every, 0.0) + (depth - KEEP) * add(middle, 0.0)
+
+
+class ClassBound:
+    """The floors of a search's layout classes (`floors`: ModelSteps.class_floors, seconds a
+    sample by class key, which the workers' traces add to) and the fastest meshes that fit,
+    priced so far. `world_size`: the ranks; `compute`: the device model the search prices on;
+    `class_of(axes, shape)`: the class key of a mesh without pp (ModelSteps.class_key)."""
+
+    def __init__(self, world_size: int, compute: Any, floors: dict[tuple, float], class_of: Callable[[tuple, tuple], tuple]):
+        self.world_size, self.compute, self.floors, self.class_of = world_size, compute, floors, class_of
+        # seconds a sample of the FASTEST fastest meshes that fit, shared with the forked workers
+        self.best = multiprocessing.Array("d", [math.inf] * FASTEST)
+
+    def left_out(self, steps: Any, key: tuple, captured: Any, derived: list) -> bool:
+        """Whether ModelSteps `steps` leaves class `key` (its cut trace `captured`; `derived`, the
+        (key, mesh) of the graphs derived from it) unpriced: its floor, recorded for it and the
+        derived keys, is over the fastest meshes that fit priced so far; then each key fails with
+        CannotWin, which the search does not list (`unpriced` does). The class of the mesh whose
+        ranks are all data-parallel (tp=1 without ep) is always priced."""
+        if key[2] == 1 and len(key) == 3:
+            return False
+        floor = trace_floor(captured.graph, steps.blocks, self.compute) / (self.world_size // key[2])
+        keys = [key, *(other for other, _ in derived)]
+        for k in keys:
+            steps.class_floors[k] = floor
+        with self.best.get_lock():
+            if floor <= self.best[FASTEST - 1] * (1 + MARGIN):
+                return False
+        for k in keys:
+            steps._failed[k] = CannotWin("slower than the fastest meshes that fit, from its compute alone")
+        named = f"tp={key[2]}{f',ep={key[3]}' if len(key) > 3 else ''}"
+        steps.note(f"{named}: not written out or priced, its compute ops alone slower per sample than {FASTEST} meshes priced")
+        return True
+
+    def publish(self, priced: dict[tuple, tuple[list[Plan], list[str]]]) -> None:
+        """Merge the fastest meshes that fit among `priced` ({mesh: (plans, skipped)}) into `best`."""
+        mine = _fastest({mesh: plans for mesh, (plans, _) in priced.items()})
+        with self.best.get_lock():
+            self.best[:] = sorted([*self.best[:], *mine])[:FASTEST]
+
+    def unpriced(self, plans: list[Plan], meshes: list[tuple], axes: tuple) -> tuple[list[Plan], list[str]]:
+        """(`plans` without those of classes that cannot rank first, a line for each such class):
+        those whose floor is over the FASTEST meshes that fit among `plans`, whether their meshes
+        were priced or not. `meshes`: the search's meshes without pp."""
+        by_mesh: dict[tuple, list[Plan]] = {}
+        for p in plans:
+            if p.pipeline is None:
+                by_mesh.setdefault(tuple(p.shape), []).append(p)
+        fastest = _fastest(by_mesh)
+        out = {key: floor for key, floor in self.floors.items() if len(fastest) == FASTEST and floor > fastest[-1] * (1 + MARGIN)}
+        if not out:
+            return plans, []
+        counts: dict[tuple, list] = {}  # (tp, ep...) -> [meshes, floor]
+        for shape in meshes:
+            try:
+                key = self.class_of(axes, shape)
+            except Unsupported:
+                continue
+            if key in out:
+                entry = counts.setdefault((key[2], *key[3:]), [0, out[key]])
+                entry[0] += 1
+        lines = [
+            f"tp={named[0]}{f',ep={named[1]}' if len(named) > 1 else ''} ({count} mesh{'es' if count > 1 else ''} without pp): not priced, "
+            f"its step's compute ops alone take {floor * 1e3:.4g} ms a sample, more than each of the {FASTEST} fastest meshes "
+            "that fit takes (--axes prices every mesh of the axes it names)"
+            for named, (count, floor) in sorted(counts.items())
+        ]
+        kept = [p for p in plans if p.pipeline is not None or self.class_of(axes, tuple(p.shape)) not in out]
+        return kept, lines
+
+
+def _fastest(by_mesh: dict[tuple, list[Plan]]) -> list[float]:
+    """The FASTEST least seconds a sample among meshes' plans that fit (fewer where fewer fit)."""
+    least = [min(per_sample_s(p) for p in plans if p.fits) for plans in by_mesh.values() if any(p.fits for p in plans)]
+    return sorted(least)[:FASTEST]
