@@ -81,23 +81,53 @@ class ClassBound:
         self.world_size, self.compute, self.floors, self.class_of = world_size, compute, floors, class_of
         # seconds a sample of the FASTEST fastest meshes that fit, shared with the forked workers
         self.best = multiprocessing.Array("d", [math.inf] * FASTEST)
+        self.slots: dict[tuple, int] = {}  # class key -> its place in `shared` (`share`)
+        self.shared: Any = None  # each class's floor, once a worker has traced it (NaN before)
 
-    def left_out(self, steps: Any, key: tuple, captured: Any, derived: list) -> bool:
-        """Whether ModelSteps `steps` leaves class `key` (its cut trace `captured`; `derived`, the
-        (key, mesh) of the graphs derived from it) unpriced: its floor, recorded for it and the
-        derived keys, is over the fastest meshes that fit priced so far; then each key fails with
-        CannotWin, which the search does not list (`unpriced` does). The class of the mesh whose
-        ranks are all data-parallel (tp=1 without ep) is always priced."""
-        if key[2] == 1 and len(key) == 3:
-            return False
+    @staticmethod
+    def judged(key: tuple) -> bool:
+        """Whether class `key` may be left out: all but the class of the mesh whose ranks are all
+        data-parallel (tp=1 without ep), whose graph the pipelines' time bounds read."""
+        return key[2] > 1 or len(key) > 3
+
+    def share(self, keys: list[tuple]) -> None:
+        """Room for the floors of classes `keys`, seen by the workers forked after this (a class
+        traced cut by one worker is judged by another: layout_traces.prefetch)."""
+        self.slots = {key: i for i, key in enumerate(keys)}
+        self.shared = multiprocessing.Array("d", [math.nan] * max(1, len(keys)))
+
+    def floor(self, steps: Any, key: tuple, captured: Any, derived: list) -> float:
+        """Class `key`'s floor, seconds a sample, from its cut trace `captured`: recorded for it
+        and the graphs derived from it (`derived`: their (key, mesh)) in `steps.class_floors`,
+        and shared with the other workers."""
         floor = trace_floor(captured.graph, steps.blocks, self.compute) / (self.world_size // key[2])
-        keys = [key, *(other for other, _ in derived)]
-        for k in keys:
+        for k in [key, *(other for other, _ in derived)]:
             steps.class_floors[k] = floor
+        if key in self.slots:
+            self.shared[self.slots[key]] = floor
+        return floor
+
+    def left_out(self, steps: Any, key: tuple, derived: list, captured: Any = None) -> bool:
+        """Whether ModelSteps `steps` leaves class `key` (`derived`: the (key, mesh) of the graphs
+        derived from it) unpriced: its floor (from its cut trace `captured`, else as a worker
+        recorded it) is over the fastest meshes that fit priced so far. Then each of those keys
+        fails with CannotWin, which the search does not list (`unpriced` lists the class)."""
+        if not self.judged(key):
+            return False
+        if key in steps.class_floors:
+            floor = steps.class_floors[key]
+        elif captured is not None:
+            floor = self.floor(steps, key, captured, derived)
+        elif key in self.slots and not math.isnan(self.shared[self.slots[key]]):
+            floor = self.shared[self.slots[key]]
+            for k in [key, *(other for other, _ in derived)]:
+                steps.class_floors[k] = floor
+        else:
+            return False
         with self.best.get_lock():
             if floor <= self.best[FASTEST - 1] * (1 + MARGIN):
                 return False
-        for k in keys:
+        for k in [key, *(other for other, _ in derived)]:
             steps._failed[k] = CannotWin("slower than the fastest meshes that fit, from its compute alone")
         named = f"tp={key[2]}{f',ep={key[3]}' if len(key) > 3 else ''}"
         steps.note(f"{named}: not written out or priced, its compute ops alone slower per sample than {FASTEST} meshes priced")

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from aot.errors import AotError
 from aot.plan.mesh import factorizations
 from aot.plan.model_steps import ModelSteps, Unsupported, _key
+from aot.plan.written_out import DEPTHS
 from aot.plan.plans import mesh_words
 from runner.format.axes import DP, EP, FSDP, PP, TP
 
@@ -87,7 +88,8 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1, price: Callable[[
     # the longest first, so that the workers finish together: the graphs others are derived from,
     # then the lower tp degrees (larger per-rank graphs, the likelier to need recomputing variants)
     traced.sort(key=lambda job: (not steps._derived.get(job[0]), job[0][2]))
-    jobs = [(i, key, source, len(traced), os.getpid()) for i, (key, source) in enumerate(traced)]
+    ordered = _ordered(steps, traced)
+    jobs = [(i, kind, key, source, len(ordered), os.getpid()) for i, (kind, key, source) in enumerate(ordered)]
     # each job's meshes: its own graph's and those of the graphs derived from it
     shapes = {key: [m for k in (key, *(other for other, _ in steps._derived.get(key, ()))) for m in meshes.get(k, ())] for key, _ in traced}
     started = time.perf_counter()
@@ -95,14 +97,15 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1, price: Callable[[
     priced: dict = {}
 
     def work(job: tuple) -> dict[str, Any]:
-        made = _trace(steps, *job)
-        if price is not None:
+        _, kind, key, source, _, planner = job
+        made = _made(steps, planner, lambda: _cut(steps, key, source) if kind == CUT else _trace(steps, key, source))
+        if price is not None and kind != CUT:
             before = time.perf_counter()
-            made["priced"] = price(shapes[job[1]])
+            made["priced"] = price(shapes[key])
             made["seconds"]["pricing"] = time.perf_counter() - before
         return made
 
-    announce = lambda job: _announce(steps, job, len(shapes[job[1]]) if price is not None else 0)  # noqa: E731
+    announce = lambda job: _announce(steps, job, len(shapes[job[2]]) if price is not None else 0)  # noqa: E731
     for made in in_workers(jobs, work, workers, started=announce):
         for line in made.pop("notes"):  # what a worker said while tracing, said here once it is done
             steps.note(line)
@@ -113,6 +116,7 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1, price: Callable[[
         for name, entries in made.items():
             getattr(steps, name).update(entries)
     wall = time.perf_counter() - started
+    steps._held.clear()  # the cut traces of classes left out (in this process, where there are no workers)
     if will_fork(jobs, workers):
         # the seconds the traces took, split between tracing, recomputing and pricing as the
         # workers' were (their clocks ran in their own copies of `steps`; summed, they exceed the
@@ -127,32 +131,84 @@ def prefetch(steps: ModelSteps, axes: tuple, workers: int = 1, price: Callable[[
     return priced
 
 
+# a layout class's job (`prefetch`): traced and priced whole; or traced cut to judge it first
+# (class_floor: a class that cannot rank first is not written out), then written out and priced
+WHOLE, CUT, WRITE = "whole", "cut", "write"
+
+
+def _ordered(steps: ModelSteps, traced: list[tuple]) -> list[tuple]:
+    """[(kind, key, source)]: each class of `traced` (in that order) as one WHOLE job, or where
+    the search judges classes before writing them out (`steps.bound`: a default search; a model
+    written out from a few of its blocks), the class it always prices first, then each other
+    class's CUT trace, then its WRITE job. Two workers then price the class without tp while the
+    other traces the rest cut; by the time that one writes them out the first is priced, and the
+    classes that cannot rank first are left out (a WRITE job in the worker that did not trace its
+    class cut judges it by the floor that worker shared, else traces it again)."""
+    bound = steps.bound
+    if bound is None or not steps.write_out or steps.blocks is None or steps.blocks[1] <= max(DEPTHS):
+        return [(WHOLE, key, source) for key, source in traced]
+    ahead = [(key, source) for key, source in traced if bound.judged(key)]
+    bound.share([key for key, _ in ahead])
+    first = [(WHOLE, key, source) for key, source in traced if not bound.judged(key)]
+    return first + [(CUT, key, source) for key, source in ahead] + [(WRITE, key, source) for key, source in ahead]
+
+
 def _announce(steps: ModelSteps, job: tuple, priced: int) -> None:
-    """The note a trace job makes as it starts: what it traces, and how many meshes it prices after."""
-    i, key, source, count, _ = job
+    """The note a job makes as it starts: what it traces, and how many meshes it prices after."""
+    i, kind, key, source, count, _ = job
     derived = len(steps._derived.get(key, ()))
+    if kind == CUT:
+        steps.note(f"tracing the step on {mesh_words(source)} cut to a few blocks ({i + 1} of {count}), to judge whether it can rank first")
+        return
     steps.note(
-        f"tracing the step on {mesh_words(source)} ({i + 1} of {count})"
+        f"{'writing out' if kind == WRITE else 'tracing'} the step on {mesh_words(source)} ({i + 1} of {count})"
         + (f", {derived} more graph(s) derived from it" if derived else "")
         + (f", then pricing the {priced} mesh{'es' if priced != 1 else ''} read from {'them' if derived else 'it'}" if priced else "")
     )
 
 
-def _trace(steps: ModelSteps, i: int, key: tuple, source: tuple, count: int, planner: int) -> dict[str, Any]:
-    """Trace one layout class (`source`, and the graphs derived from it) into `steps`, and return
-    what that added (the entries of _MADE, what it noted, and the seconds it took): in a worker
-    (a process other than `planner`'s), those go back to the planner; in the planner's own
-    process they are already there, and its notes said."""
+def _trace(steps: ModelSteps, key: tuple, source: tuple) -> None:
+    """Trace layout class `key` (on mesh `source`, and the graphs derived from it) into `steps`;
+    where the search judges classes, judge it before (on the floor its CUT job shared) and after
+    (a class priced meanwhile may show it cannot rank first: its meshes are then not priced)."""
+    derived = steps._derived.get(key, [])
+    if steps.bound is not None and steps.bound.left_out(steps, key, derived):  # on the floor a worker shared
+        return
+    try:
+        steps._traced(*source)
+    except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
+        steps._failed[key] = e
+        return
+    if steps.bound is not None and steps.bound.left_out(steps, key, derived):
+        for k in [key, *(other for other, _ in derived)]:
+            steps.traced.pop(k, None)  # not sent back: never priced
+
+
+def _cut(steps: ModelSteps, key: tuple, source: tuple) -> None:
+    """Trace class `key` cut to a few blocks, held in this process for its WRITE job, and its
+    floor shared (class_floor.ClassBound.floor). A trace that fails is left to the WRITE job,
+    which fails the same way."""
+    started = time.perf_counter()
+    try:
+        steps._held[key] = steps._cut_trace(*source)
+    except Exception:  # noqa: BLE001
+        return
+    finally:
+        steps.seconds["tracing"] += time.perf_counter() - started
+    steps.bound.floor(steps, key, steps._held[key], steps._derived.get(key, []))
+
+
+def _made(steps: ModelSteps, planner: int, run: Callable[[], None]) -> dict[str, Any]:
+    """run(), and what it added to `steps` (the entries of _MADE, what it noted, and the seconds
+    it took): in a worker (a process other than `planner`'s), those go back to the planner; in
+    the planner's own process they are already there, and its notes said."""
     before = {name: set(getattr(steps, name)) for name in _MADE}
     seconds = dict(steps.seconds)
     apart = os.getpid() != planner
     notes: list[str] = []
     if apart:
         steps.note = notes.append
-    try:
-        steps._traced(*source)
-    except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
-        steps._failed[key] = e
+    run()
     made: dict[str, Any] = {name: {k: v for k, v in getattr(steps, name).items() if k not in before[name]} for name in _MADE}
     made["notes"] = notes
     if apart:

@@ -127,6 +127,7 @@ class ModelSteps:
         self.seconds = {"recording": 0.0, "tracing": 0.0, "recomputing": 0.0, "pipelines": 0.0}  # recomputing: part of tracing
         self.workers = 1  # processes that made the graphs and prices (aot.plan.workers; plan_model sets it)
         self.bound: Any = None  # the search's aot.plan.class_floor.ClassBound: which classes are left unpriced
+        self._held: dict[tuple, Any] = {}  # key -> its cut trace, traced ahead to judge it (layout_traces.prefetch)
         self.note = note or (lambda line: None)
         mf = load_model_file(model_path)
         self.request = (Path(model_path), batch_size, seed, sequence_parallel, moe_capacity_factor)  # what `retargeted` copies may share
@@ -358,10 +359,12 @@ class ModelSteps:
         note) where the graphs cannot be written out."""
         derived = [(other, mesh) for other, mesh in self._derived.get(key, ()) if other not in self.traced and other not in self._failed]
         try:
-            captured = self._cut_trace(*source)
-            if self.bound is not None and self.bound.left_out(self, key, captured, derived):
+            captured = self._held.pop(key, None) or self._cut_trace(*source)  # held: layout_traces' cut job
+            if self.bound is not None and self.bound.left_out(self, key, derived, captured):
                 return {}
             made, shallow = written_out(self, captured, key, derived)
+            if self.bound is not None and self.bound.left_out(self, key, derived):  # judged again: a class may be priced since
+                return {}
         except (NotSynthesizable, NotComposable) as e:
             self.note(f"pricing {mesh_words(source)} from every block: its step cannot be written out from a few ({e})")
             return None
