@@ -98,3 +98,25 @@ def test_workers_leave_out_what_one_process_leaves_out(searches):
     one = searches["default"]
     two = plan_model(WIDE, for_nodes(load_profile("dgx_h100"), None, WORLD), WORLD, 2, workers=2)
     assert _rows(one[0]) == _rows(two[0]) and one[1] == two[1]
+
+
+def test_a_class_written_out_stops_between_graphs_once_it_cannot_rank_first(searches):
+    """A class being written out when another worker's pricing shows it cannot rank first stops
+    at the next graph (ClassBound.checkpoint), before any pass over its graphs: tp=4's cut trace,
+    written out as the search's bound stands at its end."""
+    from aot.plan.written_out import written_out
+
+    _, _, planner, steps = searches["default"]
+    key = next(k for k in steps.class_floors if k[1:] == (2, 4))
+    derived = steps._derived.get(key, [])
+    captured = steps._cut_trace(2, 2, 4)
+    passes = []
+    steps.passed = lambda *args, **kwargs: passes.append(args)  # counts the passes (none may run)
+    planner.bound.judging = (key, derived)
+    try:
+        with pytest.raises(CannotWin):
+            written_out(steps, captured, key, derived)
+    finally:
+        planner.bound.judging = None
+        del steps.passed
+    assert passes == []

@@ -83,6 +83,7 @@ class ClassBound:
         self.best = multiprocessing.Array("d", [math.inf] * FASTEST)
         self.slots: dict[tuple, int] = {}  # class key -> its place in `shared` (`share`)
         self.shared: Any = None  # each class's floor, once a worker has traced it (NaN before)
+        self.judging: tuple | None = None  # (key, derived) of the class this process writes out (`checkpoint`)
 
     @staticmethod
     def judged(key: tuple) -> bool:
@@ -132,6 +133,13 @@ class ClassBound:
         named = f"tp={key[2]}{f',ep={key[3]}' if len(key) > 3 else ''}"
         steps.note(f"{named}: not written out or priced, its compute ops alone slower per sample than {FASTEST} meshes priced")
         return True
+
+    def checkpoint(self, steps: Any) -> None:
+        """Raise CannotWin where the class this process is writing out (`judging`) is left out
+        now: the writer calls it between graphs, so a class another worker's pricing shows cannot
+        rank first stops within a graph's passes."""
+        if self.judging is not None and self.left_out(steps, *self.judging):
+            raise CannotWin("slower than the fastest meshes that fit, from its compute alone")
 
     def publish(self, priced: dict[tuple, tuple[list[Plan], list[str]]]) -> None:
         """Merge the fastest meshes that fit among `priced` ({mesh: (plans, skipped)}) into `best`."""

@@ -172,13 +172,19 @@ def _trace(steps: ModelSteps, key: tuple, source: tuple) -> None:
     where the search judges classes, judge it before (on the floor its CUT job shared) and after
     (a class priced meanwhile may show it cannot rank first: its meshes are then not priced)."""
     derived = steps._derived.get(key, [])
-    if steps.bound is not None and steps.bound.left_out(steps, key, derived):  # on the floor a worker shared
+    bound = steps.bound
+    if bound is not None and bound.left_out(steps, key, derived):  # on the floor a worker shared
         return
     try:
+        if bound is not None and bound.judged(key):
+            bound.judging = (key, derived)  # judged between the graphs it writes out (ClassBound.checkpoint)
         steps._traced(*source)
     except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
         steps._failed[key] = e
         return
+    finally:
+        if bound is not None:
+            bound.judging = None
     if steps.bound is not None and steps.bound.left_out(steps, key, derived):
         for k in [key, *(other for other, _ in derived)]:
             steps.traced.pop(k, None)  # not sent back: never priced

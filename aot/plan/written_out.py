@@ -72,9 +72,18 @@ def written_out(steps: Any, captured: Any, key: tuple, derived: list) -> tuple[d
     for made_key, graph in shallow.items():
         graphs[made_key] = {}
         for n in DEPTHS:
+            _checkpoint(steps)
             gm, slots, aliases = graph.passable(n, again)
             graphs[made_key][n] = tag(steps.passed(gm, slots)[0], slots, aliases, path, n)
     return {made_key: checked(tagged, depth) for made_key, tagged in graphs.items()}, shallow
+
+
+def _checkpoint(steps: Any) -> None:
+    """Between graphs: raises CannotWin where the search has since found the class being written
+    out cannot rank first (aot.plan.class_floor.ClassBound.checkpoint)."""
+    bound = getattr(steps, "bound", None)  # a ModelSteps' (tests write out with stand-ins too)
+    if bound is not None:
+        bound.checkpoint(steps)
 
 
 def _copied(made: tuple) -> tuple:
@@ -106,6 +115,7 @@ def recomputing_written_out(steps: Any, key: tuple, shallow: Shallow, roomier: C
     every block."""
     import time
 
+    from aot.plan.class_floor import CannotWin
     from aot.plan.variant_budgets import NotPeriodic
 
     started = time.perf_counter()
@@ -117,6 +127,8 @@ def recomputing_written_out(steps: Any, key: tuple, shallow: Shallow, roomier: C
         mesh = mesh_words((2 if key[0] else 1, *key[1:]))
         steps.note(f"recomputing activations on {mesh} priced from every block: its variants cannot be written out from a few ({e})")
         return False
+    except CannotWin:
+        raise  # the class is left out (aot.plan.class_floor)
     except Exception as e:  # noqa: BLE001  (the plans without recomputation stand; the search says why)
         steps.recompute_failed[key] = f"{type(e).__name__}: {e}"
     finally:
@@ -220,6 +232,7 @@ def _variant(steps: Any, shallow: Shallow, points: Callable, chosen: dict, write
     uses = Counter(n for n, _ in chosen.values())
     tagged = {}
     for shape, (n, cut) in chosen.items():
+        _checkpoint(steps)
         fraction, kept = shallow_budget(cut, points(n))
         uses[n] -= 1
         gm, slots, aliases = shallow.passable(n, again=uses[n] > 0 or n in keep)
