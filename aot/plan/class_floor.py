@@ -15,8 +15,12 @@ Over the class's data-parallel ranks, that is a floor on its time per sample.
 A class whose floor is over the time per sample of the two fastest meshes that fit, priced so
 far, cannot rank first, nor give a default search a pipeline mesh to price (pipeline_search's
 PIPELINE_SEEDS, the two best meshes without pp): its graphs are not written out and its meshes
-are not priced. The workers share those two figures (`ClassBound.best`, in memory they all
-see: forked after it is made), so a class traced after another is priced is judged against it.
+are not priced. A floor needs a priced class to be judged against, so the search orders its work
+(layout_traces.prefetch): the class without tp traced and priced whole first, while the other
+workers trace the others cut; then each of those is written out and priced, judged as it starts,
+between the graphs it writes out (`checkpoint`) and before it is priced. The workers share the
+floors and the two fastest meshes (`shared`, `best`: memory they all see, made before they fork),
+so a class traced cut by one worker is judged by another without tracing it again.
 
 Which classes a plan leaves out then depends on the order the workers finish in, but what the
 plan says does not: `unpriced` lists every class over the two fastest meshes of the finished
