@@ -43,6 +43,7 @@ from aot.plan.model_steps import Unsupported
 from aot.plan.plans import Plan, per_sample_s
 from aot.plan.repeated_blocks import KEEP, own_block
 from aot.plan.step_reading import is_compute, node_op
+from aot.plan.written_out import WritingStopped
 
 # a floor is compared with margin to spare: its sum adds the ops in another order than the
 # simulation, which rounds differently in the last bits
@@ -50,8 +51,9 @@ MARGIN = 1e-9
 FASTEST = 2  # the meshes that fit a class must be slower than (pipeline_search.PIPELINE_SEEDS)
 
 
-class CannotWin(Unsupported):
-    """The class's floor is over the fastest meshes that fit: its meshes are not priced."""
+class CannotWin(Unsupported, WritingStopped):
+    """The class's floor is over the fastest meshes that fit: its meshes are not priced (and its
+    graphs, where they are being written out, are not finished)."""
 
 
 def trace_floor(gm: Any, blocks: tuple[str, int], compute: Any) -> float:

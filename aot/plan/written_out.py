@@ -29,6 +29,10 @@ from aot.plan.cost_model import StepGraph
 DEPTHS = (BASE - 1, BASE, BASE + 1)  # the depths traced: the two written out from, and the check
 
 
+class WritingStopped(Exception):
+    """Raised between graphs where the graphs being written out are no longer wanted (`_checkpoint`)."""
+
+
 class Shallow:
     """One graph's steps of the model cut to a few blocks, before the passes, at any depth:
     stamped from its graph of the model cut to KEEP blocks (`graph`, `slots`: the cut trace, or a
@@ -79,8 +83,8 @@ def written_out(steps: Any, captured: Any, key: tuple, derived: list) -> tuple[d
 
 
 def _checkpoint(steps: Any) -> None:
-    """Between graphs: raises CannotWin where the search has since found the class being written
-    out cannot rank first (aot.plan.class_floor.ClassBound.checkpoint)."""
+    """Between graphs: raises WritingStopped where the search has since found the class being
+    written out cannot rank first (aot.plan.class_floor.ClassBound.checkpoint: a CannotWin)."""
     bound = getattr(steps, "bound", None)  # a ModelSteps' (tests write out with stand-ins too)
     if bound is not None:
         bound.checkpoint(steps)
@@ -115,7 +119,6 @@ def recomputing_written_out(steps: Any, key: tuple, shallow: Shallow, roomier: C
     every block."""
     import time
 
-    from aot.plan.class_floor import CannotWin
     from aot.plan.variant_budgets import NotPeriodic
 
     started = time.perf_counter()
@@ -127,7 +130,7 @@ def recomputing_written_out(steps: Any, key: tuple, shallow: Shallow, roomier: C
         mesh = mesh_words((2 if key[0] else 1, *key[1:]))
         steps.note(f"recomputing activations on {mesh} priced from every block: its variants cannot be written out from a few ({e})")
         return False
-    except CannotWin:
+    except WritingStopped:
         raise  # the class is left out (aot.plan.class_floor)
     except Exception as e:  # noqa: BLE001  (the plans without recomputation stand; the search says why)
         steps.recompute_failed[key] = f"{type(e).__name__}: {e}"
