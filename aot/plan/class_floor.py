@@ -105,47 +105,44 @@ class ClassBound:
 
     def floor(self, steps: Any, key: tuple, captured: Any, derived: list) -> float:
         """Class `key`'s floor, seconds a sample, from its cut trace `captured`: recorded for it
-        and the graphs derived from it (`derived`: their (key, mesh)) in `steps.class_floors`,
-        and shared with the other workers."""
+        and the graphs derived from it (`derived`: their (key, mesh)), and shared with the other
+        workers."""
         floor = trace_floor(captured.graph, steps.blocks, self.compute) / (self.world_size // key[2])
-        for k in [key, *(other for other, _ in derived)]:
-            steps.class_floors[k] = floor
+        self._record(key, derived, floor)
         if key in self.slots:
             self.shared[self.slots[key]] = floor
         return floor
 
-    def left_out(self, steps: Any, key: tuple, derived: list, captured: Any = None) -> bool:
-        """Whether ModelSteps `steps` leaves class `key` (`derived`: the (key, mesh) of the graphs
-        derived from it) unpriced: its floor (from its cut trace `captured`, else as a worker
-        recorded it) is over the fastest meshes that fit priced so far. Then each of those keys
-        fails with CannotWin, which the search does not list (`unpriced` lists the class)."""
-        if not self.judged(key):
-            return False
-        if key in steps.class_floors:
-            floor = steps.class_floors[key]
-        elif captured is not None:
-            floor = self.floor(steps, key, captured, derived)
-        elif key in self.slots and not math.isnan(self.shared[self.slots[key]]):
-            floor = self.shared[self.slots[key]]
-            for k in [key, *(other for other, _ in derived)]:
-                steps.class_floors[k] = floor
-        else:
-            return False
-        with self.best.get_lock():
-            if floor <= self.best[FASTEST - 1] * (1 + MARGIN):
-                return False
+    def _record(self, key: tuple, derived: list, floor: float) -> None:
         for k in [key, *(other for other, _ in derived)]:
-            steps._failed[k] = CannotWin("slower than the fastest meshes that fit, from its compute alone")
+            self.floors[k] = floor
+
+    def checkpoint(self, steps: Any, captured: Any = None) -> None:
+        """Raise CannotWin where the class this process writes out (`judging`: its key and the
+        (key, mesh) of the graphs derived from it) cannot rank first now: its floor (as recorded
+        or shared, else from its cut trace `captured`) is over the fastest meshes that fit priced
+        so far. Its WRITE job calls it before tracing, the writer between graphs (so a class
+        another worker's pricing shows cannot win stops within a graph's passes), the job again
+        before pricing. Each of its keys then fails with the CannotWin raised, which the search
+        does not list (`unpriced` lists the class)."""
+        if self.judging is None:
+            return
+        key, derived = self.judging
+        floor = self.floors.get(key)
+        if floor is None and key in self.slots and not math.isnan(self.shared[self.slots[key]]):
+            floor = self.shared[self.slots[key]]
+            self._record(key, derived, floor)
+        if floor is None and captured is not None:
+            floor = self.floor(steps, key, captured, derived)
+        with self.best.get_lock():
+            if floor is None or floor <= self.best[FASTEST - 1] * (1 + MARGIN):
+                return
+        stop = CannotWin("slower than the fastest meshes that fit, from its compute alone")
+        for k in [key, *(other for other, _ in derived)]:
+            steps._failed[k] = stop
         named = f"tp={key[2]}{f',ep={key[3]}' if len(key) > 3 else ''}"
         steps.note(f"{named}: not written out or priced, its compute ops alone slower per sample than {FASTEST} meshes priced")
-        return True
-
-    def checkpoint(self, steps: Any) -> None:
-        """Raise CannotWin where the class this process is writing out (`judging`) is left out
-        now: the writer calls it between graphs, so a class another worker's pricing shows cannot
-        rank first stops within a graph's passes."""
-        if self.judging is not None and self.left_out(steps, *self.judging):
-            raise CannotWin("slower than the fastest meshes that fit, from its compute alone")
+        raise stop
 
     def publish(self, priced: dict[tuple, tuple[list[Plan], list[str]]]) -> None:
         """Merge the fastest meshes that fit among `priced` ({mesh: (plans, skipped)}) into `best`."""

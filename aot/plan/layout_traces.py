@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable
 
 from aot.errors import AotError
+from aot.plan.class_floor import CannotWin
 from aot.plan.mesh import factorizations
 from aot.plan.model_steps import ModelSteps, Unsupported, _key
 from aot.plan.written_out import DEPTHS
@@ -169,25 +170,27 @@ def _announce(steps: ModelSteps, job: tuple, priced: int) -> None:
 
 def _trace(steps: ModelSteps, key: tuple, source: tuple) -> None:
     """Trace layout class `key` (on mesh `source`, and the graphs derived from it) into `steps`;
-    where the search judges classes, judge it before (on the floor its CUT job shared) and after
-    (a class priced meanwhile may show it cannot rank first: its meshes are then not priced)."""
+    where the search judges classes, judge it before (on the floor its CUT job shared), as it is
+    written out and after (a class priced meanwhile may show it cannot rank first: then its
+    meshes are not priced): class_floor.ClassBound.checkpoint."""
     derived = steps._derived.get(key, [])
-    bound = steps.bound
-    if bound is not None and bound.left_out(steps, key, derived):  # on the floor a worker shared
-        return
+    bound = steps.bound if steps.bound is not None and steps.bound.judged(key) else None
+    if bound is not None:
+        bound.judging = (key, derived)
     try:
-        if bound is not None and bound.judged(key):
-            bound.judging = (key, derived)  # judged between the graphs it writes out (ClassBound.checkpoint)
+        if bound is not None:
+            bound.checkpoint(steps)
         steps._traced(*source)
+        if bound is not None:
+            bound.checkpoint(steps)
     except Exception as e:  # noqa: BLE001  (raised again when the search asks for this graph)
         steps._failed[key] = e
-        return
+        if isinstance(e, CannotWin):
+            for k in [key, *(other for other, _ in derived)]:
+                steps.traced.pop(k, None)  # not sent back: never priced
     finally:
         if bound is not None:
             bound.judging = None
-    if steps.bound is not None and steps.bound.left_out(steps, key, derived):
-        for k in [key, *(other for other, _ in derived)]:
-            steps.traced.pop(k, None)  # not sent back: never priced
 
 
 def _cut(steps: ModelSteps, key: tuple, source: tuple) -> None:

@@ -360,11 +360,7 @@ class ModelSteps:
         derived = [(other, mesh) for other, mesh in self._derived.get(key, ()) if other not in self.traced and other not in self._failed]
         try:
             captured = self._held.pop(key, None) or self._cut_trace(*source)  # held: layout_traces' cut job
-            if self.bound is not None and self.bound.left_out(self, key, derived, captured):
-                return {}
             made, shallow = written_out(self, captured, key, derived)
-            if self.bound is not None and self.bound.left_out(self, key, derived):  # judged again: a class may be priced since
-                return {}
         except (NotSynthesizable, NotComposable) as e:
             self.note(f"pricing {mesh_words(source)} from every block: its step cannot be written out from a few ({e})")
             return None

@@ -65,6 +65,7 @@ def written_out(steps: Any, captured: Any, key: tuple, derived: list) -> tuple[d
     its graphs before the passes where the planner may price recomputing variants). Raises
     NotSynthesizable (the message says why) where a graph cannot be written out or its check fails."""
     path, depth = steps.blocks
+    _checkpoint(steps, captured)
     shallow = {key: Shallow(steps, captured.graph, captured.slots, None)}
     for other, mesh in derived:
         made = _derived(steps, mesh, captured.graph, captured.slots, KEEP)
@@ -82,12 +83,13 @@ def written_out(steps: Any, captured: Any, key: tuple, derived: list) -> tuple[d
     return {made_key: checked(tagged, depth) for made_key, tagged in graphs.items()}, shallow
 
 
-def _checkpoint(steps: Any) -> None:
-    """Between graphs: raises WritingStopped where the search has since found the class being
-    written out cannot rank first (aot.plan.class_floor.ClassBound.checkpoint: a CannotWin)."""
+def _checkpoint(steps: Any, captured: Any = None) -> None:
+    """Between graphs: raises WritingStopped where the search has found the class being written
+    out (its cut trace `captured`, at the start) cannot rank first
+    (aot.plan.class_floor.ClassBound.checkpoint: a CannotWin)."""
     bound = getattr(steps, "bound", None)  # a ModelSteps' (tests write out with stand-ins too)
     if bound is not None:
-        bound.checkpoint(steps)
+        bound.checkpoint(steps, captured)
 
 
 def _copied(made: tuple) -> tuple:
